@@ -12,9 +12,14 @@ if [ ! -f "$STAMP" ]; then
     python3 -m venv "$VENV"
     # Plain pip (not uv): it honours this machine's pip configuration, so torch==2.13.0
     # resolves to the local CPU wheel instead of several GB of CUDA packages.
-    "$VENV/bin/python" -m pip install -q --upgrade pip >&2
-    "$VENV/bin/python" -m pip install -q torch==2.13.0 >&2
-    "$VENV/bin/python" -m pip install -q -e ".[dev]" >&2
+    LOG="$VENV/install.log"
+    if ! { "$VENV/bin/python" -m pip install --upgrade pip &&
+           "$VENV/bin/python" -m pip install torch==2.13.0 &&
+           "$VENV/bin/python" -m pip install -e ".[dev]"; } >"$LOG" 2>&1; then
+        tail -n 40 "$LOG" >&2
+        echo "[run.sh] install failed; full log in $LOG" >&2
+        exit 1
+    fi
     rm -f "$VENV"/.installed-*
     touch "$STAMP"
 fi

@@ -1,0 +1,311 @@
+"""Typed configuration schemas.
+
+Key names follow NeMo-RL where it has one, so its users feel at home. Every model forbids
+unknown keys (`extra="forbid"`); the loader turns pydantic's errors into messages that name the
+dotted key and suggest the closest valid one.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------------------- cluster
+class ClusterConfig(Section):
+    num_nodes: int = Field(1, ge=1, description="Nodes in the Ray cluster to use.")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node; 0 runs on CPU.")
+    cpus_per_worker: float = Field(1.0, gt=0, description="Logical CPUs per worker bundle (CPU mode).")
+    workers_per_node: int = Field(1, ge=1, description="Bundles (workers) per node in CPU mode.")
+    ray_address: Optional[str] = Field(None, description="Existing Ray cluster to join; None starts a local one.")
+    placement_timeout_s: float = Field(120.0, gt=0, description="Fail if placement groups are not ready in time.")
+    worker_timeout_s: float = Field(1800.0, gt=0, description="Longest a single worker call may take.")
+
+
+# ---------------------------------------------------------------------------------------- policy
+class OptimizerConfig(Section):
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    lr: float = Field(5e-6, gt=0)
+    min_lr: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.01, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+
+
+class SchedulerConfig(Section):
+    name: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 10% to 100% of lr.")
+    total_steps: Optional[int] = Field(None, ge=1, description="Decay horizon; None uses the run's max steps.")
+
+
+class SequencePackingConfig(Section):
+    enabled: bool = False
+    train_mb_tokens: int = Field(4096, ge=1, description="Token budget per packed training micro-batch.")
+    logprob_mb_tokens: int = Field(8192, ge=1, description="Token budget per packed logprob micro-batch.")
+    algorithm: Literal["first_fit_decreasing", "modified_first_fit_decreasing"] = "first_fit_decreasing"
+
+
+class DynamicBatchingConfig(Section):
+    enabled: bool = False
+    train_mb_tokens: int = Field(4096, ge=1)
+    logprob_mb_tokens: int = Field(8192, ge=1)
+    sequence_length_round: int = Field(16, ge=1)
+
+
+class ColocationConfig(Section):
+    enabled: bool = Field(True, description="Generation workers share the policy workers' bundles.")
+    num_workers: Optional[int] = Field(None, ge=1, description="Generation workers when not colocated.")
+
+
+class GenerationConfig(Section):
+    backend: Literal["native", "vllm", "hf"] = "native"
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=1)
+    val_temperature: Optional[float] = Field(None, gt=0, description="None: greedy validation.")
+    stop_token_ids: Optional[list[int]] = None
+    stop_strings: Optional[list[str]] = None
+    batch_size: int = Field(256, ge=1, description="Sequences decoded together per worker.")
+    colocated: ColocationConfig = ColocationConfig()
+    verify_refit: bool = Field(False, description="After each refit, check generation weights equal policy weights.")
+    refit_buffer_size_mb: int = Field(512, ge=1, description="Size of each packed refit buffer.")
+
+
+class LoraConfig(Section):
+    enabled: bool = False
+    dim: int = Field(8, ge=1)
+    alpha: int = Field(32, ge=1)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+class PolicyConfig(Section):
+    model_name: str = Field("tiny", description="HF hub id, local HF directory, or 'tiny'/'small' for a built-in model.")
+    tokenizer_name: Optional[str] = Field(None, description="Defaults to model_name.")
+    tiny_arch: Literal["llama", "qwen2"] = "llama"
+    precision: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
+    train_global_batch_size: int = Field(64, ge=1)
+    train_micro_batch_size: int = Field(8, ge=1)
+    logprob_batch_size: int = Field(16, ge=1)
+    max_total_sequence_length: int = Field(256, ge=8)
+    max_grad_norm: Optional[float] = Field(1.0, gt=0)
+    activation_checkpointing: bool = False
+    num_workers: int = Field(1, ge=1, description="Data-parallel training workers.")
+    optimizer: OptimizerConfig = OptimizerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    sequence_packing: SequencePackingConfig = SequencePackingConfig()
+    dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
+    generation: GenerationConfig = GenerationConfig()
+    lora: LoraConfig = LoraConfig()
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.sequence_packing.enabled and self.dynamic_batching.enabled:
+            raise ValueError("policy.sequence_packing.enabled and policy.dynamic_batching.enabled are exclusive")
+        return self
+
+
+# ------------------------------------------------------------------------------------------ loss
+class LossConfig(Section):
+    """Clipped policy-gradient loss; presets for GRPO, DAPO, GSPO, Dr.GRPO are example configs."""
+
+    reference_policy_kl_penalty: float = Field(0.0, ge=0, description="beta; 0 skips the reference model.")
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    kl_input_clamp_value: Optional[float] = Field(20.0, gt=0)
+    kl_output_clamp_value: Optional[float] = Field(10.0, gt=0)
+    ratio_clip_min: float = Field(0.2, ge=0)
+    ratio_clip_max: float = Field(0.2, ge=0)
+    ratio_clip_c: Optional[float] = Field(None, gt=1, description="Dual-clip constant (Ye et al. 2020).")
+    use_on_policy_kl_approximation: bool = False
+    use_importance_sampling_correction: bool = False
+    truncated_importance_sampling_ratio: Optional[float] = Field(None, gt=0)
+    truncated_importance_sampling_ratio_min: Optional[float] = Field(None, ge=0)
+    truncated_importance_sampling_type: Optional[Literal["tis", "icepop", "seq-mask-tis"]] = None
+    sequence_level_importance_ratios: bool = Field(False, description="GSPO (Zheng et al. 2025).")
+    token_level_loss: bool = Field(True, description="Token-mean over the batch (DAPO); False: per-sequence mean.")
+    force_on_policy_ratio: bool = False
+    disable_ppo_ratio: bool = False
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.sequence_level_importance_ratios and self.token_level_loss:
+            raise ValueError("loss_fn.sequence_level_importance_ratios (GSPO) needs loss_fn.token_level_loss=false")
+        return self
+
+
+# ------------------------------------------------------------------------------------------- data
+class DataConfig(Section):
+    dataset: Literal["arithmetic", "jsonl", "hf"] = "arithmetic"
+    train_path: Optional[str] = Field(None, description="JSONL file or HF dataset name (jsonl / hf).")
+    validation_path: Optional[str] = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    prompt_template: str = Field("{prompt}", description="Python format string applied to each prompt.")
+    use_chat_template: bool = True
+    system_prompt: Optional[str] = None
+    # Synthetic arithmetic
+    operations: list[Literal["add", "sub", "mul"]] = ["add"]
+    num_digits: int = Field(2, ge=1, le=12)
+    num_train: int = Field(20000, ge=1)
+    num_validation: int = Field(500, ge=1)
+    seed: int = 1234
+    shuffle: bool = True
+    env_name: str = "math"
+
+
+# ---------------------------------------------------------------------------------- environments
+class MathEnvConfig(Section):
+    num_workers: int = Field(1, ge=1)
+    answer_format: Literal["auto", "boxed", "hash", "last_number"] = "auto"
+    verify_timeout_s: float = Field(5.0, gt=0)
+
+
+class EnvConfig(Section):
+    math: MathEnvConfig = MathEnvConfig()
+
+
+# ------------------------------------------------------------------------------- logging, ckpts
+class WandbConfig(Section):
+    enabled: bool = False
+    project: str = "posttrain"
+    name: Optional[str] = None
+    mode: Literal["online", "offline", "disabled"] = "offline"
+
+
+class MlflowConfig(Section):
+    enabled: bool = False
+    experiment_name: str = "posttrain"
+    run_name: Optional[str] = None
+    tracking_uri: Optional[str] = None
+
+
+class LoggerConfig(Section):
+    log_dir: str = "logs/run"
+    tensorboard_enabled: bool = True
+    wandb: WandbConfig = WandbConfig()
+    mlflow: MlflowConfig = MlflowConfig()
+    progress_bar: bool = True
+    report: bool = Field(True, description="Write report.png (curves, step-time breakdown) at the end.")
+    num_val_samples_to_print: int = Field(0, ge=0)
+
+
+class CheckpointingConfig(Section):
+    enabled: bool = True
+    checkpoint_dir: str = "checkpoints/run"
+    save_period: int = Field(50, ge=1)
+    keep_top_k: Optional[int] = Field(3, ge=1)
+    metric_name: Optional[str] = "validation/accuracy"
+    higher_is_better: bool = True
+    save_optimizer: bool = True
+
+
+# ---------------------------------------------------------------------------------- algorithms
+class GRPOConfig(Section):
+    num_prompts_per_step: int = Field(16, ge=1)
+    num_generations_per_prompt: int = Field(8, ge=1)
+    max_rollout_turns: int = Field(1, ge=1)
+    max_num_steps: int = Field(100, ge=1)
+    max_num_epochs: int = Field(1000, ge=1)
+    normalize_rewards: bool = True
+    use_leave_one_out_baseline: bool = False
+    val_period: int = Field(10, ge=0, description="0 disables periodic validation.")
+    val_at_start: bool = True
+    val_at_end: bool = True
+    max_val_samples: int = Field(500, ge=1)
+    val_batch_size: int = Field(256, ge=1)
+    val_num_generations_per_prompt: int = Field(1, ge=1, description=">1 also reports pass@k.")
+    overlong_filtering: bool = False
+    use_dynamic_sampling: bool = False
+    dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
+    seed: int = 42
+
+
+class RewardShapingConfig(Section):
+    """DAPO overlong penalty (Yu et al. 2025)."""
+
+    enabled: bool = False
+    overlong_buffer_length: int = Field(16, ge=1)
+    overlong_buffer_penalty: float = Field(1.0, ge=0)
+    max_response_length: Optional[int] = Field(None, ge=1, description="Defaults to policy.generation.max_new_tokens.")
+
+
+class SFTConfig(Section):
+    max_num_steps: int = Field(1000, ge=1)
+    max_num_epochs: int = Field(1000, ge=1)
+    val_period: int = Field(100, ge=0)
+    val_at_start: bool = False
+    val_at_end: bool = True
+    max_val_samples: int = Field(500, ge=1)
+    val_batch_size: int = Field(256, ge=1)
+    seed: int = 42
+
+
+class DPOConfig(Section):
+    max_num_steps: int = Field(200, ge=1)
+    max_num_epochs: int = Field(1000, ge=1)
+    reference_policy_kl_penalty: float = Field(0.1, gt=0, description="beta in the DPO loss (Rafailov et al. 2023).")
+    preference_average_log_probs: bool = False
+    sft_loss_weight: float = Field(0.0, ge=0)
+    preference_loss_weight: float = Field(1.0, ge=0)
+    val_period: int = Field(50, ge=0)
+    seed: int = 42
+
+
+class RMConfig(Section):
+    max_num_steps: int = Field(200, ge=1)
+    max_num_epochs: int = Field(1000, ge=1)
+    val_period: int = Field(50, ge=0)
+    seed: int = 42
+
+
+# ---------------------------------------------------------------------------------- top level
+class MasterConfig(Section):
+    policy: PolicyConfig = PolicyConfig()
+    data: DataConfig = DataConfig()
+    logger: LoggerConfig = LoggerConfig()
+    checkpointing: CheckpointingConfig = CheckpointingConfig()
+    cluster: ClusterConfig = ClusterConfig()
+
+
+class GRPOMasterConfig(MasterConfig):
+    grpo: GRPOConfig = GRPOConfig()
+    loss_fn: LossConfig = LossConfig()
+    reward_shaping: RewardShapingConfig = RewardShapingConfig()
+    env: EnvConfig = EnvConfig()
+    sft_warmup: Optional["SFTMasterConfig"] = Field(
+        None, description="Optional SFT warm start run before GRPO (the embedded default uses it)."
+    )
+
+
+class SFTMasterConfig(MasterConfig):
+    sft: SFTConfig = SFTConfig()
+
+
+class DPOMasterConfig(MasterConfig):
+    dpo: DPOConfig = DPOConfig()
+
+
+class RMMasterConfig(MasterConfig):
+    rm: RMConfig = RMConfig()
+
+
+class EvalMasterConfig(MasterConfig):
+    eval: GRPOConfig = GRPOConfig()
+    env: EnvConfig = EnvConfig()
+
+
+GRPOMasterConfig.model_rebuild()
+
+SCHEMAS: dict[str, type[MasterConfig]] = {
+    "grpo": GRPOMasterConfig,
+    "sft": SFTMasterConfig,
+    "dpo": DPOMasterConfig,
+    "rm": RMMasterConfig,
+    "eval": EvalMasterConfig,
+}
