@@ -1,0 +1,137 @@
+"""The multi-turn rollout loop over message logs.
+
+Each sample is a datum `{"message_log", "extra_env_info", "task_name", "loss_multiplier", ...}`.
+A turn generates one assistant message for every still-active sample, asks its environment for a
+reward and an observation, and appends the observation as a new message. Generated messages keep
+their token ids and the generation logprobs (never re-tokenised); environment messages get loss
+mask 0 later because they carry no `generation_logprobs`.
+
+A sample ends when its environment says it terminated, when its conversation reaches the token
+limit (truncated), or after `max_rollout_turns` turns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from posttrain.data.message_log import append_message, flatten_message_logs
+from posttrain.distributed.batch import Batch
+from posttrain.environments.registry import route_step
+
+
+@dataclass
+class RolloutResult:
+    datums: list[dict]  # the input datums with their message logs extended in place
+    rewards: torch.Tensor  # [B] summed over turns
+    truncated: torch.Tensor  # [B] bool: stopped by the token limit, not by the environment
+    overlong: torch.Tensor  # [B] bool: truncated, or the last turn hit max_new_tokens (DAPO filter)
+    metrics: dict[str, float] = field(default_factory=dict)
+    env_seconds: float = 0.0  # wall time spent in environments (the "reward" timing)
+
+
+def run_multi_turn_rollout(
+    generation,
+    datums: list[dict],
+    tokenizer,
+    envs: dict[str, Any],
+    *,
+    max_seq_len: int,
+    max_rollout_turns: int = 1,
+    greedy: bool = False,
+    seeds: Optional[torch.Tensor] = None,
+    weight_version: int = 0,
+) -> RolloutResult:
+    """Roll out `datums` (already repeated per generation) until every sample is done.
+
+    Args:
+        generation: a `GenerationInterface` (`generate(batch, greedy) -> Batch`).
+        envs: task name -> environment (actor handle or local instance).
+        max_seq_len: total token limit of a conversation (prompt + all turns).
+        seeds: optional per-sample sampling seeds `[B]`; turn t uses `seeds + t`, so a fixed seed
+            reproduces the whole rollout regardless of batching.
+    """
+    n = len(datums)
+    rewards = torch.zeros(n)
+    truncated = torch.zeros(n, dtype=torch.bool)
+    active = list(range(n))
+    stop_strings: list[Optional[list[str]]] = [d.get("stop_strings") for d in datums]
+    turns = torch.zeros(n, dtype=torch.long)
+    terminated = torch.zeros(n, dtype=torch.bool)
+    gen_tokens = torch.zeros(n, dtype=torch.long)
+    env_tokens = torch.zeros(n, dtype=torch.long)
+    hit_max_new_tokens = torch.zeros(n, dtype=torch.bool)
+    env_seconds = 0.0
+
+    for turn in range(max_rollout_turns):
+        if not active:
+            break
+        logs = [datums[i]["message_log"] for i in active]
+        batch = flatten_message_logs(logs, pad_token_id=tokenizer.pad_token_id)
+        batch = Batch(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
+        batch["stop_strings"] = [stop_strings[i] for i in active]
+        if seeds is not None:
+            batch["seeds"] = seeds[active] + turn * 1_000_003
+        out = generation.generate(batch, greedy=greedy)
+
+        for row, i in enumerate(active):
+            start = int(batch["input_lengths"][row])
+            length = int(out["generation_lengths"][row])
+            token_ids = out["output_ids"][row, start : start + length].clone()
+            logprobs = out["logprobs"][row, start : start + length].clone()
+            append_message(
+                datums[i]["message_log"],
+                "assistant",
+                tokenizer.decode(token_ids.tolist(), skip_special_tokens=True),
+                token_ids,
+                generation_logprobs=logprobs,
+                weight_version=weight_version,
+            )
+            gen_tokens[i] += length
+            turns[i] += 1
+            hit_max_new_tokens[i] = bool(out["truncated"][row])
+
+        t0 = time.perf_counter()
+        env_out = route_step(
+            envs,
+            [datums[i]["message_log"] for i in active],
+            [datums[i].get("extra_env_info") or {} for i in active],
+            [datums[i].get("task_name", "math") for i in active],
+        )
+        env_seconds += time.perf_counter() - t0
+
+        still_active = []
+        for row, i in enumerate(active):
+            rewards[i] += float(env_out.rewards[row])
+            datums[i]["extra_env_info"] = env_out.metadata[row]
+            if bool(env_out.terminateds[row]):
+                terminated[i] = True
+                continue
+            total_len = sum(len(m["token_ids"]) for m in datums[i]["message_log"])
+            obs = env_out.observations[row]
+            obs_ids = torch.tensor(tokenizer(obs["content"], add_special_tokens=False)["input_ids"], dtype=torch.long)
+            if total_len + len(obs_ids) >= max_seq_len:
+                # The observation cannot fit with room left to answer: stop here (truncated).
+                truncated[i] = True
+                continue
+            append_message(datums[i]["message_log"], obs.get("role", "environment"), obs["content"], obs_ids)
+            env_tokens[i] += len(obs_ids)
+            stop_strings[i] = env_out.next_stop_strings[row]
+            still_active.append(i)
+        active = still_active
+
+    max_turns_reached = torch.zeros(n, dtype=torch.bool)
+    max_turns_reached[active] = True
+    metrics = {
+        "mean_gen_tokens_per_sample": gen_tokens.float().mean().item(),
+        "mean_env_tokens_per_sample": env_tokens.float().mean().item(),
+        "avg_turns_per_sample": turns.float().mean().item(),
+        "natural_termination_rate": terminated.float().mean().item(),
+        "truncation_rate": truncated.float().mean().item(),
+        "max_turns_reached_rate": max_turns_reached.float().mean().item(),
+        "max_new_tokens_hit_rate": hit_max_new_tokens.float().mean().item(),
+    }
+    return RolloutResult(datums, rewards, truncated, truncated | hit_max_new_tokens, metrics, env_seconds)
