@@ -1,0 +1,387 @@
+"""GRPO (Shao et al. 2024, "DeepSeekMath") and its variants in one loop.
+
+DAPO (Yu et al. 2025: clip-higher, token-level loss, dynamic sampling, overlong shaping),
+GSPO (Zheng et al. 2025: sequence-level ratios) and Dr.GRPO (Liu et al. 2025: no std
+normalisation, token-level sum) are config presets of the same loop and loss; see
+`examples/configs/grpo_*_tiny.yaml`.
+
+One step, top to bottom:
+    prompts -> repeat per generation -> (lazy) refit -> rollout (generate + environments)
+    -> reward shaping -> group advantages -> [dynamic sampling] -> masks
+    -> previous and reference logprobs -> train -> metrics, validation, checkpoint
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from posttrain.algorithms import advantages as adv
+from posttrain.algorithms.common import (
+    make_cluster,
+    prefixed,
+    prepare_run_dirs,
+    restore_training_state,
+    sample_seeds,
+    save_training_state,
+    set_seed,
+    start_ray,
+)
+from posttrain.algorithms.loss import ClippedPGLoss
+from posttrain.config.schema import GRPOMasterConfig
+from posttrain.data.dataloader import ResumableLoader
+from posttrain.data.message_log import flatten_message_logs
+from posttrain.distributed.batch import Batch
+from posttrain.rollouts import run_multi_turn_rollout
+from posttrain.utils.checkpoint import CheckpointManager
+from posttrain.utils.logger import Logger, ProgressBar
+from posttrain.utils.timer import Timer
+
+log = logging.getLogger("posttrain.grpo")
+
+
+@dataclass
+class GRPOContext:
+    """Everything the loop needs, built once by `setup`."""
+
+    cfg: GRPOMasterConfig
+    policy: Any
+    generation: Any
+    envs: dict[str, Any]
+    tokenizer: Any
+    train_loader: ResumableLoader
+    val_datums: list[dict]
+    logger: Logger
+    checkpointer: CheckpointManager
+    loss_fn: ClippedPGLoss
+    step: int = 0  # completed training steps
+    generation_stale: bool = True  # generation weights lag the policy's
+    val_history: list[tuple[int, float]] = field(default_factory=list)
+
+    def shutdown(self) -> None:
+        for part in (self.generation, self.policy):
+            try:
+                part.shutdown()
+            except Exception as e:  # shutting down must not mask the real error
+                log.warning("shutdown failed: %s", e)
+        self.logger.close()
+
+
+# ------------------------------------------------------------------------------------- set-up
+def setup(cfg: GRPOMasterConfig) -> GRPOContext:
+    from posttrain.data.datasets import load_records
+    from posttrain.data.processors import build_prompt_message_log
+    from posttrain.environments.registry import create_env
+    from posttrain.models.generation import Generation
+    from posttrain.models.hf import load_tokenizer
+    from posttrain.models.policy.policy import Policy
+
+    set_seed(cfg.grpo.seed)
+    prepare_run_dirs(cfg)
+    start_ray(cfg)
+
+    tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+    max_len = cfg.policy.max_total_sequence_length
+
+    def to_datums(records):
+        return [
+            build_prompt_message_log(
+                r, tokenizer, max_len, use_chat_template=cfg.data.use_chat_template,
+                system_prompt=cfg.data.system_prompt, idx=i,
+            )
+            for i, r in enumerate(records)
+        ]
+
+    train_datums = to_datums(load_records(cfg.data, "train"))
+    val_datums = to_datums(load_records(cfg.data, "validation"))[: cfg.grpo.max_val_samples]
+    loader = ResumableLoader(train_datums, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.grpo.seed)
+
+    colocated = cfg.policy.generation.colocated.enabled
+    policy_cluster = make_cluster(cfg, cfg.policy.num_workers, colocated_groups=2 if colocated else 1)
+    if colocated:
+        gen_cluster = policy_cluster
+    else:
+        n_gen = cfg.policy.generation.colocated.num_workers or 1
+        gen_cluster = make_cluster(cfg, n_gen, name="generation")
+    policy = Policy(policy_cluster, cfg.policy, init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0)
+    generation = Generation(gen_cluster, cfg.policy, tokenizer=tokenizer)
+    generation.prepare_refit_info(policy.refit_info())
+
+    task_names = {d.get("task_name", cfg.data.env_name) for d in train_datums + val_datums}
+    envs = {name: create_env(name, getattr(cfg.env, name)) for name in task_names}
+
+    ctx = GRPOContext(
+        cfg=cfg, policy=policy, generation=generation, envs=envs, tokenizer=tokenizer,
+        train_loader=loader, val_datums=val_datums, logger=Logger(cfg.logger),
+        checkpointer=CheckpointManager(cfg.checkpointing), loss_fn=ClippedPGLoss(cfg.loss_fn),
+    )
+    _maybe_resume(ctx)
+    return ctx
+
+
+def _maybe_resume(ctx: GRPOContext) -> None:
+    if not ctx.cfg.checkpointing.enabled:
+        return
+    info = restore_training_state(ctx.checkpointer, ctx.policy, ctx.train_loader, ctx.logger)
+    if info is not None:
+        ctx.step = int(info["step"])
+        ctx.val_history = [tuple(v) for v in info.get("val_history", [])]
+
+
+# --------------------------------------------------------------------------------- the loop
+def grpo_train(ctx: GRPOContext) -> dict[str, float]:
+    cfg, g = ctx.cfg, ctx.cfg.grpo
+    if ctx.step == 0 and g.val_at_start:
+        _log_validation(ctx, 0)
+
+    bar = ProgressBar(total=g.max_num_steps, initial=ctx.step, enabled=cfg.logger.progress_bar, desc="GRPO")
+    last_metrics: dict[str, float] = {}
+    while ctx.step < g.max_num_steps:
+        step = ctx.step + 1
+        timer = Timer()
+        with timer.time("total_step_time"):
+            train_data, metrics = _collect_experience(ctx, step, timer)
+
+            with timer.time("logprobs"):
+                train_data["prev_logprobs"] = ctx.policy.get_logprobs(train_data)["logprobs"]
+                if cfg.loss_fn.reference_policy_kl_penalty > 0:
+                    train_data["reference_policy_logprobs"] = ctx.policy.get_reference_logprobs(train_data)["logprobs"]
+
+            with timer.time("policy_training"):
+                train_metrics = ctx.policy.train(train_data, ctx.loss_fn, global_batch_size=train_data.size)
+            ctx.generation_stale = True
+            ctx.step = step
+
+        metrics.update(prefixed(train_metrics, "train"))
+        metrics.update(prefixed(timer.get_timing_metrics(), "timing/train"))
+        if g.val_period > 0 and step % g.val_period == 0 or (g.val_at_end and step == g.max_num_steps):
+            metrics.update(_validate_metrics(ctx, step))
+        ctx.logger.log_metrics(metrics, step)
+        _maybe_checkpoint(ctx, step, metrics)
+        bar.update(metrics)
+        last_metrics = metrics
+    bar.close()
+    return last_metrics
+
+
+def _collect_experience(ctx: GRPOContext, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
+    """Generate rollouts and turn them into a training batch with advantages.
+
+    With DAPO dynamic sampling, groups whose rewards all agree (no learning signal) are dropped
+    and more prompts are generated until `num_prompts_per_step` groups remain.
+    """
+    cfg, g = ctx.cfg, ctx.cfg.grpo
+    n_gen = g.num_generations_per_prompt
+    kept: list[dict] = []  # per-sample records of the groups we train on
+    raw_rewards: list[torch.Tensor] = []
+    rollout_metrics: dict[str, list[float]] = {}
+    num_gen_batches = 0
+    while True:
+        num_gen_batches += 1
+        prompts = ctx.train_loader.next_batch()
+        samples = [copy.deepcopy(d) for d in prompts for _ in range(n_gen)]
+        group_ids = torch.arange(len(prompts)).repeat_interleave(n_gen)
+
+        _refit_if_stale(ctx, timer)
+        with timer.time("generation"):
+            seeds = sample_seeds(g.seed, step * 1000 + num_gen_batches, len(samples))
+            result = run_multi_turn_rollout(
+                ctx.generation, samples, ctx.tokenizer, ctx.envs,
+                max_seq_len=cfg.policy.max_total_sequence_length,
+                max_rollout_turns=g.max_rollout_turns, seeds=seeds, weight_version=ctx.step,
+            )
+        timer.add("reward", result.env_seconds)
+        for k, v in result.metrics.items():
+            rollout_metrics.setdefault(k, []).append(v)
+        raw_rewards.append(result.rewards)
+
+        rewards = result.rewards.clone()
+        if cfg.reward_shaping.enabled:
+            rs = cfg.reward_shaping
+            rewards = adv.apply_overlong_penalty(
+                rewards, _response_lengths(samples),
+                max_response_length=rs.max_response_length or cfg.policy.generation.max_new_tokens,
+                buffer_length=rs.overlong_buffer_length, penalty=rs.overlong_buffer_penalty,
+            )
+        sample_mask = torch.tensor([float(s.get("loss_multiplier", 1.0)) for s in samples])
+        if g.overlong_filtering:
+            sample_mask = sample_mask * (~result.overlong).float()
+
+        advantages = adv.compute_advantages(
+            "grpo", rewards, group_ids, sample_mask,
+            normalize_rewards=g.normalize_rewards, leave_one_out=g.use_leave_one_out_baseline,
+        )
+        keep = torch.ones(len(prompts), dtype=torch.bool)
+        if g.use_dynamic_sampling:
+            keep = adv.filter_zero_variance_groups(result.rewards, group_ids, num_groups=len(prompts))
+        for p in torch.nonzero(keep).flatten().tolist():
+            for i in range(p * n_gen, (p + 1) * n_gen):
+                kept.append({"datum": samples[i], "advantage": advantages[i], "sample_mask": sample_mask[i]})
+
+        have = len(kept) // n_gen
+        if not g.use_dynamic_sampling or have >= g.num_prompts_per_step:
+            break
+        if num_gen_batches >= g.dynamic_sampling_max_gen_batches:
+            log.warning(
+                "dynamic sampling: only %d of %d prompt groups had reward variance after %d generation "
+                "batches (grpo.dynamic_sampling_max_gen_batches); training on those", have,
+                g.num_prompts_per_step, num_gen_batches,
+            )
+            break
+    kept = kept[: g.num_prompts_per_step * n_gen]
+    if not kept:  # every group was filtered: train on a fully masked batch rather than crash
+        kept = [{"datum": samples[i], "advantage": torch.tensor(0.0), "sample_mask": torch.tensor(0.0)} for i in range(len(samples))]
+    kept = _pad_to_multiple(kept, ctx.cfg.policy.num_workers)
+
+    train_data = flatten_message_logs([k["datum"]["message_log"] for k in kept], pad_token_id=ctx.tokenizer.pad_token_id)
+    train_data["sample_mask"] = torch.stack([torch.as_tensor(k["sample_mask"], dtype=torch.float) for k in kept])
+    seq_adv = torch.stack([torch.as_tensor(k["advantage"], dtype=torch.float) for k in kept])
+    train_data["advantages"] = seq_adv[:, None] * train_data["token_mask"]
+
+    all_rewards = torch.cat(raw_rewards)
+    valid = train_data["sample_mask"] > 0
+    metrics = {
+        "train/reward": all_rewards.mean().item(),
+        "train/advantages/mean": seq_adv[valid].mean().item() if valid.any() else 0.0,
+        "train/advantages/max": seq_adv[valid].max().item() if valid.any() else 0.0,
+        "train/advantages/min": seq_adv[valid].min().item() if valid.any() else 0.0,
+        "train/num_samples": float(train_data.size),
+        "train/mean_prompt_length": float(sum(k["datum"]["length"] for k in kept) / len(kept)),
+    }
+    if g.use_dynamic_sampling:
+        metrics["train/dynamic_sampling_num_gen_batches"] = float(num_gen_batches)
+    metrics.update({f"train/{k}": sum(v) / len(v) for k, v in rollout_metrics.items()})
+    return train_data, metrics
+
+
+def _pad_to_multiple(kept: list[dict], multiple: int) -> list[dict]:
+    """Data-parallel ranks need equal shares: pad with fully masked copies."""
+    while len(kept) % multiple:
+        kept.append({**kept[-1], "sample_mask": torch.tensor(0.0)})
+    return kept
+
+
+def _response_lengths(samples: list[dict]) -> torch.Tensor:
+    return torch.tensor(
+        [sum(len(m["token_ids"]) for m in s["message_log"] if "generation_logprobs" in m) for s in samples],
+        dtype=torch.float,
+    )
+
+
+def _refit_if_stale(ctx: GRPOContext, timer: Optional[Timer] = None) -> None:
+    """Copy policy weights into the generation workers, lazily (only when they are stale)."""
+    if not ctx.generation_stale:
+        return
+    t0 = time.perf_counter()
+    ctx.generation.update_weights_from_policy(ctx.policy, weights_version=ctx.step)
+    if timer is not None:
+        timer.add("refit", time.perf_counter() - t0)
+    ctx.generation_stale = False
+
+
+# ------------------------------------------------------------------------------- validation
+def validate(ctx: GRPOContext, datums: Optional[list[dict]] = None) -> dict[str, float]:
+    """Accuracy (mean reward of the first generation), pass@k and mean length on `datums`."""
+    cfg, g = ctx.cfg, ctx.cfg.grpo
+    datums = ctx.val_datums if datums is None else datums
+    k = g.val_num_generations_per_prompt
+    greedy = cfg.policy.generation.val_temperature is None and k == 1
+    _refit_if_stale(ctx)
+    rewards, lengths = [], []
+    for start in range(0, len(datums), g.val_batch_size):
+        chunk = [copy.deepcopy(d) for d in datums[start : start + g.val_batch_size] for _ in range(k)]
+        seeds = sample_seeds(g.seed + 7919, start, len(chunk))
+        result = run_multi_turn_rollout(
+            ctx.generation, chunk, ctx.tokenizer, ctx.envs,
+            max_seq_len=cfg.policy.max_total_sequence_length, max_rollout_turns=g.max_rollout_turns,
+            greedy=greedy, seeds=seeds, weight_version=ctx.step,
+        )
+        rewards.append(result.rewards)
+        lengths.append(_response_lengths(chunk))
+        if start == 0 and cfg.logger.num_val_samples_to_print:
+            for d in chunk[: cfg.logger.num_val_samples_to_print]:
+                print("".join(m["content"] for m in d["message_log"]))
+    r = torch.cat(rewards).view(-1, k)
+    correct = (r > 0.5).sum(dim=1)
+    metrics = {
+        "validation/accuracy": r[:, 0].mean().item(),
+        "validation/avg_length": torch.cat(lengths).mean().item(),
+    }
+    if k > 1:
+        metrics[f"validation/pass@{k}"] = adv.pass_at_k(k, correct, k).mean().item()
+        metrics["validation/mean_reward"] = r.mean().item()
+    return metrics
+
+
+def _validate_metrics(ctx: GRPOContext, step: int) -> dict[str, float]:
+    t0 = time.perf_counter()
+    metrics = validate(ctx)
+    metrics["timing/validation/total_validation_time"] = time.perf_counter() - t0
+    ctx.val_history.append((step, metrics["validation/accuracy"]))
+    return metrics
+
+
+def _log_validation(ctx: GRPOContext, step: int) -> None:
+    ctx.logger.log_metrics(_validate_metrics(ctx, step), step)
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def _maybe_checkpoint(ctx: GRPOContext, step: int, metrics: dict[str, float]) -> None:
+    ck = ctx.cfg.checkpointing
+    if not ck.enabled or not (step % ck.save_period == 0 or step == ctx.cfg.grpo.max_num_steps):
+        return
+    info: dict[str, Any] = {"val_history": ctx.val_history}
+    if ctx.val_history:
+        info["validation/accuracy"] = ctx.val_history[-1][1]
+    save_training_state(ctx.checkpointer, ctx.policy, ctx.train_loader, step, info)
+
+
+# ------------------------------------------------------------------------------ entry point
+def run(cfg: GRPOMasterConfig) -> dict[str, float]:
+    """`posttrain grpo`: optional SFT warm start, then GRPO; prints before/after accuracy."""
+    if cfg.sft_warmup is not None:
+        cfg = _with_sft_warm_start(cfg)
+    ctx = setup(cfg)
+    try:
+        start = time.perf_counter()
+        grpo_train(ctx)
+        _finish(ctx, time.perf_counter() - start)
+    finally:
+        ctx.shutdown()
+    return {"before": ctx.val_history[0][1] if ctx.val_history else None,
+            "after": ctx.val_history[-1][1] if ctx.val_history else None}
+
+
+def _with_sft_warm_start(cfg: GRPOMasterConfig) -> GRPOMasterConfig:
+    """Run (or reuse) the SFT warm start and point the GRPO policy at its exported weights."""
+    from posttrain.algorithms import sft
+
+    warm_dir = Path(cfg.checkpointing.checkpoint_dir) / "sft_warmup_hf"
+    if not (warm_dir / "config.json").exists():
+        print(f"[posttrain] SFT warm start -> {warm_dir}", flush=True)
+        sft.run(cfg.sft_warmup, export_dir=warm_dir)
+    cfg = cfg.model_copy(deep=True)
+    cfg.policy.tokenizer_name = cfg.policy.tokenizer_name or str(warm_dir)
+    cfg.policy.model_name = str(warm_dir)
+    return cfg
+
+
+def _finish(ctx: GRPOContext, seconds: float) -> None:
+    log_dir = Path(ctx.cfg.logger.log_dir)
+    if ctx.cfg.logger.report:
+        from posttrain.utils.report import write_report
+
+        write_report(log_dir / "metrics.jsonl", log_dir / "report.png")
+    if ctx.val_history:
+        (s0, before), (s1, after) = ctx.val_history[0], ctx.val_history[-1]
+        print(
+            f"[posttrain] validation accuracy: {before:.1%} (step {s0}) -> {after:.1%} (step {s1}), "
+            f"{after - before:+.1%} in {seconds:.0f}s; logs in {log_dir}",
+            flush=True,
+        )
