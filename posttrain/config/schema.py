@@ -295,8 +295,17 @@ class RMMasterConfig(MasterConfig):
     rm: RMConfig = RMConfig()
 
 
+class EvalConfig(Section):
+    num_generations_per_prompt: int = Field(1, ge=1, description="k of pass@k; k>1 samples at policy.generation.temperature.")
+    max_samples: int = Field(500, ge=1)
+    batch_size: int = Field(256, ge=1)
+    max_rollout_turns: int = Field(1, ge=1)
+    split: Literal["train", "validation"] = "validation"
+    seed: int = 42
+
+
 class EvalMasterConfig(MasterConfig):
-    eval: GRPOConfig = GRPOConfig()
+    eval: EvalConfig = EvalConfig()
     env: EnvConfig = EnvConfig()
 
 
