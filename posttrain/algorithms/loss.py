@@ -1,0 +1,531 @@
+"""Loss functions for policy, preference and reward-model training.
+
+Contract (docs/internals.md): every loss is called as
+
+    loss, metrics = loss_fn(logprobs, batch, global_valid_seqs, global_valid_toks)
+
+- ``logprobs`` is ``[B, S]`` aligned to ``input_ids`` (position *i* holds log p(token_i | tokens_<i),
+  position 0 is 0). A loss with ``input_type == "scores"`` gets one scalar per sequence ``[B]``
+  instead (reward models).
+- Every loss looks at positions ``1:`` and uses ``mask = token_mask[:, 1:] * sample_mask[:, None]``.
+- Losses and metrics are divided by the *global* valid counts of the whole optimizer step (all
+  micro-batches, all data-parallel ranks), so per-micro-batch values **sum** to the full-batch
+  value. Metric names ending in ``_min`` / ``_max`` are reduced by min / max instead.
+
+Formulas follow NeMo-RL's ``loss_functions.py`` (see ``shared/reference/nemo-rl.md`` sections 4-5).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal, Mapping, Optional, Protocol, TypeVar, Union
+
+import torch
+import torch.nn.functional as F
+
+from posttrain.config.schema import LossConfig
+
+Count = Union[torch.Tensor, float, int]
+Metrics = dict[str, float]
+_EPS = 1e-8
+
+
+class LossFunction(Protocol):
+    """What the policy worker needs from a loss object."""
+
+    loss_type: Literal["token", "sequence"]
+    input_type: Literal["logprobs", "scores"]
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch: Mapping[str, Any], global_valid_seqs: Count, global_valid_toks: Count
+    ) -> tuple[torch.Tensor, Metrics]: ...
+
+
+# -------------------------------------------------------------------------------------- registry
+LOSS_REGISTRY: dict[str, Callable[..., LossFunction]] = {}
+_L = TypeVar("_L")
+
+
+def register_loss(name: str) -> Callable[[_L], _L]:
+    """Class decorator: ``@register_loss("clipped_pg")`` makes the class reachable via `make_loss`."""
+
+    def decorator(cls: _L) -> _L:
+        if name in LOSS_REGISTRY:
+            raise ValueError(f"loss {name!r} is already registered")
+        LOSS_REGISTRY[name] = cls  # type: ignore[assignment]
+        return cls
+
+    return decorator
+
+
+def make_loss(name: str, **cfg: Any) -> LossFunction:
+    """Build the loss registered under ``name`` with keyword config, e.g.
+    ``make_loss("clipped_pg", **master.loss_fn.model_dump())`` or ``make_loss("dpo", beta=0.1)``."""
+    if name not in LOSS_REGISTRY:
+        raise ValueError(f"unknown loss {name!r}; registered losses: {sorted(LOSS_REGISTRY)}")
+    return LOSS_REGISTRY[name](**cfg)
+
+
+# --------------------------------------------------------------------------------------- helpers
+def _as_tensor(count: Count, like: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(count, dtype=like.dtype, device=like.device)
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """``sum(values * mask)`` over everything, or along ``dim``."""
+    product = values * mask
+    return product.sum() if dim is None else product.sum(dim)
+
+
+def masked_mean(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    dim: Optional[int] = None,
+    global_normalization_factor: Optional[Count] = None,
+) -> torch.Tensor:
+    """``sum(values * mask) / denominator``.
+
+    The denominator is ``global_normalization_factor`` when given (so that means over micro-batches
+    add up to the global mean), else ``sum(mask)`` (over ``dim``). An empty mask gives 0, not NaN.
+    """
+    numerator = masked_sum(values, mask, dim)
+    if global_normalization_factor is not None:
+        denominator = _as_tensor(global_normalization_factor, numerator)
+    else:
+        denominator = mask.sum() if dim is None else mask.sum(dim)
+    return numerator / denominator.clamp(min=_EPS)
+
+
+def compute_global_valid_counts(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(valid_seqs, valid_toks)`` of one local batch: ``sum(sample_mask)`` and
+    ``sum(token_mask[:, 1:] * sample_mask[:, None])`` as float tensors. The trainer all-reduces them
+    (SUM) over data-parallel ranks before calling the loss on each micro-batch."""
+    _require(batch, ("token_mask", "sample_mask"), "compute_global_valid_counts")
+    sample_mask = batch["sample_mask"].float()
+    valid_toks = (batch["token_mask"][:, 1:].float() * sample_mask[:, None]).sum()
+    return sample_mask.sum(), valid_toks
+
+
+def _require(batch: Mapping[str, Any], keys: tuple[str, ...], who: str) -> None:
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise KeyError(f"{who}: batch is missing key(s) {missing}; it has {sorted(batch.keys())}")
+
+
+def _shifted(batch: Mapping[str, Any], key: str, like: torch.Tensor, who: str) -> torch.Tensor:
+    """``batch[key][:, 1:]`` as float, checked against the shape of ``like`` (already shifted)."""
+    value = batch[key]
+    if value.ndim != 2 or value[:, 1:].shape != like.shape:
+        raise ValueError(
+            f"{who}: batch[{key!r}] has shape {tuple(value.shape)}, expected [B, S] = "
+            f"{(like.shape[0], like.shape[1] + 1)} like the logprobs"
+        )
+    return value[:, 1:].float()
+
+
+def _loss_mask(logprobs: torch.Tensor, batch: Mapping[str, Any], who: str) -> tuple[torch.Tensor, ...]:
+    """Shifted ``(logprobs, token_mask, sample_mask, mask)`` with shapes checked."""
+    _require(batch, ("token_mask", "sample_mask"), who)
+    if logprobs.ndim != 2:
+        raise ValueError(f"{who}: logprobs must be [B, S], got shape {tuple(logprobs.shape)}")
+    logprobs = logprobs[:, 1:].float()
+    token_mask = _shifted(batch, "token_mask", logprobs, who)
+    sample_mask = batch["sample_mask"].float()
+    if sample_mask.shape != (logprobs.shape[0],):
+        raise ValueError(f"{who}: sample_mask has shape {tuple(sample_mask.shape)}, expected [{logprobs.shape[0]}]")
+    return logprobs, token_mask, sample_mask, token_mask * sample_mask[:, None]
+
+
+def per_token_kl(
+    logprobs: torch.Tensor,
+    reference_logprobs: torch.Tensor,
+    kl_type: Literal["k1", "k2", "k3"] = "k3",
+    input_clamp_value: Optional[float] = None,
+    output_clamp_value: Optional[float] = None,
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL
+    divergence", 2020). With ``log_r = reference_logprobs - logprobs`` (clamped to
+    ``+-input_clamp_value``): k1 = -log_r, k2 = log_r^2 / 2, k3 = exp(log_r) - 1 - log_r (unbiased,
+    non-negative). The result is clamped to ``+-output_clamp_value``."""
+    log_ratio = reference_logprobs - logprobs
+    if input_clamp_value is not None:
+        log_ratio = log_ratio.clamp(-input_clamp_value, input_clamp_value)
+    if kl_type == "k1":
+        kl = -log_ratio
+    elif kl_type == "k2":
+        kl = log_ratio.square() / 2
+    elif kl_type == "k3":
+        kl = log_ratio.exp() - 1 - log_ratio
+    else:
+        raise ValueError(f"unknown KL estimator {kl_type!r}; use 'k1', 'k2' or 'k3'")
+    if output_clamp_value is not None:
+        kl = kl.clamp(-output_clamp_value, output_clamp_value)
+    return kl
+
+
+def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _masked_min_max(values: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """Min and max over positions where ``mask > 0``; (inf, -inf) when there are none, which
+    leaves a min/max reduction over micro-batches unaffected."""
+    selected = values.detach()[mask > 0]
+    if selected.numel() == 0:
+        return float("inf"), float("-inf")
+    return selected.min().item(), selected.max().item()
+
+
+# ------------------------------------------------------------------------------------------ SFT
+@register_loss("nll")
+class NLLLoss:
+    """Negative log-likelihood for supervised fine-tuning: ``-sum(logp * mask) / global_valid_toks``.
+
+    Metrics: ``loss``, ``num_valid_tokens``, ``num_valid_samples`` (local counts; they sum).
+    """
+
+    loss_type: Literal["token", "sequence"] = "token"
+    input_type: Literal["logprobs", "scores"] = "logprobs"
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch: Mapping[str, Any], global_valid_seqs: Count, global_valid_toks: Count
+    ) -> tuple[torch.Tensor, Metrics]:
+        logprobs, _, sample_mask, mask = _loss_mask(logprobs, batch, "nll loss")
+        loss = -masked_mean(logprobs, mask, global_normalization_factor=global_valid_toks)
+        return loss, {
+            "loss": loss.item(),
+            "num_valid_tokens": mask.sum().item(),
+            "num_valid_samples": sample_mask.sum().item(),
+        }
+
+
+# ------------------------------------------------------------------------------ policy gradient
+@register_loss("clipped_pg")
+class ClippedPGLoss:
+    """Clipped policy-gradient loss with KL regularisation; one class covers
+
+    - PPO (Schulman et al. 2017) and GRPO (Shao et al. 2024): ``ratio_clip_min = ratio_clip_max``.
+    - DAPO clip-higher (Yu et al. 2025): ``ratio_clip_max > ratio_clip_min``, ``token_level_loss=True``.
+    - GSPO (Zheng et al. 2025): ``sequence_level_importance_ratios=True`` (needs
+      ``token_level_loss=False``): the ratio is exp(mean_t(logp - prev)) per sequence.
+    - Dr.GRPO (Liu et al. 2025): token-level loss here plus no std normalisation in the advantages.
+    - REINFORCE / RLOO: ``disable_ppo_ratio=True`` (the loss is -A * logp, no clipping).
+    - Truly on-policy: ``force_on_policy_ratio=True`` (ratio = exp(logp - sg(logp)) = 1 with a live
+      gradient; ``prev_logprobs`` may then be absent).
+    - Dual clip (Ye et al. 2020): ``ratio_clip_c = c > 1`` bounds the loss by -A*c where A < 0.
+
+    Per token, with r the ratio and r_hat = clamp(r, 1 - ratio_clip_min, 1 + ratio_clip_max):
+    ``L = max(-A r, -A r_hat)``. The train/inference mismatch is corrected with importance weights
+    ``w = exp(prev - gen)`` (detached; per sequence exp(sum_t(prev - gen)) under GSPO) when
+    ``use_importance_sampling_correction``, optionally truncated (``truncated_importance_sampling_type``:
+    "tis" clamps w to [ratio_min or 0, ratio]; "icepop" zeroes tokens with w outside [min, max];
+    "seq-mask-tis" zeroes sequences whose geometric-mean w is outside [min, max]).
+    Aggregation: token-level ``sum(w L mask) / global_valid_toks`` or sequence-level
+    ``sum_seq(mean_t(w L)) / global_valid_seqs``. KL to the reference policy
+    (``reference_policy_kl_penalty`` beta, estimator ``reference_policy_kl_type``) is reduced the same
+    way and added: ``loss = actor_loss + beta * KL``.
+
+    Batch keys: ``advantages [B,S]``, ``prev_logprobs``, ``generation_logprobs``, ``token_mask``,
+    ``sample_mask``, and ``reference_policy_logprobs`` when beta > 0.
+
+    Args:
+        cfg: a `LossConfig` (defaults: clip 0.2/0.2, beta 0, k3, token-level). Keyword arguments
+            instead build one, so ``make_loss("clipped_pg", **cfg.model_dump())`` works.
+    """
+
+    input_type: Literal["logprobs", "scores"] = "logprobs"
+
+    def __init__(self, cfg: Optional[LossConfig] = None, **overrides: Any):
+        if cfg is None:
+            cfg = LossConfig(**overrides)
+        elif overrides:
+            cfg = cfg.model_copy(update=overrides)
+        self.cfg = cfg
+        self.loss_type: Literal["token", "sequence"] = "token" if cfg.token_level_loss else "sequence"
+        truncation = cfg.truncated_importance_sampling_type
+        if truncation is not None:
+            if cfg.truncated_importance_sampling_ratio is None:
+                raise ValueError(
+                    f"loss_fn.truncated_importance_sampling_type={truncation!r} needs "
+                    "loss_fn.truncated_importance_sampling_ratio (the upper bound)"
+                )
+            if not cfg.use_importance_sampling_correction:
+                raise ValueError(
+                    "loss_fn.truncated_importance_sampling_type is set but "
+                    "loss_fn.use_importance_sampling_correction is false"
+                )
+            if truncation == "seq-mask-tis" and cfg.sequence_level_importance_ratios:
+                raise ValueError(
+                    "loss_fn.truncated_importance_sampling_type='seq-mask-tis' masks sequences of token-level "
+                    "weights and cannot be combined with loss_fn.sequence_level_importance_ratios"
+                )
+        elif cfg.truncated_importance_sampling_ratio is not None:
+            raise ValueError(
+                "loss_fn.truncated_importance_sampling_ratio is set but loss_fn.truncated_importance_sampling_type "
+                "is not; choose 'tis', 'icepop' or 'seq-mask-tis'"
+            )
+        if cfg.force_on_policy_ratio and cfg.disable_ppo_ratio:
+            raise ValueError("loss_fn.force_on_policy_ratio and loss_fn.disable_ppo_ratio are exclusive")
+
+    # The two reductions of a per-token quantity; both sum correctly over micro-batches.
+    def _reduce(
+        self, values: torch.Tensor, mask: torch.Tensor, sample_mask: torch.Tensor, seqs: Count, toks: Count
+    ) -> torch.Tensor:
+        if self.loss_type == "token":
+            return masked_mean(values, mask, global_normalization_factor=toks)
+        per_sequence = masked_mean(values, mask, dim=-1)
+        return masked_mean(per_sequence, sample_mask, global_normalization_factor=seqs)
+
+    def _importance_weights(
+        self, prev: torch.Tensor, gen: torch.Tensor, mask: torch.Tensor, sample_mask: torch.Tensor, seqs: Count, toks: Count
+    ) -> tuple[torch.Tensor, torch.Tensor, Metrics]:
+        """Raw and truncated importance weights pi_prev / pi_gen (detached, broadcastable to [B,S-1])."""
+        cfg = self.cfg
+        log_w = (prev - gen).detach()
+        if cfg.sequence_level_importance_ratios:
+            raw = _finite_or_zero(masked_sum(log_w, mask, dim=-1).exp())[:, None]
+        else:
+            raw = _finite_or_zero(log_w.exp())
+        upper = cfg.truncated_importance_sampling_ratio
+        lower = cfg.truncated_importance_sampling_ratio_min or 0.0
+        metrics: Metrics = {}
+        truncation = cfg.truncated_importance_sampling_type
+        if truncation == "tis":
+            weights = raw.clamp(min=lower, max=upper)
+        elif truncation == "icepop":
+            kept = ((raw >= lower) & (raw <= upper)).float()
+            weights = raw * kept
+            out_of_bounds = (1 - kept).expand_as(mask)
+            metrics["is_oob_ratio"] = masked_mean(out_of_bounds, mask, global_normalization_factor=toks).item()
+        elif truncation == "seq-mask-tis":
+            geometric_mean = masked_mean(_finite_or_zero(log_w), mask, dim=-1).exp()
+            kept = ((geometric_mean >= lower) & (geometric_mean <= upper)).float()
+            weights = raw * kept[:, None]
+            metrics["is_oob_ratio"] = masked_mean(1 - kept, sample_mask, global_normalization_factor=seqs).item()
+        else:
+            weights = raw
+        return raw, weights, metrics
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch: Mapping[str, Any], global_valid_seqs: Count, global_valid_toks: Count
+    ) -> tuple[torch.Tensor, Metrics]:
+        cfg, who = self.cfg, "clipped_pg loss"
+        required = ["advantages", "generation_logprobs"]
+        if not cfg.force_on_policy_ratio:
+            required.append("prev_logprobs")
+        if cfg.reference_policy_kl_penalty > 0:
+            required.append("reference_policy_logprobs")
+        _require(batch, tuple(required), who)
+        logprobs, _, sample_mask, mask = _loss_mask(logprobs, batch, who)
+        seqs, toks = global_valid_seqs, global_valid_toks
+        advantages = _shifted(batch, "advantages", logprobs, who)
+        gen = _shifted(batch, "generation_logprobs", logprobs, who)
+        if "prev_logprobs" in batch:
+            prev = _shifted(batch, "prev_logprobs", logprobs, who)
+        else:  # force_on_policy_ratio: the trainer skipped the recompute, current == previous policy
+            prev = logprobs.detach()
+
+        # Ratio r and its clamped version r_hat.
+        if cfg.force_on_policy_ratio:
+            ratio = (logprobs - logprobs.detach()).exp()
+            ratio_clamped = ratio
+        elif cfg.disable_ppo_ratio:
+            ratio = logprobs  # REINFORCE: -A * logp
+            ratio_clamped = logprobs
+        else:
+            log_ratio = logprobs - prev
+            if cfg.sequence_level_importance_ratios:  # GSPO: geometric mean over the sequence
+                log_ratio = masked_mean(log_ratio, mask, dim=-1)[:, None].expand_as(logprobs)
+            ratio = log_ratio.exp()
+            ratio_clamped = ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
+
+        loss_unclipped = -advantages * ratio
+        loss_clipped = -advantages * ratio_clamped
+        pg_loss = torch.maximum(loss_unclipped, loss_clipped)  # pessimistic bound
+        if cfg.ratio_clip_c is not None:
+            pg_loss = torch.where(advantages < 0, torch.minimum(pg_loss, -advantages * cfg.ratio_clip_c), pg_loss)
+
+        raw_weights, weights, is_metrics = self._importance_weights(prev, gen, mask, sample_mask, seqs, toks)
+        if not cfg.use_importance_sampling_correction:
+            weights = torch.ones_like(weights)
+        actor_loss = self._reduce(weights * pg_loss, mask, sample_mask, seqs, toks)
+
+        if cfg.reference_policy_kl_penalty > 0:
+            reference = _shifted(batch, "reference_policy_logprobs", logprobs, who)
+            kl = per_token_kl(
+                logprobs, reference, cfg.reference_policy_kl_type, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value
+            )
+            if cfg.use_on_policy_kl_approximation:
+                # KL(pi || ref) needs samples of pi but the tokens came from pi_gen: reweight them.
+                kl = kl * _finite_or_zero((logprobs - gen).detach().exp())
+            kl_term = self._reduce(kl, mask, sample_mask, seqs, toks)
+        else:
+            kl_term = torch.zeros((), device=logprobs.device)
+        loss = actor_loss + cfg.reference_policy_kl_penalty * kl_term
+
+        with torch.no_grad():
+            metrics = self._metrics(logprobs, prev, gen, ratio, ratio_clamped, loss_unclipped, loss_clipped,
+                                    raw_weights, mask, sample_mask, seqs, toks)
+        metrics.update(
+            loss=loss.item(), actor_loss=actor_loss.item(), kl_penalty=kl_term.item(), **is_metrics
+        )
+        return loss, metrics
+
+    def _metrics(
+        self,
+        logprobs: torch.Tensor,
+        prev: torch.Tensor,
+        gen: torch.Tensor,
+        ratio: torch.Tensor,
+        ratio_clamped: torch.Tensor,
+        loss_unclipped: torch.Tensor,
+        loss_clipped: torch.Tensor,
+        raw_weights: torch.Tensor,
+        mask: torch.Tensor,
+        sample_mask: torch.Tensor,
+        seqs: Count,
+        toks: Count,
+    ) -> Metrics:
+        def token_mean(values: torch.Tensor) -> float:
+            return masked_mean(values, mask, global_normalization_factor=toks).item()
+
+        ratio_min, ratio_max = _masked_min_max(ratio, mask)
+        clamped_min, clamped_max = _masked_min_max(ratio_clamped, mask)
+        if self.cfg.sequence_level_importance_ratios:
+            sampling_ratio = masked_mean(raw_weights[:, 0], sample_mask, global_normalization_factor=seqs).item()
+        else:
+            sampling_ratio = token_mean(raw_weights)
+        return {
+            "probs_ratio": token_mean(ratio),
+            "probs_ratio_clamped": token_mean(ratio_clamped),
+            "probs_ratio_min": ratio_min,
+            "probs_ratio_max": ratio_max,
+            "probs_ratio_clamped_min": clamped_min,
+            "probs_ratio_clamped_max": clamped_max,
+            # Fraction of tokens where the clipped branch is the binding one (no gradient flows).
+            "clip_fraction": token_mean((loss_clipped > loss_unclipped).float()),
+            # Token-weighted mean of exp(|gen - prev|); 1.0 = trainer and generator agree exactly.
+            # The mask goes inside exp so padding never produces inf * 0.
+            "token_mult_prob_error": token_mean(((gen - prev).abs() * mask).exp()),
+            # k3 estimate of KL(P_gen || P_train) with the generator as the sampling distribution.
+            "gen_kl_error": token_mean(per_token_kl(gen, prev, "k3")),
+            "sampling_importance_ratio": sampling_ratio,
+            # Entropy of pi estimated from tokens sampled by pi_gen: -E_gen[(pi / pi_gen) log pi].
+            "approx_entropy": token_mean(-_finite_or_zero((logprobs - gen).exp()) * logprobs),
+            "num_valid_samples": sample_mask.sum().item(),
+        }
+
+
+# ------------------------------------------------------------------------------------ preference
+def _split_pairs(values: torch.Tensor, sample_mask: torch.Tensor, who: str) -> tuple[torch.Tensor, ...]:
+    """Rows interleave chosen and rejected ``[c0, r0, c1, r1, ...]``: return chosen, rejected and
+    the pair mask (both rows of a pair must carry the same sample_mask)."""
+    if values.shape[0] % 2:
+        raise ValueError(f"{who}: batch rows must interleave chosen/rejected pairs, got an odd size {values.shape[0]}")
+    if not torch.equal(sample_mask[::2], sample_mask[1::2]):
+        raise ValueError(f"{who}: chosen and rejected rows of a pair have different sample_mask values")
+    return values[::2], values[1::2], sample_mask[::2]
+
+
+def _pair_metrics(
+    chosen: torch.Tensor, rejected: torch.Tensor, pair_mask: torch.Tensor, pairs: torch.Tensor
+) -> Metrics:
+    chosen, rejected = chosen.detach(), rejected.detach()
+    return {
+        "accuracy": masked_mean((chosen > rejected).float(), pair_mask, global_normalization_factor=pairs).item(),
+        "rewards_chosen_mean": masked_mean(chosen, pair_mask, global_normalization_factor=pairs).item(),
+        "rewards_rejected_mean": masked_mean(rejected, pair_mask, global_normalization_factor=pairs).item(),
+        "reward_margin": masked_mean(chosen - rejected, pair_mask, global_normalization_factor=pairs).item(),
+        "num_valid_samples": pair_mask.sum().item(),  # pairs
+    }
+
+
+@register_loss("preference")
+class PreferenceLoss:
+    """Bradley-Terry reward-model loss (Bradley & Terry 1952; Ouyang et al. 2022):
+    ``-logsigmoid(s_chosen - s_rejected)`` averaged over pairs (``global_valid_seqs / 2``).
+
+    Input is one score per sequence ``[B]`` (or ``[B, 1]``); rows interleave chosen and rejected.
+    Metrics: ``loss``, ``accuracy`` (s_c > s_r), ``rewards_chosen_mean``, ``rewards_rejected_mean``,
+    ``reward_margin``, ``num_valid_samples`` (pairs).
+    """
+
+    loss_type: Literal["token", "sequence"] = "sequence"
+    input_type: Literal["logprobs", "scores"] = "scores"
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch: Mapping[str, Any], global_valid_seqs: Count, global_valid_toks: Count
+    ) -> tuple[torch.Tensor, Metrics]:
+        who = "preference loss"
+        _require(batch, ("sample_mask",), who)
+        scores = logprobs.float().reshape(-1) if logprobs.ndim == 2 and logprobs.shape[1] == 1 else logprobs.float()
+        if scores.ndim != 1:
+            raise ValueError(f"{who}: expected scores of shape [B] or [B, 1], got {tuple(logprobs.shape)}")
+        chosen, rejected, pair_mask = _split_pairs(scores, batch["sample_mask"].float(), who)
+        pairs = _as_tensor(global_valid_seqs, scores) / 2
+        loss = masked_mean(-F.logsigmoid(chosen - rejected), pair_mask, global_normalization_factor=pairs)
+        return loss, {"loss": loss.item(), **_pair_metrics(chosen, rejected, pair_mask, pairs)}
+
+
+@register_loss("dpo")
+class DPOLoss:
+    """Direct Preference Optimization (Rafailov et al. 2023).
+
+    Implicit reward per sequence ``r = sum_t (logp - logp_ref) * mask`` (divided by the number of
+    tokens when ``preference_average_log_probs``). Per pair
+    ``L = preference_loss_weight * -logsigmoid(beta * (r_c - r_r)) + sft_loss_weight * NLL(chosen)``,
+    averaged over pairs (``global_valid_seqs / 2``). NLL(chosen) is ``-sum_t logp`` of the chosen
+    sequence (a token mean when ``preference_average_log_probs``), as in NeMo-RL. Rows interleave
+    chosen and rejected; the batch needs ``reference_policy_logprobs``. Reported rewards are the
+    unscaled log-ratio sums (no beta), as in NeMo-RL.
+
+    Args:
+        beta: inverse temperature of the preference (default 0.1; config key
+            ``dpo.reference_policy_kl_penalty``).
+        preference_average_log_probs: average instead of sum the log-ratio over tokens (default False;
+            length-normalised variant, cf. SimPO, Meng et al. 2024).
+        sft_loss_weight: weight of the auxiliary NLL on chosen responses (default 0.0; RPO,
+            Pang et al. 2024).
+        preference_loss_weight: weight of the preference term (default 1.0).
+    """
+
+    loss_type: Literal["token", "sequence"] = "sequence"
+    input_type: Literal["logprobs", "scores"] = "logprobs"
+
+    def __init__(
+        self,
+        beta: float = 0.1,
+        preference_average_log_probs: bool = False,
+        sft_loss_weight: float = 0.0,
+        preference_loss_weight: float = 1.0,
+    ):
+        if beta <= 0:
+            raise ValueError(f"dpo: beta must be > 0, got {beta}")
+        self.beta = beta
+        self.preference_average_log_probs = preference_average_log_probs
+        self.sft_loss_weight = sft_loss_weight
+        self.preference_loss_weight = preference_loss_weight
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch: Mapping[str, Any], global_valid_seqs: Count, global_valid_toks: Count
+    ) -> tuple[torch.Tensor, Metrics]:
+        who = "dpo loss"
+        _require(batch, ("reference_policy_logprobs",), who)
+        logprobs, _, sample_mask, mask = _loss_mask(logprobs, batch, who)
+        reference = _shifted(batch, "reference_policy_logprobs", logprobs, who)
+        num_tokens = mask.sum(-1).clamp(min=1) if self.preference_average_log_probs else 1.0
+        rewards = masked_sum(logprobs - reference, mask, dim=-1) / num_tokens
+        sequence_nll = -masked_sum(logprobs, mask, dim=-1) / num_tokens
+
+        chosen, rejected, pair_mask = _split_pairs(rewards, sample_mask, who)
+        pairs = _as_tensor(global_valid_seqs, rewards) / 2
+        preference_loss = masked_mean(
+            -F.logsigmoid(self.beta * (chosen - rejected)), pair_mask, global_normalization_factor=pairs
+        )
+        sft_loss = masked_mean(sequence_nll[::2], pair_mask, global_normalization_factor=pairs)
+        loss = self.preference_loss_weight * preference_loss + self.sft_loss_weight * sft_loss
+        return loss, {
+            "loss": loss.item(),
+            "preference_loss": preference_loss.item(),
+            "sft_loss": sft_loss.item(),
+            **_pair_metrics(chosen, rejected, pair_mask, pairs),
+        }

@@ -1,0 +1,354 @@
+"""Loss functions against hand-computed references (tiny tensors)."""
+
+import math
+
+import pytest
+import torch
+
+from posttrain.algorithms.loss import (
+    ClippedPGLoss,
+    DPOLoss,
+    NLLLoss,
+    PreferenceLoss,
+    compute_global_valid_counts,
+    make_loss,
+    masked_mean,
+    masked_sum,
+    per_token_kl,
+)
+
+
+def one_row_batch(log_ratio, advantages, gen_minus_prev=None):
+    """One sequence whose positions 1.. are all trained on; prev = 0, logprobs = log_ratio."""
+    n = len(log_ratio)
+    prev = torch.zeros(1, n + 1)
+    logprobs = torch.tensor([[0.0, *log_ratio]], requires_grad=True)
+    gen = prev.clone()
+    if gen_minus_prev is not None:
+        gen[0, 1:] = torch.tensor(gen_minus_prev)
+    batch = {
+        "token_mask": torch.tensor([[0.0] + [1.0] * n]),
+        "sample_mask": torch.ones(1),
+        "advantages": torch.tensor([[0.0] + list(advantages)]),
+        "prev_logprobs": prev,
+        "generation_logprobs": gen,
+    }
+    return logprobs, batch
+
+
+def call(loss_fn, logprobs, batch):
+    seqs, toks = compute_global_valid_counts(batch)
+    return loss_fn(logprobs, batch, seqs, toks)
+
+
+# ------------------------------------------------------------------------------------- helpers
+def test_masked_helpers_and_counts():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    assert masked_sum(values, mask).item() == 4.0
+    assert masked_mean(values, mask).item() == 2.0
+    assert masked_mean(values, mask, dim=-1).tolist() == [2.0, 0.0]  # empty row: 0, not NaN
+    assert masked_mean(values, mask, global_normalization_factor=8).item() == 0.5
+
+    batch = {"token_mask": torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 1.0, 1.0]]),
+             "sample_mask": torch.tensor([1.0, 1.0, 0.0])}
+    seqs, toks = compute_global_valid_counts(batch)
+    assert seqs.item() == 2.0 and toks.item() == 3.0  # position 0 never counts
+
+
+def test_nll_loss_value():
+    logprobs = torch.tensor([[0.0, -1.0, -2.0, -9.0], [0.0, -3.0, -9.0, -9.0]])
+    batch = {"token_mask": torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]), "sample_mask": torch.ones(2)}
+    loss, metrics = call(NLLLoss(), logprobs, batch)
+    assert loss.item() == pytest.approx((1 + 2 + 3) / 3)
+    assert metrics["num_valid_tokens"] == 3 and metrics["num_valid_samples"] == 2
+
+
+# -------------------------------------------------------------------------------- clipped PG loss
+RATIOS = [0.5, 0.9, 1.1, 1.5]
+
+
+@pytest.mark.parametrize("advantage, expected", [(1.0, [-0.5, -0.9, -1.1, -1.28]), (-1.0, [0.8, 0.9, 1.1, 1.5])])
+def test_asymmetric_clip(advantage, expected):
+    """clip-higher: r_hat = clamp(r, 0.8, 1.28); L = max(-A r, -A r_hat)."""
+    logprobs, batch = one_row_batch([math.log(r) for r in RATIOS], [advantage] * 4)
+    loss_fn = ClippedPGLoss(ratio_clip_min=0.2, ratio_clip_max=0.28)
+    loss, metrics = call(loss_fn, logprobs, batch)
+    assert loss.item() == pytest.approx(sum(expected) / 4)
+    assert metrics["clip_fraction"] == pytest.approx(0.25)
+    assert metrics["probs_ratio"] == pytest.approx(sum(RATIOS) / 4)
+    assert metrics["probs_ratio_min"] == pytest.approx(0.5) and metrics["probs_ratio_max"] == pytest.approx(1.5)
+    assert metrics["probs_ratio_clamped_min"] == pytest.approx(0.8)
+    assert metrics["probs_ratio_clamped_max"] == pytest.approx(1.28)
+    loss.backward()
+    # The binding clipped token gets no gradient; others get -A * r / 4 (d r / d logp = r).
+    clipped = 3 if advantage > 0 else 0
+    for i, r in enumerate(RATIOS):
+        want = 0.0 if i == clipped else -advantage * r / 4
+        assert logprobs.grad[0, i + 1].item() == pytest.approx(want)
+
+
+def test_dual_clip():
+    """A < 0: L = min(max(-A r, -A r_hat), -A c); A > 0 is untouched."""
+    logprobs, batch = one_row_batch([math.log(5.0), math.log(2.0), math.log(5.0)], [-1.0, -1.0, 1.0])
+    loss, _ = call(ClippedPGLoss(ratio_clip_c=3.0), logprobs, batch)
+    assert loss.item() == pytest.approx((3.0 + 2.0 - 1.2) / 3)
+
+
+def test_force_on_policy_and_reinforce():
+    logprobs, batch = one_row_batch([-0.5, -1.0], [2.0, -1.0])
+    del batch["prev_logprobs"]  # not needed when the ratio is forced to 1
+    loss, metrics = call(ClippedPGLoss(force_on_policy_ratio=True), logprobs, batch)
+    assert loss.item() == pytest.approx((-2.0 + 1.0) / 2)
+    assert metrics["probs_ratio"] == pytest.approx(1.0)
+    loss.backward()
+    assert logprobs.grad[0, 1:].tolist() == pytest.approx([-1.0, 0.5])  # -A / n_tokens
+
+    logprobs, batch = one_row_batch([-0.5, -1.0], [2.0, -1.0])
+    loss, _ = call(ClippedPGLoss(disable_ppo_ratio=True), logprobs, batch)
+    assert loss.item() == pytest.approx((2.0 * 0.5 + (-1.0) * 1.0) / 2)  # -A * logp
+
+
+def test_per_token_kl_estimators_and_clamps():
+    logp, ref = torch.tensor([-1.0]), torch.tensor([-2.0])  # log r = ref - logp = -1
+    assert per_token_kl(logp, ref, "k1").item() == pytest.approx(1.0)
+    assert per_token_kl(logp, ref, "k2").item() == pytest.approx(0.5)
+    assert per_token_kl(logp, ref, "k3").item() == pytest.approx(math.exp(-1))
+    far = torch.tensor([-30.0])  # log r = -30, input-clamped to -20
+    assert per_token_kl(torch.zeros(1), far, "k1", input_clamp_value=20.0).item() == pytest.approx(20.0)
+    assert per_token_kl(torch.zeros(1), far, "k3", input_clamp_value=20.0).item() == pytest.approx(19.0, abs=1e-6)
+    assert per_token_kl(torch.zeros(1), far, "k3", 20.0, output_clamp_value=10.0).item() == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="k4"):
+        per_token_kl(logp, ref, "k4")
+
+
+def test_kl_term_in_loss():
+    logprobs, batch = one_row_batch([-1.0, -1.0], [0.0, 0.0])
+    batch["reference_policy_logprobs"] = torch.tensor([[0.0, -2.0, -1.0]])  # log r = -1, 0
+    loss, metrics = call(ClippedPGLoss(reference_policy_kl_penalty=0.1, reference_policy_kl_type="k2"), logprobs, batch)
+    assert metrics["kl_penalty"] == pytest.approx(0.25)  # (0.5 + 0) / 2
+    assert loss.item() == pytest.approx(0.025)
+    missing = {k: v for k, v in batch.items() if k != "reference_policy_logprobs"}
+    with pytest.raises(KeyError, match="reference_policy_logprobs"):
+        call(ClippedPGLoss(reference_policy_kl_penalty=0.1), logprobs, missing)
+
+
+def test_gspo_sequence_ratio():
+    """GSPO: r = exp(mean_t(logp - prev)) per sequence, sequence-level mean of per-token losses."""
+    logprobs = torch.tensor([[0.0, 0.1, 0.3, 0.0], [0.0, -0.4, 0.0, 0.0]], requires_grad=True)
+    batch = {
+        "token_mask": torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, 0.0]]),
+        "sample_mask": torch.ones(2),
+        "advantages": torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, -2.0, -2.0, -2.0]]),
+        "prev_logprobs": torch.zeros(2, 4),
+        "generation_logprobs": torch.zeros(2, 4),
+    }
+    cfg = dict(sequence_level_importance_ratios=True, token_level_loss=False, ratio_clip_min=0.5, ratio_clip_max=0.5)
+    loss, metrics = call(ClippedPGLoss(**cfg), logprobs, batch)
+    r0, r1 = math.exp(0.2), math.exp(-0.4)
+    assert loss.item() == pytest.approx((-1.0 * r0 + 2.0 * r1) / 2)
+    assert metrics["probs_ratio"] == pytest.approx((2 * r0 + r1) / 3)
+
+
+def test_token_vs_sequence_aggregation():
+    """Per-token losses -A (ratio 1): token-level = sum / 4 tokens, sequence-level = mean of row means."""
+    logprobs = torch.zeros(2, 4)
+    batch = {
+        "token_mask": torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 1.0, 1.0, 1.0]]),
+        "sample_mask": torch.ones(2),
+        "advantages": torch.tensor([[0.0, 4.0, 0.0, 0.0], [0.0, 1.0, 2.0, 3.0]]),
+        "prev_logprobs": torch.zeros(2, 4),
+        "generation_logprobs": torch.zeros(2, 4),
+    }
+    token_loss, _ = call(ClippedPGLoss(token_level_loss=True), logprobs, batch)
+    seq_loss, _ = call(ClippedPGLoss(token_level_loss=False), logprobs, batch)
+    assert token_loss.item() == pytest.approx(-(4 + 1 + 2 + 3) / 4)
+    assert seq_loss.item() == pytest.approx(-(4 + 2) / 2)
+
+
+# ------------------------------------------------------------------------------ importance sampling
+# prev - gen = log w with w = [0.5, 1, 3]; advantages 1 and ratio 1, so each token's loss is -w.
+IS_WEIGHTS = [0.5, 1.0, 3.0]
+
+
+def is_loss(**cfg):
+    logprobs, batch = one_row_batch([0.0, 0.0, 0.0], [1.0] * 3, [-math.log(w) for w in IS_WEIGHTS])
+    return call(ClippedPGLoss(use_importance_sampling_correction=True, **cfg), logprobs, batch)
+
+
+def test_importance_sampling_correction_and_truncation():
+    loss, metrics = is_loss()
+    assert loss.item() == pytest.approx(-sum(IS_WEIGHTS) / 3)
+    assert metrics["sampling_importance_ratio"] == pytest.approx(sum(IS_WEIGHTS) / 3)
+    loss, _ = is_loss(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0)
+    assert loss.item() == pytest.approx(-(0.5 + 1 + 2) / 3)
+    loss, _ = is_loss(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0,
+                      truncated_importance_sampling_ratio_min=0.6)
+    assert loss.item() == pytest.approx(-(0.6 + 1 + 2) / 3)
+    loss, metrics = is_loss(truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=2.0,
+                            truncated_importance_sampling_ratio_min=0.6)
+    assert loss.item() == pytest.approx(-1.0 / 3)
+    assert metrics["is_oob_ratio"] == pytest.approx(2 / 3)
+    # Without the correction flag the weights only show up in metrics.
+    logprobs, batch = one_row_batch([0.0, 0.0, 0.0], [1.0] * 3, [-math.log(w) for w in IS_WEIGHTS])
+    assert call(ClippedPGLoss(), logprobs, batch)[0].item() == pytest.approx(-1.0)
+
+
+def test_seq_mask_tis_and_non_finite_weights():
+    # Row 0: log w = [0.1, -0.1] (geometric mean 1, kept); row 1: [1.0, 1.0] (geometric mean e, dropped).
+    log_w = torch.tensor([[0.0, 0.1, -0.1], [0.0, 1.0, 1.0]])
+    batch = {
+        "token_mask": torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]]),
+        "sample_mask": torch.ones(2),
+        "advantages": torch.ones(2, 3),
+        "prev_logprobs": log_w,
+        "generation_logprobs": torch.zeros(2, 3),
+    }
+    loss_fn = ClippedPGLoss(use_importance_sampling_correction=True, truncated_importance_sampling_type="seq-mask-tis",
+                            truncated_importance_sampling_ratio=1.5, truncated_importance_sampling_ratio_min=0.5)
+    loss, metrics = call(loss_fn, log_w.clone(), batch)  # logprobs == prev: ratio 1
+    assert loss.item() == pytest.approx(-(math.exp(0.1) + math.exp(-0.1)) / 4)  # raw token weights kept
+    assert metrics["is_oob_ratio"] == pytest.approx(0.5)
+
+    # A -inf generation logprob gives an infinite weight, which becomes 0.
+    logprobs, batch = one_row_batch([0.0, 0.0], [1.0, 1.0], [float("-inf"), 0.0])
+    loss, _ = call(ClippedPGLoss(use_importance_sampling_correction=True), logprobs, batch)
+    assert loss.item() == pytest.approx(-0.5)
+
+
+def test_gspo_sequence_importance_weight():
+    # Under GSPO the weight is exp(sum_t(prev - gen)) for the whole sequence.
+    logprobs, batch = one_row_batch([0.0, 0.0], [1.0, 1.0], [-0.2, -0.3])
+    cfg = dict(sequence_level_importance_ratios=True, token_level_loss=False, use_importance_sampling_correction=True)
+    loss, metrics = call(ClippedPGLoss(**cfg), logprobs, batch)
+    assert loss.item() == pytest.approx(-math.exp(0.5))
+    assert metrics["sampling_importance_ratio"] == pytest.approx(math.exp(0.5))
+
+
+# ------------------------------------------------------------------------------- mismatch metrics
+def test_token_mult_prob_error_and_gen_kl():
+    logprobs, batch = one_row_batch([-0.3, -0.7], [1.0, 1.0])
+    _, metrics = call(ClippedPGLoss(), logprobs, batch)
+    assert metrics["token_mult_prob_error"] == pytest.approx(1.0)
+    assert metrics["gen_kl_error"] == pytest.approx(0.0)
+
+    logprobs, batch = one_row_batch([0.0, 0.0], [1.0, 1.0], [0.1, -0.2])  # gen - prev
+    _, metrics = call(ClippedPGLoss(), logprobs, batch)
+    assert metrics["token_mult_prob_error"] == pytest.approx((math.exp(0.1) + math.exp(0.2)) / 2)
+    k3 = [math.exp(d) - 1 - d for d in (-0.1, 0.2)]  # log r = prev - gen
+    assert metrics["gen_kl_error"] == pytest.approx(sum(k3) / 2)
+    assert metrics["num_valid_samples"] == 1.0
+
+
+# ---------------------------------------------------------------------- micro-batch = full batch
+def random_pg_batch(generator, batch_size=6, seq_len=7):
+    lengths = torch.randint(3, seq_len + 1, (batch_size,), generator=generator)
+    positions = torch.arange(seq_len)[None, :]
+    token_mask = ((positions >= 2) & (positions < lengths[:, None])).float()
+    lp = lambda: -torch.rand(batch_size, seq_len, generator=generator) * 2 * token_mask  # noqa: E731
+    advantages = torch.randn(batch_size, 1, generator=generator).expand(-1, seq_len).clone()
+    batch = {
+        "token_mask": token_mask,
+        "sample_mask": torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 1.0]),
+        "advantages": advantages,
+        "prev_logprobs": lp(),
+        "generation_logprobs": lp(),
+        "reference_policy_logprobs": lp(),
+    }
+    return lp(), batch
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(reference_policy_kl_penalty=0.1, use_importance_sampling_correction=True, ratio_clip_c=3.0),
+        dict(token_level_loss=False, sequence_level_importance_ratios=True, reference_policy_kl_penalty=0.05,
+             use_on_policy_kl_approximation=True),
+        dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
+             truncated_importance_sampling_ratio=1.5, truncated_importance_sampling_ratio_min=0.7),
+    ],
+)
+def test_microbatches_sum_to_full_batch(cfg):
+    logprobs, batch = random_pg_batch(torch.Generator().manual_seed(0))
+    loss_fn = ClippedPGLoss(**cfg)
+    seqs, toks = compute_global_valid_counts(batch)
+
+    full_lp = logprobs.clone().requires_grad_()
+    full_loss, full_metrics = loss_fn(full_lp, batch, seqs, toks)
+    full_loss.backward()
+
+    split_lp = logprobs.clone().requires_grad_()
+    total, summed = 0.0, {}
+    for rows in (slice(0, 2), slice(2, 6)):
+        micro = {k: v[rows] for k, v in batch.items()}
+        loss, metrics = loss_fn(split_lp[rows], micro, seqs, toks)
+        loss.backward()
+        total += loss.item()
+        for name, value in metrics.items():
+            reduce = min if name.endswith("_min") else max if name.endswith("_max") else (lambda a, b: a + b)
+            summed[name] = reduce(summed[name], value) if name in summed else value
+    assert total == pytest.approx(full_loss.item(), rel=1e-5)
+    assert summed.keys() == full_metrics.keys()
+    for name, value in full_metrics.items():
+        assert summed[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    torch.testing.assert_close(split_lp.grad, full_lp.grad)
+
+
+# ------------------------------------------------------------------------------------ preferences
+def dpo_batch():
+    # Pair: chosen sum(logp - ref) = 1.0 over 2 tokens, rejected = -0.5 over 1 token.
+    logprobs = torch.tensor([[0.0, -1.0, -2.0], [0.0, -3.0, 0.0]])
+    batch = {
+        "token_mask": torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0]]),
+        "sample_mask": torch.ones(2),
+        "reference_policy_logprobs": torch.tensor([[0.0, -1.5, -2.5], [0.0, -2.5, -7.0]]),
+    }
+    return logprobs, batch
+
+
+def test_dpo_loss_values():
+    logprobs, batch = dpo_batch()
+    loss, metrics = call(DPOLoss(beta=0.1), logprobs, batch)
+    assert loss.item() == pytest.approx(math.log1p(math.exp(-0.15)))
+    assert metrics["accuracy"] == 1.0
+    assert metrics["rewards_chosen_mean"] == pytest.approx(1.0)
+    assert metrics["rewards_rejected_mean"] == pytest.approx(-0.5)
+    assert metrics["reward_margin"] == pytest.approx(1.5)
+    assert metrics["num_valid_samples"] == 1.0
+
+    loss, metrics = call(DPOLoss(beta=0.1, sft_loss_weight=0.5, preference_loss_weight=2.0), logprobs, batch)
+    assert metrics["sft_loss"] == pytest.approx(3.0)  # -sum(logp) of the chosen row
+    assert loss.item() == pytest.approx(2 * math.log1p(math.exp(-0.15)) + 0.5 * 3.0)
+
+    loss, metrics = call(DPOLoss(beta=0.1, preference_average_log_probs=True), logprobs, batch)
+    assert metrics["rewards_chosen_mean"] == pytest.approx(0.5)  # 1.0 / 2 tokens
+    assert loss.item() == pytest.approx(math.log1p(math.exp(-0.1)))
+
+
+def test_bradley_terry_loss_and_accuracy():
+    scores = torch.tensor([2.0, 1.0, 0.0, 1.0])
+    batch = {"sample_mask": torch.ones(4)}
+    loss, metrics = PreferenceLoss()(scores, batch, 4.0, 0.0)
+    assert loss.item() == pytest.approx((math.log1p(math.exp(-1)) + math.log1p(math.exp(1))) / 2)
+    assert metrics["accuracy"] == 0.5
+    assert metrics["rewards_chosen_mean"] == pytest.approx(1.0)
+    assert metrics["rewards_rejected_mean"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="odd"):
+        PreferenceLoss()(scores[:3], {"sample_mask": torch.ones(3)}, 3.0, 0.0)
+
+
+# ------------------------------------------------------------------------------- registry, errors
+def test_registry_and_config_errors():
+    assert isinstance(make_loss("clipped_pg", ratio_clip_max=0.28), ClippedPGLoss)
+    assert isinstance(make_loss("nll"), NLLLoss)
+    assert make_loss("dpo", beta=0.2).beta == 0.2
+    assert make_loss("preference").input_type == "scores"
+    with pytest.raises(ValueError, match="registered losses"):
+        make_loss("ppo2")
+    with pytest.raises(ValueError, match="truncated_importance_sampling_ratio"):
+        ClippedPGLoss(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis")
+    with pytest.raises(ValueError, match="use_importance_sampling_correction"):
+        ClippedPGLoss(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0)
+    logprobs, batch = one_row_batch([0.0], [1.0])
+    with pytest.raises(ValueError, match="advantages"):
+        call(ClippedPGLoss(), logprobs, {**batch, "advantages": torch.zeros(1)})
