@@ -38,6 +38,7 @@ from posttrain.config.schema import GRPOMasterConfig
 from posttrain.data.dataloader import ResumableLoader
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.distributed.batch import Batch
+from posttrain.evals.eval import evaluate, response_lengths
 from posttrain.rollouts import run_multi_turn_rollout
 from posttrain.utils.checkpoint import CheckpointManager
 from posttrain.utils.logger import Logger, ProgressBar
@@ -205,7 +206,7 @@ def _collect_experience(ctx: GRPOContext, step: int, timer: Timer) -> tuple[Batc
         if cfg.reward_shaping.enabled:
             rs = cfg.reward_shaping
             rewards = adv.apply_overlong_penalty(
-                rewards, _response_lengths(samples),
+                rewards, response_lengths(samples),
                 max_response_length=rs.max_response_length or cfg.policy.generation.max_new_tokens,
                 buffer_length=rs.overlong_buffer_length, penalty=rs.overlong_buffer_penalty,
             )
@@ -267,13 +268,6 @@ def _pad_to_multiple(kept: list[dict], multiple: int) -> list[dict]:
     return kept
 
 
-def _response_lengths(samples: list[dict]) -> torch.Tensor:
-    return torch.tensor(
-        [sum(len(m["token_ids"]) for m in s["message_log"] if "generation_logprobs" in m) for s in samples],
-        dtype=torch.float,
-    )
-
-
 def _refit_if_stale(ctx: GRPOContext, timer: Optional[Timer] = None) -> None:
     """Copy policy weights into the generation workers, lazily (only when they are stale)."""
     if not ctx.generation_stale:
@@ -286,37 +280,18 @@ def _refit_if_stale(ctx: GRPOContext, timer: Optional[Timer] = None) -> None:
 
 
 # ------------------------------------------------------------------------------- validation
-def validate(ctx: GRPOContext, datums: Optional[list[dict]] = None) -> dict[str, float]:
-    """Accuracy (mean reward of the first generation), pass@k and mean length on `datums`."""
+def validate(ctx: GRPOContext) -> dict[str, float]:
+    """Accuracy (and pass@k for k > 1) on the held-out prompts, with current weights."""
     cfg, g = ctx.cfg, ctx.cfg.grpo
-    datums = ctx.val_datums if datums is None else datums
     k = g.val_num_generations_per_prompt
-    greedy = cfg.policy.generation.val_temperature is None and k == 1
     _refit_if_stale(ctx)
-    rewards, lengths = [], []
-    for start in range(0, len(datums), g.val_batch_size):
-        chunk = [copy.deepcopy(d) for d in datums[start : start + g.val_batch_size] for _ in range(k)]
-        seeds = sample_seeds(g.seed + 7919, start, len(chunk))
-        result = run_multi_turn_rollout(
-            ctx.generation, chunk, ctx.tokenizer, ctx.envs,
-            max_seq_len=cfg.policy.max_total_sequence_length, max_rollout_turns=g.max_rollout_turns,
-            greedy=greedy, seeds=seeds, weight_version=ctx.step,
-        )
-        rewards.append(result.rewards)
-        lengths.append(_response_lengths(chunk))
-        if start == 0 and cfg.logger.num_val_samples_to_print:
-            for d in chunk[: cfg.logger.num_val_samples_to_print]:
-                print("".join(m["content"] for m in d["message_log"]))
-    r = torch.cat(rewards).view(-1, k)
-    correct = (r > 0.5).sum(dim=1)
-    metrics = {
-        "validation/accuracy": r[:, 0].mean().item(),
-        "validation/avg_length": torch.cat(lengths).mean().item(),
-    }
-    if k > 1:
-        metrics[f"validation/pass@{k}"] = adv.pass_at_k(k, correct, k).mean().item()
-        metrics["validation/mean_reward"] = r.mean().item()
-    return metrics
+    return evaluate(
+        ctx.generation, ctx.val_datums, ctx.tokenizer, ctx.envs, k=k,
+        greedy=k == 1 and cfg.policy.generation.val_temperature is None,
+        batch_size=g.val_batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
+        max_rollout_turns=g.max_rollout_turns, seed=g.seed + 7919, weight_version=ctx.step,
+        num_samples_to_print=cfg.logger.num_val_samples_to_print,
+    )
 
 
 def _validate_metrics(ctx: GRPOContext, step: int) -> dict[str, float]:

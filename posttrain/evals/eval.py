@@ -1,0 +1,129 @@
+"""Evaluation: accuracy, pass@k and mean response length of a model on a prompt set.
+
+`evaluate` is shared by GRPO's periodic validation and `posttrain eval` (a checkpoint or any HF
+model), so both report the same numbers the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.algorithms.advantages import pass_at_k
+from posttrain.rollouts import run_multi_turn_rollout
+
+
+def response_lengths(datums: list[dict]) -> torch.Tensor:
+    """Generated tokens per sample (all assistant turns)."""
+    return torch.tensor(
+        [sum(len(m["token_ids"]) for m in d["message_log"] if "generation_logprobs" in m) for d in datums],
+        dtype=torch.float,
+    )
+
+
+def evaluate(
+    generation,
+    datums: list[dict],
+    tokenizer,
+    envs: dict[str, Any],
+    *,
+    k: int = 1,
+    greedy: bool = True,
+    batch_size: int = 256,
+    max_seq_len: int = 256,
+    max_rollout_turns: int = 1,
+    seed: int = 0,
+    weight_version: int = 0,
+    num_samples_to_print: int = 0,
+) -> dict[str, float]:
+    """Roll out every prompt `k` times; accuracy is the mean reward of the first sample.
+
+    Returns `validation/accuracy`, `validation/avg_length` and, for k > 1, `validation/pass@k`
+    (the unbiased estimator of Chen et al. 2021) and `validation/mean_reward`.
+    """
+    from posttrain.algorithms.common import sample_seeds
+
+    rewards, lengths = [], []
+    for start in range(0, len(datums), batch_size):
+        chunk = [copy.deepcopy(d) for d in datums[start : start + batch_size] for _ in range(k)]
+        result = run_multi_turn_rollout(
+            generation, chunk, tokenizer, envs, max_seq_len=max_seq_len,
+            max_rollout_turns=max_rollout_turns, greedy=greedy,
+            seeds=sample_seeds(seed, start, len(chunk)), weight_version=weight_version,
+        )
+        rewards.append(result.rewards)
+        lengths.append(response_lengths(chunk))
+        if start == 0:
+            for d, r in list(zip(chunk, result.rewards))[:num_samples_to_print]:
+                print(f"[reward {float(r):.2f}] " + "".join(m["content"] for m in d["message_log"]), flush=True)
+    r = torch.cat(rewards).view(-1, k)
+    metrics = {
+        "validation/accuracy": r[:, 0].mean().item(),
+        "validation/avg_length": torch.cat(lengths).mean().item(),
+    }
+    if k > 1:
+        correct = (r > 0.5).sum(dim=1)
+        metrics[f"validation/pass@{k}"] = pass_at_k(k, correct, k).float().mean().item()
+        metrics["validation/mean_reward"] = r.mean().item()
+    return metrics
+
+
+def _hf_dir_for(model_name: str, work_dir: Path) -> str:
+    """A training checkpoint (`step_N/`) is converted to HF format first; anything else loads as is."""
+    path = Path(model_name)
+    if (path / "policy").is_dir():
+        from posttrain.models.policy.checkpoint import convert_to_hf
+
+        out = work_dir / "hf"
+        convert_to_hf(path, out)
+        return str(out)
+    return model_name
+
+
+def run(cfg) -> dict[str, float]:
+    """`posttrain eval`: evaluate `policy.model_name` (hub id, HF dir or checkpoint step dir)."""
+    from posttrain.algorithms.common import make_cluster, prepare_run_dirs, set_seed, start_ray
+    from posttrain.data.datasets import load_records
+    from posttrain.data.processors import build_prompt_message_log
+    from posttrain.environments.registry import create_env
+    from posttrain.models.generation import Generation
+    from posttrain.models.hf import load_tokenizer
+    from posttrain.utils.logger import Logger
+
+    e = cfg.eval
+    set_seed(e.seed)
+    prepare_run_dirs(cfg)
+    start_ray(cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = cfg.model_copy(deep=True)
+        cfg.policy.model_name = _hf_dir_for(cfg.policy.model_name, Path(tmp))
+        tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+        records = load_records(cfg.data, e.split)[: e.max_samples]
+        datums = [
+            build_prompt_message_log(r, tokenizer, cfg.policy.max_total_sequence_length,
+                                     use_chat_template=cfg.data.use_chat_template,
+                                     system_prompt=cfg.data.system_prompt, idx=i)
+            for i, r in enumerate(records)
+        ]
+        envs = {name: create_env(name, getattr(cfg.env, name)) for name in {d["task_name"] for d in datums}}
+        generation = Generation(make_cluster(cfg, 1, name="eval"), cfg.policy, tokenizer=tokenizer)
+        try:
+            greedy = e.num_generations_per_prompt == 1 and cfg.policy.generation.val_temperature is None
+            metrics = evaluate(
+                generation, datums, tokenizer, envs, k=e.num_generations_per_prompt, greedy=greedy,
+                batch_size=e.batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
+                max_rollout_turns=e.max_rollout_turns, seed=e.seed,
+                num_samples_to_print=cfg.logger.num_val_samples_to_print,
+            )
+        finally:
+            generation.shutdown()
+    logger = Logger(cfg.logger)
+    logger.log_metrics(metrics, 0)
+    logger.close()
+    for name, value in metrics.items():
+        print(f"{name}: {value:.4f}")
+    return metrics
