@@ -1,0 +1,310 @@
+"""Native PyTorch generation engine for any Hugging Face causal LM.
+
+`NativeGenerationEngine.generate` takes right-padded prompts (the project's convention), turns
+them into left-padded ones with an attention mask and explicit position ids, runs one prefill
+forward pass that fills a KV cache, then decodes one token per step. Rows that finish (eos, a
+stop token, a stop string, or `max_new_tokens`) leave the running batch together with their KV
+cache rows, so they stop costing compute.
+
+The output follows the generation contract in `docs/internals.md` (and NeMo-RL's
+`GenerationOutputSpec`): `output_ids [B, S+T]` (prompt + generated, right-padded),
+`generation_lengths [B]`, `unpadded_sequence_lengths [B]`, `logprobs [B, S+T]` (processed
+logprobs at generated positions, 0 elsewhere) and `truncated [B]`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional, Sequence, Union
+
+import torch
+from transformers import DynamicCache
+
+from posttrain.models.generation.sampling import process_logits, sample
+
+StopStrings = Optional[Union[Sequence[str], Sequence[Optional[Sequence[str]]]]]
+
+# A stop string of n characters is looked for in the decoded text of the last n + this many
+# generated tokens: a token decodes to at least one character except for special tokens
+# and partial UTF-8 bytes, for which this is the margin.
+_STOP_STRING_TOKEN_MARGIN = 8
+
+
+def right_to_left_padding(
+    input_ids: torch.Tensor, input_lengths: torch.Tensor, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Convert right-padded prompts to left-padded ones of width `max(input_lengths)`.
+
+    Returns `(left_ids [B, P], attention_mask [B, P], position_ids [B, P])`; positions count from
+    0 at each row's first real token (padding positions hold 0 and are masked out).
+    """
+    width = int(input_lengths.max())
+    shift = (width - input_lengths).unsqueeze(1)  # left padding per row
+    source_col = torch.arange(width, device=input_ids.device).unsqueeze(0) - shift
+    attention_mask = (source_col >= 0).long()
+    left_ids = input_ids.gather(1, source_col.clamp(min=0)).masked_fill(attention_mask == 0, pad_token_id)
+    position_ids = source_col.clamp(min=0)
+    return left_ids, attention_mask, position_ids
+
+
+def _per_row_stop_strings(stop_strings: StopStrings, batch_size: int) -> list[list[str]]:
+    """Normalise `None | list[str] | list[list[str] | None]` (per row) to one list per row."""
+    if not stop_strings:
+        return [[] for _ in range(batch_size)]
+    if all(isinstance(s, str) for s in stop_strings):
+        return [list(stop_strings) for _ in range(batch_size)]
+    if len(stop_strings) != batch_size:
+        raise ValueError(
+            f"per-sample stop_strings has {len(stop_strings)} entries but the batch has {batch_size} rows"
+        )
+    rows = []
+    for i, row in enumerate(stop_strings):
+        if row is None:
+            rows.append([])
+        elif isinstance(row, str) or not all(isinstance(s, str) for s in row):
+            raise ValueError(f"stop_strings[{i}] must be a list of strings or None, got {row!r}")
+        else:
+            rows.append(list(row))
+    for i, row in enumerate(rows):
+        if any(s == "" for s in row):
+            raise ValueError(f"stop_strings[{i}] contains an empty string")
+    return rows
+
+
+class NativeGenerationEngine:
+    """Batched KV-cache decoding with per-row seeds and processed logprobs.
+
+    Args:
+        model: a Hugging Face causal LM (anything whose forward accepts `input_ids`,
+            `attention_mask`, `position_ids`, `past_key_values`, `use_cache`).
+        tokenizer: used only to decode the generated tail when stop strings are given (default
+            None: stop strings are then an error).
+        pad_token_id: written after each row's last token in `output_ids`.
+        eos_token_id: an id or list of ids that end a row (kept in the output); None: none.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer=None,
+        *,
+        pad_token_id: int,
+        eos_token_id: Optional[Union[int, Sequence[int]]],
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pad_token_id = int(pad_token_id)
+        if eos_token_id is None:
+            self.eos_token_ids: list[int] = []
+        elif isinstance(eos_token_id, int):
+            self.eos_token_ids = [eos_token_id]
+        else:
+            self.eos_token_ids = [int(t) for t in eos_token_id]
+        # Ask the model for the last position's logits only, when it supports it (saves a
+        # [B, P, V] projection at prefill).
+        self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        """One forward pass; returns the last position's logits `[b, V]`."""
+        extra = {"logits_to_keep": 1} if self._supports_logits_to_keep else {}
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            **extra,
+        )
+        return out.logits[:, -1, :]
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        input_lengths: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: Optional[int] = None,
+        greedy: bool = False,
+        stop_token_ids: Optional[Sequence[int]] = None,
+        stop_strings: StopStrings = None,
+        seeds: Optional[torch.Tensor] = None,
+    ) -> dict[str, torch.Tensor]:
+        """Generate up to `max_new_tokens` tokens for each right-padded prompt.
+
+        Args:
+            input_ids: `[B, S]` right-padded prompt token ids.
+            input_lengths: `[B]` valid prompt tokens per row (each >= 1).
+            max_new_tokens: generation budget per row.
+            temperature, top_p, top_k: see `sampling.process_logits` (defaults 1.0, 1.0, None).
+                Reported logprobs are always those of the processed distribution, also when
+                `greedy`.
+            greedy: argmax decoding (default False).
+            stop_token_ids: extra ids that end a row like eos (default None).
+            stop_strings: strings that end a row once the decoded generated text contains one;
+                one list for all rows or one list (or None) per row (default None). The row ends
+                with the token that completes the stop string (tokens are never split), and the
+                row is not marked truncated.
+            seeds: `[B]` int64 per-row seeds (default None: drawn from torch's global RNG). The
+                same seed gives the same tokens whatever else is in the batch.
+
+        Returns:
+            dict with `output_ids [B, S+T]` (T = longest generation), `generation_lengths [B]`,
+            `unpadded_sequence_lengths [B]`, `logprobs [B, S+T]` float32 and `truncated [B]`
+            bool, all on the input device.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, S], got shape {tuple(input_ids.shape)}")
+        batch_size, prompt_width = input_ids.shape
+        input_lengths = input_lengths.to(input_ids.device).long()
+        if input_lengths.shape != (batch_size,):
+            raise ValueError(f"input_lengths must be [{batch_size}], got shape {tuple(input_lengths.shape)}")
+        if batch_size and (input_lengths.min() < 1 or input_lengths.max() > prompt_width):
+            raise ValueError(
+                f"input_lengths must be in [1, {prompt_width}] (the padded width), got {input_lengths.tolist()}"
+            )
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        row_stop_strings = _per_row_stop_strings(stop_strings, batch_size)
+        if any(row_stop_strings) and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer: pass one to NativeGenerationEngine")
+
+        device = next(self.model.parameters()).device
+        if seeds is None:
+            seeds = torch.randint(0, 2**62, (batch_size,), dtype=torch.long)
+        seeds = seeds.long().to(device)
+        end_ids = torch.tensor(self.eos_token_ids + list(stop_token_ids or []), dtype=torch.long, device=device)
+
+        # Outputs of the whole batch, indexed by original row.
+        new_tokens = torch.full((batch_size, max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
+        new_logprobs = torch.zeros((batch_size, max_new_tokens), dtype=torch.float32, device=device)
+        generation_lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        stopped = torch.zeros(batch_size, dtype=torch.bool, device=device)
+
+        # Running batch: `active` maps running rows to original rows.
+        active = torch.arange(batch_size, device=device)
+        ids, attention_mask, position_ids = right_to_left_padding(
+            input_ids.to(device), input_lengths.to(device), self.pad_token_id
+        )
+        cache = DynamicCache()
+        logits = self._forward(ids, attention_mask, position_ids, cache) if batch_size else None
+        next_position = position_ids[:, -1] + 1
+
+        for step in range(max_new_tokens):
+            if active.numel() == 0:
+                break
+            processed = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+            steps = torch.full_like(active, step)
+            tokens, token_logprobs = sample(processed, seeds[active], steps, greedy=greedy)
+            new_tokens[active, step] = tokens
+            new_logprobs[active, step] = token_logprobs
+            generation_lengths[active] = step + 1
+
+            finished = torch.isin(tokens, end_ids)
+            if any(row_stop_strings[i] for i in active.tolist()):
+                finished |= self._hits_stop_string(new_tokens, active, step + 1, row_stop_strings)
+            stopped[active] = finished
+            if step + 1 == max_new_tokens:
+                break
+
+            if finished.any():  # drop finished rows and their KV-cache rows
+                keep = (~finished).nonzero().squeeze(1)
+                active, tokens = active[keep], tokens[keep]
+                attention_mask, next_position = attention_mask[keep], next_position[keep]
+                cache.batch_select_indices(keep)
+                if active.numel() == 0:
+                    break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(active.numel(), 1)], dim=1)
+            logits = self._forward(tokens.unsqueeze(1), attention_mask, next_position.unsqueeze(1), cache)
+            next_position = next_position + 1
+
+        return self._assemble_outputs(input_ids, input_lengths, new_tokens, new_logprobs, generation_lengths, stopped)
+
+    def _hits_stop_string(
+        self, new_tokens: torch.Tensor, active: torch.Tensor, num_generated: int, row_stop_strings: list[list[str]]
+    ) -> torch.Tensor:
+        """`[len(active)]` bool: the decoded generated tail of the row contains a stop string.
+
+        Only the last few tokens are decoded. A stop string found here ends in the newest token,
+        because the check runs after every token and an earlier match would have ended the row.
+        """
+        rows = active.tolist()
+        checked = [j for j, row in enumerate(rows) if row_stop_strings[row]]
+        windows = []
+        for j in checked:
+            longest = max(len(s) for s in row_stop_strings[rows[j]])
+            start = max(0, num_generated - longest - _STOP_STRING_TOKEN_MARGIN)
+            windows.append(new_tokens[rows[j], start:num_generated].tolist())
+        texts = self.tokenizer.batch_decode(windows, skip_special_tokens=False)
+        hits = torch.zeros(len(rows), dtype=torch.bool)
+        for j, text in zip(checked, texts):
+            hits[j] = any(s in text for s in row_stop_strings[rows[j]])
+        return hits.to(active.device)
+
+    def _assemble_outputs(self, input_ids, input_lengths, new_tokens, new_logprobs, generation_lengths, stopped):
+        """Place each row's generated tokens right after its prompt, right-padded."""
+        batch_size, prompt_width = input_ids.shape
+        out_device = input_ids.device
+        new_tokens, new_logprobs = new_tokens.to(out_device), new_logprobs.to(out_device)
+        generation_lengths, stopped = generation_lengths.to(out_device), stopped.to(out_device)
+        longest = int(generation_lengths.max()) if batch_size else 0
+        total_width = prompt_width + longest
+
+        output_ids = torch.full((batch_size, total_width), self.pad_token_id, dtype=torch.long, device=out_device)
+        prompt_cols = torch.arange(prompt_width, device=out_device).unsqueeze(0)
+        output_ids[:, :prompt_width] = input_ids.masked_fill(prompt_cols >= input_lengths.unsqueeze(1), self.pad_token_id)
+        logprobs = torch.zeros((batch_size, total_width), dtype=torch.float32, device=out_device)
+
+        gen_cols = torch.arange(longest, device=out_device).unsqueeze(0)
+        valid = gen_cols < generation_lengths.unsqueeze(1)
+        target_cols = (input_lengths.unsqueeze(1) + gen_cols)[valid]
+        target_rows = torch.arange(batch_size, device=out_device).unsqueeze(1).expand(-1, longest)[valid]
+        output_ids[target_rows, target_cols] = new_tokens[:, :longest][valid]
+        logprobs[target_rows, target_cols] = new_logprobs[:, :longest][valid]
+
+        return {
+            "output_ids": output_ids,
+            "generation_lengths": generation_lengths,
+            "unpadded_sequence_lengths": input_lengths + generation_lengths,
+            "logprobs": logprobs,
+            "truncated": ~stopped,
+        }
+
+
+class HFGenerateBaseline:
+    """Hugging Face `model.generate` with the same inputs, for `benchmarks/generation_vs_hf.py` only.
+
+    Returns the generated token ids `[B, T]` (left-padded prompts are stripped); no logprobs.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: Optional[int]):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        input_lengths: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: Optional[int] = None,
+        greedy: bool = False,
+    ) -> torch.Tensor:
+        ids, attention_mask, _ = right_to_left_padding(input_ids, input_lengths, self.pad_token_id)
+        sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": top_k or 0}
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=not greedy,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=self.eos_token_id,
+            **sampling,
+        )
+        return out[:, ids.shape[1] :]
