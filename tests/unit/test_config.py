@@ -1,0 +1,310 @@
+"""Config loading: YAML defaults inheritance, overrides, error messages, round trip, examples."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from posttrain.config import (
+    DEFAULT_CONFIGS,
+    SCHEMAS,
+    ConfigError,
+    all_keys,
+    config_to_yaml,
+    load_config,
+    parse_override,
+    save_config,
+)
+from posttrain.config.loader import EXAMPLE_CONFIG_DIR, suggest_key
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(textwrap.dedent(text).lstrip())
+    return path
+
+
+def problems_of(excinfo: pytest.ExceptionInfo) -> list[str]:
+    return excinfo.value.problems
+
+
+# ------------------------------------------------------------------------------------ inheritance
+def test_multi_level_defaults_deep_merge(tmp_path):
+    write(tmp_path / "base" / "base.yaml", """
+        grpo: {num_prompts_per_step: 4, num_generations_per_prompt: 3, max_num_steps: 7}
+        policy:
+          optimizer: {lr: 1e-3, weight_decay: 0.5}
+          generation: {max_new_tokens: 10}
+        data: {operations: [add, sub]}
+        """)
+    write(tmp_path / "base" / "mid.yaml", """
+        defaults: base.yaml
+        grpo: {num_generations_per_prompt: 2}
+        data: {operations: [mul]}
+        """)
+    write(tmp_path / "extra.yaml", """
+        grpo: {max_num_steps: 11}
+        policy: {optimizer: {weight_decay: 0.25}}
+        """)
+    top = write(tmp_path / "top.yaml", """
+        defaults: [base/mid.yaml, extra.yaml]
+        policy: {optimizer: {lr: 2.5e-4}}
+        """)
+    cfg = load_config("grpo", top)
+    assert cfg.grpo.num_prompts_per_step == 4  # from base, two levels down
+    assert cfg.grpo.num_generations_per_prompt == 2  # mid overrides base
+    assert cfg.grpo.max_num_steps == 11  # later defaults entry wins
+    assert cfg.policy.optimizer.lr == 2.5e-4  # the including file wins over its defaults
+    assert cfg.policy.optimizer.weight_decay == 0.25
+    assert cfg.policy.generation.max_new_tokens == 10  # sibling dicts survive the merge
+    assert cfg.data.operations == ["mul"]  # lists replace, not concatenate
+    assert cfg.policy.generation.temperature == 1.0  # untouched keys keep schema defaults
+    assert cfg.sft_warmup is None  # no embedded default underneath an explicit file
+
+
+def test_defaults_cycle_is_an_error(tmp_path):
+    write(tmp_path / "a.yaml", "defaults: b.yaml\n")
+    write(tmp_path / "b.yaml", "defaults: [a.yaml]\n")
+    with pytest.raises(ConfigError, match=r"cycle: .*a\.yaml -> .*b\.yaml -> .*a\.yaml"):
+        load_config("sft", tmp_path / "a.yaml")
+
+
+def test_diamond_defaults_are_not_a_cycle(tmp_path):
+    write(tmp_path / "root.yaml", "sft: {max_num_steps: 3}\n")
+    write(tmp_path / "left.yaml", "defaults: root.yaml\n")
+    write(tmp_path / "right.yaml", "defaults: root.yaml\nsft: {seed: 5}\n")
+    cfg = load_config("sft", write(tmp_path / "top.yaml", "defaults: [left.yaml, right.yaml]\n"))
+    assert (cfg.sft.max_num_steps, cfg.sft.seed) == (3, 5)
+
+
+def test_missing_defaults_file_names_the_includer(tmp_path):
+    top = write(tmp_path / "top.yaml", "defaults: nope.yaml\n")
+    with pytest.raises(ConfigError, match=r"'.*nope\.yaml' not found \(in the defaults of .*top\.yaml\)"):
+        load_config("sft", top)
+    with pytest.raises(ConfigError, match=r"must be a file path or a list"):
+        load_config("sft", write(tmp_path / "bad.yaml", "defaults: {a: 1}\n"))
+
+
+# -------------------------------------------------------------------------------------- overrides
+def test_overrides_parse_yaml_values():
+    cfg = load_config(
+        "grpo",
+        overrides=[
+            "policy.optimizer.lr=3e-4",  # PyYAML alone reads this as the string '3e-4'
+            "policy.activation_checkpointing=true",
+            "policy.generation.top_k=null",
+            "policy.generation.stop_token_ids=[1, 2]",
+            "policy.generation.colocated={enabled: false, num_workers: 2}",
+            "+grpo.max_num_steps=9",
+            "sft_warmup.sft.max_num_steps=5",
+            "policy.model_name=1234",  # a string field keeps the text, not the number
+        ],
+    )
+    assert cfg.policy.optimizer.lr == 3e-4 and isinstance(cfg.policy.optimizer.lr, float)
+    assert cfg.policy.activation_checkpointing is True
+    assert cfg.policy.generation.top_k is None
+    assert cfg.policy.generation.stop_token_ids == [1, 2]
+    assert cfg.policy.generation.colocated.enabled is False
+    assert cfg.policy.generation.colocated.num_workers == 2
+    assert cfg.grpo.max_num_steps == 9
+    assert cfg.sft_warmup.sft.max_num_steps == 5
+    assert cfg.sft_warmup.sft.val_period == 0  # the rest of the embedded sft_warmup is kept
+    assert cfg.policy.model_name == "1234"
+
+
+def test_scientific_notation_in_files_and_values(tmp_path):
+    cfg = load_config("sft", write(tmp_path / "c.yaml", "policy: {optimizer: {lr: 5e-5, eps: 1E-10}}\n"))
+    assert (cfg.policy.optimizer.lr, cfg.policy.optimizer.eps) == (5e-5, 1e-10)
+    assert parse_override("a.b=1e-4") == ("a.b", 1e-4)
+    assert parse_override("a.b=-2e3") == ("a.b", -2000.0)
+    assert parse_override("a=12") == ("a", 12) and isinstance(parse_override("a=12")[1], int)
+    assert parse_override("a=x=y") == ("a", "x=y")
+    assert parse_override("a=") == ("a", "")
+
+
+def test_override_null_removes_optional_section():
+    assert load_config("grpo").sft_warmup is not None
+    assert load_config("grpo", overrides=["sft_warmup=null"]).sft_warmup is None
+
+
+def test_override_dict_merges_into_section():
+    cfg = load_config("sft", overrides=["policy.optimizer={lr: 0.5}"])
+    assert cfg.policy.optimizer.lr == 0.5
+    assert cfg.policy.optimizer.weight_decay == 0.0  # from sft_tiny.yaml, not reset
+
+
+# --------------------------------------------------------------------------------- error messages
+def test_unknown_key_on_command_line_suggests_closest():
+    with pytest.raises(ConfigError) as excinfo:
+        load_config("grpo", overrides=["grpo.num_prompt_per_step=4"])
+    assert str(excinfo.value) == (
+        "Unknown config key 'grpo.num_prompt_per_step' (from command line). "
+        "Did you mean 'grpo.num_prompts_per_step'?"
+    )
+
+
+def test_unknown_key_in_yaml_names_file_and_line(tmp_path):
+    path = write(tmp_path / "c.yaml", """
+        sft:
+          max_num_steps: 3
+        policy:
+          optimizer:
+            weight_decy: 0.1
+        """)
+    with pytest.raises(ConfigError) as excinfo:
+        load_config("sft", path)
+    message = str(excinfo.value)
+    assert message.startswith("Unknown config key 'policy.optimizer.weight_decy' (from ")
+    assert "c.yaml, line 5)" in message
+    assert message.endswith("Did you mean 'policy.optimizer.weight_decay'?")
+
+
+def test_unknown_key_from_a_defaults_file_names_that_file(tmp_path):
+    write(tmp_path / "base.yaml", "sft:\n  max_steps: 3\n")
+    top = write(tmp_path / "top.yaml", "defaults: base.yaml\n")
+    with pytest.raises(ConfigError, match=r"'sft.max_steps' \(from .*base\.yaml, line 2\)\. Did you mean 'sft.max_num_steps'"):
+        load_config("sft", top)
+
+
+def test_suggestions():
+    keys = all_keys(SCHEMAS["grpo"])
+    assert suggest_key("policy.lr", keys) == "policy.optimizer.lr"  # same leaf, other section
+    assert suggest_key("polcy", keys) == "policy"
+    assert suggest_key("loss_fn.ratio_clip_maxx", keys) == "loss_fn.ratio_clip_max"
+    assert suggest_key("zzzz.qqqq", keys) is None
+
+
+def test_wrong_type_and_out_of_range_all_listed():
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(
+            "grpo",
+            overrides=[
+                "policy.optimizer.lr=abc",
+                "grpo.num_generations_per_prompt=0",
+                "policy.precision=fp8",
+                "policy.generation.top_p=1.5",
+                "policy.train_micro_batch_size=2.5",
+                "logger.report=maybe",
+            ],
+        )
+    assert sorted(problems_of(excinfo)) == sorted([
+        "Config key 'policy.optimizer.lr' expects a number, got 'abc' (str) (from command line)",
+        "Config key 'grpo.num_generations_per_prompt' must be >= 1, got 0 (from command line)",
+        "Config key 'policy.precision' expects one of 'float32', 'bfloat16', 'float16' or 'auto', "
+        "got 'fp8' (str) (from command line)",
+        "Config key 'policy.generation.top_p' must be <= 1, got 1.5 (from command line)",
+        "Config key 'policy.train_micro_batch_size' expects an integer, got 2.5 (float) (from command line)",
+        "Config key 'logger.report' expects true or false, got 'maybe' (str) (from command line)",
+    ])  # fmt: skip
+    assert str(excinfo.value).startswith("6 config problems:\n  - ")
+
+
+def test_wrong_type_in_file_and_list_items(tmp_path):
+    path = write(tmp_path / "c.yaml", "policy:\n  generation:\n    stop_token_ids: [1, x]\n")
+    with pytest.raises(ConfigError) as excinfo:
+        load_config("sft", path, ["policy.optimizer.betas=[0.9]"])
+    assert problems_of(excinfo) == [  # in schema order
+        "Config key 'policy.optimizer.betas' has too few items: item 1 is missing (from command line)",
+        f"Config key 'policy.generation.stop_token_ids[1]' expects an integer, got 'x' (str) (from {path}, line 3)",
+    ]
+
+
+def test_cross_key_check_names_its_sources():
+    with pytest.raises(ConfigError) as excinfo:
+        load_config("grpo", overrides=["loss_fn.sequence_level_importance_ratios=true"])
+    message = str(excinfo.value)
+    assert message.startswith("Config key 'loss_fn': loss_fn.sequence_level_importance_ratios (GSPO) needs")
+    assert "grpo_math_tiny.yaml and command line)" in message
+
+
+def test_malformed_overrides():
+    for bad in ["foo", "=1", "a..b=1", "a b=1", "1a=2"]:
+        with pytest.raises(ConfigError, match=rf"Malformed override '{bad}' \(from command line\): expected dotted.key=value"):
+            load_config("sft", overrides=[bad])
+    with pytest.raises(ConfigError, match=r"Malformed override 'a=\[1,' \(from command line\): YAML syntax error"):
+        load_config("sft", overrides=["a=[1,"])
+    with pytest.raises(ConfigError, match=r"Cannot set 'policy.model_name.x' \(from command line\): 'policy.model_name' is 'tiny', not a section"):
+        load_config("sft", overrides=["policy.model_name.x=1"])
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    path = write(tmp_path / "broken.yaml", "sft:\n  max_num_steps: 3\n  seed: [1, 2\npolicy: {}\n")
+    with pytest.raises(ConfigError, match=r"YAML syntax error in .*broken\.yaml, line 4, column \d+"):
+        load_config("sft", path)
+    dup = write(tmp_path / "dup.yaml", "sft:\n  seed: 1\n  seed: 2\n")
+    with pytest.raises(ConfigError, match=r"Duplicate key 'sft.seed' in .*dup\.yaml, line 3"):
+        load_config("sft", dup)
+    with pytest.raises(ConfigError, match=r"must hold a mapping of keys, got list"):
+        load_config("sft", write(tmp_path / "list.yaml", "- 1\n- 2\n"))
+
+
+def test_missing_file_and_unknown_algorithm(tmp_path):
+    with pytest.raises(ConfigError, match=r"Config file '.*nothing\.yaml' not found$"):
+        load_config("sft", tmp_path / "nothing.yaml")
+    with pytest.raises(ConfigError, match=r"Unknown algorithm 'ppo'; expected one of grpo, sft, dpo, rm, eval"):
+        load_config("ppo")
+
+
+def test_empty_file_gives_schema_defaults(tmp_path):
+    assert load_config("rm", write(tmp_path / "empty.yaml", "# nothing\n")) == SCHEMAS["rm"]()
+
+
+# ---------------------------------------------------------------------------- keys and round trip
+def test_all_keys():
+    keys = all_keys(SCHEMAS["grpo"])
+    assert len(keys) == len(set(keys))
+    for key in ["policy", "policy.optimizer.lr", "grpo.num_prompts_per_step", "loss_fn.ratio_clip_max",
+                "sft_warmup.sft.max_num_steps", "sft_warmup.policy.generation.colocated.enabled"]:
+        assert key in keys
+    assert "sft.max_num_steps" not in keys
+    assert all_keys(SCHEMAS["sft"])[:3] == ["policy", "policy.model_name", "policy.tokenizer_name"]
+
+
+@pytest.mark.parametrize("algo", list(SCHEMAS))
+def test_round_trip(algo, tmp_path):
+    cfg = load_config(algo, overrides=["policy.optimizer.lr=1.25e-7", "policy.generation.stop_strings=['a: b', '#']"])
+    path = save_config(cfg, tmp_path / "sub" / "resolved.yaml")
+    assert load_config(algo, path) == cfg
+    # Plain PyYAML (no posttrain loader) reads the same values too.
+    assert yaml.safe_load(config_to_yaml(cfg)) == cfg.model_dump(mode="json")
+
+
+# ---------------------------------------------------------------------------------- example files
+def _algo_of(path: Path) -> str:
+    return path.name.split("_")[0]
+
+
+def test_every_example_config_validates():
+    paths = sorted(EXAMPLE_CONFIG_DIR.glob("*.yaml"))
+    assert {p.name for p in paths} >= set(DEFAULT_CONFIGS.values()) | {
+        "grpo_dapo_tiny.yaml", "grpo_gspo_tiny.yaml", "grpo_drgrpo_tiny.yaml"}
+    for path in paths:
+        assert _algo_of(path) in SCHEMAS, f"{path.name}: name must start with an algorithm"
+        load_config(_algo_of(path), path)
+        assert path.read_text().startswith("#"), f"{path.name} must open with a comment naming its source"
+
+
+def test_embedded_grpo_default():
+    cfg = load_config("grpo")
+    assert (cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt) == (16, 8)
+    assert cfg.policy.optimizer.lr == 1e-4
+    assert cfg.policy.model_name == "tiny" and cfg.policy.tiny_arch == "llama"
+    assert cfg.data.dataset == "arithmetic" and cfg.data.num_digits == 2
+    assert cfg.sft_warmup is not None and cfg.sft_warmup.data.dataset == "arithmetic"
+
+
+def test_variant_presets():
+    dapo = load_config("grpo", EXAMPLE_CONFIG_DIR / "grpo_dapo_tiny.yaml")
+    assert (dapo.loss_fn.ratio_clip_min, dapo.loss_fn.ratio_clip_max) == (0.2, 0.28)
+    assert dapo.loss_fn.token_level_loss and dapo.grpo.use_dynamic_sampling and dapo.reward_shaping.enabled
+    assert dapo.grpo.num_prompts_per_step == 16  # inherited from grpo_math_tiny.yaml
+
+    gspo = load_config("grpo", EXAMPLE_CONFIG_DIR / "grpo_gspo_tiny.yaml")
+    assert gspo.loss_fn.sequence_level_importance_ratios and not gspo.loss_fn.token_level_loss
+    assert (gspo.loss_fn.ratio_clip_min, gspo.loss_fn.ratio_clip_max) == (3e-4, 4e-4)
+
+    drgrpo = load_config("grpo", EXAMPLE_CONFIG_DIR / "grpo_drgrpo_tiny.yaml")
+    assert not drgrpo.grpo.normalize_rewards and drgrpo.loss_fn.token_level_loss
