@@ -1,0 +1,211 @@
+"""Tiny local causal LMs with a character-level tokenizer: the embedded default model.
+
+Everything in posttrain runs and is tested on a 2-core CPU with no hub access, so the project
+builds its own models. `build_tiny_model` writes an ordinary Hugging Face directory
+(`config.json`, `model.safetensors`, `generation_config.json`, `tokenizer.json`,
+`tokenizer_config.json`) that `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`
+load like any hub model, so no code path special-cases the tiny model.
+
+Tokenizer: one token per character over printable ASCII (space to `~`) plus newline; anything
+else becomes `<unk>`. Special tokens:
+
+`<pad>` 0 (padding), `<unk>` 1 (any character outside the alphabet), `<bos>` 2 (declared for
+HF compatibility, never added automatically), `<|end|>` 3 (end of turn, and eos), `<|system|>` 4,
+`<|user|>` 5, `<|assistant|>` 6 (each opens a turn of that role).
+
+We do not prepend `<bos>`: the chat template already starts every conversation with a role
+token, and every extra token costs training time on a CPU. Chat format (no separators, so
+prompts stay short): `<|system|>S<|end|><|user|>U<|end|><|assistant|>A<|end|>`; with
+`add_generation_prompt=True` the text ends in `<|assistant|>`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<|end|>"
+SYSTEM, USER, ASSISTANT = "<|system|>", "<|user|>", "<|assistant|>"
+SPECIAL_TOKENS = [PAD, UNK, BOS, EOS, SYSTEM, USER, ASSISTANT]
+# Printable ASCII (0x20..0x7e) plus newline; `string.printable` would also bring \t\r\x0b\x0c.
+ALPHABET = ["\n"] + [chr(c) for c in range(0x20, 0x7F)]
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}" + SYSTEM + "{{ message['content'] }}" + EOS +
+    "{%- elif message['role'] == 'user' -%}" + USER + "{{ message['content'] }}" + EOS +
+    "{%- elif message['role'] == 'assistant' -%}" + ASSISTANT + "{% generation %}{{ message['content'] }}" + EOS +
+    "{% endgeneration %}"
+    "{%- else -%}{{ raise_exception('tiny chat template: unknown role ' ~ message['role'] ~"
+    " ' (expected system, user or assistant)') }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}" + ASSISTANT + "{%- endif -%}"
+)
+
+# Bump when the recipe below changes, so `ensure_tiny_model` rebuilds stale cached copies.
+RECIPE_VERSION = 1
+MARKER_FILE = "posttrain_tiny.json"
+
+# Sizes per preset. `tiny` is the embedded default and must train in minutes on 2 CPU cores;
+# `100m` (~103M parameters) exists for refit/throughput benchmarks.
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=512),
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=1024),
+    "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                 intermediate_size=3072),
+}
+ARCHS = ("llama", "qwen2")
+MAX_POSITION_EMBEDDINGS = 2048
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """The character-level tokenizer shared by every tiny model (vocabulary of 103 tokens)."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ALPHABET)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # One piece per character (newline included); special tokens are matched before this runs.
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    # Fuse concatenates pieces as they are: the default decoder would put spaces between them.
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        unk_token=UNK,
+        bos_token=BOS,
+        eos_token=EOS,
+        additional_special_tokens=[SYSTEM, USER, ASSISTANT],
+        clean_up_tokenization_spaces=False,  # would turn "a ." into "a." and break round trips
+        padding_side="right",
+        model_max_length=MAX_POSITION_EMBEDDINGS,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_config(preset: str = "tiny", arch: str = "llama", vocab_size: int | None = None):
+    """The transformers config of a preset (`tiny`, `small`, `100m`) and arch (`llama`, `qwen2`).
+
+    Llama keeps input and output embeddings separate (`tie_word_embeddings=False`); qwen2 ties
+    them, as Qwen2.5-0.5B/1.5B do, so both layouts are exercised by the same tests.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown tiny model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny model arch {arch!r}; choose one of {list(ARCHS)}")
+    common: dict[str, Any] = dict(
+        PRESETS[preset],
+        vocab_size=vocab_size or len(SPECIAL_TOKENS) + len(ALPHABET),
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        pad_token_id=SPECIAL_TOKENS.index(PAD),
+        bos_token_id=SPECIAL_TOKENS.index(BOS),
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
+        initializer_range=0.02,
+        rms_norm_eps=1e-6,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False)
+    return Qwen2Config(**common, tie_word_embeddings=True)
+
+
+def make_tiny_model(
+    preset: str = "tiny", arch: str = "llama", seed: int = 0
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """Build a randomly initialised tiny model and its tokenizer in memory (float32, cpu).
+
+    Weights are a pure function of (preset, arch, seed); the global RNG state is left untouched.
+    """
+    tokenizer = build_tokenizer()
+    config = tiny_config(preset, arch, vocab_size=len(tokenizer))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    return model.eval(), tokenizer
+
+
+def build_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", arch: str = "llama", seed: int = 0) -> Path:
+    """Write a Hugging Face model directory for a tiny preset into `out_dir` and return its path.
+
+    Args:
+        out_dir: target directory (created; existing files of the same names are overwritten).
+        preset: `tiny` (hidden 128, 2 layers; default), `small` (hidden 256, 4 layers) or `100m`.
+        arch: `llama` (default) or `qwen2`.
+        seed: seed of the random initialisation (default 0).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = make_tiny_model(preset, arch, seed)
+    model.save_pretrained(out)
+    # Chat template inside tokenizer_config.json (not chat_template.jinja): older readers find it too.
+    tokenizer.save_pretrained(out, save_jinja_files=False)
+    marker = {"recipe_version": RECIPE_VERSION, "preset": preset, "arch": arch, "seed": seed}
+    (out / MARKER_FILE).write_text(json.dumps(marker) + "\n")
+    return out
+
+
+def cache_dir() -> Path:
+    """Root of posttrain's cache: `$POSTTRAIN_CACHE`, default `~/.cache/posttrain`."""
+    return Path(os.environ.get("POSTTRAIN_CACHE") or Path.home() / ".cache" / "posttrain").expanduser()
+
+
+def _is_current(path: Path, preset: str, arch: str) -> bool:
+    try:
+        marker = json.loads((path / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker == {"recipe_version": RECIPE_VERSION, "preset": preset, "arch": arch, "seed": 0}
+
+
+def ensure_tiny_model(preset: str = "tiny", arch: str = "llama") -> Path:
+    """Return `<cache>/models/<arch>-<preset>`, building it (seed 0) on first use.
+
+    The build goes to a private temporary directory that is renamed into place, so a reader never
+    sees a half-written model and two processes racing to build both succeed (the loser discards
+    its copy). A copy written by an older recipe is replaced.
+    """
+    tiny_config(preset, arch)  # validate the names before touching the file system
+    final = cache_dir() / "models" / f"{arch}-{preset}"
+    if _is_current(final, preset, arch):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        build_tiny_model(tmp, preset, arch, seed=0)
+        if final.exists() and not _is_current(final, preset, arch):
+            # Stale or broken copy: move it aside first (rename is atomic), then delete it.
+            stale = final.parent / f".stale-{final.name}-{uuid.uuid4().hex[:8]}"
+            try:
+                os.rename(final, stale)
+                shutil.rmtree(stale, ignore_errors=True)
+            except FileNotFoundError:  # another process moved it first
+                pass
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process renamed its build into place first; use theirs if it is complete.
+            if not _is_current(final, preset, arch):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
