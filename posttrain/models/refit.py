@@ -1,0 +1,229 @@
+"""Refit: copy the policy's weights into the generation workers, packed into a few byte buffers.
+
+Flow (after NeMo-RL's packed refit, `reference/nemo-rl.md` section 6):
+
+1. Once at set-up, the controller builds `RefitMetadata` from the policy's ordered list of
+   `(name, shape, dtype)` with `build_refit_metadata`, and hands it to the generation workers
+   (`GenerationWorker.prepare_refit_info`), which check that every name is one of their
+   parameters. From then on no per-tensor metadata travels.
+2. Each refit, the policy's rank 0 (holding a full `{name: tensor}` state dict, gathered from
+   FSDP shards by the policy) calls `pack(state_dict, metadata)`: every tensor is copied into
+   one of a few contiguous `numpy.uint8` buffers at a 512-byte aligned offset.
+3. The buffers go to Ray's object store once (`ray.put`); every generation worker gets the same
+   object refs and `ray.get`s them. numpy arrays are read **zero-copy** from the shared-memory
+   object store on the same node, so each worker only runs `load_packed`: views
+   `buf[offset:offset+nbytes].view(dtype).view(shape)` copied into its parameters.
+
+Copies of each byte on one node: (1) tensor -> packed buffer in `pack` (device-to-host when the
+policy is on GPU), (2) buffer -> object store in `ray.put`, (3) object store -> parameter in
+`load_packed` (host-to-device on GPU). The receive side sends no per-tensor messages.
+
+Refit is lazy: generation tracks the `weights_version` it holds, the controller refits only when
+the policy's version differs.
+
+`naive_put_state_dict` / `naive_load_state_dict` (one `ray.put` / `ray.get` per tensor) exist only
+as the baseline for `benchmarks/refit.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+DEFAULT_ALIGNMENT = 512  # bytes; also a multiple of every dtype's element size
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one tensor lives in the packed buffers."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bucket: int  # index of the buffer
+    offset: int  # byte offset in that buffer, a multiple of the alignment
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class RefitMetadata:
+    """Layout of all tensors in the packed buffers; built once, shared by sender and receivers."""
+
+    slots: tuple[ParamSlot, ...]
+    bucket_sizes: tuple[int, ...]  # bytes per buffer
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bucket_sizes)
+
+    @property
+    def names(self) -> list[str]:
+        return [slot.name for slot in self.slots]
+
+
+def _aligned(nbytes: int, alignment: int) -> int:
+    return (nbytes + alignment - 1) // alignment * alignment
+
+
+def build_refit_metadata(
+    params: Iterable[tuple[str, Sequence[int], torch.dtype]],
+    bucket_bytes: int = 512 * 2**20,
+    alignment: int = DEFAULT_ALIGNMENT,
+) -> RefitMetadata:
+    """Lay out tensors in buffers of about `bucket_bytes`, in the given order.
+
+    Args:
+        params: `(name, shape, dtype)` per tensor, in the order the sender will pack them.
+        bucket_bytes: target buffer size (default 512 MiB, `policy.generation.refit_buffer_size_mb`).
+            A tensor larger than this gets a buffer of its own; buffers hold whole tensors.
+        alignment: every tensor starts at a multiple of this many bytes (default 512, as NeMo-RL's
+            IPC refit) so dtype views of the buffer are always legal and aligned.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    slots: list[ParamSlot] = []
+    bucket_sizes: list[int] = []
+    used = 0
+    seen: set[str] = set()
+    for name, shape, dtype in params:
+        if name in seen:
+            raise ValueError(f"refit metadata: parameter {name!r} is listed twice")
+        seen.add(name)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"refit metadata: dtype of {name!r} must be a torch.dtype, got {dtype!r}")
+        shape = tuple(int(d) for d in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        padded = _aligned(nbytes, alignment)
+        if not bucket_sizes or (used > 0 and used + padded > bucket_bytes):
+            bucket_sizes.append(0)
+            used = 0
+        slots.append(ParamSlot(name, shape, dtype, len(bucket_sizes) - 1, used, nbytes))
+        used += padded
+        bucket_sizes[-1] = used
+    return RefitMetadata(tuple(slots), tuple(bucket_sizes))
+
+
+def refit_metadata_from_state_dict(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int = 512 * 2**20) -> RefitMetadata:
+    """`build_refit_metadata` over a state dict's `(name, shape, dtype)` in its order."""
+    return build_refit_metadata(((n, t.shape, t.dtype) for n, t in state_dict.items()), bucket_bytes)
+
+
+def _byte_view(array: np.ndarray) -> torch.Tensor:
+    """A uint8 torch tensor sharing memory with `array` (possibly read-only, as Ray returns it)."""
+    with warnings.catch_warnings():
+        # Arrays from Ray's object store are read-only; we only ever read from such views.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+def pack(state_dict: Mapping[str, torch.Tensor], metadata: RefitMetadata) -> list[np.ndarray]:
+    """Copy every tensor of `metadata` from `state_dict` into fresh uint8 buffers (one copy).
+
+    Tensors are cast to the metadata dtype when they differ (e.g. float32 master weights sent as
+    bfloat16). Raises KeyError naming missing tensors and ValueError on a shape mismatch.
+    """
+    missing = [slot.name for slot in metadata.slots if slot.name not in state_dict]
+    if missing:
+        raise KeyError(f"refit pack: state dict lacks {len(missing)} tensors of the metadata, e.g. {missing[:5]}")
+    buffers = [np.zeros(size, dtype=np.uint8) for size in metadata.bucket_sizes]
+    byte_views = [_byte_view(buf) for buf in buffers]
+    for slot in metadata.slots:
+        tensor = state_dict[slot.name]
+        if tuple(tensor.shape) != slot.shape:
+            raise ValueError(f"refit pack: {slot.name!r} has shape {tuple(tensor.shape)}, metadata says {slot.shape}")
+        target = byte_views[slot.bucket][slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+        target.copy_(tensor.detach())
+    return buffers
+
+
+def unpack(buffers: Sequence[np.ndarray], metadata: RefitMetadata) -> dict[str, torch.Tensor]:
+    """Views (no copies) of every tensor in the packed buffers, on CPU."""
+    if len(buffers) != len(metadata.bucket_sizes):
+        raise ValueError(f"refit: got {len(buffers)} buffers, metadata describes {len(metadata.bucket_sizes)}")
+    for i, (buf, size) in enumerate(zip(buffers, metadata.bucket_sizes)):
+        if buf.dtype != np.uint8 or buf.ndim != 1 or buf.shape[0] != size:
+            raise ValueError(f"refit: buffer {i} is {buf.dtype}[{buf.shape}], expected uint8[{size}]")
+    byte_views = [_byte_view(buf) for buf in buffers]
+    return {
+        slot.name: byte_views[slot.bucket][slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+        for slot in metadata.slots
+    }
+
+
+def check_metadata_matches(model: torch.nn.Module, metadata: RefitMetadata) -> None:
+    """Raise ValueError if the metadata names a tensor the model lacks, or misses one it has.
+
+    Shapes must match; dtypes may differ (the receiver casts on copy).
+    """
+    own = model.state_dict()
+    unknown = [n for n in metadata.names if n not in own]
+    missing = [n for n in own if n not in set(metadata.names)]
+    if unknown or missing:
+        raise ValueError(
+            f"refit metadata does not match the generation model: unknown to the model {unknown[:5]}, "
+            f"not sent {missing[:5]}"
+        )
+    for slot in metadata.slots:
+        if tuple(own[slot.name].shape) != slot.shape:
+            raise ValueError(f"refit: {slot.name!r} is {tuple(own[slot.name].shape)} in the model, {slot.shape} in the metadata")
+
+
+@torch.no_grad()
+def load_packed(model: torch.nn.Module, buffers: Sequence[np.ndarray], metadata: RefitMetadata) -> None:
+    """Copy the packed tensors into the model's parameters and buffers in place (one copy each)."""
+    own = model.state_dict()  # tensors share storage with the model's parameters
+    for name, view in unpack(buffers, metadata).items():
+        if name not in own:
+            raise KeyError(f"refit: model has no tensor named {name!r}")
+        own[name].copy_(view, non_blocking=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def verify_equal(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Raise AssertionError naming every tensor of `state_dict` that differs from the model's.
+
+    Compared bit for bit after casting the reference to the model's dtype.
+    """
+    own = model.state_dict()
+    bad = []
+    for name, reference in state_dict.items():
+        if name not in own:
+            bad.append(f"{name} (missing in model)")
+        elif not torch.equal(own[name].detach().cpu(), reference.detach().cpu().to(own[name].dtype)):
+            bad.append(name)
+    if bad:
+        raise AssertionError(f"refit verification failed: {len(bad)} tensors differ, e.g. {bad[:5]}")
+
+
+def state_dict_checksum(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over names, dtypes, shapes and raw bytes, in sorted name order (bit-exact check)."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        tensor = state_dict[name].detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------- naive baseline (benchmarks)
+def naive_put_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict:
+    """One `ray.put` per tensor: the per-tensor transfer that packing replaces (benchmark only)."""
+    import ray
+
+    return {name: ray.put(t.detach().cpu()) for name, t in state_dict.items()}
+
+
+@torch.no_grad()
+def naive_load_state_dict(model: torch.nn.Module, refs: Mapping[str, object]) -> None:
+    """One `ray.get` per tensor, then copy into the model (benchmark only)."""
+    import ray
+
+    own = model.state_dict()
+    for name, ref in refs.items():
+        own[name].copy_(ray.get(ref))
