@@ -1,0 +1,255 @@
+"""Advantage estimators and reward shaping for policy-gradient training (pure functions).
+
+Samples of one prompt form a *group*, identified by a non-negative integer group id per sample
+(after ``repeat_interleave`` the samples of a prompt are contiguous, but nothing here relies on
+it). Per-group outputs have length ``num_groups`` (default ``max(group_ids) + 1``) and are indexed
+by group id. Samples with ``sample_mask == 0`` are left out of every group statistic.
+
+Estimators are registered by name (``@register_advantage_estimator("grpo")``) and return one
+advantage per sample ``[B]``; `broadcast_to_tokens` spreads them over a token mask ``[B, S]``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Optional, Union
+
+import torch
+
+AdvantageEstimator = Callable[..., torch.Tensor]
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+
+def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator: register ``fn(rewards, group_ids, sample_mask, **options) -> advantages [B]``."""
+
+    def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
+        if name in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+
+    return decorator
+
+
+def compute_advantages(
+    name: str,
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    sample_mask: Optional[torch.Tensor] = None,
+    **options: object,
+) -> torch.Tensor:
+    """Run the estimator registered under ``name``; ``options`` are its keyword options."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; registered: {sorted(ADVANTAGE_ESTIMATORS)}")
+    estimator = ADVANTAGE_ESTIMATORS[name]
+    try:
+        inspect.signature(estimator).bind(rewards, group_ids, sample_mask, **options)
+    except TypeError as e:
+        raise TypeError(f"advantage estimator {name!r}: {e}; signature {inspect.signature(estimator)}") from None
+    return estimator(rewards, group_ids, sample_mask, **options)
+
+
+def broadcast_to_tokens(advantages: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` per-sequence advantages -> ``[B, S]``, zero where ``token_mask`` is 0."""
+    return advantages[:, None].to(token_mask.dtype) * token_mask
+
+
+# ------------------------------------------------------------------------------- group statistics
+def _check_inputs(
+    rewards: torch.Tensor, group_ids: torch.Tensor, sample_mask: Optional[torch.Tensor], num_groups: Optional[int]
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Validate shapes; return rewards and mask as float64 (exact enough that a constant group
+    has a variance of exactly ~0) and the number of groups."""
+    if rewards.ndim != 1:
+        raise ValueError(f"rewards must be [B], got shape {tuple(rewards.shape)}")
+    if group_ids.shape != rewards.shape:
+        raise ValueError(f"group_ids has shape {tuple(group_ids.shape)}, rewards {tuple(rewards.shape)}")
+    if group_ids.dtype.is_floating_point or (group_ids.numel() and group_ids.min() < 0):
+        raise ValueError("group_ids must be non-negative integers (one id per prompt group)")
+    if sample_mask is None:
+        sample_mask = torch.ones_like(rewards)
+    elif sample_mask.shape != rewards.shape:
+        raise ValueError(f"sample_mask has shape {tuple(sample_mask.shape)}, rewards {tuple(rewards.shape)}")
+    needed = int(group_ids.max()) + 1 if group_ids.numel() else 0
+    if num_groups is None:
+        num_groups = needed
+    elif num_groups < needed:
+        raise ValueError(f"num_groups={num_groups} but group_ids go up to {needed - 1}")
+    return rewards.double(), sample_mask.double(), num_groups
+
+
+def _group_sums(values: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    return torch.zeros(num_groups, dtype=values.dtype, device=values.device).index_add_(0, group_ids, values)
+
+
+def group_mean(
+    values: torch.Tensor,
+    group_ids: torch.Tensor,
+    sample_mask: Optional[torch.Tensor] = None,
+    num_groups: Optional[int] = None,
+) -> torch.Tensor:
+    """Mean of ``values`` per group over valid samples, ``[num_groups]`` (0 for an empty group)."""
+    v, m, n = _check_inputs(values, group_ids, sample_mask, num_groups)
+    count = _group_sums(m, group_ids, n)
+    return (_group_sums(v * m, group_ids, n) / count.clamp(min=1)).to(values.dtype)
+
+
+def group_std(
+    values: torch.Tensor,
+    group_ids: torch.Tensor,
+    sample_mask: Optional[torch.Tensor] = None,
+    num_groups: Optional[int] = None,
+    unbiased: bool = False,
+) -> torch.Tensor:
+    """Standard deviation per group over valid samples, ``[num_groups]``; population std (divide
+    by n) unless ``unbiased`` (divide by n - 1). 0 for groups with too few samples."""
+    v, m, n = _check_inputs(values, group_ids, sample_mask, num_groups)
+    count = _group_sums(m, group_ids, n)
+    mean = _group_sums(v * m, group_ids, n) / count.clamp(min=1)
+    squared_deviation = _group_sums((v - mean[group_ids]).square() * m, group_ids, n)
+    dof = count - 1 if unbiased else count
+    std = torch.where(dof > 0, squared_deviation / dof.clamp(min=1), torch.zeros_like(dof)).sqrt()
+    return std.to(values.dtype)
+
+
+def group_baseline_and_std(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    sample_mask: Optional[torch.Tensor] = None,
+    leave_one_out: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample baseline and std ``[B]`` of the rewards of the sample's group (as NeMo-RL's
+    ``calculate_baseline_and_std_per_prompt``).
+
+    Without ``leave_one_out`` both are the mean / population std over the group's valid samples.
+    With it (RLOO, Ahmadian et al. 2024) they are computed over the *other* valid samples of the
+    group, so the baseline does not depend on the sample's own reward. A group with at most one
+    valid sample gets baseline = reward (advantage 0) and std 0.
+    """
+    r, m, n = _check_inputs(rewards, group_ids, sample_mask, None)
+    count = _group_sums(m, group_ids, n)[group_ids]
+    total = _group_sums(r * m, group_ids, n)[group_ids]
+    total_sq = _group_sums(r.square() * m, group_ids, n)[group_ids]
+    if leave_one_out:
+        count, total, total_sq = count - m, total - r * m, total_sq - r.square() * m
+    baseline = total / count.clamp(min=1)
+    variance = (total_sq / count.clamp(min=1) - baseline.square()).clamp(min=0)
+    lonely = _group_sums(m, group_ids, n)[group_ids] <= 1
+    baseline = torch.where(lonely, r, baseline)
+    std = torch.where(lonely, torch.zeros_like(variance), variance.sqrt())
+    return baseline.to(rewards.dtype), std.to(rewards.dtype)
+
+
+# ------------------------------------------------------------------------------------ estimators
+@register_advantage_estimator("grpo")
+def grpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    sample_mask: Optional[torch.Tensor] = None,
+    *,
+    normalize_rewards: bool = True,
+    leave_one_out: bool = False,
+    epsilon: float = 1e-6,
+) -> torch.Tensor:
+    """GRPO group-relative advantages (Shao et al. 2024): ``A = r - baseline(group)``, divided by
+    ``std(group) + epsilon`` where the std is > 0.
+
+    Args:
+        normalize_rewards: divide by the group std (default True; Dr.GRPO, Liu et al. 2025, sets
+            False because it biases towards easy/hard prompts). Config ``grpo.normalize_rewards``.
+        leave_one_out: RLOO baseline, the mean of the *other* samples of the group (default False;
+            Ahmadian et al. 2024). Config ``grpo.use_leave_one_out_baseline``.
+        epsilon: added to the std before dividing (default 1e-6).
+
+    Samples with ``sample_mask == 0`` get advantage 0 and do not enter any group statistic.
+    """
+    baseline, std = group_baseline_and_std(rewards, group_ids, sample_mask, leave_one_out)
+    advantages = rewards - baseline
+    if normalize_rewards:
+        advantages = torch.where(std > 0, advantages / (std + epsilon), advantages)
+    if sample_mask is not None:
+        advantages = advantages * (sample_mask > 0)
+    return advantages
+
+
+@register_advantage_estimator("reinforce_pp")
+def reinforce_pp_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    sample_mask: Optional[torch.Tensor] = None,
+    *,
+    epsilon: float = 1e-6,
+) -> torch.Tensor:
+    """REINFORCE++ with a group baseline (Hu et al. 2025): subtract the group mean, then whiten
+    over all valid samples of the batch (global mean 0, std 1) instead of per group.
+
+    Sequence-level: the token-level KL-in-reward term of the paper is not applied here.
+    ``epsilon`` (default 1e-6) is added to the global std. Masked samples get advantage 0.
+    """
+    _, m, _ = _check_inputs(rewards, group_ids, sample_mask, None)
+    centred = rewards - group_mean(rewards, group_ids, sample_mask)[group_ids]
+    valid = m > 0
+    if valid.sum() > 1:
+        values = centred[valid].double()
+        centred = (centred - values.mean()) / (values.std(unbiased=False) + epsilon)
+    return (centred * valid).to(rewards.dtype)
+
+
+# --------------------------------------------------------------------------------- reward shaping
+def apply_overlong_penalty(
+    rewards: torch.Tensor,
+    response_lengths: torch.Tensor,
+    max_response_length: int,
+    buffer_length: int,
+    penalty: float = 1.0,
+) -> torch.Tensor:
+    """DAPO soft overlong punishment (Yu et al. 2025):
+    ``r += min(-(L - (max_response_length - buffer_length)) / buffer_length * penalty, 0)``,
+    i.e. no penalty up to ``max - buffer`` tokens, then linear down to ``-penalty`` at ``max``.
+    Config: ``reward_shaping.overlong_buffer_length`` / ``overlong_buffer_penalty`` /
+    ``max_response_length``."""
+    if not 0 < buffer_length <= max_response_length:
+        raise ValueError(
+            f"overlong buffer_length={buffer_length} must be in (0, max_response_length={max_response_length}]"
+        )
+    if response_lengths.shape != rewards.shape:
+        raise ValueError(f"response_lengths {tuple(response_lengths.shape)} and rewards {tuple(rewards.shape)} differ")
+    expected = max_response_length - buffer_length
+    excess = response_lengths.to(rewards.dtype) - expected
+    return rewards + (-excess / buffer_length * penalty).clamp(max=0)
+
+
+def filter_zero_variance_groups(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    num_groups: Optional[int] = None,
+    sample_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """DAPO dynamic sampling (Yu et al. 2025): ``[num_groups]`` bool, True for groups whose valid
+    rewards are not all equal (they carry a learning signal). Groups without valid samples: False."""
+    r, m, n = _check_inputs(rewards, group_ids, sample_mask, num_groups)
+    valid = m > 0
+    ids, values = group_ids[valid], r[valid]
+    high = torch.full((n,), float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, ids, values, "amax")
+    low = torch.full((n,), float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, ids, values, "amin")
+    return high > low
+
+
+# ------------------------------------------------------------------------------------------ evals
+def pass_at_k(n: int, c: Union[int, torch.Tensor], k: int) -> torch.Tensor:
+    """Unbiased pass@k (Chen et al. 2021, "Evaluating Large Language Models Trained on Code"):
+    ``1 - C(n - c, k) / C(n, k)`` for ``n`` samples of which ``c`` are correct, computed in
+    log space. ``c`` may be a tensor of counts; returns a float tensor of the same shape."""
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
+    c = torch.as_tensor(c)
+    if c.numel() and (c.min() < 0 or c.max() > n):
+        raise ValueError(f"pass@k: correct counts must lie in [0, n={n}], got {c.tolist()}")
+    wrong = (n - c).double()
+    log_ratio = (
+        torch.lgamma(wrong + 1) - torch.lgamma((wrong - k).clamp(min=0) + 1)
+        - torch.lgamma(torch.tensor(n + 1.0, dtype=torch.double))
+        + torch.lgamma(torch.tensor(n - k + 1.0, dtype=torch.double))
+    )
+    return torch.where(wrong < k, torch.ones_like(wrong), 1 - log_ratio.exp()).float()
