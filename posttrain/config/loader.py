@@ -39,7 +39,7 @@ DEFAULT_CONFIGS: dict[str, str] = {
     "eval": "eval_tiny.yaml",
 }
 
-Path_ = tuple[Union[str, int], ...]  # a key path inside the nested config dict
+KeyPath = tuple[Union[str, int], ...]  # a key path inside the nested config dict
 
 
 class ConfigError(ValueError):
@@ -66,7 +66,7 @@ _Loader.add_implicit_resolver(
 )
 
 
-def _parse_yaml(text: str, source: str) -> tuple[Any, dict[Path_, str]]:
+def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, str]]:
     """Parse one YAML document; returns (data, {key path: "source, line N"}) for every mapping key.
 
     Duplicate keys are an error (PyYAML would silently keep the last one).
@@ -74,7 +74,7 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[Path_, str]]:
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
-        lines: dict[Path_, str] = {}
+        lines: dict[KeyPath, str] = {}
         data = _construct(loader, node, (), lines, source) if node is not None else None
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
@@ -87,7 +87,7 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[Path_, str]]:
     return data, lines
 
 
-def _construct(loader: _Loader, node: yaml.Node, path: Path_, lines: dict[Path_, str], source: str) -> Any:
+def _construct(loader: _Loader, node: yaml.Node, path: KeyPath, lines: dict[KeyPath, str], source: str) -> Any:
     """Build Python data from a node tree, recording the line of each mapping key on the way."""
     if not isinstance(node, yaml.MappingNode):
         return loader.construct_object(node, deep=True)
@@ -114,7 +114,7 @@ def _display(path: Path) -> str:
         return str(path)
 
 
-def _load_file(path: Path, stack: tuple[Path, ...] = ()) -> tuple[dict, dict[Path_, str]]:
+def _load_file(path: Path, stack: tuple[Path, ...] = ()) -> tuple[dict, dict[KeyPath, str]]:
     """Read a YAML config and everything its `defaults:` pulls in (merged underneath it)."""
     path = path.resolve()
     if path in stack:
@@ -145,7 +145,7 @@ def _load_file(path: Path, stack: tuple[Path, ...] = ()) -> tuple[dict, dict[Pat
         raise ConfigError(f"'defaults' in {source} must be a file path or a list of file paths, got {includes!r}")
 
     merged: dict = {}
-    merged_sources: dict[Path_, str] = {}
+    merged_sources: dict[KeyPath, str] = {}
     for include in includes:
         sub, sub_sources = _load_file(path.parent / include, stack + (path,))
         _merge(merged, merged_sources, sub, sub_sources)
@@ -153,7 +153,7 @@ def _load_file(path: Path, stack: tuple[Path, ...] = ()) -> tuple[dict, dict[Pat
     return merged, merged_sources
 
 
-def _merge(base: dict, base_sources: dict[Path_, str], upper: dict, upper_sources: dict[Path_, str], path: Path_ = ()):
+def _merge(base: dict, base_sources: dict[KeyPath, str], upper: dict, upper_sources: dict[KeyPath, str], path: KeyPath = ()):
     """Deep-merge `upper` into `base` in place: dicts merge, anything else replaces."""
     for key, value in upper.items():
         here = path + (key,)
@@ -200,7 +200,7 @@ def _field_wants_str(schema_cls: type[BaseModel], path: Sequence[str]) -> bool:
     return str in options and all(o in (str, type(None)) for o in options)
 
 
-def _apply_overrides(schema_cls: type[BaseModel], data: dict, sources: dict[Path_, str], overrides: Sequence[str]):
+def _apply_overrides(schema_cls: type[BaseModel], data: dict, sources: dict[KeyPath, str], overrides: Sequence[str]):
     problems = []
     for text in overrides:
         try:
@@ -229,7 +229,7 @@ def _apply_overrides(schema_cls: type[BaseModel], data: dict, sources: dict[Path
         raise ConfigError(problems)
 
 
-def _key_paths(d: dict, path: Path_ = ()) -> list[Path_]:
+def _key_paths(d: dict, path: KeyPath = ()) -> list[KeyPath]:
     """The path of every key in a nested dict, sections included."""
     out = []
     for k, v in d.items():
@@ -299,14 +299,14 @@ _EXPECTS = {
 _BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
 
 
-def _dotted(path: Path_) -> str:
+def _dotted(path: KeyPath) -> str:
     out = ""
     for part in path:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
 
 
-def _source_of(path: Path_, sources: dict[Path_, str], whole_section: bool = False) -> str:
+def _source_of(path: KeyPath, sources: dict[KeyPath, str], whole_section: bool = False) -> str:
     """Where the value at `path` (or the closest enclosing key) was set.
 
     With `whole_section` (a check across several keys of a section failed), the files that set
@@ -322,7 +322,7 @@ def _source_of(path: Path_, sources: dict[Path_, str], whole_section: bool = Fal
     return "schema defaults"
 
 
-def _describe(error: dict, schema_cls: type[BaseModel], sources: dict[Path_, str]) -> str:
+def _describe(error: dict, schema_cls: type[BaseModel], sources: dict[KeyPath, str]) -> str:
     """One pydantic error -> one sentence naming the dotted key and where its value came from."""
     path = tuple(error["loc"])
     key, kind, ctx, value = _dotted(path), error["type"], error.get("ctx") or {}, error.get("input")
@@ -350,7 +350,7 @@ def _describe(error: dict, schema_cls: type[BaseModel], sources: dict[Path_, str
     return f"Config key '{key or '<top level>'}': {message} (from {source})"
 
 
-def _validate(schema_cls: type[MasterConfig], data: dict, sources: dict[Path_, str]) -> MasterConfig:
+def _validate(schema_cls: type[MasterConfig], data: dict, sources: dict[KeyPath, str]) -> MasterConfig:
     try:
         return schema_cls.model_validate(data)
     except ValidationError as e:
