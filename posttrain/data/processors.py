@@ -1,0 +1,188 @@
+"""Turn a record (`{"prompt", "answer", "task_name", ...}`) into a datum with a message log.
+
+A datum is what the data loader hands the algorithms (NeMo-RL's `DatumSpec`):
+
+    {"message_log": [...], "length": int, "extra_env_info": {"ground_truth": answer},
+     "loss_multiplier": 1.0, "idx": int, "task_name": str}
+
+`loss_multiplier` 0.0 masks the sample out of the loss (it becomes `sample_mask`); it is how an
+over-long sample is dropped without crashing the run. Processors are registered by name
+(`PROCESSORS`), so a new prompt format is one decorated function.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from posttrain.data.datasets import DataError
+
+Processor = Callable[..., dict[str, Any]]
+PROCESSORS: dict[str, Processor] = {}
+
+# Tokens an over-long prompt keeps (as NeMo-RL's math processor): enough to keep tensors
+# non-empty, while its loss_multiplier of 0 keeps it out of training.
+TRUNCATED_PROMPT_TOKENS = 4
+DEFAULT_TASK_NAME = "math"
+
+
+def register_processor(name: str) -> Callable[[Processor], Processor]:
+    """Register `fn` under `name` in `PROCESSORS`."""
+
+    def decorator(fn: Processor) -> Processor:
+        if name in PROCESSORS:
+            raise ValueError(f"processor {name!r} is already registered")
+        PROCESSORS[name] = fn
+        return fn
+
+    return decorator
+
+
+def _field(record: dict, key: str, idx: int) -> Any:
+    if key not in record:
+        raise DataError(f"sample idx {idx}: record has no {key!r} key (keys: {sorted(record)})")
+    return record[key]
+
+
+def _prompt_text(
+    prompt: str, tokenizer: PreTrainedTokenizerBase, use_chat_template: bool, system_prompt: str | None
+) -> tuple[str, list[dict], bool]:
+    """(text the model sees before its answer, chat messages, add_special_tokens for encoding it).
+
+    With the chat template the text ends with the generation prompt (e.g. `<|assistant|>`) and
+    carries its own special tokens. Without it, the system prompt (if any) goes on its own line
+    before the prompt and the tokenizer adds its usual special tokens (bos for Llama-style ones).
+    """
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    if use_chat_template:
+        if tokenizer.chat_template is None:
+            raise ValueError("data.use_chat_template is true but the tokenizer has no chat template")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return text, messages, False
+    text = f"{system_prompt}\n{prompt}" if system_prompt else prompt
+    return text, messages, True
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool) -> torch.Tensor:
+    return torch.tensor(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"], dtype=torch.long)
+
+
+@register_processor("math")
+def build_prompt_message_log(
+    record: dict,
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_length: int,
+    use_chat_template: bool = True,
+    system_prompt: str | None = None,
+    idx: int = 0,
+) -> dict[str, Any]:
+    """A one-message prompt datum for RL: the model answers it, an environment grades it.
+
+    Args:
+        record: needs `prompt` and `answer` (ground truth, passed to the environment as
+            `extra_env_info["ground_truth"]`); `task_name` routes it to an environment
+            (default `"math"`).
+        tokenizer: a Hugging Face tokenizer.
+        max_seq_length: a longer prompt is cut to 4 tokens and gets `loss_multiplier` 0.0, with a
+            warning naming `idx`.
+        use_chat_template: wrap the prompt with the tokenizer's chat template, ending in the
+            generation prompt (default True). The single `user` message's content is the whole
+            templated text, so the message log holds exactly the tokens the model sees.
+        system_prompt: optional system message (default None).
+        idx: the sample's index, kept in the datum and used in warnings.
+    """
+    prompt = _field(record, "prompt", idx)
+    text, _, add_special = _prompt_text(prompt, tokenizer, use_chat_template, system_prompt)
+    token_ids = _encode(tokenizer, text, add_special)
+    loss_multiplier = 1.0
+    if token_ids.numel() > max_seq_length:
+        warnings.warn(
+            f"sample idx {idx}: prompt has {token_ids.numel()} tokens > max_seq_length {max_seq_length}; "
+            f"keeping {TRUNCATED_PROMPT_TOKENS} tokens and masking it out (loss_multiplier=0)",
+            stacklevel=2,
+        )
+        token_ids = token_ids[: min(TRUNCATED_PROMPT_TOKENS, max_seq_length)]
+        text = tokenizer.decode(token_ids)
+        loss_multiplier = 0.0
+    return {
+        "message_log": [{"role": "user", "content": text, "token_ids": token_ids}],
+        "length": token_ids.numel(),
+        "extra_env_info": {"ground_truth": _field(record, "answer", idx)},
+        "loss_multiplier": loss_multiplier,
+        "idx": idx,
+        "task_name": record.get("task_name", DEFAULT_TASK_NAME),
+    }
+
+
+def _assistant_text(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], prompt_text: str, answer: str, use_chat_template: bool
+) -> tuple[str, bool]:
+    """Text of the assistant turn after the generation prompt, and whether eos must be appended.
+
+    With a chat template it is whatever the template writes after the generation prompt for this
+    answer (`46<|end|>` here, `46<|im_end|>\\n` for Qwen), so the end-of-turn token is learned.
+    """
+    if use_chat_template:
+        full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": answer}], tokenize=False)
+        if full.startswith(prompt_text):
+            return full[len(prompt_text):], False
+    return answer, True
+
+
+@register_processor("sft")
+def build_sft_example(
+    record: dict,
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_length: int,
+    use_chat_template: bool = True,
+    system_prompt: str | None = None,
+    idx: int = 0,
+) -> dict[str, Any]:
+    """A supervised example: the prompt (not trained on) and the answer (trained on).
+
+    The message log is `[user (prompt, generation prompt included), assistant (answer and its
+    end-of-turn / eos tokens, "loss": True)]`; `flatten_message_logs` sets `token_mask` to 1 on
+    messages with `loss: True`. Each message is tokenised on its own, as the model would see the
+    prompt at generation time. A pair longer than `max_seq_length` keeps at most
+    `max_seq_length // 2` tokens of each message and gets `loss_multiplier` 0.0, with a warning.
+    Arguments as in `build_prompt_message_log`.
+    """
+    prompt = _field(record, "prompt", idx)
+    answer = str(_field(record, "answer", idx))
+    prompt_text, messages, add_special = _prompt_text(prompt, tokenizer, use_chat_template, system_prompt)
+    prompt_ids = _encode(tokenizer, prompt_text, add_special)
+    answer_text, append_eos = _assistant_text(tokenizer, messages, prompt_text, answer, use_chat_template)
+    answer_ids = _encode(tokenizer, answer_text, False)
+    if append_eos:
+        if tokenizer.eos_token_id is None:
+            raise ValueError("build_sft_example without a chat template needs a tokenizer with an eos token")
+        answer_ids = torch.cat([answer_ids, torch.tensor([tokenizer.eos_token_id])])
+        answer_text += tokenizer.eos_token
+
+    loss_multiplier = 1.0
+    if prompt_ids.numel() + answer_ids.numel() > max_seq_length:
+        warnings.warn(
+            f"sample idx {idx}: prompt + answer have {prompt_ids.numel() + answer_ids.numel()} tokens > "
+            f"max_seq_length {max_seq_length}; truncating and masking it out (loss_multiplier=0)",
+            stacklevel=2,
+        )
+        keep = max(max_seq_length // 2, 1)
+        prompt_ids, answer_ids = prompt_ids[:keep], answer_ids[:keep]
+        prompt_text, answer_text = tokenizer.decode(prompt_ids), tokenizer.decode(answer_ids)
+        loss_multiplier = 0.0
+    return {
+        "message_log": [
+            {"role": "user", "content": prompt_text, "token_ids": prompt_ids},
+            {"role": "assistant", "content": answer_text, "token_ids": answer_ids, "loss": True},
+        ],
+        "length": prompt_ids.numel() + answer_ids.numel(),
+        "extra_env_info": {"ground_truth": _field(record, "answer", idx)},
+        "loss_multiplier": loss_multiplier,
+        "idx": idx,
+        "task_name": record.get("task_name", DEFAULT_TASK_NAME),
+    }
