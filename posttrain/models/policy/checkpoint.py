@@ -1,0 +1,186 @@
+"""Policy checkpoints: sharded `torch.distributed.checkpoint` (DCP) state and Hugging Face export.
+
+A directory written by `PolicyWorker.save_checkpoint(path)` holds
+
+    path/
+      model/            DCP: model parameters, HF names, each rank writes its own shards
+      optim/            DCP: optimizer state (absent when saved without the optimizer)
+      hf/               config.json (+ generation_config.json) and the tokenizer: enough to
+                        rebuild the model skeleton and export without the original model dir
+      trainer_state.pt  {"step", "scheduler", "model_type"} (rank 0)
+      rng/rank_<r>.pt   per-rank RNG states of python, numpy, torch and cuda
+
+It is written to `<path>.tmp` and renamed to `path` by rank 0 after a barrier, so a crash never
+leaves a half-written checkpoint under the final name. DCP reshards on load, so a checkpoint
+saved with N data-parallel workers loads with M.
+
+`convert_to_hf(checkpoint_dir, out_dir)` turns such a directory (or a `step_N` directory holding
+one under `policy/`) into a consolidated `save_pretrained` directory (safetensors) that
+`AutoModelForCausalLM.from_pretrained` loads; the CLI's `posttrain convert` calls it. Like
+NeMo-RL's converter it loads the full model into CPU memory once.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+MODEL_DIR, OPTIM_DIR, HF_DIR = "model", "optim", "hf"
+TRAINER_STATE_FILE = "trainer_state.pt"
+RNG_DIR = "rng"
+MODEL_CLASSES = {"lm": AutoModelForCausalLM, "reward": AutoModelForSequenceClassification}
+
+
+# ------------------------------------------------------------------------------------- RNG state
+def rng_state() -> dict[str, Any]:
+    """RNG states of python, numpy, torch and (when present) every CUDA device of this process."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ------------------------------------------------------------------------------------ save / load
+def tmp_path(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + ".tmp")
+
+
+def save_sharded(
+    path: str | os.PathLike,
+    *,
+    model_state: dict[str, Any],
+    optim_state: dict[str, Any] | None,
+    trainer_state: dict[str, Any],
+    hf_config: Any,
+    tokenizer: Any,
+) -> Path:
+    """Collective: every rank calls it with its own shards. Returns the final `path`.
+
+    Args:
+        path: final directory; an existing one is replaced once the new one is complete.
+        model_state / optim_state: from `get_state_dict` (DTensor shards under FSDP).
+        trainer_state: small picklable dict written by rank 0 (step, scheduler state, ...).
+        hf_config / tokenizer: saved by rank 0 with `save_pretrained` into `hf/`.
+    """
+    final, tmp = Path(path), tmp_path(path)
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(model_state, checkpoint_id=str(tmp / MODEL_DIR))
+    if optim_state is not None:
+        dcp.save(optim_state, checkpoint_id=str(tmp / OPTIM_DIR))
+    (tmp / RNG_DIR).mkdir(exist_ok=True)
+    torch.save(rng_state(), tmp / RNG_DIR / f"rank_{rank}.pt")
+    if rank == 0:
+        torch.save(trainer_state, tmp / TRAINER_STATE_FILE)
+        hf_config.save_pretrained(tmp / HF_DIR)
+        tokenizer.save_pretrained(tmp / HF_DIR)
+    dist.barrier()  # every rank's shards are on disk before the rename publishes them
+    if rank == 0:
+        if final.exists():
+            old = final.with_name(final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+    dist.barrier()
+    return final
+
+
+def check_checkpoint_dir(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if not (path / MODEL_DIR / ".metadata").is_file():
+        hint = f" (did you mean {path / 'policy'}?)" if (path / "policy" / MODEL_DIR).is_dir() else ""
+        raise FileNotFoundError(f"{path} is not a policy checkpoint: {path / MODEL_DIR / '.metadata'} is missing{hint}")
+    return path
+
+
+def load_sharded_into(path: str | os.PathLike, state: dict[str, Any], part: str) -> None:
+    """Collective: fill `state` (model or optimizer shards, from `get_state_dict`) in place."""
+    dcp.load(state, checkpoint_id=str(Path(path) / part))
+
+
+def load_trainer_state(path: str | os.PathLike, rank: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """`(trainer_state, rng_state or None)`: rng is None when the checkpoint has no file for `rank`
+    (it was saved with fewer workers)."""
+    path = Path(path)
+    trainer_state = torch.load(path / TRAINER_STATE_FILE, weights_only=False)
+    rng_file = path / RNG_DIR / f"rank_{rank}.pt"
+    rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None
+    return trainer_state, rng
+
+
+# ------------------------------------------------------------------------------------ HF export
+def save_hf(
+    state_dict: Mapping[str, torch.Tensor],
+    hf_config: Any,
+    tokenizer: Any,
+    out_dir: str | os.PathLike,
+    model_type: str = "lm",
+) -> Path:
+    """Write a consolidated HF directory (safetensors, config, tokenizer) from full weights.
+
+    The model skeleton is built on the meta device and the given tensors are assigned into it, so
+    no extra copy of the weights is made.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        model = MODEL_CLASSES[model_type].from_config(hf_config)
+    missing, unexpected = model.load_state_dict(dict(state_dict), strict=False, assign=True)
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(
+            f"weights do not match the {type(model).__name__} of the saved config: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    if tied:
+        model.tie_weights()
+    model.save_pretrained(out, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def convert_to_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Convert a policy checkpoint (or a `step_N` dir with one under `policy/`) to HF format.
+
+    Runs in a single process without a process group.
+    """
+    path = Path(checkpoint_dir)
+    if not (path / MODEL_DIR).is_dir() and (path / "policy" / MODEL_DIR).is_dir():
+        path = path / "policy"
+    path = check_checkpoint_dir(path)
+    trainer_state = torch.load(path / TRAINER_STATE_FILE, weights_only=False)
+    hf_config = AutoConfig.from_pretrained(path / HF_DIR)
+    tokenizer = AutoTokenizer.from_pretrained(path / HF_DIR)
+    with tempfile.TemporaryDirectory() as tmp:
+        full = Path(tmp) / "model.pt"
+        dcp_to_torch_save(path / MODEL_DIR, full)
+        state_dict = torch.load(full, weights_only=True, mmap=True)
+        return save_hf(state_dict, hf_config, tokenizer, out_dir, trainer_state.get("model_type", "lm"))

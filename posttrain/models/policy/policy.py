@@ -1,0 +1,140 @@
+"""`Policy`: the controller-side handle on a group of `PolicyWorker`s (data parallel).
+
+The algorithm loops call it with whole batches; it shards rows across the workers, calls them
+together (they run collectives among themselves) and returns results in the caller's row order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from posttrain.config.schema import PolicyConfig
+from posttrain.distributed.batch import Batch
+from posttrain.distributed.cluster import VirtualCluster
+from posttrain.distributed.worker_group import WorkerGroup
+from posttrain.models.policy.worker import PolicyWorker
+
+
+class Policy:
+    """A data-parallel policy (or reward model) on `cfg.num_workers` bundles of `cluster`.
+
+    Args:
+        cluster: where the workers run; uses its first `cfg.num_workers` bundles.
+        cfg: the `policy` config section (`PolicyConfig` or a dict).
+        init_reference_model: keep the initial weights for `get_reference_logprobs` (KL, DPO).
+        init_optimizer: build optimizer and scheduler (default True).
+        weights_path: a `save_checkpoint` directory to start from (default None: `cfg.model_name`).
+        name: worker-group name shown in errors and logs (default "policy").
+        model_type: "lm" (default) or "reward" (scalar score per sequence; see `PolicyWorker`).
+        worker_timeout_s: longest wait for one call (default 1800.0, `cluster.worker_timeout_s`).
+    """
+
+    def __init__(
+        self,
+        cluster: VirtualCluster,
+        cfg: PolicyConfig | dict,
+        *,
+        init_reference_model: bool,
+        init_optimizer: bool = True,
+        weights_path: Optional[str] = None,
+        name: str = "policy",
+        model_type: str = "lm",
+        worker_timeout_s: float = 1800.0,
+    ) -> None:
+        self.cfg = cfg if isinstance(cfg, PolicyConfig) else PolicyConfig.model_validate(cfg)
+        if cluster.world_size() < self.cfg.num_workers:
+            raise ValueError(
+                f"policy.num_workers={self.cfg.num_workers} but the cluster has only {cluster.world_size()} bundles"
+            )
+        self.dp_size = self.cfg.num_workers
+        self.worker_group = WorkerGroup(
+            cluster,
+            PolicyWorker,
+            init_kwargs=dict(
+                cfg=self.cfg.model_dump(),
+                init_reference_model=init_reference_model,
+                init_optimizer=init_optimizer,
+                weights_path=None if weights_path is None else str(weights_path),
+                model_type=model_type,
+            ),
+            name=name,
+            bundle_indices=list(range(self.dp_size)),
+            worker_timeout_s=worker_timeout_s,
+        )
+
+    # ------------------------------------------------------------------------------ logprobs
+    def get_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
+        """`Batch({"logprobs": [B, S]})` in the caller's row order (see `PolicyWorker.get_logprobs`)."""
+        return self.worker_group.run_sharded("get_logprobs", batch, temperature=temperature)
+
+    def get_reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
+        """Like `get_logprobs`, from the initial weights (needs `init_reference_model=True`)."""
+        return self.worker_group.run_sharded("get_reference_logprobs", batch, temperature=temperature)
+
+    # --------------------------------------------------------------------------------- train
+    def train(
+        self,
+        batch: Batch,
+        loss_fn: Any,
+        *,
+        global_batch_size: Optional[int] = None,
+        micro_batch_size: Optional[int] = None,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
+        """One optimizer step per `global_batch_size` rows (default `policy.train_global_batch_size`).
+
+        Rows `[k*G, (k+1)*G)` of `batch` form optimizer step k, whatever the number of workers:
+        each worker gets `G / dp` rows of every step. Returns the metrics of
+        `PolicyWorker.train`, already reduced over workers (sums, min/max; `lr` and `grad_norm`
+        are global values).
+        """
+        gbs = global_batch_size or self.cfg.train_global_batch_size
+        if gbs % self.dp_size:
+            raise ValueError(
+                f"global batch size {gbs} (policy.train_global_batch_size or the global_batch_size argument) "
+                f"is not divisible by policy.num_workers={self.dp_size}"
+            )
+        if batch.size == 0 or batch.size % gbs:
+            raise ValueError(
+                f"train got {batch.size} rows; it needs a positive multiple of the global batch size {gbs} "
+                "(policy.train_global_batch_size or the global_batch_size argument)"
+            )
+        # Reorder so that the contiguous shard of rank r holds, for every step k, rows
+        # k*G + r*L ... k*G + (r+1)*L - 1 (L = G / dp), in step order.
+        local = gbs // self.dp_size
+        steps = batch.size // gbs
+        order = torch.arange(batch.size).view(steps, self.dp_size, local).transpose(0, 1).flatten()
+        refs = self.worker_group.run_sharded_async(
+            "train",
+            batch.select(order),
+            loss_fn=loss_fn,
+            global_batch_size=gbs,
+            micro_batch_size=micro_batch_size,
+            temperature=temperature,
+        )
+        return self.worker_group.get(refs)[0]  # every rank returns the same reduced metrics
+
+    # ------------------------------------------------------------------ weights & checkpoints
+    def save_checkpoint(self, path: str, save_optimizer: bool = True) -> str:
+        """Sharded checkpoint directory (atomic rename); see `posttrain.models.policy.checkpoint`."""
+        return self.worker_group.run_all("save_checkpoint", str(path), save_optimizer=save_optimizer)[0]
+
+    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
+        self.worker_group.run_all("load_checkpoint", str(path), load_optimizer=load_optimizer)
+
+    def export_hf(self, out_dir: str) -> str:
+        """Consolidated Hugging Face directory (safetensors, config, tokenizer)."""
+        return self.worker_group.run_all("export_hf", str(out_dir))[0]
+
+    def state_dict_for_export(self) -> dict[str, torch.Tensor]:
+        """Full weights in HF names (gathered on rank 0; every worker takes part)."""
+        return self.worker_group.run_all("state_dict_for_export")[0]
+
+    def refit_info(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """`(name, shape, dtype)` of every exported tensor, for `Generation.prepare_refit_info`."""
+        return self.worker_group.run_rank0("refit_info")
+
+    def shutdown(self) -> None:
+        self.worker_group.shutdown()

@@ -1,0 +1,470 @@
+"""`PolicyWorker`: one data-parallel training rank (a Ray actor created by `Policy`).
+
+Each worker holds the model, the optimizer and the LR scheduler. With more than one worker the
+model is sharded with FSDP2 (`torch.distributed.fsdp.fully_shard` on every decoder layer and on
+the root), which works over gloo on CPU as well as nccl on GPU; with one worker it is a plain
+module. Master weights and optimizer state are float32; `policy.precision` picks the compute
+dtype (autocast), so a bf16 run keeps exact fp32 updates.
+
+Exact loss normalisation (NeMo-RL, `nemo-rl.md` section 3, "Inside policy.train"): for every
+optimizer step the worker all-reduces the valid token / sequence counts of its rows, so each
+micro-batch's loss is already divided by the *global* counts. FSDP averages gradients over
+ranks, so the loss is multiplied by the data-parallel size before `backward`; the accumulated
+gradient then equals the gradient of one big batch, whatever the split into ranks, micro-batches
+or packed bins.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForSequenceClassification
+
+from posttrain.config.schema import PolicyConfig
+from posttrain.distributed.batch import Batch
+from posttrain.distributed.worker_group import DistributedWorker
+from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype, resolve_model_path
+from posttrain.models.policy import checkpoint as ckpt
+from posttrain.models.policy.forward import (
+    MicroBatch,
+    dynamic_microbatches,
+    fixed_size_microbatches,
+    microbatch_logprobs,
+    microbatch_scores,
+    packed_microbatches,
+)
+from posttrain.utils.lr_schedule import build_lr_scheduler
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW,
+    "adam": torch.optim.Adam,
+    "sgd": torch.optim.SGD,
+}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly FSDP-sharded) tensor, sharing its storage."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class PolicyWorker(DistributedWorker):
+    """Training, logprob inference, checkpoints and weight export for one data-parallel rank.
+
+    Args:
+        cfg: the `policy` config section (a `PolicyConfig` or a dict validated into one).
+        init_reference_model: keep a frozen copy of the initial weights for
+            `get_reference_logprobs` (KL penalty, DPO). The copy is this rank's shard, kept in
+            CPU memory (1/dp of the model per worker); it is swapped into the live parameters for
+            the duration of a reference forward pass, so it costs no accelerator memory.
+        init_optimizer: build the optimizer and scheduler (default True; False for inference-only).
+        weights_path: a directory written by `save_checkpoint` to start from (default None: the
+            weights of `cfg.model_name`). The reference model is always the `model_name` weights,
+            as in NeMo-RL. Optimizer, scheduler and RNG state are restored too when present and
+            `init_optimizer` is set.
+        model_type: "lm" (default; causal LM, logprobs) or "reward" (`AutoModelForSequenceClassification`
+            with one label: a scalar score per sequence for losses with `input_type == "scores"`).
+    """
+
+    def __init__(
+        self,
+        cfg: PolicyConfig | dict,
+        init_reference_model: bool,
+        init_optimizer: bool = True,
+        weights_path: Optional[str] = None,
+        model_type: str = "lm",
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg if isinstance(cfg, PolicyConfig) else PolicyConfig.model_validate(cfg)
+        if model_type not in ckpt.MODEL_CLASSES:
+            raise ValueError(f"model_type={model_type!r}; choose one of {sorted(ckpt.MODEL_CLASSES)}")
+        self.model_type = model_type
+        # DistributedWorker set self.rank, self.world_size and self.device (cuda when present).
+        self.dp_size = self.world_size  # only data parallelism for now
+        self.compute_dtype = pick_dtype(self.cfg.precision, self.device)
+        self.step = 0  # number of `train` calls (= scheduler steps) so far
+
+        model_path = resolve_model_path(self.cfg.model_name, self.cfg.tiny_arch)
+        self.tokenizer = load_tokenizer(self.cfg.tokenizer_name or model_path, self.cfg.tiny_arch)
+        self.model = self._load_model(model_path)
+        self.hf_config = self.model.config
+        self.model.config.use_cache = False  # no KV cache in training / scoring forwards
+        if self.cfg.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.is_fsdp = self.world_size > 1
+        if self.is_fsdp:
+            self._shard_model()
+        else:
+            self.model.to(self.device)
+
+        self.reference_params: Optional[dict[str, torch.Tensor]] = None
+        if init_reference_model:
+            self.reference_params = {
+                name: _local(p.detach()).to("cpu", copy=True) for name, p in self.model.named_parameters()
+            }
+
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.scheduler: Optional[torch.optim.lr_scheduler.LRScheduler] = None
+        if init_optimizer:
+            opt = self.cfg.optimizer
+            kwargs: dict[str, Any] = dict(lr=opt.lr, weight_decay=opt.weight_decay)
+            if opt.name != "sgd":
+                kwargs.update(betas=tuple(opt.betas), eps=opt.eps)
+            self.optimizer = OPTIMIZERS[opt.name](self.model.parameters(), **kwargs)
+            self.scheduler = build_lr_scheduler(self.optimizer, opt, self.cfg.scheduler)
+        if weights_path is not None:
+            self.load_checkpoint(weights_path, load_optimizer=init_optimizer)
+
+    # ------------------------------------------------------------------------------- set-up
+    def _load_model(self, model_path: str) -> torch.nn.Module:
+        # Loaded on the CPU in float32: FSDP moves only this rank's shard to the device.
+        if self.model_type == "lm":
+            return load_causal_lm(model_path, dtype=torch.float32, device="cpu", tiny_arch=self.cfg.tiny_arch)
+        config = AutoConfig.from_pretrained(model_path, num_labels=1)
+        if config.pad_token_id is None:  # needed to find each row's last token
+            config.pad_token_id = self.tokenizer.pad_token_id
+        return AutoModelForSequenceClassification.from_pretrained(model_path, config=config, dtype=torch.float32)
+
+    def _shard_model(self) -> None:
+        """FSDP2: one unit per decoder layer (HF's `_no_split_modules`), then the root."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        layer_classes = set(getattr(self.model, "_no_split_modules", None) or ())
+        layers = [m for m in self.model.modules() if type(m).__name__ in layer_classes]
+        if not layers:
+            raise ValueError(
+                f"cannot find decoder layers to shard in {type(self.model).__name__}: "
+                f"_no_split_modules={sorted(layer_classes)}"
+            )
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def _reshard(self) -> None:
+        """Drop FSDP's gathered copies so the next forward re-gathers from the sharded weights.
+
+        Needed before changing weights outside the optimizer (reference swap, checkpoint load):
+        the root unit keeps its gathered parameters after a no-grad forward.
+        """
+        if self.is_fsdp:
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    # ----------------------------------------------------------------------- micro-batching
+    def _microbatches(self, batch: Batch, for_training: bool, rows_per_mb: int) -> list[MicroBatch]:
+        """Cut `batch` into micro-batches, padded with dummies to the same count on every rank."""
+        packing, dynamic = self.cfg.sequence_packing, self.cfg.dynamic_batching
+        if batch.size == 0:
+            mbs = []
+        elif packing.enabled:
+            budget = packing.train_mb_tokens if for_training else packing.logprob_mb_tokens
+            self._check_fits(batch, budget, "policy.sequence_packing")
+            mbs = packed_microbatches(batch, budget, packing.algorithm)
+        elif dynamic.enabled:
+            budget = dynamic.train_mb_tokens if for_training else dynamic.logprob_mb_tokens
+            self._check_fits(batch, budget, "policy.dynamic_batching")
+            mbs = dynamic_microbatches(batch, budget, dynamic.sequence_length_round)
+        else:
+            mbs = fixed_size_microbatches(batch, rows_per_mb)
+        if self.world_size > 1:
+            count = torch.tensor([len(mbs)], dtype=torch.long)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            if int(count) == 0:
+                return []
+            if not mbs:  # this rank has no rows: a one-token stand-in keeps the collectives in step
+                pad = Batch(input_ids=torch.zeros(1, 1, dtype=torch.long), input_lengths=torch.ones(1, dtype=torch.long))
+                mbs = [fixed_size_microbatches(pad, 1)[0].as_dummy()]
+            mbs += [mbs[-1].as_dummy() for _ in range(int(count) - len(mbs))]
+        return mbs
+
+    def _check_fits(self, batch: Batch, budget: int, key: str) -> None:
+        longest = int(batch["input_lengths"].max())
+        if longest > budget:
+            which = "train_mb_tokens / logprob_mb_tokens"
+            raise ValueError(f"a sequence of {longest} tokens exceeds the {key} token budget ({which} = {budget})")
+
+    def _forward(self, mb: MicroBatch, temperature: float) -> torch.Tensor:
+        if self.model_type == "reward":
+            return microbatch_scores(self.model, mb, self.device, self.compute_dtype)
+        return microbatch_logprobs(self.model, mb, self.device, self.compute_dtype, temperature)
+
+    # ------------------------------------------------------------------------------ logprobs
+    @torch.no_grad()
+    def get_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
+        """`Batch({"logprobs": [B, S]})`: position i = log p(token_i | tokens_<i) (float32), 0 at
+        position 0 and in the padding; logits are divided by `temperature` first (default 1.0).
+
+        Collective under FSDP: every rank must call it (a rank may have 0 rows).
+        """
+        self._require(batch, ("input_ids", "input_lengths"), "get_logprobs")
+        self.model.eval()
+        batch_size, seq_len = batch["input_ids"].shape
+        out = torch.zeros(batch_size, seq_len, dtype=torch.float32)
+        for mb in self._microbatches(batch, for_training=False, rows_per_mb=self.cfg.logprob_batch_size):
+            logprobs = self._forward(mb, temperature)
+            if not mb.dummy:
+                out[mb.index, : logprobs.shape[1]] = logprobs.float().cpu()
+        return Batch(logprobs=out)
+
+    def get_reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
+        """Like `get_logprobs`, from the frozen initial weights (needs `init_reference_model`)."""
+        if self.reference_params is None:
+            raise RuntimeError("get_reference_logprobs needs a Policy created with init_reference_model=True")
+        with self._reference_weights():
+            return self.get_logprobs(batch, temperature)
+
+    @contextmanager
+    def _reference_weights(self) -> Iterator[None]:
+        """Swap the reference weights into the live parameters, and back afterwards."""
+        assert self.reference_params is not None
+        self._reshard()
+        live = {name: _local(p.detach()) for name, p in self.model.named_parameters()}
+        backup = {name: t.to("cpu", copy=True) for name, t in live.items()}
+        with torch.no_grad():
+            for name, t in live.items():
+                t.copy_(self.reference_params[name])
+        try:
+            yield
+        finally:
+            self._reshard()
+            with torch.no_grad():
+                for name, t in live.items():
+                    t.copy_(backup[name])
+
+    # --------------------------------------------------------------------------------- train
+    def train(
+        self,
+        batch: Batch,
+        loss_fn: Any,
+        *,
+        global_batch_size: Optional[int] = None,
+        micro_batch_size: Optional[int] = None,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
+        """Optimizer step(s) on this rank's rows; one scheduler step per call.
+
+        Args:
+            batch: this rank's rows (`input_ids`, `input_lengths`, `token_mask`, `sample_mask`,
+                plus whatever the loss reads). Row k*L..(k+1)*L-1 belongs to optimizer step k,
+                L = global_batch_size / dp.
+            loss_fn: `loss_fn(logprobs, mb, global_valid_seqs, global_valid_toks) -> (loss, metrics)`.
+            global_batch_size: rows per optimizer step over all ranks (default
+                `policy.train_global_batch_size`).
+            micro_batch_size: rows per micro-batch without packing / dynamic batching (default
+                `policy.train_micro_batch_size`).
+            temperature: logits are divided by it, as in `get_logprobs` (default 1.0).
+
+        Returns:
+            Loss metrics summed over micro-batches and ranks (`_min`/`_max` names: min/max) and
+            averaged over the optimizer steps of this call, plus `grad_norm` (mean, before
+            clipping), `lr` (of this call's steps), `global_valid_toks` and `global_valid_seqs`
+            (totals). Identical on every rank.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("train needs a Policy created with init_optimizer=True")
+        scores = getattr(loss_fn, "input_type", "logprobs") == "scores"
+        if scores != (self.model_type == "reward"):
+            raise ValueError(f"loss input_type={loss_fn.input_type!r} does not fit model_type={self.model_type!r}")
+        self._require(batch, ("input_ids", "input_lengths", "sample_mask") + (() if scores else ("token_mask",)), "train")
+        gbs = global_batch_size or self.cfg.train_global_batch_size
+        mbs = micro_batch_size or self.cfg.train_micro_batch_size
+        if gbs % self.dp_size:
+            raise ValueError(f"global batch size {gbs} is not divisible by the {self.dp_size} data-parallel workers")
+        local_gbs = gbs // self.dp_size
+        if batch.size == 0 or batch.size % local_gbs:
+            raise ValueError(
+                f"this worker got {batch.size} rows, not a positive multiple of global_batch_size / dp = {local_gbs}"
+            )
+
+        self.model.train()
+        lr = self.optimizer.param_groups[0]["lr"]
+        sums: dict[str, float] = {}
+        grad_norms, total_toks, total_seqs = [], 0.0, 0.0
+        num_steps = batch.size // local_gbs
+        for step_index in range(num_steps):
+            rows = batch.select(torch.arange(step_index * local_gbs, (step_index + 1) * local_gbs))
+            valid_seqs, valid_toks = self._global_counts(rows, scores)
+            total_toks, total_seqs = total_toks + float(valid_toks), total_seqs + float(valid_seqs)
+            self.optimizer.zero_grad(set_to_none=True)
+            bad_microbatches: list[int] = []
+            for mb_index, mb in enumerate(self._microbatches(rows, for_training=True, rows_per_mb=mbs)):
+                outputs = self._forward(mb, temperature)
+                if mb.dummy:
+                    (outputs.sum() * 0.0).backward()
+                    continue
+                loss, metrics = loss_fn(outputs, mb.rows.to(self.device), valid_seqs, valid_toks)
+                if not torch.isfinite(loss):
+                    bad_microbatches.append(mb_index)
+                # Keep going even on a bad loss so the other ranks' collectives stay in step.
+                (loss * self.dp_size).backward()
+                _accumulate(sums, metrics)
+            grad_norm = self._clip_grad_norm()
+            self._raise_if_not_finite(bad_microbatches, grad_norm, step_index)
+            self.optimizer.step()
+            grad_norms.append(grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+
+        result = self._all_reduce_metrics(sums)
+        result = {k: v / num_steps if not _is_extreme(k) else v for k, v in result.items()}
+        result.update(
+            grad_norm=sum(grad_norms) / num_steps, lr=lr, global_valid_toks=total_toks, global_valid_seqs=total_seqs
+        )
+        return result
+
+    def _global_counts(self, rows: Batch, scores: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(global_valid_seqs, global_valid_toks)` of one optimizer step, summed over ranks."""
+        sample_mask = rows["sample_mask"].double()
+        toks = 0.0 if scores else (rows["token_mask"][:, 1:].double() * sample_mask[:, None]).sum()
+        counts = torch.stack([sample_mask.sum(), torch.as_tensor(toks, dtype=torch.float64)])
+        if self.world_size > 1:
+            dist.all_reduce(counts)
+        counts = counts.float().to(self.device)
+        return counts[0], counts[1]
+
+    def _clip_grad_norm(self) -> float:
+        """Total grad norm over all ranks before clipping; clips when `policy.max_grad_norm` is set."""
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)  # DTensor-aware
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _raise_if_not_finite(self, bad_microbatches: list[int], grad_norm: float, step_index: int) -> None:
+        """Raise on every rank, before the optimizer step, if any rank saw a NaN/inf."""
+        flag = torch.tensor([float(bool(bad_microbatches))])
+        if self.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() == 0 and math.isfinite(grad_norm):
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        where = (
+            f"micro-batch(es) {bad_microbatches} on rank {self.rank}" if bad_microbatches else "another rank's micro-batch"
+        )
+        what = "loss" if flag.item() else f"gradient norm ({grad_norm})"
+        raise FloatingPointError(
+            f"non-finite {what} at train call {self.step}, optimizer step {step_index}, {where}; "
+            "the optimizer step was skipped, so the weights are unchanged"
+        )
+
+    def _all_reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """Sum (or min/max for `_min`/`_max` names) per-rank metric totals over all ranks."""
+        if self.world_size == 1:
+            return dict(sums)
+        names: list[list[str]] = [[] for _ in range(self.world_size)]
+        dist.all_gather_object(names, sorted(sums))
+        keys = sorted(set().union(*names))
+        out = {}
+        for op, suffix_test in ((dist.ReduceOp.MIN, "_min"), (dist.ReduceOp.MAX, "_max"), (dist.ReduceOp.SUM, None)):
+            group = [k for k in keys if (k.endswith(suffix_test) if suffix_test else not _is_extreme(k))]
+            if not group:
+                continue
+            neutral = {dist.ReduceOp.MIN: math.inf, dist.ReduceOp.MAX: -math.inf, dist.ReduceOp.SUM: 0.0}[op]
+            values = torch.tensor([sums.get(k, neutral) for k in group], dtype=torch.float64)
+            dist.all_reduce(values, op=op)
+            out.update(zip(group, values.tolist()))
+        return out
+
+    # ------------------------------------------------------------------ weights & checkpoints
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: unsharded weights (HF names, float32, CPU) on rank 0, `{}` elsewhere."""
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def state_dict_for_export(self) -> Optional[dict[str, torch.Tensor]]:
+        """Full parameters in HF names, dtype as trained (float32 masters), on rank 0; None elsewhere."""
+        state = self._full_state_dict()
+        return state if self.rank == 0 else None
+
+    def refit_info(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """`(name, full shape, dtype)` of every tensor `state_dict_for_export` returns."""
+        return [(name, tuple(t.shape), t.dtype) for name, t in self.model.state_dict().items()]
+
+    def save_checkpoint(self, path: str, save_optimizer: bool = True) -> str:
+        """Collective: sharded model (+ optimizer), scheduler, step and RNG state; see `checkpoint.py`."""
+        optimizers = (self.optimizer,) if save_optimizer and self.optimizer is not None else ()
+        model_state, optim_state = get_state_dict(self.model, optimizers)
+        trainer_state = {
+            "step": self.step,
+            "model_type": self.model_type,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+        }
+        final = ckpt.save_sharded(
+            path,
+            model_state=model_state,
+            optim_state=optim_state if optimizers else None,
+            trainer_state=trainer_state,
+            hf_config=self.hf_config,
+            tokenizer=self.tokenizer,
+        )
+        return str(final)
+
+    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
+        """Collective: restore what `save_checkpoint` wrote (any number of saving workers)."""
+        path = ckpt.check_checkpoint_dir(path)
+        self._reshard()
+        has_optim = (path / ckpt.OPTIM_DIR / ".metadata").is_file()
+        if load_optimizer and self.optimizer is not None and has_optim:
+            model_state, optim_state = get_state_dict(self.model, (self.optimizer,))
+            ckpt.load_sharded_into(path, model_state, ckpt.MODEL_DIR)
+            ckpt.load_sharded_into(path, optim_state, ckpt.OPTIM_DIR)
+            set_state_dict(self.model, (self.optimizer,), model_state_dict=model_state, optim_state_dict=optim_state)
+        else:
+            model_state = get_model_state_dict(self.model)
+            ckpt.load_sharded_into(path, model_state, ckpt.MODEL_DIR)
+            set_model_state_dict(self.model, model_state)
+        trainer_state, rng = ckpt.load_trainer_state(path, self.rank)
+        if load_optimizer and self.scheduler is not None and trainer_state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(trainer_state["scheduler"])
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
+        self.step = int(trainer_state["step"])
+        if rng is not None:
+            ckpt.set_rng_state(rng)
+
+    def export_hf(self, out_dir: str) -> Optional[str]:
+        """Collective: consolidated HF directory (safetensors + config + tokenizer), written by rank 0."""
+        state = self._full_state_dict()
+        out = None
+        if self.rank == 0:
+            out = str(ckpt.save_hf(state, self.hf_config, self.tokenizer, out_dir, self.model_type))
+        if self.world_size > 1:
+            dist.barrier()
+        return out
+
+    # --------------------------------------------------------------------------------- misc
+    @staticmethod
+    def _require(batch: Batch, keys: tuple[str, ...], who: str) -> None:
+        missing = [k for k in keys if k not in batch]
+        if missing:
+            raise KeyError(f"PolicyWorker.{who}: batch is missing {missing}; it has {sorted(batch)}")
+
+
+def _is_extreme(name: str) -> bool:
+    return name.endswith("_min") or name.endswith("_max")
+
+
+def _accumulate(sums: dict[str, float], metrics: dict[str, Any]) -> None:
+    for name, value in metrics.items():
+        value = float(value)
+        if name.endswith("_min"):
+            sums[name] = min(sums.get(name, math.inf), value)
+        elif name.endswith("_max"):
+            sums[name] = max(sums.get(name, -math.inf), value)
+        else:
+            sums[name] = sums.get(name, 0.0) + value
+
