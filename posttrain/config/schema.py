@@ -152,7 +152,7 @@ class DataConfig(Section):
     # Synthetic arithmetic
     operations: list[Literal["add", "sub", "mul"]] = ["add"]
     num_digits: int = Field(2, ge=1, le=12)
-    num_train: int = Field(20000, ge=1)
+    num_train: int = Field(8000, ge=1)
     num_validation: int = Field(500, ge=1)
     seed: int = 1234
     shuffle: bool = True
