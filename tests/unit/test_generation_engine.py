@@ -195,3 +195,10 @@ def test_logprobs_agree_with_full_forward_pass(temperature, top_k, top_p):
     mult_prob_error = diff.abs().exp().mean().item()
     print(f"token_mult_prob_error={mult_prob_error:.8f}")
     assert mult_prob_error < 1.001, mult_prob_error
+
+
+def test_empty_batch_returns_empty_outputs():
+    engine = NativeGenerationEngine(chain_model(), None, pad_token_id=PAD, eos_token_id=EOS)
+    out = engine.generate(torch.zeros(0, 3, dtype=torch.long), torch.zeros(0, dtype=torch.long), max_new_tokens=4)
+    assert out["output_ids"].shape == (0, 3) and out["logprobs"].shape == (0, 3)
+    assert out["truncated"].dtype == torch.bool and out["generation_lengths"].shape == (0,)

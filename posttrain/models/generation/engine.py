@@ -52,8 +52,8 @@ def _per_row_stop_strings(stop_strings: StopStrings, batch_size: int) -> list[li
     if not stop_strings:
         return [[] for _ in range(batch_size)]
     if all(isinstance(s, str) for s in stop_strings):
-        return [list(stop_strings) for _ in range(batch_size)]
-    if len(stop_strings) != batch_size:
+        stop_strings = [list(stop_strings)] * batch_size
+    elif len(stop_strings) != batch_size:
         raise ValueError(
             f"per-sample stop_strings has {len(stop_strings)} entries but the batch has {batch_size} rows"
         )
@@ -171,6 +171,12 @@ class NativeGenerationEngine:
         if any(row_stop_strings) and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass one to NativeGenerationEngine")
 
+        if batch_size == 0:  # e.g. an empty data-parallel shard
+            return self._assemble_outputs(
+                input_ids, input_lengths, input_ids.new_zeros(0, 0), torch.zeros(0, 0),
+                input_lengths.new_zeros(0), torch.zeros(0, dtype=torch.bool),
+            )
+
         device = next(self.model.parameters()).device
         if seeds is None:
             seeds = torch.randint(0, 2**62, (batch_size,), dtype=torch.long)
@@ -189,7 +195,7 @@ class NativeGenerationEngine:
             input_ids.to(device), input_lengths.to(device), self.pad_token_id
         )
         cache = DynamicCache()
-        logits = self._forward(ids, attention_mask, position_ids, cache) if batch_size else None
+        logits = self._forward(ids, attention_mask, position_ids, cache)
         next_position = position_ids[:, -1] + 1
 
         for step in range(max_new_tokens):

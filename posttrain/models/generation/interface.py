@@ -1,0 +1,154 @@
+"""Controller side of generation: the `GenerationInterface` ABC and `Generation`, which drives
+a group of data-parallel `GenerationWorker`s (NeMo-RL's `GenerationInterface` / `VllmGeneration`).
+
+Typical use from an algorithm loop:
+
+    generation = Generation(cluster, config.policy.generation, config.policy.model_name)
+    generation.prepare_refit_info(build_refit_metadata(policy_param_info, bucket_bytes))
+    ...
+    if generation.weights_version != policy_version:  # lazy refit
+        generation.update_weights(policy_buffers, policy_version)
+    generation.prepare_for_generation()
+    out = generation.generate(batch, greedy=False)
+    generation.finish_generation()
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import ray
+import torch
+
+from posttrain.config.schema import GenerationConfig
+from posttrain.distributed.batch import Batch
+from posttrain.distributed.cluster import VirtualCluster
+from posttrain.distributed.worker_group import WorkerGroup
+from posttrain.models.generation.worker import GenerationWorker
+from posttrain.models.refit import RefitMetadata
+
+
+class GenerationInterface(abc.ABC):
+    """What the algorithm loops need from a generation backend."""
+
+    weights_version: int  # version of the weights the backend holds; compare before refitting
+
+    @abc.abstractmethod
+    def generate(self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None) -> Batch:
+        """`batch` has `input_ids [B,S]` (right-padded), `input_lengths [B]`, optionally `seeds [B]`
+        and per-row `stop_strings`. Returns `output_ids`, `generation_lengths`,
+        `unpadded_sequence_lengths`, `logprobs`, `truncated` (docs/internals.md)."""
+
+    @abc.abstractmethod
+    def prepare_for_generation(self) -> bool:
+        """Make the engine ready to generate (weights on device). Idempotent."""
+
+    @abc.abstractmethod
+    def finish_generation(self) -> bool:
+        """Release generation memory when colocated with training. Idempotent."""
+
+    @abc.abstractmethod
+    def prepare_refit_info(self, metadata: RefitMetadata) -> None:
+        """Share the packed-weights layout once, before the first `update_weights`."""
+
+    @abc.abstractmethod
+    def update_weights(self, buffers: Any, version: int) -> None:
+        """Load packed weights (`posttrain.models.refit.pack` output) and record `version`."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> bool:
+        """Stop the workers."""
+
+
+class Generation(GenerationInterface):
+    """Data-parallel native generation on a WorkerGroup of `GenerationWorker`s.
+
+    Args:
+        cluster: the VirtualCluster to place workers on.
+        config: `policy.generation` (`GenerationConfig` or a dict of its keys).
+        model_name: `policy.model_name`; the workers load it, which is weights version 0.
+        tokenizer_name, tiny_arch, precision: as in `policy` (defaults None, "llama", "auto").
+        bundle_indices: bundles of `cluster` to use (default None: all; one worker per bundle).
+        name: worker group name in errors and logs (default "generation").
+        seed: seeds rows that arrive without `seeds` (default 0). Seeds are drawn here, before
+            sharding, so the same batch gives the same samples for any number of workers.
+        worker_timeout_s: longest wait for a worker call (default 1800.0).
+    """
+
+    def __init__(
+        self,
+        cluster: VirtualCluster,
+        config: GenerationConfig | dict[str, Any],
+        model_name: str,
+        *,
+        tokenizer_name: Optional[str] = None,
+        tiny_arch: str = "llama",
+        precision: str = "auto",
+        bundle_indices: Optional[Sequence[int]] = None,
+        name: str = "generation",
+        seed: int = 0,
+        worker_timeout_s: float = 1800.0,
+    ) -> None:
+        self.config = config if isinstance(config, GenerationConfig) else GenerationConfig(**config)
+        if self.config.backend != "native":
+            raise ValueError(
+                f"policy.generation.backend={self.config.backend!r} is not available; this build has 'native'"
+            )
+        self.worker_group = WorkerGroup(
+            cluster,
+            GenerationWorker,
+            init_kwargs=dict(
+                model_name=model_name,
+                generation_config=self.config.model_dump(),
+                tokenizer_name=tokenizer_name,
+                tiny_arch=tiny_arch,
+                precision=precision,
+                seed=seed,
+            ),
+            name=name,
+            bundle_indices=bundle_indices,
+            worker_timeout_s=worker_timeout_s,
+        )
+        self.pad_token_id = self.worker_group.run_rank0("special_token_ids")["pad_token_id"]
+        self._seed_generator = torch.Generator().manual_seed(seed)
+        self.weights_version = 0
+
+    def generate(self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None) -> Batch:
+        if "seeds" not in batch and not greedy:
+            batch = batch.copy()
+            batch["seeds"] = torch.randint(0, 2**62, (batch.size,), generator=self._seed_generator)
+        refs = self.worker_group.run_sharded_async("generate", batch, greedy=greedy, params=params)
+        return self.worker_group.gather(refs, pad_values={"output_ids": self.pad_token_id})
+
+    def prepare_for_generation(self) -> bool:
+        return all(self.worker_group.run_all("prepare_for_generation"))
+
+    def finish_generation(self) -> bool:
+        return all(self.worker_group.run_all("finish_generation", offload=self.config.colocated.enabled))
+
+    def prepare_refit_info(self, metadata: RefitMetadata) -> None:
+        self.worker_group.run_all("prepare_refit_info", metadata)
+
+    def update_weights(self, buffers: Sequence[np.ndarray] | ray.ObjectRef, version: int) -> None:
+        """Send packed buffers to every worker through the object store, once.
+
+        Args:
+            buffers: `refit.pack` output, or an ObjectRef to it (e.g. what the policy's rank 0
+                returned), which is passed on without fetching it here.
+            version: the policy's weights version these buffers hold.
+        """
+        ref = buffers if isinstance(buffers, ray.ObjectRef) else ray.put(list(buffers))
+        # A top-level ObjectRef argument is resolved by Ray in each worker: the arrays are read
+        # zero-copy from the node's shared memory.
+        self.worker_group.run_all("update_weights", ref, version)
+        self.weights_version = version
+
+    def get_weights_checksums(self) -> list[str]:
+        """`refit.state_dict_checksum` of every worker's weights, in rank order."""
+        return self.worker_group.run_all("get_weights_checksum")
+
+    def shutdown(self) -> bool:
+        self.worker_group.shutdown()
+        return True

@@ -1,0 +1,143 @@
+"""`GenerationWorker`: a Ray actor holding a model and a `NativeGenerationEngine`.
+
+Created through `WorkerGroup` by the controller-side `Generation` (interface.py). Each worker
+generates for its data-parallel shard and receives packed refits (`posttrain.models.refit`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import ray
+import torch
+
+from posttrain.config.schema import GenerationConfig
+from posttrain.distributed.batch import Batch
+from posttrain.distributed.worker_group import DistributedWorker
+from posttrain.models.generation.engine import NativeGenerationEngine
+from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype
+from posttrain.models.refit import RefitMetadata, check_metadata_matches, load_packed, state_dict_checksum
+
+# Keys of `params` that may override the generation config for one `generate` call.
+SAMPLING_PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "stop_strings")
+
+
+def merge_stop_strings(global_stops: Optional[Sequence[str]], row_stops: Optional[list]) -> Optional[list]:
+    """Per-row stop strings: the config's list plus each row's own (NeMo-RL merges them the same way)."""
+    if row_stops is None:
+        return list(global_stops) if global_stops else None
+    return [list(global_stops or []) + list(row or []) for row in row_stops]
+
+
+class GenerationWorker(DistributedWorker):
+    """One data-parallel generation replica.
+
+    Args:
+        model_name: `policy.model_name` (preset, local directory or hub id).
+        generation_config: `policy.generation` as a dict (validated into `GenerationConfig`).
+        tokenizer_name: default None: `model_name`.
+        tiny_arch: arch of a built-in preset (default "llama").
+        precision: `policy.precision` (default "auto": bfloat16 on a capable GPU, else float32).
+        seed: base of the torch RNG (default 0); rank r uses `seed + r`. Only used for rows that
+            arrive without a `seeds` entry.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        generation_config: dict[str, Any],
+        *,
+        tokenizer_name: Optional[str] = None,
+        tiny_arch: str = "llama",
+        precision: str = "auto",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(seed + self.rank)
+        self.config = GenerationConfig(**generation_config)
+        self.tokenizer = load_tokenizer(tokenizer_name or model_name, tiny_arch)
+        dtype = pick_dtype(precision, self.device)
+        self.model = load_causal_lm(model_name, dtype=dtype, device=self.device, tiny_arch=tiny_arch)
+        self.engine = NativeGenerationEngine(
+            self.model, self.tokenizer,
+            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
+        )
+        self.refit_metadata: Optional[RefitMetadata] = None
+        self.weights_version = 0  # the checkpoint loaded from model_name
+
+    def special_token_ids(self) -> dict[str, Optional[int]]:
+        """`{"pad_token_id": ..., "eos_token_id": ...}` of the worker's tokenizer."""
+        return {"pad_token_id": self.tokenizer.pad_token_id, "eos_token_id": self.tokenizer.eos_token_id}
+
+    def generate(self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None) -> Batch:
+        """Generate for `batch` (`input_ids`, `input_lengths`, optional `seeds [B]` and per-row
+        `stop_strings`), in pieces of `generation.batch_size` rows.
+
+        `params` overrides keys of the generation config for this call (e.g. the validation
+        temperature); allowed keys: `SAMPLING_PARAMS`.
+        """
+        unknown = sorted(set(params or {}) - set(SAMPLING_PARAMS))
+        if unknown:
+            raise KeyError(f"generate: unknown sampling params {unknown}; allowed: {list(SAMPLING_PARAMS)}")
+        for key in ("input_ids", "input_lengths"):
+            if key not in batch:
+                raise KeyError(f"generate: batch lacks {key!r} (has {sorted(batch)})")
+        options = {key: getattr(self.config, key) for key in SAMPLING_PARAMS}
+        options.update(params or {})
+        global_stops = options.pop("stop_strings")
+
+        outputs = []
+        for piece in batch.chunk(self.config.batch_size) if batch.size else [batch]:
+            out = self.engine.generate(
+                piece["input_ids"].to(self.device),
+                piece["input_lengths"].to(self.device),
+                greedy=greedy,
+                stop_strings=merge_stop_strings(global_stops, piece.get("stop_strings")),
+                seeds=piece.get("seeds"),
+                **options,
+            )
+            outputs.append(Batch({key: value.cpu() for key, value in out.items()}))
+        return Batch.cat(outputs, pad_values={"output_ids": self.tokenizer.pad_token_id})
+
+    # ------------------------------------------------------------------ memory
+    def prepare_for_generation(self) -> bool:
+        """Put the weights on the worker's device (after `finish_generation(offload=True)`)."""
+        self.model.to(self.device)
+        return True
+
+    def finish_generation(self, offload: bool = False) -> bool:
+        """With `offload` (colocated with training on a GPU), move the weights to CPU and free the
+        GPU cache for the policy; a no-op on CPU."""
+        if offload and self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        return True
+
+    # ------------------------------------------------------------------ refit receiver
+    def prepare_refit_info(self, metadata: RefitMetadata) -> bool:
+        """Store the packed-buffer layout (once); fails if it names tensors the model lacks."""
+        check_metadata_matches(self.model, metadata)
+        self.refit_metadata = metadata
+        return True
+
+    def update_weights(self, buffers: Sequence[np.ndarray] | Sequence[ray.ObjectRef], version: int) -> bool:
+        """Copy packed weights into the model; `buffers` are arrays (zero-copy from Ray's object
+        store) or refs to them. Records `version` as the held weights version."""
+        if self.refit_metadata is None:
+            raise RuntimeError("update_weights before prepare_refit_info: call Generation.prepare_refit_info first")
+        buffers = [ray.get(b) if isinstance(b, ray.ObjectRef) else b for b in buffers]
+        load_packed(self.model, buffers, self.refit_metadata)
+        self.weights_version = version
+        return True
+
+    def get_weights_version(self) -> int:
+        return self.weights_version
+
+    def get_weights_checksum(self) -> str:
+        """`refit.state_dict_checksum` of the model's weights (bit-exact comparison across actors)."""
+        return state_dict_checksum(self.model.state_dict())
+
+    def get_state_dict(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of the weights (for tests and `verify_refit`)."""
+        return {name: t.detach().cpu().clone() for name, t in self.model.state_dict().items()}
