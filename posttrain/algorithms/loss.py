@@ -227,6 +227,12 @@ class ClippedPGLoss:
     Batch keys: ``advantages [B,S]``, ``prev_logprobs``, ``generation_logprobs``, ``token_mask``,
     ``sample_mask``, and ``reference_policy_logprobs`` when beta > 0.
 
+    Metrics: ``loss``, ``actor_loss``, ``kl_penalty`` (the KL before beta), ``probs_ratio`` and
+    ``probs_ratio_clamped`` (token means) with ``_min``/``_max``, ``clip_fraction``,
+    ``token_mult_prob_error``, ``gen_kl_error``, ``sampling_importance_ratio`` (mean untruncated
+    weight), ``approx_entropy``, ``num_valid_samples``, and ``is_oob_ratio`` under icepop /
+    seq-mask-tis.
+
     Args:
         cfg: a `LossConfig` (defaults: clip 0.2/0.2, beta 0, k3, token-level). Keyword arguments
             instead build one, so ``make_loss("clipped_pg", **cfg.model_dump())`` works.
@@ -363,11 +369,11 @@ class ClippedPGLoss:
         loss = actor_loss + cfg.reference_policy_kl_penalty * kl_term
 
         with torch.no_grad():
-            metrics = self._metrics(logprobs, prev, gen, ratio, ratio_clamped, loss_unclipped, loss_clipped,
-                                    raw_weights, mask, sample_mask, seqs, toks)
-        metrics.update(
-            loss=loss.item(), actor_loss=actor_loss.item(), kl_penalty=kl_term.item(), **is_metrics
-        )
+            metrics = self._metrics(
+                logprobs, prev, gen, ratio, ratio_clamped, loss_unclipped, loss_clipped, raw_weights,
+                mask, sample_mask, seqs, toks,
+            )
+        metrics.update(loss=loss.item(), actor_loss=actor_loss.item(), kl_penalty=kl_term.item(), **is_metrics)
         return loss, metrics
 
     def _metrics(
