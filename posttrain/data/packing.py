@@ -184,6 +184,8 @@ def pack_sequences(
             f"pack_sequences needs input_ids [B, S] and input_lengths [B], got {tuple(input_ids.shape)} "
             f"and {tuple(input_lengths.shape)}"
         )
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
     if int(input_lengths.max()) > input_ids.shape[1] or int(input_lengths.min()) < 1:
         raise ValueError(f"input_lengths must lie in [1, {input_ids.shape[1]}], got {input_lengths.tolist()}")
     packed = []
@@ -249,7 +251,7 @@ def packed_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, cu_seql
     logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     next_token = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     out = torch.cat([next_token.new_zeros(1, 1), next_token], dim=1)
-    starts = cu_seqlens[:-1].long()
+    starts = cu_seqlens[:-1].long().to(out.device)
     return out.index_fill(1, starts[starts < out.shape[1]], 0.0)
 
 
