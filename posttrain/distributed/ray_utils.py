@@ -1,0 +1,90 @@
+"""Starting (or joining) Ray the way posttrain needs it.
+
+One call, `init_ray`, used by the CLI, the algorithms and the tests. It is idempotent, keeps Ray
+quiet (no dashboard, warnings only, no usage-stats ping) and makes every actor import the same
+code as the driver by passing the driver's import path on as `PYTHONPATH`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+# Quiet defaults, set before Ray starts so its own processes see them; a user's value wins.
+_RAY_ENV_DEFAULTS = {
+    "RAY_USAGE_STATS_ENABLED": "0",  # no usage-stats prompt or network call
+    "RAY_DEDUP_LOGS": "1",  # "[repeated Nx across cluster]" instead of N copies of a log line
+}
+
+
+def driver_pythonpath() -> str:
+    """The driver's own import path (minus the interpreter's stdlib and site-packages).
+
+    Ray workers start as fresh interpreters in the same venv; they already see installed
+    packages but not directories the driver added at run time (the working tree, a test
+    directory pytest put on `sys.path`). Classes defined there are pickled by reference, so
+    the workers need the same entries to import them.
+    """
+    interpreter_dirs = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    entries: list[str] = []
+    for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) + [os.getcwd()] + sys.path:
+        if not entry or not os.path.isdir(entry):
+            continue
+        resolved = Path(entry).resolve()
+        if any(resolved == d or d in resolved.parents for d in interpreter_dirs):
+            continue  # stdlib / site-packages: the worker interpreter has them already
+        if str(resolved) not in entries:
+            entries.append(str(resolved))
+    return os.pathsep.join(entries)
+
+
+def init_ray(
+    address: str | None = None,
+    num_cpus: float | None = None,
+    num_gpus: int | None = None,
+    env_vars: dict[str, str] | None = None,
+) -> None:
+    """Start a local Ray cluster or join an existing one; do nothing if Ray is already up.
+
+    Args:
+        address: Ray address to join (e.g. `"auto"` or `"10.0.0.1:6379"`); default None starts a
+            new local cluster (never silently attaches to another user's `ray start` on the box).
+        num_cpus: logical CPUs of the local cluster (default None: Ray counts the cores). It may
+            exceed the physical cores: on CPU machines we run several small actors per core.
+            Ignored when joining an existing cluster.
+        num_gpus: GPUs of the local cluster (default None: Ray detects them). Ignored when joining.
+        env_vars: extra environment variables for every worker process (e.g.
+            `{"OMP_NUM_THREADS": "1"}`), on top of the driver's `PYTHONPATH`.
+    """
+    if ray.is_initialized():
+        logger.debug("init_ray: Ray already initialised, reusing it")
+        return
+    for key, value in _RAY_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+    worker_env = {"PYTHONPATH": driver_pythonpath()}
+    worker_env.update(env_vars or {})
+    # Only a few chosen variables travel: a full copy of os.environ in runtime_env breaks Ray
+    # (NeMo-RL issue #309).
+    kwargs: dict = dict(
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+        log_to_driver=True,
+        runtime_env={"env_vars": worker_env},
+    )
+    if address is None:
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+    else:
+        ray.init(address=address, **kwargs)
+
+
+def shutdown_ray() -> None:
+    """Disconnect from Ray (and stop the local cluster if this process started it)."""
+    if ray.is_initialized():
+        ray.shutdown()

@@ -1,0 +1,371 @@
+"""`WorkerGroup`: N Ray actors, one per bundle of a `VirtualCluster`, forming one torch.distributed job.
+
+The controller calls methods on all workers at once (`run_all`), on rank 0 only (`run_rank0`) or
+on shards of a `Batch` (`run_sharded`, results gathered back in the original row order). Every
+wait goes through `get`, which fails fast: the first worker whose call raises or whose process
+dies ends the wait with a `WorkerError` naming it, instead of waiting for the other ranks, which
+may be blocked forever in a collective with the dead one. Modelled on NeMo-RL's `RayWorkerGroup`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import Any, Mapping, Sequence
+
+import ray
+import torch
+import torch.distributed as dist
+from ray.exceptions import RayActorError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from posttrain.distributed.batch import Batch
+from posttrain.distributed.cluster import ClusterError, VirtualCluster
+
+logger = logging.getLogger(__name__)
+
+# Set by WorkerGroup for every actor; the timeout also bounds each torch.distributed collective.
+RENDEZVOUS_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+COLLECTIVE_TIMEOUT_ENV = "POSTTRAIN_COLLECTIVE_TIMEOUT_S"
+SHUTDOWN_TIMEOUT_S = 5.0
+FAILURE_GRACE_S = 1.0  # after a failure, how long to wait for the other ranks' errors
+
+
+class WorkerError(RuntimeError):
+    """A worker's call failed or its process died; the message names the worker and the cause."""
+
+
+class WorkerTimeoutError(WorkerError):
+    """Workers did not answer within the wall-clock limit (`worker_timeout_s`)."""
+
+
+class DistributedWorker:
+    """Base class of worker actors: joins the process group of its WorkerGroup on construction.
+
+    Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` from the environment
+    (WorkerGroup sets them) and calls `torch.distributed.init_process_group` with nccl when CUDA
+    is present, gloo otherwise. Subclasses call `super().__init__()` first, then build models.
+    """
+
+    def __init__(self) -> None:
+        missing = [name for name in RENDEZVOUS_ENV_VARS if name not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"{type(self).__name__} needs the environment variables {missing}; "
+                "create workers through posttrain.distributed.worker_group.WorkerGroup"
+            )
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        if torch.cuda.is_available():
+            # Ray usually shows each actor only its own GPU(s); the modulo covers both cases.
+            torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
+            self.device = torch.device("cuda", torch.cuda.current_device())
+            backend = "nccl"
+        else:
+            self.device = torch.device("cpu")
+            backend = "gloo"
+        timeout = timedelta(seconds=float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, 1800.0)))
+        dist.init_process_group(
+            backend=backend, init_method="env://", rank=self.rank, world_size=self.world_size, timeout=timeout
+        )
+
+    def ping(self) -> bool:
+        """True once the worker is constructed (a liveness check)."""
+        return True
+
+    def get_node_ip(self) -> str:
+        """IP address of the node this worker runs on."""
+        return ray.util.get_node_ip_address()
+
+    def get_node_id(self) -> str:
+        """Ray node id (hex) of the node this worker runs on."""
+        return ray.get_runtime_context().get_node_id()
+
+    def all_reduce_sum(self, value: torch.Tensor | float) -> torch.Tensor | float:
+        """Sum `value` over all ranks; returns the same kind (CPU tensor or Python number)."""
+        tensor = torch.as_tensor(value).to(self.device).clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor.cpu() if isinstance(value, torch.Tensor) else tensor.item()
+
+    def shutdown(self) -> bool:
+        """Leave the process group; called by `WorkerGroup.shutdown` before the actor is killed."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return True
+
+
+class WorkerGroup:
+    """One actor of `actor_cls` per bundle of `cluster`, with torch.distributed set up among them.
+
+    Args:
+        cluster: the VirtualCluster whose bundles host the workers.
+        actor_cls: a plain subclass of `DistributedWorker` (not `ray.remote`-decorated; the group
+            wraps it).
+        init_kwargs: keyword arguments for `actor_cls(...)` (default none).
+        name: shown in errors and logs (default: the class name).
+        bundle_indices: which bundles of the cluster (rank order of
+            `cluster.bundle_locations()`) to use; default None uses all of them. Rank *r* of the
+            group runs on bundle `bundle_indices[r]`.
+        env_vars: extra environment variables for every worker (e.g. NCCL settings).
+        worker_timeout_s: longest wait for any call, actor start-up included, and the timeout of
+            torch.distributed collectives (default 1800.0, `cluster.worker_timeout_s`).
+    """
+
+    def __init__(
+        self,
+        cluster: VirtualCluster,
+        actor_cls: type[DistributedWorker],
+        *,
+        init_kwargs: Mapping[str, Any] | None = None,
+        name: str = "",
+        bundle_indices: Sequence[int] | None = None,
+        env_vars: Mapping[str, str] | None = None,
+        worker_timeout_s: float = 1800.0,
+    ) -> None:
+        if not (isinstance(actor_cls, type) and issubclass(actor_cls, DistributedWorker)):
+            raise TypeError(
+                f"actor_cls must be a plain subclass of DistributedWorker (WorkerGroup applies ray.remote), "
+                f"got {actor_cls!r}"
+            )
+        clashes = sorted(set(env_vars or {}) & {*RENDEZVOUS_ENV_VARS, COLLECTIVE_TIMEOUT_ENV})
+        if clashes:
+            raise ValueError(f"env_vars may not set {clashes}: WorkerGroup sets them per worker")
+        self.name = name or actor_cls.__name__
+        self.cluster = cluster
+        self.worker_timeout_s = worker_timeout_s
+        self._actor_cls = actor_cls
+        self._pending: dict[ray.ObjectRef, tuple[int, str]] = {}  # ref -> (rank, method), for errors
+
+        locations = cluster.bundle_locations()
+        bundle_indices = list(range(len(locations)) if bundle_indices is None else bundle_indices)
+        if not bundle_indices or len(set(bundle_indices)) != len(bundle_indices):
+            raise ValueError(f"bundle_indices must be distinct and non-empty, got {bundle_indices}")
+        if any(not 0 <= b < len(locations) for b in bundle_indices):
+            raise ValueError(f"bundle_indices {bundle_indices} out of range: the cluster has {len(locations)} bundles")
+        self._wait_for_room(bundle_indices)
+
+        node_ids = cluster.bundle_node_ids()
+        master_addr, master_port = cluster.master_address_and_port(bundle_indices[0])
+        remote_cls = ray.remote(actor_cls)
+        seen_per_node: dict[str, int] = {}
+        self.workers: list[ray.actor.ActorHandle] = []
+        self.node_ips = ["?"] * len(bundle_indices)
+        for rank, bundle in enumerate(bundle_indices):
+            local_rank = seen_per_node.get(node_ids[bundle], 0)
+            seen_per_node[node_ids[bundle]] = local_rank + 1
+            env = {key: str(value) for key, value in (env_vars or {}).items()}
+            env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(len(bundle_indices)),
+                LOCAL_RANK=str(local_rank),
+                MASTER_ADDR=master_addr,
+                MASTER_PORT=str(master_port),
+            )
+            env[COLLECTIVE_TIMEOUT_ENV] = str(worker_timeout_s)
+            pg, index = locations[bundle]
+            handle = remote_cls.options(
+                **cluster.actor_resources(),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+                runtime_env={"env_vars": env},  # set before the interpreter starts (CUDA/NCCL read them early)
+            ).remote(**(init_kwargs or {}))
+            self.workers.append(handle)
+
+        try:  # constructing = joining the process group; a failure in any __init__ surfaces here
+            self.node_ips = self.run_all("get_node_ip")
+        except WorkerError:
+            self.shutdown()
+            raise
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    def _wait_for_room(self, bundle_indices: list[int]) -> None:
+        """Fail fast when the bundles are already taken (e.g. more groups than `max_colocated_worker_groups`).
+
+        Ray would otherwise leave the actors pending forever. Resource views lag a little
+        behind actor deaths, so poll for up to the cluster's placement timeout.
+        """
+        need = self.cluster.actor_resources()
+        locations = self.cluster.bundle_locations()
+        deadline = time.monotonic() + self.cluster.placement_timeout_s
+        while True:
+            available = ray.available_resources()
+            short = []
+            for bundle in bundle_indices:
+                pg, index = locations[bundle]
+                for resource, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
+                    free = available.get(f"{resource}_group_{index}_{pg.id.hex()}", 0.0)
+                    if key in need and free + 1e-6 < need[key]:
+                        short.append(f"bundle {bundle}: {resource} free {free:g}, needed {need[key]:g}")
+            if not short:
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"WorkerGroup {self.name!r}: no room on {self.cluster!r}: " + "; ".join(short) + ". "
+                    f"More worker groups share these bundles than max_colocated_worker_groups="
+                    f"{self.cluster.max_colocated_worker_groups} allows, or an earlier group was not shut down."
+                )
+            time.sleep(0.2)
+
+    # ------------------------------------------------------------------ calling workers
+    def _submit(self, rank: int, method: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> ray.ObjectRef:
+        if not self.workers:
+            raise WorkerError(f"WorkerGroup {self.name!r} was shut down")
+        if not callable(getattr(self._actor_cls, method, None)):
+            raise AttributeError(f"{self._actor_cls.__name__} (WorkerGroup {self.name!r}) has no method {method!r}")
+        ref = getattr(self.workers[rank], method).remote(*args, **kwargs)
+        self._pending[ref] = (rank, method)
+        return ref
+
+    def run_all_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        """Call `method(*args, **kwargs)` on every worker; returns one future per rank."""
+        if self.world_size > 1:  # serialise big arguments once, not once per worker
+            args = tuple(a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args)
+            kwargs = {k: v if isinstance(v, ray.ObjectRef) else ray.put(v) for k, v in kwargs.items()}
+        return [self._submit(rank, method, args, kwargs) for rank in range(self.world_size)]
+
+    def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `method` on every worker and wait; results in rank order."""
+        return self.get(self.run_all_async(method, *args, **kwargs))
+
+    def run_single_async(self, rank: int, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+        """Call `method` on worker `rank` only; returns its future."""
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"WorkerGroup {self.name!r} has ranks 0..{self.world_size - 1}, not {rank}")
+        return self._submit(rank, method, args, kwargs)
+
+    def run_rank0(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call `method` on rank 0 only and wait for its result."""
+        return self.get([self.run_single_async(0, method, *args, **kwargs)])[0]
+
+    def run_sharded_async(
+        self, method: str, batch: Batch, *, common_kwargs: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> list[ray.ObjectRef]:
+        """Call `method(shard_r, **common)` on each rank r, with `batch.shard(world_size)`.
+
+        Every rank is called, even with an empty shard (when B < world_size), because the method
+        may run collectives. Gather the results with `gather`.
+        """
+        common = {**(common_kwargs or {}), **kwargs}
+        if self.world_size > 1:
+            common = {k: v if isinstance(v, ray.ObjectRef) else ray.put(v) for k, v in common.items()}
+        shards = batch.shard(self.world_size)
+        return [self._submit(rank, method, (shard,), common) for rank, shard in enumerate(shards)]
+
+    def run_sharded(
+        self, method: str, batch: Batch, *, common_kwargs: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> Batch:
+        """Split `batch` across ranks, call `method` on each shard, concatenate results in order.
+
+        Results are padded with 0 on dim 1; for another pad value use `run_sharded_async` and
+        `gather(refs, pad_values=...)`.
+        """
+        return self.gather(self.run_sharded_async(method, batch, common_kwargs=common_kwargs, **kwargs))
+
+    def gather(
+        self, refs: Sequence[ray.ObjectRef], pad_values: Mapping[str, Any] | None = None, timeout: float | None = None
+    ) -> Batch:
+        """Wait for per-rank Batches and concatenate them in rank order (`Batch.cat`)."""
+        results = self.get(refs, timeout=timeout)
+        for rank, result in enumerate(results):
+            if not isinstance(result, Batch):
+                raise TypeError(f"WorkerGroup {self.name!r}: rank {rank} returned {type(result).__name__}, not a Batch")
+        return Batch.cat(results, pad_values)
+
+    def get(self, refs: Sequence[ray.ObjectRef], timeout: float | None = None) -> list[Any]:
+        """Results of `refs`, in order; raises as soon as any call fails or any worker dies.
+
+        Args:
+            refs: futures from this group's `run_*_async` (distinct refs).
+            timeout: seconds to wait for all of them (default `worker_timeout_s`).
+
+        Raises:
+            WorkerError: naming the first failed worker (group, rank, node IP, actor id) and the cause.
+            WorkerTimeoutError: naming the ranks still running when the time is up.
+        """
+        refs = list(refs)
+        timeout = self.worker_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        position = {ref: i for i, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        waiting = list(refs)
+        try:
+            while waiting:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    running = ", ".join(self._describe(ref) for ref in waiting)
+                    raise WorkerTimeoutError(
+                        f"WorkerGroup {self.name!r}: no answer after {timeout:.1f}s (worker_timeout_s) from {running}"
+                    )
+                # num_returns=1: wake up on the first finished (or failed) call, not the last.
+                ready, waiting = ray.wait(waiting, num_returns=1, timeout=remaining)
+                for ref in ready:
+                    try:
+                        results[position[ref]] = ray.get(ref)
+                    except Exception as error:
+                        self._raise_failure(ref, error, waiting)
+        finally:
+            for ref in refs:
+                self._pending.pop(ref, None)
+        return results
+
+    def _raise_failure(self, ref: ray.ObjectRef, error: Exception, waiting: list[ray.ObjectRef]) -> None:
+        """Raise a WorkerError for the failure of `ref`, putting the likely root cause first.
+
+        When one worker dies, its peers fail a moment later inside their collectives
+        ("connection reset by peer"); whichever Ray reports first, the dead worker is the story.
+        So wait briefly for the other calls and list dead actors before other errors.
+        """
+        failures = [(ref, error)]
+        if waiting:
+            done, _ = ray.wait(waiting, num_returns=len(waiting), timeout=FAILURE_GRACE_S)
+            for other in done:
+                try:
+                    ray.get(other)
+                except Exception as other_error:
+                    failures.append((other, other_error))
+        failures.sort(key=lambda failure: not isinstance(failure[1], RayActorError))
+        lines = [f"{self._describe(r)} failed: {type(e).__name__}: {e}" for r, e in failures]
+        message = f"WorkerGroup {self.name!r}: " + lines[0]
+        if len(lines) > 1:
+            message += "\nAlso failed:\n" + "\n".join(lines[1:])
+        raise WorkerError(message) from failures[0][1]
+
+    def _describe(self, ref: ray.ObjectRef) -> str:
+        rank, method = self._pending.get(ref, (None, "?"))
+        if rank is None:
+            return "a worker (unknown rank)"
+        actor_id = self.workers[rank]._actor_id.hex() if rank < len(self.workers) else "?"
+        return f"rank {rank} ({method}, node {self.node_ips[rank]}, actor {actor_id})"
+
+    # ------------------------------------------------------------------ teardown
+    def shutdown(self) -> None:
+        """Ask workers to leave the process group (briefly), then kill them. Idempotent."""
+        if not self.workers:
+            return
+        goodbyes = []
+        for worker in self.workers:
+            try:
+                goodbyes.append(worker.shutdown.remote())
+            except Exception as error:  # actor already gone
+                logger.debug("shutdown call failed: %s", error)
+        if goodbyes:
+            # A worker stuck in a collective never answers; the kill below ends it anyway.
+            ray.wait(goodbyes, num_returns=len(goodbyes), timeout=SHUTDOWN_TIMEOUT_S)
+        for worker in self.workers:
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception as error:
+                logger.debug("ray.kill failed: %s", error)
+        self.workers = []
+        self._pending.clear()
+
+    def __enter__(self) -> "WorkerGroup":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

@@ -1,0 +1,185 @@
+"""WorkerGroup / VirtualCluster on a real local Ray cluster with real gloo process groups."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import ray
+import torch
+
+from posttrain.distributed.batch import Batch
+from posttrain.distributed.cluster import ClusterError, VirtualCluster
+from posttrain.distributed.worker_group import DistributedWorker, WorkerError, WorkerGroup, WorkerTimeoutError
+
+pytestmark = [pytest.mark.functional, pytest.mark.timeout(180)]
+
+
+class EchoWorker(DistributedWorker):
+    def __init__(self, offset: int = 0) -> None:
+        super().__init__()
+        self.offset = offset
+
+    def env(self) -> dict[str, str]:
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "POSTTRAIN_TEST_FLAG")
+        return {key: os.environ.get(key, "") for key in keys}
+
+    def sum_of_ranks_plus_one(self) -> float:
+        return self.all_reduce_sum(float(self.rank + 1))
+
+    def tag_shard(self, shard: Batch, scale: int = 1) -> Batch:
+        """Adds rank*100*scale to `x`; `ids` gets width rank+1 so the gather has to pad."""
+        out = shard.copy()
+        out["x"] = shard["x"] + 100 * scale * self.rank + self.offset
+        out["rank"] = [self.rank] * shard.size
+        out["ids"] = torch.full((shard.size, self.rank + 1), 7)
+        return out
+
+    def sleep(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+
+class CrashingWorker(DistributedWorker):
+    def rank1_exits_while_rank0_hangs(self) -> float:
+        if self.rank == 1:
+            time.sleep(0.5)
+            os._exit(1)
+        time.sleep(120)  # stands for a collective that never completes because its peer died
+        return 0.0
+
+
+class FailingInitWorker(DistributedWorker):
+    def __init__(self) -> None:
+        super().__init__()
+        raise ValueError("model path does not exist")
+
+
+@pytest.fixture(scope="module")
+def pair(ray_cluster):
+    cluster = VirtualCluster([2], name="pair")
+    group = WorkerGroup(
+        cluster, EchoWorker, init_kwargs={"offset": 1}, name="echo", env_vars={"POSTTRAIN_TEST_FLAG": "on"}
+    )
+    yield group
+    group.shutdown()
+    cluster.shutdown()
+
+
+def test_env_and_all_reduce(pair):
+    envs = pair.run_all("env")
+    assert [e["RANK"] for e in envs] == ["0", "1"]
+    assert [e["WORLD_SIZE"] for e in envs] == ["2", "2"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1"]  # both bundles on the one node
+    assert envs[0]["MASTER_ADDR"] == envs[1]["MASTER_ADDR"] == pair.node_ips[0]
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] != ""
+    assert [e["POSTTRAIN_TEST_FLAG"] for e in envs] == ["on", "on"]
+    assert pair.run_all("sum_of_ranks_plus_one") == [3.0, 3.0]  # (0+1) + (1+1)
+    summed = pair.run_all("all_reduce_sum", torch.tensor([1.0, 2.0]))
+    assert all(torch.equal(t, torch.tensor([2.0, 4.0])) for t in summed)
+    assert pair.run_rank0("ping") is True
+
+
+def test_run_sharded_keeps_order_with_uneven_shards(pair):
+    batch = Batch(x=torch.arange(7), name=[f"s{i}" for i in range(7)])
+    out = pair.run_sharded("tag_shard", batch, scale=2)
+    # rank 0 gets rows 0-3, rank 1 rows 4-6; +200*rank (scale 2) +1 (offset)
+    assert out["x"].tolist() == [1, 2, 3, 4, 205, 206, 207]
+    assert out["rank"] == [0, 0, 0, 0, 1, 1, 1]
+    assert out["name"] == batch["name"]
+    assert out["ids"].tolist() == [[7, 0]] * 4 + [[7, 7]] * 3  # rank 0's width-1 rows padded with 0
+
+    refs = pair.run_sharded_async("tag_shard", batch, common_kwargs={"scale": 0})
+    padded = pair.gather(refs, pad_values={"ids": -1})
+    assert padded["x"].tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert padded["ids"][0].tolist() == [7, -1]
+
+
+def test_get_timeout_names_the_slow_rank(pair):
+    refs = [pair.run_single_async(0, "sleep", 0.0), pair.run_single_async(1, "sleep", 3.0)]
+    with pytest.raises(WorkerTimeoutError, match=r"rank 1 \(sleep"):
+        pair.get(refs, timeout=0.5)
+    assert pair.run_all("ping") == [True, True]  # the group stays usable once the slow call ends
+
+
+def test_unknown_method_is_a_clear_error(pair):
+    with pytest.raises(AttributeError, match="EchoWorker.*'no_such_method'"):
+        pair.run_all("no_such_method")
+
+
+def test_dead_worker_is_reported_without_waiting_for_the_hung_one(ray_cluster):
+    cluster = VirtualCluster([2], name="crash")
+    group = WorkerGroup(cluster, CrashingWorker, name="crashy")
+    try:
+        refs = group.run_all_async("rank1_exits_while_rank0_hangs")
+        with pytest.raises(WorkerError) as info:
+            group.get(refs, timeout=60)  # a WorkerTimeoutError here would mean we waited for rank 0
+        assert not isinstance(info.value, WorkerTimeoutError)
+        message = str(info.value)
+        assert message.startswith("WorkerGroup 'crashy': rank 1 (rank1_exits_while_rank0_hangs, node ")
+        assert "ActorDiedError" in message.splitlines()[0]
+        assert group.workers[1]._actor_id.hex() in message
+    finally:
+        group.shutdown()
+        group.shutdown()  # idempotent
+        cluster.shutdown()
+
+
+def test_failing_constructor_is_reported(ray_cluster):
+    cluster = VirtualCluster([1], name="badinit")
+    try:
+        with pytest.raises(WorkerError, match="(?s)rank 0.*model path does not exist"):
+            WorkerGroup(cluster, FailingInitWorker, name="bad")
+    finally:
+        cluster.shutdown()
+
+
+def test_unschedulable_cluster_fails_with_requested_and_available(ray_cluster):
+    cpus_before = ray.available_resources().get("CPU", 0.0)
+    with pytest.raises(ClusterError) as info:
+        VirtualCluster([20], cpus_per_bundle=1.0, placement_timeout_s=2.0, name="toobig")
+    message = str(info.value)
+    assert "not ready after 2.0s" in message
+    assert "[20] bundles" in message and "{'CPU': 1.0}" in message
+    assert "available" in message and "node " in message
+    with pytest.raises(ClusterError, match="'GPU': 1.0"):
+        VirtualCluster([1], use_gpus=True, placement_timeout_s=1.0, name="nogpu")
+    deadline = time.monotonic() + 10  # the half-made reservations were released
+    while ray.available_resources().get("CPU", 0.0) < cpus_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0.0) == cpus_before
+
+
+def test_colocated_groups_share_bundles(ray_cluster):
+    cluster = VirtualCluster([2], max_colocated_worker_groups=2, placement_timeout_s=2.0, name="coloc")
+    assert cluster.actor_resources() == {"num_cpus": 0.5}
+    first = WorkerGroup(cluster, EchoWorker, name="policy")
+    second = WorkerGroup(cluster, EchoWorker, init_kwargs={"offset": 10}, name="generation")
+    try:
+        assert first.run_all("sum_of_ranks_plus_one") == [3.0, 3.0]
+        assert second.run_all("sum_of_ranks_plus_one") == [3.0, 3.0]
+        assert first.run_all("env")[0]["MASTER_PORT"] != second.run_all("env")[0]["MASTER_PORT"]
+        out = second.run_sharded("tag_shard", Batch(x=torch.zeros(2, dtype=torch.long)))
+        assert out["x"].tolist() == [10, 110]
+        with pytest.raises(ClusterError, match="no room.*max_colocated_worker_groups=2"):
+            WorkerGroup(cluster, EchoWorker, name="third")
+    finally:
+        first.shutdown()
+        second.shutdown()
+        cluster.shutdown()
+
+
+def test_bad_arguments(ray_cluster):
+    with pytest.raises(ValueError, match="bundles_per_node"):
+        VirtualCluster([0])
+    cluster = VirtualCluster([1], name="args")
+    try:
+        with pytest.raises(TypeError, match="plain subclass of DistributedWorker"):
+            WorkerGroup(cluster, ray.remote(EchoWorker))
+        with pytest.raises(ValueError, match="RANK"):
+            WorkerGroup(cluster, EchoWorker, env_vars={"RANK": "3"})
+        with pytest.raises(ValueError, match="out of range"):
+            WorkerGroup(cluster, EchoWorker, bundle_indices=[1])
+    finally:
+        cluster.shutdown()
