@@ -1,0 +1,67 @@
+"""The environment interface: what the rollout loop calls to score (and continue) conversations.
+
+An environment receives a batch of message logs (one conversation per sample, see
+`posttrain.data.message_log`) with per-sample metadata (e.g. `{"ground_truth": "42"}`) and
+returns one `EnvironmentReturn` for the whole batch. It mirrors NeMo-RL's
+`EnvironmentInterface.step` (nemo_rl/environments/interfaces.py).
+
+Rules every environment follows:
+- `step` is batched: every field of the return has one entry per input conversation, in order.
+- `step` never raises because of what the model wrote: a malformed, missing or pathological
+  answer scores 0. It may raise for caller errors (e.g. metadata without a required key).
+- Environments usually run as Ray actors (`posttrain.environments.registry.create_env`), so
+  everything they return must be picklable.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+Message = dict[str, Any]
+MessageLog = list[Message]
+
+
+class EnvironmentReturn(NamedTuple):
+    """Batched result of `Environment.step` (B = number of conversations).
+
+    Attributes:
+        observations: B messages `{"role": "environment", "content": str}` to append to each
+            conversation (the rollout loop tokenises them; they are never trained on).
+        metadata: B per-sample metadata dicts for the next turn (usually the input, unchanged).
+        next_stop_strings: B stop-string lists for the next generation turn, or None for the
+            generation config's default.
+        rewards: FloatTensor[B], the reward of this turn.
+        terminateds: BoolTensor[B], True where the episode is over.
+        answers: B extracted answers (str) or None where nothing could be extracted; used for
+            logging and for majority voting (cons@k) in evaluation.
+    """
+
+    observations: list[dict[str, str]]
+    metadata: list[Any]
+    next_stop_strings: list[Optional[list[str]]]
+    rewards: torch.Tensor
+    terminateds: torch.Tensor
+    answers: list[Optional[str]]
+
+
+class Environment(abc.ABC):
+    """Base class of all environments. Subclasses implement `step` and may override `shutdown`."""
+
+    @abc.abstractmethod
+    def step(self, message_logs: list[MessageLog], metadata: list[dict]) -> EnvironmentReturn:
+        """Score one turn of `len(message_logs)` conversations. Never raises on bad model output."""
+
+    def shutdown(self) -> None:
+        """Release processes or other resources the environment holds. Safe to call twice."""
+
+
+def last_assistant_text(message_log: MessageLog) -> str:
+    """Content of the last `assistant` message of a conversation, or "" when there is none."""
+    for message in reversed(message_log):
+        if message.get("role") == "assistant":
+            content = message.get("content", "")
+            return content if isinstance(content, str) else str(content)
+    return ""

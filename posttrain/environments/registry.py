@@ -1,0 +1,161 @@
+"""Environment registry, construction (local or Ray actor) and routing by task name.
+
+A new environment is one decorated class:
+
+    @register_env("my_task")
+    class MyEnv(Environment):
+        def __init__(self, cfg): ...
+        def step(self, message_logs, metadata) -> EnvironmentReturn: ...
+
+`route_step` lets one run mix environments: each sample carries a task name (`DataConfig.env_name`
+by default), samples are grouped per environment, stepped (in parallel when the environments are
+Ray actors) and the results put back in the original order.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from posttrain.environments.interface import Environment, EnvironmentReturn, MessageLog
+
+ENV_REGISTRY: dict[str, type[Environment]] = {}
+
+# Modules whose import registers the built-in environments (kept lazy to avoid import cycles).
+_BUILTIN_ENV_MODULES = ("posttrain.environments.math_env",)
+
+
+def register_env(name: str) -> Callable[[type[Environment]], type[Environment]]:
+    """Class decorator: make `cls` available as `create_env(name, ...)`."""
+
+    def decorator(cls: type[Environment]) -> type[Environment]:
+        if name in ENV_REGISTRY and ENV_REGISTRY[name] is not cls:
+            raise ValueError(f"environment {name!r} is already registered by {ENV_REGISTRY[name].__qualname__}")
+        ENV_REGISTRY[name] = cls
+        return cls
+
+    return decorator
+
+
+def get_env_class(name: str) -> type[Environment]:
+    """The class registered as `name`; a KeyError suggests the closest registered name."""
+    for module in _BUILTIN_ENV_MODULES:
+        importlib.import_module(module)
+    if name not in ENV_REGISTRY:
+        close = difflib.get_close_matches(name, ENV_REGISTRY, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise KeyError(f"unknown environment {name!r} (registered: {sorted(ENV_REGISTRY)}){hint}")
+    return ENV_REGISTRY[name]
+
+
+def create_env(name: str, cfg: Any = None, as_actor: bool = True, num_cpus: float = 0.0) -> Any:
+    """Build the environment registered as `name`.
+
+    Args:
+        name: registry name, e.g. `"math"`.
+        cfg: the environment's config (e.g. `MathEnvConfig`), passed to its constructor.
+        as_actor: True returns a Ray actor handle (call `handle.step.remote(...)`, or use
+            `route_step`); False returns a local instance. Defaults to True.
+        num_cpus: Ray CPUs the actor reserves. Defaults to 0 so the actor always schedules
+            beside placement groups that reserve every CPU for policy / generation workers;
+            environment work is light and its verifier processes are not Ray tasks anyway.
+    """
+    cls = get_env_class(name)
+    if not as_actor:
+        return cls(cfg)
+    import ray
+
+    return ray.remote(num_cpus=num_cpus)(cls).remote(cfg)
+
+
+def _is_local(env: Any) -> bool:
+    return isinstance(env, Environment)
+
+
+def route_step(
+    envs: dict[str, Any],
+    message_logs: Sequence[MessageLog],
+    metadata: Sequence[dict],
+    task_names: Sequence[str],
+) -> EnvironmentReturn:
+    """Step each sample in the environment of its task and reassemble the results in input order.
+
+    Args:
+        envs: task name -> environment (local `Environment` or Ray actor handle).
+        message_logs, metadata, task_names: one entry per sample.
+    """
+    batch_size = len(message_logs)
+    if not (len(metadata) == len(task_names) == batch_size):
+        raise ValueError(
+            f"route_step: {batch_size} message logs, {len(metadata)} metadata, {len(task_names)} task names"
+        )
+    groups: dict[str, list[int]] = {}
+    for i, task in enumerate(task_names):
+        if task not in envs:
+            raise KeyError(f"sample {i} has task_name {task!r} but no environment serves it (have: {sorted(envs)})")
+        groups.setdefault(task, []).append(i)
+
+    # Launch every actor call before waiting on any, so environments work in parallel.
+    launched: dict[str, Any] = {}
+    for task, indices in groups.items():
+        env = envs[task]
+        group_logs = [message_logs[i] for i in indices]
+        group_meta = [metadata[i] for i in indices]
+        launched[task] = env.step(group_logs, group_meta) if _is_local(env) else env.step.remote(group_logs, group_meta)
+    remote_tasks = [task for task in groups if not _is_local(envs[task])]
+    if remote_tasks:
+        import ray
+
+        for task, result in zip(remote_tasks, ray.get([launched[t] for t in remote_tasks])):
+            launched[task] = result
+
+    observations: list[Optional[dict]] = [None] * batch_size
+    out_metadata: list[Any] = [None] * batch_size
+    stop_strings: list[Optional[list[str]]] = [None] * batch_size
+    answers: list[Optional[str]] = [None] * batch_size
+    rewards = torch.zeros(batch_size, dtype=torch.float32)
+    terminateds = torch.zeros(batch_size, dtype=torch.bool)
+    for task, indices in groups.items():
+        result: EnvironmentReturn = launched[task]
+        if len(result.observations) != len(indices) or result.rewards.numel() != len(indices):
+            raise RuntimeError(
+                f"environment {task!r} returned {len(result.observations)} observations and "
+                f"{result.rewards.numel()} rewards for {len(indices)} samples"
+            )
+        index = torch.tensor(indices, dtype=torch.long)
+        rewards[index] = result.rewards.to(torch.float32).reshape(-1).cpu()
+        terminateds[index] = result.terminateds.to(torch.bool).reshape(-1).cpu()
+        for j, i in enumerate(indices):
+            observations[i] = result.observations[j]
+            out_metadata[i] = result.metadata[j]
+            stop_strings[i] = result.next_stop_strings[j]
+            answers[i] = result.answers[j] if result.answers is not None else None
+    return EnvironmentReturn(observations, out_metadata, stop_strings, rewards, terminateds, answers)
+
+
+class EnvRouter:
+    """Holds `task name -> environment` and steps mixed batches with `route_step`."""
+
+    def __init__(self, envs: dict[str, Any]):
+        if not envs:
+            raise ValueError("EnvRouter needs at least one environment")
+        self.envs = dict(envs)
+
+    def step(self, message_logs: Sequence[MessageLog], metadata: Sequence[dict], task_names: Sequence[str]) -> EnvironmentReturn:
+        return route_step(self.envs, message_logs, metadata, task_names)
+
+    def shutdown(self) -> None:
+        """Shut every environment down (and kill actors)."""
+        for env in self.envs.values():
+            if _is_local(env):
+                env.shutdown()
+            else:
+                import ray
+
+                try:
+                    ray.get(env.shutdown.remote())
+                finally:
+                    ray.kill(env)

@@ -1,0 +1,117 @@
+"""One-page PNG summary of a run from its `metrics.jsonl`.
+
+Panels (each drawn only when its metric was logged): training reward (`train/reward`),
+validation accuracy (`validation/accuracy`), loss (`train/loss`), and a stacked bar chart of where
+each step's time went (`timing/train/{generation,refit,logprobs,policy_training,reward}`, the rest
+of `timing/train/total_step_time` as "other", and the total as a reference line).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from posttrain.utils.logger import read_metrics_jsonl
+
+# (metric, title, y label) of the line panels, in display order.
+CURVES = [
+    ("train/reward", "Training reward", "mean reward"),
+    ("validation/accuracy", "Validation accuracy", "accuracy"),
+    ("train/loss", "Training loss", "loss"),
+]
+TIMING_PREFIX = "timing/train/"
+TIMING_PARTS = ["generation", "refit", "logprobs", "policy_training", "reward"]
+TOTAL_STEP_TIME = TIMING_PREFIX + "total_step_time"
+
+
+def _series(records: dict[int, dict[str, Any]], name: str) -> tuple[list[int], list[float]]:
+    steps, values = [], []
+    for step, record in records.items():
+        value = record.get(name)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            steps.append(step)
+            values.append(float(value))
+    return steps, values
+
+
+def write_report(metrics_jsonl_path: str | os.PathLike, out_png: str | os.PathLike, title: str | None = None) -> Path:
+    """Draw the report of `metrics_jsonl_path` into `out_png`; returns the PNG path.
+
+    Args:
+        metrics_jsonl_path: a run's `metrics.jsonl` (see `posttrain.utils.logger`).
+        out_png: where to write the PNG (parent folders are created).
+        title: figure title. Defaults to the name of the run's log directory.
+    """
+    import matplotlib.pyplot as plt
+
+    fig = build_report_figure(metrics_jsonl_path, title)
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png
+
+
+def build_report_figure(metrics_jsonl_path: str | os.PathLike, title: str | None = None):
+    """The report as a matplotlib Figure (one axis per panel with data); see `write_report`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; also safe inside Ray workers
+    import matplotlib.pyplot as plt
+
+    metrics_jsonl_path = Path(metrics_jsonl_path)
+    records = read_metrics_jsonl(metrics_jsonl_path)
+    curves = [(name, t, y, *_series(records, name)) for name, t, y in CURVES]
+    curves = [curve for curve in curves if curve[3]]
+    timing = {part: dict(zip(*_series(records, TIMING_PREFIX + part))) for part in TIMING_PARTS}
+    timing = {part: values for part, values in timing.items() if values}
+    total = dict(zip(*_series(records, TOTAL_STEP_TIME)))
+
+    num_panels = len(curves) + (1 if timing or total else 0)
+    ncols = 1 if num_panels <= 1 else 2
+    nrows = max(1, math.ceil(num_panels / ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 4.0 * nrows), squeeze=False)
+    flat_axes = list(axes.flat)
+    for ax in flat_axes[num_panels:]:
+        ax.remove()
+
+    for ax, (name, panel_title, ylabel, steps, values) in zip(flat_axes, curves):
+        ax.plot(steps, values, marker="o" if len(steps) <= 30 else None, markersize=3, linewidth=1.5)
+        ax.set_title(f"{panel_title} ({name})")
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+
+    if timing or total:
+        ax = flat_axes[len(curves)]
+        steps = sorted(set(total).union(*[set(v) for v in timing.values()]))
+        bottoms = [0.0] * len(steps)
+        colors = plt.get_cmap("tab10").colors
+        for color, (part, values) in zip(colors, timing.items()):
+            heights = [values.get(step, 0.0) for step in steps]
+            ax.bar(steps, heights, bottom=bottoms, width=0.8, color=color, label=part)
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+        if total:
+            other = [max(0.0, total.get(step, b) - b) for step, b in zip(steps, bottoms)]
+            if any(other):
+                ax.bar(steps, other, bottom=bottoms, width=0.8, color="lightgray", label="other")
+            total_steps = sorted(total)
+            ax.plot(total_steps, [total[s] for s in total_steps], color="black", marker="_", linestyle="none",
+                    markersize=10, label="total_step_time")
+        ax.set_title("Step time breakdown (timing/train/*)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("seconds")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        ax.grid(alpha=0.3, axis="y")
+
+    if num_panels == 0:
+        ax = fig.add_subplot(1, 1, 1)
+        ax.axis("off")
+        ax.text(0.5, 0.5, f"no reward, accuracy, loss or timing metrics in {metrics_jsonl_path}",
+                ha="center", va="center", wrap=True)
+
+    fig.suptitle(title or metrics_jsonl_path.parent.name)
+    fig.tight_layout()
+    return fig

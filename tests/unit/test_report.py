@@ -1,0 +1,66 @@
+"""PNG report from metrics.jsonl."""
+
+import math
+
+import pytest
+
+from posttrain.config.schema import LoggerConfig
+from posttrain.utils.logger import Logger
+from posttrain.utils.report import build_report_figure, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(log_dir, steps=12, with_validation=True, with_timing=True):
+    with Logger(LoggerConfig(log_dir=str(log_dir), tensorboard_enabled=False)) as logger:
+        for step in range(1, steps + 1):
+            logger.log_metrics({"train/reward": 1 - math.exp(-step / 4), "train/loss": 1 / step}, step)
+            if with_timing:
+                parts = {"generation": 1.0, "refit": 0.1, "logprobs": 0.3, "policy_training": 0.8, "reward": 0.05}
+                logger.log_metrics({**parts, "total_step_time": 2.5}, step, prefix="timing/train/")
+            if with_validation and step % 4 == 0:
+                logger.log_metrics({"validation/accuracy": step / 40}, step)
+    return log_dir / "metrics.jsonl"
+
+
+def test_full_report(tmp_path):
+    metrics = write_run(tmp_path / "run")
+    out = write_report(metrics, tmp_path / "plots" / "report.png")
+    data = out.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    assert len(data) > 20_000  # four drawn panels, not an empty canvas
+
+    fig = build_report_figure(metrics)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == [
+        "Training reward (train/reward)",
+        "Validation accuracy (validation/accuracy)",
+        "Training loss (train/loss)",
+        "Step time breakdown (timing/train/*)",
+    ]
+    reward_line = fig.axes[0].get_lines()[0]
+    assert list(reward_line.get_xdata()) == list(range(1, 13))
+    assert list(fig.axes[1].get_lines()[0].get_xdata()) == [4, 8, 12]
+    assert list(fig.axes[1].get_lines()[0].get_ydata()) == [0.1, 0.2, 0.3]
+    timing = fig.axes[3]
+    # 5 parts + "other" (2.5 - 2.25 = 0.25 s per step), 12 bars each.
+    assert len(timing.patches) == 6 * 12
+    labels = timing.get_legend_handles_labels()[1]
+    assert labels == ["total_step_time", "generation", "refit", "logprobs", "policy_training", "reward", "other"]
+    other_heights = [p.get_height() for p in timing.containers[5]]
+    assert other_heights == pytest.approx([0.25] * 12)
+
+
+def test_missing_metrics_are_skipped(tmp_path):
+    metrics = write_run(tmp_path / "run", with_validation=False, with_timing=False)
+    fig = build_report_figure(metrics)
+    assert [ax.get_title() for ax in fig.axes] == ["Training reward (train/reward)", "Training loss (train/loss)"]
+    assert write_report(metrics, tmp_path / "r.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_empty_metrics_still_write_a_png(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "train/other": 1.0}\n')
+    fig = build_report_figure(metrics)
+    assert len(fig.axes) == 1 and "no reward" in fig.axes[0].texts[0].get_text()
+    assert write_report(metrics, tmp_path / "r.png").stat().st_size > 1000
