@@ -5,11 +5,12 @@ always gets ordinary right-padded `[n, L]` rows):
 - fixed size (`policy.train_micro_batch_size` / `policy.logprob_batch_size` rows), each cut to
   its longest row;
 - dynamic batching (`policy.dynamic_batching`): rows sorted by length and grouped up to a token
-  budget, lengths rounded up to `sequence_length_round`;
+  budget (lengths rounded up to `sequence_length_round` when counting), each cut to its longest;
 - sequence packing (`policy.sequence_packing`): rows concatenated into one `[1, T]` row per bin;
   `position_ids` restart at 0 for every sequence, from which transformers builds a
   block-diagonal causal mask (any attention implementation), so no token sees another
-  sequence.
+  sequence; the packed logprobs are unpacked back to `[n, L]` before the loss.
+Bin packing, packed tensors and unpacking are `posttrain.data.packing`'s.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from posttrain.data import packing
 from posttrain.distributed.batch import Batch
 
 
@@ -29,10 +31,10 @@ class MicroBatch:
     """Rows of a worker's local batch, ready for one forward pass.
 
     Attributes:
-        rows: the rows, cut to `rows["input_ids"].shape[1]` = their longest length (rounded).
+        rows: the rows, cut to their longest length.
         index: position of each row in the local batch (to write results back in order).
-        packed: when packing, the concatenated `[1, T]` inputs (`input_ids`, `position_ids`) and
-            `cu_seqlens` (start offset of every row in the packed row, plus the total).
+        packed: when packing, one bin from `packing.pack_sequences` (`input_ids`/`position_ids`
+            `[1, T]`, `cu_seqlens`, `lengths`, `seq_indices`, `max_seqlen`), rows in `rows` order.
         dummy: a stand-in run only so every data-parallel rank makes the same number of forward
             (and backward) passes; its loss is multiplied by 0 and its outputs are dropped.
     """
@@ -61,57 +63,25 @@ def fixed_size_microbatches(batch: Batch, size: int) -> list[MicroBatch]:
 
 
 def dynamic_microbatches(batch: Batch, max_tokens: int, round_to: int) -> list[MicroBatch]:
-    """Rows grouped by length under a padded-token budget (see `posttrain.data.packing`)."""
-    from posttrain.data import packing
-
-    lengths = batch["input_lengths"].tolist()
-    groups = packing.dynamic_microbatches(lengths, max_tokens, round_to)
+    """Rows grouped by length under a padded-token budget (`packing.dynamic_microbatches`)."""
     out = []
-    for group in groups:
+    for group in packing.dynamic_microbatches(batch["input_lengths"].tolist(), max_tokens, round_to):
         index = torch.as_tensor(group, dtype=torch.long)
         rows = batch.select(index)
-        longest = int(rows["input_lengths"].max())
-        padded = min(batch["input_ids"].shape[1], -(-longest // round_to) * round_to)
-        out.append(MicroBatch(_cut(rows, padded), index))
+        out.append(MicroBatch(_cut(rows, int(rows["input_lengths"].max())), index))
     return out
 
 
 def packed_microbatches(batch: Batch, max_tokens: int, algorithm: str) -> list[MicroBatch]:
     """Rows binned by a packer up to `max_tokens` tokens, each bin concatenated into one row."""
-    from posttrain.data import packing
-
-    lengths = batch["input_lengths"].tolist()
-    bins = packing.pack_sequences(lengths, max_tokens, algorithm)
+    bins = packing.pack(batch["input_lengths"].tolist(), max_tokens, algorithm)
+    packed = packing.pack_sequences(batch["input_ids"], batch["input_lengths"], bins)
     out = []
-    for group in bins:
-        index = torch.as_tensor(group, dtype=torch.long)
+    for bin_inputs in packed:
+        index = bin_inputs["seq_indices"]
         rows = batch.select(index)
-        rows = _cut(rows, int(rows["input_lengths"].max()))
-        out.append(MicroBatch(rows, index, packed=pack_rows(rows["input_ids"], rows["input_lengths"])))
+        out.append(MicroBatch(_cut(rows, int(rows["input_lengths"].max())), index, packed=bin_inputs))
     return out
-
-
-def pack_rows(input_ids: torch.Tensor, input_lengths: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Concatenate the valid tokens of right-padded rows into one `[1, T]` row."""
-    lengths = input_lengths.tolist()
-    ids = torch.cat([input_ids[i, :n] for i, n in enumerate(lengths)])[None]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(input_ids.device)
-    cu_seqlens = F.pad(torch.as_tensor(lengths).cumsum(0), (1, 0))
-    return {"input_ids": ids, "position_ids": positions, "cu_seqlens": cu_seqlens}
-
-
-def unpack_rows(packed_values: torch.Tensor, cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Inverse of `pack_rows` for a `[T]` per-token tensor: `[n, seq_len]`, 0 in the padding.
-
-    Built with one `index_select` + mask (not per-row slicing into a buffer) so the gradient
-    flows straight back to the packed values.
-    """
-    starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
-    positions = torch.arange(seq_len)
-    valid = positions[None, :] < lengths[:, None]
-    flat = (starts[:, None] + positions[None, :]).clamp(max=max(int(cu_seqlens[-1]) - 1, 0))
-    gathered = packed_values.index_select(0, flat.flatten().to(packed_values.device)).view(len(lengths), seq_len)
-    return gathered * valid.to(gathered.device)
 
 
 # ------------------------------------------------------------------------------------ forwards
@@ -145,13 +115,15 @@ def microbatch_logprobs(
     seq_len = input_ids.shape[1]
     with _autocast(device, compute_dtype):
         if mb.packed is not None:
+            # No attention mask: from position_ids restarting at 0, transformers builds the
+            # block-diagonal causal mask in the form the attention implementation wants
+            # (eager/sdpa/flex masks, flash-attention varlen), in the compute dtype.
             packed_ids = mb.packed["input_ids"].to(device)
             logits = model(input_ids=packed_ids, position_ids=mb.packed["position_ids"].to(device)).logits
-            # Across a sequence boundary the "next token" belongs to another row; unpacking keeps
-            # only positions 1..n-1 of each row, so those values are dropped.
-            packed_logprobs = next_token_logprobs(logits, packed_ids, temperature)[0]
-            logprobs = unpack_rows(packed_logprobs, mb.packed["cu_seqlens"], seq_len)
-            return logprobs * (torch.arange(seq_len, device=device) > 0)
+            if temperature != 1.0:
+                logits = logits / temperature
+            packed_logprobs = packing.packed_token_logprobs(logits, packed_ids, mb.packed["cu_seqlens"].to(device))
+            return packing.unpack(packed_logprobs, mb.packed["cu_seqlens"], mb.packed["lengths"], seq_len)
         mask = (torch.arange(seq_len, device=device)[None, :] < lengths[:, None]).long()
         logits = model(input_ids=input_ids, attention_mask=mask).logits
     return next_token_logprobs(logits, input_ids, temperature) * mask
