@@ -243,3 +243,19 @@ def test_route_step_mixes_environments_and_keeps_order(env):
     router = EnvRouter({"echo": echo})
     with pytest.raises(KeyError, match="task_name 'math'"):
         router.step([conversation("1")], [{"ground_truth": "1"}], ["math"])
+
+
+@pytest.mark.functional
+def test_math_env_as_ray_actor_routed_with_a_local_env(ray_cluster):
+    actor = create_env("math", MathEnvConfig(verify_timeout_s=1.0), as_actor=True)
+    router = EnvRouter({"math": actor, "echo": EchoEnv()})
+    try:
+        tasks = ["echo", "math", "math"]
+        logs = [conversation("x"), conversation("\\boxed{9^{9^{9^{9}}}}"), conversation("#### 0.5")]
+        metadata = [{"value": 0.5}, {"ground_truth": "1"}, {"ground_truth": "1/2"}]
+        result = router.step(logs, metadata, tasks)
+        assert result.rewards.tolist() == [0.5, 0.0, 1.0]  # the pathological answer timed out in the actor
+        assert result.answers == ["x", "9^{9^{9^{9}}}", "0.5"]
+        assert result.terminateds.tolist() == [False, True, True]
+    finally:
+        router.shutdown()
