@@ -83,18 +83,24 @@ def prefixed(metrics: dict, prefix: str) -> dict[str, float]:
     return {f"{prefix}/{k}": float(v) for k, v in metrics.items()}
 
 
-def save_training_state(checkpointer, policy, loader, step: int, info: dict) -> None:
-    """Write `step_N/` atomically: policy (weights, optimizer, RNG), loader position, info."""
+def save_training_state(
+    checkpointer, policy, loader, step: int, metrics: dict, training_info: Optional[dict] = None
+) -> None:
+    """Write `step_N/` atomically: policy (weights, optimizer, RNG), loader position, info.
+
+    `metrics` rank the checkpoint for `keep_top_k`; `training_info` is extra resume state.
+    """
     tmp = checkpointer.begin(step)
     policy.save_checkpoint(tmp / "policy")
     save_loader_state(tmp, loader.state_dict())
-    checkpointer.finalize(step, tmp, {"step": step, **info})
+    checkpointer.finalize(step, tmp, metrics, training_info)
 
 
 def restore_training_state(checkpointer, policy, loader, logger) -> Optional[dict]:
     """Load the latest complete checkpoint, if any; returns its training info."""
     latest = checkpointer.latest()
     if latest is None:
+        logger.truncate_after(-1)  # a fresh start: forget metrics of a run that never checkpointed
         return None
     info = checkpointer.load_training_info(latest)
     policy.load_checkpoint(latest / "policy")

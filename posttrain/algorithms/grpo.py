@@ -311,10 +311,10 @@ def _maybe_checkpoint(ctx: GRPOContext, step: int, metrics: dict[str, float]) ->
     ck = ctx.cfg.checkpointing
     if not ck.enabled or not (step % ck.save_period == 0 or step == ctx.cfg.grpo.max_num_steps):
         return
-    info: dict[str, Any] = {"val_history": ctx.val_history}
-    if ctx.val_history:
-        info["validation/accuracy"] = ctx.val_history[-1][1]
-    save_training_state(ctx.checkpointer, ctx.policy, ctx.train_loader, step, info)
+    ranking = {"validation/accuracy": ctx.val_history[-1][1]} if ctx.val_history else {}
+    save_training_state(
+        ctx.checkpointer, ctx.policy, ctx.train_loader, step, ranking, {"val_history": ctx.val_history}
+    )
 
 
 # ------------------------------------------------------------------------------ entry point

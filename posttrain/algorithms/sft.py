@@ -106,8 +106,8 @@ def run(cfg: SFTMasterConfig, export_dir: Optional[Path] = None) -> dict[str, fl
             logger.log_metrics(metrics, step)
             ck = cfg.checkpointing
             if ck.enabled and (step % ck.save_period == 0 or step == s.max_num_steps):
-                info = {"validation/loss": metrics["validation/loss"]} if "validation/loss" in metrics else {}
-                save_training_state(checkpointer, policy, loader, step, info)
+                ranking = {k: v for k, v in metrics.items() if k == "validation/loss"}
+                save_training_state(checkpointer, policy, loader, step, ranking)
             bar.update(metrics)
         bar.close()
         if export_dir is not None:

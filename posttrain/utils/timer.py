@@ -50,6 +50,10 @@ class Timer:
         finally:
             self.stop(name)
 
+    def add(self, name: str, seconds: float) -> None:
+        """Record `seconds` measured elsewhere (e.g. inside a worker) as one run of `name`."""
+        self._durations.setdefault(name, []).append(float(seconds))
+
     def get_timing_metrics(self, reduction: Reduction = "sum") -> dict[str, float]:
         """Seconds per finished section, reduced over its runs since the last `reset`.
 
