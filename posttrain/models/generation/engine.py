@@ -168,7 +168,8 @@ class NativeGenerationEngine:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         row_stop_strings = _per_row_stop_strings(stop_strings, batch_size)
-        if any(row_stop_strings) and self.tokenizer is None:
+        has_stop_strings = any(row_stop_strings)
+        if has_stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass one to NativeGenerationEngine")
 
         if batch_size == 0:  # e.g. an empty data-parallel shard
@@ -209,7 +210,7 @@ class NativeGenerationEngine:
             generation_lengths[active] = step + 1
 
             finished = torch.isin(tokens, end_ids)
-            if any(row_stop_strings[i] for i in active.tolist()):
+            if has_stop_strings and any(row_stop_strings[i] for i in active.tolist()):
                 finished |= self._hits_stop_string(new_tokens, active, step + 1, row_stop_strings)
             stopped[active] = finished
             if step + 1 == max_new_tokens:
