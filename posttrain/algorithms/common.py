@@ -63,6 +63,17 @@ def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int =
     )
 
 
+def make_generation(cfg: MasterConfig, cluster, *, seed: int = 0):
+    """Generation workers for `policy.model_name` with `policy.generation` settings."""
+    from posttrain.models.generation.interface import Generation
+
+    p = cfg.policy
+    return Generation(
+        cluster, p.generation, p.model_name, tokenizer_name=p.tokenizer_name, tiny_arch=p.tiny_arch,
+        precision=p.precision, seed=seed, worker_timeout_s=cfg.cluster.worker_timeout_s,
+    )
+
+
 def prepare_run_dirs(cfg: MasterConfig) -> None:
     """Create the log dir and save the resolved config beside the run's logs."""
     log_dir = Path(cfg.logger.log_dir)

@@ -25,6 +25,7 @@ import torch
 from posttrain.algorithms import advantages as adv
 from posttrain.algorithms.common import (
     make_cluster,
+    make_generation,
     prefixed,
     prepare_run_dirs,
     restore_training_state,
@@ -39,6 +40,7 @@ from posttrain.data.dataloader import ResumableLoader
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.distributed.batch import Batch
 from posttrain.evals.eval import evaluate, response_lengths
+from posttrain.models.refit import build_refit_metadata, refit_policy_generation
 from posttrain.rollouts import run_multi_turn_rollout
 from posttrain.utils.checkpoint import CheckpointManager
 from posttrain.utils.logger import Logger, ProgressBar
@@ -61,6 +63,7 @@ class GRPOContext:
     logger: Logger
     checkpointer: CheckpointManager
     loss_fn: ClippedPGLoss
+    refit_metadata: Any
     step: int = 0  # completed training steps
     generation_stale: bool = True  # generation weights lag the policy's
     val_history: list[tuple[int, float]] = field(default_factory=list)
@@ -79,7 +82,6 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
     from posttrain.data.datasets import load_records
     from posttrain.data.processors import build_prompt_message_log
     from posttrain.environments.registry import create_env
-    from posttrain.models.generation import Generation
     from posttrain.models.hf import load_tokenizer
     from posttrain.models.policy.policy import Policy
 
@@ -111,8 +113,9 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
         n_gen = cfg.policy.generation.colocated.num_workers or 1
         gen_cluster = make_cluster(cfg, n_gen, name="generation")
     policy = Policy(policy_cluster, cfg.policy, init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0)
-    generation = Generation(gen_cluster, cfg.policy, tokenizer=tokenizer)
-    generation.prepare_refit_info(policy.refit_info())
+    generation = make_generation(cfg, gen_cluster)
+    refit_metadata = build_refit_metadata(policy.refit_info(), cfg.policy.generation.refit_buffer_size_mb * 2**20)
+    generation.prepare_refit_info(refit_metadata)
 
     task_names = {d.get("task_name", cfg.data.env_name) for d in train_datums + val_datums}
     envs = {name: create_env(name, getattr(cfg.env, name)) for name in task_names}
@@ -121,6 +124,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
         cfg=cfg, policy=policy, generation=generation, envs=envs, tokenizer=tokenizer,
         train_loader=loader, val_datums=val_datums, logger=Logger(cfg.logger),
         checkpointer=CheckpointManager(cfg.checkpointing), loss_fn=ClippedPGLoss(cfg.loss_fn),
+        refit_metadata=refit_metadata,
     )
     _maybe_resume(ctx)
     return ctx
@@ -273,7 +277,10 @@ def _refit_if_stale(ctx: GRPOContext, timer: Optional[Timer] = None) -> None:
     if not ctx.generation_stale:
         return
     t0 = time.perf_counter()
-    ctx.generation.update_weights_from_policy(ctx.policy, weights_version=ctx.step)
+    refit_policy_generation(
+        ctx.policy, ctx.generation, ctx.refit_metadata, version=ctx.step,
+        verify=ctx.cfg.policy.generation.verify_refit,
+    )
     if timer is not None:
         timer.add("refit", time.perf_counter() - t0)
     ctx.generation_stale = False

@@ -86,11 +86,10 @@ def _hf_dir_for(model_name: str, work_dir: Path) -> str:
 
 def run(cfg) -> dict[str, float]:
     """`posttrain eval`: evaluate `policy.model_name` (hub id, HF dir or checkpoint step dir)."""
-    from posttrain.algorithms.common import make_cluster, prepare_run_dirs, set_seed, start_ray
+    from posttrain.algorithms.common import make_cluster, make_generation, prepare_run_dirs, set_seed, start_ray
     from posttrain.data.datasets import load_records
     from posttrain.data.processors import build_prompt_message_log
     from posttrain.environments.registry import create_env
-    from posttrain.models.generation import Generation
     from posttrain.models.hf import load_tokenizer
     from posttrain.utils.logger import Logger
 
@@ -110,7 +109,7 @@ def run(cfg) -> dict[str, float]:
             for i, r in enumerate(records)
         ]
         envs = {name: create_env(name, getattr(cfg.env, name)) for name in {d["task_name"] for d in datums}}
-        generation = Generation(make_cluster(cfg, 1, name="eval"), cfg.policy, tokenizer=tokenizer)
+        generation = make_generation(cfg, make_cluster(cfg, 1, name="eval"), seed=e.seed)
         try:
             greedy = e.num_generations_per_prompt == 1 and cfg.policy.generation.val_temperature is None
             metrics = evaluate(

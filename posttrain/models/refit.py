@@ -227,3 +227,27 @@ def naive_load_state_dict(model: torch.nn.Module, refs: Mapping[str, object]) ->
     own = model.state_dict()
     for name, ref in refs.items():
         own[name].copy_(ray.get(ref))
+
+
+def refit_policy_generation(policy, generation, metadata: RefitMetadata, *, version: int, verify: bool = False) -> None:
+    """Copy the policy's current weights into every generation worker.
+
+    The policy's rank 0 packs its full weights into `metadata`'s buffers and keeps them in the
+    object store; the generation workers read them from there (zero-copy on one node) and copy
+    them into their parameters. No per-tensor messages; the controller never touches the bytes.
+
+    Args:
+        verify: afterwards, check that every generation worker's weights checksum equals the
+            policy's (config `policy.generation.verify_refit`; on in tests).
+    """
+    ref = policy.pack_for_refit(metadata)
+    generation.update_weights(ref, version)
+    if verify:
+        expected = policy.weights_checksum()
+        got = generation.get_weights_checksums()
+        bad = [rank for rank, checksum in enumerate(got) if checksum != expected]
+        if bad:
+            raise RuntimeError(
+                f"refit verification failed: generation workers {bad} hold weights that differ from the "
+                f"policy's (checksum {expected}) after refit to version {version}"
+            )
