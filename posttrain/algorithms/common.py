@@ -117,5 +117,5 @@ def restore_training_state(checkpointer, policy, loader, logger) -> Optional[dic
     policy.load_checkpoint(latest / "policy")
     loader.load_state_dict(load_loader_state(latest))
     logger.truncate_after(int(info["step"]))
-    log.info("resumed from %s (step %d)", latest, info["step"])
+    print(f"[posttrain] resumed from {latest} (step {info['step']})", flush=True)
     return info

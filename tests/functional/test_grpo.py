@@ -1,0 +1,236 @@
+"""GRPO end to end with real Ray workers and a real tiny model (a few steps each)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.config.loader import load_config, save_config
+from posttrain.environments.interface import Environment, EnvironmentReturn
+
+pytestmark = pytest.mark.functional
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Small but real: 4 prompts x 4 generations, 8 new tokens, tiny llama built locally.
+SMALL = [
+    "sft_warmup=null",
+    "grpo.num_prompts_per_step=4",
+    "grpo.num_generations_per_prompt=4",
+    "grpo.max_num_steps=3",
+    "grpo.val_period=0",
+    "grpo.val_at_start=false",
+    "grpo.val_at_end=false",
+    "grpo.max_val_samples=8",
+    "policy.model_name=tiny",
+    "policy.train_global_batch_size=16",
+    "policy.train_micro_batch_size=8",
+    "policy.logprob_batch_size=8",
+    "policy.max_total_sequence_length=32",
+    "policy.generation.max_new_tokens=6",
+    "policy.generation.verify_refit=true",
+    "data.num_train=64",
+    "data.num_validation=8",
+    "logger.progress_bar=false",
+    "logger.report=false",
+    "logger.tensorboard_enabled=false",
+]
+
+
+def small_cfg(tmp_path: Path, *extra: str):
+    return load_config(
+        "grpo",
+        overrides=[*SMALL, f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt", *extra],
+    )
+
+
+def read_metrics(log_dir: Path) -> dict[int, dict]:
+    steps: dict[int, dict] = {}
+    for line in (log_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        steps.setdefault(row["step"], {}).update(row)
+    return steps
+
+
+class CoinEnv(Environment):
+    """Reward 1 when the first generated character is in the first half of the alphabet.
+
+    Prompts with an even answer always score 0 (no reward variance: dynamic sampling must drop
+    them); odd ones depend on the sample, so their groups usually carry a learning signal.
+    """
+
+    def step(self, message_logs, metadata):
+        rewards = []
+        for log, meta in zip(message_logs, metadata):
+            text = log[-1]["content"]
+            rewards.append(0.0 if int(meta["ground_truth"]) % 2 == 0 else float(bool(text) and text[0] < "O"))
+        n = len(message_logs)
+        return EnvironmentReturn(
+            observations=[{"role": "environment", "content": ""}] * n, metadata=list(metadata),
+            next_stop_strings=[None] * n, rewards=torch.tensor(rewards), terminateds=torch.ones(n, dtype=torch.bool),
+            answers=[None] * n,
+        )
+
+
+class TwoTurnEnv(Environment):
+    """Turn 1: answer with an observation and continue; turn 2: reward 1 and stop."""
+
+    OBSERVATION = "<|user|>again<|end|><|assistant|>"
+
+    def step(self, message_logs, metadata):
+        n = len(message_logs)
+        turns = [sum(m["role"] == "assistant" for m in log) for log in message_logs]
+        return EnvironmentReturn(
+            observations=[{"role": "environment", "content": self.OBSERVATION if t == 1 else ""} for t in turns],
+            metadata=list(metadata), next_stop_strings=[None] * n,
+            rewards=torch.tensor([0.0 if t == 1 else 1.0 for t in turns]),
+            terminateds=torch.tensor([t >= 2 for t in turns]), answers=[None] * n,
+        )
+
+
+@pytest.fixture
+def grpo_context(ray_cluster, tmp_path):
+    """A set-up GRPO run (policy, generation, math env) torn down after the test."""
+    from posttrain.algorithms import grpo
+
+    contexts = []
+
+    def make(*extra: str):
+        ctx = grpo.setup(small_cfg(tmp_path, *extra))
+        contexts.append(ctx)
+        return ctx
+
+    yield make
+    for ctx in contexts:
+        ctx.shutdown()
+
+
+REQUIRED = [
+    "train/reward", "train/loss", "train/grad_norm", "train/kl_penalty", "train/approx_entropy",
+    "train/token_mult_prob_error", "train/gen_kl_error", "train/advantages/mean", "train/advantages/min",
+    "train/advantages/max", "train/mean_gen_tokens_per_sample", "train/lr",
+    "timing/train/generation", "timing/train/refit", "timing/train/logprobs", "timing/train/policy_training",
+    "timing/train/reward", "timing/train/total_step_time",
+]
+
+
+def test_grpo_steps_report_metrics_and_logprobs_agree(grpo_context, tmp_path):
+    from posttrain.algorithms import grpo
+
+    ctx = grpo_context("grpo.val_at_start=true", "grpo.val_at_end=true", "loss_fn.reference_policy_kl_penalty=0.01")
+    grpo.grpo_train(ctx)
+    metrics = read_metrics(tmp_path / "logs")
+    assert sorted(metrics) == [0, 1, 2, 3]
+    assert 0.0 <= metrics[0]["validation/accuracy"] <= 1.0
+    for step in (1, 2, 3):
+        row = metrics[step]
+        missing = [k for k in REQUIRED if k not in row]
+        assert not missing, f"step {step} lacks {missing}"
+        # Same weights in the generation engine and the trainer: the mismatch is numerical only.
+        assert 1.0 <= row["train/token_mult_prob_error"] < 1.001
+        assert abs(row["train/gen_kl_error"]) < 1e-3
+        assert row["train/num_samples"] == 16
+        assert row["timing/train/total_step_time"] >= row["timing/train/policy_training"]
+    assert "validation/accuracy" in metrics[3]
+    assert (tmp_path / "logs" / "config.yaml").exists()
+    assert (tmp_path / "ckpt" / "step_3" / "training_info.json").exists()
+
+
+def test_dynamic_sampling_refills_a_full_batch(grpo_context):
+    from posttrain.algorithms import grpo
+    from posttrain.utils.timer import Timer
+
+    ctx = grpo_context("grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=8")
+    ctx.envs = {"math": CoinEnv()}
+    train_data, metrics = grpo._collect_experience(ctx, 1, Timer())
+    # About half of every generation batch (even answers) has zero variance and is dropped, so
+    # a full batch needs at least two generation batches; it is then exactly full.
+    assert metrics["train/dynamic_sampling_num_gen_batches"] >= 2
+    assert train_data.size == 16
+    assert train_data["sample_mask"].sum() == 16
+    # Every kept group has reward variance, so its advantages are not all zero.
+    adv = (train_data["advantages"].sum(dim=1) / train_data["token_mask"].sum(dim=1).clamp(min=1)).view(4, 4)
+    assert (adv.abs().sum(dim=1) > 0).all(), adv
+
+
+def test_multi_turn_rollout_masks_only_generated_tokens(grpo_context):
+    from posttrain.data.message_log import flatten_message_logs
+    from posttrain.rollouts import run_multi_turn_rollout
+
+    ctx = grpo_context()
+    datums = [dict(d) for d in ctx.train_loader.items[:3]]
+    for d in datums:
+        d["message_log"] = [dict(m) for m in d["message_log"]]
+    result = run_multi_turn_rollout(
+        ctx.generation, datums, ctx.tokenizer, {"math": TwoTurnEnv()}, max_seq_len=64, max_rollout_turns=4,
+        seeds=torch.arange(3),
+    )
+    assert result.rewards.tolist() == [1.0, 1.0, 1.0]
+    assert result.metrics["avg_turns_per_sample"] == 2.0
+    batch = flatten_message_logs([d["message_log"] for d in datums], pad_token_id=ctx.tokenizer.pad_token_id)
+    for row, d in enumerate(datums):
+        roles = [m["role"] for m in d["message_log"]]
+        assert roles == ["user", "assistant", "environment", "assistant"]
+        expected = torch.cat([
+            torch.full((len(m["token_ids"]),), 1.0 if m["role"] == "assistant" else 0.0) for m in d["message_log"]
+        ])
+        n = len(expected)
+        assert torch.equal(batch["token_mask"][row, :n], expected)
+        assert batch["token_mask"][row, n:].sum() == 0
+        env_msg = d["message_log"][2]
+        assert env_msg["content"] == TwoTurnEnv.OBSERVATION and "generation_logprobs" not in env_msg
+        # Generated tokens keep their ids and logprobs (never re-tokenised).
+        for m in d["message_log"][1::2]:
+            assert len(m["generation_logprobs"]) == len(m["token_ids"])
+            assert (m["generation_logprobs"] <= 0).all()
+
+
+def _run_cli(cfg_path: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "posttrain", "grpo", "--config", str(cfg_path)],
+        cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+    )
+
+
+def _comparable(metrics: dict[int, dict]) -> dict[int, dict]:
+    return {s: {k: v for k, v in row.items() if not k.startswith("timing/")} for s, row in metrics.items()}
+
+
+def test_kill_and_resume_reproduces_uninterrupted_metrics(tmp_path):
+    """SIGKILL a run after its step-2 checkpoint; rerunning the same command resumes and logs
+    exactly the metrics an uninterrupted run logs."""
+    runs = {}
+    for name in ("straight", "killed"):
+        cfg = small_cfg(tmp_path / name, "grpo.max_num_steps=4", "checkpointing.save_period=2")
+        path = tmp_path / f"{name}.yaml"
+        save_config(cfg, path)
+        runs[name] = (path, tmp_path / name)
+
+    straight = _run_cli(runs["straight"][0], tmp_path / "straight.log")
+    killed = _run_cli(runs["killed"][0], tmp_path / "killed.log")
+    step2 = runs["killed"][1] / "ckpt" / "step_2" / "training_info.json"
+    deadline = time.time() + 400
+    while not step2.exists():
+        assert killed.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+        assert time.time() < deadline, "no step-2 checkpoint in time"
+        time.sleep(0.2)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert straight.wait(timeout=400) == 0, (tmp_path / "straight.log").read_text()[-3000:]
+    resumed = _run_cli(runs["killed"][0], tmp_path / "resumed.log")
+    assert resumed.wait(timeout=400) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+
+    expected = _comparable(read_metrics(runs["straight"][1] / "logs"))
+    got = _comparable(read_metrics(runs["killed"][1] / "logs"))
+    assert sorted(expected) == [1, 2, 3, 4]
+    assert got == expected
+    assert "resumed from" in (tmp_path / "resumed.log").read_text().lower()
