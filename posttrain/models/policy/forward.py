@@ -7,9 +7,9 @@ always gets ordinary right-padded `[n, L]` rows):
 - dynamic batching (`policy.dynamic_batching`): rows sorted by length and grouped up to a token
   budget (lengths rounded up to `sequence_length_round` when counting), each cut to its longest;
 - sequence packing (`policy.sequence_packing`): rows concatenated into one `[1, T]` row per bin;
-  `position_ids` restart at 0 for every sequence, from which transformers builds a
-  block-diagonal causal mask (any attention implementation), so no token sees another
-  sequence; the packed logprobs are unpacked back to `[n, L]` before the loss.
+  `position_ids` restart at 0 for every sequence and a block-diagonal causal mask keeps every
+  token inside its own sequence (eager / sdpa attention; flash-attention varlen kwargs are not
+  wired yet); the packed logprobs are unpacked back to `[n, L]` before the loss.
 Bin packing, packed tensors and unpacking are `posttrain.data.packing`'s.
 """
 
@@ -115,11 +115,12 @@ def microbatch_logprobs(
     seq_len = input_ids.shape[1]
     with _autocast(device, compute_dtype):
         if mb.packed is not None:
-            # No attention mask: from position_ids restarting at 0, transformers builds the
-            # block-diagonal causal mask in the form the attention implementation wants
-            # (eager/sdpa/flex masks, flash-attention varlen), in the compute dtype.
+            # Block-diagonal causal mask (additive, in the compute dtype so sdpa accepts it under
+            # autocast) plus position_ids restarting at 0, so rotary embeddings match unpacked rows.
             packed_ids = mb.packed["input_ids"].to(device)
-            logits = model(input_ids=packed_ids, position_ids=mb.packed["position_ids"].to(device)).logits
+            mask = packing.block_causal_attention_mask(mb.packed["cu_seqlens"].to(device), dtype=compute_dtype)
+            position_ids = mb.packed["position_ids"].to(device)
+            logits = model(input_ids=packed_ids, attention_mask=mask, position_ids=position_ids).logits
             if temperature != 1.0:
                 logits = logits / temperature
             packed_logprobs = packing.packed_token_logprobs(logits, packed_ids, mb.packed["cu_seqlens"].to(device))
