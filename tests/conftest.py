@@ -9,7 +9,8 @@ Ray in tests
   cores.
 * A test module that needs a differently shaped Ray (e.g. the simulated two-node cluster of
   `tests/functional/test_worker_group_multinode.py`) uses a module-scoped fixture that calls
-  `stop_test_ray()` first, builds its own cluster, and calls `restore_test_ray()` at the end.
+  `stop_test_ray()` first, builds its own cluster, and calls `stop_test_ray()` again at the end;
+  the next test that uses `ray_cluster` restarts the session Ray (see `pytest_runtest_setup`).
   Such a module must not also use `ray_cluster` (or fixtures built on it): both would want Ray.
 * Create actors and clusters in module- or function-scoped fixtures and shut them down in the
   fixture teardown, so nothing leaks from one module into the next.
@@ -23,8 +24,6 @@ import pytest
 
 RAY_TEST_CPUS = 8
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-_session_ray_wanted = False  # True once a test asked for the session Ray
 
 
 def start_test_ray() -> None:
@@ -42,18 +41,16 @@ def stop_test_ray() -> None:
         shutdown_ray()
 
 
-def restore_test_ray() -> None:
-    """After a module used its own Ray: bring the session Ray back if tests had been using it."""
-    stop_test_ray()
-    if _session_ray_wanted:
-        start_test_ray()
-
-
 @pytest.fixture(scope="session")
 def ray_cluster():
     """Local Ray cluster with `RAY_TEST_CPUS` logical CPUs, shared by the whole session."""
-    global _session_ray_wanted
-    _session_ray_wanted = True
     start_test_ray()
     yield
     stop_test_ray()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Bring the session Ray back (lazily) for a test that wants it after a module stopped it."""
+    if "ray_cluster" in item.fixturenames:
+        start_test_ray()  # no-op while Ray is up

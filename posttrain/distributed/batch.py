@@ -186,7 +186,9 @@ def _rows(key: str, value: Any) -> int:
         return value.shape[0]
     if isinstance(value, list):
         return len(value)
-    raise TypeError(f"Batch entry {key!r} must be a torch.Tensor [B, ...] or a list of length B, got {type(value).__name__}")
+    raise TypeError(
+        f"Batch entry {key!r} must be a torch.Tensor [B, ...] or a list of length B, got {type(value).__name__}"
+    )
 
 
 def _pad_dim1(tensor: torch.Tensor, length: int, value: Any) -> torch.Tensor:

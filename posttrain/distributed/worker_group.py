@@ -45,8 +45,8 @@ class DistributedWorker:
     """Base class of worker actors: joins the process group of its WorkerGroup on construction.
 
     Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` from the environment
-    (WorkerGroup sets them) and calls `torch.distributed.init_process_group` with nccl when CUDA
-    is present, gloo otherwise. Subclasses call `super().__init__()` first, then build models.
+    (WorkerGroup sets them) and calls `torch.distributed.init_process_group` with nccl when the
+    actor was given a GPU, gloo otherwise. Subclasses call `super().__init__()` first, then build models.
     """
 
     def __init__(self) -> None:
@@ -59,8 +59,8 @@ class DistributedWorker:
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ["LOCAL_RANK"])
-        if torch.cuda.is_available():
-            # Ray usually shows each actor only its own GPU(s); the modulo covers both cases.
+        if _has_gpu():
+            # Ray shows each actor only its own GPU, so this is device 0; the modulo covers the rest.
             torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
             backend = "nccl"
@@ -95,6 +95,17 @@ class DistributedWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
         return True
+
+
+def _has_gpu() -> bool:
+    """Whether this process should use CUDA.
+
+    Inside a Ray actor: only if Ray assigned it a GPU. CPU-only actors on a GPU machine still see
+    every GPU, and several ranks on one device would break nccl.
+    """
+    if not torch.cuda.is_available():
+        return False
+    return bool(ray.get_gpu_ids()) if ray.is_initialized() else True
 
 
 class WorkerGroup:
@@ -343,8 +354,9 @@ class WorkerGroup:
         return f"rank {rank} ({method}, node {self.node_ips[rank]}, actor {actor_id})"
 
     # ------------------------------------------------------------------ teardown
-    def shutdown(self) -> None:
-        """Ask workers to leave the process group (briefly), then kill them. Idempotent."""
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Ask workers to leave the process group (waiting up to `timeout_s`, default 5.0), then kill
+        them. Idempotent."""
         if not self.workers:
             return
         goodbyes = []
@@ -355,7 +367,7 @@ class WorkerGroup:
                 logger.debug("shutdown call failed: %s", error)
         if goodbyes:
             # A worker stuck in a collective never answers; the kill below ends it anyway.
-            ray.wait(goodbyes, num_returns=len(goodbyes), timeout=SHUTDOWN_TIMEOUT_S)
+            ray.wait(goodbyes, num_returns=len(goodbyes), timeout=timeout_s)
         for worker in self.workers:
             try:
                 ray.kill(worker, no_restart=True)

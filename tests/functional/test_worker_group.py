@@ -121,7 +121,7 @@ def test_dead_worker_is_reported_without_waiting_for_the_hung_one(ray_cluster):
         assert "ActorDiedError" in message.splitlines()[0]
         assert group.workers[1]._actor_id.hex() in message
     finally:
-        group.shutdown()
+        group.shutdown(timeout_s=0.5)  # rank 0 is still asleep; it gets killed
         group.shutdown()  # idempotent
         cluster.shutdown()
 
@@ -136,7 +136,6 @@ def test_failing_constructor_is_reported(ray_cluster):
 
 
 def test_unschedulable_cluster_fails_with_requested_and_available(ray_cluster):
-    cpus_before = ray.available_resources().get("CPU", 0.0)
     with pytest.raises(ClusterError) as info:
         VirtualCluster([20], cpus_per_bundle=1.0, placement_timeout_s=2.0, name="toobig")
     message = str(info.value)
@@ -145,10 +144,10 @@ def test_unschedulable_cluster_fails_with_requested_and_available(ray_cluster):
     assert "available" in message and "node " in message
     with pytest.raises(ClusterError, match="'GPU': 1.0"):
         VirtualCluster([1], use_gpus=True, placement_timeout_s=1.0, name="nogpu")
-    deadline = time.monotonic() + 10  # the half-made reservations were released
-    while ray.available_resources().get("CPU", 0.0) < cpus_before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert ray.available_resources().get("CPU", 0.0) == cpus_before
+    # The half-made reservations were released, not left pending.
+    groups = ray.util.placement_group_table().values()
+    states = [pg["state"] for pg in groups if pg["name"].startswith(("toobig", "nogpu"))]
+    assert states and set(states) == {"REMOVED"}
 
 
 def test_colocated_groups_share_bundles(ray_cluster):
