@@ -158,16 +158,27 @@ class WorkerGroup:
             raise ValueError(f"bundle_indices {bundle_indices} out of range: the cluster has {len(locations)} bundles")
         self._wait_for_room(bundle_indices)
 
-        node_ids = cluster.bundle_node_ids()
-        master_addr, master_port = cluster.master_address_and_port(bundle_indices[0])
-        remote_cls = ray.remote(actor_cls)
-        seen_per_node: dict[str, int] = {}
         self.workers: list[ray.actor.ActorHandle] = []
         self.node_ips = ["?"] * len(bundle_indices)
+        try:
+            self._spawn(bundle_indices, init_kwargs or {}, env_vars or {})
+            # Constructing = joining the process group; a failure in any __init__ surfaces here.
+            self.node_ips = self.run_all("get_node_ip")
+        except BaseException:
+            self.shutdown(timeout_s=1.0)  # ranks that did start wait in the rendezvous; kill them
+            raise
+
+    def _spawn(self, bundle_indices: list[int], init_kwargs: Mapping[str, Any], env_vars: Mapping[str, str]) -> None:
+        """Start one actor per bundle with its rendezvous environment (they rendezvous in __init__)."""
+        locations = self.cluster.bundle_locations()
+        node_ids = self.cluster.bundle_node_ids()
+        master_addr, master_port = self.cluster.master_address_and_port(bundle_indices[0])
+        remote_cls = ray.remote(self._actor_cls)
+        seen_per_node: dict[str, int] = {}
         for rank, bundle in enumerate(bundle_indices):
-            local_rank = seen_per_node.get(node_ids[bundle], 0)
+            local_rank = seen_per_node.get(node_ids[bundle], 0)  # rank among this group's workers on that machine
             seen_per_node[node_ids[bundle]] = local_rank + 1
-            env = {key: str(value) for key, value in (env_vars or {}).items()}
+            env = {key: str(value) for key, value in env_vars.items()}
             env.update(
                 RANK=str(rank),
                 WORLD_SIZE=str(len(bundle_indices)),
@@ -175,20 +186,14 @@ class WorkerGroup:
                 MASTER_ADDR=master_addr,
                 MASTER_PORT=str(master_port),
             )
-            env[COLLECTIVE_TIMEOUT_ENV] = str(worker_timeout_s)
+            env[COLLECTIVE_TIMEOUT_ENV] = str(self.worker_timeout_s)
             pg, index = locations[bundle]
             handle = remote_cls.options(
-                **cluster.actor_resources(),
+                **self.cluster.actor_resources(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
                 runtime_env={"env_vars": env},  # set before the interpreter starts (CUDA/NCCL read them early)
-            ).remote(**(init_kwargs or {}))
+            ).remote(**init_kwargs)
             self.workers.append(handle)
-
-        try:  # constructing = joining the process group; a failure in any __init__ surfaces here
-            self.node_ips = self.run_all("get_node_ip")
-        except WorkerError:
-            self.shutdown()
-            raise
 
     @property
     def world_size(self) -> int:
