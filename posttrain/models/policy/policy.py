@@ -73,6 +73,10 @@ class Policy:
         """Like `get_logprobs`, from the initial weights (needs `init_reference_model=True`)."""
         return self.worker_group.run_sharded("get_reference_logprobs", batch, temperature=temperature)
 
+    def get_scores(self, batch: Batch) -> Batch:
+        """`Batch({"scores": [B]})` from a reward model (`model_type="reward"`)."""
+        return self.worker_group.run_sharded("get_scores", batch)
+
     # --------------------------------------------------------------------------------- train
     def train(
         self,

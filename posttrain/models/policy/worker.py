@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
+import transformers
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from posttrain.config.schema import PolicyConfig
@@ -87,6 +88,7 @@ class PolicyWorker(DistributedWorker):
         model_type: str = "lm",
     ) -> None:
         super().__init__()
+        transformers.utils.logging.disable_progress_bar()  # one bar per worker per load is noise
         self.cfg = cfg if isinstance(cfg, PolicyConfig) else PolicyConfig.model_validate(cfg)
         if model_type not in ckpt.MODEL_CLASSES:
             raise ValueError(f"model_type={model_type!r}; choose one of {sorted(ckpt.MODEL_CLASSES)}")
@@ -135,7 +137,9 @@ class PolicyWorker(DistributedWorker):
         config = AutoConfig.from_pretrained(model_path, num_labels=1)
         if config.pad_token_id is None:  # needed to find each row's last token
             config.pad_token_id = self.tokenizer.pad_token_id
-        return AutoModelForSequenceClassification.from_pretrained(model_path, config=config, dtype=torch.float32)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # the new score head: same initial values on every rank and run
+            return AutoModelForSequenceClassification.from_pretrained(model_path, config=config, dtype=torch.float32)
 
     def _shard_model(self) -> None:
         """FSDP2: one unit per decoder layer (HF's `_no_split_modules`), then the root."""
@@ -172,11 +176,9 @@ class PolicyWorker(DistributedWorker):
             mbs = []
         elif packing.enabled:
             budget = packing.train_mb_tokens if for_training else packing.logprob_mb_tokens
-            self._check_fits(batch, budget, "policy.sequence_packing")
             mbs = packed_microbatches(batch, budget, packing.algorithm)
         elif dynamic.enabled:
             budget = dynamic.train_mb_tokens if for_training else dynamic.logprob_mb_tokens
-            self._check_fits(batch, budget, "policy.dynamic_batching")
             mbs = dynamic_microbatches(batch, budget, dynamic.sequence_length_round)
         else:
             mbs = fixed_size_microbatches(batch, rows_per_mb)
@@ -191,34 +193,44 @@ class PolicyWorker(DistributedWorker):
             mbs += [mbs[-1].as_dummy() for _ in range(int(count) - len(mbs))]
         return mbs
 
-    def _check_fits(self, batch: Batch, budget: int, key: str) -> None:
-        longest = int(batch["input_lengths"].max())
-        if longest > budget:
-            which = "train_mb_tokens / logprob_mb_tokens"
-            raise ValueError(f"a sequence of {longest} tokens exceeds the {key} token budget ({which} = {budget})")
-
     def _forward(self, mb: MicroBatch, temperature: float) -> torch.Tensor:
         if self.model_type == "reward":
             return microbatch_scores(self.model, mb, self.device, self.compute_dtype)
         return microbatch_logprobs(self.model, mb, self.device, self.compute_dtype, temperature)
 
     # ------------------------------------------------------------------------------ logprobs
-    @torch.no_grad()
     def get_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
         """`Batch({"logprobs": [B, S]})`: position i = log p(token_i | tokens_<i) (float32), 0 at
         position 0 and in the padding; logits are divided by `temperature` first (default 1.0).
 
         Collective under FSDP: every rank must call it (a rank may have 0 rows).
         """
-        self._require(batch, ("input_ids", "input_lengths"), "get_logprobs")
+        if self.model_type != "lm":
+            raise ValueError("get_logprobs needs model_type='lm'; a reward model has get_scores")
+        return Batch(logprobs=self._infer(batch, temperature))
+
+    def get_scores(self, batch: Batch) -> Batch:
+        """`Batch({"scores": [B]})` from a reward model (`model_type="reward"`); collective like `get_logprobs`."""
+        if self.model_type != "reward":
+            raise ValueError("get_scores needs model_type='reward'")
+        return Batch(scores=self._infer(batch, 1.0))
+
+    @torch.no_grad()
+    def _infer(self, batch: Batch, temperature: float) -> torch.Tensor:
+        self._require(batch, ("input_ids", "input_lengths"), "inference")
         self.model.eval()
         batch_size, seq_len = batch["input_ids"].shape
-        out = torch.zeros(batch_size, seq_len, dtype=torch.float32)
+        scores = self.model_type == "reward"
+        out = torch.zeros((batch_size,) if scores else (batch_size, seq_len))
         for mb in self._microbatches(batch, for_training=False, rows_per_mb=self.cfg.logprob_batch_size):
-            logprobs = self._forward(mb, temperature)
-            if not mb.dummy:
-                out[mb.index, : logprobs.shape[1]] = logprobs.float().cpu()
-        return Batch(logprobs=out)
+            values = self._forward(mb, temperature).float().cpu()
+            if mb.dummy:
+                continue
+            if scores:
+                out[mb.index] = values
+            else:
+                out[mb.index, : values.shape[1]] = values
+        return out
 
     def get_reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
         """Like `get_logprobs`, from the frozen initial weights (needs `init_reference_model`)."""
