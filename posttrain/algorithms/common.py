@@ -33,6 +33,15 @@ def sample_seeds(base_seed: int, step: int, n: int) -> torch.Tensor:
     return torch.arange(n, dtype=torch.long) + (base_seed * 1_000_003 + step * 65_537) % (2**40)
 
 
+def with_schedule_horizon(cfg, max_num_steps: int):
+    """Fill `policy.scheduler.total_steps` (decay horizon) from the run length when unset."""
+    if cfg.policy.scheduler.total_steps is not None:
+        return cfg
+    cfg = cfg.model_copy(deep=True)
+    cfg.policy.scheduler.total_steps = max_num_steps
+    return cfg
+
+
 def start_ray(cfg: MasterConfig) -> None:
     from posttrain.distributed.ray_utils import init_ray
 

@@ -33,6 +33,7 @@ from posttrain.algorithms.common import (
     save_training_state,
     set_seed,
     start_ray,
+    with_schedule_horizon,
 )
 from posttrain.algorithms.loss import ClippedPGLoss
 from posttrain.config.schema import GRPOMasterConfig
@@ -86,6 +87,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
     from posttrain.models.policy.policy import Policy
 
     set_seed(cfg.grpo.seed)
+    cfg = with_schedule_horizon(cfg, cfg.grpo.max_num_steps)
     prepare_run_dirs(cfg)
     start_ray(cfg)
 
@@ -145,6 +147,8 @@ def grpo_train(ctx: GRPOContext) -> dict[str, float]:
     if ctx.step == 0 and g.val_at_start:
         _log_validation(ctx, 0)
 
+    # Logprobs are compared with the generation's processed logprobs: same temperature.
+    temperature = cfg.policy.generation.temperature
     bar = ProgressBar(total=g.max_num_steps, initial=ctx.step, enabled=cfg.logger.progress_bar, desc="GRPO")
     last_metrics: dict[str, float] = {}
     while ctx.step < g.max_num_steps:
@@ -154,12 +158,15 @@ def grpo_train(ctx: GRPOContext) -> dict[str, float]:
             train_data, metrics = _collect_experience(ctx, step, timer)
 
             with timer.time("logprobs"):
-                train_data["prev_logprobs"] = ctx.policy.get_logprobs(train_data)["logprobs"]
+                train_data["prev_logprobs"] = ctx.policy.get_logprobs(train_data, temperature)["logprobs"]
                 if cfg.loss_fn.reference_policy_kl_penalty > 0:
-                    train_data["reference_policy_logprobs"] = ctx.policy.get_reference_logprobs(train_data)["logprobs"]
+                    ref = ctx.policy.get_reference_logprobs(train_data, temperature)
+                    train_data["reference_policy_logprobs"] = ref["logprobs"]
 
             with timer.time("policy_training"):
-                train_metrics = ctx.policy.train(train_data, ctx.loss_fn, global_batch_size=train_data.size)
+                train_metrics = ctx.policy.train(
+                    train_data, ctx.loss_fn, global_batch_size=train_data.size, temperature=temperature
+                )
             ctx.generation_stale = True
             ctx.step = step
 

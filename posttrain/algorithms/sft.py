@@ -20,6 +20,7 @@ from posttrain.algorithms.common import (
     save_training_state,
     set_seed,
     start_ray,
+    with_schedule_horizon,
 )
 from posttrain.algorithms.loss import NLLLoss
 from posttrain.config.schema import SFTMasterConfig
@@ -61,6 +62,7 @@ def run(cfg: SFTMasterConfig, export_dir: Optional[Path] = None) -> dict[str, fl
 
     s = cfg.sft
     set_seed(s.seed)
+    cfg = with_schedule_horizon(cfg, s.max_num_steps)
     prepare_run_dirs(cfg)
     start_ray(cfg)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)

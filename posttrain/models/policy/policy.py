@@ -136,6 +136,17 @@ class Policy:
         """Full weights in HF names (gathered on rank 0; every worker takes part)."""
         return self.worker_group.run_all("state_dict_for_export")[0]
 
+    def pack_for_refit(self, metadata) -> Any:
+        """Rank 0's packed refit buffers as an ObjectRef (not fetched: the generation workers read
+        it straight from the object store). Every worker takes part in gathering the shards."""
+        refs = self.worker_group.run_all_async("pack_for_refit", metadata)
+        self.worker_group.get(refs[1:])
+        return refs[0]
+
+    def weights_checksum(self) -> str:
+        """Checksum of the full weights (see `refit.state_dict_checksum`)."""
+        return self.worker_group.run_all("weights_checksum")[0]
+
     def refit_info(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """`(name, shape, dtype)` of every exported tensor, for `Generation.prepare_refit_info`."""
         return self.worker_group.run_rank0("refit_info")

@@ -38,6 +38,7 @@ from posttrain.config.schema import PolicyConfig
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
 from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype, resolve_model_path
+from posttrain.models import refit
 from posttrain.models.policy import checkpoint as ckpt
 from posttrain.models.policy.forward import (
     MicroBatch,
@@ -401,6 +402,16 @@ class PolicyWorker(DistributedWorker):
         """Full parameters in HF names, dtype as trained (float32 masters), on rank 0; None elsewhere."""
         state = self._full_state_dict()
         return state if self.rank == 0 else None
+
+    def pack_for_refit(self, metadata: refit.RefitMetadata) -> Optional[list]:
+        """Collective: rank 0 packs the full weights into `metadata`'s refit buffers; None elsewhere."""
+        state = self._full_state_dict()
+        return refit.pack(state, metadata) if self.rank == 0 else None
+
+    def weights_checksum(self) -> Optional[str]:
+        """Collective: `refit.state_dict_checksum` of the full weights on rank 0; None elsewhere."""
+        state = self._full_state_dict()
+        return refit.state_dict_checksum(state) if self.rank == 0 else None
 
     def refit_info(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """`(name, full shape, dtype)` of every tensor `state_dict_for_export` returns."""
