@@ -66,7 +66,7 @@ class GRPOContext:
     loss_fn: ClippedPGLoss
     refit_metadata: Any
     step: int = 0  # completed training steps
-    generation_stale: bool = True  # generation weights lag the policy's
+    generation_stale: bool = False  # generation weights lag the policy's (both start from model_name)
     val_history: list[tuple[int, float]] = field(default_factory=list)
 
     def shutdown(self) -> None:
@@ -138,6 +138,7 @@ def _maybe_resume(ctx: GRPOContext) -> None:
     info = restore_training_state(ctx.checkpointer, ctx.policy, ctx.train_loader, ctx.logger)
     if info is not None:
         ctx.step = int(info["step"])
+        ctx.generation_stale = True
         ctx.val_history = [tuple(v) for v in info.get("val_history", [])]
 
 
@@ -282,6 +283,8 @@ def _pad_to_multiple(kept: list[dict], multiple: int) -> list[dict]:
 def _refit_if_stale(ctx: GRPOContext, timer: Optional[Timer] = None) -> None:
     """Copy policy weights into the generation workers, lazily (only when they are stale)."""
     if not ctx.generation_stale:
+        if timer is not None:
+            timer.add("refit", 0.0)  # always reported, so step-time breakdowns line up
         return
     t0 = time.perf_counter()
     refit_policy_generation(
