@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections import deque
+from decimal import Decimal
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_ready
 from pathlib import Path
@@ -51,6 +52,22 @@ _LAST_NUMBER_RE = re.compile(
     rf"\\[dt]?frac\{{\s*{_SIGN}\d+\s*\}}\{{\s*\d+\s*\}}"  # \frac{3}{4}, \dfrac{-1}{2}
     rf"|{_SIGN}(?:{_NUMBER})(?:\s*/\s*\d+(?![\d.]))?"  # 12, -3.5, 1,000, 3/4
 )
+
+
+_PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def plain_numbers_equal(ground_truth: str, answer: str) -> Optional[bool]:
+    """Exact comparison when both sides are plain decimal numbers ("46", "-3", "2.50"); else None.
+
+    A fast path: such pairs need no symbolic parsing, and sending them through math-verify's
+    subprocess costs ~1.5 ms each (most of a tiny model's GRPO step). Anything else (fractions,
+    LaTeX, expressions, thousands separators) returns None and goes to math-verify.
+    """
+    a, b = ground_truth.strip(), answer.strip()
+    if not (_PLAIN_NUMBER.fullmatch(a) and _PLAIN_NUMBER.fullmatch(b)):
+        return None
+    return Decimal(a) == Decimal(b)
 
 
 def _matching_close_braces(text: str) -> dict[int, int]:
@@ -279,10 +296,19 @@ class MathEnvironment(Environment):
             ground_truths.append(str(meta["ground_truth"]))
 
         answers = [extract_answer(last_assistant_text(log_), self.cfg.answer_format) for log_ in message_logs]
-        to_verify = [i for i, answer in enumerate(answers) if answer is not None]
-        scores = self.verifier.score([(ground_truths[i], answers[i]) for i in to_verify])
         rewards = torch.zeros(len(message_logs), dtype=torch.float32)
-        rewards[to_verify] = torch.tensor(scores, dtype=torch.float32)
+        to_verify = []
+        for i, answer in enumerate(answers):
+            if answer is None:
+                continue
+            plain = plain_numbers_equal(ground_truths[i], answer)
+            if plain is None:
+                to_verify.append(i)
+            else:
+                rewards[i] = float(plain)
+        if to_verify:
+            scores = self.verifier.score([(ground_truths[i], answers[i]) for i in to_verify])
+            rewards[to_verify] = torch.tensor(scores, dtype=torch.float32)
 
         observations = [
             {"role": "environment", "content": "Environment: correct" if r == 1.0 else "Environment: incorrect"}

@@ -259,3 +259,17 @@ def test_math_env_as_ray_actor_routed_with_a_local_env(ray_cluster):
         assert result.terminateds.tolist() == [False, True, True]
     finally:
         router.shutdown()
+
+
+def test_plain_number_fast_path_is_exact_and_defers_the_rest():
+    from posttrain.environments.math_env import plain_numbers_equal
+
+    assert plain_numbers_equal("46", "46") is True
+    assert plain_numbers_equal("46", " 46 ") is True
+    assert plain_numbers_equal("2.5", "2.50") is True
+    assert plain_numbers_equal("-3", "3") is False
+    assert plain_numbers_equal("46", "47") is False
+    # Not plain numbers: left to math-verify.
+    assert plain_numbers_equal("1/2", "0.5") is None
+    assert plain_numbers_equal("1000", "1,000") is None
+    assert plain_numbers_equal("\\frac{1}{2}", "0.5") is None
