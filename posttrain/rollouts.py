@@ -29,6 +29,7 @@ class RolloutResult:
     rewards: torch.Tensor  # [B] summed over turns
     truncated: torch.Tensor  # [B] bool: stopped by the token limit, not by the environment
     overlong: torch.Tensor  # [B] bool: truncated, or the last turn hit max_new_tokens (DAPO filter)
+    answers: list[Optional[str]]  # the answer each environment extracted at the sample's last turn
     metrics: dict[str, float] = field(default_factory=dict)
     env_seconds: float = 0.0  # wall time spent in environments (the "reward" timing)
 
@@ -65,6 +66,7 @@ def run_multi_turn_rollout(
     env_tokens = torch.zeros(n, dtype=torch.long)
     hit_max_new_tokens = torch.zeros(n, dtype=torch.bool)
     env_seconds = 0.0
+    answers: list[Optional[str]] = [None] * n
 
     for turn in range(max_rollout_turns):
         if not active:
@@ -106,6 +108,8 @@ def run_multi_turn_rollout(
         still_active = []
         for row, i in enumerate(active):
             rewards[i] += float(env_out.rewards[row])
+            if env_out.answers is not None:
+                answers[i] = env_out.answers[row]
             datums[i]["extra_env_info"] = env_out.metadata[row]
             if bool(env_out.terminateds[row]):
                 terminated[i] = True
@@ -134,4 +138,4 @@ def run_multi_turn_rollout(
         "max_turns_reached_rate": max_turns_reached.float().mean().item(),
         "max_new_tokens_hit_rate": hit_max_new_tokens.float().mean().item(),
     }
-    return RolloutResult(datums, rewards, truncated, truncated | hit_max_new_tokens, metrics, env_seconds)
+    return RolloutResult(datums, rewards, truncated, truncated | hit_max_new_tokens, answers, metrics, env_seconds)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import copy
 import tempfile
+from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -43,11 +44,12 @@ def evaluate(
     """Roll out every prompt `k` times; accuracy is the mean reward of the first sample.
 
     Returns `validation/accuracy`, `validation/avg_length` and, for k > 1, `validation/pass@k`
-    (the unbiased estimator of Chen et al. 2021) and `validation/mean_reward`.
+    (the unbiased estimator of Chen et al. 2021), `validation/cons@k` (majority vote) and
+    `validation/mean_reward`.
     """
     from posttrain.algorithms.common import sample_seeds
 
-    rewards, lengths = [], []
+    rewards, lengths, answers = [], [], []
     for start in range(0, len(datums), batch_size):
         chunk = [copy.deepcopy(d) for d in datums[start : start + batch_size] for _ in range(k)]
         result = run_multi_turn_rollout(
@@ -56,6 +58,7 @@ def evaluate(
             seeds=sample_seeds(seed, start, len(chunk)), weight_version=weight_version,
         )
         rewards.append(result.rewards)
+        answers.extend(result.answers)
         lengths.append(response_lengths(chunk))
         if start == 0:
             for d, r in list(zip(chunk, result.rewards))[:num_samples_to_print]:
@@ -68,8 +71,25 @@ def evaluate(
     if k > 1:
         correct = (r > 0.5).sum(dim=1)
         metrics[f"validation/pass@{k}"] = pass_at_k(k, correct, k).float().mean().item()
+        metrics[f"validation/cons@{k}"] = consensus_accuracy(answers, r.flatten(), k)
         metrics["validation/mean_reward"] = r.mean().item()
     return metrics
+
+
+def consensus_accuracy(answers: list[Optional[str]], rewards: torch.Tensor, k: int) -> float:
+    """cons@k (majority voting, Wang et al. 2023 "self-consistency"): per prompt, the most common
+    extracted answer among its k samples (ties: the first seen); correct when a sample giving
+    that answer was rewarded. Prompts with no extracted answer count as wrong."""
+    correct = 0
+    num_prompts = len(answers) // k
+    for p in range(num_prompts):
+        group = answers[p * k : (p + 1) * k]
+        votes = Counter(a for a in group if a is not None)
+        if not votes:
+            continue
+        majority = max(votes, key=lambda a: (votes[a], -group.index(a)))
+        correct += any(a == majority and float(rewards[p * k + j]) > 0.5 for j, a in enumerate(group))
+    return correct / max(num_prompts, 1)
 
 
 def _hf_dir_for(model_name: str, work_dir: Path) -> str:
