@@ -65,12 +65,15 @@ class GRPOContext:
     checkpointer: CheckpointManager
     loss_fn: ClippedPGLoss
     refit_metadata: Any
+    clusters: list[Any] = field(default_factory=list)
     step: int = 0  # completed training steps
     generation_stale: bool = False  # generation weights lag the policy's (both start from model_name)
     val_history: list[tuple[int, float]] = field(default_factory=list)
 
     def shutdown(self) -> None:
-        for part in (self.generation, self.policy):
+        from posttrain.environments.registry import EnvRouter
+
+        for part in (EnvRouter(self.envs), self.generation, self.policy, *self.clusters):
             try:
                 part.shutdown()
             except Exception as e:  # shutting down must not mask the real error
@@ -126,7 +129,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
         cfg=cfg, policy=policy, generation=generation, envs=envs, tokenizer=tokenizer,
         train_loader=loader, val_datums=val_datums, logger=Logger(cfg.logger),
         checkpointer=CheckpointManager(cfg.checkpointing), loss_fn=ClippedPGLoss(cfg.loss_fn),
-        refit_metadata=refit_metadata,
+        refit_metadata=refit_metadata, clusters=[policy_cluster] + ([] if colocated else [gen_cluster]),
     )
     _maybe_resume(ctx)
     return ctx
@@ -351,12 +354,24 @@ def run(cfg: GRPOMasterConfig) -> dict[str, float]:
 
 
 def _with_sft_warm_start(cfg: GRPOMasterConfig) -> GRPOMasterConfig:
-    """Run (or reuse) the SFT warm start and point the GRPO policy at its exported weights."""
-    from posttrain.algorithms import sft
+    """Run (or reuse) the SFT warm start and point the GRPO policy at its exported weights.
 
-    warm_dir = Path(cfg.checkpointing.checkpoint_dir) / "sft_warmup_hf"
-    if not (warm_dir / "config.json").exists():
+    The export is cached under `$POSTTRAIN_CACHE/sft_warmup/<hash of the sft_warmup config>`, so
+    reruns, resumed runs and the presets that inherit the same warm start share one.
+    """
+    import hashlib
+
+    from posttrain.algorithms import sft
+    from posttrain.config.loader import config_to_yaml
+    from posttrain.models.tiny import cache_dir
+
+    key = hashlib.sha1(config_to_yaml(cfg.sft_warmup).encode()).hexdigest()[:12]
+    warm_dir = cache_dir() / "sft_warmup" / key
+    if (warm_dir / "config.json").exists():
+        print(f"[posttrain] reusing SFT warm start {warm_dir}", flush=True)
+    else:
         print(f"[posttrain] SFT warm start -> {warm_dir}", flush=True)
+        warm_dir.parent.mkdir(parents=True, exist_ok=True)
         sft.run(cfg.sft_warmup, export_dir=warm_dir)
     cfg = cfg.model_copy(deep=True)
     cfg.policy.tokenizer_name = cfg.policy.tokenizer_name or str(warm_dir)

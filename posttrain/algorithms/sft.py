@@ -6,7 +6,7 @@ Also the warm start of the embedded GRPO default (`posttrain grpo` with no argum
 from __future__ import annotations
 
 import logging
-import time
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -78,7 +78,8 @@ def run(cfg: SFTMasterConfig, export_dir: Optional[Path] = None) -> dict[str, fl
     train = to_datums(load_records(cfg.data, "train"))
     val = to_datums(load_records(cfg.data, "validation"))[: s.max_val_samples]
     loader = ResumableLoader(train, cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle, seed=s.seed)
-    policy = Policy(make_cluster(cfg, cfg.policy.num_workers), cfg.policy, init_reference_model=False)
+    cluster = make_cluster(cfg, cfg.policy.num_workers)
+    policy = Policy(cluster, cfg.policy, init_reference_model=False)
     logger = Logger(cfg.logger)
     checkpointer = CheckpointManager(cfg.checkpointing)
     loss_fn = NLLLoss()
@@ -115,9 +116,11 @@ def run(cfg: SFTMasterConfig, export_dir: Optional[Path] = None) -> dict[str, fl
         if export_dir is not None:
             export_dir = Path(export_dir)
             tmp = export_dir.with_name(export_dir.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted export
             policy.export_hf(tmp)
             tmp.rename(export_dir)  # atomic: a half-written export is never reused
         return metrics
     finally:
         policy.shutdown()
+        cluster.shutdown()
         logger.close()

@@ -146,6 +146,8 @@ class DataConfig(Section):
     validation_path: Optional[str] = None
     prompt_key: str = "prompt"
     answer_key: str = "answer"
+    chosen_key: str = Field("chosen", description="Preferred response of a preference pair (dpo / rm; jsonl / hf).")
+    rejected_key: str = Field("rejected", description="Dispreferred response of a preference pair (dpo / rm).")
     prompt_template: str = Field("{prompt}", description="Python format string applied to each prompt.")
     use_chat_template: bool = True
     system_prompt: Optional[str] = None
@@ -254,6 +256,10 @@ class DPOConfig(Section):
     sft_loss_weight: float = Field(0.0, ge=0)
     preference_loss_weight: float = Field(1.0, ge=0)
     val_period: int = Field(50, ge=0)
+    val_at_start: bool = False
+    val_at_end: bool = True
+    max_val_samples: int = Field(500, ge=1, description="Validation preference pairs.")
+    val_batch_size: int = Field(256, ge=1, description="Pairs per validation forward batch.")
     seed: int = 42
 
 
@@ -261,6 +267,11 @@ class RMConfig(Section):
     max_num_steps: int = Field(200, ge=1)
     max_num_epochs: int = Field(1000, ge=1)
     val_period: int = Field(50, ge=0)
+    val_at_start: bool = False
+    val_at_end: bool = True
+    max_val_samples: int = Field(500, ge=1, description="Validation preference pairs.")
+    val_batch_size: int = Field(256, ge=1, description="Pairs per validation forward batch.")
+    export_dir: Optional[str] = Field(None, description="Write the trained reward model here in HF format at the end.")
     seed: int = 42
 
 

@@ -109,7 +109,7 @@ def run(cfg) -> dict[str, float]:
     from posttrain.algorithms.common import make_cluster, make_generation, prepare_run_dirs, set_seed, start_ray
     from posttrain.data.datasets import load_records
     from posttrain.data.processors import build_prompt_message_log
-    from posttrain.environments.registry import create_env
+    from posttrain.environments.registry import EnvRouter, create_env
     from posttrain.models.hf import load_tokenizer
     from posttrain.utils.logger import Logger
 
@@ -129,7 +129,8 @@ def run(cfg) -> dict[str, float]:
             for i, r in enumerate(records)
         ]
         envs = {name: create_env(name, getattr(cfg.env, name)) for name in {d["task_name"] for d in datums}}
-        generation = make_generation(cfg, make_cluster(cfg, 1, name="eval"), seed=e.seed)
+        cluster = make_cluster(cfg, 1, name="eval")
+        generation = make_generation(cfg, cluster, seed=e.seed)
         try:
             greedy = e.num_generations_per_prompt == 1 and cfg.policy.generation.val_temperature is None
             metrics = evaluate(
@@ -139,7 +140,9 @@ def run(cfg) -> dict[str, float]:
                 num_samples_to_print=cfg.logger.num_val_samples_to_print,
             )
         finally:
+            EnvRouter(envs).shutdown()
             generation.shutdown()
+            cluster.shutdown()
     logger = Logger(cfg.logger)
     logger.log_metrics(metrics, 0)
     logger.close()
