@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import random
+import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -128,3 +129,117 @@ def restore_training_state(checkpointer, policy, loader, logger) -> Optional[dic
     logger.truncate_after(int(info["step"]))
     print(f"[posttrain] resumed from {latest} (step {info['step']})", flush=True)
     return info
+
+
+def export_hf_atomic(policy, export_dir: str | Path) -> Path:
+    """`policy.export_hf` into `export_dir` via a temporary sibling: a half-written export is never reused."""
+    export_dir = Path(export_dir)
+    tmp = export_dir.with_name(export_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted export
+    policy.export_hf(tmp)
+    if export_dir.exists():  # a previous export of the same run: replace it
+        old = export_dir.with_name(export_dir.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        export_dir.rename(old)
+        tmp.rename(export_dir)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(export_dir)
+    return export_dir
+
+
+def train_offline(
+    cfg: MasterConfig,
+    algo_cfg,
+    policy,
+    loader,
+    train_step: Callable[[list, Any], dict[str, float]],
+    validate: Callable[[], dict[str, float]],
+    desc: str,
+) -> dict[str, float]:
+    """The loop of the offline trainers (SFT, DPO, RM): one `train_step` per step on a fixed data set.
+
+    Resumes from the latest checkpoint (`checkpointing.enabled`), validates at step 0
+    (`val_at_start`), every `val_period` steps and at the end (`val_at_end`), logs metrics, saves
+    checkpoints every `checkpointing.save_period` steps and at the last one (ranked by the
+    `validation/*` metrics of that step) and shows a progress bar.
+
+    Args:
+        cfg: the master config (`logger`, `checkpointing` sections are read).
+        algo_cfg: the algorithm's section: `max_num_steps`, `val_period`, `val_at_start`, `val_at_end`.
+        policy: the `Policy` being trained (checkpointed with the loader position).
+        loader: the `ResumableLoader` of training datums.
+        train_step: `(datums of one step, Timer) -> metrics` (names without the `train/` prefix);
+            runs the policy update and times its parts with the timer.
+        validate: `() -> metrics` with full names (`validation/...`).
+        desc: progress-bar label.
+
+    Returns:
+        the metrics of the last step (empty when the run had already finished).
+    """
+    from posttrain.utils.checkpoint import CheckpointManager
+    from posttrain.utils.logger import Logger, ProgressBar
+    from posttrain.utils.timer import Timer
+
+    a, ck = algo_cfg, cfg.checkpointing
+    logger = Logger(cfg.logger)
+    checkpointer = CheckpointManager(ck)
+    try:
+        step = 0
+        if ck.enabled:
+            info = restore_training_state(checkpointer, policy, loader, logger)
+            step = int(info["step"]) if info else 0
+        if step == 0 and a.val_at_start:
+            logger.log_metrics(validate(), 0)
+
+        bar = ProgressBar(total=a.max_num_steps, initial=step, enabled=cfg.logger.progress_bar, desc=desc)
+        metrics: dict[str, float] = {}
+        while step < a.max_num_steps:
+            step += 1
+            timer = Timer()
+            with timer.time("total_step_time"):
+                train_metrics = train_step(loader.next_batch(), timer)
+            metrics = prefixed(train_metrics, "train")
+            metrics.update(prefixed(timer.get_timing_metrics(), "timing/train"))
+            if (a.val_period > 0 and step % a.val_period == 0) or (a.val_at_end and step == a.max_num_steps):
+                metrics.update(validate())
+            logger.log_metrics(metrics, step)
+            if ck.enabled and (step % ck.save_period == 0 or step == a.max_num_steps):
+                ranking = {k: v for k, v in metrics.items() if k.startswith("validation/")}
+                save_training_state(checkpointer, policy, loader, step, ranking)
+            bar.update(metrics)
+        bar.close()
+        return metrics
+    finally:
+        logger.close()
+
+
+def reduce_loss_metrics(loss_fn, outputs_and_batches: list[tuple[torch.Tensor, Any]]) -> dict[str, float]:
+    """The loss's metrics over several batches, as one training step over all of them would report.
+
+    The loss divides by the global counts it is given, so each batch gets the totals over all
+    batches and the per-batch metrics are summed (`_min` / `_max` names: min / max), exactly
+    as the policy workers reduce micro-batches.
+    """
+    seqs = sum(float(b["sample_mask"].sum()) for _, b in outputs_and_batches)
+    toks = sum(float((b["token_mask"][:, 1:] * b["sample_mask"][:, None]).sum()) for _, b in outputs_and_batches
+               if "token_mask" in b)
+    totals: dict[str, float] = {}
+    for outputs, batch in outputs_and_batches:
+        _, metrics = loss_fn(outputs, batch, torch.tensor(seqs), torch.tensor(toks))
+        for name, value in metrics.items():
+            reduce = min if name.endswith("_min") else max if name.endswith("_max") else lambda a, b: a + b
+            totals[name] = reduce(totals[name], value) if name in totals else value
+    return totals
+
+
+def finish_offline_run(cfg: MasterConfig, metrics: dict[str, float]) -> None:
+    """Write `report.png` (when `logger.report`) and print the last validation accuracy."""
+    log_dir = Path(cfg.logger.log_dir)
+    if cfg.logger.report and (log_dir / "metrics.jsonl").exists():
+        from posttrain.utils.report import write_report
+
+        write_report(log_dir / "metrics.jsonl", log_dir / "report.png")
+    if "validation/accuracy" in metrics:
+        print(f"[posttrain] validation accuracy {metrics['validation/accuracy']:.1%}, "
+              f"loss {metrics['validation/loss']:.4f}; logs in {log_dir}", flush=True)

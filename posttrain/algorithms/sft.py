@@ -6,20 +6,18 @@ Also the warm start of the embedded GRPO default (`posttrain grpo` with no argum
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from posttrain.algorithms.common import (
+    export_hf_atomic,
     make_cluster,
-    prefixed,
     prepare_run_dirs,
-    restore_training_state,
-    save_training_state,
     set_seed,
     start_ray,
+    train_offline,
     with_schedule_horizon,
 )
 from posttrain.algorithms.loss import NLLLoss
@@ -27,8 +25,6 @@ from posttrain.config.schema import SFTMasterConfig
 from posttrain.data.dataloader import ResumableLoader
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.distributed.batch import Batch
-from posttrain.utils.checkpoint import CheckpointManager
-from posttrain.utils.logger import Logger, ProgressBar
 from posttrain.utils.timer import Timer
 
 log = logging.getLogger("posttrain.sft")
@@ -80,47 +76,22 @@ def run(cfg: SFTMasterConfig, export_dir: Optional[Path] = None) -> dict[str, fl
     loader = ResumableLoader(train, cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle, seed=s.seed)
     cluster = make_cluster(cfg, cfg.policy.num_workers)
     policy = Policy(cluster, cfg.policy, init_reference_model=False)
-    logger = Logger(cfg.logger)
-    checkpointer = CheckpointManager(cfg.checkpointing)
     loss_fn = NLLLoss()
     pad = tokenizer.pad_token_id
 
-    try:
-        step = 0
-        if cfg.checkpointing.enabled:
-            info = restore_training_state(checkpointer, policy, loader, logger)
-            step = int(info["step"]) if info else 0
-        if step == 0 and s.val_at_start:
-            logger.log_metrics({"validation/loss": validation_loss(policy, val, pad, s.val_batch_size)}, 0)
+    def train_step(datums: list[dict], timer: Timer) -> dict[str, float]:
+        batch = to_train_batch(datums, pad)
+        with timer.time("policy_training"):
+            return policy.train(batch, loss_fn)
 
-        bar = ProgressBar(total=s.max_num_steps, initial=step, enabled=cfg.logger.progress_bar, desc="SFT")
-        metrics: dict[str, float] = {}
-        while step < s.max_num_steps:
-            step += 1
-            timer = Timer()
-            with timer.time("total_step_time"):
-                batch = to_train_batch(loader.next_batch(), pad)
-                with timer.time("policy_training"):
-                    train_metrics = policy.train(batch, loss_fn)
-            metrics = prefixed(train_metrics, "train")
-            metrics.update(prefixed(timer.get_timing_metrics(), "timing/train"))
-            if (s.val_period > 0 and step % s.val_period == 0) or (s.val_at_end and step == s.max_num_steps):
-                metrics["validation/loss"] = validation_loss(policy, val, pad, s.val_batch_size)
-            logger.log_metrics(metrics, step)
-            ck = cfg.checkpointing
-            if ck.enabled and (step % ck.save_period == 0 or step == s.max_num_steps):
-                ranking = {k: v for k, v in metrics.items() if k == "validation/loss"}
-                save_training_state(checkpointer, policy, loader, step, ranking)
-            bar.update(metrics)
-        bar.close()
+    def validate() -> dict[str, float]:
+        return {"validation/loss": validation_loss(policy, val, pad, s.val_batch_size)}
+
+    try:
+        metrics = train_offline(cfg, s, policy, loader, train_step, validate, desc="SFT")
         if export_dir is not None:
-            export_dir = Path(export_dir)
-            tmp = export_dir.with_name(export_dir.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted export
-            policy.export_hf(tmp)
-            tmp.rename(export_dir)  # atomic: a half-written export is never reused
+            export_hf_atomic(policy, export_dir)
         return metrics
     finally:
         policy.shutdown()
         cluster.shutdown()
-        logger.close()

@@ -4,7 +4,8 @@ A preference record is `{"prompt": str, "chosen": str, "rejected": str}`: two re
 prompt, the first preferred. Sources (`data.dataset`, as for SFT):
 - `arithmetic`: synthetic pairs. The prompt comes from `posttrain.data.arithmetic` (train and
   validation are disjoint by problem), `chosen` is the right answer and `rejected` a plausible
-  wrong one (`wrong_answer`). Seeded by `data.seed`.
+  wrong one (`wrong_answer`: by default the answer with its last digit dropped or repeated).
+  Seeded by `data.seed`.
 - `jsonl`: `data.train_path` / `data.validation_path`, one JSON object per line, with the keys
   `data.prompt_key` (default "prompt"), `data.chosen_key` ("chosen") and `data.rejected_key`
   ("rejected"). `data.prompt_template` is applied to the prompt.
@@ -68,34 +69,52 @@ WRONG_ANSWER_SLIPS: dict[str, Callable[[str, random.Random], str | None]] = {
 }
 
 
-def wrong_answer(answer: str, rng: random.Random) -> str:
+# The slips of the synthetic pairs by default: a tiny model trained from scratch learns to tell
+# them from the right answer within a minute on a CPU (swapped digits and lost carries take a
+# model that can already add; pass `slips=tuple(WRONG_ANSWER_SLIPS)` for the harder mix).
+DEFAULT_SLIPS = ("drop_last_digit", "repeat_last_digit")
+
+
+def wrong_answer(answer: str, rng: random.Random, slips: Sequence[str] = DEFAULT_SLIPS) -> str:
     """A plausible wrong answer to the integer `answer` (never equal to it, same sign).
 
-    One of `WRONG_ANSWER_SLIPS` that applies, drawn uniformly with `rng`: `46` becomes `4`,
-    `466`, `64` or `36` / `56`.
+    One of the `slips` (names in `WRONG_ANSWER_SLIPS`) that applies to `answer`, drawn uniformly
+    with `rng` (all slips when none of them applies, e.g. to `0`): `46` becomes `4` or `466`
+    by default, `64`, `36` or `56` with the other slips.
     """
+    unknown = [name for name in slips if name not in WRONG_ANSWER_SLIPS]
+    if unknown or not slips:
+        raise ValueError(f"unknown wrong-answer slips {unknown or slips}; choose from {list(WRONG_ANSWER_SLIPS)}")
     sign, digits = ("-", answer[1:]) if answer.startswith("-") else ("", answer)
     if not digits.isdigit():
         raise ValueError(f"wrong_answer needs an integer answer, got {answer!r}")
-    candidates = [slip(digits, rng) for slip in WRONG_ANSWER_SLIPS.values()]
-    wrong = rng.choice([c for c in candidates if c is not None and c != digits])
-    return sign + wrong
+    for names in (slips, tuple(WRONG_ANSWER_SLIPS)):
+        candidates = [WRONG_ANSWER_SLIPS[name](digits, rng) for name in names]
+        candidates = [c for c in candidates if c is not None and c != digits]
+        if candidates:
+            return sign + rng.choice(candidates)
+    raise AssertionError(f"no wrong answer for {answer!r}")  # lost_carry always applies
 
 
 def arithmetic_preference_pairs(
-    n_train: int, n_val: int, operations: Sequence[str] = ("add",), num_digits: int = 2, seed: int = 1234
+    n_train: int,
+    n_val: int,
+    operations: Sequence[str] = ("add",),
+    num_digits: int = 2,
+    seed: int = 1234,
+    slips: Sequence[str] = DEFAULT_SLIPS,
 ) -> tuple[list[dict], list[dict]]:
     """Synthetic `{"prompt", "chosen", "rejected"}` pairs: the right answer is chosen.
 
     Problems come from `generate_arithmetic` (so train and validation never share a problem);
-    rejected answers from `wrong_answer` with a `random.Random` seeded by `seed` and the split.
-    The output is a pure function of the arguments.
+    rejected answers from `wrong_answer(answer, rng, slips)` with a `random.Random` seeded by
+    `seed` and the split. The output is a pure function of the arguments.
     """
     train, val = generate_arithmetic(n_train, n_val, operations, num_digits, seed)
 
     def pairs(records: list[dict], split_seed: int) -> list[dict]:
         rng = random.Random(split_seed)
-        return [{"prompt": r["prompt"], "chosen": r["answer"], "rejected": wrong_answer(r["answer"], rng)}
+        return [{"prompt": r["prompt"], "chosen": r["answer"], "rejected": wrong_answer(r["answer"], rng, slips)}
                 for r in records]
 
     return pairs(train, seed * 2 + 1), pairs(val, seed * 2 + 2)

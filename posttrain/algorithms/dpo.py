@@ -1,0 +1,115 @@
+"""Direct Preference Optimization (Rafailov et al. 2023, arXiv:2305.18290): `posttrain dpo`.
+
+The policy learns from preference pairs directly, with a frozen copy of its initial weights as
+the reference: per pair, `-log sigmoid(beta * ((logp_c - ref_c) - (logp_r - ref_r)))` with
+`beta = dpo.reference_policy_kl_penalty` (`DPOLoss`; optional RPO-style NLL on the chosen
+response with `dpo.sft_loss_weight`).
+
+Batch size: each step trains on `policy.train_global_batch_size` **rows**, i.e. half as many
+preference pairs (rows interleave chosen and rejected, `[c0, r0, c1, r1, ...]`).
+
+Metrics: `train/loss`, `train/preference_loss`, `train/sft_loss`, `train/accuracy` (implicit
+reward of chosen > rejected), `train/reward_margin`, `train/rewards_chosen_mean`,
+`train/rewards_rejected_mean` (log-ratio sums, no beta), and the same under `validation/`,
+computed with the same loss on validation pairs without a training step. At step 0 the policy
+is the reference, so every implicit reward is 0: the loss is log 2 and the accuracy 0 (ties).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from posttrain.algorithms.common import (
+    finish_offline_run,
+    make_cluster,
+    prepare_run_dirs,
+    reduce_loss_metrics,
+    set_seed,
+    start_ray,
+    train_offline,
+    with_schedule_horizon,
+)
+from posttrain.algorithms.loss import DPOLoss
+from posttrain.config.schema import DPOMasterConfig
+from posttrain.data.dataloader import ResumableLoader
+from posttrain.distributed.batch import Batch
+from posttrain.utils.timer import Timer
+
+log = logging.getLogger("posttrain.dpo")
+
+
+def make_loss(cfg: DPOMasterConfig) -> DPOLoss:
+    d = cfg.dpo
+    return DPOLoss(
+        beta=d.reference_policy_kl_penalty,
+        preference_average_log_probs=d.preference_average_log_probs,
+        sft_loss_weight=d.sft_loss_weight,
+        preference_loss_weight=d.preference_loss_weight,
+    )
+
+
+def run(cfg: DPOMasterConfig) -> dict[str, float]:
+    """Train with DPO for `dpo.max_num_steps` steps; returns the last step's metrics."""
+    from posttrain.data.preference import (
+        build_preference_example,
+        check_pair_batching,
+        flatten_preference_pairs,
+        load_preference_records,
+    )
+    from posttrain.models.hf import load_tokenizer
+    from posttrain.models.policy.policy import Policy
+
+    d = cfg.dpo
+    check_pair_batching(cfg.policy)
+    set_seed(d.seed)
+    cfg = with_schedule_horizon(cfg, d.max_num_steps)
+    prepare_run_dirs(cfg)
+    start_ray(cfg)
+    tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+    max_len, pad = cfg.policy.max_total_sequence_length, tokenizer.pad_token_id
+
+    def to_datums(records):
+        return [
+            build_preference_example(r, tokenizer, max_len, use_chat_template=cfg.data.use_chat_template,
+                                     system_prompt=cfg.data.system_prompt, idx=i)
+            for i, r in enumerate(records)
+        ]
+
+    train = to_datums(load_preference_records(cfg.data, "train"))
+    val = to_datums(load_preference_records(cfg.data, "validation"))[: d.max_val_samples]
+    pairs_per_step = cfg.policy.train_global_batch_size // 2
+    loader = ResumableLoader(train, pairs_per_step, shuffle=cfg.data.shuffle, seed=d.seed)
+    cluster = make_cluster(cfg, cfg.policy.num_workers)
+    policy = Policy(cluster, cfg.policy, init_reference_model=True,
+                    worker_timeout_s=cfg.cluster.worker_timeout_s)
+    loss_fn = make_loss(cfg)
+
+    def with_reference(batch: Batch) -> Batch:
+        batch["reference_policy_logprobs"] = policy.get_reference_logprobs(batch)["logprobs"]
+        return batch
+
+    # The reference never changes: score the validation pairs with it once.
+    val_batches = [with_reference(flatten_preference_pairs(val[i : i + d.val_batch_size], pad))
+                   for i in range(0, len(val), d.val_batch_size)]
+
+    def train_step(datums: list[dict], timer: Timer) -> dict[str, float]:
+        batch = flatten_preference_pairs(datums, pad)
+        with timer.time("logprobs"):
+            with_reference(batch)
+        with timer.time("policy_training"):
+            return policy.train(batch, loss_fn)
+
+    def validate() -> dict[str, float]:
+        if not val_batches:
+            return {}
+        scored = [(policy.get_logprobs(b)["logprobs"], b) for b in val_batches]
+        return {f"validation/{k}": v for k, v in reduce_loss_metrics(loss_fn, scored).items()}
+
+    try:
+        metrics = train_offline(cfg, d, policy, loader, train_step, validate, desc="DPO")
+        finish_offline_run(cfg, metrics)
+        return metrics
+    finally:
+        policy.shutdown()
+        cluster.shutdown()
+

@@ -1,0 +1,98 @@
+"""Reward-model training with the Bradley-Terry pairwise loss: `posttrain rm`.
+
+A sequence classifier with one output (the policy's `model_type="reward"`: the language model's
+body plus a fresh scalar head, scored at each row's last token) learns
+`-log sigmoid(s_chosen - s_rejected)` on preference pairs (Bradley & Terry 1952; Ouyang et al.
+2022, "Training language models to follow instructions with human feedback", arXiv:2203.02155,
+step 2). The trained model can be exported to Hugging Face format (`rm.export_dir`) for use as
+a learned reward.
+
+Batch size: each step trains on `policy.train_global_batch_size` **rows**, i.e. half as many
+preference pairs (rows interleave chosen and rejected, `[c0, r0, c1, r1, ...]`).
+
+Metrics: `train/loss`, `train/accuracy` (s_chosen > s_rejected), `train/reward_margin`,
+`train/rewards_chosen_mean`, `train/rewards_rejected_mean`, and the same under `validation/`
+(scores from `get_scores` on the validation pairs, no training step).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from posttrain.algorithms.common import (
+    export_hf_atomic,
+    finish_offline_run,
+    make_cluster,
+    prepare_run_dirs,
+    reduce_loss_metrics,
+    set_seed,
+    start_ray,
+    train_offline,
+    with_schedule_horizon,
+)
+from posttrain.algorithms.loss import PreferenceLoss
+from posttrain.config.schema import RMMasterConfig
+from posttrain.data.dataloader import ResumableLoader
+from posttrain.utils.timer import Timer
+
+log = logging.getLogger("posttrain.rm")
+
+
+def run(cfg: RMMasterConfig) -> dict[str, float]:
+    """Train a reward model for `rm.max_num_steps` steps; export it to `rm.export_dir` when set."""
+    from posttrain.data.preference import (
+        build_preference_example,
+        check_pair_batching,
+        flatten_preference_pairs,
+        load_preference_records,
+    )
+    from posttrain.models.hf import load_tokenizer
+    from posttrain.models.policy.policy import Policy
+
+    r = cfg.rm
+    check_pair_batching(cfg.policy)
+    set_seed(r.seed)
+    cfg = with_schedule_horizon(cfg, r.max_num_steps)
+    prepare_run_dirs(cfg)
+    start_ray(cfg)
+    tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+    max_len, pad = cfg.policy.max_total_sequence_length, tokenizer.pad_token_id
+
+    def to_datums(records):
+        return [
+            build_preference_example(rec, tokenizer, max_len, use_chat_template=cfg.data.use_chat_template,
+                                     system_prompt=cfg.data.system_prompt, idx=i)
+            for i, rec in enumerate(records)
+        ]
+
+    train = to_datums(load_preference_records(cfg.data, "train"))
+    val = to_datums(load_preference_records(cfg.data, "validation"))[: r.max_val_samples]
+    loader = ResumableLoader(train, cfg.policy.train_global_batch_size // 2, shuffle=cfg.data.shuffle, seed=r.seed)
+    cluster = make_cluster(cfg, cfg.policy.num_workers)
+    policy = Policy(cluster, cfg.policy, init_reference_model=False, model_type="reward",
+                    worker_timeout_s=cfg.cluster.worker_timeout_s)
+    loss_fn = PreferenceLoss()
+    val_batches = [flatten_preference_pairs(val[i : i + r.val_batch_size], pad)
+                   for i in range(0, len(val), r.val_batch_size)]
+
+    def train_step(datums: list[dict], timer: Timer) -> dict[str, float]:
+        batch = flatten_preference_pairs(datums, pad)
+        with timer.time("policy_training"):
+            return policy.train(batch, loss_fn)
+
+    def validate() -> dict[str, float]:
+        if not val_batches:
+            return {}
+        scored = [(policy.get_scores(b)["scores"], b) for b in val_batches]
+        return {f"validation/{k}": v for k, v in reduce_loss_metrics(loss_fn, scored).items()}
+
+    try:
+        metrics = train_offline(cfg, r, policy, loader, train_step, validate, desc="RM")
+        if r.export_dir is not None:
+            export_hf_atomic(policy, r.export_dir)
+            print(f"[posttrain] reward model exported to {r.export_dir}", flush=True)
+        finish_offline_run(cfg, metrics)
+        return metrics
+    finally:
+        policy.shutdown()
+        cluster.shutdown()
