@@ -86,6 +86,37 @@ def _load_hf(spec: str, split: Split) -> tuple[list[dict], str]:
     return [dict(row) for row in dataset], f"{spec} ({split_name})"
 
 
+def read_source_rows(data_cfg: DataConfig, split: Split) -> tuple[list[dict], list[str]]:
+    """The raw rows of a `jsonl` or `hf` split and where each comes from (`file:line`, `name row i`).
+
+    `data.train_path` is required; without `data.validation_path` the validation split is empty.
+    Shared by the prompt/answer records here and the preference pairs (`posttrain.data.preference`).
+    """
+    source = data_cfg.train_path if split == "train" else data_cfg.validation_path
+    if source is None:
+        if split == "train":
+            raise DataError(f"data.train_path is required when data.dataset={data_cfg.dataset!r}")
+        return [], []
+    if data_cfg.dataset == "jsonl":
+        numbered = _read_jsonl(source)
+        return [row for _, row in numbered], [f"{source}:{line}" for line, _ in numbered]
+    if data_cfg.dataset == "hf":
+        rows, where = _load_hf(source, split)
+        return rows, [f"{where} row {i}" for i in range(len(rows))]
+    raise DataError(f"unknown data.dataset {data_cfg.dataset!r}")
+
+
+def format_prompt(data_cfg: DataConfig, fields: dict, at: str) -> str:
+    """`data.prompt_template` filled with `fields`; a failure is a `DataError` naming `at` (where the row is from)."""
+    try:
+        return data_cfg.prompt_template.format(**fields)
+    except (KeyError, IndexError, ValueError) as e:
+        raise DataError(
+            f"{at}: data.prompt_template {data_cfg.prompt_template!r} failed: {type(e).__name__}: {e} "
+            f"(fields available: {sorted(fields)})"
+        ) from None
+
+
 def _finish(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConfig) -> list[dict]:
     """Map prompt/answer keys, apply `data.prompt_template`, add `task_name`.
 
@@ -97,14 +128,7 @@ def _finish(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConfig
             if key not in row:
                 raise DataError(f"{at}: missing key {key!r} (data.{option}); record has {sorted(row)}")
         answer = row[data_cfg.answer_key]
-        fields = {**row, "prompt": row[data_cfg.prompt_key]}
-        try:
-            prompt = data_cfg.prompt_template.format(**fields)
-        except (KeyError, IndexError, ValueError) as e:
-            raise DataError(
-                f"{at}: data.prompt_template {data_cfg.prompt_template!r} failed: {type(e).__name__}: {e} "
-                f"(fields available: {sorted(fields)})"
-            ) from None
+        prompt = format_prompt(data_cfg, {**row, "prompt": row[data_cfg.prompt_key]}, at)
         # Numbers become strings: verifiers compare text, and JSON may hold 46 or "46".
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = str(answer)
@@ -125,16 +149,5 @@ def load_records(data_cfg: DataConfig, split: Split) -> list[dict]:
         )
         rows = train if split == "train" else val
         return _finish(rows, [f"arithmetic {split} row {i}" for i in range(len(rows))], data_cfg)
+    return _finish(*read_source_rows(data_cfg, split), data_cfg)
 
-    source = data_cfg.train_path if split == "train" else data_cfg.validation_path
-    if source is None:
-        if split == "train":
-            raise DataError(f"data.train_path is required when data.dataset={data_cfg.dataset!r}")
-        return []
-    if data_cfg.dataset == "jsonl":
-        numbered = _read_jsonl(source)
-        return _finish([row for _, row in numbered], [f"{source}:{line}" for line, _ in numbered], data_cfg)
-    if data_cfg.dataset == "hf":
-        rows, where = _load_hf(source, split)
-        return _finish(rows, [f"{where} row {i}" for i in range(len(rows))], data_cfg)
-    raise DataError(f"unknown data.dataset {data_cfg.dataset!r}")

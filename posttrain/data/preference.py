@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from posttrain.config.schema import DataConfig
 from posttrain.data.arithmetic import generate_arithmetic
-from posttrain.data.datasets import DataError, Split, _load_hf, _read_jsonl
+from posttrain.data.datasets import DataError, Split, format_prompt, read_source_rows
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.data.processors import build_sft_example
 from posttrain.distributed.batch import Batch
@@ -140,14 +140,7 @@ def _to_pairs(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConf
             if key not in row:
                 raise DataError(f"{at}: missing key {key!r} (data.{option}); record has {sorted(row)}")
             record[name] = _as_text(row[key], key, at)
-        fields = {**row, "prompt": record["prompt"]}
-        try:
-            record["prompt"] = data_cfg.prompt_template.format(**fields)
-        except (KeyError, IndexError, ValueError) as e:
-            raise DataError(
-                f"{at}: data.prompt_template {data_cfg.prompt_template!r} failed: {type(e).__name__}: {e} "
-                f"(fields available: {sorted(fields)})"
-            ) from None
+        record["prompt"] = format_prompt(data_cfg, {**row, "prompt": record["prompt"]}, at)
         records.append(record)
     return records
 
@@ -165,18 +158,7 @@ def load_preference_records(data_cfg: DataConfig, split: Split) -> list[dict]:
             data_cfg.num_train, data_cfg.num_validation, data_cfg.operations, data_cfg.num_digits, data_cfg.seed
         )
         return train if split == "train" else val
-    source = data_cfg.train_path if split == "train" else data_cfg.validation_path
-    if source is None:
-        if split == "train":
-            raise DataError(f"data.train_path is required when data.dataset={data_cfg.dataset!r}")
-        return []
-    if data_cfg.dataset == "jsonl":
-        numbered = _read_jsonl(source)
-        return _to_pairs([row for _, row in numbered], [f"{source}:{line}" for line, _ in numbered], data_cfg)
-    if data_cfg.dataset == "hf":
-        rows, where = _load_hf(source, split)
-        return _to_pairs(rows, [f"{where} row {i}" for i in range(len(rows))], data_cfg)
-    raise DataError(f"unknown data.dataset {data_cfg.dataset!r}")
+    return _to_pairs(*read_source_rows(data_cfg, split), data_cfg)
 
 
 # -------------------------------------------------------------------------------- message logs
