@@ -84,6 +84,41 @@ def make_generation(cfg: MasterConfig, cluster, *, seed: int = 0):
     )
 
 
+def start_run(cfg: MasterConfig, *, seed: int, max_num_steps: Optional[int] = None):
+    """The prologue of every job: seed, LR-decay horizon, log dir + saved config, Ray, tokenizer.
+
+    Returns the (possibly completed) config and the tokenizer.
+    """
+    from posttrain.models.hf import load_tokenizer
+
+    set_seed(seed)
+    if max_num_steps is not None:
+        cfg = with_schedule_horizon(cfg, max_num_steps)
+    prepare_run_dirs(cfg)
+    start_ray(cfg)
+    return cfg, load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+
+
+def build_datums(cfg: MasterConfig, builder, tokenizer, split: str, limit: Optional[int] = None) -> list[dict]:
+    """Load `split` of `cfg.data` (at most `limit` records) and turn each record into a datum with
+    `builder` (`build_prompt_message_log`, `build_sft_example`, ...)."""
+    from posttrain.data.datasets import load_records
+
+    records = load_records(cfg.data, split)[:limit]
+    return [
+        builder(r, tokenizer, cfg.policy.max_total_sequence_length, use_chat_template=cfg.data.use_chat_template,
+                system_prompt=cfg.data.system_prompt, idx=i)
+        for i, r in enumerate(records)
+    ]
+
+
+def make_envs(cfg, task_names) -> dict[str, Any]:
+    """One environment actor per task name, configured by `env.<name>` when that section exists."""
+    from posttrain.environments.registry import create_env
+
+    return {name: create_env(name, getattr(cfg.env, name, None)) for name in sorted(set(task_names))}
+
+
 def prepare_run_dirs(cfg: MasterConfig) -> None:
     """Create the log dir and save the resolved config beside the run's logs."""
     log_dir = Path(cfg.logger.log_dir)

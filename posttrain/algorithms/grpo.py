@@ -24,16 +24,15 @@ import torch
 
 from posttrain.algorithms import advantages as adv
 from posttrain.algorithms.common import (
+    build_datums,
     make_cluster,
+    make_envs,
     make_generation,
     prefixed,
-    prepare_run_dirs,
     restore_training_state,
     sample_seeds,
     save_training_state,
-    set_seed,
-    start_ray,
-    with_schedule_horizon,
+    start_run,
 )
 from posttrain.algorithms.loss import ClippedPGLoss
 from posttrain.config.schema import GRPOMasterConfig
@@ -83,31 +82,12 @@ class GRPOContext:
 
 # ------------------------------------------------------------------------------------- set-up
 def setup(cfg: GRPOMasterConfig) -> GRPOContext:
-    from posttrain.data.datasets import load_records
     from posttrain.data.processors import build_prompt_message_log
-    from posttrain.environments.registry import create_env
-    from posttrain.models.hf import load_tokenizer
     from posttrain.models.policy.policy import Policy
 
-    set_seed(cfg.grpo.seed)
-    cfg = with_schedule_horizon(cfg, cfg.grpo.max_num_steps)
-    prepare_run_dirs(cfg)
-    start_ray(cfg)
-
-    tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
-    max_len = cfg.policy.max_total_sequence_length
-
-    def to_datums(records):
-        return [
-            build_prompt_message_log(
-                r, tokenizer, max_len, use_chat_template=cfg.data.use_chat_template,
-                system_prompt=cfg.data.system_prompt, idx=i,
-            )
-            for i, r in enumerate(records)
-        ]
-
-    train_datums = to_datums(load_records(cfg.data, "train"))
-    val_datums = to_datums(load_records(cfg.data, "validation"))[: cfg.grpo.max_val_samples]
+    cfg, tokenizer = start_run(cfg, seed=cfg.grpo.seed, max_num_steps=cfg.grpo.max_num_steps)
+    train_datums = build_datums(cfg, build_prompt_message_log, tokenizer, "train")
+    val_datums = build_datums(cfg, build_prompt_message_log, tokenizer, "validation", cfg.grpo.max_val_samples)
     loader = ResumableLoader(train_datums, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.grpo.seed)
 
     colocated = cfg.policy.generation.colocated.enabled
@@ -122,8 +102,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
     refit_metadata = build_refit_metadata(policy.refit_info(), cfg.policy.generation.refit_buffer_size_mb * 2**20)
     generation.prepare_refit_info(refit_metadata)
 
-    task_names = {d.get("task_name", cfg.data.env_name) for d in train_datums + val_datums}
-    envs = {name: create_env(name, getattr(cfg.env, name)) for name in task_names}
+    envs = make_envs(cfg, [d.get("task_name", cfg.data.env_name) for d in train_datums + val_datums])
 
     ctx = GRPOContext(
         cfg=cfg, policy=policy, generation=generation, envs=envs, tokenizer=tokenizer,

@@ -11,15 +11,7 @@ from typing import Optional
 
 import torch
 
-from posttrain.algorithms.common import (
-    export_hf_atomic,
-    make_cluster,
-    prepare_run_dirs,
-    set_seed,
-    start_ray,
-    train_offline,
-    with_schedule_horizon,
-)
+from posttrain.algorithms.common import build_datums, export_hf_atomic, make_cluster, start_run, train_offline
 from posttrain.algorithms.loss import NLLLoss
 from posttrain.config.schema import SFTMasterConfig
 from posttrain.data.dataloader import ResumableLoader
@@ -51,28 +43,13 @@ def validation_loss(policy, datums: list[dict], pad_token_id: int, batch_size: i
 
 def run(cfg: SFTMasterConfig, export_dir: Optional[Path] = None) -> dict[str, float]:
     """Train with NLL for `sft.max_num_steps` steps; optionally export HF weights at the end."""
-    from posttrain.data.datasets import load_records
     from posttrain.data.processors import build_sft_example
-    from posttrain.models.hf import load_tokenizer
     from posttrain.models.policy.policy import Policy
 
     s = cfg.sft
-    set_seed(s.seed)
-    cfg = with_schedule_horizon(cfg, s.max_num_steps)
-    prepare_run_dirs(cfg)
-    start_ray(cfg)
-    tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
-    max_len = cfg.policy.max_total_sequence_length
-
-    def to_datums(records):
-        return [
-            build_sft_example(r, tokenizer, max_len, use_chat_template=cfg.data.use_chat_template,
-                              system_prompt=cfg.data.system_prompt, idx=i)
-            for i, r in enumerate(records)
-        ]
-
-    train = to_datums(load_records(cfg.data, "train"))
-    val = to_datums(load_records(cfg.data, "validation"))[: s.max_val_samples]
+    cfg, tokenizer = start_run(cfg, seed=s.seed, max_num_steps=s.max_num_steps)
+    train = build_datums(cfg, build_sft_example, tokenizer, "train")
+    val = build_datums(cfg, build_sft_example, tokenizer, "validation", s.max_val_samples)
     loader = ResumableLoader(train, cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle, seed=s.seed)
     cluster = make_cluster(cfg, cfg.policy.num_workers)
     policy = Policy(cluster, cfg.policy, init_reference_model=False)

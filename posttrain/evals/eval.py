@@ -106,29 +106,18 @@ def _hf_dir_for(model_name: str, work_dir: Path) -> str:
 
 def run(cfg) -> dict[str, float]:
     """`posttrain eval`: evaluate `policy.model_name` (hub id, HF dir or checkpoint step dir)."""
-    from posttrain.algorithms.common import make_cluster, make_generation, prepare_run_dirs, set_seed, start_ray
-    from posttrain.data.datasets import load_records
+    from posttrain.algorithms.common import build_datums, make_cluster, make_envs, make_generation, start_run
     from posttrain.data.processors import build_prompt_message_log
-    from posttrain.environments.registry import EnvRouter, create_env
-    from posttrain.models.hf import load_tokenizer
+    from posttrain.environments.registry import EnvRouter
     from posttrain.utils.logger import Logger
 
     e = cfg.eval
-    set_seed(e.seed)
-    prepare_run_dirs(cfg)
-    start_ray(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = cfg.model_copy(deep=True)
         cfg.policy.model_name = _hf_dir_for(cfg.policy.model_name, Path(tmp))
-        tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
-        records = load_records(cfg.data, e.split)[: e.max_samples]
-        datums = [
-            build_prompt_message_log(r, tokenizer, cfg.policy.max_total_sequence_length,
-                                     use_chat_template=cfg.data.use_chat_template,
-                                     system_prompt=cfg.data.system_prompt, idx=i)
-            for i, r in enumerate(records)
-        ]
-        envs = {name: create_env(name, getattr(cfg.env, name)) for name in {d["task_name"] for d in datums}}
+        cfg, tokenizer = start_run(cfg, seed=e.seed)
+        datums = build_datums(cfg, build_prompt_message_log, tokenizer, e.split, e.max_samples)
+        envs = make_envs(cfg, [d["task_name"] for d in datums])
         cluster = make_cluster(cfg, 1, name="eval")
         generation = make_generation(cfg, cluster, seed=e.seed)
         try:
