@@ -51,10 +51,10 @@ def make_loss(cfg: DPOMasterConfig) -> DPOLoss:
 def run(cfg: DPOMasterConfig) -> dict[str, float]:
     """Train with DPO for `dpo.max_num_steps` steps; returns the last step's metrics."""
     from posttrain.data.preference import (
-        build_preference_example,
+        build_preference_datums,
         check_pair_batching,
         flatten_preference_pairs,
-        load_preference_records,
+        pair_batches,
     )
     from posttrain.models.hf import load_tokenizer
     from posttrain.models.policy.policy import Policy
@@ -68,15 +68,8 @@ def run(cfg: DPOMasterConfig) -> dict[str, float]:
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     max_len, pad = cfg.policy.max_total_sequence_length, tokenizer.pad_token_id
 
-    def to_datums(records):
-        return [
-            build_preference_example(r, tokenizer, max_len, use_chat_template=cfg.data.use_chat_template,
-                                     system_prompt=cfg.data.system_prompt, idx=i)
-            for i, r in enumerate(records)
-        ]
-
-    train = to_datums(load_preference_records(cfg.data, "train"))
-    val = to_datums(load_preference_records(cfg.data, "validation"))[: d.max_val_samples]
+    train = build_preference_datums(cfg.data, "train", tokenizer, max_len)
+    val = build_preference_datums(cfg.data, "validation", tokenizer, max_len)[: d.max_val_samples]
     pairs_per_step = cfg.policy.train_global_batch_size // 2
     loader = ResumableLoader(train, pairs_per_step, shuffle=cfg.data.shuffle, seed=d.seed)
     cluster = make_cluster(cfg, cfg.policy.num_workers)
@@ -89,8 +82,7 @@ def run(cfg: DPOMasterConfig) -> dict[str, float]:
         return batch
 
     # The reference never changes: score the validation pairs with it once.
-    val_batches = [with_reference(flatten_preference_pairs(val[i : i + d.val_batch_size], pad))
-                   for i in range(0, len(val), d.val_batch_size)]
+    val_batches = [with_reference(b) for b in pair_batches(val, d.val_batch_size, pad)]
 
     def train_step(datums: list[dict], timer: Timer) -> dict[str, float]:
         batch = flatten_preference_pairs(datums, pad)

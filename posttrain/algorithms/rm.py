@@ -41,10 +41,10 @@ log = logging.getLogger("posttrain.rm")
 def run(cfg: RMMasterConfig) -> dict[str, float]:
     """Train a reward model for `rm.max_num_steps` steps; export it to `rm.export_dir` when set."""
     from posttrain.data.preference import (
-        build_preference_example,
+        build_preference_datums,
         check_pair_batching,
         flatten_preference_pairs,
-        load_preference_records,
+        pair_batches,
     )
     from posttrain.models.hf import load_tokenizer
     from posttrain.models.policy.policy import Policy
@@ -58,22 +58,14 @@ def run(cfg: RMMasterConfig) -> dict[str, float]:
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     max_len, pad = cfg.policy.max_total_sequence_length, tokenizer.pad_token_id
 
-    def to_datums(records):
-        return [
-            build_preference_example(rec, tokenizer, max_len, use_chat_template=cfg.data.use_chat_template,
-                                     system_prompt=cfg.data.system_prompt, idx=i)
-            for i, rec in enumerate(records)
-        ]
-
-    train = to_datums(load_preference_records(cfg.data, "train"))
-    val = to_datums(load_preference_records(cfg.data, "validation"))[: r.max_val_samples]
+    train = build_preference_datums(cfg.data, "train", tokenizer, max_len)
+    val = build_preference_datums(cfg.data, "validation", tokenizer, max_len)[: r.max_val_samples]
     loader = ResumableLoader(train, cfg.policy.train_global_batch_size // 2, shuffle=cfg.data.shuffle, seed=r.seed)
     cluster = make_cluster(cfg, cfg.policy.num_workers)
     policy = Policy(cluster, cfg.policy, init_reference_model=False, model_type="reward",
                     worker_timeout_s=cfg.cluster.worker_timeout_s)
     loss_fn = PreferenceLoss()
-    val_batches = [flatten_preference_pairs(val[i : i + r.val_batch_size], pad)
-                   for i in range(0, len(val), r.val_batch_size)]
+    val_batches = pair_batches(val, r.val_batch_size, pad)
 
     def train_step(datums: list[dict], timer: Timer) -> dict[str, float]:
         batch = flatten_preference_pairs(datums, pad)

@@ -13,10 +13,12 @@ from posttrain.data.datasets import DataError
 from posttrain.data.preference import (
     WRONG_ANSWER_SLIPS,
     arithmetic_preference_pairs,
+    build_preference_datums,
     build_preference_example,
     check_pair_batching,
     flatten_preference_pairs,
     load_preference_records,
+    pair_batches,
     wrong_answer,
 )
 from posttrain.models.tiny import build_tokenizer
@@ -103,6 +105,27 @@ def test_overlong_pair_masked_as_a_pair(tokenizer):
     batch = flatten_preference_pairs([d0, d1], tokenizer.pad_token_id)
     assert batch["sample_mask"].tolist() == [0, 0, 1, 1]
     assert batch["input_ids"].shape[1] <= 12
+
+
+def test_split_datums_and_validation_batches(tokenizer, tmp_path):
+    path = tmp_path / "prefs.jsonl"
+    rows = [{"prompt": "1+2=", "chosen": "3", "rejected": "33"}, {"prompt": "10+20=", "chosen": "30", "rejected": "3"},
+            {"prompt": "5+5=", "chosen": "10", "rejected": "1"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DataConfig(dataset="jsonl", train_path=str(path), validation_path=str(path), use_chat_template=False)
+    datums = build_preference_datums(cfg, "validation", tokenizer, 64)
+    # data.use_chat_template=false reaches the builder: plain prompt, response ending in eos.
+    assert [d["idx"] for d in datums] == [0, 1, 2]
+    assert [d["message_log_chosen"][0]["content"] for d in datums] == ["1+2=", "10+20=", "5+5="]
+    assert [d["message_log_rejected"][1]["content"] for d in datums] == [
+        a + tokenizer.eos_token for a in ("33", "3", "1")]
+
+    batches = pair_batches(datums, 2, tokenizer.pad_token_id)  # pairs (0, 1) and (2)
+    assert [b.size for b in batches] == [4, 2]
+    whole = flatten_preference_pairs(datums, tokenizer.pad_token_id)
+    assert batches[1]["input_lengths"].tolist() == whole["input_lengths"][4:].tolist()
+    assert batches[0]["input_lengths"].tolist() == whole["input_lengths"][:4].tolist()
+    assert pair_batches([], 2, tokenizer.pad_token_id) == []
 
 
 def test_check_pair_batching():
