@@ -22,12 +22,9 @@ import logging
 from posttrain.algorithms.common import (
     finish_offline_run,
     make_cluster,
-    prepare_run_dirs,
     reduce_loss_metrics,
-    set_seed,
-    start_ray,
+    start_run,
     train_offline,
-    with_schedule_horizon,
 )
 from posttrain.algorithms.loss import DPOLoss
 from posttrain.config.schema import DPOMasterConfig
@@ -56,16 +53,11 @@ def run(cfg: DPOMasterConfig) -> dict[str, float]:
         flatten_preference_pairs,
         pair_batches,
     )
-    from posttrain.models.hf import load_tokenizer
     from posttrain.models.policy.policy import Policy
 
     d = cfg.dpo
     check_pair_batching(cfg.policy)
-    set_seed(d.seed)
-    cfg = with_schedule_horizon(cfg, d.max_num_steps)
-    prepare_run_dirs(cfg)
-    start_ray(cfg)
-    tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+    cfg, tokenizer = start_run(cfg, seed=d.seed, max_num_steps=d.max_num_steps)
     max_len, pad = cfg.policy.max_total_sequence_length, tokenizer.pad_token_id
 
     train = build_preference_datums(cfg.data, "train", tokenizer, max_len)

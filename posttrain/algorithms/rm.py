@@ -23,12 +23,9 @@ from posttrain.algorithms.common import (
     export_hf_atomic,
     finish_offline_run,
     make_cluster,
-    prepare_run_dirs,
     reduce_loss_metrics,
-    set_seed,
-    start_ray,
+    start_run,
     train_offline,
-    with_schedule_horizon,
 )
 from posttrain.algorithms.loss import PreferenceLoss
 from posttrain.config.schema import RMMasterConfig
@@ -46,16 +43,11 @@ def run(cfg: RMMasterConfig) -> dict[str, float]:
         flatten_preference_pairs,
         pair_batches,
     )
-    from posttrain.models.hf import load_tokenizer
     from posttrain.models.policy.policy import Policy
 
     r = cfg.rm
     check_pair_batching(cfg.policy)
-    set_seed(r.seed)
-    cfg = with_schedule_horizon(cfg, r.max_num_steps)
-    prepare_run_dirs(cfg)
-    start_ray(cfg)
-    tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+    cfg, tokenizer = start_run(cfg, seed=r.seed, max_num_steps=r.max_num_steps)
     max_len, pad = cfg.policy.max_total_sequence_length, tokenizer.pad_token_id
 
     train = build_preference_datums(cfg.data, "train", tokenizer, max_len)
