@@ -268,3 +268,30 @@ def test_loss_presets_run_from_their_example_configs(grpo_context, tmp_path):
     assert dapo.loss_fn.ratio_clip_max == 0.28 and dapo.reward_shaping.enabled and dapo.grpo.use_dynamic_sampling
     assert gspo.loss_fn.sequence_level_importance_ratios and not gspo.loss_fn.token_level_loss
     assert not drgrpo.grpo.normalize_rewards and drgrpo.loss_fn.token_level_loss
+
+
+class NaNRewardEnv(CoinEnv):
+    """A broken reward function: every reward is NaN."""
+
+    def step(self, message_logs, metadata):
+        out = super().step(message_logs, metadata)
+        return out._replace(rewards=torch.full_like(out.rewards, float("nan")))
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(grpo_context, tmp_path):
+    from posttrain.algorithms import grpo
+
+    ctx = grpo_context("grpo.max_num_steps=1", "checkpointing.save_period=1")
+    grpo.grpo_train(ctx)
+    step1 = tmp_path / "ckpt" / "step_1"
+    info_before = (step1 / "training_info.json").read_text()
+    weights_before = ctx.policy.weights_checksum()
+
+    ctx.cfg.grpo.max_num_steps = 2
+    ctx.envs = {"math": NaNRewardEnv()}
+    with pytest.raises(Exception, match=r"(?i)non-finite|nan"):
+        grpo.grpo_train(ctx)
+    assert ctx.policy.weights_checksum() == weights_before  # no optimizer step on a NaN loss
+    assert (step1 / "training_info.json").read_text() == info_before
+    assert not (tmp_path / "ckpt" / "step_2").exists()
+    assert ctx.checkpointer.latest() == step1
