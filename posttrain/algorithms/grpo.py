@@ -165,104 +165,112 @@ def grpo_train(ctx: GRPOContext) -> dict[str, float]:
     return last_metrics
 
 
+@dataclass
+class _Groups:
+    """One generation batch: `n_gen` samples per prompt, their advantages and which groups to keep."""
+
+    samples: list[dict]
+    raw_rewards: torch.Tensor  # [B] environment rewards before shaping (logged as train/reward)
+    advantages: torch.Tensor  # [B]
+    sample_mask: torch.Tensor  # [B]
+    keep: torch.Tensor  # [num_prompts] bool: groups that carry a learning signal
+    metrics: dict[str, float]
+
+
+def _generate_groups(ctx: GRPOContext, step: int, gen_batch: int, timer: Timer) -> _Groups:
+    """Roll out `num_generations_per_prompt` samples for the next prompts and score them."""
+    cfg, g = ctx.cfg, ctx.cfg.grpo
+    prompts = ctx.train_loader.next_batch()
+    samples = [copy.deepcopy(d) for d in prompts for _ in range(g.num_generations_per_prompt)]
+    group_ids = torch.arange(len(prompts)).repeat_interleave(g.num_generations_per_prompt)
+
+    _refit_if_stale(ctx, timer)
+    t0 = time.perf_counter()
+    result = run_multi_turn_rollout(
+        ctx.generation, samples, ctx.tokenizer, ctx.envs,
+        max_seq_len=cfg.policy.max_total_sequence_length, max_rollout_turns=g.max_rollout_turns,
+        seeds=sample_seeds(g.seed, step * 1000 + gen_batch, len(samples)), weight_version=ctx.step,
+    )
+    # The rollout interleaves generation and environment calls: split its time between them so
+    # the step-time breakdown adds up.
+    timer.add("generation", time.perf_counter() - t0 - result.env_seconds)
+    timer.add("reward", result.env_seconds)
+
+    rewards = result.rewards
+    if cfg.reward_shaping.enabled:  # DAPO overlong penalty
+        rs = cfg.reward_shaping
+        rewards = adv.apply_overlong_penalty(
+            rewards, response_lengths(samples),
+            max_response_length=rs.max_response_length or cfg.policy.generation.max_new_tokens,
+            buffer_length=rs.overlong_buffer_length, penalty=rs.overlong_buffer_penalty,
+        )
+    sample_mask = torch.tensor([float(s.get("loss_multiplier", 1.0)) for s in samples])
+    if g.overlong_filtering:
+        sample_mask = sample_mask * (~result.overlong).float()
+    advantages = adv.compute_advantages(
+        "grpo", rewards, group_ids, sample_mask,
+        normalize_rewards=g.normalize_rewards, leave_one_out=g.use_leave_one_out_baseline,
+    )
+    keep = torch.ones(len(prompts), dtype=torch.bool)
+    if g.use_dynamic_sampling:  # DAPO: a group whose (unshaped) rewards all agree teaches nothing
+        keep = adv.filter_zero_variance_groups(result.rewards, group_ids, num_groups=len(prompts))
+    return _Groups(samples, result.rewards, advantages, sample_mask, keep, result.metrics)
+
+
 def _collect_experience(ctx: GRPOContext, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
     """Generate rollouts and turn them into a training batch with advantages.
 
-    With DAPO dynamic sampling, groups whose rewards all agree (no learning signal) are dropped
-    and more prompts are generated until `num_prompts_per_step` groups remain.
+    With DAPO dynamic sampling, groups without reward variance are dropped and more prompts are
+    generated until `num_prompts_per_step` groups remain (at most
+    `dynamic_sampling_max_gen_batches` generation batches).
     """
-    cfg, g = ctx.cfg, ctx.cfg.grpo
+    g = ctx.cfg.grpo
     n_gen = g.num_generations_per_prompt
-    kept: list[dict] = []  # per-sample records of the groups we train on
-    raw_rewards: list[torch.Tensor] = []
-    rollout_metrics: dict[str, list[float]] = {}
-    num_gen_batches = 0
+    kept: list[tuple[dict, torch.Tensor, torch.Tensor]] = []  # (datum, advantage, sample_mask)
+    batches: list[_Groups] = []
     while True:
-        num_gen_batches += 1
-        prompts = ctx.train_loader.next_batch()
-        samples = [copy.deepcopy(d) for d in prompts for _ in range(n_gen)]
-        group_ids = torch.arange(len(prompts)).repeat_interleave(n_gen)
-
-        _refit_if_stale(ctx, timer)
-        seeds = sample_seeds(g.seed, step * 1000 + num_gen_batches, len(samples))
-        t0 = time.perf_counter()
-        result = run_multi_turn_rollout(
-            ctx.generation, samples, ctx.tokenizer, ctx.envs,
-            max_seq_len=cfg.policy.max_total_sequence_length,
-            max_rollout_turns=g.max_rollout_turns, seeds=seeds, weight_version=ctx.step,
-        )
-        # The rollout interleaves generation and environment calls: split its time between them
-        # so the step-time breakdown adds up.
-        timer.add("generation", time.perf_counter() - t0 - result.env_seconds)
-        timer.add("reward", result.env_seconds)
-        for k, v in result.metrics.items():
-            rollout_metrics.setdefault(k, []).append(v)
-        raw_rewards.append(result.rewards)
-
-        rewards = result.rewards.clone()
-        if cfg.reward_shaping.enabled:
-            rs = cfg.reward_shaping
-            rewards = adv.apply_overlong_penalty(
-                rewards, response_lengths(samples),
-                max_response_length=rs.max_response_length or cfg.policy.generation.max_new_tokens,
-                buffer_length=rs.overlong_buffer_length, penalty=rs.overlong_buffer_penalty,
-            )
-        sample_mask = torch.tensor([float(s.get("loss_multiplier", 1.0)) for s in samples])
-        if g.overlong_filtering:
-            sample_mask = sample_mask * (~result.overlong).float()
-
-        advantages = adv.compute_advantages(
-            "grpo", rewards, group_ids, sample_mask,
-            normalize_rewards=g.normalize_rewards, leave_one_out=g.use_leave_one_out_baseline,
-        )
-        keep = torch.ones(len(prompts), dtype=torch.bool)
-        if g.use_dynamic_sampling:
-            keep = adv.filter_zero_variance_groups(result.rewards, group_ids, num_groups=len(prompts))
-        for p in torch.nonzero(keep).flatten().tolist():
+        groups = _generate_groups(ctx, step, len(batches) + 1, timer)
+        batches.append(groups)
+        for p in torch.nonzero(groups.keep).flatten().tolist():
             for i in range(p * n_gen, (p + 1) * n_gen):
-                kept.append({"datum": samples[i], "advantage": advantages[i], "sample_mask": sample_mask[i]})
-
+                kept.append((groups.samples[i], groups.advantages[i], groups.sample_mask[i]))
         have = len(kept) // n_gen
         if not g.use_dynamic_sampling or have >= g.num_prompts_per_step:
             break
-        if num_gen_batches >= g.dynamic_sampling_max_gen_batches:
+        if len(batches) >= g.dynamic_sampling_max_gen_batches:
             log.warning(
                 "dynamic sampling: only %d of %d prompt groups had reward variance after %d generation "
                 "batches (grpo.dynamic_sampling_max_gen_batches); training on those", have,
-                g.num_prompts_per_step, num_gen_batches,
+                g.num_prompts_per_step, len(batches),
             )
             break
     kept = kept[: g.num_prompts_per_step * n_gen]
     if not kept:  # every group was filtered: train on a fully masked batch rather than crash
-        kept = [{"datum": samples[i], "advantage": torch.tensor(0.0), "sample_mask": torch.tensor(0.0)} for i in range(len(samples))]
-    kept = _pad_to_multiple(kept, ctx.cfg.policy.num_workers)
+        kept = [(datum, torch.tensor(0.0), torch.tensor(0.0)) for datum in groups.samples]
+    while len(kept) % ctx.cfg.policy.num_workers:  # data-parallel ranks need equal shares
+        kept.append((kept[-1][0], torch.tensor(0.0), torch.tensor(0.0)))
 
-    train_data = flatten_message_logs([k["datum"]["message_log"] for k in kept], pad_token_id=ctx.tokenizer.pad_token_id)
-    train_data["sample_mask"] = torch.stack([torch.as_tensor(k["sample_mask"], dtype=torch.float) for k in kept])
-    seq_adv = torch.stack([torch.as_tensor(k["advantage"], dtype=torch.float) for k in kept])
-    train_data["advantages"] = seq_adv[:, None] * train_data["token_mask"]
+    datums = [datum for datum, _, _ in kept]
+    seq_adv = torch.stack([a for _, a, _ in kept]).float()
+    train_data = flatten_message_logs([d["message_log"] for d in datums], pad_token_id=ctx.tokenizer.pad_token_id)
+    train_data["sample_mask"] = torch.stack([m for _, _, m in kept]).float()
+    train_data["advantages"] = adv.broadcast_to_tokens(seq_adv, train_data["token_mask"])
 
-    all_rewards = torch.cat(raw_rewards)
     valid = train_data["sample_mask"] > 0
+    stats = seq_adv[valid] if valid.any() else torch.zeros(1)
     metrics = {
-        "train/reward": all_rewards.mean().item(),
-        "train/advantages/mean": seq_adv[valid].mean().item() if valid.any() else 0.0,
-        "train/advantages/max": seq_adv[valid].max().item() if valid.any() else 0.0,
-        "train/advantages/min": seq_adv[valid].min().item() if valid.any() else 0.0,
+        "train/reward": torch.cat([b.raw_rewards for b in batches]).mean().item(),
+        "train/advantages/mean": stats.mean().item(),
+        "train/advantages/max": stats.max().item(),
+        "train/advantages/min": stats.min().item(),
         "train/num_samples": float(train_data.size),
-        "train/mean_prompt_length": float(sum(k["datum"]["length"] for k in kept) / len(kept)),
+        "train/mean_prompt_length": sum(d["length"] for d in datums) / len(datums),
     }
     if g.use_dynamic_sampling:
-        metrics["train/dynamic_sampling_num_gen_batches"] = float(num_gen_batches)
-    metrics.update({f"train/{k}": sum(v) / len(v) for k, v in rollout_metrics.items()})
+        metrics["train/dynamic_sampling_num_gen_batches"] = float(len(batches))
+    for key in batches[0].metrics:
+        metrics[f"train/{key}"] = sum(b.metrics[key] for b in batches) / len(batches)
     return train_data, metrics
-
-
-def _pad_to_multiple(kept: list[dict], multiple: int) -> list[dict]:
-    """Data-parallel ranks need equal shares: pad with fully masked copies."""
-    while len(kept) % multiple:
-        kept.append({**kept[-1], "sample_mask": torch.tensor(0.0)})
-    return kept
 
 
 def _refit_if_stale(ctx: GRPOContext, timer: Optional[Timer] = None) -> None:
