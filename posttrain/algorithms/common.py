@@ -99,12 +99,19 @@ def start_run(cfg: MasterConfig, *, seed: int, max_num_steps: Optional[int] = No
     return cfg, load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
 
 
-def build_datums(cfg: MasterConfig, builder, tokenizer, split: str, limit: Optional[int] = None) -> list[dict]:
+def build_datums(
+    cfg: MasterConfig, builder, tokenizer, split: str, limit: Optional[int] = None, load: Optional[Callable] = None
+) -> list[dict]:
     """Load `split` of `cfg.data` (at most `limit` records) and turn each record into a datum with
-    `builder` (`build_prompt_message_log`, `build_sft_example`, ...)."""
-    from posttrain.data.datasets import load_records
+    `builder` (`build_prompt_message_log`, `build_sft_example`, `build_preference_example`, ...).
 
-    records = load_records(cfg.data, split)[:limit]
+    `load(data_cfg, split)` reads the records (default `posttrain.data.datasets.load_records`;
+    preference pairs use `load_preference_records`).
+    """
+    if load is None:
+        from posttrain.data.datasets import load_records as load
+
+    records = load(cfg.data, split)[:limit]
     return [
         builder(r, tokenizer, cfg.policy.max_total_sequence_length, use_chat_template=cfg.data.use_chat_template,
                 system_prompt=cfg.data.system_prompt, idx=i)

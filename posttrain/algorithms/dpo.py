@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 
 from posttrain.algorithms.common import (
+    build_datums,
     finish_offline_run,
     make_cluster,
     reduce_loss_metrics,
@@ -48,9 +49,10 @@ def make_loss(cfg: DPOMasterConfig) -> DPOLoss:
 def run(cfg: DPOMasterConfig) -> dict[str, float]:
     """Train with DPO for `dpo.max_num_steps` steps; returns the last step's metrics."""
     from posttrain.data.preference import (
-        build_preference_datums,
+        build_preference_example,
         check_pair_batching,
         flatten_preference_pairs,
+        load_preference_records,
         pair_batches,
     )
     from posttrain.models.policy.policy import Policy
@@ -58,10 +60,12 @@ def run(cfg: DPOMasterConfig) -> dict[str, float]:
     d = cfg.dpo
     check_pair_batching(cfg.policy)
     cfg, tokenizer = start_run(cfg, seed=d.seed, max_num_steps=d.max_num_steps)
-    max_len, pad = cfg.policy.max_total_sequence_length, tokenizer.pad_token_id
+    pad = tokenizer.pad_token_id
 
-    train = build_preference_datums(cfg.data, "train", tokenizer, max_len)
-    val = build_preference_datums(cfg.data, "validation", tokenizer, max_len)[: d.max_val_samples]
+    train = build_datums(cfg, build_preference_example, tokenizer, "train", load=load_preference_records)
+    val = build_datums(
+        cfg, build_preference_example, tokenizer, "validation", d.max_val_samples, load=load_preference_records
+    )
     pairs_per_step = cfg.policy.train_global_batch_size // 2
     loader = ResumableLoader(train, pairs_per_step, shuffle=cfg.data.shuffle, seed=d.seed)
     cluster = make_cluster(cfg, cfg.policy.num_workers)

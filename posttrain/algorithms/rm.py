@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 
 from posttrain.algorithms.common import (
+    build_datums,
     export_hf_atomic,
     finish_offline_run,
     make_cluster,
@@ -38,9 +39,10 @@ log = logging.getLogger("posttrain.rm")
 def run(cfg: RMMasterConfig) -> dict[str, float]:
     """Train a reward model for `rm.max_num_steps` steps; export it to `rm.export_dir` when set."""
     from posttrain.data.preference import (
-        build_preference_datums,
+        build_preference_example,
         check_pair_batching,
         flatten_preference_pairs,
+        load_preference_records,
         pair_batches,
     )
     from posttrain.models.policy.policy import Policy
@@ -48,10 +50,12 @@ def run(cfg: RMMasterConfig) -> dict[str, float]:
     r = cfg.rm
     check_pair_batching(cfg.policy)
     cfg, tokenizer = start_run(cfg, seed=r.seed, max_num_steps=r.max_num_steps)
-    max_len, pad = cfg.policy.max_total_sequence_length, tokenizer.pad_token_id
+    pad = tokenizer.pad_token_id
 
-    train = build_preference_datums(cfg.data, "train", tokenizer, max_len)
-    val = build_preference_datums(cfg.data, "validation", tokenizer, max_len)[: r.max_val_samples]
+    train = build_datums(cfg, build_preference_example, tokenizer, "train", load=load_preference_records)
+    val = build_datums(
+        cfg, build_preference_example, tokenizer, "validation", r.max_val_samples, load=load_preference_records
+    )
     loader = ResumableLoader(train, cfg.policy.train_global_batch_size // 2, shuffle=cfg.data.shuffle, seed=r.seed)
     cluster = make_cluster(cfg, cfg.policy.num_workers)
     policy = Policy(cluster, cfg.policy, init_reference_model=False, model_type="reward",

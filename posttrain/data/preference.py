@@ -217,18 +217,6 @@ def build_preference_example(
     }
 
 
-def build_preference_datums(
-    data_cfg: DataConfig, split: Split, tokenizer: PreTrainedTokenizerBase, max_seq_length: int
-) -> list[dict[str, Any]]:
-    """The pair datums of one split: `build_preference_example` on each of `load_preference_records`
-    (with `data.use_chat_template` and `data.system_prompt`; `idx` is the record's position)."""
-    return [
-        build_preference_example(record, tokenizer, max_seq_length, use_chat_template=data_cfg.use_chat_template,
-                                 system_prompt=data_cfg.system_prompt, idx=i)
-        for i, record in enumerate(load_preference_records(data_cfg, split))
-    ]
-
-
 def flatten_preference_pairs(datums: Sequence[dict], pad_token_id: int) -> Batch:
     """`2 * len(datums)` rows interleaving chosen and rejected: `[c0, r0, c1, r1, ...]`.
 

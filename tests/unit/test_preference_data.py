@@ -8,12 +8,12 @@ import random
 import pytest
 import torch
 
-from posttrain.config.schema import DataConfig, PolicyConfig
+from posttrain.algorithms.common import build_datums
+from posttrain.config.schema import DataConfig, DPOMasterConfig, PolicyConfig
 from posttrain.data.datasets import DataError
 from posttrain.data.preference import (
     WRONG_ANSWER_SLIPS,
     arithmetic_preference_pairs,
-    build_preference_datums,
     build_preference_example,
     check_pair_batching,
     flatten_preference_pairs,
@@ -112,8 +112,9 @@ def test_split_datums_and_validation_batches(tokenizer, tmp_path):
     rows = [{"prompt": "1+2=", "chosen": "3", "rejected": "33"}, {"prompt": "10+20=", "chosen": "30", "rejected": "3"},
             {"prompt": "5+5=", "chosen": "10", "rejected": "1"}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = DataConfig(dataset="jsonl", train_path=str(path), validation_path=str(path), use_chat_template=False)
-    datums = build_preference_datums(cfg, "validation", tokenizer, 64)
+    cfg = DPOMasterConfig(data=DataConfig(dataset="jsonl", train_path=str(path), validation_path=str(path),
+                                          use_chat_template=False), policy=PolicyConfig(max_total_sequence_length=64))
+    datums = build_datums(cfg, build_preference_example, tokenizer, "validation", load=load_preference_records)
     # data.use_chat_template=false reaches the builder: plain prompt, response ending in eos.
     assert [d["idx"] for d in datums] == [0, 1, 2]
     assert [d["message_log_chosen"][0]["content"] for d in datums] == ["1+2=", "10+20=", "5+5="]
