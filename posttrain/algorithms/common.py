@@ -14,6 +14,7 @@ import torch
 
 from posttrain.config.loader import save_config
 from posttrain.config.schema import MasterConfig
+from posttrain.utils.checkpoint import publish_dir
 
 log = logging.getLogger("posttrain")
 
@@ -179,15 +180,7 @@ def export_hf_atomic(policy, export_dir: str | Path) -> Path:
     tmp = export_dir.with_name(export_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted export
     policy.export_hf(tmp)
-    if export_dir.exists():  # a previous export of the same run: replace it
-        old = export_dir.with_name(export_dir.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        export_dir.rename(old)
-        tmp.rename(export_dir)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(export_dir)
-    return export_dir
+    return publish_dir(tmp, export_dir)  # replaces a previous export of the same run
 
 
 def train_offline(

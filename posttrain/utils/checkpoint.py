@@ -52,6 +52,24 @@ def load_training_info(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{info_path}: invalid JSON ({e})") from None
 
 
+def publish_dir(tmp: Path, final: Path, old: Optional[Path] = None) -> Path:
+    """Rename the finished directory `tmp` to `final`, atomically.
+
+    An existing `final` is swapped out through `old` (default `<final>.old`) and then removed, so
+    at every moment `final` is either the previous complete version or the new one.
+    """
+    tmp, final = Path(tmp), Path(final)
+    if final.exists():
+        old = Path(old) if old is not None else final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    return final
+
+
 def _fsync_dir(path: Path) -> None:
     # Make a rename durable; not every platform / filesystem lets a directory be opened.
     try:
@@ -127,16 +145,8 @@ class CheckpointManager:
 
         final_path = self.checkpoint_dir / f"step_{step}"
         old_path = self.checkpoint_dir / f"old_step_{step}"
-        if final_path.exists():
-            # Swap: step_N -> old_step_N, tmp -> step_N, drop old. `recover` repairs a crash
-            # in between by moving old_step_N back when step_N is missing.
-            if old_path.exists():
-                shutil.rmtree(old_path)
-            os.rename(final_path, old_path)
-            os.rename(tmp_path, final_path)
-            shutil.rmtree(old_path)
-        else:
-            os.rename(tmp_path, final_path)
+        # `recover` repairs a crash mid-swap by moving old_step_N back when step_N is missing.
+        publish_dir(tmp_path, final_path, old_path)
         _fsync_dir(self.checkpoint_dir)
         self._in_progress.discard(tmp_path)
         self.prune()

@@ -36,6 +36,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from posttrain.utils.checkpoint import publish_dir
+
 MODEL_DIR, OPTIM_DIR, HF_DIR = "model", "optim", "hf"
 TRAINER_STATE_FILE = "trainer_state.pt"
 RNG_DIR = "rng"
@@ -99,14 +101,7 @@ def save_sharded(
         tokenizer.save_pretrained(tmp / HF_DIR)
     dist.barrier()  # every rank's shards are on disk before the rename publishes them
     if rank == 0:
-        if final.exists():
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
+        publish_dir(tmp, final)
     dist.barrier()
     return final
 
