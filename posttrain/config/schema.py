@@ -63,7 +63,7 @@ class ColocationConfig(Section):
 
 
 class GenerationConfig(Section):
-    backend: Literal["native", "vllm", "hf"] = "native"
+    backend: Literal["native"] = Field("native", description="Generation engine; a vLLM backend is planned (GPU only).")
     max_new_tokens: int = Field(64, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
