@@ -201,7 +201,8 @@ def train_offline(
 
     Args:
         cfg: the master config (`logger`, `checkpointing` sections are read).
-        algo_cfg: the algorithm's section: `max_num_steps`, `val_period`, `val_at_start`, `val_at_end`.
+        algo_cfg: the algorithm's section: `max_num_steps`, `max_num_epochs` (the run stops at
+            whichever comes first), `val_period`, `val_at_start`, `val_at_end`.
         policy: the `Policy` being trained (checkpointed with the loader position).
         loader: the `ResumableLoader` of training datums.
         train_step: `(datums of one step, Timer) -> metrics` (names without the `train/` prefix);
@@ -217,6 +218,7 @@ def train_offline(
     from posttrain.utils.timer import Timer
 
     a, ck = algo_cfg, cfg.checkpointing
+    last_step = min(a.max_num_steps, loader.steps_for_epochs(a.max_num_epochs))
     logger = Logger(cfg.logger)
     checkpointer = CheckpointManager(ck)
     try:
@@ -227,19 +229,19 @@ def train_offline(
         if step == 0 and a.val_at_start:
             logger.log_metrics(validate(), 0)
 
-        bar = ProgressBar(total=a.max_num_steps, initial=step, enabled=cfg.logger.progress_bar, desc=desc)
+        bar = ProgressBar(total=last_step, initial=step, enabled=cfg.logger.progress_bar, desc=desc)
         metrics: dict[str, float] = {}
-        while step < a.max_num_steps:
+        while step < last_step:
             step += 1
             timer = Timer()
             with timer.time("total_step_time"):
                 train_metrics = train_step(loader.next_batch(), timer)
             metrics = prefixed(train_metrics, "train")
             metrics.update(prefixed(timer.get_timing_metrics(), "timing/train"))
-            if (a.val_period > 0 and step % a.val_period == 0) or (a.val_at_end and step == a.max_num_steps):
+            if (a.val_period > 0 and step % a.val_period == 0) or (a.val_at_end and step == last_step):
                 metrics.update(validate())
             logger.log_metrics(metrics, step)
-            if ck.enabled and (step % ck.save_period == 0 or step == a.max_num_steps):
+            if ck.enabled and (step % ck.save_period == 0 or step == last_step):
                 ranking = {k: v for k, v in metrics.items() if k.startswith("validation/")}
                 save_training_state(checkpointer, policy, loader, step, ranking)
             bar.update(metrics)

@@ -69,6 +69,13 @@ class GRPOContext:
     generation_stale: bool = False  # generation weights lag the policy's (both start from model_name)
     val_history: list[tuple[int, float]] = field(default_factory=list)
 
+    @property
+    def last_step(self) -> int:
+        """`grpo.max_num_steps`, or fewer when `grpo.max_num_epochs` passes over the prompts end
+        first (epochs count prompt batches; with dynamic sampling a step may draw several)."""
+        g = self.cfg.grpo
+        return min(g.max_num_steps, self.train_loader.steps_for_epochs(g.max_num_epochs))
+
     def shutdown(self) -> None:
         from posttrain.environments.registry import EnvRouter
 
@@ -132,9 +139,9 @@ def grpo_train(ctx: GRPOContext) -> dict[str, float]:
 
     # Logprobs are compared with the generation's processed logprobs: same temperature.
     temperature = cfg.policy.generation.temperature
-    bar = ProgressBar(total=g.max_num_steps, initial=ctx.step, enabled=cfg.logger.progress_bar, desc="GRPO")
+    bar = ProgressBar(total=ctx.last_step, initial=ctx.step, enabled=cfg.logger.progress_bar, desc="GRPO")
     last_metrics: dict[str, float] = {}
-    while ctx.step < g.max_num_steps:
+    while ctx.step < ctx.last_step:
         step = ctx.step + 1
         timer = Timer()
         with timer.time("total_step_time"):
@@ -155,7 +162,7 @@ def grpo_train(ctx: GRPOContext) -> dict[str, float]:
 
         metrics.update(prefixed(train_metrics, "train"))
         metrics.update(prefixed(timer.get_timing_metrics(), "timing/train"))
-        if g.val_period > 0 and step % g.val_period == 0 or (g.val_at_end and step == g.max_num_steps):
+        if g.val_period > 0 and step % g.val_period == 0 or (g.val_at_end and step == ctx.last_step):
             metrics.update(_validate_metrics(ctx, step))
         ctx.logger.log_metrics(metrics, step)
         _maybe_checkpoint(ctx, step, metrics)
@@ -319,7 +326,7 @@ def _log_validation(ctx: GRPOContext, step: int) -> None:
 # ------------------------------------------------------------------------------ checkpoints
 def _maybe_checkpoint(ctx: GRPOContext, step: int, metrics: dict[str, float]) -> None:
     ck = ctx.cfg.checkpointing
-    if not ck.enabled or not (step % ck.save_period == 0 or step == ctx.cfg.grpo.max_num_steps):
+    if not ck.enabled or not (step % ck.save_period == 0 or step == ctx.last_step):
         return
     ranking = {"validation/accuracy": ctx.val_history[-1][1]} if ctx.val_history else {}
     save_training_state(

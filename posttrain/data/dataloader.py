@@ -51,6 +51,10 @@ class ResumableLoader(Generic[T]):
             self.position += 1
         return batch
 
+    def steps_for_epochs(self, num_epochs: int) -> int:
+        """Batches that cover `num_epochs` passes over the data (the last one may spill over)."""
+        return -(-num_epochs * len(self.items) // self.batch_size)
+
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
 
