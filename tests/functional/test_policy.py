@@ -110,8 +110,11 @@ def dp2(cluster, tmp_path_factory):
 @pytest.fixture(scope="module")
 def dp2_packed(cluster):
     """Two FSDP2 workers with sequence packing: bins of <= 20 tokens (2 bins on rank 0, 3 on rank 1,
-    so rank 0 runs a dummy bin to keep FSDP's collectives in step)."""
-    cfg = policy_cfg(sequence_packing=dict(enabled=True, train_mb_tokens=20, logprob_mb_tokens=20))
+    so rank 0 runs a dummy bin to keep FSDP's collectives in step). Activation checkpointing is on
+    too: recomputing activations in backward must not change the gradient."""
+    cfg = policy_cfg(
+        sequence_packing=dict(enabled=True, train_mb_tokens=20, logprob_mb_tokens=20), activation_checkpointing=True
+    )
     policy = Policy(cluster, cfg, init_reference_model=False, name="dp2_packed")
     yield policy
     policy.shutdown()
