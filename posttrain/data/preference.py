@@ -36,6 +36,7 @@ from posttrain.data.message_log import flatten_message_logs
 from posttrain.data.processors import build_sft_example
 from posttrain.distributed.batch import Batch
 
+
 # ------------------------------------------------------------------------------------- records
 # Slips that turn a right integer answer into a plausible wrong one, each `(digits, rng) -> digits
 # or None` (None: does not apply, e.g. nothing to swap in "7"). They are the mistakes small

@@ -5,8 +5,8 @@
 """
 
 from posttrain.environments.interface import Environment, EnvironmentReturn, last_assistant_text
-from posttrain.environments.registry import ENV_REGISTRY, EnvRouter, create_env, get_env_class, register_env, route_step
 from posttrain.environments.math_env import MathEnvironment, extract_answer
+from posttrain.environments.registry import ENV_REGISTRY, EnvRouter, create_env, get_env_class, register_env, route_step
 
 __all__ = [
     "ENV_REGISTRY",

@@ -63,7 +63,7 @@ def test_load_jsonl_errors_name_file_and_line(tmp_path):
     with pytest.raises(DataError, match=rf"{re.escape(str(path))}:3: invalid JSON"):
         load_jsonl(path)
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"question": "2+2=", "answer": "4"}\n')
-    with pytest.raises(DataError, match=rf"data.jsonl:3: missing key 'prompt'"):
+    with pytest.raises(DataError, match=r"data.jsonl:3: missing key 'prompt'"):
         load_jsonl(path, required_keys=("prompt",))
     with pytest.raises(DataError, match=r"data.jsonl:3: missing key 'prompt' \(data.prompt_key\)"):
         load_records(DataConfig(dataset="jsonl", train_path=str(path)), "train")

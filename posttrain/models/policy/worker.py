@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+import transformers
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -31,14 +32,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
-import transformers
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from posttrain.config.schema import PolicyConfig
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
-from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype, resolve_model_path
 from posttrain.models import refit
+from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype, resolve_model_path
 from posttrain.models.policy import checkpoint as ckpt
 from posttrain.models.policy.forward import (
     MicroBatch,
