@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 _RAY_ENV_DEFAULTS = {
     "RAY_USAGE_STATS_ENABLED": "0",  # no usage-stats prompt or network call
     "RAY_DEDUP_LOGS": "1",  # "[repeated Nx across cluster]" instead of N copies of a log line
+    # One "Loading weights" bar per worker and model interleaves with the run's own progress bar.
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
 }
 
 
