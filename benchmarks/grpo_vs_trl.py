@@ -157,6 +157,7 @@ def warm_start(cfg):
 
 
 def run_posttrain(cfg, val_records: list[dict], args: argparse.Namespace) -> dict:
+    """Train with posttrain's GRPO loop; start-up, per-step seconds, rewards, accuracy after."""
     from posttrain.algorithms.grpo import grpo_train, setup
     from posttrain.distributed.ray_utils import shutdown_ray
     from posttrain.models.hf import load_causal_lm
@@ -193,6 +194,7 @@ def run_posttrain(cfg, val_records: list[dict], args: argparse.Namespace) -> dic
 # ------------------------------------------------------------------------------------- TRL
 def run_trl(warm_dir: str, train_records: list[dict], val_records: list[dict], args: argparse.Namespace,
             out_dir: Path) -> dict:
+    """Train with TRL's GRPOTrainer from the same warm start; the same measurements as `run_posttrain`."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
