@@ -34,6 +34,12 @@ class RolloutResult:
     env_seconds: float = 0.0  # wall time spent in environments (the "reward" timing)
 
 
+def text_only(message_log: list[dict]) -> list[dict]:
+    """The conversation as environments see it: roles and contents, without the token tensors,
+    which environments do not need and which dominate the cost of sending a batch to an actor."""
+    return [{"role": m["role"], "content": m["content"]} for m in message_log]
+
+
 def run_multi_turn_rollout(
     generation,
     datums: list[dict],
@@ -99,7 +105,7 @@ def run_multi_turn_rollout(
         t0 = time.perf_counter()
         env_out = route_step(
             envs,
-            [datums[i]["message_log"] for i in active],
+            [text_only(datums[i]["message_log"]) for i in active],
             [datums[i].get("extra_env_info") or {} for i in active],
             [datums[i].get("task_name", "math") for i in active],
         )
