@@ -6,7 +6,7 @@ ratio native / HF (> 1: the native engine is faster). eos is disabled for both s
 same amount of work (HF keeps decoding finished rows; the native engine drops them, which only
 helps it further when rows stop early).
 
-    python benchmarks/generation_vs_hf.py --preset tiny --batch 64 --prompt-len 16 --new-tokens 32
+    python benchmarks/generation_vs_hf.py --model tiny --batch 64 --prompt-len 16 --new-tokens 32
 """
 
 from __future__ import annotations

@@ -151,9 +151,9 @@ def posttrain_config(args: argparse.Namespace, log_dir: Path):
 def warm_start(cfg):
     """Config pointing at the cached SFT warm start (built with posttrain SFT on first use)."""
     # grpo.run calls the same helper; the cache key is a hash of the `sft_warmup` section.
-    from posttrain.algorithms.grpo import _with_sft_warm_start
+    from posttrain.algorithms.grpo import apply_sft_warm_start
 
-    return _with_sft_warm_start(cfg)
+    return apply_sft_warm_start(cfg)
 
 
 def run_posttrain(cfg, val_records: list[dict], args: argparse.Namespace) -> dict:

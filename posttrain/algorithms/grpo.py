@@ -338,7 +338,7 @@ def _maybe_checkpoint(ctx: GRPOContext, step: int, metrics: dict[str, float]) ->
 def run(cfg: GRPOMasterConfig) -> dict[str, float]:
     """`posttrain grpo`: optional SFT warm start, then GRPO; prints before/after accuracy."""
     if cfg.sft_warmup is not None:
-        cfg = _with_sft_warm_start(cfg)
+        cfg = apply_sft_warm_start(cfg)
     ctx = setup(cfg)
     try:
         start = time.perf_counter()
@@ -350,7 +350,7 @@ def run(cfg: GRPOMasterConfig) -> dict[str, float]:
             "after": ctx.val_history[-1][1] if ctx.val_history else None}
 
 
-def _with_sft_warm_start(cfg: GRPOMasterConfig) -> GRPOMasterConfig:
+def apply_sft_warm_start(cfg: GRPOMasterConfig) -> GRPOMasterConfig:
     """Run (or reuse) the SFT warm start and point the GRPO policy at its exported weights.
 
     The export is cached under `$POSTTRAIN_CACHE/sft_warmup/<hash of the sft_warmup config>`, so
