@@ -85,6 +85,26 @@ def make_generation(cfg: MasterConfig, cluster, *, seed: int = 0):
     )
 
 
+def start_concurrently(*makers: Callable[[], Any]) -> list[Any]:
+    """Call each maker (a worker-group constructor) in its own thread; return their results in order.
+
+    Starting a worker group is mostly its actors importing torch and transformers (~5 s each
+    here), so the policy and generation groups start in the time of one. If any maker fails, the
+    groups that did start are shut down and the first error is raised.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(makers), thread_name_prefix="posttrain-start") as pool:
+        futures = [pool.submit(make) for make in makers]
+        errors = [f.exception() for f in futures]  # waits for every maker, failed or not
+    if any(errors):
+        for future, error in zip(futures, errors):
+            if error is None:
+                future.result().shutdown()
+        raise next(e for e in errors if e is not None)
+    return [f.result() for f in futures]
+
+
 def start_run(cfg: MasterConfig, *, seed: int, max_num_steps: Optional[int] = None):
     """The prologue of every job: seed, LR-decay horizon, log dir + saved config, Ray, tokenizer.
 

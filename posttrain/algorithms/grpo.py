@@ -32,6 +32,7 @@ from posttrain.algorithms.common import (
     restore_training_state,
     sample_seeds,
     save_training_state,
+    start_concurrently,
     start_run,
 )
 from posttrain.algorithms.loss import ClippedPGLoss
@@ -104,8 +105,10 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
     else:
         n_gen = cfg.policy.generation.colocated.num_workers or 1
         gen_cluster = make_cluster(cfg, n_gen, name="generation")
-    policy = Policy(policy_cluster, cfg.policy, init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0)
-    generation = make_generation(cfg, gen_cluster)
+    policy, generation = start_concurrently(
+        lambda: Policy(policy_cluster, cfg.policy, init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0),
+        lambda: make_generation(cfg, gen_cluster),
+    )
     refit_metadata = build_refit_metadata(policy.refit_info(), cfg.policy.generation.refit_buffer_size_mb * 2**20)
     generation.prepare_refit_info(refit_metadata)
 

@@ -11,9 +11,9 @@ import os
 
 import pytest
 import ray
+from conftest import WORKER_ENV, stop_test_ray
 from ray.cluster_utils import Cluster
 
-from conftest import WORKER_ENV, stop_test_ray
 from posttrain.distributed.cluster import VirtualCluster
 from posttrain.distributed.ray_utils import init_ray
 from posttrain.distributed.worker_group import DistributedWorker, WorkerGroup
