@@ -28,9 +28,9 @@ Where the two cannot be configured identically (printed with the results as well
 - Advantage std: TRL divides by the unbiased group std + 1e-4, posttrain by the population std
   + 1e-6, so TRL's advantages are sqrt((G-1)/G) (0.935 for G=8) of posttrain's; AdamW is almost
   invariant to such a uniform scale.
-- Old logprobs: posttrain always runs a separate no-grad logprob pass for the importance ratio;
-  TRL skips it when `num_iterations=1` (the ratio is exp(logp - logp.detach()) = 1). posttrain
-  pays that forward pass in its step time.
+- Old logprobs: neither side runs a separate no-grad pass here (one optimizer step per batch:
+  both take the ratio as exp(logp - logp.detach()) = 1). posttrain still measures
+  `token_mult_prob_error` from its training forward.
 - Process layout: posttrain runs training and generation in Ray actors (one CPU thread each, so
   TRL gets `--trl-threads 1` by default) and copies the weights to the generation actor every
   step; TRL trains and generates in this process. posttrain decodes with its native engine
@@ -259,7 +259,6 @@ def run_trl(warm_dir: str, train_records: list[dict], val_records: list[dict], a
 NOT_IDENTICAL = (
     "advantages: TRL divides by the unbiased group std + 1e-4, posttrain by the population std + 1e-6 "
     "(TRL's are sqrt((G-1)/G) of posttrain's; AdamW is nearly invariant to that scale)",
-    "posttrain runs an extra no-grad pass for the old logprobs each step; TRL skips it when num_iterations=1",
     "posttrain: Ray actors (1 thread each), weights copied to the generation actor every step, native engine; "
     "TRL: one process, HF generate on the padded batch",
     "posttrain trains in micro-batches of 32 rows (same gradient); TRL in one pass",

@@ -8,7 +8,8 @@ normalisation, token-level sum) are config presets of the same loop and loss; se
 One step, top to bottom:
     prompts -> repeat per generation -> (lazy) refit -> rollout (generate + environments)
     -> reward shaping -> group advantages -> [dynamic sampling] -> masks
-    -> previous and reference logprobs -> train -> metrics, validation, checkpoint
+    -> previous logprobs (only if the batch spans several optimizer steps) and reference logprobs
+    -> train (optimizer steps of `policy.train_global_batch_size` rows) -> metrics, validation, checkpoint
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ def grpo_train(ctx: GRPOContext) -> dict[str, float]:
 
     # Logprobs are compared with the generation's processed logprobs: same temperature.
     temperature = cfg.policy.generation.temperature
+    gbs = cfg.policy.train_global_batch_size
     bar = ProgressBar(total=ctx.last_step, initial=ctx.step, enabled=cfg.logger.progress_bar, desc="GRPO")
     last_metrics: dict[str, float] = {}
     while ctx.step < ctx.last_step:
@@ -151,15 +153,15 @@ def grpo_train(ctx: GRPOContext) -> dict[str, float]:
             train_data, metrics = _collect_experience(ctx, step, timer)
 
             with timer.time("logprobs"):
-                train_data["prev_logprobs"] = ctx.policy.get_logprobs(train_data, temperature)["logprobs"]
+                if train_data.size > gbs:  # several optimizer steps: later ones need the old policy's logprobs
+                    train_data["prev_logprobs"] = ctx.policy.get_logprobs(train_data, temperature)["logprobs"]
+                # else one step: the loss takes the training forward's own (detached) logprobs
                 if cfg.loss_fn.reference_policy_kl_penalty > 0:
                     ref = ctx.policy.get_reference_logprobs(train_data, temperature)
                     train_data["reference_policy_logprobs"] = ref["logprobs"]
 
             with timer.time("policy_training"):
-                train_metrics = ctx.policy.train(
-                    train_data, ctx.loss_fn, global_batch_size=train_data.size, temperature=temperature
-                )
+                train_metrics = ctx.policy.train(train_data, ctx.loss_fn, global_batch_size=gbs, temperature=temperature)
             ctx.generation_stale = True
             ctx.step = step
 
@@ -257,7 +259,7 @@ def _collect_experience(ctx: GRPOContext, step: int, timer: Timer) -> tuple[Batc
     kept = kept[: g.num_prompts_per_step * n_gen]
     if not kept:  # every group was filtered: train on a fully masked batch rather than crash
         kept = [(datum, torch.tensor(0.0), torch.tensor(0.0)) for datum in groups.samples]
-    while len(kept) % ctx.cfg.policy.num_workers:  # data-parallel ranks need equal shares
+    while len(kept) % ctx.cfg.policy.train_global_batch_size:  # whole optimizer steps (a short dynamic-sampling batch)
         kept.append((kept[-1][0], torch.tensor(0.0), torch.tensor(0.0)))
 
     datums = [datum for datum, _, _ in kept]

@@ -211,6 +211,10 @@ class ClippedPGLoss:
     - REINFORCE / RLOO: ``disable_ppo_ratio=True`` (the loss is -A * logp, no clipping).
     - Truly on-policy: ``force_on_policy_ratio=True`` (ratio = exp(logp - sg(logp)) = 1 with a live
       gradient; ``prev_logprobs`` may then be absent).
+    - One optimizer step per batch: ``prev_logprobs`` may be left out; the previous policy is then
+      the current one, ``prev = sg(logp)``, which is exact because no update happens between
+      generation's refit and this forward (TRL does the same). GRPO skips its recompute pass this
+      way; `check_train_batch` refuses a batch without them that spans several optimizer steps.
     - Dual clip (Ye et al. 2020): ``ratio_clip_c = c > 1`` bounds the loss by -A*c where A < 0.
 
     Per token, with r the ratio and r_hat = clamp(r, 1 - ratio_clip_min, 1 + ratio_clip_max):
@@ -316,8 +320,6 @@ class ClippedPGLoss:
     ) -> tuple[torch.Tensor, Metrics]:
         cfg, who = self.cfg, "clipped_pg loss"
         required = ["advantages", "generation_logprobs"]
-        if not cfg.force_on_policy_ratio:
-            required.append("prev_logprobs")
         if cfg.reference_policy_kl_penalty > 0:
             required.append("reference_policy_logprobs")
         _require(batch, tuple(required), who)
@@ -327,7 +329,7 @@ class ClippedPGLoss:
         gen = _shifted(batch, "generation_logprobs", logprobs, who)
         if "prev_logprobs" in batch:
             prev = _shifted(batch, "prev_logprobs", logprobs, who)
-        else:  # force_on_policy_ratio: the trainer skipped the recompute, current == previous policy
+        else:  # one optimizer step per batch (see check_train_batch): current == previous policy
             prev = logprobs.detach()
 
         # Ratio r and its clamped version r_hat.
@@ -375,6 +377,16 @@ class ClippedPGLoss:
             )
         metrics.update(loss=loss.item(), actor_loss=actor_loss.item(), kl_penalty=kl_term.item(), **is_metrics)
         return loss, metrics
+
+    def check_train_batch(self, batch: Mapping[str, Any], num_optimizer_steps: int) -> None:
+        """Called by `Policy.train` before training: `prev_logprobs` may be absent only when the
+        batch is one optimizer step (or the ratio is forced to 1)."""
+        if num_optimizer_steps > 1 and "prev_logprobs" not in batch and not self.cfg.force_on_policy_ratio:
+            raise ValueError(
+                f"clipped_pg loss: the batch spans {num_optimizer_steps} optimizer steps but has no "
+                "'prev_logprobs'; after the first step the current policy is no longer the one that "
+                "generated the batch, so compute them with Policy.get_logprobs first"
+            )
 
     def _metrics(
         self,

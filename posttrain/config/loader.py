@@ -347,7 +347,9 @@ def _describe(error: dict, schema_cls: type[BaseModel], sources: dict[KeyPath, s
         return f"Config key '{key}' is required (from {source})"
     message = error["msg"].removeprefix("Value error, ")
     source = _source_of(path, sources, whole_section=True)
-    return f"Config key '{key or '<top level>'}': {message} (from {source})"
+    if not key:  # a check across sections: its message names the keys
+        return f"Config: {message} (from {source})"
+    return f"Config key '{key}': {message} (from {source})"
 
 
 def _validate(schema_cls: type[MasterConfig], data: dict, sources: dict[KeyPath, str]) -> MasterConfig:

@@ -108,6 +108,11 @@ class PolicyConfig(Section):
     def _check(self):
         if self.sequence_packing.enabled and self.dynamic_batching.enabled:
             raise ValueError("policy.sequence_packing.enabled and policy.dynamic_batching.enabled are exclusive")
+        if self.train_global_batch_size % self.num_workers:
+            raise ValueError(
+                f"policy.train_global_batch_size={self.train_global_batch_size} must be a multiple of "
+                f"policy.num_workers={self.num_workers} (each data-parallel worker gets an equal share)"
+            )
         return self
 
 
@@ -292,6 +297,20 @@ class GRPOMasterConfig(MasterConfig):
     sft_warmup: Optional["SFTMasterConfig"] = Field(
         None, description="Optional SFT warm start run before GRPO (the embedded default uses it)."
     )
+
+    @model_validator(mode="after")
+    def _check(self):
+        # Each GRPO step trains on prompts x generations rows in optimizer steps of
+        # policy.train_global_batch_size rows (NeMo-RL's meaning of the key).
+        rows = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+        gbs = self.policy.train_global_batch_size
+        if rows % gbs:
+            raise ValueError(
+                f"policy.train_global_batch_size={gbs} must divide the rows of one GRPO step, "
+                f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {rows} "
+                f"(set it to {rows} for one optimizer step per GRPO step)"
+            )
+        return self
 
 
 class SFTMasterConfig(MasterConfig):

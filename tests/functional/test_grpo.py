@@ -146,6 +146,29 @@ def test_grpo_steps_report_metrics_and_logprobs_agree(grpo_context, tmp_path):
     assert (tmp_path / "ckpt" / "step_3" / "training_info.json").exists()
 
 
+def test_previous_logprobs_are_recomputed_only_for_several_optimizer_steps(grpo_context, tmp_path):
+    from posttrain.algorithms import grpo
+
+    ctx = grpo_context("grpo.max_num_steps=1", "policy.optimizer.lr=1e-3")
+    ctx.envs = {"math": CoinEnv()}  # rewards with variance: non-zero advantages, so updates move the policy
+    calls = []
+    get_logprobs = ctx.policy.get_logprobs
+    ctx.policy.get_logprobs = lambda *a, **k: calls.append(1) or get_logprobs(*a, **k)
+
+    grpo.grpo_train(ctx)  # 16 rows, train_global_batch_size 16: one optimizer step, no recompute
+    assert calls == []
+    one = read_metrics(tmp_path / "logs")[1]
+    assert one["train/probs_ratio_min"] == one["train/probs_ratio_max"] == 1.0
+
+    ctx.cfg.grpo.max_num_steps, ctx.cfg.policy.train_global_batch_size = 2, 8  # two optimizer steps
+    grpo.grpo_train(ctx)
+    assert calls == [1]
+    two = read_metrics(tmp_path / "logs")[2]
+    # The second optimizer step sees a policy one update away from the one that generated.
+    assert two["train/probs_ratio_min"] < 1.0 < two["train/probs_ratio_max"], two
+    assert 1.0 <= two["train/token_mult_prob_error"] < 1.001  # prev from the trainer, before any update
+
+
 def test_dynamic_sampling_refills_a_full_batch(grpo_context):
     from posttrain.algorithms import grpo
     from posttrain.utils.timer import Timer

@@ -36,6 +36,7 @@ def test_multi_level_defaults_deep_merge(tmp_path):
     write(tmp_path / "base" / "base.yaml", """
         grpo: {num_prompts_per_step: 4, num_generations_per_prompt: 3, max_num_steps: 7}
         policy:
+          train_global_batch_size: 8
           optimizer: {lr: 1e-3, weight_decay: 0.5}
           generation: {max_new_tokens: 10}
         data: {operations: [add, sub]}
@@ -308,3 +309,18 @@ def test_variant_presets():
 
     drgrpo = load_config("grpo", EXAMPLE_CONFIG_DIR / "grpo_drgrpo_tiny.yaml")
     assert not drgrpo.grpo.normalize_rewards and drgrpo.loss_fn.token_level_loss
+
+
+def test_grpo_batch_must_split_into_whole_optimizer_steps():
+    with pytest.raises(ConfigError) as excinfo:
+        load_config("grpo", overrides=["policy.train_global_batch_size=48"])
+    assert problems_of(excinfo) == [
+        "Config: policy.train_global_batch_size=48 must divide the rows of one GRPO step, "
+        "grpo.num_prompts_per_step x grpo.num_generations_per_prompt = 128 (set it to 128 for one optimizer "
+        "step per GRPO step) (from examples/configs/grpo_math_tiny.yaml and command line)"
+    ]
+    cfg = load_config("grpo", overrides=["policy.train_global_batch_size=32"])  # 4 optimizer steps per GRPO step
+    assert cfg.policy.train_global_batch_size == 32
+
+    with pytest.raises(ConfigError, match=r"policy.train_global_batch_size=128 must be a multiple of policy.num_workers=3"):
+        load_config("grpo", overrides=["policy.num_workers=3"])

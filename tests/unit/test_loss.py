@@ -352,3 +352,34 @@ def test_registry_and_config_errors():
     logprobs, batch = one_row_batch([0.0], [1.0])
     with pytest.raises(ValueError, match="advantages"):
         call(ClippedPGLoss(), logprobs, {**batch, "advantages": torch.zeros(1)})
+
+
+def test_prev_logprobs_may_be_left_out_for_a_single_optimizer_step():
+    # Without prev_logprobs the loss uses the current logprobs, detached: the same loss, gradient
+    # and metrics as passing prev = logprobs exactly, for every ratio variant.
+    for options in ({}, {"ratio_clip_c": 3.0}, {"sequence_level_importance_ratios": True, "token_level_loss": False},
+                    {"use_importance_sampling_correction": True}):
+        results = []
+        for with_prev in (True, False):
+            logprobs, batch = one_row_batch([-0.5, -1.0, -0.25], [2.0, -1.0, 0.5], gen_minus_prev=[0.1, -0.2, 0.0])
+            gen_offset = batch["generation_logprobs"] - batch["prev_logprobs"]
+            batch["prev_logprobs"] = logprobs.detach().clone()
+            batch["generation_logprobs"] = batch["prev_logprobs"] + gen_offset
+            if not with_prev:
+                del batch["prev_logprobs"]
+            loss, metrics = call(ClippedPGLoss(**options), logprobs, batch)
+            loss.backward()
+            results.append((loss.item(), logprobs.grad.clone(), metrics))
+        (loss_a, grad_a, m_a), (loss_b, grad_b, m_b) = results
+        assert loss_a == loss_b and torch.equal(grad_a, grad_b), options
+        assert m_a == m_b, options
+        assert m_b["probs_ratio"] == 1.0 and m_b["token_mult_prob_error"] > 1.0  # gen differs from prev
+
+
+def test_check_train_batch_refuses_several_steps_without_prev_logprobs():
+    _, batch = one_row_batch([-0.5], [1.0])
+    del batch["prev_logprobs"]
+    ClippedPGLoss().check_train_batch(batch, num_optimizer_steps=1)
+    ClippedPGLoss(force_on_policy_ratio=True).check_train_batch(batch, num_optimizer_steps=3)
+    with pytest.raises(ValueError, match="spans 2 optimizer steps but has no 'prev_logprobs'"):
+        ClippedPGLoss().check_train_batch(batch, num_optimizer_steps=2)

@@ -109,6 +109,9 @@ class Policy:
         # k*G + r*L ... k*G + (r+1)*L - 1 (L = G / dp), in step order.
         local = gbs // self.dp_size
         steps = batch.size // gbs
+        check = getattr(loss_fn, "check_train_batch", None)  # a loss may refuse a batch it cannot train on
+        if check is not None:
+            check(batch, steps)
         order = torch.arange(batch.size).view(steps, self.dp_size, local).transpose(0, 1).flatten()
         refs = self.worker_group.run_sharded_async(
             "train",
