@@ -81,9 +81,23 @@ def init_ray(
         runtime_env={"env_vars": worker_env},
     )
     if address is None:
+        _quiet_default_token_auth_notice()
         ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
     else:
         ray.init(address=address, **kwargs)
+
+
+def _quiet_default_token_auth_notice() -> None:
+    """Drop Ray's notice that a new local cluster uses token authentication (the safe default,
+    printed on every start); warnings that authentication is *off* still show."""
+    auth_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _DropTokenAuthEnabledNotice) for f in auth_logger.filters):
+        auth_logger.addFilter(_DropTokenAuthEnabledNotice())
+
+
+class _DropTokenAuthEnabledNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
 
 
 def shutdown_ray() -> None:
