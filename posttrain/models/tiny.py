@@ -156,7 +156,15 @@ def build_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", arch: str
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = make_tiny_model(preset, arch, seed)
-    model.save_pretrained(out)
+    from transformers.utils import logging as hf_logging
+
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar is noise in a job's console
+    try:
+        model.save_pretrained(out)
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
     # Chat template inside tokenizer_config.json (not chat_template.jinja): older readers find it too.
     tokenizer.save_pretrained(out, save_jinja_files=False)
     marker = {"recipe_version": RECIPE_VERSION, "preset": preset, "arch": arch, "seed": seed}
