@@ -110,7 +110,9 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
         lambda: Policy(policy_cluster, cfg.policy, init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0),
         lambda: make_generation(cfg, gen_cluster),
     )
-    refit_metadata = build_refit_metadata(policy.refit_info(), cfg.policy.generation.refit_buffer_size_mb * 2**20)
+    refit_metadata = build_refit_metadata(
+        policy.refit_info(), cfg.policy.generation.refit_buffer_size_mb * 2**20, dtypes=generation.weight_dtypes()
+    )
     generation.prepare_refit_info(refit_metadata)
 
     envs = make_envs(cfg, [d.get("task_name", cfg.data.env_name) for d in train_datums + val_datums])

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -74,11 +74,15 @@ def build_refit_metadata(
     params: Iterable[tuple[str, Sequence[int], torch.dtype]],
     bucket_bytes: int = 512 * 2**20,
     alignment: int = DEFAULT_ALIGNMENT,
+    dtypes: Optional[Mapping[str, torch.dtype]] = None,
 ) -> RefitMetadata:
     """Lay out tensors in buffers of about `bucket_bytes`, in the given order.
 
     Args:
         params: `(name, shape, dtype)` per tensor, in the order the sender will pack them.
+        dtypes: the receivers' dtype per name, which the buffers then carry (default None: the
+            sender's). float32 masters sent to a bfloat16 engine are cast while packing, so the
+            transfer moves half the bytes and the receiver copies without casting.
         bucket_bytes: target buffer size (default 512 MiB, `policy.generation.refit_buffer_size_mb`).
             A tensor larger than this gets a buffer of its own; buffers hold whole tensors.
         alignment: every tensor starts at a multiple of this many bytes (default 512, as NeMo-RL's
@@ -94,6 +98,7 @@ def build_refit_metadata(
         if name in seen:
             raise ValueError(f"refit metadata: parameter {name!r} is listed twice")
         seen.add(name)
+        dtype = dtypes.get(name, dtype) if dtypes else dtype
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"refit metadata: dtype of {name!r} must be a torch.dtype, got {dtype!r}")
         shape = tuple(int(d) for d in shape)
@@ -201,11 +206,20 @@ def verify_equal(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor])
         raise AssertionError(f"refit verification failed: {len(bad)} tensors differ, e.g. {bad[:5]}")
 
 
-def state_dict_checksum(state_dict: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 over names, dtypes, shapes and raw bytes, in sorted name order (bit-exact check)."""
+def state_dict_checksum(
+    state_dict: Mapping[str, torch.Tensor], dtypes: Optional[Mapping[str, torch.dtype]] = None
+) -> str:
+    """SHA-256 over names, dtypes, shapes and raw bytes, in sorted name order (bit-exact check).
+
+    `dtypes` (name -> dtype) casts tensors first, so float32 masters can be compared with the
+    bfloat16 copy a generation engine holds.
+    """
     digest = hashlib.sha256()
     for name in sorted(state_dict):
-        tensor = state_dict[name].detach().cpu().contiguous()
+        tensor = state_dict[name].detach().cpu()
+        if dtypes and name in dtypes:
+            tensor = tensor.to(dtypes[name])
+        tensor = tensor.contiguous()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
@@ -243,7 +257,8 @@ def refit_policy_generation(policy, generation, metadata: RefitMetadata, *, vers
     ref = policy.pack_for_refit(metadata)
     generation.update_weights(ref, version)
     if verify:
-        expected = policy.weights_checksum()
+        # In the engine's dtypes: a bfloat16 engine holds bf16(master) for every float32 master.
+        expected = policy.weights_checksum(generation.weight_dtypes())
         got = generation.get_weights_checksums()
         bad = [rank for rank, checksum in enumerate(got) if checksum != expected]
         if bad:

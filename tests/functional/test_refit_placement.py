@@ -68,3 +68,38 @@ def test_refit_makes_generation_weights_equal_policy_weights(ray_cluster, coloca
         policy_cluster.shutdown()
         if not colocated:
             gen_cluster.shutdown()
+
+
+def test_refit_into_a_bfloat16_engine_sends_bf16_and_verifies(ray_cluster):
+    """float32 masters, bfloat16 engine: the buffers carry bf16 (half the bytes), the engine holds
+    exactly bf16(master), and the verification compares in the engine's dtypes."""
+    from posttrain.models.policy.policy import Policy
+
+    cfg = _cfg()
+    cfg.policy.precision = "bfloat16"
+    cluster = make_cluster(cfg, 1, colocated_groups=2, name="policy-bf16")
+    policy = generation = None
+    try:
+        policy = Policy(cluster, cfg.policy, init_reference_model=False)
+        generation = make_generation(cfg, cluster)
+        dtypes = generation.weight_dtypes()
+        assert set(dtypes.values()) == {torch.bfloat16}
+        full = build_refit_metadata(policy.refit_info())
+        metadata = build_refit_metadata(policy.refit_info(), dtypes=dtypes)
+        assert {s.dtype for s in metadata.slots} == {torch.bfloat16}
+        assert metadata.total_bytes < 0.51 * full.total_bytes
+        generation.prepare_refit_info(metadata)
+
+        torch.manual_seed(0)
+        ids = torch.randint(7, 100, (8, 12))
+        policy.train(Batch(input_ids=ids, input_lengths=torch.full((8,), 12), token_mask=torch.ones(8, 12),
+                           sample_mask=torch.ones(8)), NLLLoss())
+        assert generation.get_weights_checksums() != [policy.weights_checksum(dtypes)]
+        refit_policy_generation(policy, generation, metadata, version=1, verify=True)
+        assert generation.get_weights_checksums() == [policy.weights_checksum(dtypes)]
+        assert generation.get_weights_checksums() != [policy.weights_checksum()]  # masters stay float32
+    finally:
+        for part in (generation, policy):
+            if part is not None:
+                part.shutdown()
+        cluster.shutdown()

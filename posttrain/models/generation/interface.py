@@ -4,7 +4,7 @@ a group of data-parallel `GenerationWorker`s (NeMo-RL's `GenerationInterface` / 
 Typical use from an algorithm loop:
 
     generation = Generation(cluster, config.policy.generation, config.policy.model_name)
-    generation.prepare_refit_info(build_refit_metadata(policy_param_info, bucket_bytes))
+    generation.prepare_refit_info(build_refit_metadata(policy_param_info, bucket_bytes, dtypes=generation.weight_dtypes()))
     ...
     if generation.weights_version != policy_version:  # lazy refit
         generation.update_weights(policy_buffers, policy_version)
@@ -48,6 +48,10 @@ class GenerationInterface(abc.ABC):
     @abc.abstractmethod
     def finish_generation(self) -> bool:
         """Release generation memory when colocated with training. Idempotent."""
+
+    @abc.abstractmethod
+    def weight_dtypes(self) -> dict[str, torch.dtype]:
+        """dtype per weight name as the engine holds it: refit packs in these dtypes."""
 
     @abc.abstractmethod
     def prepare_refit_info(self, metadata: RefitMetadata) -> None:
@@ -144,6 +148,10 @@ class Generation(GenerationInterface):
         # zero-copy from the node's shared memory.
         self.worker_group.run_all("update_weights", ref, version)
         self.weights_version = version
+
+    def weight_dtypes(self) -> dict[str, torch.dtype]:
+        """dtype of every weight the engine holds (all workers load the same model and precision)."""
+        return self.worker_group.run_rank0("get_weight_dtypes")
 
     def get_weights_checksums(self) -> list[str]:
         """`refit.state_dict_checksum` of every worker's weights, in rank order."""

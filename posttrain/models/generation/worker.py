@@ -134,6 +134,9 @@ class GenerationWorker(DistributedWorker):
     def get_weights_version(self) -> int:
         return self.weights_version
 
+    def get_weight_dtypes(self) -> dict[str, torch.dtype]:
+        return {name: t.dtype for name, t in self.model.state_dict().items()}
+
     def get_weights_checksum(self) -> str:
         """`refit.state_dict_checksum` of the model's weights (bit-exact comparison across actors)."""
         return state_dict_checksum(self.model.state_dict())

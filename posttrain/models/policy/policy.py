@@ -146,9 +146,10 @@ class Policy:
         self.worker_group.get(refs[1:])
         return refs[0]
 
-    def weights_checksum(self) -> str:
-        """Checksum of the full weights (see `refit.state_dict_checksum`)."""
-        return self.worker_group.run_all("weights_checksum")[0]
+    def weights_checksum(self, dtypes: Optional[dict[str, torch.dtype]] = None) -> str:
+        """Checksum of the full weights, cast to `dtypes` (name -> dtype) where given (see
+        `refit.state_dict_checksum`)."""
+        return self.worker_group.run_all("weights_checksum", dtypes=dtypes)[0]
 
     def refit_info(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """`(name, shape, dtype)` of every exported tensor, for `Generation.prepare_refit_info`."""

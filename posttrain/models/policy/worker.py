@@ -408,10 +408,11 @@ class PolicyWorker(DistributedWorker):
         state = self._full_state_dict()
         return refit.pack(state, metadata) if self.rank == 0 else None
 
-    def weights_checksum(self) -> Optional[str]:
-        """Collective: `refit.state_dict_checksum` of the full weights on rank 0; None elsewhere."""
+    def weights_checksum(self, dtypes: Optional[dict[str, torch.dtype]] = None) -> Optional[str]:
+        """Collective: `refit.state_dict_checksum` of the full weights (cast to `dtypes` where given)
+        on rank 0; None elsewhere."""
         state = self._full_state_dict()
-        return refit.state_dict_checksum(state) if self.rank == 0 else None
+        return refit.state_dict_checksum(state, dtypes) if self.rank == 0 else None
 
     def refit_info(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """`(name, full shape, dtype)` of every tensor `state_dict_for_export` returns."""
