@@ -78,11 +78,19 @@ class GenerationConfig(Section):
 
 
 class LoraConfig(Section):
-    enabled: bool = False
+    # Keys as NeMo-RL's; LoRA itself (with peft: adapters trained, merged weights refit and
+    # exported) is not built yet, so only `enabled: false` is accepted rather than ignored.
+    enabled: bool = Field(False, description="LoRA is not implemented yet; full weights are trained.")
     dim: int = Field(8, ge=1)
     alpha: int = Field(32, ge=1)
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.enabled:
+            raise ValueError("policy.lora.enabled=true: LoRA is not implemented yet; leave it false to train full weights")
+        return self
 
 
 class PolicyConfig(Section):

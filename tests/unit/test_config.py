@@ -324,3 +324,10 @@ def test_grpo_batch_must_split_into_whole_optimizer_steps():
 
     with pytest.raises(ConfigError, match=r"policy.train_global_batch_size=128 must be a multiple of policy.num_workers=3"):
         load_config("grpo", overrides=["policy.num_workers=3"])
+
+
+def test_unbuilt_features_are_refused_not_ignored():
+    with pytest.raises(ConfigError, match=r"policy.lora.enabled=true: LoRA is not implemented yet"):
+        load_config("grpo", overrides=["policy.lora.enabled=true"])
+    with pytest.raises(ConfigError, match=r"policy.generation.backend' expects one of 'native'"):
+        load_config("grpo", overrides=["policy.generation.backend=vllm"])
