@@ -52,12 +52,13 @@ def start_ray(cfg: MasterConfig) -> None:
 
 
 def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int = 1, name: str = "policy"):
-    """A `VirtualCluster` of `num_workers` bundles per node (GPUs when `cluster.gpus_per_node`)."""
+    """A `VirtualCluster` of `num_workers` bundles: `cluster.gpus_per_node` per node with GPUs,
+    else spread evenly over `cluster.num_nodes` (CPU bundles of `cluster.cpus_per_worker`)."""
     from posttrain.distributed.cluster import VirtualCluster
 
     c = cfg.cluster
     use_gpus = c.gpus_per_node > 0
-    per_node = min(num_workers, c.gpus_per_node) if use_gpus else num_workers
+    per_node = min(num_workers, c.gpus_per_node) if use_gpus else -(-num_workers // c.num_nodes)
     nodes = max(1, -(-num_workers // per_node))
     if nodes > c.num_nodes:
         raise ValueError(

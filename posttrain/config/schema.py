@@ -21,7 +21,6 @@ class ClusterConfig(Section):
     num_nodes: int = Field(1, ge=1, description="Nodes in the Ray cluster to use.")
     gpus_per_node: int = Field(0, ge=0, description="GPUs per node; 0 runs on CPU.")
     cpus_per_worker: float = Field(1.0, gt=0, description="Logical CPUs per worker bundle (CPU mode).")
-    workers_per_node: int = Field(1, ge=1, description="Bundles (workers) per node in CPU mode.")
     ray_address: Optional[str] = Field(None, description="Existing Ray cluster to join; None starts a local one.")
     placement_timeout_s: float = Field(120.0, gt=0, description="Fail if placement groups are not ready in time.")
     worker_timeout_s: float = Field(1800.0, gt=0, description="Longest a single worker call may take.")

@@ -1,0 +1,31 @@
+"""How `make_cluster` lays workers out over nodes (VirtualCluster replaced by a recorder)."""
+
+import pytest
+
+import posttrain.distributed.cluster as cluster_module
+from posttrain.algorithms.common import make_cluster
+from posttrain.config import load_config
+
+
+@pytest.fixture
+def layouts(monkeypatch):
+    made = []
+    monkeypatch.setattr(cluster_module, "VirtualCluster", lambda bundles, **kw: made.append((bundles, kw["use_gpus"])))
+    return made
+
+
+@pytest.mark.parametrize("overrides, workers, expected", [
+    ([], 2, ([2], False)),                                         # CPU, one node: all there
+    (["cluster.num_nodes=2"], 4, ([2, 2], False)),                 # CPU: spread evenly
+    (["cluster.num_nodes=2"], 3, ([2, 2], False)),                 # rounded up per node
+    (["cluster.gpus_per_node=8", "cluster.num_nodes=2"], 16, ([8, 8], True)),
+    (["cluster.gpus_per_node=8"], 4, ([4], True)),                 # fewer workers than GPUs
+])
+def test_layout(layouts, overrides, workers, expected):
+    make_cluster(load_config("grpo", overrides=overrides), workers)
+    assert layouts == [expected]
+
+
+def test_too_few_gpu_nodes_is_an_error(layouts):
+    with pytest.raises(ValueError, match=r"needs 16 workers but cluster.num_nodes=1 x 8 per node is too few"):
+        make_cluster(load_config("grpo", overrides=["cluster.gpus_per_node=8"]), 16)
