@@ -105,7 +105,7 @@ class PolicyWorker(DistributedWorker):
         self.hf_config = self.model.config
         self.model.config.use_cache = False  # no KV cache in training / scoring forwards
         if self.cfg.activation_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.is_fsdp = self.world_size > 1
         if self.is_fsdp:
             self._shard_model()
