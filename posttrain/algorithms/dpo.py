@@ -50,7 +50,6 @@ def run(cfg: DPOMasterConfig) -> dict[str, float]:
     """Train with DPO for `dpo.max_num_steps` steps; returns the last step's metrics."""
     from posttrain.data.preference import (
         build_preference_example,
-        check_pair_batching,
         flatten_preference_pairs,
         load_preference_records,
         pair_batches,
@@ -58,7 +57,6 @@ def run(cfg: DPOMasterConfig) -> dict[str, float]:
     from posttrain.models.policy.policy import Policy
 
     d = cfg.dpo
-    check_pair_batching(cfg.policy)
     cfg, tokenizer = start_run(cfg, seed=d.seed, max_num_steps=d.max_num_steps)
     pad = tokenizer.pad_token_id
 

@@ -40,7 +40,6 @@ def run(cfg: RMMasterConfig) -> dict[str, float]:
     """Train a reward model for `rm.max_num_steps` steps; export it to `rm.export_dir` when set."""
     from posttrain.data.preference import (
         build_preference_example,
-        check_pair_batching,
         flatten_preference_pairs,
         load_preference_records,
         pair_batches,
@@ -48,7 +47,6 @@ def run(cfg: RMMasterConfig) -> dict[str, float]:
     from posttrain.models.policy.policy import Policy
 
     r = cfg.rm
-    check_pair_batching(cfg.policy)
     cfg, tokenizer = start_run(cfg, seed=r.seed, max_num_steps=r.max_num_steps)
     pad = tokenizer.pad_token_id
 

@@ -324,11 +324,43 @@ class SFTMasterConfig(MasterConfig):
     sft: SFTConfig = SFTConfig()
 
 
-class DPOMasterConfig(MasterConfig):
+def pair_batching_problems(policy: PolicyConfig) -> list[str]:
+    """Why the policy's batching would split or reorder the rows of chosen/rejected pairs.
+
+    Preference losses see one micro-batch at a time and pair its rows `(0,1), (2,3), ...`, so
+    every micro-batch (and every worker's share of a step) must hold whole pairs in order: even
+    `train_global_batch_size / num_workers` and `train_micro_batch_size`, and neither sequence
+    packing nor dynamic batching (both regroup rows by length).
+    """
+    p, problems = policy, []
+    if p.sequence_packing.enabled:
+        problems.append("policy.sequence_packing.enabled must be false (packing regroups the rows of a pair)")
+    if p.dynamic_batching.enabled:
+        problems.append("policy.dynamic_batching.enabled must be false (it regroups the rows of a pair)")
+    if p.train_global_batch_size % (2 * p.num_workers):
+        problems.append(
+            f"policy.train_global_batch_size={p.train_global_batch_size} must be a multiple of 2 x policy.num_workers"
+            f"={2 * p.num_workers} (rows per step; each worker takes whole chosen/rejected pairs)"
+        )
+    if p.train_micro_batch_size % 2:
+        problems.append(f"policy.train_micro_batch_size={p.train_micro_batch_size} must be even (whole pairs)")
+    return problems
+
+
+class _PairTraining(MasterConfig):
+    @model_validator(mode="after")
+    def _check_pairs(self):
+        problems = pair_batching_problems(self.policy)
+        if problems:
+            raise ValueError("preference training: " + "; ".join(problems))
+        return self
+
+
+class DPOMasterConfig(_PairTraining):
     dpo: DPOConfig = DPOConfig()
 
 
-class RMMasterConfig(MasterConfig):
+class RMMasterConfig(_PairTraining):
     rm: RMConfig = RMConfig()
 
 

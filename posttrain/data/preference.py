@@ -235,28 +235,3 @@ def pair_batches(datums: Sequence[dict], pairs_per_batch: int, pad_token_id: int
     """`flatten_preference_pairs` of each run of `pairs_per_batch` consecutive pairs (the last may be shorter)."""
     return [flatten_preference_pairs(datums[i : i + pairs_per_batch], pad_token_id)
             for i in range(0, len(datums), pairs_per_batch)]
-
-
-def check_pair_batching(policy_cfg) -> None:
-    """Fail early when the policy's batching would split or reorder the rows of a pair.
-
-    The loss sees one micro-batch at a time and pairs its rows `(0,1), (2,3), ...`, so every
-    micro-batch (and every worker's share of a step) must hold whole pairs in order: even
-    `train_global_batch_size / num_workers` and `train_micro_batch_size`, and neither sequence
-    packing nor dynamic batching (both regroup rows by length).
-    """
-    p = policy_cfg
-    problems = []
-    if p.sequence_packing.enabled:
-        problems.append("policy.sequence_packing.enabled must be false (packing regroups the rows of a pair)")
-    if p.dynamic_batching.enabled:
-        problems.append("policy.dynamic_batching.enabled must be false (it regroups the rows of a pair)")
-    if p.train_global_batch_size % (2 * p.num_workers):
-        problems.append(
-            f"policy.train_global_batch_size={p.train_global_batch_size} must be a multiple of 2 x policy.num_workers"
-            f"={2 * p.num_workers} (rows per step; each worker takes whole chosen/rejected pairs)"
-        )
-    if p.train_micro_batch_size % 2:
-        problems.append(f"policy.train_micro_batch_size={p.train_micro_batch_size} must be even (whole pairs)")
-    if problems:
-        raise ValueError("preference training: " + "; ".join(problems))

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from posttrain.algorithms.common import build_datums
-from posttrain.config.schema import DataConfig, DPOMasterConfig, PolicyConfig
+from posttrain.config import ConfigError, load_config
+from posttrain.config.schema import DataConfig, DPOMasterConfig, PolicyConfig, pair_batching_problems
 from posttrain.data.datasets import DataError
 from posttrain.data.preference import (
     WRONG_ANSWER_SLIPS,
     arithmetic_preference_pairs,
     build_preference_example,
-    check_pair_batching,
     flatten_preference_pairs,
     load_preference_records,
     pair_batches,
@@ -129,11 +129,12 @@ def test_split_datums_and_validation_batches(tokenizer, tmp_path):
     assert pair_batches([], 2, tokenizer.pad_token_id) == []
 
 
-def test_check_pair_batching():
-    check_pair_batching(PolicyConfig(train_global_batch_size=8, train_micro_batch_size=4, num_workers=2))
-    with pytest.raises(ValueError, match="train_micro_batch_size=3 must be even"):
-        check_pair_batching(PolicyConfig(train_global_batch_size=8, train_micro_batch_size=3))
-    with pytest.raises(ValueError, match="multiple of 2 x policy.num_workers=4"):
-        check_pair_batching(PolicyConfig(train_global_batch_size=6, train_micro_batch_size=2, num_workers=2))
-    with pytest.raises(ValueError, match="sequence_packing"):
-        check_pair_batching(PolicyConfig(sequence_packing={"enabled": True}))
+def test_pair_batching_problems_fail_the_config_before_any_work():
+    assert pair_batching_problems(PolicyConfig(train_global_batch_size=8, train_micro_batch_size=4, num_workers=2)) == []
+    (problem,) = pair_batching_problems(PolicyConfig(train_global_batch_size=8, train_micro_batch_size=3))
+    assert "train_micro_batch_size=3 must be even" in problem
+    (problem,) = pair_batching_problems(PolicyConfig(train_global_batch_size=6, train_micro_batch_size=2, num_workers=2))
+    assert "multiple of 2 x policy.num_workers=4" in problem
+    for algo in ("dpo", "rm"):
+        with pytest.raises(ConfigError, match=r"preference training: policy.sequence_packing.enabled must be false"):
+            load_config(algo, overrides=["policy.sequence_packing.enabled=true"])
