@@ -133,7 +133,13 @@ def _run_job(args: argparse.Namespace) -> int:
         return 0
     module_name, attr = JOBS[args.command]
     run = load_target(module_name, attr, args.command)
-    run(cfg)
+    from posttrain.data.datasets import DataError
+
+    try:
+        run(cfg)
+    except DataError as e:  # bad user data: the message names file and line; a traceback adds nothing
+        print(f"posttrain {args.command}: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     return 0
 
 

@@ -129,3 +129,17 @@ def test_init_model_writes_a_loadable_model(tmp_path, capsys):
     num_params, completion = cli.greedy_sample(out, cli.SAMPLE_PROMPT)
     assert lines[1] == f"{num_params:,} parameters. Greedy sample (untrained) for {cli.SAMPLE_PROMPT!r}: {completion!r}"
     assert num_params > 0 and (out / "config.json").is_file()
+
+
+def test_bad_data_during_a_job_is_one_line_naming_file_and_line(tmp_path, monkeypatch, capsys):
+    # The job itself is replaced: what is tested is how the CLI reports a DataError it raises.
+    from posttrain import cli
+    from posttrain.data import datasets
+
+    bad = tmp_path / "train.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{not json\n')
+    monkeypatch.setattr(datasets, "fake_job", lambda cfg: datasets.load_jsonl(bad), raising=False)
+    monkeypatch.setitem(cli.JOBS, "sft", ("posttrain.data.datasets", "fake_job"))
+    assert cli.main(["sft"]) == cli.EXIT_CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert err.strip() == f"posttrain sft: {bad}:2: invalid JSON: Expecting property name enclosed in double quotes (column 2)"
