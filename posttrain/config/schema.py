@@ -77,19 +77,14 @@ class GenerationConfig(Section):
 
 
 class LoraConfig(Section):
-    # Keys as NeMo-RL's; LoRA itself (with peft: adapters trained, merged weights refit and
-    # exported) is not built yet, so only `enabled: false` is accepted rather than ignored.
-    enabled: bool = Field(False, description="LoRA is not implemented yet; full weights are trained.")
-    dim: int = Field(8, ge=1)
-    alpha: int = Field(32, ge=1)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    """LoRA (Hu et al. 2021) with peft: only rank-`dim` adapters on `target_modules` train; refit,
+    checkpoints' HF exports and `posttrain convert` see merged weights (`models/lora.py`)."""
 
-    @model_validator(mode="after")
-    def _check(self):
-        if self.enabled:
-            raise ValueError("policy.lora.enabled=true: LoRA is not implemented yet; leave it false to train full weights")
-        return self
+    enabled: bool = Field(False, description="Train LoRA adapters instead of the full weights.")
+    dim: int = Field(8, ge=1, description="Adapter rank r.")
+    alpha: int = Field(32, ge=1, description="Scale: the update is alpha / r * B @ A.")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
 
 
 class PolicyConfig(Section):
@@ -362,6 +357,12 @@ class DPOMasterConfig(_PairTraining):
 
 class RMMasterConfig(_PairTraining):
     rm: RMConfig = RMConfig()
+
+    @model_validator(mode="after")
+    def _check_lora(self):
+        if self.policy.lora.enabled:
+            raise ValueError("policy.lora.enabled: LoRA is supported for language models, not reward models (yet)")
+        return self
 
 
 class EvalConfig(Section):

@@ -327,7 +327,8 @@ def test_grpo_batch_must_split_into_whole_optimizer_steps():
 
 
 def test_unbuilt_features_are_refused_not_ignored():
-    with pytest.raises(ConfigError, match=r"policy.lora.enabled=true: LoRA is not implemented yet"):
-        load_config("grpo", overrides=["policy.lora.enabled=true"])
+    with pytest.raises(ConfigError, match=r"LoRA is supported for language models, not reward models"):
+        load_config("rm", overrides=["policy.lora.enabled=true"])
+    assert load_config("grpo", overrides=["policy.lora.enabled=true"]).policy.lora.enabled
     with pytest.raises(ConfigError, match=r"policy.generation.backend' expects one of 'native'"):
         load_config("grpo", overrides=["policy.generation.backend=vllm"])

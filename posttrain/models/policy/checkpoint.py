@@ -178,4 +178,8 @@ def convert_to_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike)
         full = Path(tmp) / "model.pt"
         dcp_to_torch_save(path / MODEL_DIR, full)
         state_dict = torch.load(full, weights_only=True, mmap=True)
+        if trainer_state.get("lora_scaling") is not None:  # trained with LoRA: fold the adapters in
+            from posttrain.models.lora import merged_state_dict
+
+            state_dict = merged_state_dict(state_dict, trainer_state["lora_scaling"])
         return save_hf(state_dict, hf_config, tokenizer, out_dir, trainer_state.get("model_type", "lm"))

@@ -37,7 +37,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 from posttrain.config.schema import PolicyConfig
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
-from posttrain.models import refit
+from posttrain.models import lora, refit
 from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype, resolve_model_path
 from posttrain.models.policy import checkpoint as ckpt
 from posttrain.models.policy.forward import (
@@ -102,6 +102,12 @@ class PolicyWorker(DistributedWorker):
         model_path = resolve_model_path(self.cfg.model_name, self.cfg.tiny_arch)
         self.tokenizer = load_tokenizer(self.cfg.tokenizer_name or model_path, self.cfg.tiny_arch)
         self.model = self._load_model(model_path)
+        self.lora_scaling: Optional[float] = None
+        if self.cfg.lora.enabled:
+            if model_type != "lm":
+                raise ValueError("policy.lora.enabled: LoRA is supported for language models, not reward models (yet)")
+            self.model = lora.apply_lora(self.model, self.cfg.lora)
+            self.lora_scaling = lora.scaling(self.cfg.lora)
         self.hf_config = self.model.config
         self.model.config.use_cache = False  # no KV cache in training / scoring forwards
         if self.cfg.activation_checkpointing:
@@ -125,7 +131,8 @@ class PolicyWorker(DistributedWorker):
             kwargs: dict[str, Any] = dict(lr=opt.lr, weight_decay=opt.weight_decay)
             if opt.name != "sgd":
                 kwargs.update(betas=tuple(opt.betas), eps=opt.eps)
-            self.optimizer = OPTIMIZERS[opt.name](self.model.parameters(), **kwargs)
+            trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
+            self.optimizer = OPTIMIZERS[opt.name](trainable, **kwargs)
             self.scheduler = build_lr_scheduler(self.optimizer, opt, self.cfg.scheduler)
         if weights_path is not None:
             self.load_checkpoint(weights_path, load_optimizer=init_optimizer)
@@ -395,8 +402,15 @@ class PolicyWorker(DistributedWorker):
 
     # ------------------------------------------------------------------ weights & checkpoints
     def _full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: unsharded weights (HF names, float32, CPU) on rank 0, `{}` elsewhere."""
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        """Collective: unsharded weights (HF names, float32, CPU) on rank 0, `{}` elsewhere.
+
+        With LoRA, the adapters are merged into the base weights (`models/lora.py`): what leaves
+        the trainer is always a plain model of the base architecture.
+        """
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.lora_scaling is not None and state:
+            state = lora.merged_state_dict(state, self.lora_scaling)
+        return state
 
     def state_dict_for_export(self) -> Optional[dict[str, torch.Tensor]]:
         """Full parameters in HF names, dtype as trained (float32 masters), on rank 0; None elsewhere."""
@@ -416,7 +430,10 @@ class PolicyWorker(DistributedWorker):
 
     def refit_info(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """`(name, full shape, dtype)` of every tensor `state_dict_for_export` returns."""
-        return [(name, tuple(t.shape), t.dtype) for name, t in self.model.state_dict().items()]
+        named = self.model.state_dict().items()
+        if self.lora_scaling is not None:
+            return lora.export_layout(named)
+        return [(name, tuple(t.shape), t.dtype) for name, t in named]
 
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> str:
         """Collective: sharded model (+ optimizer), scheduler, step and RNG state; see `checkpoint.py`."""
@@ -426,6 +443,7 @@ class PolicyWorker(DistributedWorker):
             "step": self.step,
             "model_type": self.model_type,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "lora_scaling": self.lora_scaling,  # `posttrain convert` merges the adapters with it
         }
         final = ckpt.save_sharded(
             path,
