@@ -281,7 +281,7 @@ def _algo_of(path: Path) -> str:
 def test_every_example_config_validates():
     paths = sorted(EXAMPLE_CONFIG_DIR.glob("*.yaml"))
     assert {p.name for p in paths} >= set(DEFAULT_CONFIGS.values()) | {
-        "grpo_dapo_tiny.yaml", "grpo_gspo_tiny.yaml", "grpo_drgrpo_tiny.yaml"}
+        "grpo_dapo_tiny.yaml", "grpo_gspo_tiny.yaml", "grpo_drgrpo_tiny.yaml", "grpo_lora_tiny.yaml"}
     for path in paths:
         assert _algo_of(path) in SCHEMAS, f"{path.name}: name must start with an algorithm"
         load_config(_algo_of(path), path)
@@ -309,6 +309,9 @@ def test_variant_presets():
 
     drgrpo = load_config("grpo", EXAMPLE_CONFIG_DIR / "grpo_drgrpo_tiny.yaml")
     assert not drgrpo.grpo.normalize_rewards and drgrpo.loss_fn.token_level_loss
+
+    lora = load_config("grpo", EXAMPLE_CONFIG_DIR / "grpo_lora_tiny.yaml")
+    assert lora.policy.lora.enabled and lora.policy.lora.dim == 8 and lora.policy.optimizer.lr == 1e-3
 
 
 def test_grpo_batch_must_split_into_whole_optimizer_steps():
