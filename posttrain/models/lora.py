@@ -28,6 +28,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> torch.
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    _refuse_tied_targets(model, cfg.target_modules)
     peft_cfg = PeftLoraConfig(
         r=cfg.dim, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules), bias="none"
     )
@@ -39,6 +40,22 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> torch.
             return get_peft_model(model, peft_cfg)
         except ValueError as e:  # e.g. no module matches target_modules
             raise ValueError(f"policy.lora.target_modules={list(cfg.target_modules)}: {e}") from None
+
+
+def _refuse_tied_targets(model: torch.nn.Module, targets: Iterable[str]) -> None:
+    """An adapter on one of two tied embeddings cannot be merged: they are one tensor."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    tied = {module: name for name, module in model.named_modules()}
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        name = tied.get(module, "")
+        hit = [t for t in targets if name == t or name.endswith(f".{t}")]
+        if hit:
+            raise ValueError(
+                f"policy.lora.target_modules={list(targets)}: {name!r} is tied to the other embedding in this "
+                "model (tie_word_embeddings), so its adapter could not be merged into the shared tensor; "
+                "leave it out of target_modules"
+            )
 
 
 def scaling(cfg: LoraConfig) -> float:
