@@ -35,8 +35,6 @@ Where the two cannot be configured identically (printed with the results as well
   TRL gets `--trl-threads 1` by default) and copies the weights to the generation actor every
   step; TRL trains and generates in this process. posttrain decodes with its native engine
   (finished rows are dropped), TRL with HF `generate` on the whole left-padded batch.
-- Micro-batches: posttrain trains in micro-batches of 32 rows normalised by the global token
-  count (the same gradient as one pass); TRL does one 128-row forward/backward.
 - Prompt order and sampling randomness: both draw from the same 8000 problems, each with its
   own seeded shuffle, so the 60 x 16 prompts seen and the sampled completions differ.
 - Reward: posttrain's math environment sends non-plain answers (fractions, LaTeX) to math-verify;
@@ -261,7 +259,6 @@ NOT_IDENTICAL = (
     "(TRL's are sqrt((G-1)/G) of posttrain's; AdamW is nearly invariant to that scale)",
     "posttrain: Ray actors (1 thread each), weights copied to the generation actor every step, native engine; "
     "TRL: one process, HF generate on the padded batch",
-    "posttrain trains in micro-batches of 32 rows (same gradient); TRL in one pass",
     "prompt order and sampling randomness differ (same problem pool, each side's own seeded shuffle)",
     "reward: posttrain's environment sends non-plain answers to math-verify, TRL's reward compares plain numbers "
     "only (the tiny model writes digits, so they agree here)",
