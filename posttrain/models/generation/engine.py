@@ -286,7 +286,7 @@ class HFGenerateBaseline:
     Returns the generated token ids `[B, T]` (left-padded prompts are stripped); no logprobs.
     """
 
-    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: Optional[int]):
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int, eos_token_id: Optional[int | list[int]]):
         self.model = model
         self.pad_token_id = pad_token_id
         self.eos_token_id = eos_token_id
