@@ -6,6 +6,7 @@ import json
 import logging
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -119,6 +120,44 @@ def start_run(cfg: MasterConfig, *, seed: int, max_num_steps: Optional[int] = No
     prepare_run_dirs(cfg)
     start_ray(cfg)
     return cfg, load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+
+
+@dataclass
+class PairRun:
+    """What DPO and reward-model training set up alike (see `start_pair_run`)."""
+
+    cfg: Any
+    pad_token_id: int
+    loader: Any  # ResumableLoader of pair datums, train_global_batch_size / 2 pairs per step
+    cluster: Any
+    policy: Any
+    val_batches: list  # validation pairs as flattened Batches of `val_batch_size` pairs
+
+    def shutdown(self) -> None:
+        self.policy.shutdown()
+        self.cluster.shutdown()
+
+
+def start_pair_run(cfg, section, *, model_type: str = "lm", init_reference_model: bool = False) -> PairRun:
+    """Prologue of the preference-pair jobs: Ray, pair data (rows interleave chosen and rejected),
+    loader, one policy group. `section` is `cfg.dpo` or `cfg.rm` (seed, steps, validation sizes)."""
+    from posttrain.data.dataloader import ResumableLoader
+    from posttrain.data.preference import build_preference_example, load_preference_records, pair_batches
+    from posttrain.models.policy.policy import Policy
+
+    cfg, tokenizer = start_run(cfg, seed=section.seed, max_num_steps=section.max_num_steps)
+    pad = tokenizer.pad_token_id
+    train = build_datums(cfg, build_preference_example, tokenizer, "train", load=load_preference_records)
+    val = build_datums(
+        cfg, build_preference_example, tokenizer, "validation", section.max_val_samples, load=load_preference_records
+    )
+    loader = ResumableLoader(
+        train, cfg.policy.train_global_batch_size // 2, shuffle=cfg.data.shuffle, seed=section.seed
+    )
+    cluster = make_cluster(cfg, cfg.policy.num_workers)
+    policy = Policy(cluster, cfg.policy, init_reference_model=init_reference_model, model_type=model_type,
+                    worker_timeout_s=cfg.cluster.worker_timeout_s)
+    return PairRun(cfg, pad, loader, cluster, policy, pair_batches(val, section.val_batch_size, pad))
 
 
 def build_datums(

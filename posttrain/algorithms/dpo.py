@@ -19,17 +19,9 @@ from __future__ import annotations
 
 import logging
 
-from posttrain.algorithms.common import (
-    build_datums,
-    finish_offline_run,
-    make_cluster,
-    reduce_loss_metrics,
-    start_run,
-    train_offline,
-)
+from posttrain.algorithms.common import finish_offline_run, reduce_loss_metrics, start_pair_run, train_offline
 from posttrain.algorithms.loss import DPOLoss
 from posttrain.config.schema import DPOMasterConfig
-from posttrain.data.dataloader import ResumableLoader
 from posttrain.distributed.batch import Batch
 from posttrain.utils.timer import Timer
 
@@ -48,27 +40,11 @@ def make_loss(cfg: DPOMasterConfig) -> DPOLoss:
 
 def run(cfg: DPOMasterConfig) -> dict[str, float]:
     """Train with DPO for `dpo.max_num_steps` steps; returns the last step's metrics."""
-    from posttrain.data.preference import (
-        build_preference_example,
-        flatten_preference_pairs,
-        load_preference_records,
-        pair_batches,
-    )
-    from posttrain.models.policy.policy import Policy
+    from posttrain.data.preference import flatten_preference_pairs
 
     d = cfg.dpo
-    cfg, tokenizer = start_run(cfg, seed=d.seed, max_num_steps=d.max_num_steps)
-    pad = tokenizer.pad_token_id
-
-    train = build_datums(cfg, build_preference_example, tokenizer, "train", load=load_preference_records)
-    val = build_datums(
-        cfg, build_preference_example, tokenizer, "validation", d.max_val_samples, load=load_preference_records
-    )
-    pairs_per_step = cfg.policy.train_global_batch_size // 2
-    loader = ResumableLoader(train, pairs_per_step, shuffle=cfg.data.shuffle, seed=d.seed)
-    cluster = make_cluster(cfg, cfg.policy.num_workers)
-    policy = Policy(cluster, cfg.policy, init_reference_model=True,
-                    worker_timeout_s=cfg.cluster.worker_timeout_s)
+    job = start_pair_run(cfg, d, init_reference_model=True)
+    cfg, policy, pad = job.cfg, job.policy, job.pad_token_id
     loss_fn = make_loss(cfg)
 
     def with_reference(batch: Batch) -> Batch:
@@ -76,7 +52,7 @@ def run(cfg: DPOMasterConfig) -> dict[str, float]:
         return batch
 
     # The reference never changes: score the validation pairs with it once.
-    val_batches = [with_reference(b) for b in pair_batches(val, d.val_batch_size, pad)]
+    val_batches = [with_reference(b) for b in job.val_batches]
 
     def train_step(datums: list[dict], timer: Timer) -> dict[str, float]:
         batch = flatten_preference_pairs(datums, pad)
@@ -92,10 +68,9 @@ def run(cfg: DPOMasterConfig) -> dict[str, float]:
         return {f"validation/{k}": v for k, v in reduce_loss_metrics(loss_fn, scored).items()}
 
     try:
-        metrics = train_offline(cfg, d, policy, loader, train_step, validate, desc="DPO")
+        metrics = train_offline(cfg, d, policy, job.loader, train_step, validate, desc="DPO")
         finish_offline_run(cfg, metrics)
         return metrics
     finally:
-        policy.shutdown()
-        cluster.shutdown()
+        job.shutdown()
 

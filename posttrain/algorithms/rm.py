@@ -20,17 +20,14 @@ from __future__ import annotations
 import logging
 
 from posttrain.algorithms.common import (
-    build_datums,
     export_hf_atomic,
     finish_offline_run,
-    make_cluster,
     reduce_loss_metrics,
-    start_run,
+    start_pair_run,
     train_offline,
 )
 from posttrain.algorithms.loss import PreferenceLoss
 from posttrain.config.schema import RMMasterConfig
-from posttrain.data.dataloader import ResumableLoader
 from posttrain.utils.timer import Timer
 
 log = logging.getLogger("posttrain.rm")
@@ -38,28 +35,12 @@ log = logging.getLogger("posttrain.rm")
 
 def run(cfg: RMMasterConfig) -> dict[str, float]:
     """Train a reward model for `rm.max_num_steps` steps; export it to `rm.export_dir` when set."""
-    from posttrain.data.preference import (
-        build_preference_example,
-        flatten_preference_pairs,
-        load_preference_records,
-        pair_batches,
-    )
-    from posttrain.models.policy.policy import Policy
+    from posttrain.data.preference import flatten_preference_pairs
 
     r = cfg.rm
-    cfg, tokenizer = start_run(cfg, seed=r.seed, max_num_steps=r.max_num_steps)
-    pad = tokenizer.pad_token_id
-
-    train = build_datums(cfg, build_preference_example, tokenizer, "train", load=load_preference_records)
-    val = build_datums(
-        cfg, build_preference_example, tokenizer, "validation", r.max_val_samples, load=load_preference_records
-    )
-    loader = ResumableLoader(train, cfg.policy.train_global_batch_size // 2, shuffle=cfg.data.shuffle, seed=r.seed)
-    cluster = make_cluster(cfg, cfg.policy.num_workers)
-    policy = Policy(cluster, cfg.policy, init_reference_model=False, model_type="reward",
-                    worker_timeout_s=cfg.cluster.worker_timeout_s)
+    job = start_pair_run(cfg, r, model_type="reward")
+    cfg, policy, pad, val_batches = job.cfg, job.policy, job.pad_token_id, job.val_batches
     loss_fn = PreferenceLoss()
-    val_batches = pair_batches(val, r.val_batch_size, pad)
 
     def train_step(datums: list[dict], timer: Timer) -> dict[str, float]:
         batch = flatten_preference_pairs(datums, pad)
@@ -73,12 +54,11 @@ def run(cfg: RMMasterConfig) -> dict[str, float]:
         return {f"validation/{k}": v for k, v in reduce_loss_metrics(loss_fn, scored).items()}
 
     try:
-        metrics = train_offline(cfg, r, policy, loader, train_step, validate, desc="RM")
+        metrics = train_offline(cfg, r, policy, job.loader, train_step, validate, desc="RM")
         if r.export_dir is not None:
             export_hf_atomic(policy, r.export_dir)
             print(f"[posttrain] reward model exported to {r.export_dir}", flush=True)
         finish_offline_run(cfg, metrics)
         return metrics
     finally:
-        policy.shutdown()
-        cluster.shutdown()
+        job.shutdown()
