@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from posttrain.config.loader import save_config
-from posttrain.config.schema import MasterConfig
+from posttrain.config.schema import MasterConfig, OfflineLoopConfig
 from posttrain.utils.checkpoint import publish_dir
 
 log = logging.getLogger("posttrain")
@@ -245,7 +245,7 @@ def export_hf_atomic(policy, export_dir: str | Path) -> Path:
 
 def train_offline(
     cfg: MasterConfig,
-    algo_cfg,
+    algo_cfg: OfflineLoopConfig,
     policy,
     loader,
     train_step: Callable[[list, Any], dict[str, float]],
@@ -261,8 +261,8 @@ def train_offline(
 
     Args:
         cfg: the master config (`logger`, `checkpointing` sections are read).
-        algo_cfg: the algorithm's section: `max_num_steps`, `max_num_epochs` (the run stops at
-            whichever comes first), `val_period`, `val_at_start`, `val_at_end`.
+        algo_cfg: the algorithm's section (`sft`, `dpo`, `rm`): `max_num_steps`, `max_num_epochs`
+            (the run stops at whichever comes first), `val_period`, `val_at_start`, `val_at_end`.
         policy: the `Policy` being trained (checkpointed with the loader position).
         loader: the `ResumableLoader` of training datums.
         train_step: `(datums of one step, Timer) -> metrics` (names without the `train/` prefix);

@@ -244,7 +244,9 @@ class RewardShapingConfig(Section):
     max_response_length: Optional[int] = Field(None, ge=1, description="Defaults to policy.generation.max_new_tokens.")
 
 
-class SFTConfig(Section):
+class OfflineLoopConfig(Section):
+    """What `algorithms.common.train_offline` reads: run length, validation schedule, seed."""
+
     max_num_steps: int = Field(1000, ge=1)
     max_num_epochs: int = Field(1000, ge=1)
     val_period: int = Field(100, ge=0)
@@ -255,31 +257,28 @@ class SFTConfig(Section):
     seed: int = 42
 
 
-class DPOConfig(Section):
+class SFTConfig(OfflineLoopConfig):
+    pass
+
+
+class _PairLoopConfig(OfflineLoopConfig):
+    """Preference-pair training (DPO, RM): shorter runs; validation counts pairs."""
+
     max_num_steps: int = Field(200, ge=1)
-    max_num_epochs: int = Field(1000, ge=1)
+    val_period: int = Field(50, ge=0)
+    max_val_samples: int = Field(500, ge=1, description="Validation preference pairs.")
+    val_batch_size: int = Field(256, ge=1, description="Pairs per validation forward batch.")
+
+
+class DPOConfig(_PairLoopConfig):
     reference_policy_kl_penalty: float = Field(0.1, gt=0, description="beta in the DPO loss (Rafailov et al. 2023).")
     preference_average_log_probs: bool = False
     sft_loss_weight: float = Field(0.0, ge=0)
     preference_loss_weight: float = Field(1.0, ge=0)
-    val_period: int = Field(50, ge=0)
-    val_at_start: bool = False
-    val_at_end: bool = True
-    max_val_samples: int = Field(500, ge=1, description="Validation preference pairs.")
-    val_batch_size: int = Field(256, ge=1, description="Pairs per validation forward batch.")
-    seed: int = 42
 
 
-class RMConfig(Section):
-    max_num_steps: int = Field(200, ge=1)
-    max_num_epochs: int = Field(1000, ge=1)
-    val_period: int = Field(50, ge=0)
-    val_at_start: bool = False
-    val_at_end: bool = True
-    max_val_samples: int = Field(500, ge=1, description="Validation preference pairs.")
-    val_batch_size: int = Field(256, ge=1, description="Pairs per validation forward batch.")
+class RMConfig(_PairLoopConfig):
     export_dir: Optional[str] = Field(None, description="Write the trained reward model here in HF format at the end.")
-    seed: int = 42
 
 
 # ---------------------------------------------------------------------------------- top level
