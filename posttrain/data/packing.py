@@ -14,8 +14,8 @@ ones (checked against a real HF Llama in tests/unit/test_packing.py):
    CPU), ``attention_mask = block_causal_attention_mask(cu_seqlens)`` (``[1, 1, T, T]`` additive
    float mask: every token sees only earlier tokens of its own sequence). With flash-attention-2,
    pass ``cu_seqlens``/``max_seqlen`` instead.
-4. ``packed_token_logprobs(logits, input_ids, cu_seqlens)`` gives per-token logprobs in the packed
-   layout (0 at each sequence start), and ``unpack(values, cu_seqlens, lengths, max_len)`` scatters
+4. The model's next-token logprobs of the packed row, with ``zero_sequence_starts(values,
+   cu_seqlens)`` (0 at each sequence start), and ``unpack(values, cu_seqlens, lengths, max_len)`` scatters
    them back to ``[n, S]``, aligned with ``batch.select(seq_indices)``; the ordinary loss runs on
    that, so losses never see packing.
 
@@ -244,15 +244,12 @@ def block_causal_attention_mask(
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-def packed_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Per-token logprobs ``[1, T]`` of a packed row from logits ``[1, T, V]``: position t holds
-    log p(token_t | earlier tokens of its sequence), and each sequence's first position is 0 (the
-    convention of docs/internals.md, so `unpack` yields the padded-layout logprobs directly)."""
-    logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    next_token = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    out = torch.cat([next_token.new_zeros(1, 1), next_token], dim=1)
-    starts = cu_seqlens[:-1].long().to(out.device)
-    return out.index_fill(1, starts[starts < out.shape[1]], 0.0)
+def zero_sequence_starts(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``values [1, T]`` of a packed row (e.g. next-token logprobs, which at a sequence's first
+    position would condition on the previous sequence) with each sequence's first position set
+    to 0: the convention of docs/internals.md, so `unpack` yields the padded layout directly."""
+    starts = cu_seqlens[:-1].long().to(values.device)
+    return values.index_fill(1, starts[starts < values.shape[1]], 0.0)
 
 
 # -------------------------------------------------------------------------------- dynamic batching

@@ -12,10 +12,11 @@ from posttrain.data.packing import (
     dynamic_microbatches,
     pack,
     pack_sequences,
-    packed_token_logprobs,
     packing_efficiency,
     unpack,
+    zero_sequence_starts,
 )
+from posttrain.models.policy.forward import next_token_logprobs
 
 
 def check_valid_packing(bins, lengths, capacity):
@@ -142,7 +143,7 @@ def test_packed_logprobs_match_padded_on_tiny_llama(attn_implementation):
             position_ids=packed["position_ids"],
             attention_mask=block_causal_attention_mask(packed["cu_seqlens"]),
         ).logits
-        per_token = packed_token_logprobs(packed_logits, packed["input_ids"], packed["cu_seqlens"])
+        per_token = zero_sequence_starts(next_token_logprobs(packed_logits, packed["input_ids"]), packed["cu_seqlens"])
         restored = unpack(per_token, packed["cu_seqlens"], packed["lengths"], max_len=7)
 
     torch.testing.assert_close(restored, padded, atol=1e-5, rtol=0)

@@ -121,9 +121,9 @@ def microbatch_logprobs(
             mask = packing.block_causal_attention_mask(mb.packed["cu_seqlens"].to(device), dtype=compute_dtype)
             position_ids = mb.packed["position_ids"].to(device)
             logits = model(input_ids=packed_ids, attention_mask=mask, position_ids=position_ids).logits
-            if temperature != 1.0:
-                logits = logits / temperature
-            packed_logprobs = packing.packed_token_logprobs(logits, packed_ids, mb.packed["cu_seqlens"].to(device))
+            packed_logprobs = packing.zero_sequence_starts(
+                next_token_logprobs(logits, packed_ids, temperature), mb.packed["cu_seqlens"]
+            )
             return packing.unpack(packed_logprobs, mb.packed["cu_seqlens"], mb.packed["lengths"], seq_len)
         mask = (torch.arange(seq_len, device=device)[None, :] < lengths[:, None]).long()
         logits = model(input_ids=input_ids, attention_mask=mask).logits
