@@ -16,20 +16,14 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from posttrain.utils.registry import registrar
+
 AdvantageEstimator = Callable[..., torch.Tensor]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
 
-def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator: register ``fn(rewards, group_ids, sample_mask, **options) -> advantages [B]``."""
-
-    def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return decorator
+# @register_advantage_estimator("name") on ``fn(rewards, group_ids, sample_mask, **options) -> advantages [B]``.
+register_advantage_estimator = registrar(ADVANTAGE_ESTIMATORS, "advantage estimator")
 
 
 def compute_advantages(

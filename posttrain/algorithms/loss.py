@@ -17,12 +17,13 @@ Formulas follow NeMo-RL's ``loss_functions.py`` (see ``shared/reference/nemo-rl.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Mapping, Optional, Protocol, TypeVar, Union
+from typing import Any, Callable, Literal, Mapping, Optional, Protocol, Union
 
 import torch
 import torch.nn.functional as F
 
 from posttrain.config.schema import LossConfig
+from posttrain.utils.registry import registrar
 
 Count = Union[torch.Tensor, float, int]
 Metrics = dict[str, float]
@@ -42,19 +43,10 @@ class LossFunction(Protocol):
 
 # -------------------------------------------------------------------------------------- registry
 LOSS_REGISTRY: dict[str, Callable[..., LossFunction]] = {}
-_L = TypeVar("_L")
 
 
-def register_loss(name: str) -> Callable[[_L], _L]:
-    """Class decorator: ``@register_loss("clipped_pg")`` makes the class reachable via `make_loss`."""
-
-    def decorator(cls: _L) -> _L:
-        if name in LOSS_REGISTRY:
-            raise ValueError(f"loss {name!r} is already registered")
-        LOSS_REGISTRY[name] = cls  # type: ignore[assignment]
-        return cls
-
-    return decorator
+# Class decorator: ``@register_loss("clipped_pg")`` makes the class reachable via `make_loss`.
+register_loss = registrar(LOSS_REGISTRY, "loss")
 
 
 def make_loss(name: str, **cfg: Any) -> LossFunction:

@@ -31,21 +31,15 @@ from typing import Callable, Sequence, Union
 
 import torch
 
+from posttrain.utils.registry import registrar
+
 Lengths = Union[Sequence[int], torch.Tensor]
 Packer = Callable[[list[int], int], list[list[int]]]
 PACKERS: dict[str, Packer] = {}
 
 
-def register_packer(name: str) -> Callable[[Packer], Packer]:
-    """Decorator: register ``fn(lengths: list[int], capacity: int) -> bins (indices per bin)``."""
-
-    def decorator(fn: Packer) -> Packer:
-        if name in PACKERS:
-            raise ValueError(f"packer {name!r} is already registered")
-        PACKERS[name] = fn
-        return fn
-
-    return decorator
+# @register_packer("name") on ``fn(lengths: list[int], capacity: int) -> bins (indices per bin)``.
+register_packer = registrar(PACKERS, "packer")
 
 
 def _as_list(lengths: Lengths) -> list[int]:

@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.data.datasets import DataError
+from posttrain.utils.registry import registrar
 
 Processor = Callable[..., dict[str, Any]]
 PROCESSORS: dict[str, Processor] = {}
@@ -29,16 +30,7 @@ TRUNCATED_PROMPT_TOKENS = 4
 DEFAULT_TASK_NAME = "math"
 
 
-def register_processor(name: str) -> Callable[[Processor], Processor]:
-    """Register `fn` under `name` in `PROCESSORS`."""
-
-    def decorator(fn: Processor) -> Processor:
-        if name in PROCESSORS:
-            raise ValueError(f"processor {name!r} is already registered")
-        PROCESSORS[name] = fn
-        return fn
-
-    return decorator
+register_processor = registrar(PROCESSORS, "processor")  # @register_processor("name") on a Processor
 
 
 def _field(record: dict, key: str, idx: int) -> Any:
