@@ -24,3 +24,63 @@ def registrar(registry: dict[str, T], kind: str) -> Callable[[str], Callable[[T]
         return decorator
 
     return register
+
+
+class ImportPathError(ValueError):
+    """An `import_path` ("pkg.module:attr" or "path/to/file.py:attr") that cannot be loaded."""
+
+
+def import_object(path: str) -> object:
+    """Load the object named by `path`: `"package.module:attr"` or `"dir/file.py:attr"`.
+
+    The module form imports like `import package.module` (the current directory is searched
+    first, so a user's own module next to their config works); the file form loads the file
+    under a module name derived from its resolved path, and adds its directory to `sys.path`
+    so the file's own sibling imports work (and Ray workers, which receive the driver's
+    `sys.path`, can unpickle classes from it). `attr` may be dotted (`"mod:Outer.Inner"`).
+    Raises ImportPathError with one line naming the path and what failed.
+    """
+    import importlib
+    import importlib.util
+    import os
+    import sys
+
+    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
+        raise ImportPathError(f"{path!r} is not of the form 'package.module:attr' or 'file.py:attr'")
+    module_part, attr_part = path.split(":")
+    if module_part.endswith(".py") or os.sep in module_part:
+        file = os.path.abspath(module_part)
+        if not os.path.isfile(file):
+            raise ImportPathError(f"{path!r}: file {file} does not exist")
+        directory = os.path.dirname(file)
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
+        name = os.path.splitext(os.path.basename(file))[0]
+        existing = sys.modules.get(name)
+        if existing is not None and os.path.abspath(getattr(existing, "__file__", "") or "") == file:
+            module = existing
+        else:
+            spec = importlib.util.spec_from_file_location(name, file)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            try:
+                spec.loader.exec_module(module)
+            except Exception as exc:
+                del sys.modules[name]
+                raise ImportPathError(f"{path!r}: importing {file} failed: {type(exc).__name__}: {exc}") from exc
+    else:
+        if "" not in sys.path and os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_part)
+        except ModuleNotFoundError as exc:
+            raise ImportPathError(f"{path!r}: no module named {exc.name!r} (searched the current directory and sys.path)") from exc
+        except Exception as exc:
+            raise ImportPathError(f"{path!r}: importing {module_part} failed: {type(exc).__name__}: {exc}") from exc
+    obj: object = module
+    for part in attr_part.split("."):
+        if not hasattr(obj, part):
+            raise ImportPathError(f"{path!r}: {module_part} has no attribute {attr_part!r}")
+        obj = getattr(obj, part)
+    return obj
