@@ -112,14 +112,17 @@ def group_baseline_and_std(
     group_ids: torch.Tensor,
     sample_mask: Optional[torch.Tensor] = None,
     leave_one_out: bool = False,
+    unbiased: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sample baseline and std ``[B]`` of the rewards of the sample's group (as NeMo-RL's
     ``calculate_baseline_and_std_per_prompt``).
 
-    Without ``leave_one_out`` both are the mean / population std over the group's valid samples.
-    With it (RLOO, Ahmadian et al. 2024) they are computed over the *other* valid samples of the
-    group, so the baseline does not depend on the sample's own reward. A group with at most one
-    valid sample gets baseline = reward (advantage 0) and std 0.
+    Without ``leave_one_out`` both are the mean / std over the group's valid samples. With it
+    (RLOO, Ahmadian et al. 2024) they are computed over the *other* valid samples of the group, so
+    the baseline does not depend on the sample's own reward. ``unbiased`` (default True, as NeMo-RL
+    and TRL) divides the squared deviations by n - 1 (the sample std), False by n (population
+    std); a set of values too small for the chosen std has std 0. A group with at most one valid
+    sample gets baseline = reward (advantage 0) and std 0.
     """
     r, m, n = _check_inputs(rewards, group_ids, sample_mask, None)
     count = _group_sums(m, group_ids, n)[group_ids]
@@ -128,7 +131,9 @@ def group_baseline_and_std(
     if leave_one_out:
         count, total, total_sq = count - m, total - r * m, total_sq - r.square() * m
     baseline = total / count.clamp(min=1)
-    variance = (total_sq / count.clamp(min=1) - baseline.square()).clamp(min=0)
+    squared_deviation = (total_sq - count * baseline.square()).clamp(min=0)
+    dof = count - 1 if unbiased else count
+    variance = torch.where(dof > 0, squared_deviation / dof.clamp(min=1), torch.zeros_like(dof))
     lonely = _group_sums(m, group_ids, n)[group_ids] <= 1
     baseline = torch.where(lonely, r, baseline)
     std = torch.where(lonely, torch.zeros_like(variance), variance.sqrt())
@@ -144,6 +149,7 @@ def grpo_advantages(
     *,
     normalize_rewards: bool = True,
     leave_one_out: bool = False,
+    group_std: str = "sample",
     epsilon: float = 1e-6,
 ) -> torch.Tensor:
     """GRPO group-relative advantages (Shao et al. 2024): ``A = r - baseline(group)``, divided by
@@ -152,13 +158,17 @@ def grpo_advantages(
     Args:
         normalize_rewards: divide by the group std (default True; Dr.GRPO, Liu et al. 2025, sets
             False because it biases towards easy/hard prompts). Config ``grpo.normalize_rewards``.
+        group_std: "sample" (default; divide by n - 1 as NeMo-RL and TRL: rewards [1, 3] give
+            advantages -+0.707) or "population" (divide by n: -+1). Config ``grpo.group_std``.
         leave_one_out: RLOO baseline, the mean of the *other* samples of the group (default False;
             Ahmadian et al. 2024). Config ``grpo.use_leave_one_out_baseline``.
         epsilon: added to the std before dividing (default 1e-6).
 
     Samples with ``sample_mask == 0`` get advantage 0 and do not enter any group statistic.
     """
-    baseline, std = group_baseline_and_std(rewards, group_ids, sample_mask, leave_one_out)
+    if group_std not in ("sample", "population"):
+        raise ValueError(f"group_std must be 'sample' or 'population', got {group_std!r}")
+    baseline, std = group_baseline_and_std(rewards, group_ids, sample_mask, leave_one_out, group_std == "sample")
     advantages = rewards - baseline
     if normalize_rewards:
         advantages = torch.where(std > 0, advantages / (std + epsilon), advantages)

@@ -223,7 +223,7 @@ def _generate_groups(ctx: GRPOContext, step: int, gen_batch: int, timer: Timer) 
         sample_mask = sample_mask * (~result.overlong).float()
     advantages = adv.compute_advantages(
         "grpo", rewards, group_ids, sample_mask,
-        normalize_rewards=g.normalize_rewards, leave_one_out=g.use_leave_one_out_baseline,
+        normalize_rewards=g.normalize_rewards, leave_one_out=g.use_leave_one_out_baseline, group_std=g.group_std,
     )
     keep = torch.ones(len(prompts), dtype=torch.bool)
     if g.use_dynamic_sampling:  # DAPO: a group whose (unshaped) rewards all agree teaches nothing

@@ -22,7 +22,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, Protocol, Union
 import torch
 import torch.nn.functional as F
 
-from posttrain.config.schema import LossConfig
+from posttrain.config.schema import LossConfig, loss_option_problem
 from posttrain.utils.registry import registrar
 
 Count = Union[torch.Tensor, float, int]
@@ -225,9 +225,12 @@ class ClippedPGLoss:
 
     Metrics: ``loss``, ``actor_loss``, ``kl_penalty`` (the KL before beta), ``probs_ratio`` and
     ``probs_ratio_clamped`` (token means) with ``_min``/``_max``, ``clip_fraction``,
-    ``token_mult_prob_error``, ``gen_kl_error``, ``sampling_importance_ratio`` (mean untruncated
-    weight), ``approx_entropy``, ``num_valid_samples``, and ``is_oob_ratio`` under icepop /
-    seq-mask-tis.
+    ``token_mult_prob_error``, ``gen_kl_error`` (KL(P_gen || P_train) with the configured estimator),
+    ``sampling_importance_ratio`` (mean of the weights the loss uses, after truncation; the weights
+    it would use when correction is off) and ``sampling_importance_ratio_untruncated``,
+    ``approx_entropy``, ``num_valid_samples``, and ``is_oob_ratio`` (fraction of weights the
+    truncation changed or dropped) under tis / icepop / seq-mask-tis. The KL penalty's gradient
+    form is ``reference_policy_kl_gradient`` (see `_kl_penalty`).
 
     Args:
         cfg: a `LossConfig` (defaults: clip 0.2/0.2, beta 0, k3, token-level). Keyword arguments
@@ -243,30 +246,9 @@ class ClippedPGLoss:
             cfg = cfg.model_copy(update=overrides)
         self.cfg = cfg
         self.loss_type: Literal["token", "sequence"] = "token" if cfg.token_level_loss else "sequence"
-        truncation = cfg.truncated_importance_sampling_type
-        if truncation is not None:
-            if cfg.truncated_importance_sampling_ratio is None:
-                raise ValueError(
-                    f"loss_fn.truncated_importance_sampling_type={truncation!r} needs "
-                    "loss_fn.truncated_importance_sampling_ratio (the upper bound)"
-                )
-            if not cfg.use_importance_sampling_correction:
-                raise ValueError(
-                    "loss_fn.truncated_importance_sampling_type is set but "
-                    "loss_fn.use_importance_sampling_correction is false"
-                )
-            if truncation == "seq-mask-tis" and cfg.sequence_level_importance_ratios:
-                raise ValueError(
-                    "loss_fn.truncated_importance_sampling_type='seq-mask-tis' masks sequences of token-level "
-                    "weights and cannot be combined with loss_fn.sequence_level_importance_ratios"
-                )
-        elif cfg.truncated_importance_sampling_ratio is not None:
-            raise ValueError(
-                "loss_fn.truncated_importance_sampling_ratio is set but loss_fn.truncated_importance_sampling_type "
-                "is not; choose 'tis', 'icepop' or 'seq-mask-tis'"
-            )
-        if cfg.force_on_policy_ratio and cfg.disable_ppo_ratio:
-            raise ValueError("loss_fn.force_on_policy_ratio and loss_fn.disable_ppo_ratio are exclusive")
+        problem = loss_option_problem(cfg)  # the config check, for losses built in code
+        if problem:
+            raise ValueError(problem)
 
     # The two reductions of a per-token quantity; both sum correctly over micro-batches.
     def _reduce(
@@ -293,6 +275,9 @@ class ClippedPGLoss:
         truncation = cfg.truncated_importance_sampling_type
         if truncation == "tis":
             weights = raw.clamp(min=lower, max=upper)
+            # Tokens (or, under GSPO, sequences) whose weight the clamp changed.
+            out_of_bounds = ((raw < lower) | (raw > upper)).float().expand_as(mask)
+            metrics["is_oob_ratio"] = masked_mean(out_of_bounds, mask, global_normalization_factor=toks).item()
         elif truncation == "icepop":
             kept = ((raw >= lower) & (raw <= upper)).float()
             weights = raw * kept
@@ -345,19 +330,14 @@ class ClippedPGLoss:
             pg_loss = torch.where(advantages < 0, torch.minimum(pg_loss, -advantages * cfg.ratio_clip_c), pg_loss)
 
         raw_weights, weights, is_metrics = self._importance_weights(prev, gen, mask, sample_mask, seqs, toks)
+        weights_reported = weights  # without correction, the weights that would be used
         if not cfg.use_importance_sampling_correction:
             weights = torch.ones_like(weights)
         actor_loss = self._reduce(weights * pg_loss, mask, sample_mask, seqs, toks)
 
         if cfg.reference_policy_kl_penalty > 0:
             reference = _shifted(batch, "reference_policy_logprobs", logprobs, who)
-            kl = per_token_kl(
-                logprobs, reference, cfg.reference_policy_kl_type, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value
-            )
-            if cfg.use_on_policy_kl_approximation:
-                # KL(pi || ref) needs samples of pi but the tokens came from pi_gen: reweight them.
-                kl = kl * _finite_or_zero((logprobs - gen).detach().exp())
-            kl_term = self._reduce(kl, mask, sample_mask, seqs, toks)
+            kl_term = self._reduce(self._kl_penalty(logprobs, reference, gen), mask, sample_mask, seqs, toks)
         else:
             kl_term = torch.zeros((), device=logprobs.device)
         loss = actor_loss + cfg.reference_policy_kl_penalty * kl_term
@@ -365,10 +345,39 @@ class ClippedPGLoss:
         with torch.no_grad():
             metrics = self._metrics(
                 logprobs, prev, gen, ratio, ratio_clamped, loss_unclipped, loss_clipped, raw_weights,
-                mask, sample_mask, seqs, toks,
+                weights_reported, mask, sample_mask, seqs, toks,
             )
         metrics.update(loss=loss.item(), actor_loss=actor_loss.item(), kl_penalty=kl_term.item(), **is_metrics)
         return loss, metrics
+
+    def _kl_penalty(self, logprobs: torch.Tensor, reference: torch.Tensor, gen: torch.Tensor) -> torch.Tensor:
+        """Per-token KL penalty, differentiated as `loss_fn.reference_policy_kl_gradient` says.
+
+        The estimators are estimates of KL(pi || ref) from samples of pi. Differentiating the
+        estimate alone ("estimator", DeepSeek-GRPO and TRL's default) drops the score-function
+        term d/dtheta of the sampling distribution: for k3 the result is the gradient of
+        KL(ref || pi). "score_function" (NeMo-RL, TRL's `use_bias_correction_kl`) weights the
+        estimate by exp(logp - sg(logp)), which is 1 in value and adds `kl * dlogp`, giving the
+        gradient of KL(pi || ref); the output clamp then applies after weighting, as in NeMo-RL.
+        With `use_on_policy_kl_approximation` the weight also carries pi / pi_gen (the tokens
+        came from the generator, not from pi).
+        """
+        cfg = self.cfg
+        if cfg.use_on_policy_kl_approximation:
+            # Value pi / pi_gen; its gradient (score-function form only) is that of logp.
+            log_weight = logprobs - gen
+        else:
+            log_weight = logprobs - logprobs.detach()
+        if cfg.reference_policy_kl_gradient == "estimator":
+            kl = per_token_kl(
+                logprobs, reference, cfg.reference_policy_kl_type, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value
+            )
+            return kl * _finite_or_zero(log_weight.detach().exp())
+        kl = per_token_kl(logprobs, reference, cfg.reference_policy_kl_type, cfg.kl_input_clamp_value)
+        kl = kl * _finite_or_zero(log_weight.exp())
+        if cfg.kl_output_clamp_value is not None:
+            kl = kl.clamp(-cfg.kl_output_clamp_value, cfg.kl_output_clamp_value)
+        return kl
 
     def check_train_batch(self, batch: Mapping[str, Any], num_optimizer_steps: int) -> None:
         """Called by `Policy.train` before training: `prev_logprobs` may be absent only when the
@@ -390,6 +399,7 @@ class ClippedPGLoss:
         loss_unclipped: torch.Tensor,
         loss_clipped: torch.Tensor,
         raw_weights: torch.Tensor,
+        weights: torch.Tensor,
         mask: torch.Tensor,
         sample_mask: torch.Tensor,
         seqs: Count,
@@ -400,10 +410,10 @@ class ClippedPGLoss:
 
         ratio_min, ratio_max = _masked_min_max(ratio, mask)
         clamped_min, clamped_max = _masked_min_max(ratio_clamped, mask)
-        if self.cfg.sequence_level_importance_ratios:
-            sampling_ratio = masked_mean(raw_weights[:, 0], sample_mask, global_normalization_factor=seqs).item()
-        else:
-            sampling_ratio = token_mean(raw_weights)
+        def weight_mean(w: torch.Tensor) -> float:
+            if self.cfg.sequence_level_importance_ratios:  # one weight per sequence
+                return masked_mean(w[:, 0], sample_mask, global_normalization_factor=seqs).item()
+            return token_mean(w.expand_as(mask))
         return {
             "probs_ratio": token_mean(ratio),
             "probs_ratio_clamped": token_mean(ratio_clamped),
@@ -416,9 +426,12 @@ class ClippedPGLoss:
             # Token-weighted mean of exp(|gen - prev|); 1.0 = trainer and generator agree exactly.
             # The mask goes inside exp so padding never produces inf * 0.
             "token_mult_prob_error": token_mean(((gen - prev).abs() * mask).exp()),
-            # k3 estimate of KL(P_gen || P_train) with the generator as the sampling distribution.
-            "gen_kl_error": token_mean(per_token_kl(gen, prev, "k3")),
-            "sampling_importance_ratio": sampling_ratio,
+            # KL(P_gen || P_train) with the generator as the sampling distribution, estimated with
+            # the configured estimator (loss_fn.reference_policy_kl_type; k3 by default, as NeMo-RL).
+            "gen_kl_error": token_mean(per_token_kl(gen, prev, self.cfg.reference_policy_kl_type)),
+            # Mean of the importance weights the loss uses (after truncation), and before truncation.
+            "sampling_importance_ratio": weight_mean(weights),
+            "sampling_importance_ratio_untruncated": weight_mean(raw_weights),
             # Entropy of pi estimated from tokens sampled by pi_gen: -E_gen[(pi / pi_gen) log pi].
             "approx_entropy": token_mean(-_finite_or_zero((logprobs - gen).exp()) * logprobs),
             "num_valid_samples": sample_mask.sum().item(),

@@ -124,6 +124,16 @@ class LossConfig(Section):
 
     reference_policy_kl_penalty: float = Field(0.0, ge=0, description="beta; 0 skips the reference model.")
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    reference_policy_kl_gradient: Literal["score_function", "estimator"] = Field(
+        "score_function",
+        description=(
+            "How the KL penalty is differentiated. 'score_function' (default; NeMo-RL's loss, TRL's "
+            "use_bias_correction_kl): the estimate is weighted by exp(logp - sg(logp)) so the gradient "
+            "is that of KL(pi||ref), and kl_output_clamp_value applies after weighting. 'estimator' "
+            "(DeepSeek-GRPO, TRL's default): the estimate alone is differentiated (for k3 its gradient "
+            "is that of KL(ref||pi))."
+        ),
+    )
     kl_input_clamp_value: Optional[float] = Field(20.0, gt=0)
     kl_output_clamp_value: Optional[float] = Field(10.0, gt=0)
     ratio_clip_min: float = Field(0.2, ge=0)
@@ -141,9 +151,49 @@ class LossConfig(Section):
 
     @model_validator(mode="after")
     def _check(self):
-        if self.sequence_level_importance_ratios and self.token_level_loss:
-            raise ValueError("loss_fn.sequence_level_importance_ratios (GSPO) needs loss_fn.token_level_loss=false")
+        problem = loss_option_problem(self)
+        if problem:
+            raise ValueError(problem)
         return self
+
+
+def loss_option_problem(cfg: LossConfig) -> Optional[str]:
+    """Why these `loss_fn.*` options cannot be combined, or None. Checked when the config loads
+    (before any worker starts) and again by `ClippedPGLoss` for losses built in code."""
+    if cfg.sequence_level_importance_ratios and cfg.token_level_loss:
+        return "loss_fn.sequence_level_importance_ratios (GSPO) needs loss_fn.token_level_loss=false"
+    truncation = cfg.truncated_importance_sampling_type
+    upper, lower = cfg.truncated_importance_sampling_ratio, cfg.truncated_importance_sampling_ratio_min
+    if truncation is None:
+        if upper is not None or lower is not None:
+            key = "truncated_importance_sampling_ratio" if upper is not None else "truncated_importance_sampling_ratio_min"
+            return (
+                f"loss_fn.{key} is set but loss_fn.truncated_importance_sampling_type is not; "
+                "choose 'tis', 'icepop' or 'seq-mask-tis'"
+            )
+    else:
+        if upper is None:
+            return (
+                f"loss_fn.truncated_importance_sampling_type={truncation!r} needs "
+                "loss_fn.truncated_importance_sampling_ratio (the upper bound)"
+            )
+        if not cfg.use_importance_sampling_correction:
+            return "loss_fn.truncated_importance_sampling_type is set but loss_fn.use_importance_sampling_correction is false"
+        if lower is not None and lower > upper:
+            # With icepop / seq-mask-tis every weight would be dropped (loss and gradient exactly 0);
+            # with tis every weight would be clamped to the maximum.
+            return (
+                f"loss_fn.truncated_importance_sampling_ratio_min={lower} is greater than "
+                f"loss_fn.truncated_importance_sampling_ratio={upper}: the truncation interval [min, max] is empty"
+            )
+        if truncation == "seq-mask-tis" and cfg.sequence_level_importance_ratios:
+            return (
+                "loss_fn.truncated_importance_sampling_type='seq-mask-tis' masks sequences of token-level "
+                "weights and cannot be combined with loss_fn.sequence_level_importance_ratios"
+            )
+    if cfg.force_on_policy_ratio and cfg.disable_ppo_ratio:
+        return "loss_fn.force_on_policy_ratio and loss_fn.disable_ppo_ratio are exclusive"
+    return None
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -222,6 +272,13 @@ class GRPOConfig(Section):
     max_num_steps: int = Field(100, ge=1)
     max_num_epochs: int = Field(1000, ge=1)
     normalize_rewards: bool = True
+    group_std: Literal["sample", "population"] = Field(
+        "sample",
+        description=(
+            "Std that normalises group advantages: 'sample' divides by n - 1 (NeMo-RL, TRL; default), "
+            "'population' by n (posttrain before 0.2: advantages sqrt(n/(n-1)) larger)."
+        ),
+    )
     use_leave_one_out_baseline: bool = False
     val_period: int = Field(10, ge=0, description="0 disables periodic validation.")
     val_at_start: bool = True

@@ -383,3 +383,89 @@ def test_check_train_batch_refuses_several_steps_without_prev_logprobs():
     ClippedPGLoss(force_on_policy_ratio=True).check_train_batch(batch, num_optimizer_steps=3)
     with pytest.raises(ValueError, match="spans 2 optimizer steps but has no 'prev_logprobs'"):
         ClippedPGLoss().check_train_batch(batch, num_optimizer_steps=2)
+
+
+# ------------------------------------------------------------------ conventions shared with peers
+def kl_gradient(form, kl_type="k3", on_policy_approx=False, gen_minus_prev=None):
+    """d loss / d logp of one token with logp = log 0.5, ref = log 0.25, beta = 1, advantage 0."""
+    logprobs, batch = one_row_batch([math.log(0.5)], [0.0], gen_minus_prev)
+    batch["prev_logprobs"][0, 1] = math.log(0.5)
+    batch["generation_logprobs"][0, 1] += math.log(0.5)
+    batch["reference_policy_logprobs"] = torch.tensor([[0.0, math.log(0.25)]])
+    loss_fn = ClippedPGLoss(reference_policy_kl_penalty=1.0, reference_policy_kl_type=kl_type,
+                            reference_policy_kl_gradient=form, use_on_policy_kl_approximation=on_policy_approx)
+    loss, metrics = call(loss_fn, logprobs, batch)
+    loss.backward()
+    return logprobs.grad[0, 1].item(), metrics["kl_penalty"]
+
+
+def test_kl_penalty_gradient_forms():
+    # log r = ref - logp = log 0.5: k3 = 0.5 - 1 - log 0.5 = 0.1931..., d k3 / d logp = 1 - 0.5.
+    k3 = 0.5 - 1 - math.log(0.5)
+    grad, value = kl_gradient("estimator")  # DeepSeek-GRPO / TRL default: the gradient of KL(ref || pi)
+    assert value == pytest.approx(k3) and grad == pytest.approx(0.5)
+    grad, value = kl_gradient("score_function")  # NeMo-RL: + k3 * d logp / d logp, gradient of KL(pi || ref)
+    assert value == pytest.approx(k3) and grad == pytest.approx(0.5 + k3)
+    # k1 = logp - ref = log 2: the estimator form has gradient 1, the score-function form 1 + log 2.
+    assert kl_gradient("estimator", "k1")[0] == pytest.approx(1.0)
+    assert kl_gradient("score_function", "k1")[0] == pytest.approx(1.0 + math.log(2))
+    # On-policy approximation: weight pi / pi_gen = e^0.3 in value; the score-function form
+    # differentiates it too (d/dlogp [w k3] = w (dk3 + k3)), the estimator form only w dk3.
+    w = math.exp(0.3)
+    grad, value = kl_gradient("score_function", on_policy_approx=True, gen_minus_prev=[-0.3])
+    assert value == pytest.approx(w * k3) and grad == pytest.approx(w * (0.5 + k3))
+    grad, _ = kl_gradient("estimator", on_policy_approx=True, gen_minus_prev=[-0.3])
+    assert grad == pytest.approx(w * 0.5)
+
+
+def test_kl_output_clamp_after_weighting_in_score_function_form():
+    # k1 = logp - ref = 30 clamps to 20 (input clamp) and then 10 (output clamp); the weight's
+    # gradient is clamped away with it under "score_function", as NeMo-RL clamps the weighted value.
+    logprobs, batch = one_row_batch([0.0], [0.0])
+    batch["reference_policy_logprobs"] = torch.tensor([[0.0, -30.0]])
+    for form in ("score_function", "estimator"):
+        lp = logprobs.detach().clone().requires_grad_(True)
+        loss, metrics = call(ClippedPGLoss(reference_policy_kl_penalty=1.0, reference_policy_kl_type="k1",
+                                           reference_policy_kl_gradient=form), lp, batch)
+        loss.backward()
+        assert metrics["kl_penalty"] == pytest.approx(10.0)
+        assert lp.grad[0, 1].item() == pytest.approx(0.0)
+
+
+def test_importance_weight_metrics_for_every_truncation_mode():
+    # Weights 0.5, 1, 3 (prev - gen = log w); bounds [0.6, 2].
+    logprobs, batch = one_row_batch([0.0, 0.0, 0.0], [1.0] * 3, [-math.log(w) for w in (0.5, 1.0, 3.0)])
+    bounds = dict(use_importance_sampling_correction=True, truncated_importance_sampling_ratio=2.0,
+                  truncated_importance_sampling_ratio_min=0.6)
+    _, tis = call(ClippedPGLoss(truncated_importance_sampling_type="tis", **bounds), logprobs, batch)
+    assert tis["is_oob_ratio"] == pytest.approx(2 / 3)
+    assert tis["sampling_importance_ratio"] == pytest.approx((0.6 + 1 + 2) / 3)  # the weights used
+    assert tis["sampling_importance_ratio_untruncated"] == pytest.approx((0.5 + 1 + 3) / 3)
+    _, icepop = call(ClippedPGLoss(truncated_importance_sampling_type="icepop", **bounds), logprobs, batch)
+    assert icepop["is_oob_ratio"] == pytest.approx(2 / 3)
+    assert icepop["sampling_importance_ratio"] == pytest.approx(1 / 3)
+    assert icepop["sampling_importance_ratio_untruncated"] == pytest.approx(1.5)
+    _, plain = call(ClippedPGLoss(), logprobs, batch)
+    assert "is_oob_ratio" not in plain
+    assert plain["sampling_importance_ratio"] == plain["sampling_importance_ratio_untruncated"] == pytest.approx(1.5)
+
+
+def test_gen_kl_error_follows_the_configured_estimator():
+    logprobs, batch = one_row_batch([0.0, 0.0], [1.0, 1.0], [0.1, -0.2])  # gen - prev
+    _, k1 = call(ClippedPGLoss(reference_policy_kl_type="k1"), logprobs, batch)
+    assert k1["gen_kl_error"] == pytest.approx((0.1 - 0.2) / 2)  # k1 = -log r = gen - prev
+    _, k2 = call(ClippedPGLoss(reference_policy_kl_type="k2"), logprobs, batch)
+    assert k2["gen_kl_error"] == pytest.approx((0.01 + 0.04) / 4)
+
+
+def test_truncation_bounds_refused_when_empty():
+    from pydantic import ValidationError
+
+    from posttrain.config.schema import LossConfig
+
+    bad = dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
+               truncated_importance_sampling_ratio=1.5, truncated_importance_sampling_ratio_min=2.0)
+    with pytest.raises(ValidationError, match="truncated_importance_sampling_ratio_min=2.0 is greater than"):
+        LossConfig(**bad)
+    with pytest.raises(ValueError, match="is greater than"):
+        ClippedPGLoss(LossConfig().model_copy(update=bad))
