@@ -121,23 +121,21 @@ def _version() -> str:
 
 # --------------------------------------------------------------------------------------- commands
 def _run_job(args: argparse.Namespace) -> int:
-    from posttrain.config import ConfigError, config_to_yaml, load_config
+    from posttrain.config import config_to_yaml, load_config
+    from posttrain.errors import UserError
 
     try:
         cfg = load_config(args.command, args.config, args.overrides)
-    except ConfigError as e:
-        print(f"posttrain {args.command}: {e}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    if args.print_config:
-        sys.stdout.write(config_to_yaml(cfg))
-        return 0
-    module_name, attr = JOBS[args.command]
-    run = load_target(module_name, attr, args.command)
-    from posttrain.data.datasets import DataError
+        if args.print_config:
+            sys.stdout.write(config_to_yaml(cfg))
+            return 0
+        from posttrain.preflight import preflight
 
-    try:
+        preflight(cfg)  # model paths, hub ids and data: seconds, before Ray or any worker starts
+        module_name, attr = JOBS[args.command]
+        run = load_target(module_name, attr, args.command)
         run(cfg)
-    except DataError as e:  # bad user data: the message names file and line; a traceback adds nothing
+    except UserError as e:  # config, data or model problem: the message names it; a traceback adds nothing
         print(f"posttrain {args.command}: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     return 0
@@ -180,8 +178,14 @@ def greedy_sample(model_dir: Any, prompt: str, max_new_tokens: int = 16) -> tupl
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from posttrain.errors import UserError
+
     convert_to_hf = load_target("posttrain.models.policy.checkpoint", "convert_to_hf", "convert")
-    path = convert_to_hf(args.checkpoint, args.out)
+    try:
+        path = convert_to_hf(args.checkpoint, args.out)
+    except UserError as e:
+        print(f"posttrain convert: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
     print(f"Wrote Hugging Face model to {path if path is not None else args.out}")
     return 0
 

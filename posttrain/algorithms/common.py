@@ -117,9 +117,28 @@ def start_run(cfg: MasterConfig, *, seed: int, max_num_steps: Optional[int] = No
     set_seed(seed)
     if max_num_steps is not None:
         cfg = with_schedule_horizon(cfg, max_num_steps)
+    cfg = with_checkpoint_model(cfg)
     prepare_run_dirs(cfg)
     start_ray(cfg)
     return cfg, load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+
+
+def with_checkpoint_model(cfg):
+    """A `policy.model_name` naming a training checkpoint (`step_N`) becomes its cached HF copy
+    (tokenizer too, unless `policy.tokenizer_name` is set), so every job accepts checkpoints."""
+    from posttrain.preflight import checkpoint_policy_dir
+
+    checkpoint = checkpoint_policy_dir(Path(cfg.policy.model_name).expanduser())
+    if checkpoint is None:
+        return cfg
+    from posttrain.models.policy.checkpoint import converted_checkpoint
+
+    hf_dir = converted_checkpoint(checkpoint)
+    print(f"[posttrain] policy.model_name: checkpoint {cfg.policy.model_name} as Hugging Face model {hf_dir}", flush=True)
+    cfg = cfg.model_copy(deep=True)
+    cfg.policy.tokenizer_name = cfg.policy.tokenizer_name or str(hf_dir)
+    cfg.policy.model_name = str(hf_dir)
+    return cfg
 
 
 @dataclass
@@ -287,7 +306,9 @@ def train_offline(
             info = restore_training_state(checkpointer, policy, loader, logger)
             step = int(info["step"]) if info else 0
         if step == 0 and a.val_at_start:
-            logger.log_metrics(validate(), 0)
+            val_metrics = validate()
+            if val_metrics:  # empty without validation data
+                logger.log_metrics(val_metrics, 0)
 
         bar = ProgressBar(total=last_step, initial=step, enabled=cfg.logger.progress_bar, desc=desc)
         metrics: dict[str, float] = {}
@@ -330,13 +351,15 @@ def reduce_loss_metrics(loss_fn, outputs_and_batches: list[tuple[torch.Tensor, A
     return totals
 
 
-def finish_offline_run(cfg: MasterConfig, metrics: dict[str, float]) -> None:
-    """Write `report.png` (when `logger.report`) and print the last validation accuracy."""
+def finish_offline_run(cfg: MasterConfig, metrics: dict[str, float], name: str) -> None:
+    """Write `report.png` (when `logger.report`) and print a one-line summary of the run."""
     log_dir = Path(cfg.logger.log_dir)
     if cfg.logger.report and (log_dir / "metrics.jsonl").exists():
         from posttrain.utils.report import write_report
 
         write_report(log_dir / "metrics.jsonl", log_dir / "report.png")
-    if "validation/accuracy" in metrics:
-        print(f"[posttrain] validation accuracy {metrics['validation/accuracy']:.1%}, "
-              f"loss {metrics['validation/loss']:.4f}; logs in {log_dir}", flush=True)
+    parts = [f"{key.partition('/')[2].replace('_', ' ')} {value:.1%}" if key.endswith("accuracy")
+             else f"{key.partition('/')[2].replace('_', ' ')} {value:.4f}"
+             for key, value in metrics.items() if key.startswith("validation/")]
+    result = "validation " + ", ".join(parts) if parts else "no validation"
+    print(f"[posttrain] {name} finished: {result}; logs in {log_dir}", flush=True)

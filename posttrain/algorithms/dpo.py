@@ -69,7 +69,7 @@ def run(cfg: DPOMasterConfig) -> dict[str, float]:
 
     try:
         metrics = train_offline(cfg, d, policy, job.loader, train_step, validate, desc="DPO")
-        finish_offline_run(cfg, metrics)
+        finish_offline_run(cfg, metrics, "DPO")
         return metrics
     finally:
         job.shutdown()

@@ -97,6 +97,9 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
     cfg, tokenizer = start_run(cfg, seed=cfg.grpo.seed, max_num_steps=cfg.grpo.max_num_steps)
     train_datums = build_datums(cfg, build_prompt_message_log, tokenizer, "train")
     val_datums = build_datums(cfg, build_prompt_message_log, tokenizer, "validation", cfg.grpo.max_val_samples)
+    if not val_datums:
+        print("[posttrain] no validation data (data.validation_path is unset or empty): running without validation",
+              flush=True)
     loader = ResumableLoader(train_datums, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.grpo.seed)
 
     colocated = cfg.policy.generation.colocated.enabled
@@ -107,7 +110,8 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
         n_gen = cfg.policy.generation.colocated.num_workers or 1
         gen_cluster = make_cluster(cfg, n_gen, name="generation")
     policy, generation = start_concurrently(
-        lambda: Policy(policy_cluster, cfg.policy, init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0),
+        lambda: Policy(policy_cluster, cfg.policy, init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0,
+                       worker_timeout_s=cfg.cluster.worker_timeout_s),
         lambda: make_generation(cfg, gen_cluster),
     )
     refit_metadata = build_refit_metadata(
@@ -319,6 +323,8 @@ def validate(ctx: GRPOContext) -> dict[str, float]:
 
 
 def _validate_metrics(ctx: GRPOContext, step: int) -> dict[str, float]:
+    if not ctx.val_datums:  # no validation set: the run trains without validation (said at set-up)
+        return {}
     t0 = time.perf_counter()
     metrics = validate(ctx)
     metrics["timing/validation/total_validation_time"] = time.perf_counter() - t0
@@ -327,7 +333,9 @@ def _validate_metrics(ctx: GRPOContext, step: int) -> dict[str, float]:
 
 
 def _log_validation(ctx: GRPOContext, step: int) -> None:
-    ctx.logger.log_metrics(_validate_metrics(ctx, step), step)
+    metrics = _validate_metrics(ctx, step)
+    if metrics:
+        ctx.logger.log_metrics(metrics, step)
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -360,8 +368,10 @@ def run(cfg: GRPOMasterConfig) -> dict[str, float]:
 def apply_sft_warm_start(cfg: GRPOMasterConfig) -> GRPOMasterConfig:
     """Run (or reuse) the SFT warm start and point the GRPO policy at its exported weights.
 
-    The export is cached under `$POSTTRAIN_CACHE/sft_warmup/<hash of the sft_warmup config>`, so
-    reruns, resumed runs and the presets that inherit the same warm start share one.
+    The export is cached under `$POSTTRAIN_CACHE/sft_warmup/<hash of the sft_warmup config>`
+    (without its `logger` and `checkpointing` sections, which do not change the weights), so
+    reruns, resumed runs and the presets that inherit the same warm start share one. The warm
+    start logs under `<logger.log_dir>/sft_warmup`.
     """
     import hashlib
 
@@ -369,14 +379,17 @@ def apply_sft_warm_start(cfg: GRPOMasterConfig) -> GRPOMasterConfig:
     from posttrain.config.loader import config_to_yaml
     from posttrain.models.tiny import cache_dir
 
-    key = hashlib.sha1(config_to_yaml(cfg.sft_warmup).encode()).hexdigest()[:12]
+    weights_cfg = cfg.sft_warmup.model_copy(update={"logger": None, "checkpointing": None})
+    key = hashlib.sha1(config_to_yaml(weights_cfg).encode()).hexdigest()[:12]
     warm_dir = cache_dir() / "sft_warmup" / key
     if (warm_dir / "config.json").exists():
         print(f"[posttrain] reusing SFT warm start {warm_dir}", flush=True)
     else:
         print(f"[posttrain] SFT warm start -> {warm_dir}", flush=True)
         warm_dir.parent.mkdir(parents=True, exist_ok=True)
-        sft.run(cfg.sft_warmup, export_dir=warm_dir)
+        warm_cfg = cfg.sft_warmup.model_copy(deep=True)
+        warm_cfg.logger.log_dir = str(Path(cfg.logger.log_dir) / "sft_warmup")
+        sft.run(warm_cfg, export_dir=warm_dir)
     cfg = cfg.model_copy(deep=True)
     cfg.policy.tokenizer_name = cfg.policy.tokenizer_name or str(warm_dir)
     cfg.policy.model_name = str(warm_dir)
@@ -393,6 +406,9 @@ def _finish(ctx: GRPOContext, seconds: float) -> None:
         (s0, before), (s1, after) = ctx.val_history[0], ctx.val_history[-1]
         print(
             f"[posttrain] validation accuracy: {before:.1%} (step {s0}) -> {after:.1%} (step {s1}), "
-            f"{after - before:+.1%} in {seconds:.0f}s; logs in {log_dir}",
+            f"{100 * (after - before):+.1f} percentage points in {seconds:.0f}s; logs in {log_dir}",
             flush=True,
         )
+    else:
+        print(f"[posttrain] GRPO finished at step {ctx.step} in {seconds:.0f}s (no validation); logs in {log_dir}",
+              flush=True)

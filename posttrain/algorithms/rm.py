@@ -58,7 +58,7 @@ def run(cfg: RMMasterConfig) -> dict[str, float]:
         if r.export_dir is not None:
             export_hf_atomic(policy, r.export_dir)
             print(f"[posttrain] reward model exported to {r.export_dir}", flush=True)
-        finish_offline_run(cfg, metrics)
+        finish_offline_run(cfg, metrics, "reward model")
         return metrics
     finally:
         job.shutdown()

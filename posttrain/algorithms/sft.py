@@ -6,12 +6,20 @@ Also the warm start of the embedded GRPO default (`posttrain grpo` with no argum
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from posttrain.algorithms.common import build_datums, export_hf_atomic, make_cluster, start_run, train_offline
+from posttrain.algorithms.common import (
+    build_datums,
+    export_hf_atomic,
+    finish_offline_run,
+    make_cluster,
+    start_run,
+    train_offline,
+)
 from posttrain.algorithms.loss import NLLLoss
 from posttrain.config.schema import SFTMasterConfig
 from posttrain.data.dataloader import ResumableLoader
@@ -29,30 +37,52 @@ def to_train_batch(datums: list[dict], pad_token_id: int) -> Batch:
     return batch
 
 
-def validation_loss(policy, datums: list[dict], pad_token_id: int, batch_size: int) -> float:
-    """Token-mean NLL of the answers, from the policy's logprobs (no training step)."""
-    total, count = 0.0, 0.0
+def validation_metrics(policy, datums: list[dict], pad_token_id: int, batch_size: int) -> dict[str, float]:
+    """Token-mean NLL of the answers and the fraction answered exactly by greedy decoding.
+
+    Accuracy needs no generation: greedy decoding reproduces an answer exactly iff every answer
+    token is the argmax given the true prefix (by induction over the answer's tokens). The
+    logprobs at a near-zero temperature show that: the argmax token gets probability ~1, any
+    other token ~0, so "log p > log 1/2 at every answer token" is the greedy exact-match test.
+    Empty dict without validation data.
+    """
+    if not datums:
+        return {}
+    nll, tokens, exact = 0.0, 0.0, 0.0
     for start in range(0, len(datums), batch_size):
         batch = to_train_batch(datums[start : start + batch_size], pad_token_id)
-        logprobs = policy.get_logprobs(batch)["logprobs"]
         mask = batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]
-        total += -(logprobs[:, 1:] * mask).sum().item()
-        count += mask.sum().item()
-    return total / max(count, 1.0)
+        logprobs = policy.get_logprobs(batch)["logprobs"][:, 1:]
+        nll += -(logprobs * mask).sum().item()
+        tokens += mask.sum().item()
+        near_greedy = policy.get_logprobs(batch, temperature=GREEDY_TEMPERATURE)["logprobs"][:, 1:]
+        missed = ((near_greedy <= -math.log(2)).float() * mask).sum(dim=-1)
+        exact += ((missed == 0) & (mask.sum(dim=-1) > 0)).sum().item()
+    return {"validation/loss": nll / max(tokens, 1.0), "validation/accuracy": exact / len(datums)}
+
+
+# Dividing logits by this makes the argmax token's probability ~1 unless another logit is within
+# ~1e-4 * log(vocab) of it (float32 logits up to ~1e4 / 1e-4 = 1e8 are still finite).
+GREEDY_TEMPERATURE = 1e-4
 
 
 def run(cfg: SFTMasterConfig, export_dir: Optional[Path] = None) -> dict[str, float]:
-    """Train with NLL for `sft.max_num_steps` steps; optionally export HF weights at the end."""
+    """Train with NLL for `sft.max_num_steps` steps; export HF weights to `export_dir` (default
+    `sft.export_dir`) at the end when set; print a summary and write report.png."""
     from posttrain.data.processors import build_sft_example
     from posttrain.models.policy.policy import Policy
 
     s = cfg.sft
+    export_dir = export_dir if export_dir is not None else s.export_dir
     cfg, tokenizer = start_run(cfg, seed=s.seed, max_num_steps=s.max_num_steps)
     train = build_datums(cfg, build_sft_example, tokenizer, "train")
     val = build_datums(cfg, build_sft_example, tokenizer, "validation", s.max_val_samples)
+    if not val:
+        print("[posttrain] no validation data (data.validation_path is unset or empty): SFT runs without validation",
+              flush=True)
     loader = ResumableLoader(train, cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle, seed=s.seed)
     cluster = make_cluster(cfg, cfg.policy.num_workers)
-    policy = Policy(cluster, cfg.policy, init_reference_model=False)
+    policy = Policy(cluster, cfg.policy, init_reference_model=False, worker_timeout_s=cfg.cluster.worker_timeout_s)
     loss_fn = NLLLoss()
     pad = tokenizer.pad_token_id
 
@@ -62,13 +92,15 @@ def run(cfg: SFTMasterConfig, export_dir: Optional[Path] = None) -> dict[str, fl
             return policy.train(batch, loss_fn)
 
     def validate() -> dict[str, float]:
-        return {"validation/loss": validation_loss(policy, val, pad, s.val_batch_size)}
+        return validation_metrics(policy, val, pad, s.val_batch_size)
 
     try:
         metrics = train_offline(cfg, s, policy, loader, train_step, validate, desc="SFT")
         if export_dir is not None:
             export_hf_atomic(policy, export_dir)
-        return metrics
+            print(f"[posttrain] SFT model exported to {export_dir}", flush=True)
     finally:
         policy.shutdown()
         cluster.shutdown()
+    finish_offline_run(cfg, metrics, "SFT")
+    return metrics

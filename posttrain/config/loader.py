@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from posttrain.config.schema import SCHEMAS, MasterConfig
+from posttrain.errors import UserError
 
 COMMAND_LINE = "command line"
 
@@ -42,7 +43,7 @@ DEFAULT_CONFIGS: dict[str, str] = {
 KeyPath = tuple[Union[str, int], ...]  # a key path inside the nested config dict
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config problem the user must fix. `problems` lists each one; str() shows them all."""
 
     def __init__(self, problems: str | Sequence[str]):
@@ -215,6 +216,7 @@ def _apply_overrides(schema_cls: type[BaseModel], data: dict, sources: dict[KeyP
         for i, part in enumerate(path[:-1]):
             if node.get(part) is None:
                 node[part] = {}
+                sources[path[: i + 1]] = COMMAND_LINE  # a section the override creates is the override's
             if not isinstance(node[part], dict):
                 problems.append(
                     f"Cannot set '{key}' (from {COMMAND_LINE}): '{_dotted(path[: i + 1])}' is "
@@ -284,7 +286,9 @@ def suggest_key(key: str, valid_keys: Sequence[str]) -> str | None:
     same_leaf = [k for k in valid_keys if k.rpartition(".")[2] == leaf]
     if same_leaf:
         return (difflib.get_close_matches(key, same_leaf, n=1, cutoff=0.0) or same_leaf)[0]
-    match = difflib.get_close_matches(key, list(valid_keys), n=1, cutoff=0.6)
+    # Not the key's own enclosing section: `grpo.foo` -> "did you mean 'grpo'?" helps nobody.
+    candidates = [k for k in valid_keys if not key.startswith(k + ".")]
+    match = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     return match[0] if match else None
 
 

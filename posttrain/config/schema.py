@@ -230,11 +230,28 @@ class EnvConfig(Section):
 
 
 # ------------------------------------------------------------------------------- logging, ckpts
+def _require_package(enabled: bool, key: str, package: str) -> None:
+    """An enabled tracker whose package is missing fails at config load, not after start-up."""
+    import importlib.util
+    import sys
+
+    if not enabled:
+        return
+    loaded = sys.modules.get(package, False)  # None: import blocked; a module: already imported
+    if loaded is None or (loaded is False and importlib.util.find_spec(package) is None):
+        raise ValueError(f"{key}=true needs the '{package}' package: pip install 'posttrain[tracking]'")
+
+
 class WandbConfig(Section):
     enabled: bool = False
     project: str = "posttrain"
     name: Optional[str] = None
     mode: Literal["online", "offline", "disabled"] = "offline"
+
+    @model_validator(mode="after")
+    def _check(self):
+        _require_package(self.enabled, "logger.wandb.enabled", "wandb")
+        return self
 
 
 class MlflowConfig(Section):
@@ -242,6 +259,11 @@ class MlflowConfig(Section):
     experiment_name: str = "posttrain"
     run_name: Optional[str] = None
     tracking_uri: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        _require_package(self.enabled, "logger.mlflow.enabled", "mlflow")
+        return self
 
 
 class LoggerConfig(Section):
@@ -315,7 +337,7 @@ class OfflineLoopConfig(Section):
 
 
 class SFTConfig(OfflineLoopConfig):
-    pass
+    export_dir: Optional[str] = Field(None, description="Write the trained model here in HF format at the end.")
 
 
 class _PairLoopConfig(OfflineLoopConfig):
@@ -353,11 +375,24 @@ class GRPOMasterConfig(MasterConfig):
     reward_shaping: RewardShapingConfig = RewardShapingConfig()
     env: EnvConfig = EnvConfig()
     sft_warmup: Optional["SFTMasterConfig"] = Field(
-        None, description="Optional SFT warm start run before GRPO (the embedded default uses it)."
+        None,
+        description=(
+            "Optional SFT warm start run before GRPO (the embedded default uses it); cached by its config, "
+            "it logs under <logger.log_dir>/sft_warmup (its own logger.log_dir is not used)."
+        ),
     )
 
     @model_validator(mode="after")
     def _check(self):
+        warm = self.sft_warmup
+        if warm is not None and self.policy.model_name != warm.policy.model_name:
+            # The warm start trains sft_warmup.policy.model_name and GRPO continues from its
+            # export, so policy.model_name would be silently ignored.
+            raise ValueError(
+                f"policy.model_name={self.policy.model_name!r} would be replaced by the SFT warm start of "
+                f"sft_warmup.policy.model_name={warm.policy.model_name!r}: set sft_warmup=null to train "
+                f"{self.policy.model_name!r} directly, or sft_warmup.policy.model_name to warm-start it"
+            )
         # Each GRPO step trains on prompts x generations rows in optimizer steps of
         # policy.train_global_batch_size rows (NeMo-RL's meaning of the key).
         rows = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt

@@ -22,11 +22,12 @@ from typing import Literal, Sequence
 
 from posttrain.config.schema import DataConfig
 from posttrain.data.arithmetic import generate_arithmetic
+from posttrain.errors import UserError
 
 Split = Literal["train", "validation"]
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """Bad data: the message names the file (or data set) and the line or row."""
 
 
@@ -52,7 +53,7 @@ def _read_jsonl(path: str | os.PathLike, required_keys: Sequence[str] = ()) -> l
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line.rstrip("\r\n"))  # a kept newline would shift the error's column
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
             if not isinstance(record, dict):
@@ -99,11 +100,15 @@ def read_source_rows(data_cfg: DataConfig, split: Split) -> tuple[list[dict], li
         return [], []
     if data_cfg.dataset == "jsonl":
         numbered = _read_jsonl(source)
-        return [row for _, row in numbered], [f"{source}:{line}" for line, _ in numbered]
-    if data_cfg.dataset == "hf":
+        rows, locations = [row for _, row in numbered], [f"{source}:{line}" for line, _ in numbered]
+    elif data_cfg.dataset == "hf":
         rows, where = _load_hf(source, split)
-        return rows, [f"{where} row {i}" for i in range(len(rows))]
-    raise DataError(f"unknown data.dataset {data_cfg.dataset!r}")
+        locations = [f"{where} row {i}" for i in range(len(rows))]
+    else:
+        raise DataError(f"unknown data.dataset {data_cfg.dataset!r}")
+    if split == "train" and not rows:
+        raise DataError(f"{source}: the training data (data.train_path) has no records")
+    return rows, locations
 
 
 def format_prompt(data_cfg: DataConfig, fields: dict, at: str) -> str:

@@ -7,7 +7,6 @@ model), so both report the same numbers the same way.
 from __future__ import annotations
 
 import copy
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
@@ -92,49 +91,52 @@ def consensus_accuracy(answers: list[Optional[str]], rewards: torch.Tensor, k: i
     return correct / max(num_prompts, 1)
 
 
-def _hf_dir_for(model_name: str, work_dir: Path) -> str:
-    """A training checkpoint (`step_N/`) is converted to HF format first; anything else loads as is."""
-    path = Path(model_name)
-    if (path / "policy").is_dir():
-        from posttrain.models.policy.checkpoint import convert_to_hf
-
-        out = work_dir / "hf"
-        convert_to_hf(path, out)
-        return str(out)
-    return model_name
-
-
 def run(cfg) -> dict[str, float]:
-    """`posttrain eval`: evaluate `policy.model_name` (hub id, HF dir or checkpoint step dir)."""
+    """`posttrain eval`: evaluate `policy.model_name` (hub id, HF dir or checkpoint step dir).
+
+    Prints what was scored (model, split, prompts, samples per prompt) and the metrics, and
+    appends one record per evaluation to `<logger.log_dir>/eval_results.jsonl` (never to a
+    training run's metrics.jsonl).
+    """
+    import json
+    import time
+
     from posttrain.algorithms.common import build_datums, make_cluster, make_envs, make_generation, start_run
     from posttrain.data.processors import build_prompt_message_log
     from posttrain.environments.registry import EnvRouter
-    from posttrain.utils.logger import Logger
 
     e = cfg.eval
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = cfg.model_copy(deep=True)
-        cfg.policy.model_name = _hf_dir_for(cfg.policy.model_name, Path(tmp))
-        cfg, tokenizer = start_run(cfg, seed=e.seed)
-        datums = build_datums(cfg, build_prompt_message_log, tokenizer, e.split, e.max_samples)
-        envs = make_envs(cfg, [d["task_name"] for d in datums])
-        cluster = make_cluster(cfg, 1, name="eval")
-        generation = make_generation(cfg, cluster, seed=e.seed)
-        try:
-            greedy = e.num_generations_per_prompt == 1 and cfg.policy.generation.val_temperature is None
-            metrics = evaluate(
-                generation, datums, tokenizer, envs, k=e.num_generations_per_prompt, greedy=greedy,
-                batch_size=e.batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
-                max_rollout_turns=e.max_rollout_turns, seed=e.seed,
-                num_samples_to_print=cfg.logger.num_val_samples_to_print,
-            )
-        finally:
-            EnvRouter(envs).shutdown()
-            generation.shutdown()
-            cluster.shutdown()
-    logger = Logger(cfg.logger)
-    logger.log_metrics(metrics, 0)
-    logger.close()
+    model_name = cfg.policy.model_name
+    cfg, tokenizer = start_run(cfg, seed=e.seed)
+    datums = build_datums(cfg, build_prompt_message_log, tokenizer, e.split, e.max_samples)
+    if not datums:
+        from posttrain.errors import UserError
+
+        raise UserError(f"eval.split={e.split!r} of the configured data has no records (is data.validation_path set?)")
+    k = e.num_generations_per_prompt
+    greedy = k == 1 and cfg.policy.generation.val_temperature is None
+    sampling = "greedy" if greedy else f"sampled at temperature {cfg.policy.generation.temperature}"
+    print(f"[posttrain] eval: {model_name}, {e.split} split, {len(datums)} prompts x {k} samples ({sampling})", flush=True)
+    envs = make_envs(cfg, [d["task_name"] for d in datums])
+    cluster = make_cluster(cfg, 1, name="eval")
+    generation = make_generation(cfg, cluster, seed=e.seed)
+    try:
+        metrics = evaluate(
+            generation, datums, tokenizer, envs, k=k, greedy=greedy,
+            batch_size=e.batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
+            max_rollout_turns=e.max_rollout_turns, seed=e.seed,
+            num_samples_to_print=cfg.logger.num_val_samples_to_print,
+        )
+    finally:
+        EnvRouter(envs).shutdown()
+        generation.shutdown()
+        cluster.shutdown()
     for name, value in metrics.items():
         print(f"{name}: {value:.4f}")
+    results = Path(cfg.logger.log_dir) / "eval_results.jsonl"
+    record = {"model": model_name, "split": e.split, "num_prompts": len(datums), "samples_per_prompt": k,
+              "greedy": greedy, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "metrics": metrics}
+    with results.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(f"[posttrain] results appended to {results}", flush=True)
     return metrics

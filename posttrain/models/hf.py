@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -20,8 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from posttrain.models.tiny import ARCHS, PRESETS, ensure_tiny_model
 
-# A hub id is `name` or `owner/name` made of letters, digits, `-`, `_`, `.`.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+from posttrain.preflight import HUB_ID as _HUB_ID
 
 
 def parse_tiny_name(name: str, tiny_arch: str = "llama") -> tuple[str, str] | None:

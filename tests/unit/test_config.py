@@ -102,6 +102,7 @@ def test_overrides_parse_yaml_values():
             "+grpo.max_num_steps=9",
             "sft_warmup.sft.max_num_steps=5",
             "policy.model_name=1234",  # a string field keeps the text, not the number
+            "sft_warmup.policy.model_name=1234",  # the warm start must train the same model
         ],
     )
     assert cfg.policy.optimizer.lr == 3e-4 and isinstance(cfg.policy.optimizer.lr, float)
@@ -112,7 +113,7 @@ def test_overrides_parse_yaml_values():
     assert cfg.policy.generation.colocated.num_workers == 2
     assert cfg.grpo.max_num_steps == 9
     assert cfg.sft_warmup.sft.max_num_steps == 5
-    assert cfg.sft_warmup.sft.val_period == 0  # the rest of the embedded sft_warmup is kept
+    assert cfg.sft_warmup.sft.val_period == 50  # the rest of the embedded sft_warmup is kept
     assert cfg.policy.model_name == "1234"
 
 

@@ -84,11 +84,15 @@ def test_read_metrics_jsonl_names_the_bad_line(tmp_path):
         read_metrics_jsonl(path)
 
 
-def test_wandb_enabled_but_missing_is_a_clear_error(tmp_path, monkeypatch):
+def test_wandb_enabled_but_missing_is_a_clear_error_at_config_load(tmp_path, monkeypatch):
+    from pydantic import ValidationError
+
     monkeypatch.setitem(sys.modules, "wandb", None)  # import fails like an absent package
-    cfg = LoggerConfig(log_dir=str(tmp_path), tensorboard_enabled=False, wandb={"enabled": True})
-    with pytest.raises(ImportError, match="logger.wandb.enabled=true but the 'wandb' package is not installed"):
-        Logger(cfg)
+    with pytest.raises(ValidationError, match="logger.wandb.enabled=true needs the 'wandb' package"):
+        LoggerConfig(log_dir=str(tmp_path), tensorboard_enabled=False, wandb={"enabled": True})
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(ValidationError, match="logger.mlflow.enabled=true needs the 'mlflow' package"):
+        LoggerConfig(log_dir=str(tmp_path), mlflow={"enabled": True})
 
 
 def test_wandb_and_mlflow_calls(tmp_path, monkeypatch):

@@ -162,12 +162,44 @@ def save_hf(
     return out
 
 
+def converted_checkpoint(checkpoint_dir: str | os.PathLike) -> Path:
+    """A Hugging Face copy of a `step_N` checkpoint, converted once and cached.
+
+    Lets `policy.model_name` name a training checkpoint everywhere a model is accepted. The cache
+    key is the checkpoint's resolved path and modification time, so a re-saved step converts again.
+    """
+    import hashlib
+
+    from posttrain.models.tiny import cache_dir
+
+    path = Path(checkpoint_dir).resolve()
+    stamp = f"{path}:{(path / MODEL_DIR).stat().st_mtime_ns if (path / MODEL_DIR).exists() else path.stat().st_mtime_ns}"
+    out = cache_dir() / "checkpoint_hf" / hashlib.sha1(stamp.encode()).hexdigest()[:16]
+    if not (out / "config.json").is_file():
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        convert_to_hf(path, tmp)
+        publish_dir(tmp, out)
+    return out
+
+
 def convert_to_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Convert a policy checkpoint (or a `step_N` dir with one under `policy/`) to HF format.
 
-    Runs in a single process without a process group.
+    Runs in a single process without a process group. A run's checkpoint directory (holding
+    `step_N` subdirectories) is refused with a `UserError` naming its latest step.
     """
+    from posttrain.errors import UserError
+    from posttrain.preflight import checkpoint_policy_dir, latest_step_dir
+
     path = Path(checkpoint_dir)
+    if not path.is_dir():
+        raise UserError(f"checkpoint {str(path)!r} does not exist")
+    if checkpoint_policy_dir(path) is None:
+        latest = latest_step_dir(path)
+        if latest is not None:
+            raise UserError(f"{path} is a run's checkpoint directory; convert one of its steps, e.g. --checkpoint {latest}")
+        raise UserError(f"{path} is not a training checkpoint (expected a step_N directory with policy/model/.metadata)")
     if not (path / MODEL_DIR).is_dir() and (path / "policy" / MODEL_DIR).is_dir():
         path = path / "policy"
     path = check_checkpoint_dir(path)

@@ -1,0 +1,115 @@
+"""Checks of a job's inputs that need the file system or the network, run before any work starts.
+
+The schema already refused what a config alone can show (unknown keys, bad values, options that
+do not combine). What is left needs a look outside: does the model path exist, is it a training
+checkpoint, can a hub id be downloaded, does the data parse. `preflight(cfg)` answers all of that
+in seconds, before Ray, workers or an SFT warm start spend minutes, and raises `UserError` with one
+line naming the key and the value.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional
+
+from posttrain.errors import UserError
+
+# A hub id is `name` or `owner/name` made of letters, digits, `-`, `_`, `.` (as in models/hf.py).
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+HUB_PROBE_TIMEOUT_S = 5.0
+
+
+def preflight(cfg: Any) -> None:
+    """Check `cfg`'s model, tokenizer and data (and its SFT warm start's, if any); see the module doc."""
+    from posttrain.config.schema import GRPOMasterConfig
+
+    if isinstance(cfg, GRPOMasterConfig) and cfg.sft_warmup is not None:
+        preflight(cfg.sft_warmup)
+    policy = cfg.policy
+    check_model_name(policy.model_name, "policy.model_name", policy.tiny_arch)
+    if policy.tokenizer_name is not None:
+        check_model_name(policy.tokenizer_name, "policy.tokenizer_name", policy.tiny_arch)
+    load_split_records(cfg)
+
+
+def load_split_records(cfg: Any) -> dict[str, list[dict]]:
+    """Read the train and validation records of `cfg.data` (preference pairs for DPO / RM).
+
+    Raises `DataError` (file and line) for bad data, including an empty training set. An empty or
+    absent validation set is allowed: the job then runs without validation and says so.
+    """
+    from posttrain.config.schema import DPOMasterConfig, RMMasterConfig
+    from posttrain.data.datasets import load_records
+
+    load = load_records
+    if isinstance(cfg, (DPOMasterConfig, RMMasterConfig)):
+        from posttrain.data.preference import load_preference_records as load
+    return {split: load(cfg.data, split) for split in ("train", "validation")}
+
+
+def checkpoint_policy_dir(path: Path) -> Optional[Path]:
+    """The policy checkpoint inside a `step_N` directory (or the policy directory itself), else None."""
+    for candidate in (path / "policy", path):
+        if (candidate / "model" / ".metadata").is_file():
+            return candidate
+    return None
+
+
+def latest_step_dir(run_dir: Path) -> Optional[Path]:
+    """The `step_N` subdirectory with the largest N, if `run_dir` is a checkpoint directory."""
+    steps = [(int(p.name[5:]), p) for p in run_dir.glob("step_*") if p.name[5:].isdigit() and p.is_dir()]
+    return max(steps)[1] if steps else None
+
+
+def check_model_name(name: str, key: str, tiny_arch: str = "llama") -> None:
+    """Refuse a model name that cannot load, fast: a missing or wrong local path, a run directory
+    given where a `step_N` is meant, or a hub id that is neither cached nor downloadable."""
+    from posttrain.models.tiny import ARCHS, PRESETS
+
+    preset, _, arch = name.partition("-")
+    if preset in PRESETS and (not arch or arch in ARCHS):
+        return  # a built-in preset, built locally
+    path = Path(name).expanduser()
+    if path.is_file():
+        raise UserError(f"{key}={name!r} is a file; expected a Hugging Face model directory or a step_N checkpoint")
+    if path.is_dir():
+        if (path / "config.json").is_file() or checkpoint_policy_dir(path) is not None:
+            return
+        latest = latest_step_dir(path)
+        if latest is not None:
+            raise UserError(f"{key}={name!r} is a run's checkpoint directory; name one step of it, e.g. {latest}")
+        raise UserError(f"{key}={name!r} is neither a Hugging Face model directory (no config.json) nor a step_N checkpoint")
+    looks_like_path = name.startswith(("/", ".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+    if looks_like_path or not HUB_ID.match(name):
+        raise UserError(
+            f"{key}={name!r}: no such directory, and not a built-in preset ({', '.join(sorted(PRESETS))}) "
+            "or a hub id like 'owner/name'"
+        )
+    check_hub_model(name, key)
+
+
+def check_hub_model(repo_id: str, key: str) -> None:
+    """A hub id must be in the local Hugging Face cache or downloadable: otherwise transformers
+    would retry for over a minute inside every worker before failing."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return
+    if constants.HF_HUB_OFFLINE:
+        raise UserError(f"{key}={repo_id!r} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set")
+    url = f"{constants.ENDPOINT}/api/models/{repo_id}"
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403, 404):
+            raise UserError(f"{key}={repo_id!r}: no such model on {constants.ENDPOINT} (or it is private: HTTP {e.code})") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise UserError(
+            f"{key}={repo_id!r} is not in the local Hugging Face cache and {constants.ENDPOINT} cannot be reached "
+            f"({reason}); use a local model directory or download it where the hub is reachable"
+        ) from None
