@@ -2,26 +2,36 @@
 # Run any command inside the project's virtual environment, creating it on first use.
 #   ./run.sh posttrain grpo        # the main job
 #   ./run.sh pytest                # the test suite
-# The venv lives in .venv; it is (re)installed only when pyproject.toml changes.
+# The venv lives in the repository's .venv; it is (re)installed only when pyproject.toml changes.
+# The command runs in the directory you called this script from, so relative paths in your
+# configs and arguments mean what you expect (`/path/to/posttrain/run.sh posttrain grpo --config my.yaml`).
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")"
-VENV=.venv
-STAMP="$VENV/.installed-$(sha1sum pyproject.toml | cut -c1-12)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+VENV="$REPO/.venv"
+STAMP="$VENV/.installed-$(sha1sum "$REPO/pyproject.toml" | cut -c1-12)"
 if [ ! -f "$STAMP" ]; then
-    echo "[run.sh] setting up $VENV (first run only)..." >&2
-    python3 -m venv "$VENV"
+    LOG="$REPO/.venv-install.log"
+    echo "[run.sh] setting up $VENV (first run only, a few minutes); full log: $LOG" >&2
+    phase() {  # phase NAME CMD...: one line per phase; on failure the log's tail and its path
+        echo "[run.sh]   $1..." >&2
+        shift
+        if ! "$@" >>"$LOG" 2>&1; then
+            tail -n 40 "$LOG" >&2
+            echo "[run.sh] install failed; full log in $LOG" >&2
+            exit 1
+        fi
+    }
+    : >"$LOG"
+    phase "creating the virtual environment" python3 -m venv "$VENV"
+    phase "upgrading pip" "$VENV/bin/python" -m pip install --upgrade pip
     # Plain pip (not uv): it honours this machine's pip configuration, so torch==2.13.0
     # resolves to the local CPU wheel instead of several GB of CUDA packages.
-    LOG="$VENV/install.log"
-    if ! { "$VENV/bin/python" -m pip install --upgrade pip &&
-           "$VENV/bin/python" -m pip install torch==2.13.0 &&
-           "$VENV/bin/python" -m pip install -e ".[dev]"; } >"$LOG" 2>&1; then
-        tail -n 40 "$LOG" >&2
-        echo "[run.sh] install failed; full log in $LOG" >&2
-        exit 1
-    fi
+    phase "installing torch 2.13.0 (the largest download)" "$VENV/bin/python" -m pip install torch==2.13.0
+    phase "installing posttrain and its pinned dependencies (ray, transformers, ...)" \
+        "$VENV/bin/python" -m pip install -e "$REPO[dev]"
     rm -f "$VENV"/.installed-*
     touch "$STAMP"
+    echo "[run.sh] environment ready" >&2
 fi
-export PATH="$PWD/$VENV/bin:$PATH"
+export PATH="$VENV/bin:$PATH"
 exec "$@"

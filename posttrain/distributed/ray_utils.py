@@ -83,6 +83,10 @@ def init_ray(
     if address is None:
         _quiet_default_token_auth_notice()
         ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+        # The local cluster's processes must not outlive a killed controller (kill -9 included).
+        from posttrain.distributed.reaper import start_reaper
+
+        start_reaper()
     else:
         ray.init(address=address, **kwargs)
 

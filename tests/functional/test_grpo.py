@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -248,8 +249,14 @@ def test_kill_and_resume_reproduces_uninterrupted_metrics(tmp_path):
         assert killed.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
         assert time.time() < deadline, "no step-2 checkpoint in time"
         time.sleep(0.2)
+    ray_processes = [p for p in psutil.Process(killed.pid).children(recursive=True)]
+    assert any("raylet" in " ".join(p.cmdline()) for p in ray_processes)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
+    # The reaper takes the killed controller's Ray processes down within seconds (Ray's own
+    # agents would linger for about a minute).
+    _, alive = psutil.wait_procs(ray_processes, timeout=15)
+    assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
     assert straight.wait(timeout=400) == 0, (tmp_path / "straight.log").read_text()[-3000:]
     resumed = _run_cli(runs["killed"][0], tmp_path / "resumed.log")
     assert resumed.wait(timeout=400) == 0, (tmp_path / "resumed.log").read_text()[-3000:]

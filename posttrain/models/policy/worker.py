@@ -145,9 +145,23 @@ class PolicyWorker(DistributedWorker):
         config = AutoConfig.from_pretrained(model_path, num_labels=1)
         if config.pad_token_id is None:  # needed to find each row's last token
             config.pad_token_id = self.tokenizer.pad_token_id
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)  # the new score head: same initial values on every rank and run
-            return AutoModelForSequenceClassification.from_pretrained(model_path, config=config, dtype=torch.float32)
+        from transformers.utils import logging as hf_logging
+
+        # transformers prints a coloured LOAD REPORT table listing lm_head as UNEXPECTED and the
+        # score head as MISSING: expected for a new reward head, alarming to read. Say it plainly.
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)  # the new score head: same initial values on every rank and run
+                model, info = AutoModelForSequenceClassification.from_pretrained(
+                    model_path, config=config, dtype=torch.float32, output_loading_info=True
+                )
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        if self.rank == 0:
+            print(reward_head_load_note(model_path, info["missing_keys"], info["unexpected_keys"]), flush=True)
+        return model
 
     def _shard_model(self) -> None:
         """FSDP2: one unit per decoder layer (HF's `_no_split_modules`), then the root."""
@@ -510,3 +524,18 @@ def _accumulate(sums: dict[str, float], metrics: dict[str, Any]) -> None:
         else:
             sums[name] = sums.get(name, 0.0) + value
 
+
+def reward_head_load_note(model_path: str, missing: list[str], unexpected: list[str]) -> str:
+    """One plain line about loading a causal LM as a reward model: a new score head and the
+    language-model head left out are expected; anything else missing or unused is named."""
+    new_head = sorted(k for k in missing if k.startswith("score."))
+    dropped = sorted(k for k in unexpected if k.startswith("lm_head."))
+    other_missing = sorted(set(missing) - set(new_head))
+    other_unused = sorted(set(unexpected) - set(dropped))
+    if not other_missing and not other_unused:
+        if not new_head:
+            return f"[posttrain] reward model loaded from {model_path} (with its trained score head)"
+        return (f"[posttrain] reward model from {model_path}: new score head ({', '.join(new_head)}) initialised; "
+                f"the language-model head is not used")
+    return (f"[posttrain] WARNING: reward model from {model_path}: weights not in the checkpoint: "
+            f"{other_missing[:5] or 'none'}; checkpoint weights not used: {other_unused[:5] or 'none'}")
