@@ -1,0 +1,91 @@
+"""The paths a new user takes, run as they would run them: the `posttrain` command in their own
+directory (not the repository), relative paths, no validation set, a checkpoint as the model,
+SFT with an export, eval of a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.functional
+
+REPO = Path(__file__).resolve().parents[2]
+
+SMALL_GRPO = [
+    "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=2",
+    "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8",
+    "policy.max_total_sequence_length=32", "policy.generation.max_new_tokens=6",
+    "logger.progress_bar=false", "logger.tensorboard_enabled=false", "checkpointing.save_period=1",
+    # A 2-step warm start that validates: it must log under <logger.log_dir>/sft_warmup.
+    "sft_warmup.sft.max_num_steps=2", "sft_warmup.sft.val_period=1", "sft_warmup.sft.max_val_samples=8",
+    "sft_warmup.data.num_train=32", "sft_warmup.data.num_validation=8",
+    "sft_warmup.policy.train_global_batch_size=8", "sft_warmup.policy.train_micro_batch_size=8",
+    "sft_warmup.policy.max_total_sequence_length=32",
+]
+
+
+def posttrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, "-m", "posttrain", *args], cwd=cwd, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "POSTTRAIN_CACHE": str(cwd / "cache")},
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return result
+
+
+def metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_grpo_without_validation_in_the_users_directory_then_checkpoint_as_model(tmp_path):
+    rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(6) for b in range(6)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first = posttrain("grpo", *SMALL_GRPO, "data.dataset=jsonl", "data.train_path=train.jsonl",
+                      "logger.log_dir=logs/a", "checkpointing.checkpoint_dir=ckpt/a", cwd=tmp_path)
+    assert "running without validation" in first.stdout
+    assert "GRPO finished at step 2" in first.stdout and "(no validation)" in first.stdout
+    assert not any(k.startswith("validation/") for row in metrics(tmp_path / "logs/a/metrics.jsonl") for k in row)
+    assert (tmp_path / "ckpt/a/step_2/training_info.json").is_file()  # relative to the user's directory
+    warm = metrics(tmp_path / "logs/a/sft_warmup/metrics.jsonl")  # the warm start follows logger.log_dir
+    assert [row["step"] for row in warm if "validation/accuracy" in row] == [1, 2]
+
+    # A step_N checkpoint is a model for GRPO (and eval) too; arithmetic data has validation.
+    second = posttrain("grpo", *SMALL_GRPO, "sft_warmup=null", "policy.model_name=ckpt/a/step_2",
+                       "grpo.max_val_samples=8", "data.num_validation=8", "data.num_train=32",
+                       "logger.log_dir=logs/b", "checkpointing.enabled=false", cwd=tmp_path)
+    assert "policy.model_name: checkpoint ckpt/a/step_2 as Hugging Face model" in second.stdout
+    assert "percentage points" in second.stdout
+
+    evaluated = posttrain("eval", "policy.model_name=ckpt/a/step_2", "eval.max_samples=4",
+                          "eval.num_generations_per_prompt=1", "logger.log_dir=logs/eval", cwd=tmp_path)
+    assert "eval: ckpt/a/step_2, validation split, 4 prompts x 1 samples (greedy)" in evaluated.stdout
+    (record,) = metrics(tmp_path / "logs/eval/eval_results.jsonl")
+    assert record["model"] == "ckpt/a/step_2" and record["num_prompts"] == 4
+    assert not (tmp_path / "logs/eval/metrics.jsonl").exists()
+
+
+def test_sft_export_summary_report_and_no_fake_validation(tmp_path):
+    rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(6) for b in range(6)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["sft.max_num_steps=2", "sft.val_period=1", "policy.train_global_batch_size=8",
+              "policy.train_micro_batch_size=8", "logger.progress_bar=false", "checkpointing.enabled=false"]
+    result = posttrain("sft", *common, "sft.export_dir=out", "logger.log_dir=logs/sft", cwd=tmp_path)
+    assert "[posttrain] SFT finished: validation loss" in result.stdout and "accuracy" in result.stdout
+    assert (tmp_path / "out/config.json").is_file() and (tmp_path / "logs/sft/report.png").is_file()
+    last = metrics(tmp_path / "logs/sft/metrics.jsonl")[-1]
+    assert 0.0 <= last["validation/accuracy"] <= 1.0 and last["validation/loss"] > 0
+
+    result = posttrain("sft", *common, "data.dataset=jsonl", "data.train_path=train.jsonl",
+                       "logger.log_dir=logs/noval", cwd=tmp_path)
+    assert "SFT finished: no validation" in result.stdout
+    assert not any(k.startswith("validation/") for row in metrics(tmp_path / "logs/noval/metrics.jsonl") for k in row)
+
+
+def test_run_sh_keeps_the_callers_directory(tmp_path):
+    out = subprocess.run(["bash", str(REPO / "run.sh"), "pwd"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == str(tmp_path)
