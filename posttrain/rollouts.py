@@ -51,6 +51,7 @@ def run_multi_turn_rollout(
     greedy: bool = False,
     seeds: Optional[torch.Tensor] = None,
     weight_version: int = 0,
+    params: Optional[dict[str, Any]] = None,
 ) -> RolloutResult:
     """Roll out `datums` (already repeated per generation) until every sample is done.
 
@@ -60,6 +61,8 @@ def run_multi_turn_rollout(
         max_seq_len: total token limit of a conversation (prompt + all turns).
         seeds: optional per-sample sampling seeds `[B]`; turn t uses `seeds + t`, so a fixed seed
             reproduces the whole rollout regardless of batching.
+        params: per-call sampling overrides passed to `generate` (e.g. `{"temperature": 0.6}` for
+            validation at `policy.generation.val_temperature`).
     """
     n = len(datums)
     rewards = torch.zeros(n)
@@ -83,7 +86,7 @@ def run_multi_turn_rollout(
         batch["stop_strings"] = [stop_strings[i] for i in active]
         if seeds is not None:
             batch["seeds"] = seeds[active] + turn * 1_000_003
-        out = generation.generate(batch, greedy=greedy)
+        out = generation.generate(batch, greedy=greedy, params=params)
 
         for row, i in enumerate(active):
             start = int(batch["input_lengths"][row])

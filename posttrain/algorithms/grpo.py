@@ -41,7 +41,7 @@ from posttrain.config.schema import GRPOMasterConfig
 from posttrain.data.dataloader import ResumableLoader
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.distributed.batch import Batch
-from posttrain.evals.eval import evaluate, response_lengths
+from posttrain.evals.eval import evaluate, response_lengths, validation_sampling
 from posttrain.models.refit import build_refit_metadata, refit_policy_generation
 from posttrain.rollouts import run_multi_turn_rollout
 from posttrain.utils.checkpoint import CheckpointManager
@@ -312,10 +312,10 @@ def validate(ctx: GRPOContext) -> dict[str, float]:
     """Accuracy (and pass@k for k > 1) on the held-out prompts, with current weights."""
     cfg, g = ctx.cfg, ctx.cfg.grpo
     k = g.val_num_generations_per_prompt
+    greedy, temperature = validation_sampling(cfg.policy.generation, k)
     _refit_if_stale(ctx)
     return evaluate(
-        ctx.generation, ctx.val_datums, ctx.tokenizer, ctx.envs, k=k,
-        greedy=k == 1 and cfg.policy.generation.val_temperature is None,
+        ctx.generation, ctx.val_datums, ctx.tokenizer, ctx.envs, k=k, greedy=greedy, temperature=temperature,
         batch_size=g.val_batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
         max_rollout_turns=g.max_rollout_turns, seed=g.seed + 7919, weight_version=ctx.step,
         num_samples_to_print=cfg.logger.num_val_samples_to_print,

@@ -67,7 +67,10 @@ class GenerationConfig(Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=1)
-    val_temperature: Optional[float] = Field(None, gt=0, description="None: greedy validation.")
+    val_temperature: Optional[float] = Field(
+        None, gt=0,
+        description="Validation sampling temperature; None: greedy with one sample per prompt, the training temperature with more.",
+    )
     stop_token_ids: Optional[list[int]] = None
     stop_strings: Optional[list[str]] = None
     batch_size: int = Field(256, ge=1, description="Sequences decoded together per worker.")

@@ -25,6 +25,14 @@ def response_lengths(datums: list[dict]) -> torch.Tensor:
     )
 
 
+def validation_sampling(generation_cfg, k: int) -> tuple[bool, Optional[float]]:
+    """`(greedy, temperature)` for validation with `k` samples per prompt: greedy when k == 1 and
+    `val_temperature` is unset; otherwise sampled at `val_temperature`, or at the training
+    `temperature` when it is unset (temperature None: the engine's configured one)."""
+    greedy = k == 1 and generation_cfg.val_temperature is None
+    return greedy, None if greedy else generation_cfg.val_temperature
+
+
 def evaluate(
     generation,
     datums: list[dict],
@@ -33,6 +41,7 @@ def evaluate(
     *,
     k: int = 1,
     greedy: bool = True,
+    temperature: Optional[float] = None,
     batch_size: int = 256,
     max_seq_len: int = 256,
     max_rollout_turns: int = 1,
@@ -41,6 +50,8 @@ def evaluate(
     num_samples_to_print: int = 0,
 ) -> dict[str, float]:
     """Roll out every prompt `k` times; accuracy is the mean reward of the first sample.
+
+    Sampling (not `greedy`) uses `temperature` when given, else the engine's configured one.
 
     Returns `validation/accuracy`, `validation/avg_length` and, for k > 1, `validation/pass@k`
     (the unbiased estimator of Chen et al. 2021), `validation/cons@k` (majority vote) and
@@ -55,6 +66,7 @@ def evaluate(
             generation, chunk, tokenizer, envs, max_seq_len=max_seq_len,
             max_rollout_turns=max_rollout_turns, greedy=greedy,
             seeds=sample_seeds(seed, start, len(chunk)), weight_version=weight_version,
+            params={"temperature": temperature} if temperature is not None and not greedy else None,
         )
         rewards.append(result.rewards)
         answers.extend(result.answers)
@@ -114,15 +126,15 @@ def run(cfg) -> dict[str, float]:
 
         raise UserError(f"eval.split={e.split!r} of the configured data has no records (is data.validation_path set?)")
     k = e.num_generations_per_prompt
-    greedy = k == 1 and cfg.policy.generation.val_temperature is None
-    sampling = "greedy" if greedy else f"sampled at temperature {cfg.policy.generation.temperature}"
+    greedy, temperature = validation_sampling(cfg.policy.generation, k)
+    sampling = "greedy" if greedy else f"sampled at temperature {temperature or cfg.policy.generation.temperature}"
     print(f"[posttrain] eval: {model_name}, {e.split} split, {len(datums)} prompts x {k} samples ({sampling})", flush=True)
     envs = make_envs(cfg, [d["task_name"] for d in datums])
     cluster = make_cluster(cfg, 1, name="eval")
     generation = make_generation(cfg, cluster, seed=e.seed)
     try:
         metrics = evaluate(
-            generation, datums, tokenizer, envs, k=k, greedy=greedy,
+            generation, datums, tokenizer, envs, k=k, greedy=greedy, temperature=temperature,
             batch_size=e.batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
             max_rollout_turns=e.max_rollout_turns, seed=e.seed,
             num_samples_to_print=cfg.logger.num_val_samples_to_print,

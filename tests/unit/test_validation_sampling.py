@@ -1,0 +1,57 @@
+"""`policy.generation.val_temperature` reaches the generation engine (it was read only as `is None`)."""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.config.schema import GenerationConfig
+from posttrain.data.processors import build_prompt_message_log
+from posttrain.distributed.batch import Batch
+from posttrain.environments.interface import Environment, EnvironmentReturn
+from posttrain.evals.eval import evaluate, validation_sampling
+from posttrain.models.tiny import build_tokenizer
+
+
+class RecordingGeneration:
+    """Appends one token to every row and records how it was asked to sample."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, batch, greedy=False, params=None):
+        self.calls.append((greedy, params))
+        ids, lengths = batch["input_ids"], batch["input_lengths"]
+        out = torch.cat([ids, torch.full((ids.shape[0], 1), 20)], dim=1)
+        for row, n in enumerate(lengths.tolist()):
+            out[row, n] = 20
+        b = ids.shape[0]
+        return Batch(output_ids=out, generation_lengths=torch.ones(b, dtype=torch.long),
+                     logprobs=torch.zeros(out.shape), truncated=torch.zeros(b, dtype=torch.bool))
+
+
+class AlwaysRight(Environment):
+    def step(self, message_logs, metadata):
+        n = len(message_logs)
+        return EnvironmentReturn([{"role": "environment", "content": ""}] * n, list(metadata), [None] * n,
+                                 torch.ones(n), torch.ones(n, dtype=torch.bool), ["1"] * n)
+
+
+def test_validation_sampling_rule():
+    assert validation_sampling(GenerationConfig(), 1) == (True, None)
+    assert validation_sampling(GenerationConfig(), 4) == (False, None)  # training temperature
+    assert validation_sampling(GenerationConfig(val_temperature=0.6), 1) == (False, 0.6)
+    assert validation_sampling(GenerationConfig(val_temperature=0.6), 4) == (False, 0.6)
+
+
+def test_evaluate_samples_at_the_validation_temperature():
+    tokenizer = build_tokenizer()
+    datums = [build_prompt_message_log({"prompt": "1+1=", "answer": "2", "task_name": "t"}, tokenizer, 64, idx=i)
+              for i in range(3)]
+    generation = RecordingGeneration()
+    greedy, temperature = validation_sampling(GenerationConfig(val_temperature=0.6), 2)
+    metrics = evaluate(generation, datums, tokenizer, {"t": AlwaysRight()}, k=2, greedy=greedy,
+                       temperature=temperature)
+    assert generation.calls == [(False, {"temperature": 0.6})]
+    assert metrics["validation/accuracy"] == 1.0 and metrics["validation/pass@2"] == 1.0
+    evaluate(generation, datums, tokenizer, {"t": AlwaysRight()}, k=1, greedy=True)
+    assert generation.calls[-1] == (True, None)
