@@ -299,6 +299,7 @@ def train_offline(
     a, ck = algo_cfg, cfg.checkpointing
     last_step = min(a.max_num_steps, loader.steps_for_epochs(a.max_num_epochs))
     logger = Logger(cfg.logger)
+    logger.log_hyperparams(cfg.model_dump(mode="json"))
     checkpointer = CheckpointManager(ck)
     try:
         step = 0

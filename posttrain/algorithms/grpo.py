@@ -128,6 +128,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
         refit_metadata=refit_metadata, clusters=[policy_cluster] + ([] if colocated else [gen_cluster]),
     )
     _maybe_resume(ctx)
+    ctx.logger.log_hyperparams(cfg.model_dump(mode="json"))
     return ctx
 
 

@@ -130,12 +130,7 @@ class Logger:
         self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
 
         self._tensorboard = None
-        if cfg.tensorboard_enabled:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step hides points the crashed run wrote after the checkpoint.
-            purge_step = resume_step + 1 if resume_step is not None else None
-            self._tensorboard = SummaryWriter(log_dir=str(self.log_dir / "tensorboard"), purge_step=purge_step)
+        self._open_tensorboard(resume_step)
 
         self._wandb_run = None
         if cfg.wandb.enabled:
@@ -157,8 +152,23 @@ class Logger:
             mlflow.start_run(run_name=cfg.mlflow.run_name)
             self._mlflow = mlflow
 
+    def _open_tensorboard(self, resume_step: Optional[int]) -> None:
+        if not self.cfg.tensorboard_enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        # purge_step hides points the crashed run wrote after the checkpoint.
+        purge_step = resume_step + 1 if resume_step is not None else None
+        self._tensorboard = SummaryWriter(log_dir=str(self.log_dir / "tensorboard"), purge_step=purge_step)
+
     def truncate_after(self, step: int) -> int:
-        """Drop metrics.jsonl lines with `"step" > step` (a resumed run re-logs them); returns the count."""
+        """Drop metrics the previous run logged after `step` (a resumed run re-logs them): the
+        metrics.jsonl lines with `"step" > step` and, through a purge marker, the TensorBoard
+        points. Returns the number of JSONL lines dropped."""
+        if getattr(self, "_tensorboard", None) is not None:
+            self._open_tensorboard(step)
         reopen = getattr(self, "_jsonl", None) is not None and not self._jsonl.closed
         if reopen:
             self._jsonl.close()

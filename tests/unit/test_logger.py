@@ -178,3 +178,19 @@ def test_progress_bar_postfix_and_plain_lines(capsys):
     silent = ProgressBar(total=3, enabled=False)
     silent.update({"train/reward": 1.0})
     assert capsys.readouterr().err == ""
+
+
+def test_resume_purges_tensorboard_points_after_the_checkpoint(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = LoggerConfig(log_dir=str(tmp_path))
+    crashed = Logger(cfg)
+    for step in range(1, 6):
+        crashed.log_metrics({"x": float(step)}, step)
+    crashed.close()
+    resumed = Logger(cfg)
+    resumed.truncate_after(2)  # as restore_training_state does after loading step 2
+    resumed.close()  # even before the resumed run logs anything, steps 3-5 are gone
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("x")] == [(1, 1.0), (2, 2.0)]
