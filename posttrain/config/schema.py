@@ -396,6 +396,15 @@ class GRPOMasterConfig(MasterConfig):
                 f"sft_warmup.policy.model_name={warm.policy.model_name!r}: set sft_warmup=null to train "
                 f"{self.policy.model_name!r} directly, or sft_warmup.policy.model_name to warm-start it"
             )
+        gen = self.policy.generation
+        if gen.top_p < 1.0 or gen.top_k is not None:
+            # The engine reports logprobs of the filtered distribution; the trainer computes them
+            # over the full vocabulary, so ratios, importance weights and the mismatch metrics
+            # would compare two different distributions.
+            raise ValueError(
+                f"policy.generation.top_p={gen.top_p} / policy.generation.top_k={gen.top_k}: GRPO trains "
+                "on the full distribution (top_p=1.0, top_k=null); filtered sampling is for posttrain eval"
+            )
         # Each GRPO step trains on prompts x generations rows in optimizer steps of
         # policy.train_global_batch_size rows (NeMo-RL's meaning of the key).
         rows = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt

@@ -336,3 +336,10 @@ def test_unbuilt_features_are_refused_not_ignored():
     assert load_config("grpo", overrides=["policy.lora.enabled=true"]).policy.lora.enabled
     with pytest.raises(ConfigError, match=r"policy.generation.backend' expects one of 'native'"):
         load_config("grpo", overrides=["policy.generation.backend=vllm"])
+
+
+def test_grpo_refuses_filtered_sampling_the_trainer_cannot_match():
+    for override in ("policy.generation.top_p=0.9", "policy.generation.top_k=20"):
+        with pytest.raises(ConfigError, match="GRPO trains on the full distribution"):
+            load_config("grpo", overrides=[override])
+    assert load_config("eval", overrides=["policy.generation.top_p=0.9"]).policy.generation.top_p == 0.9

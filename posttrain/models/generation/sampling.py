@@ -1,9 +1,10 @@
 """Logit processing and reproducible sampling for the native generation engine.
 
 `process_logits` returns the log-probabilities of the distribution tokens are actually drawn
-from (temperature, then top-k, then top-p). Generation reports these *processed* logprobs, and the
-policy applies the same function to its own logits, so the train/generation mismatch metric
-(`token_mult_prob_error`) compares like with like.
+from (temperature, then top-k, then top-p). Generation reports these *processed* logprobs. The
+policy divides its logits by the same temperature but does not filter, so GRPO refuses top-k /
+top-p at config load (the mismatch metrics would compare two different distributions); filtered
+sampling is available to evaluation, which has no trainer side.
 
 Sampling is counter-based: the random number a row uses at decoding step `t` is a pure function
 of `(seed, t)` (a stateless integer hash, the idea behind Philox / JAX's threefry keys). A row
