@@ -27,13 +27,54 @@ def preflight(cfg: Any) -> None:
     """Check `cfg`'s model, tokenizer and data (and its SFT warm start's, if any); see the module doc."""
     from posttrain.config.schema import GRPOMasterConfig
 
-    if isinstance(cfg, GRPOMasterConfig) and cfg.sft_warmup is not None:
-        preflight(cfg.sft_warmup)
+    if isinstance(cfg, GRPOMasterConfig):
+        if cfg.sft_warmup is not None:
+            preflight(cfg.sft_warmup)
+        check_components(cfg)
     policy = cfg.policy
     check_model_name(policy.model_name, "policy.model_name", policy.tiny_arch)
     if policy.tokenizer_name is not None:
         check_model_name(policy.tokenizer_name, "policy.tokenizer_name", policy.tiny_arch)
-    load_split_records(cfg)
+    records = load_split_records(cfg)
+    if hasattr(cfg, "env"):
+        check_envs(cfg, {r["task_name"] for split in records.values() for r in split if "task_name" in r})
+
+
+def check_components(cfg: Any) -> None:
+    """Import what GRPO's `loss_fn.name` and `grpo.adv_estimator.name` name (a user's module is
+    imported here, in the controller, before Ray passes its path on to the workers)."""
+    from posttrain.algorithms.advantages import ADVANTAGE_ESTIMATORS
+    from posttrain.algorithms.loss import LOSS_REGISTRY
+    from posttrain.utils.registry import ImportPathError, resolve
+
+    for key, registry, name, kind in (
+        ("loss_fn.name", LOSS_REGISTRY, cfg.loss_fn.name, "loss"),
+        ("grpo.adv_estimator.name", ADVANTAGE_ESTIMATORS, cfg.grpo.adv_estimator.name, "advantage estimator"),
+    ):
+        try:
+            obj = resolve(registry, name, kind)
+        except (KeyError, ImportPathError) as e:
+            raise UserError(f"{key}: {e.args[0]}") from None
+        if not callable(obj):
+            raise UserError(f"{key}={name!r} is not callable (a {kind} class or function is expected)")
+
+
+def check_envs(cfg: Any, task_names: set[str]) -> None:
+    """Every task the data names has an environment that loads, with a valid `env.<name>` config."""
+    from posttrain.environments.registry import resolve_env
+    from posttrain.utils.registry import ImportPathError
+
+    for name in sorted(task_names):
+        try:
+            resolve_env(name, cfg.env.section(name))
+        except KeyError:
+            raise UserError(
+                f"the data names task {name!r} (data.env_name or a row's task_name) but no environment serves it: "
+                f"set env.{name}.class_path to your Environment class ('module:Class' or 'file.py:Class')"
+            ) from None
+        except (ImportPathError, ValueError) as e:
+            message = str(e.args[0]) if e.args else str(e)
+            raise UserError(message if message.startswith("env.") else f"env.{name}.class_path: {message}") from None
 
 
 def load_split_records(cfg: Any) -> dict[str, list[dict]]:

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from posttrain.utils.registry import registrar
+from posttrain.utils.registry import registrar, resolve
 
 AdvantageEstimator = Callable[..., torch.Tensor]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
@@ -33,10 +33,12 @@ def compute_advantages(
     sample_mask: Optional[torch.Tensor] = None,
     **options: object,
 ) -> torch.Tensor:
-    """Run the estimator registered under ``name``; ``options`` are its keyword options."""
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; registered: {sorted(ADVANTAGE_ESTIMATORS)}")
-    estimator = ADVANTAGE_ESTIMATORS[name]
+    """Run the estimator registered under ``name`` (or, with a colon, the function at that import
+    path, e.g. ``"my_estimators:centred"``); ``options`` are its keyword options."""
+    try:
+        estimator = resolve(ADVANTAGE_ESTIMATORS, name, "advantage estimator")
+    except KeyError as e:
+        raise ValueError(e.args[0]) from None
     try:
         inspect.signature(estimator).bind(rewards, group_ids, sample_mask, **options)
     except TypeError as e:

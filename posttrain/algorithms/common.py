@@ -200,10 +200,15 @@ def build_datums(
 
 
 def make_envs(cfg, task_names) -> dict[str, Any]:
-    """One environment actor per task name, configured by `env.<name>` when that section exists."""
-    from posttrain.environments.registry import create_env
+    """One environment actor per task name, configured by `env.<name>` (a built-in, a registered
+    environment, or a user's class by `env.<name>.class_path`)."""
+    from posttrain.environments.registry import create_env, resolve_env
 
-    return {name: create_env(name, getattr(cfg.env, name, None)) for name in sorted(set(task_names))}
+    envs = {}
+    for name in sorted(set(task_names)):
+        cls, env_cfg = resolve_env(name, cfg.env.section(name))
+        envs[name] = create_env(name, env_cfg, cls=cls)
+    return envs
 
 
 def prepare_run_dirs(cfg: MasterConfig) -> None:

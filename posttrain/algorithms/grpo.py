@@ -36,7 +36,7 @@ from posttrain.algorithms.common import (
     start_concurrently,
     start_run,
 )
-from posttrain.algorithms.loss import ClippedPGLoss
+from posttrain.algorithms.loss import LossFunction, build_loss
 from posttrain.config.schema import GRPOMasterConfig
 from posttrain.data.dataloader import ResumableLoader
 from posttrain.data.message_log import flatten_message_logs
@@ -64,7 +64,7 @@ class GRPOContext:
     val_datums: list[dict]
     logger: Logger
     checkpointer: CheckpointManager
-    loss_fn: ClippedPGLoss
+    loss_fn: LossFunction
     refit_metadata: Any
     clusters: list[Any] = field(default_factory=list)
     step: int = 0  # completed training steps
@@ -124,7 +124,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
     ctx = GRPOContext(
         cfg=cfg, policy=policy, generation=generation, envs=envs, tokenizer=tokenizer,
         train_loader=loader, val_datums=val_datums, logger=Logger(cfg.logger),
-        checkpointer=CheckpointManager(cfg.checkpointing), loss_fn=ClippedPGLoss(cfg.loss_fn),
+        checkpointer=CheckpointManager(cfg.checkpointing), loss_fn=build_loss(cfg.loss_fn),
         refit_metadata=refit_metadata, clusters=[policy_cluster] + ([] if colocated else [gen_cluster]),
     )
     _maybe_resume(ctx)
@@ -227,13 +227,22 @@ def _generate_groups(ctx: GRPOContext, step: int, gen_batch: int, timer: Timer) 
     if g.overlong_filtering:
         sample_mask = sample_mask * (~result.overlong).float()
     advantages = adv.compute_advantages(
-        "grpo", rewards, group_ids, sample_mask,
-        normalize_rewards=g.normalize_rewards, leave_one_out=g.use_leave_one_out_baseline, group_std=g.group_std,
+        g.adv_estimator.name, rewards, group_ids, sample_mask, **advantage_options(g),
     )
     keep = torch.ones(len(prompts), dtype=torch.bool)
     if g.use_dynamic_sampling:  # DAPO: a group whose (unshaped) rewards all agree teaches nothing
         keep = adv.filter_zero_variance_groups(result.rewards, group_ids, num_groups=len(prompts))
     return _Groups(samples, result.rewards, advantages, sample_mask, keep, result.metrics)
+
+
+def advantage_options(g) -> dict[str, Any]:
+    """Keyword options of the configured estimator: the `grpo.*` keys of the built-in one, plus
+    `grpo.adv_estimator.kwargs`."""
+    options: dict[str, Any] = {}
+    if g.adv_estimator.name == "grpo":
+        options = dict(normalize_rewards=g.normalize_rewards, leave_one_out=g.use_leave_one_out_baseline,
+                       group_std=g.group_std)
+    return {**options, **g.adv_estimator.kwargs}
 
 
 def _collect_experience(ctx: GRPOContext, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.config.schema import LossConfig, loss_option_problem
-from posttrain.utils.registry import registrar
+from posttrain.utils.registry import registrar, resolve
 
 Count = Union[torch.Tensor, float, int]
 Metrics = dict[str, float]
@@ -47,6 +47,14 @@ LOSS_REGISTRY: dict[str, Callable[..., LossFunction]] = {}
 
 # Class decorator: ``@register_loss("clipped_pg")`` makes the class reachable via `make_loss`.
 register_loss = registrar(LOSS_REGISTRY, "loss")
+
+
+def build_loss(cfg: LossConfig) -> LossFunction:
+    """The loss `loss_fn.name` selects: `ClippedPGLoss(cfg)` for "clipped_pg", otherwise the
+    registered loss or the class at that import path, built with `loss_fn.kwargs`."""
+    if cfg.name == "clipped_pg":
+        return ClippedPGLoss(cfg)
+    return resolve(LOSS_REGISTRY, cfg.name, "loss")(**cfg.kwargs)
 
 
 def make_loss(name: str, **cfg: Any) -> LossFunction:

@@ -7,7 +7,7 @@ dotted key and suggest the closest valid one.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -122,9 +122,24 @@ class PolicyConfig(Section):
 
 
 # ------------------------------------------------------------------------------------------ loss
+def _check_component_name(name: str, key: str) -> None:
+    """A registered name, or an import path `module:attr` / `file.py:attr` (resolved by preflight,
+    before any worker starts: importing a user's module may be slow)."""
+    if ":" in name and (name.count(":") != 1 or not all(name.split(":"))):
+        raise ValueError(f"{key}={name!r} is not a registered name or an import path 'module:attr' / 'file.py:attr'")
+
+
 class LossConfig(Section):
     """Clipped policy-gradient loss; presets for GRPO, DAPO, GSPO, Dr.GRPO are example configs."""
 
+    name: str = Field(
+        "clipped_pg",
+        description=(
+            "Loss: 'clipped_pg' (default; configured by the keys below) or a user's loss class as an import "
+            "path 'module:Class' / 'file.py:Class', built as Class(**loss_fn.kwargs)."
+        ),
+    )
+    kwargs: dict[str, Any] = Field({}, description="Keyword arguments of a custom loss (loss_fn.name='module:Class').")
     reference_policy_kl_penalty: float = Field(0.0, ge=0, description="beta; 0 skips the reference model.")
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
     reference_policy_kl_gradient: Literal["score_function", "estimator"] = Field(
@@ -163,6 +178,12 @@ class LossConfig(Section):
 def loss_option_problem(cfg: LossConfig) -> Optional[str]:
     """Why these `loss_fn.*` options cannot be combined, or None. Checked when the config loads
     (before any worker starts) and again by `ClippedPGLoss` for losses built in code."""
+    try:
+        _check_component_name(cfg.name, "loss_fn.name")
+    except ValueError as e:
+        return str(e)
+    if cfg.kwargs and cfg.name == "clipped_pg":
+        return "loss_fn.kwargs is for a custom loss (loss_fn.name='module:Class'); clipped_pg takes the loss_fn.* keys"
     if cfg.sequence_level_importance_ratios and cfg.token_level_loss:
         return "loss_fn.sequence_level_importance_ratios (GSPO) needs loss_fn.token_level_loss=false"
     truncation = cfg.truncated_importance_sampling_type
@@ -229,7 +250,30 @@ class MathEnvConfig(Section):
 
 
 class EnvConfig(Section):
+    """`env.<name>` configures the environment serving task `<name>` (rows carry a task name:
+    `data.env_name`, or a JSONL row's own `task_name`). `math` is built in; any other name is a
+    section `{class_path: "module:Class" or "file.py:Class", <fields>}` for a user's environment
+    (or just `<fields>` for one registered with `@register_env`). The fields are validated against
+    the class's `config_class` (a pydantic model) when it declares one, before any worker starts."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
     math: MathEnvConfig = MathEnvConfig()
+
+    @model_validator(mode="after")
+    def _check(self):
+        for name, section in (self.model_extra or {}).items():
+            if not isinstance(section, dict):
+                raise ValueError(f"env.{name} must be a section (class_path and the environment's fields), got {section!r}")
+            class_path = section.get("class_path")
+            if class_path is not None and (not isinstance(class_path, str) or ":" not in class_path):
+                raise ValueError(f"env.{name}.class_path={class_path!r} must be 'module:Class' or 'file.py:Class'")
+            _check_component_name(class_path or name, f"env.{name}.class_path")
+        return self
+
+    def section(self, name: str) -> Any:
+        """The config given for environment `name` (a typed section, a dict, or None)."""
+        return getattr(self, name, None) if name in type(self).model_fields else (self.model_extra or {}).get(name)
 
 
 # ------------------------------------------------------------------------------- logging, ckpts
@@ -290,6 +334,26 @@ class CheckpointingConfig(Section):
 
 
 # ---------------------------------------------------------------------------------- algorithms
+class AdvantageEstimatorConfig(Section):
+    """Which advantage estimator GRPO uses (NeMo-RL's `adv_estimator` section)."""
+
+    name: str = Field(
+        "grpo",
+        description=(
+            "'grpo' (default: group baseline, optional std normalisation, from grpo.normalize_rewards, "
+            "grpo.group_std, grpo.use_leave_one_out_baseline), 'reinforce_pp' (Hu et al. 2025), or a user's "
+            "function as an import path 'module:function' / 'file.py:function' with the signature "
+            "fn(rewards [B], group_ids [B], sample_mask [B], **kwargs) -> advantages [B]."
+        ),
+    )
+    kwargs: dict[str, Any] = Field({}, description="Extra keyword options passed to the estimator.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        _check_component_name(self.name, "grpo.adv_estimator.name")
+        return self
+
+
 class GRPOConfig(Section):
     num_prompts_per_step: int = Field(16, ge=1)
     num_generations_per_prompt: int = Field(8, ge=1)
@@ -305,6 +369,7 @@ class GRPOConfig(Section):
         ),
     )
     use_leave_one_out_baseline: bool = False
+    adv_estimator: AdvantageEstimatorConfig = AdvantageEstimatorConfig()
     val_period: int = Field(10, ge=0, description="0 disables periodic validation.")
     val_at_start: bool = True
     val_at_end: bool = True

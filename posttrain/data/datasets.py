@@ -137,7 +137,10 @@ def _finish(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConfig
         # Numbers become strings: verifiers compare text, and JSON may hold 46 or "46".
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = str(answer)
-        records.append({**row, "prompt": prompt, "answer": answer, "task_name": data_cfg.env_name})
+        task_name = row.get("task_name", data_cfg.env_name)  # a row may name its own environment
+        if not isinstance(task_name, str) or not task_name:
+            raise DataError(f"{at}: task_name must be a non-empty string, got {task_name!r}")
+        records.append({**row, "prompt": prompt, "answer": answer, "task_name": task_name})
     return records
 
 

@@ -51,7 +51,37 @@ def get_env_class(name: str) -> type[Environment]:
     return ENV_REGISTRY[name]
 
 
-def create_env(name: str, cfg: Any = None, as_actor: bool = True, num_cpus: float = 0.0) -> Any:
+def resolve_env(name: str, section: Any) -> tuple[type[Environment], Any]:
+    """`(class, config)` of the environment serving task `name`, from its `env.<name>` section.
+
+    A section with `class_path` loads the user's class (`import_object`); otherwise `name` must be
+    registered. When the class declares `config_class` (a pydantic model), the section's other
+    fields are validated into it; errors name the key `env.<name>.<field>` (a ValueError).
+    """
+    from posttrain.utils.registry import import_object
+
+    fields = section
+    if isinstance(section, dict) and section.get("class_path"):
+        fields = {k: v for k, v in section.items() if k != "class_path"}
+        cls = import_object(section["class_path"])
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise ValueError(f"env.{name}.class_path={section['class_path']!r} is not an Environment subclass")
+    else:
+        cls = get_env_class(name)
+    config_class = getattr(cls, "config_class", None)
+    if config_class is not None and (fields is None or isinstance(fields, dict)):
+        from pydantic import ValidationError
+
+        try:
+            fields = config_class.model_validate(fields or {})
+        except ValidationError as e:
+            first = e.errors()[0]
+            key = ".".join(str(part) for part in first["loc"])
+            raise ValueError(f"env.{name}.{key}: {first['msg']} (got {first.get('input')!r})") from None
+    return cls, fields
+
+
+def create_env(name: str, cfg: Any = None, as_actor: bool = True, num_cpus: float = 0.0, cls: Any = None) -> Any:
     """Build the environment registered as `name`.
 
     Args:
@@ -62,8 +92,9 @@ def create_env(name: str, cfg: Any = None, as_actor: bool = True, num_cpus: floa
         num_cpus: Ray CPUs the actor reserves. Defaults to 0 so the actor always schedules
             beside placement groups that reserve every CPU for policy / generation workers;
             environment work is light and its verifier processes are not Ray tasks anyway.
+        cls: the environment class (default None: the one registered as `name`; see `resolve_env`).
     """
-    cls = get_env_class(name)
+    cls = cls or get_env_class(name)
     if not as_actor:
         return cls(cfg)
     import ray

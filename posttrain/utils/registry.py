@@ -26,6 +26,21 @@ def registrar(registry: dict[str, T], kind: str) -> Callable[[str], Callable[[T]
     return register
 
 
+def resolve(registry: dict[str, T], name: str, kind: str) -> T:
+    """The entry `name` of `registry`, or, for a name with a colon, the object at that import
+    path (`"pkg.module:attr"` or `"file.py:attr"`, see `import_object`): config keys that pick
+    an implementation take either. An unknown name raises KeyError listing the registered ones."""
+    if ":" in name:
+        return import_object(name)  # type: ignore[return-value]
+    if name not in registry:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(registry), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise KeyError(f"unknown {kind} {name!r} (registered: {sorted(registry)}; or give 'module:attr'){hint}")
+    return registry[name]
+
+
 class ImportPathError(ValueError):
     """An `import_path` ("pkg.module:attr" or "path/to/file.py:attr") that cannot be loaded."""
 

@@ -89,3 +89,30 @@ def test_sft_export_summary_report_and_no_fake_validation(tmp_path):
 def test_run_sh_keeps_the_callers_directory(tmp_path):
     out = subprocess.run(["bash", str(REPO / "run.sh"), "pwd"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == str(tmp_path)
+
+
+def test_custom_environment_loss_and_estimator_from_the_users_directory(tmp_path):
+    """examples/custom (the README's example), run from a copy in the user's own directory."""
+    import shutil
+
+    shutil.copy(REPO / "examples/custom/my_task.py", tmp_path / "my_task.py")
+    config = (REPO / "examples/custom/grpo_custom.yaml").read_text()
+    config = config.replace("defaults: ../configs/grpo_math_tiny.yaml", f"defaults: {REPO}/examples/configs/grpo_math_tiny.yaml")
+    (tmp_path / "my.yaml").write_text(config)
+    small = [o for o in SMALL_GRPO if not o.startswith("sft_warmup")] + [
+        "sft_warmup=null", "grpo.val_at_start=false", "grpo.val_period=0", "grpo.max_val_samples=8",
+        "data.num_train=32", "data.num_validation=8", "checkpointing.enabled=false",
+        "grpo.adv_estimator.kwargs={shift: 0.25}", "loss_fn.kwargs={scale: 2.0}",
+    ]
+    posttrain("grpo", "--config", "my.yaml", *small, cwd=tmp_path)
+    rows = metrics(tmp_path / "logs/grpo_custom/metrics.jsonl")
+    train = [row for row in rows if "train/loss" in row]
+    assert len(train) == 2
+    for row in train:
+        assert row["train/loss_scale"] == 2.0  # the custom loss ran in the policy workers
+        assert abs(row["train/advantages/mean"] - 0.25) < 1e-6  # the custom estimator's shift
+        assert 0.0 <= row["train/reward"] <= 1.0
+    # A typo in the environment's own config is named before any worker starts.
+    result = subprocess.run([sys.executable, "-m", "posttrain", "grpo", "--config", "my.yaml", *small,
+                             "env.parity.partial_credt=0.5"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "env.parity.partial_credt" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,122 @@
+"""Plugging in a user's code by config: import paths, registries, environment sections."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from posttrain.algorithms.advantages import compute_advantages
+from posttrain.algorithms.loss import ClippedPGLoss, build_loss
+from posttrain.config import ConfigError, load_config
+from posttrain.config.schema import LossConfig
+from posttrain.environments.registry import resolve_env
+from posttrain.errors import UserError
+from posttrain.preflight import check_components, check_envs
+from posttrain.utils.registry import ImportPathError, import_object, resolve
+
+PLUGIN = '''
+import torch
+from pydantic import BaseModel, ConfigDict
+from posttrain.environments.interface import Environment
+
+class Cfg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    bonus: float = 0.0
+
+class MyEnv(Environment):
+    config_class = Cfg
+    def __init__(self, cfg):
+        self.cfg = cfg
+    def step(self, message_logs, metadata):
+        raise NotImplementedError
+
+class MyLoss:
+    def __init__(self, weight=1.0):
+        self.weight = weight
+
+def plus_one(rewards, group_ids, sample_mask=None, amount=1.0):
+    return rewards + amount
+
+NOT_CALLABLE = 3
+'''
+
+
+@pytest.fixture
+def plugin_dir(tmp_path, monkeypatch):
+    (tmp_path / "user_plugin.py").write_text(PLUGIN)
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    sys.modules.pop("user_plugin", None)
+
+
+def test_import_object_forms_and_errors(plugin_dir):
+    assert import_object("user_plugin:plus_one")(torch.tensor([1.0]), None).tolist() == [2.0]
+    assert import_object(str(plugin_dir / "user_plugin.py") + ":MyLoss")().weight == 1.0
+    with pytest.raises(ImportPathError, match="no module named 'nope'"):
+        import_object("nope:thing")
+    with pytest.raises(ImportPathError, match="has no attribute 'Missing'"):
+        import_object("user_plugin:Missing")
+    with pytest.raises(ImportPathError, match="does not exist"):
+        import_object("missing_file.py:X")
+    with pytest.raises(ImportPathError, match="is not of the form"):
+        import_object("user_plugin")
+
+
+def test_resolve_registry_or_import_path(plugin_dir):
+    registry = {"a": 1}
+    assert resolve(registry, "a", "thing") == 1
+    assert resolve(registry, "user_plugin:NOT_CALLABLE", "thing") == 3
+    with pytest.raises(KeyError, match="unknown thing 'b'"):
+        resolve(registry, "b", "thing")
+
+
+def test_custom_loss_and_estimator_by_config(plugin_dir):
+    assert isinstance(build_loss(LossConfig()), ClippedPGLoss)
+    loss = build_loss(LossConfig(name="user_plugin:MyLoss", kwargs={"weight": 3.0}))
+    assert loss.weight == 3.0
+    adv = compute_advantages("user_plugin:plus_one", torch.tensor([0.0, 1.0]), torch.tensor([0, 0]), amount=2.0)
+    assert adv.tolist() == [2.0, 3.0]
+    # reinforce_pp was registered but unreachable from config before.
+    cfg = load_config("grpo", overrides=["grpo.adv_estimator.name=reinforce_pp", "sft_warmup=null"])
+    assert cfg.grpo.adv_estimator.name == "reinforce_pp"
+    check_components(cfg)
+
+
+def test_component_errors_name_the_key(plugin_dir):
+    with pytest.raises(ConfigError, match="loss_fn.kwargs is for a custom loss"):
+        load_config("grpo", overrides=["loss_fn.kwargs={a: 1}"])
+    with pytest.raises(ConfigError, match="grpo.adv_estimator.name='a:b:c'"):
+        load_config("grpo", overrides=["grpo.adv_estimator.name=a:b:c"])
+    cfg = load_config("grpo", overrides=["grpo.adv_estimator.name=grop"])
+    with pytest.raises(UserError, match=r"grpo.adv_estimator.name: unknown advantage estimator 'grop'.*did you mean 'grpo'"):
+        check_components(cfg)
+    cfg = load_config("grpo", overrides=["loss_fn.name=user_plugin:NOT_CALLABLE"])
+    with pytest.raises(UserError, match="loss_fn.name='user_plugin:NOT_CALLABLE' is not callable"):
+        check_components(cfg)
+
+
+def test_environment_sections(plugin_dir):
+    cfg = load_config("grpo", overrides=["env.mine.class_path=user_plugin:MyEnv", "env.mine.bonus=0.5"])
+    cls, env_cfg = resolve_env("mine", cfg.env.section("mine"))
+    assert cls.__name__ == "MyEnv" and env_cfg.bonus == 0.5
+    check_envs(cfg, {"mine", "math"})
+    with pytest.raises(UserError, match="the data names task 'other'.*set env.other.class_path"):
+        check_envs(cfg, {"other"})
+    typo = load_config("grpo", overrides=["env.mine.class_path=user_plugin:MyEnv", "env.mine.bonsu=1"])
+    with pytest.raises(UserError, match="env.mine.bonsu: Extra inputs are not permitted"):
+        check_envs(typo, {"mine"})
+    wrong = load_config("grpo", overrides=["env.mine.class_path=user_plugin:MyLoss"])
+    with pytest.raises(UserError, match="is not an Environment subclass"):
+        check_envs(wrong, {"mine"})
+    with pytest.raises(ConfigError, match="env.bad.class_path='nocolon' must be"):
+        load_config("grpo", overrides=["env.bad.class_path=nocolon"])
+
+
+def test_jsonl_rows_keep_their_task_name(tmp_path):
+    from posttrain.data.datasets import load_records
+
+    (tmp_path / "t.jsonl").write_text('{"prompt": "a", "answer": 1, "task_name": "mine"}\n{"prompt": "b", "answer": 2}\n')
+    cfg = load_config("sft", overrides=["data.dataset=jsonl", f"data.train_path={tmp_path / 't.jsonl'}"])
+    assert [r["task_name"] for r in load_records(cfg.data, "train")] == ["mine", "math"]
