@@ -159,3 +159,31 @@ def test_cli_wandb_without_wandb_is_refused_at_config_load(tmp_path):
         pytest.skip("wandb is installed here")
     result = posttrain("sft", "logger.wandb.enabled=true", cwd=tmp_path)
     one_line_error(result, "logger.wandb.enabled=true needs the 'wandb' package")
+
+
+def test_run_sh_first_install_shows_each_phase_and_the_log(tmp_path):
+    """run.sh in a copy of the repository, with a stand-in `python3` that only records calls."""
+    import shutil
+    import stat
+
+    shutil.copy(REPO / "run.sh", tmp_path / "run.sh")
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    fake_bin = tmp_path / "fake_bin"
+    fake_bin.mkdir()
+    # `python3 -m venv DIR` creates DIR/bin/python, itself a stand-in that logs its arguments.
+    (fake_bin / "python3").write_text(
+        '#!/bin/sh\nmkdir -p "$3/bin"\nprintf \'#!/bin/sh\\necho "pip $*" >> "%s/calls"\\n\' "$3" > "$3/bin/python"\n'
+        'chmod +x "$3/bin/python"\n'
+    )
+    (fake_bin / "python3").chmod(stat.S_IRWXU)
+    result = subprocess.run(["bash", str(tmp_path / "run.sh"), "true"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"})
+    assert result.returncode == 0, result.stderr
+    assert f"full log: {tmp_path}/.venv-install.log" in result.stderr
+    for phase in ("creating the virtual environment", "upgrading pip", "installing torch 2.13.0",
+                  "installing posttrain and its pinned dependencies", "environment ready"):
+        assert phase in result.stderr, result.stderr
+    assert "install -e" in (tmp_path / ".venv" / "calls").read_text()
+    again = subprocess.run(["bash", str(tmp_path / "run.sh"), "true"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"})
+    assert again.stderr == ""  # installed once: later calls print nothing
