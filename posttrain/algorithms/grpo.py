@@ -41,7 +41,7 @@ from posttrain.config.schema import GRPOMasterConfig
 from posttrain.data.dataloader import ResumableLoader
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.distributed.batch import Batch
-from posttrain.evals.eval import evaluate, response_lengths, validation_sampling
+from posttrain.evals.eval import evaluate, per_task_means, response_lengths, validation_sampling
 from posttrain.models.refit import build_refit_metadata, refit_policy_generation
 from posttrain.rollouts import run_multi_turn_rollout
 from posttrain.utils.checkpoint import CheckpointManager
@@ -286,8 +286,11 @@ def _collect_experience(ctx: GRPOContext, step: int, timer: Timer) -> tuple[Batc
 
     valid = train_data["sample_mask"] > 0
     stats = seq_adv[valid] if valid.any() else torch.zeros(1)
+    all_rewards = torch.cat([b.raw_rewards for b in batches])
     metrics = {
-        "train/reward": torch.cat([b.raw_rewards for b in batches]).mean().item(),
+        "train/reward": all_rewards.mean().item(),
+        **per_task_means(all_rewards, [s.get("task_name", ctx.cfg.data.env_name) for b in batches for s in b.samples],
+                         "train/reward", list(ctx.envs)),
         "train/advantages/mean": stats.mean().item(),
         "train/advantages/max": stats.max().item(),
         "train/advantages/min": stats.min().item(),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -79,11 +79,27 @@ def evaluate(
         "validation/accuracy": r[:, 0].mean().item(),
         "validation/avg_length": torch.cat(lengths).mean().item(),
     }
+    metrics.update(per_task_means(r[:, 0], [d.get("task_name", "math") for d in datums], "validation/accuracy", list(envs)))
     if k > 1:
         correct = (r > 0.5).sum(dim=1)
         metrics[f"validation/pass@{k}"] = pass_at_k(k, correct, k).float().mean().item()
         metrics[f"validation/cons@{k}"] = consensus_accuracy(answers, r.flatten(), k)
         metrics["validation/mean_reward"] = r.mean().item()
+    return metrics
+
+
+def per_task_means(values: torch.Tensor, task_names: list[str], name: str, tasks: Sequence[str]) -> dict[str, float]:
+    """For a run with several `tasks` (environments): `{name}_count/{task}`, the number of samples
+    of each task, and `{name}/{task}`, their mean (absent when a batch has none of that task). A
+    single-task run has only the overall metric."""
+    if len(tasks) < 2:
+        return {}
+    metrics = {}
+    for task in sorted(tasks):
+        index = [i for i, t in enumerate(task_names) if t == task]
+        metrics[f"{name}_count/{task}"] = float(len(index))
+        if index:
+            metrics[f"{name}/{task}"] = values[torch.tensor(index)].float().mean().item()
     return metrics
 
 

@@ -104,7 +104,11 @@ def test_custom_environment_loss_and_estimator_from_the_users_directory(tmp_path
         "data.num_train=32", "data.num_validation=8", "checkpointing.enabled=false",
         "grpo.adv_estimator.kwargs={shift: 0.25}", "loss_fn.kwargs={scale: 2.0}",
     ]
-    posttrain("grpo", "--config", "my.yaml", *small, cwd=tmp_path)
+    # Rows route themselves: half name the user's environment, half the built-in math one.
+    rows = [{"prompt": f"{a}+{b}=", "answer": a + b, "task_name": "parity" if a % 2 else "math"}
+            for a in range(4) for b in range(4)]
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    posttrain("grpo", "--config", "my.yaml", *small, "data.dataset=jsonl", "data.train_path=mixed.jsonl", cwd=tmp_path)
     rows = metrics(tmp_path / "logs/grpo_custom/metrics.jsonl")
     train = [row for row in rows if "train/loss" in row]
     assert len(train) == 2
@@ -112,6 +116,9 @@ def test_custom_environment_loss_and_estimator_from_the_users_directory(tmp_path
         assert row["train/loss_scale"] == 2.0  # the custom loss ran in the policy workers
         assert abs(row["train/advantages/mean"] - 0.25) < 1e-6  # the custom estimator's shift
         assert 0.0 <= row["train/reward"] <= 1.0
+        assert row["train/reward_count/parity"] + row["train/reward_count/math"] == 8  # 2 prompts x 4
+        for task in ("parity", "math"):
+            assert 0.0 <= row.get(f"train/reward/{task}", 0.0) <= 1.0
     # A typo in the environment's own config is named before any worker starts.
     result = subprocess.run([sys.executable, "-m", "posttrain", "grpo", "--config", "my.yaml", *small,
                              "env.parity.partial_credt=0.5"], cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -55,3 +55,16 @@ def test_evaluate_samples_at_the_validation_temperature():
     assert metrics["validation/accuracy"] == 1.0 and metrics["validation/pass@2"] == 1.0
     evaluate(generation, datums, tokenizer, {"t": AlwaysRight()}, k=1, greedy=True)
     assert generation.calls[-1] == (True, None)
+
+
+def test_per_task_accuracy_and_counts():
+    from posttrain.evals.eval import per_task_means
+
+    values = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    assert per_task_means(values, ["a", "b", "a", "b"], "validation/accuracy", ["a", "b"]) == {
+        "validation/accuracy/a": 1.0, "validation/accuracy_count/a": 2.0,
+        "validation/accuracy/b": 0.5, "validation/accuracy_count/b": 2.0,
+    }
+    # A task of the run that this batch lacks: count 0, no mean.
+    assert per_task_means(values, ["a"] * 4, "r", ["a", "c"]) == {"r/a": 0.75, "r_count/a": 4.0, "r_count/c": 0.0}
+    assert per_task_means(values, ["a"] * 4, "validation/accuracy", ["a"]) == {}  # one task: the overall metric only
