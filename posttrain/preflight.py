@@ -27,15 +27,16 @@ def preflight(cfg: Any) -> None:
     """Check `cfg`'s model, tokenizer and data (and its SFT warm start's, if any); see the module doc."""
     from posttrain.config.schema import GRPOMasterConfig
 
-    if isinstance(cfg, GRPOMasterConfig):
-        if cfg.sft_warmup is not None:
-            preflight(cfg.sft_warmup)
-        check_components(cfg)
+    if isinstance(cfg, GRPOMasterConfig) and cfg.sft_warmup is not None:
+        preflight(cfg.sft_warmup)
     policy = cfg.policy
     check_model_name(policy.model_name, "policy.model_name", policy.tiny_arch)
     if policy.tokenizer_name is not None:
         check_model_name(policy.tokenizer_name, "policy.tokenizer_name", policy.tiny_arch)
     records = load_split_records(cfg)
+    # Last: these import torch (and the user's modules), seconds that the checks above never need.
+    if isinstance(cfg, GRPOMasterConfig):
+        check_components(cfg)
     if hasattr(cfg, "env"):
         check_envs(cfg, {r["task_name"] for split in records.values() for r in split if "task_name" in r})
 
@@ -109,7 +110,7 @@ def latest_step_dir(run_dir: Path) -> Optional[Path]:
 def check_model_name(name: str, key: str, tiny_arch: str = "llama") -> None:
     """Refuse a model name that cannot load, fast: a missing or wrong local path, a run directory
     given where a `step_N` is meant, or a hub id that is neither cached nor downloadable."""
-    from posttrain.models.tiny import ARCHS, PRESETS
+    from posttrain.models.presets import ARCHS, PRESETS
 
     preset, _, arch = name.partition("-")
     if preset in PRESETS and (not arch or arch in ARCHS):

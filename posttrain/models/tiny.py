@@ -39,6 +39,8 @@ from transformers import (
     Qwen2Config,
 )
 
+from posttrain.models.presets import ARCHS, PRESETS  # noqa: F401 (re-exported: tiny.PRESETS, tiny.ARCHS)
+
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<|end|>"
 SYSTEM, USER, ASSISTANT = "<|system|>", "<|user|>", "<|assistant|>"
 SPECIAL_TOKENS = [PAD, UNK, BOS, EOS, SYSTEM, USER, ASSISTANT]
@@ -62,17 +64,6 @@ CHAT_TEMPLATE = (
 RECIPE_VERSION = 1
 MARKER_FILE = "posttrain_tiny.json"
 
-# Sizes per preset. `tiny` is the embedded default and must train in minutes on 2 CPU cores;
-# `100m` (~103M parameters) exists for refit/throughput benchmarks.
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=512),
-    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=1024),
-    "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-                 intermediate_size=3072),
-}
-ARCHS = ("llama", "qwen2")
 MAX_POSITION_EMBEDDINGS = 2048
 
 

@@ -1,0 +1,15 @@
+"""Sizes of the built-in tiny models (`policy.model_name: tiny | small | 100m`, optionally
+`-llama` / `-qwen2`). Kept apart from `tiny.py`, which imports torch and transformers, so that
+config checks can recognise a preset name in milliseconds."""
+
+# Sizes per preset. `tiny` is the embedded default and must train in minutes on 2 CPU cores;
+# `100m` (~103M parameters) exists for refit/throughput benchmarks.
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=512),
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=1024),
+    "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                 intermediate_size=3072),
+}
+ARCHS = ("llama", "qwen2")
