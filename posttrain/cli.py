@@ -25,6 +25,7 @@ JOBS: dict[str, tuple[str, str]] = {
     "dpo": ("posttrain.algorithms.dpo", "run"),
     "rm": ("posttrain.algorithms.rm", "run"),
     "eval": ("posttrain.evals.eval", "run"),
+    "distill": ("posttrain.algorithms.distill", "run"),
 }
 ALGO_HELP = {
     "grpo": "GRPO and its variants (DAPO, GSPO, Dr.GRPO) with verifiable rewards",
@@ -32,6 +33,7 @@ ALGO_HELP = {
     "dpo": "direct preference optimization",
     "rm": "reward-model training (Bradley-Terry)",
     "eval": "evaluate a model (pass@k, cons@k)",
+    "distill": "on-policy distillation: the student generates, a larger teacher's top-k logits teach it",
 }
 SAMPLE_PROMPT = "12+34="
 EXIT_CONFIG_ERROR = 2  # same code argparse uses for bad usage

@@ -25,15 +25,20 @@ HUB_PROBE_TIMEOUT_S = 5.0
 
 def preflight(cfg: Any) -> None:
     """Check `cfg`'s model, tokenizer and data (and its SFT warm start's, if any); see the module doc."""
-    from posttrain.config.schema import GRPOMasterConfig
+    from posttrain.config.schema import DistillMasterConfig, GRPOMasterConfig
 
-    if isinstance(cfg, GRPOMasterConfig) and cfg.sft_warmup is not None:
-        preflight(cfg.sft_warmup)
+    for warm_start in ("sft_warmup", "teacher_warmup"):  # GRPO's and distillation's SFT warm starts
+        if getattr(cfg, warm_start, None) is not None:
+            preflight(getattr(cfg, warm_start))
     policy = cfg.policy
     check_model_name(policy.model_name, "policy.model_name", policy.tiny_arch)
     if policy.tokenizer_name is not None:
         check_model_name(policy.tokenizer_name, "policy.tokenizer_name", policy.tiny_arch)
+    if isinstance(cfg, DistillMasterConfig):
+        check_model_name(cfg.teacher.model_name, "teacher.model_name", cfg.teacher.tiny_arch)
     records = load_split_records(cfg)
+    if isinstance(cfg, DistillMasterConfig):
+        check_distill_vocabularies(cfg)  # a preset's size needs the tokenizer (imports torch)
     # Last: these import torch (and the user's modules), seconds that the checks above never need.
     if isinstance(cfg, GRPOMasterConfig):
         check_components(cfg)
@@ -76,6 +81,72 @@ def check_envs(cfg: Any, task_names: set[str]) -> None:
         except (ImportPathError, ValueError) as e:
             message = str(e.args[0]) if e.args else str(e)
             raise UserError(message if message.startswith("env.") else f"env.{name}.class_path: {message}") from None
+
+
+def model_vocab_size(name: str, tiny_arch: str = "llama") -> Optional[int]:
+    """The vocabulary size (width of the logits) of `name` from its `config.json`, without loading
+    weights: a preset's, a local directory's or checkpoint's, or a hub id's cached config; None
+    when it cannot be known yet (a hub id not in the cache)."""
+    import json
+
+    from posttrain.models.presets import ARCHS, PRESETS
+
+    preset, _, arch = name.partition("-")
+    if preset in PRESETS and (not arch or arch in ARCHS):
+        from posttrain.models.tiny import build_tokenizer
+
+        return len(build_tokenizer())  # every preset shares the character-level tokenizer
+    path = Path(name).expanduser()
+    candidates: list[Path] = []
+    if path.is_dir():
+        candidates.append(path / "config.json")
+        checkpoint = checkpoint_policy_dir(path)
+        if checkpoint is not None:
+            candidates += sorted(checkpoint.rglob("config.json"))
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json")
+        if isinstance(cached, str):
+            candidates.append(Path(cached))
+    for candidate in candidates:
+        if candidate.is_file():
+            config = json.loads(candidate.read_text())
+            size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+            if size:
+                return int(size)
+    return None
+
+
+def distill_model_keys(cfg: Any) -> tuple[tuple[str, str, str], tuple[str, str, str]]:
+    """`(key, model name, tiny arch)` of the student and of the teacher whose weights a distillation
+    run starts from: a warm start's `policy.model_name` when there is one (its export keeps the vocabulary)."""
+    def start(key: str, policy: Any, warm_key: str, warm: Any) -> tuple[str, str, str]:
+        if warm is not None:
+            return f"{warm_key}.policy.model_name", warm.policy.model_name, warm.policy.tiny_arch
+        return f"{key}.model_name", policy.model_name, policy.tiny_arch
+
+    return (start("policy", cfg.policy, "sft_warmup", cfg.sft_warmup),
+            start("teacher", cfg.teacher, "teacher_warmup", cfg.teacher_warmup))
+
+
+def vocabulary_problem(student: tuple[str, str, Optional[int]], teacher: tuple[str, str, Optional[int]]) -> Optional[str]:
+    """One line when the student's and the teacher's vocabulary sizes, `(key, name, size)`, differ."""
+    (s_key, s_name, s_size), (t_key, t_name, t_size) = student, teacher
+    if s_size is None or t_size is None or s_size == t_size:
+        return None
+    return (f"{t_key}={t_name!r} has a vocabulary of {t_size} tokens but {s_key}={s_name!r} has {s_size}: "
+            "distillation compares the two models token by token, so they need the same vocabulary")
+
+
+def check_distill_vocabularies(cfg: Any) -> None:
+    """Refuse a teacher whose vocabulary size differs from the student's, where the configs show it
+    (checked again once the models are loaded, for hub ids not cached yet)."""
+    (s_key, s_name, s_arch), (t_key, t_name, t_arch) = distill_model_keys(cfg)
+    problem = vocabulary_problem((s_key, s_name, model_vocab_size(s_name, s_arch)),
+                                 (t_key, t_name, model_vocab_size(t_name, t_arch)))
+    if problem:
+        raise UserError(problem)
 
 
 def load_split_records(cfg: Any) -> dict[str, list[dict]]:

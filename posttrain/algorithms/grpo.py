@@ -379,12 +379,21 @@ def run(cfg: GRPOMasterConfig) -> dict[str, float]:
 
 
 def apply_sft_warm_start(cfg: GRPOMasterConfig) -> GRPOMasterConfig:
-    """Run (or reuse) the SFT warm start and point the GRPO policy at its exported weights.
+    """Run (or reuse) the SFT warm start and point the GRPO policy at its exported weights
+    (`sft_warm_start_dir`; the warm start logs under `<logger.log_dir>/sft_warmup`)."""
+    warm_dir = sft_warm_start_dir(cfg.sft_warmup, Path(cfg.logger.log_dir) / "sft_warmup")
+    cfg = cfg.model_copy(deep=True)
+    cfg.policy.tokenizer_name = cfg.policy.tokenizer_name or str(warm_dir)
+    cfg.policy.model_name = str(warm_dir)
+    return cfg
 
-    The export is cached under `$POSTTRAIN_CACHE/sft_warmup/<hash of the sft_warmup config>`
-    (without its `logger` and `checkpointing` sections, which do not change the weights), so
-    reruns, resumed runs and the presets that inherit the same warm start share one. The warm
-    start logs under `<logger.log_dir>/sft_warmup`.
+
+def sft_warm_start_dir(warm: Any, log_dir: Path) -> Path:
+    """Run (or reuse) the SFT job `warm` (an `SFTMasterConfig`) and return its HF export.
+
+    The export is cached under `$POSTTRAIN_CACHE/sft_warmup/<hash of the config>` (without its
+    `logger` and `checkpointing` sections, which do not change the weights), so reruns, resumed
+    runs and the presets that share a warm start share one export. The run logs under `log_dir`.
     """
     import hashlib
 
@@ -392,7 +401,7 @@ def apply_sft_warm_start(cfg: GRPOMasterConfig) -> GRPOMasterConfig:
     from posttrain.config.loader import config_to_yaml
     from posttrain.models.tiny import cache_dir
 
-    weights_cfg = cfg.sft_warmup.model_copy(update={"logger": None, "checkpointing": None})
+    weights_cfg = warm.model_copy(update={"logger": None, "checkpointing": None})
     key = hashlib.sha1(config_to_yaml(weights_cfg).encode()).hexdigest()[:12]
     warm_dir = cache_dir() / "sft_warmup" / key
     if (warm_dir / "config.json").exists():
@@ -400,13 +409,10 @@ def apply_sft_warm_start(cfg: GRPOMasterConfig) -> GRPOMasterConfig:
     else:
         print(f"[posttrain] SFT warm start -> {warm_dir}", flush=True)
         warm_dir.parent.mkdir(parents=True, exist_ok=True)
-        warm_cfg = cfg.sft_warmup.model_copy(deep=True)
-        warm_cfg.logger.log_dir = str(Path(cfg.logger.log_dir) / "sft_warmup")
+        warm_cfg = warm.model_copy(deep=True)
+        warm_cfg.logger.log_dir = str(log_dir)
         sft.run(warm_cfg, export_dir=warm_dir)
-    cfg = cfg.model_copy(deep=True)
-    cfg.policy.tokenizer_name = cfg.policy.tokenizer_name or str(warm_dir)
-    cfg.policy.model_name = str(warm_dir)
-    return cfg
+    return warm_dir
 
 
 def _finish(ctx: GRPOContext, seconds: float) -> None:

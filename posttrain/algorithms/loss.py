@@ -34,7 +34,7 @@ class LossFunction(Protocol):
     """What the policy worker needs from a loss object."""
 
     loss_type: Literal["token", "sequence"]
-    input_type: Literal["logprobs", "scores"]
+    input_type: Literal["logprobs", "scores", "logits"]  # "logits": [B, S, V] (distillation)
 
     def __call__(
         self, logprobs: torch.Tensor, batch: Mapping[str, Any], global_valid_seqs: Count, global_valid_toks: Count

@@ -38,6 +38,7 @@ DEFAULT_CONFIGS: dict[str, str] = {
     "dpo": "dpo_tiny.yaml",
     "rm": "rm_tiny.yaml",
     "eval": "eval_tiny.yaml",
+    "distill": "distill_tiny.yaml",
 }
 
 KeyPath = tuple[Union[str, int], ...]  # a key path inside the nested config dict

@@ -547,7 +547,95 @@ class EvalMasterConfig(MasterConfig):
     env: EnvConfig = EnvConfig()
 
 
+# -------------------------------------------------------------------------------- distillation
+class DistillationConfig(Section):
+    """The on-policy distillation loop (`posttrain distill`; NeMo-RL's `distillation` section)."""
+
+    num_prompts_per_step: int = Field(16, ge=1, description="Prompts the student answers per step.")
+    num_generations_per_prompt: int = Field(4, ge=1, description="Student samples per prompt.")
+    max_rollout_turns: int = Field(1, ge=1)
+    max_num_steps: int = Field(100, ge=1)
+    max_num_epochs: int = Field(1000, ge=1)
+    topk_logits_k: int = Field(
+        64, ge=1, description="Teacher logits kept per position (NeMo-RL's default 64; at most the vocabulary size)."
+    )
+    val_period: int = Field(10, ge=0, description="0 disables periodic validation.")
+    val_at_start: bool = True
+    val_at_end: bool = True
+    max_val_samples: int = Field(500, ge=1)
+    val_batch_size: int = Field(256, ge=1)
+    seed: int = 42
+
+
+class DistillationLossConfig(Section):
+    """KL between the student and the teacher's top-k distribution (`algorithms/distill_loss.py`)."""
+
+    kl_type: Literal["forward", "reverse", "mixed"] = Field(
+        "forward",
+        description="'forward' KL(teacher||student) (default, mass-covering), 'reverse' KL(student||teacher) "
+        "(mode-seeking) or 'mixed' (mixed_kl_weight x forward + (1 - mixed_kl_weight) x reverse).",
+    )
+    mixed_kl_weight: float = Field(0.5, ge=0, le=1, description="Weight of the forward KL when kl_type='mixed'.")
+    zero_outside_topk: bool = Field(
+        False,
+        description="Treat the teacher's probability outside its top-k as ~0 and compare with the student's "
+        "full-vocabulary probabilities (default False: both renormalised over the top-k).",
+    )
+
+
+def warm_start_problem(model_key: str, model_name: str, warm_key: str, warm: Optional["SFTMasterConfig"]) -> Optional[str]:
+    """Why `model_name` would be silently replaced by the export of the SFT warm start `warm`, or None."""
+    if warm is None or model_name == warm.policy.model_name:
+        return None
+    return (
+        f"{model_key}={model_name!r} would be replaced by the SFT warm start of {warm_key}.policy.model_name="
+        f"{warm.policy.model_name!r}: set {warm_key}=null to use {model_name!r} directly, or "
+        f"{warm_key}.policy.model_name to warm-start it"
+    )
+
+
+class DistillMasterConfig(MasterConfig):
+    """`posttrain distill`: the student (`policy`) generates, the teacher scores its tokens, the
+    student learns the teacher's top-k distribution."""
+
+    distillation: DistillationConfig = DistillationConfig()
+    loss_fn: DistillationLossConfig = DistillationLossConfig()
+    teacher: PolicyConfig = Field(
+        PolicyConfig(model_name="small"),
+        description="The teacher model (forward only, its own workers: teacher.num_workers); it must share the "
+        "student's vocabulary. Its optimizer keys are unused.",
+    )
+    env: EnvConfig = EnvConfig()
+    sft_warmup: Optional["SFTMasterConfig"] = Field(
+        None, description="Optional SFT warm start of the student (cached like GRPO's; logs under <logger.log_dir>/sft_warmup)."
+    )
+    teacher_warmup: Optional["SFTMasterConfig"] = Field(
+        None,
+        description="Optional SFT warm start of the teacher, cached by its config (logs under "
+        "<logger.log_dir>/teacher_warmup); the embedded default trains a larger tiny model this way.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self):
+        for problem in (
+            warm_start_problem("policy.model_name", self.policy.model_name, "sft_warmup", self.sft_warmup),
+            warm_start_problem("teacher.model_name", self.teacher.model_name, "teacher_warmup", self.teacher_warmup),
+        ):
+            if problem:
+                raise ValueError(problem)
+        d = self.distillation
+        rows, gbs = d.num_prompts_per_step * d.num_generations_per_prompt, self.policy.train_global_batch_size
+        if rows % gbs:
+            raise ValueError(
+                f"policy.train_global_batch_size={gbs} must divide the rows of one distillation step, "
+                f"distillation.num_prompts_per_step x distillation.num_generations_per_prompt = {rows} "
+                f"(set it to {rows} for one optimizer step per distillation step)"
+            )
+        return self
+
+
 GRPOMasterConfig.model_rebuild()
+DistillMasterConfig.model_rebuild()
 
 SCHEMAS: dict[str, type[MasterConfig]] = {
     "grpo": GRPOMasterConfig,
@@ -555,4 +643,5 @@ SCHEMAS: dict[str, type[MasterConfig]] = {
     "dpo": DPOMasterConfig,
     "rm": RMMasterConfig,
     "eval": EvalMasterConfig,
+    "distill": DistillMasterConfig,
 }

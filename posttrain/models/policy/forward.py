@@ -130,6 +130,36 @@ def microbatch_logprobs(
     return next_token_logprobs(logits, input_ids, temperature) * mask
 
 
+def microbatch_logits(
+    model: torch.nn.Module, mb: MicroBatch, device: torch.device, compute_dtype: torch.dtype, temperature: float = 1.0
+) -> torch.Tensor:
+    """Next-token logits `[n, L, V]` (float32, divided by `temperature`) aligned to `input_ids`:
+    position i holds the logits of token i given tokens < i; position 0 and the padding are 0.
+
+    For losses with `input_type == "logits"` (distillation) and the teacher's top-k.
+    """
+    input_ids = mb.rows["input_ids"].to(device)
+    lengths = mb.rows["input_lengths"].to(device)
+    seq_len = input_ids.shape[1]
+    with _autocast(device, compute_dtype):
+        if mb.packed is not None:
+            packed_ids = mb.packed["input_ids"].to(device)
+            mask = packing.block_causal_attention_mask(mb.packed["cu_seqlens"].to(device), dtype=compute_dtype)
+            logits = model(input_ids=packed_ids, attention_mask=mask, position_ids=mb.packed["position_ids"].to(device)).logits
+        else:
+            attention = (torch.arange(seq_len, device=device)[None, :] < lengths[:, None]).long()
+            logits = model(input_ids=input_ids, attention_mask=attention).logits
+    logits = F.pad(logits[:, :-1].float(), (0, 0, 1, 0))  # shift right: position i predicts token i
+    if temperature != 1.0:
+        logits = logits / temperature
+    if mb.packed is not None:  # a sequence's first position would condition on the previous sequence
+        starts = mb.packed["cu_seqlens"][:-1].long().to(device)
+        logits = logits.index_fill(1, starts[starts < logits.shape[1]], 0.0)
+        return packing.unpack(logits, mb.packed["cu_seqlens"], mb.packed["lengths"], seq_len)
+    valid = torch.arange(seq_len, device=device)[None, :] < lengths[:, None]
+    return logits * valid[..., None]
+
+
 def microbatch_scores(
     model: torch.nn.Module, mb: MicroBatch, device: torch.device, compute_dtype: torch.dtype
 ) -> torch.Tensor:

@@ -73,6 +73,11 @@ class Policy:
         """Like `get_logprobs`, from the initial weights (needs `init_reference_model=True`)."""
         return self.worker_group.run_sharded("get_reference_logprobs", batch, temperature=temperature)
 
+    def get_topk_logits(self, batch: Batch, k: int, temperature: float = 1.0) -> Batch:
+        """`Batch(topk_logits, topk_indices)`, each `[B, S, k]`, in the caller's row order (see
+        `PolicyWorker.get_topk_logits`): what a distillation teacher gives the student."""
+        return self.worker_group.run_sharded("get_topk_logits", batch, k=k, temperature=temperature)
+
     def get_scores(self, batch: Batch) -> Batch:
         """`Batch({"scores": [B]})` from a reward model (`model_type="reward"`)."""
         return self.worker_group.run_sharded("get_scores", batch)

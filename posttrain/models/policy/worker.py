@@ -44,6 +44,7 @@ from posttrain.models.policy.forward import (
     MicroBatch,
     dynamic_microbatches,
     fixed_size_microbatches,
+    microbatch_logits,
     microbatch_logprobs,
     microbatch_scores,
     packed_microbatches,
@@ -215,9 +216,11 @@ class PolicyWorker(DistributedWorker):
             mbs += [mbs[-1].as_dummy() for _ in range(int(count) - len(mbs))]
         return mbs
 
-    def _forward(self, mb: MicroBatch, temperature: float) -> torch.Tensor:
+    def _forward(self, mb: MicroBatch, temperature: float, input_type: str = "logprobs") -> torch.Tensor:
         if self.model_type == "reward":
             return microbatch_scores(self.model, mb, self.device, self.compute_dtype)
+        if input_type == "logits":  # full next-token logits [n, L, V] (distillation)
+            return microbatch_logits(self.model, mb, self.device, self.compute_dtype, temperature)
         return microbatch_logprobs(self.model, mb, self.device, self.compute_dtype, temperature)
 
     # ------------------------------------------------------------------------------ logprobs
@@ -253,6 +256,32 @@ class PolicyWorker(DistributedWorker):
             else:
                 out[mb.index, : values.shape[1]] = values
         return out
+
+    @torch.no_grad()
+    def get_topk_logits(self, batch: Batch, k: int, temperature: float = 1.0) -> Batch:
+        """`Batch(topk_logits [B, S, k] float32, topk_indices [B, S, k] long)`: at every position i the
+        `k` largest next-token logits for token i (divided by `temperature`) and their vocabulary
+        indices, aligned like `get_logprobs` (position 0 and the padding hold 0). A distillation
+        teacher's answer; collective like `get_logprobs`.
+        """
+        if self.model_type != "lm":
+            raise ValueError("get_topk_logits needs model_type='lm'")
+        self._require(batch, ("input_ids", "input_lengths"), "get_topk_logits")
+        vocab = self.hf_config.vocab_size
+        if not 1 <= k <= vocab:
+            raise ValueError(f"get_topk_logits: k={k} must be between 1 and the vocabulary size {vocab}")
+        self.model.eval()
+        batch_size, seq_len = batch["input_ids"].shape
+        values = torch.zeros(batch_size, seq_len, k)
+        indices = torch.zeros(batch_size, seq_len, k, dtype=torch.long)
+        for mb in self._microbatches(batch, for_training=False, rows_per_mb=self.cfg.logprob_batch_size):
+            logits = self._forward(mb, temperature, input_type="logits")
+            if mb.dummy:
+                continue
+            top = logits.topk(k, dim=-1)
+            values[mb.index, : logits.shape[1]] = top.values.cpu()
+            indices[mb.index, : logits.shape[1]] = top.indices.cpu()
+        return Batch(topk_logits=values, topk_indices=indices)
 
     def get_reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
         """Like `get_logprobs`, from the frozen initial weights (needs `init_reference_model`)."""
@@ -310,7 +339,8 @@ class PolicyWorker(DistributedWorker):
         """
         if self.optimizer is None:
             raise RuntimeError("train needs a Policy created with init_optimizer=True")
-        scores = getattr(loss_fn, "input_type", "logprobs") == "scores"
+        input_type = getattr(loss_fn, "input_type", "logprobs")  # "logprobs", "scores" or "logits"
+        scores = input_type == "scores"
         if scores != (self.model_type == "reward"):
             raise ValueError(f"loss input_type={loss_fn.input_type!r} does not fit model_type={self.model_type!r}")
         self._require(batch, ("input_ids", "input_lengths", "sample_mask") + (() if scores else ("token_mask",)), "train")
@@ -336,7 +366,7 @@ class PolicyWorker(DistributedWorker):
             self.optimizer.zero_grad(set_to_none=True)
             bad_microbatches: list[int] = []
             for mb_index, mb in enumerate(self._microbatches(rows, for_training=True, rows_per_mb=mbs)):
-                outputs = self._forward(mb, temperature)
+                outputs = self._forward(mb, temperature, input_type)
                 if mb.dummy:
                     (outputs.sum() * 0.0).backward()
                     continue

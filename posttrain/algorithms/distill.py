@@ -1,0 +1,370 @@
+"""On-policy distillation (Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning
+from Self-Generated Mistakes"; NeMo-RL's `algorithms/distillation.py`).
+
+The student learns the teacher's token distribution on the student's *own* samples, so it is
+taught exactly where it goes wrong, with a dense per-token signal instead of one reward per answer.
+
+One step, top to bottom:
+    prompts -> repeat per generation -> (lazy) refit -> student rollout (generate + environments,
+    whose rewards are logged as the student's training accuracy) -> teacher top-k logits of every
+    token (the teacher's own worker group, forward only) -> train on the top-k KL
+    (`DistillationLoss`, normalised by the step's global valid tokens) -> metrics, validation, checkpoint
+
+The teacher is a `Policy` built without optimizer: its workers are ordinary policy workers, and
+`get_topk_logits` uses the same micro-batching (fixed, dynamic or packed) as every other forward.
+The embedded default (`examples/configs/distill_tiny.yaml`) warm-starts both models with SFT
+(cached) and distils the larger `small` preset into the `tiny` one.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from posttrain.algorithms.common import (
+    build_datums,
+    make_cluster,
+    make_envs,
+    make_generation,
+    prefixed,
+    restore_training_state,
+    sample_seeds,
+    save_training_state,
+    start_concurrently,
+    start_run,
+)
+from posttrain.algorithms.grpo import _refit_if_stale, apply_sft_warm_start, sft_warm_start_dir
+from posttrain.config.schema import DistillMasterConfig
+from posttrain.data.dataloader import ResumableLoader
+from posttrain.data.message_log import flatten_message_logs
+from posttrain.distributed.batch import Batch
+from posttrain.errors import UserError
+from posttrain.evals.eval import evaluate, per_task_means, validation_sampling
+from posttrain.models.refit import build_refit_metadata
+from posttrain.rollouts import run_multi_turn_rollout
+from posttrain.utils.checkpoint import CheckpointManager
+from posttrain.utils.logger import Logger, ProgressBar
+from posttrain.utils.timer import Timer
+
+
+@dataclass
+class DistillContext:
+    """Everything the loop needs, built once by `setup` (field names shared with GRPO's context,
+    so GRPO's lazy refit serves both)."""
+
+    cfg: DistillMasterConfig
+    policy: Any  # the student
+    generation: Any  # the student's generation engine
+    teacher: Any  # forward-only Policy
+    envs: dict[str, Any]
+    tokenizer: Any
+    train_loader: ResumableLoader
+    val_datums: list[dict]
+    logger: Logger
+    checkpointer: CheckpointManager
+    loss_fn: Any
+    refit_metadata: Any
+    teacher_cluster: Any
+    clusters: list[Any] = field(default_factory=list)
+    step: int = 0
+    generation_stale: bool = False
+    val_history: list[tuple[int, float]] = field(default_factory=list)
+    kl_history: list[tuple[int, float]] = field(default_factory=list)
+    teacher_accuracy: Optional[float] = None
+
+    @property
+    def last_step(self) -> int:
+        d = self.cfg.distillation
+        return min(d.max_num_steps, self.train_loader.steps_for_epochs(d.max_num_epochs))
+
+    def shutdown(self) -> None:
+        from posttrain.environments.registry import EnvRouter
+
+        for part in (EnvRouter(self.envs), self.generation, self.teacher, self.policy, *self.clusters):
+            try:
+                part.shutdown()
+            except Exception as e:  # shutting down must not mask the real error
+                print(f"[posttrain] WARNING: shutdown failed: {e}", flush=True)
+        self.logger.close()
+
+
+# ------------------------------------------------------------------------------------- set-up
+def apply_warm_starts(cfg: DistillMasterConfig) -> DistillMasterConfig:
+    """Run (or reuse from the cache) the student's and the teacher's SFT warm starts and point
+    `policy` / `teacher` at their exports. A teacher given as a training checkpoint (`step_N`, e.g.
+    of a GRPO run) becomes its cached Hugging Face copy, as `policy.model_name` does in every job."""
+    from posttrain.models.policy.checkpoint import converted_checkpoint
+    from posttrain.preflight import checkpoint_policy_dir
+
+    if cfg.sft_warmup is not None:
+        cfg = apply_sft_warm_start(cfg)
+    teacher_dir = None
+    if cfg.teacher_warmup is not None:
+        teacher_dir = sft_warm_start_dir(cfg.teacher_warmup, Path(cfg.logger.log_dir) / "teacher_warmup")
+    else:
+        checkpoint = checkpoint_policy_dir(Path(cfg.teacher.model_name).expanduser())
+        if checkpoint is not None:
+            teacher_dir = converted_checkpoint(checkpoint)
+            print(f"[posttrain] teacher.model_name: checkpoint {cfg.teacher.model_name} as Hugging Face model "
+                  f"{teacher_dir}", flush=True)
+    if teacher_dir is not None:
+        cfg = cfg.model_copy(deep=True)
+        cfg.teacher.tokenizer_name = cfg.teacher.tokenizer_name or str(teacher_dir)
+        cfg.teacher.model_name = str(teacher_dir)
+    return cfg
+
+
+def check_vocabularies(cfg: DistillMasterConfig) -> Optional[int]:
+    """The shared vocabulary size of student and teacher as they will be loaded (after warm starts,
+    hub downloads); raises `UserError` naming both keys and sizes when they differ, before any
+    worker starts. Also refuses `distillation.topk_logits_k` above the vocabulary size."""
+    from posttrain.models.hf import resolve_model_path
+    from posttrain.preflight import model_vocab_size, vocabulary_problem
+
+    sizes = []
+    for key, policy in (("policy.model_name", cfg.policy), ("teacher.model_name", cfg.teacher)):
+        path = resolve_model_path(policy.model_name, policy.tiny_arch)
+        size = model_vocab_size(path)
+        if size is None and not Path(path).exists():  # a hub id not cached yet: transformers fetches its config
+            from transformers import AutoConfig
+
+            size = int(AutoConfig.from_pretrained(path).vocab_size)
+        sizes.append((key, policy.model_name, size))
+    problem = vocabulary_problem(*sizes)
+    if problem:
+        raise UserError(problem)
+    vocab = sizes[0][2] or sizes[1][2]
+    if vocab is not None and cfg.distillation.topk_logits_k > vocab:
+        raise UserError(f"distillation.topk_logits_k={cfg.distillation.topk_logits_k} exceeds the vocabulary size {vocab}")
+    return vocab
+
+
+def setup(cfg: DistillMasterConfig) -> DistillContext:
+    from posttrain.algorithms.distill_loss import DistillationLoss
+    from posttrain.data.processors import build_prompt_message_log
+    from posttrain.models.policy.policy import Policy
+
+    d = cfg.distillation
+    cfg, tokenizer = start_run(cfg, seed=d.seed, max_num_steps=d.max_num_steps)
+    train_datums = build_datums(cfg, build_prompt_message_log, tokenizer, "train")
+    val_datums = build_datums(cfg, build_prompt_message_log, tokenizer, "validation", d.max_val_samples)
+    if not val_datums:
+        print("[posttrain] no validation data (data.validation_path is unset or empty): running without validation",
+              flush=True)
+    loader = ResumableLoader(train_datums, d.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=d.seed)
+
+    colocated = cfg.policy.generation.colocated.enabled
+    policy_cluster = make_cluster(cfg, cfg.policy.num_workers, colocated_groups=2 if colocated else 1)
+    gen_cluster = policy_cluster if colocated else make_cluster(
+        cfg, cfg.policy.generation.colocated.num_workers or 1, name="generation")
+    # The teacher's bundles also host, once, the generation engine that measures its accuracy.
+    teacher_cluster = make_cluster(cfg, cfg.teacher.num_workers, colocated_groups=2, name="teacher")
+    policy, generation, teacher = start_concurrently(
+        lambda: Policy(policy_cluster, cfg.policy, init_reference_model=False,
+                       worker_timeout_s=cfg.cluster.worker_timeout_s),
+        lambda: make_generation(cfg, gen_cluster),
+        lambda: Policy(teacher_cluster, cfg.teacher, init_reference_model=False, init_optimizer=False,
+                       name="teacher", worker_timeout_s=cfg.cluster.worker_timeout_s),
+    )
+    refit_metadata = build_refit_metadata(
+        policy.refit_info(), cfg.policy.generation.refit_buffer_size_mb * 2**20, dtypes=generation.weight_dtypes()
+    )
+    generation.prepare_refit_info(refit_metadata)
+    envs = make_envs(cfg, [datum.get("task_name", cfg.data.env_name) for datum in train_datums + val_datums])
+
+    ctx = DistillContext(
+        cfg=cfg, policy=policy, generation=generation, teacher=teacher, envs=envs, tokenizer=tokenizer,
+        train_loader=loader, val_datums=val_datums, logger=Logger(cfg.logger),
+        checkpointer=CheckpointManager(cfg.checkpointing), loss_fn=DistillationLoss(**cfg.loss_fn.model_dump()),
+        refit_metadata=refit_metadata, teacher_cluster=teacher_cluster,
+        clusters=[policy_cluster, teacher_cluster] + ([] if colocated else [gen_cluster]),
+    )
+    if cfg.checkpointing.enabled:
+        info = restore_training_state(ctx.checkpointer, ctx.policy, ctx.train_loader, ctx.logger)
+        if info is not None:
+            ctx.step, ctx.generation_stale = int(info["step"]), True
+            ctx.val_history = [tuple(v) for v in info.get("val_history", [])]
+            ctx.kl_history = [tuple(v) for v in info.get("kl_history", [])]
+            ctx.teacher_accuracy = info.get("teacher_accuracy")
+    ctx.logger.log_hyperparams(cfg.model_dump(mode="json"))
+    return ctx
+
+
+# --------------------------------------------------------------------------------- the loop
+def distill_train(ctx: DistillContext) -> dict[str, float]:
+    cfg, d = ctx.cfg, ctx.cfg.distillation
+    if ctx.step == 0 and d.val_at_start and ctx.val_datums:
+        metrics = _validate_metrics(ctx, 0)
+        if ctx.teacher_accuracy is not None:
+            metrics["validation/teacher_accuracy"] = ctx.teacher_accuracy
+        ctx.logger.log_metrics(metrics, 0)
+
+    temperature = cfg.policy.generation.temperature  # student and teacher see the sampling distribution
+    gbs = cfg.policy.train_global_batch_size
+    bar = ProgressBar(total=ctx.last_step, initial=ctx.step, enabled=cfg.logger.progress_bar, desc="distill")
+    last: dict[str, float] = {}
+    while ctx.step < ctx.last_step:
+        step = ctx.step + 1
+        timer = Timer()
+        with timer.time("total_step_time"):
+            train_data, metrics = _student_rollouts(ctx, step, timer)
+            with timer.time("logprobs"):  # the teacher's forward pass (a logprob-like pass)
+                top = ctx.teacher.get_topk_logits(train_data, d.topk_logits_k, temperature)
+                train_data["teacher_topk_logits"] = top["topk_logits"]
+                train_data["teacher_topk_indices"] = top["topk_indices"]
+            with timer.time("policy_training"):
+                train_metrics = ctx.policy.train(train_data, ctx.loss_fn, global_batch_size=gbs, temperature=temperature)
+            ctx.generation_stale = True
+            ctx.step = step
+        ctx.kl_history.append((step, train_metrics["loss"]))
+        metrics.update(prefixed(train_metrics, "train"))
+        metrics.update(prefixed(timer.get_timing_metrics(), "timing/train"))
+        if (d.val_period > 0 and step % d.val_period == 0) or (d.val_at_end and step == ctx.last_step):
+            metrics.update(_validate_metrics(ctx, step))
+        ctx.logger.log_metrics(metrics, step)
+        _maybe_checkpoint(ctx, step)
+        bar.update(metrics)
+        last = metrics
+    bar.close()
+    return last
+
+
+def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
+    """The student answers the next prompts `num_generations_per_prompt` times; the environments
+    score the answers (logged, not trained on). Returns the flattened training rows."""
+    cfg, d = ctx.cfg, ctx.cfg.distillation
+    prompts = ctx.train_loader.next_batch()
+    samples = [copy.deepcopy(datum) for datum in prompts for _ in range(d.num_generations_per_prompt)]
+    _refit_if_stale(ctx, timer)
+    t0 = time.perf_counter()
+    result = run_multi_turn_rollout(
+        ctx.generation, samples, ctx.tokenizer, ctx.envs, max_seq_len=cfg.policy.max_total_sequence_length,
+        max_rollout_turns=d.max_rollout_turns, seeds=sample_seeds(d.seed, step, len(samples)), weight_version=ctx.step,
+    )
+    timer.add("generation", time.perf_counter() - t0 - result.env_seconds)
+    timer.add("reward", result.env_seconds)
+    train_data = flatten_message_logs([s["message_log"] for s in samples], pad_token_id=ctx.tokenizer.pad_token_id)
+    train_data["sample_mask"] = torch.tensor([float(s.get("loss_multiplier", 1.0)) for s in samples])
+    metrics = {
+        "train/reward": result.rewards.mean().item(),
+        **per_task_means(result.rewards, [s.get("task_name", cfg.data.env_name) for s in samples], "train/reward",
+                         list(ctx.envs)),
+        "train/num_samples": float(train_data.size),
+        "train/mean_prompt_length": sum(p["length"] for p in prompts) / len(prompts),
+        **prefixed(result.metrics, "train"),
+    }
+    return train_data, metrics
+
+
+# ------------------------------------------------------------------------------- validation
+def _evaluate(ctx: DistillContext, generation, weight_version: int) -> dict[str, float]:
+    """GRPO's validation protocol (`grpo.validate`) with the `distillation.*` sizes."""
+    cfg, d = ctx.cfg, ctx.cfg.distillation
+    greedy, temperature = validation_sampling(cfg.policy.generation, 1)
+    return evaluate(
+        generation, ctx.val_datums, ctx.tokenizer, ctx.envs, k=1, greedy=greedy, temperature=temperature,
+        batch_size=d.val_batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
+        max_rollout_turns=d.max_rollout_turns, seed=d.seed + 7919, weight_version=weight_version,
+        num_samples_to_print=cfg.logger.num_val_samples_to_print,
+    )
+
+
+def _validate_metrics(ctx: DistillContext, step: int) -> dict[str, float]:
+    if not ctx.val_datums:
+        return {}
+    t0 = time.perf_counter()
+    _refit_if_stale(ctx)
+    metrics = _evaluate(ctx, ctx.generation, ctx.step)
+    metrics["timing/validation/total_validation_time"] = time.perf_counter() - t0
+    ctx.val_history.append((step, metrics["validation/accuracy"]))
+    return metrics
+
+
+def measure_teacher_accuracy(ctx: DistillContext) -> Optional[float]:
+    """The teacher's validation accuracy, with the students' protocol, by a generation engine
+    started on the teacher's bundles for this once (then shut down)."""
+    from posttrain.models.generation.interface import Generation
+
+    if not ctx.val_datums:
+        return None
+    cfg, t = ctx.cfg, ctx.cfg.teacher
+    engine = Generation(
+        ctx.teacher_cluster, cfg.policy.generation, t.model_name, tokenizer_name=t.tokenizer_name,
+        tiny_arch=t.tiny_arch, precision=t.precision, name="teacher_generation",
+        worker_timeout_s=cfg.cluster.worker_timeout_s,
+    )
+    try:
+        return _evaluate(ctx, engine, 0)["validation/accuracy"]
+    finally:
+        engine.shutdown()
+
+
+def _maybe_checkpoint(ctx: DistillContext, step: int) -> None:
+    ck = ctx.cfg.checkpointing
+    if not ck.enabled or not (step % ck.save_period == 0 or step == ctx.last_step):
+        return
+    ranking = {"validation/accuracy": ctx.val_history[-1][1]} if ctx.val_history else {}
+    info = {"val_history": ctx.val_history, "kl_history": ctx.kl_history, "teacher_accuracy": ctx.teacher_accuracy}
+    save_training_state(ctx.checkpointer, ctx.policy, ctx.train_loader, step, ranking, info)
+
+
+# ------------------------------------------------------------------------------ entry point
+def run(cfg: DistillMasterConfig) -> dict[str, Optional[float]]:
+    """`posttrain distill`: warm starts (cached), teacher accuracy, distillation, a final summary.
+
+    Returns `teacher_accuracy`, `student_before`, `student_after` (validation accuracies) and
+    `kl_first`, `kl_last` (the training KL, averaged over the first and the last few steps).
+    """
+    start = time.perf_counter()
+    cfg = apply_warm_starts(cfg)
+    check_vocabularies(cfg)
+    ctx = setup(cfg)
+    try:
+        if ctx.teacher_accuracy is None and ctx.cfg.distillation.val_at_start:
+            ctx.teacher_accuracy = measure_teacher_accuracy(ctx)
+        distill_train(ctx)
+        summary = summarize(ctx)
+        _finish(ctx, summary, time.perf_counter() - start)
+    finally:
+        ctx.shutdown()
+    return summary
+
+
+def summarize(ctx: DistillContext, window: int = 5) -> dict[str, Optional[float]]:
+    """Teacher and student accuracies and the training KL at the start and the end of the run
+    (each KL averaged over `window` steps: one step's KL depends on which prompts it drew)."""
+    kls = [kl for _, kl in ctx.kl_history]
+    n = max(1, min(window, len(kls) // 2))
+    return {
+        "teacher_accuracy": ctx.teacher_accuracy,
+        "student_before": ctx.val_history[0][1] if ctx.val_history else None,
+        "student_after": ctx.val_history[-1][1] if ctx.val_history else None,
+        "kl_first": sum(kls[:n]) / n if kls else None,
+        "kl_last": sum(kls[-n:]) / n if kls else None,
+    }
+
+
+def _finish(ctx: DistillContext, summary: dict[str, Optional[float]], seconds: float) -> None:
+    log_dir = Path(ctx.cfg.logger.log_dir)
+    if ctx.cfg.logger.report and (log_dir / "metrics.jsonl").exists():
+        from posttrain.utils.report import write_report
+
+        write_report(log_dir / "metrics.jsonl", log_dir / "report.png")
+
+    def pct(value: Optional[float]) -> str:
+        return "n/a" if value is None else f"{value:.1%}"
+
+    s = summary
+    kl = "n/a" if s["kl_first"] is None else f"{s['kl_first']:.4f} -> {s['kl_last']:.4f}"
+    print(
+        f"[posttrain] distillation finished at step {ctx.step} in {seconds:.0f}s ({ctx.cfg.loss_fn.kl_type} KL "
+        f"over the teacher's top-{ctx.cfg.distillation.topk_logits_k}): KL {kl} (mean of the first / last steps); "
+        f"validation accuracy: teacher {pct(s['teacher_accuracy'])}, student {pct(s['student_before'])} -> "
+        f"{pct(s['student_after'])}; logs in {log_dir}",
+        flush=True,
+    )
