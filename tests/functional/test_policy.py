@@ -283,3 +283,63 @@ def test_nan_loss_raises_before_the_optimizer_step(dp2, pg_batch):
         policy.train(pg_batch, NaNLoss())
     after = policy.state_dict_for_export()
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+# ------------------------------------------------------------------------- distillation
+def reference_logits(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Next-token logits aligned to `input_ids` ([B, S, V]; position i predicts token i), 0 at
+    position 0 and in the padding, with plain transformers."""
+    ids, lengths = batch["input_ids"], batch["input_lengths"]
+    valid = torch.arange(ids.shape[1])[None] < lengths[:, None]
+    logits = model(input_ids=ids, attention_mask=valid.long()).logits.float()
+    return torch.nn.functional.pad(logits[:, :-1], (0, 0, 1, 0)) * valid[..., None]
+
+
+def distill_batch() -> Batch:
+    """`make_batch` rows with a random teacher's top-5 (logits and vocabulary indices)."""
+    batch = make_batch(seed=5)
+    teacher = torch.randn(*batch["input_ids"].shape, 103, generator=torch.Generator().manual_seed(6)) * 3
+    top = teacher.topk(5, dim=-1)
+    batch["teacher_topk_logits"], batch["teacher_topk_indices"] = top.values, top.indices
+    return batch
+
+
+def test_teacher_topk_logits_match_plain_transformers(dp2, dp2_packed, hf_model):
+    """`get_topk_logits` (the teacher's answer) on 2 workers, unpacked and packed, is the top-k of
+    the model's own next-token logits at every real position, in the caller's row order."""
+    policy, initial = dp2
+    policy.load_checkpoint(initial)
+    dp2_packed.load_checkpoint(initial)
+    batch = make_batch(seed=4)
+    with torch.no_grad():
+        expected = reference_logits(hf_model, batch).topk(5, dim=-1)
+    real = (torch.arange(batch["input_ids"].shape[1])[None] < batch["input_lengths"][:, None])
+    real[:, 0] = False
+    for who in (policy, dp2_packed):
+        top = who.get_topk_logits(batch, 5)
+        assert top["topk_logits"].shape == top["topk_indices"].shape == (8, 16, 5)
+        torch.testing.assert_close(top["topk_logits"][real], expected.values[real], atol=1e-5, rtol=0)
+        assert torch.equal(top["topk_indices"][real], expected.indices[real])
+        assert (top["topk_logits"][~real] == 0).all()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["micro_batches", "packed"])
+def test_distillation_step_two_workers_equals_one_big_batch(dp2, dp2_packed, hf_model, packed):
+    """The distillation loss (full logits, global token normalisation): 2 FSDP workers x micro-
+    batches of 2 rows, or packed bins, give the weights of one SGD step on the whole batch."""
+    from posttrain.algorithms.distill_loss import DistillationLoss
+
+    loss_fn = DistillationLoss("mixed", mixed_kl_weight=0.3, zero_outside_topk=True)
+    batch = distill_batch()
+    model = type(hf_model).from_pretrained(hf_model.name_or_path).train()  # a fresh copy
+    mask = batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]
+    loss, _ = loss_fn(reference_logits(model, batch), batch, batch["sample_mask"].sum(), mask.sum())
+    loss.backward()
+    expected = {name: (p - LR * p.grad).detach() for name, p in model.named_parameters()}
+
+    policy = dp2_packed if packed else dp2[0]
+    policy.load_checkpoint(dp2[1])
+    metrics = policy.train(batch, loss_fn)
+    assert_weights_close(policy.state_dict_for_export(), expected)
+    assert metrics["loss"] == pytest.approx(loss.item(), abs=1e-5)
+    assert metrics["num_valid_tokens"] == metrics["global_valid_toks"] == mask.sum().item()
