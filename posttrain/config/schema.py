@@ -226,8 +226,11 @@ class ReasoningGymTask(Section):
 
     name: str = Field(description="reasoning-gym data set name, e.g. 'chain_sum', 'spell_backward'.")
     config: dict[str, Any] = Field({}, description="Keyword arguments of reasoning_gym.create_dataset (the task's own config).")
-    size: int = Field(1000, ge=1, description="Training problems.")
-    val_size: int = Field(100, ge=0, description="Validation problems (another seed; duplicates of training questions dropped).")
+    size: int = Field(1000, ge=1, le=10**7, description="Training problems (seeds data.seed + 0 .. size - 1).")
+    val_size: int = Field(
+        100, ge=0, le=10**7,
+        description="Validation problems (seeds from data.seed + 10**7; questions also in training dropped).",
+    )
     weight: float = Field(1.0, gt=0, description="Share of each GRPO batch drawn from this task.")
     prompt_template: Optional[str] = Field(
         None,

@@ -1,9 +1,10 @@
 """Records from reasoning-gym (`data.dataset=reasoning_gym`): procedurally generated, verifiable tasks.
 
-reasoning-gym (Apache-2.0, the optional extra `posttrain[reasoning_gym]`) generates each entry
-deterministically from (task, config, seed, index). Training entries use seed `2 * data.seed` and
-validation entries `2 * data.seed + 1`, so the two never share a generator stream; validation
-questions that also occur in training are dropped. A record does not carry the entry itself (some
+reasoning-gym (Apache-2.0, the optional extra `posttrain[reasoning_gym]`) generates entry i of a
+data set seeded s from `random.Random(s + i)`, so consecutive seeds share entries. Training entries
+use seed `data.seed` (streams s .. s + size - 1) and validation entries `data.seed + 10**7`, so the
+two never share a generator stream (sizes are capped at 10**7); validation questions that still
+occur in training (small task configs repeat questions) are dropped. A record does not carry the entry itself (some
 entries do not survive a JSON round trip), only how to regenerate it (`reasoning_gym` field), which
 the environment does before scoring with the task's own scorer.
 """
@@ -29,9 +30,12 @@ def import_reasoning_gym():
     return reasoning_gym
 
 
+VALIDATION_SEED_OFFSET = 10**7
+
+
 def split_seed(data_seed: int, split: str) -> int:
-    """Disjoint seeds: even for training, odd for validation."""
-    return 2 * data_seed + (split == "validation")
+    """The seed of a split's data set (see the module docstring)."""
+    return data_seed + (VALIDATION_SEED_OFFSET if split == "validation" else 0)
 
 
 def make_dataset(name: str, config: dict, seed: int, size: int, key: str = "data.reasoning_gym"):

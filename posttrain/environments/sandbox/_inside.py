@@ -276,7 +276,12 @@ def run_function(job, workdir):
             emit({"test": i, "status": "ok" if not failure else failure, "reason": failure, "value": record["value"],
                   "returncode": returncode, "stderr": stderr[-500:]})
         else:
-            reason = "runtime_error" if record is not None else (failure or ("load_error" if load_error else "no_result"))
+            if record is not None:
+                reason = "runtime_error"
+            elif load_error and failure in ("", "runtime_error"):
+                reason = "load_error"  # the program failed at import, or lacks the function
+            else:
+                reason = failure or "no_result"
             if record is not None and "error" in record:
                 reason = classify(1, record["error"])
             emit({"test": i, "status": "error", "reason": reason, "returncode": returncode,
