@@ -245,7 +245,8 @@ def _load_blend(data_cfg: DataConfig, split: Split) -> list[dict]:
         elif sub.dataset == "reasoning_gym":
             from posttrain.data.reasoning_gym import load_reasoning_gym
 
-            part = load_reasoning_gym(sub, split, env_name=env)
+            # rows route to env.reasoning_gym unless the component names another environment
+            part = load_reasoning_gym(sub, split, env_name=env if "env" in data_cfg.blend[i] else None)
         else:
             if split == "validation" and sub.validation_path is None:
                 continue

@@ -195,3 +195,67 @@ def test_code_grading_styles_and_rewards():
     assert grade(fn, [[[1, 2], 3]], [[4, 6]], "add", cfg, mode) == (0, 1, "wrong_answer")
     assert grade("def other(): pass", [[1]], [1], "add", cfg, mode)[2] == "load_error"
     assert grade("def add(x):\n    return True", [[1]], [1], "add", cfg, mode)[0] == 0  # True is not 1
+
+
+@pytest.mark.skipif(mode_problem("bwrap") is not None and mode_problem("unshare") is not None, reason="no sandbox")
+def test_shipped_code_tasks_reference_solutions_pass_and_wrong_ones_fail():
+    from pathlib import Path
+
+    from posttrain.data.datasets import env_metadata, load_jsonl
+    from posttrain.environments.code_env import CodeEnvironment
+
+    rows = load_jsonl(Path(__file__).resolve().parents[2] / "examples/data/code_tasks.jsonl")
+    assert len(rows) >= 10 and any("fn_name" in r for r in rows) and any("fn_name" not in r for r in rows)
+    env = CodeEnvironment({"timeout_s": 5.0})
+    try:
+        metadata = [env_metadata(r) for r in rows]
+        assert rewards(env, [r["answer"] for r in rows], metadata) == [1.0] * len(rows)
+        assert rewards(env, ["```python\nprint(0)\ndef f(*a): return 0\n```"] * len(rows), metadata) == [0.0] * len(rows)
+    finally:
+        env.shutdown()
+
+
+# ------------------------------------------------------------------------------ NeMo-Gym rows
+def test_nemo_gym_rows_load_directly(tmp_path, tokenizer):
+    from posttrain.config.schema import DataConfig
+    from posttrain.data.datasets import env_metadata, load_records
+    from posttrain.data.processors import build_prompt_message_log
+
+    def row(text, **fields):
+        return {"responses_create_params": {"input": [{"role": "developer", "content": "Be brief."},
+                                                     {"role": "user", "content": text}]},
+                "agent_ref": {"type": "responses_api_agents", "name": "x"}, **fields}
+
+    rows = [
+        row("2+2?", question="2+2?", expected_answer="4"),
+        row("Capital of Italy?", options=OPTIONS, expected_answer="C", grading_mode="strict"),
+        row("Say hi", verifier_metadata={"instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]}),
+        row("JSON please", schema_str=json.dumps(SCHEMA), schema_type="json"),
+        row("Add", verifier_metadata={"unit_tests": {"inputs": ["1 2"], "outputs": ["3"]}}),
+        row("GCD?", question="GCD?", answer="1", metadata={"source_dataset": "gcd"}),
+        row("Mine", task_name="custom", expected_answer="x"),
+    ]
+    path = tmp_path / "gym.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = load_records(DataConfig(dataset="jsonl", train_path=str(path)), "train")
+    assert [r["task_name"] for r in records] == ["math", "mcqa", "instructions", "structured", "code", "reasoning_gym", "custom"]
+    assert [r["answer"] for r in records][:2] == ["4", "C"] and records[0]["prompt"] == "2+2?"
+    meta = env_metadata(records[1])
+    assert meta["ground_truth"] == "C" and meta["options"] == OPTIONS and "responses_create_params" not in meta
+    datum = build_prompt_message_log(records[0], tokenizer, 128)
+    assert datum["message_log"][0]["content"] == "<|system|>Be brief.<|end|><|user|>2+2?<|end|><|assistant|>"
+    env = MCQAEnvironment({})
+    assert rewards(env, ["\\boxed{C}", "\\boxed{A}"], meta) == [1.0, 0.0]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"responses_create_params": {"input": [{"role": "tool"}]}}) + "\n")
+    from posttrain.data.datasets import DataError
+
+    with pytest.raises(DataError, match="bad.jsonl:1: responses_create_params.input"):
+        load_records(DataConfig(dataset="jsonl", train_path=str(bad)), "train")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from posttrain.models.tiny import build_tokenizer
+
+    return build_tokenizer()
