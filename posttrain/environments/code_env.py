@@ -121,7 +121,7 @@ def parse_tests(meta: dict) -> tuple[list[Any], list[Any], Optional[str]]:
     if isinstance(tests, str):
         tests = json.loads(tests)
     if not isinstance(tests, list) or not tests:
-        raise ValueError(f"code environment: metadata has no 'tests' list (or verifier_metadata.unit_tests): {sorted(meta)}")
+        raise ValueError(f"no 'tests' list (or verifier_metadata.unit_tests) in {sorted(meta)}")
     return [t["input"] for t in tests], [t["output"] for t in tests], meta.get("fn_name") or None
 
 
@@ -164,6 +164,16 @@ class CodeEnvironment(Environment):
         self.mode = resolve_mode(self.cfg.sandbox)
         self.failure_counts: dict[str, int] = {}
         self._pool = ThreadPoolExecutor(max_workers=self.cfg.num_workers, thread_name_prefix="code-sandbox")
+
+    @classmethod
+    def metadata_problem(cls, metadata: dict) -> Optional[str]:
+        try:
+            inputs, outputs, _ = parse_tests(metadata)
+        except (ValueError, KeyError, TypeError) as e:
+            return f"code rows need tests: {e}"
+        if len(inputs) != len(outputs) or not inputs:
+            return f"code rows need as many test inputs as outputs (got {len(inputs)} and {len(outputs)})"
+        return None
 
     def step(self, message_logs: list[MessageLog], metadata: list[dict]) -> EnvironmentReturn:
         if len(message_logs) != len(metadata):

@@ -68,3 +68,9 @@ def test_preflight_names_environment_problems(tmp_path):
     with pytest.raises(UserError, match="unsupported instruction 'language:response_language'"):
         check_envs(cfg, [{"task_name": "instructions", "prompt": "p", "instruction_id_list": ["language:response_language"],
                           "kwargs": [{"language": "de"}]}])
+
+
+def test_code_rows_without_tests_are_refused_before_training():
+    cfg = load_config("grpo")
+    with pytest.raises(UserError, match=r"task 'code' \(env.code\), row 0 .*code rows need tests"):
+        check_envs(cfg, [{"task_name": "code", "prompt": "p", "answer": None}])
