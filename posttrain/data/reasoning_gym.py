@@ -53,6 +53,16 @@ def make_dataset(name: str, config: dict, seed: int, size: int, key: str = "data
         raise UserError(f"{key}.config={config!r} is not a valid config of reasoning-gym task {name!r}: {e}") from None
 
 
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """Print a notice once per process (preflight and set-up both load the data)."""
+    if message not in _said:
+        _said.add(message)
+        print(message, flush=True)
+
+
 def load_reasoning_gym(data_cfg: DataConfig, split: str, env_name: Optional[str] = None) -> list[dict]:
     """Records of every task in `data.reasoning_gym`: `{"prompt", "answer", "task_name": <task>,
     "env_name": env_name or "reasoning_gym", "reasoning_gym": {task, config, seed, size, index},
@@ -71,9 +81,11 @@ def load_reasoning_gym(data_cfg: DataConfig, split: str, env_name: Optional[str]
         if split == "validation":
             train = make_dataset(task.name, task.config, split_seed(data_cfg.seed, "train"), task.size, key)
             exclude = {train[i]["question"] for i in range(task.size)}
+        dropped = 0
         for index in range(size):
             entry = dataset[index]
             if entry["question"] in exclude:
+                dropped += 1
                 continue
             fields = {"question": entry["question"], **{k: v for k, v in entry["metadata"].items() if isinstance(k, str)}}
             if task.prompt_template is not None:
@@ -94,4 +106,7 @@ def load_reasoning_gym(data_cfg: DataConfig, split: str, env_name: Optional[str]
                 "reasoning_gym": {"task": task.name, "config": task.config, "seed": seed, "size": size, "index": index},
                 "source": task.name, "source_weight": task.weight,
             })
+        if dropped:
+            _say_once(f"[posttrain] {key} ({task.name}): {dropped} of {size} validation questions also occur in "
+                      "training and were dropped" + ("; none is left: widen the task's config" if dropped == size else ""))
     return records
