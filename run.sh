@@ -29,6 +29,16 @@ if [ ! -f "$STAMP" ]; then
     phase "installing torch 2.13.0 (the largest download)" "$VENV/bin/python" -m pip install torch==2.13.0
     phase "installing posttrain and its pinned dependencies (ray, transformers, ...)" \
         "$VENV/bin/python" -m pip install -e "$REPO[dev]"
+    # The code environment's sandbox uses bubblewrap; without it, it falls back (loudly) to weaker
+    # isolation (README "Code sandbox"). Installed here when we may; otherwise say how.
+    if ! command -v bwrap >/dev/null 2>&1; then
+        echo "[run.sh]   installing bubblewrap (the code sandbox)..." >&2
+        if ! { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 &&
+               apt-get install -y -q bubblewrap >>"$LOG" 2>&1; }; then
+            echo "[run.sh] WARNING: could not install bubblewrap (bwrap); the code environment's sandbox will" \
+                 "use weaker isolation. Install it with: sudo apt-get install bubblewrap" >&2
+        fi
+    fi
     rm -f "$VENV"/.installed-*
     touch "$STAMP"
     echo "[run.sh] environment ready" >&2

@@ -43,7 +43,7 @@ def preflight(cfg: Any) -> None:
     if isinstance(cfg, GRPOMasterConfig):
         check_components(cfg)
     if hasattr(cfg, "env"):
-        check_envs(cfg, {r["task_name"] for split in records.values() for r in split if "task_name" in r})
+        check_envs(cfg, [r for split in records.values() for r in split if "task_name" in r])
 
 
 def check_components(cfg: Any) -> None:
@@ -65,22 +65,41 @@ def check_components(cfg: Any) -> None:
             raise UserError(f"{key}={name!r} is not callable (a {kind} class or function is expected)")
 
 
-def check_envs(cfg: Any, task_names: set[str]) -> None:
-    """Every task the data names has an environment that loads, with a valid `env.<name>` config."""
+def check_envs(cfg: Any, records: list) -> None:
+    """Every environment the data names (by a record's `env_name`, else its `task_name`; plain task
+    names are accepted too) and every configured `env.<name>` section loads with a valid config,
+    and each record's metadata suits its environment (`Environment.metadata_problem`)."""
+    from posttrain.data.datasets import env_metadata
     from posttrain.environments.registry import resolve_env
     from posttrain.utils.registry import ImportPathError
 
-    for name in sorted(task_names):
+    rows_of_env: dict[str, list[dict]] = {}
+    for record in records:
+        if isinstance(record, str):
+            rows_of_env.setdefault(record, [])
+        else:
+            rows_of_env.setdefault(record.get("env_name") or record["task_name"], []).append(record)
+    for name in sorted(set(rows_of_env) | set(cfg.env.names())):
         try:
-            resolve_env(name, cfg.env.section(name))
+            cls, _ = resolve_env(name, cfg.env.section(name))
         except KeyError:
+            if name not in rows_of_env:
+                raise UserError(
+                    f"env.{name}: no built-in or registered environment is called {name!r}; set env.{name}.class_path "
+                    "to your Environment class ('module:Class' or 'file.py:Class')"
+                ) from None
             raise UserError(
-                f"the data names task {name!r} (data.env_name or a row's task_name) but no environment serves it: "
-                f"set env.{name}.class_path to your Environment class ('module:Class' or 'file.py:Class')"
+                f"the data names task {name!r} (data.env_name, a blend's env or a row's task_name) but no environment "
+                f"serves it: set env.{name}.class_path to your Environment class ('module:Class' or 'file.py:Class')"
             ) from None
         except (ImportPathError, ValueError) as e:
             message = str(e.args[0]) if e.args else str(e)
             raise UserError(message if message.startswith("env.") else f"env.{name}.class_path: {message}") from None
+        check = getattr(cls, "metadata_problem", None)
+        for i, record in enumerate(rows_of_env.get(name, [])):
+            problem = check(env_metadata(record)) if check is not None else None
+            if problem:
+                raise UserError(f"task {record['task_name']!r} (env.{name}), row {i} (prompt {str(record.get('prompt'))[:60]!r}): {problem}")
 
 
 def model_vocab_size(name: str, tiny_arch: str = "llama") -> Optional[int]:

@@ -191,7 +191,7 @@ def build_datums(
     if load is None:
         from posttrain.data.datasets import load_records as load
 
-    records = load(cfg.data, split)[:limit]
+    records = limit_per_source(load(cfg.data, split), limit)
     return [
         builder(r, tokenizer, cfg.policy.max_total_sequence_length, use_chat_template=cfg.data.use_chat_template,
                 system_prompt=cfg.data.system_prompt, idx=i)
@@ -199,16 +199,39 @@ def build_datums(
     ]
 
 
-def make_envs(cfg, task_names) -> dict[str, Any]:
-    """One environment actor per task name, configured by `env.<name>` (a built-in, a registered
-    environment, or a user's class by `env.<name>.class_path`)."""
+def limit_per_source(records: list[dict], limit: Optional[int]) -> list[dict]:
+    """The first `limit` records, or with several sources (a blend) the first `limit` of each, so
+    every task is validated."""
+    if limit is None:
+        return records
+    sources = {r.get("source") for r in records}
+    if len(sources) < 2:
+        return records[:limit]
+    taken: dict[Any, int] = {}
+    kept = []
+    for record in records:
+        source = record.get("source")
+        if taken.get(source, 0) < limit:
+            taken[source] = taken.get(source, 0) + 1
+            kept.append(record)
+    return kept
+
+
+def make_envs(cfg, tasks) -> dict[str, Any]:
+    """Task name -> environment actor. `tasks` are task names or datums; a datum's `env_name`
+    says which `env.<name>` section serves its task (a built-in, a registered environment, or a
+    user's class by `env.<name>.class_path`). Tasks served by the same section share one actor."""
     from posttrain.environments.registry import create_env, resolve_env
 
-    envs = {}
-    for name in sorted(set(task_names)):
-        cls, env_cfg = resolve_env(name, cfg.env.section(name))
-        envs[name] = create_env(name, env_cfg, cls=cls)
-    return envs
+    env_of_task = {}
+    for item in tasks:
+        task = item if isinstance(item, str) else item.get("task_name", cfg.data.env_name)
+        env_of_task[task] = task if isinstance(item, str) else item.get("env_name") or task
+    actors = {}
+    for env_name in sorted(set(env_of_task.values())):
+        cls, env_cfg = resolve_env(env_name, cfg.env.section(env_name))
+        actors[env_name] = create_env(env_name, env_cfg, cls=cls)
+    return {task: actors[env_name] for task, env_name in sorted(env_of_task.items())}
 
 
 def prepare_run_dirs(cfg: MasterConfig) -> None:

@@ -38,7 +38,7 @@ from posttrain.algorithms.common import (
 )
 from posttrain.algorithms.loss import LossFunction, build_loss
 from posttrain.config.schema import GRPOMasterConfig
-from posttrain.data.dataloader import ResumableLoader
+from posttrain.data.dataloader import ResumableLoader, make_loader
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.distributed.batch import Batch
 from posttrain.evals.eval import evaluate, per_task_means, response_lengths, validation_sampling
@@ -100,7 +100,8 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
     if not val_datums:
         print("[posttrain] no validation data (data.validation_path is unset or empty): running without validation",
               flush=True)
-    loader = ResumableLoader(train_datums, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.grpo.seed)
+    # A blend (or several reasoning-gym tasks) is sampled by its components' weights.
+    loader = make_loader(train_datums, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.grpo.seed)
 
     colocated = cfg.policy.generation.colocated.enabled
     policy_cluster = make_cluster(cfg, cfg.policy.num_workers, colocated_groups=2 if colocated else 1)
@@ -119,7 +120,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
     )
     generation.prepare_refit_info(refit_metadata)
 
-    envs = make_envs(cfg, [d.get("task_name", cfg.data.env_name) for d in train_datums + val_datums])
+    envs = make_envs(cfg, train_datums + val_datums)
 
     ctx = GRPOContext(
         cfg=cfg, policy=policy, generation=generation, envs=envs, tokenizer=tokenizer,

@@ -22,7 +22,7 @@ from posttrain.algorithms.common import (
 )
 from posttrain.algorithms.loss import NLLLoss
 from posttrain.config.schema import SFTMasterConfig
-from posttrain.data.dataloader import ResumableLoader
+from posttrain.data.dataloader import make_loader
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.distributed.batch import Batch
 from posttrain.utils.timer import Timer
@@ -80,7 +80,7 @@ def run(cfg: SFTMasterConfig, export_dir: Optional[Path] = None) -> dict[str, fl
     if not val:
         print("[posttrain] no validation data (data.validation_path is unset or empty): SFT runs without validation",
               flush=True)
-    loader = ResumableLoader(train, cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle, seed=s.seed)
+    loader = make_loader(train, cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle, seed=s.seed)
     cluster = make_cluster(cfg, cfg.policy.num_workers)
     policy = Policy(cluster, cfg.policy, init_reference_model=False, worker_timeout_s=cfg.cluster.worker_timeout_s)
     loss_fn = NLLLoss()

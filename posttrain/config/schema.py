@@ -221,8 +221,28 @@ def loss_option_problem(cfg: LossConfig) -> Optional[str]:
 
 
 # ------------------------------------------------------------------------------------------- data
+class ReasoningGymTask(Section):
+    """One reasoning-gym task of `data.dataset=reasoning_gym` (`data.reasoning_gym`)."""
+
+    name: str = Field(description="reasoning-gym data set name, e.g. 'chain_sum', 'spell_backward'.")
+    config: dict[str, Any] = Field({}, description="Keyword arguments of reasoning_gym.create_dataset (the task's own config).")
+    size: int = Field(1000, ge=1, le=10**7, description="Training problems (seeds data.seed + 0 .. size - 1).")
+    val_size: int = Field(
+        100, ge=0, le=10**7,
+        description="Validation problems (seeds from data.seed + 10**7; questions also in training dropped).",
+    )
+    weight: float = Field(1.0, gt=0, description="Share of each GRPO batch drawn from this task.")
+    prompt_template: Optional[str] = Field(
+        None,
+        description=(
+            "Prompt built from the entry's fields: {question} and the entry's metadata keys (e.g. '{expression} ='); "
+            "None uses the question."
+        ),
+    )
+
+
 class DataConfig(Section):
-    dataset: Literal["arithmetic", "jsonl", "hf"] = "arithmetic"
+    dataset: Literal["arithmetic", "jsonl", "hf", "reasoning_gym"] = "arithmetic"
     train_path: Optional[str] = Field(None, description="JSONL file or HF dataset name (jsonl / hf).")
     validation_path: Optional[str] = None
     prompt_key: str = "prompt"
@@ -239,26 +259,82 @@ class DataConfig(Section):
     num_validation: int = Field(500, ge=1)
     seed: int = 1234
     shuffle: bool = True
-    env_name: str = "math"
+    env_name: str = Field(
+        "math",
+        description="Task of rows that name none (a JSONL row's own task_name wins); env.<task> serves it.",
+    )
+    reasoning_gym: list[ReasoningGymTask] = Field(
+        [], description="Tasks of data.dataset=reasoning_gym (optional extra: pip install 'posttrain[reasoning_gym]')."
+    )
+    blend: list[dict[str, Any]] = Field(
+        [],
+        description=(
+            "Several data sets in one run: a list of {name, weight (default 1), env (default: name), <data.* keys>}; "
+            "each component's data.* keys override this section's, its rows get task_name=name unless they carry "
+            "their own, and GRPO draws each prompt from component i with probability weight_i / sum(weights)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.dataset == "reasoning_gym" and not self.reasoning_gym and not self.blend:
+            raise ValueError("data.dataset=reasoning_gym needs data.reasoning_gym: a list of {name, config, size, val_size}")
+        names = [task.name for task in self.reasoning_gym]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.reasoning_gym names a task twice: {names}")
+        seen = set()
+        for i, component in enumerate(self.blend):
+            name = blend_component(self, i)[0]  # raises naming data.blend[i].<key>
+            if name in seen:
+                raise ValueError(f"data.blend[{i}].name={name!r} is used twice")
+            seen.add(name)
+        return self
+
+
+BLEND_KEYS = ("name", "weight", "env")
+
+
+def blend_component(data: "DataConfig", index: int) -> tuple[str, float, str, "DataConfig"]:
+    """(name, weight, env section, the component's own DataConfig) of `data.blend[index]`."""
+    from pydantic import ValidationError
+
+    component = data.blend[index]
+    key = f"data.blend[{index}]"
+    if not isinstance(component, dict):
+        raise ValueError(f"{key} must be a section {{name, weight, env, <data.* keys>}}, got {component!r}")
+    name = component.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{key}.name is required (the task name of its rows, e.g. 'math')")
+    weight = component.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+        raise ValueError(f"{key}.weight must be a number > 0, got {weight!r}")
+    env = component.get("env", name)
+    if not isinstance(env, str) or not env:
+        raise ValueError(f"{key}.env must be an environment name, got {env!r}")
+    overrides = {k: v for k, v in component.items() if k not in BLEND_KEYS}
+    if "blend" in overrides:
+        raise ValueError(f"{key}.blend: blends do not nest")
+    fields = data.model_dump(exclude={"blend"}, exclude_unset=True)
+    try:
+        sub = DataConfig.model_validate({**fields, **overrides, "env_name": name})
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"{key}.{where}: {first['msg']} (got {first.get('input')!r})") from None
+    return name, float(weight), env, sub
 
 
 # ---------------------------------------------------------------------------------- environments
-class MathEnvConfig(Section):
-    num_workers: int = Field(1, ge=1)
-    answer_format: Literal["auto", "boxed", "hash", "last_number"] = "auto"
-    verify_timeout_s: float = Field(5.0, gt=0)
-
-
 class EnvConfig(Section):
     """`env.<name>` configures the environment serving task `<name>` (rows carry a task name:
-    `data.env_name`, or a JSONL row's own `task_name`). `math` is built in; any other name is a
-    section `{class_path: "module:Class" or "file.py:Class", <fields>}` for a user's environment
-    (or just `<fields>` for one registered with `@register_env`). The fields are validated against
-    the class's `config_class` (a pydantic model) when it declares one, before any worker starts."""
+    `data.env_name`, or a JSONL row's own `task_name`). A built-in environment (math, code, mcqa,
+    structured, instructions, reasoning_gym) or one registered with `@register_env` takes just its
+    fields; a user's environment is `{class_path: "module:Class" or "file.py:Class", <fields>}`. The
+    fields are validated against the class's `config_class` (a pydantic model, kept beside the
+    environment) by `posttrain.preflight` before any worker starts; this schema does not import
+    the environments, so loading a config stays fast."""
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
-
-    math: MathEnvConfig = MathEnvConfig()
 
     @model_validator(mode="after")
     def _check(self):
@@ -272,8 +348,12 @@ class EnvConfig(Section):
         return self
 
     def section(self, name: str) -> Any:
-        """The config given for environment `name` (a typed section, a dict, or None)."""
-        return getattr(self, name, None) if name in type(self).model_fields else (self.model_extra or {}).get(name)
+        """The config given for environment `name` (a dict), or None."""
+        return (self.model_extra or {}).get(name)
+
+    def names(self) -> list[str]:
+        """The environments configured here."""
+        return sorted(self.model_extra or {})
 
 
 # ------------------------------------------------------------------------------- logging, ckpts

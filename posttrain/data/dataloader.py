@@ -63,3 +63,67 @@ class ResumableLoader(Generic[T]):
         self.epoch = state["epoch"]
         self.position = state["position"]
         self._order = self._epoch_order(self.epoch)
+
+
+class BlendedLoader:
+    """Batches drawn from several sources by weight: each item of a batch comes from source s with
+    probability `weights[s] / sum(weights)`; within a source, items follow that source's own
+    `ResumableLoader` (reshuffled per epoch). The draw of batch b depends only on (seed, b), so
+    the state is the batch counter plus each source's (epoch, position).
+
+    Args:
+        sources: source name -> its items (each non-empty).
+        weights: source name -> weight > 0.
+        batch_size, shuffle, seed: as `ResumableLoader`.
+    """
+
+    def __init__(self, sources: dict[str, Sequence[T]], weights: dict[str, float], batch_size: int, *,
+                 shuffle: bool = True, seed: int = 0):
+        if not sources:
+            raise ValueError("BlendedLoader needs at least one source")
+        self.names = sorted(sources)
+        self.weights = [float(weights[name]) for name in self.names]
+        self.loaders = {
+            name: ResumableLoader(sources[name], 1, shuffle=shuffle, seed=seed + 7919 * i)
+            for i, name in enumerate(self.names)
+        }
+        self.batch_size = batch_size
+        self.seed = seed
+        self.num_batches = 0
+        self.total_items = sum(len(items) for items in sources.values())
+
+    def next_batch(self) -> list[T]:
+        rng = random.Random(self.seed * 1_000_003 + self.num_batches)
+        picks = rng.choices(self.names, weights=self.weights, k=self.batch_size)
+        self.num_batches += 1
+        return [self.loaders[name].next_batch()[0] for name in picks]
+
+    def steps_for_epochs(self, num_epochs: int) -> int:
+        """Batches that draw as many items as `num_epochs` passes over all sources hold."""
+        return -(-num_epochs * self.total_items // self.batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_batches": self.num_batches, "seed": self.seed,
+                "sources": {name: loader.state_dict() for name, loader in self.loaders.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.num_batches = state["num_batches"]
+        self.seed = state["seed"]
+        for name, loader_state in state["sources"].items():
+            if name in self.loaders:
+                self.loaders[name].load_state_dict(loader_state)
+
+
+def make_loader(items: Sequence[dict], batch_size: int, *, shuffle: bool = True, seed: int = 0):
+    """A `BlendedLoader` over the items' `source`s (weights `source_weight`) when they come from
+    several sources (a data blend or several reasoning-gym tasks), else a `ResumableLoader`."""
+    sources: dict[str, list] = {}
+    weights: dict[str, float] = {}
+    for item in items:
+        name = item.get("source") if isinstance(item, dict) else None
+        sources.setdefault(name, []).append(item)
+        if name is not None:
+            weights[name] = float(item.get("source_weight", 1.0))
+    if len(sources) < 2 or None in sources:
+        return ResumableLoader(items, batch_size, shuffle=shuffle, seed=seed)
+    return BlendedLoader(sources, weights, batch_size, shuffle=shuffle, seed=seed)

@@ -7,10 +7,19 @@ plus the source's other fields (available to `data.prompt_template`). Processors
 
 Sources:
 - `arithmetic`: synthetic problems from `posttrain.data.arithmetic` (seeded by `data.seed`).
-- `jsonl`: `data.train_path` / `data.validation_path`, one JSON object per line.
+- `jsonl`: `data.train_path` / `data.validation_path`, one JSON object per line. Rows in
+  NeMo-Gym's shape (`responses_create_params.input` messages plus verifier fields) load as they
+  are: their messages become the prompt, `expected_answer` the answer, and the verifier fields
+  pick the task (see `nemo_gym_task`).
 - `hf`: `datasets.load_dataset` on a hub name or a local `.json`/`.jsonl`/`.parquet` file or
   directory. A hub name may carry a config and a split: `openai/gsm8k:main@test`; the split
   defaults to `train` for training and `validation` for validation.
+- `reasoning_gym`: procedurally generated tasks of the reasoning-gym package (`data.reasoning_gym`).
+- `data.blend`: several of the above, each with its task name, environment and sampling weight.
+
+Routing: a record's `task_name` names its task (metrics are per task) and `env_name` the
+`env.<name>` section that scores it (by default the task name). Records of a blend or of several
+reasoning-gym tasks carry `source` / `source_weight`, which the GRPO loader samples by.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Literal, Optional, Sequence
 
 from posttrain.config.schema import DataConfig
 from posttrain.data.arithmetic import generate_arithmetic
@@ -122,40 +131,130 @@ def format_prompt(data_cfg: DataConfig, fields: dict, at: str) -> str:
         ) from None
 
 
-def _finish(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConfig) -> list[dict]:
-    """Map prompt/answer keys, apply `data.prompt_template`, add `task_name`.
+def nemo_gym_task(row: dict) -> Optional[str]:
+    """The built-in task a NeMo-Gym row's verifier fields call for, or None (then data.env_name)."""
+    verifier = row.get("verifier_metadata") if isinstance(row.get("verifier_metadata"), dict) else {}
+    if "instruction_id_list" in verifier or "instruction_id_list" in row:
+        return "instructions"
+    if "unit_tests" in verifier:
+        return "code"
+    if "schema_str" in row:
+        return "structured"
+    if "options" in row:
+        return "mcqa"
+    if isinstance(row.get("metadata"), dict) and "source_dataset" in row["metadata"]:
+        return "reasoning_gym"
+    return None
 
-    `locations[i]` says where row i comes from (`file:line`, `name row i`) for error messages.
+
+def _nemo_gym_fields(row: dict, at: str) -> dict:
+    """`messages`, `prompt` (the last user message) and `answer` of a row in NeMo-Gym's shape."""
+    params = row["responses_create_params"]
+    messages = params.get("input") if isinstance(params, dict) else None
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if not isinstance(messages, list) or not messages or not all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ("system", "developer", "user", "assistant")
+        for m in messages
+    ):
+        raise DataError(f"{at}: responses_create_params.input must be a non-empty list of {{role, content}} messages")
+    messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in messages]
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    return {"messages": messages, "prompt": users[-1] if users else messages[-1]["content"],
+            "answer": row.get("expected_answer", row.get("answer"))}
+
+
+# Record keys that are not passed to environments as metadata (the prompt is in the message log).
+NOT_METADATA = ("prompt", "answer", "task_name", "env_name", "messages", "responses_create_params", "source",
+                "source_weight")
+
+
+def env_metadata(record: dict) -> dict:
+    """What an environment receives for a record: its fields (verifier data: tests, options, schema,
+    instructions, ...) and `ground_truth` (the answer, or None)."""
+    return {**{k: v for k, v in record.items() if k not in NOT_METADATA}, "ground_truth": record.get("answer")}
+
+
+def _finish(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConfig, env: Optional[str] = None) -> list[dict]:
+    """Map prompt/answer keys, apply `data.prompt_template`, add `task_name` and `env_name`.
+
+    `locations[i]` says where row i comes from (`file:line`, `name row i`) for error messages. Rows
+    without a task of their own get `data.env_name` and are scored by `env` (default: that name).
     """
     records = []
     for row, at in zip(rows, locations):
-        for key, option in ((data_cfg.prompt_key, "prompt_key"), (data_cfg.answer_key, "answer_key")):
-            if key not in row:
-                raise DataError(f"{at}: missing key {key!r} (data.{option}); record has {sorted(row)}")
-        answer = row[data_cfg.answer_key]
-        prompt = format_prompt(data_cfg, {**row, "prompt": row[data_cfg.prompt_key]}, at)
+        fields = dict(row)
+        if "responses_create_params" in row:
+            fields.update(_nemo_gym_fields(row, at))
+            prompt_key, answer_key = "prompt", "answer"
+            default_task = nemo_gym_task(row) or data_cfg.env_name
+        else:
+            prompt_key, answer_key = data_cfg.prompt_key, data_cfg.answer_key
+            default_task = data_cfg.env_name
+        task_name = row.get("task_name", default_task)  # a row may name its own task
+        if not isinstance(task_name, str) or not task_name:
+            raise DataError(f"{at}: task_name must be a non-empty string, got {task_name!r}")
+        if prompt_key not in fields:
+            raise DataError(f"{at}: missing key {prompt_key!r} (data.prompt_key); record has {sorted(row)}")
+        if answer_key not in fields and task_name == "math":  # other environments read other fields
+            raise DataError(f"{at}: missing key {answer_key!r} (data.answer_key); record has {sorted(row)}")
+        answer = fields.get(answer_key)
+        prompt = format_prompt(data_cfg, {**fields, "prompt": fields[prompt_key]}, at)
         # Numbers become strings: verifiers compare text, and JSON may hold 46 or "46".
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = str(answer)
-        task_name = row.get("task_name", data_cfg.env_name)  # a row may name its own environment
-        if not isinstance(task_name, str) or not task_name:
-            raise DataError(f"{at}: task_name must be a non-empty string, got {task_name!r}")
-        records.append({**row, "prompt": prompt, "answer": answer, "task_name": task_name})
+        env_name = row.get("env_name") or (env if env and "task_name" not in row else None) or task_name
+        records.append({**fields, "prompt": prompt, "answer": answer, "task_name": task_name, "env_name": env_name})
     return records
 
 
 def load_records(data_cfg: DataConfig, split: Split) -> list[dict]:
-    """Records of one split as `{"prompt", "answer", "task_name", ...}` dicts.
+    """Records of one split as `{"prompt", "answer", "task_name", "env_name", ...}` dicts.
 
     For `jsonl` and `hf` without `data.validation_path`, the validation split is empty.
     """
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+    if data_cfg.blend:
+        return _load_blend(data_cfg, split)
     if data_cfg.dataset == "arithmetic":
         train, val = generate_arithmetic(
             data_cfg.num_train, data_cfg.num_validation, data_cfg.operations, data_cfg.num_digits, data_cfg.seed
         )
         rows = train if split == "train" else val
         return _finish(rows, [f"arithmetic {split} row {i}" for i in range(len(rows))], data_cfg)
+    if data_cfg.dataset == "reasoning_gym":
+        from posttrain.data.reasoning_gym import load_reasoning_gym
+
+        return load_reasoning_gym(data_cfg, split)
     return _finish(*read_source_rows(data_cfg, split), data_cfg)
 
+
+def _load_blend(data_cfg: DataConfig, split: Split) -> list[dict]:
+    """The records of every `data.blend` component, each tagged with its `source` and sampling weight
+    (a reasoning-gym component shares its weight among its tasks by their own weights)."""
+    from posttrain.config.schema import blend_component
+
+    records = []
+    for i in range(len(data_cfg.blend)):
+        name, weight, env, sub = blend_component(data_cfg, i)
+        if sub.dataset == "arithmetic":
+            rows = generate_arithmetic(sub.num_train, sub.num_validation, sub.operations, sub.num_digits, sub.seed)
+            rows = rows[0] if split == "train" else rows[1]
+            part = _finish(rows, [f"data.blend[{i}] ({name}) {split} row {j}" for j in range(len(rows))], sub, env)
+        elif sub.dataset == "reasoning_gym":
+            from posttrain.data.reasoning_gym import load_reasoning_gym
+
+            # rows route to env.reasoning_gym unless the component names another environment
+            part = load_reasoning_gym(sub, split, env_name=env if "env" in data_cfg.blend[i] else None)
+        else:
+            if split == "validation" and sub.validation_path is None:
+                continue
+            part = _finish(*read_source_rows(sub, split), sub, env)
+        total = sum(r.get("source_weight", 1.0) for r in {r.get("source"): r for r in part}.values()) or 1.0
+        for record in part:
+            inner = record.get("source")
+            record["source"] = f"{name}/{inner}" if inner else name
+            record["source_weight"] = weight * record.get("source_weight", 1.0) / total
+        records += part
+    return records

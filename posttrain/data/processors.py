@@ -2,8 +2,8 @@
 
 A datum is what the data loader hands the algorithms (NeMo-RL's `DatumSpec`):
 
-    {"message_log": [...], "length": int, "extra_env_info": {"ground_truth": answer},
-     "loss_multiplier": 1.0, "idx": int, "task_name": str}
+    {"message_log": [...], "length": int, "extra_env_info": {"ground_truth": answer, <row fields>},
+     "loss_multiplier": 1.0, "idx": int, "task_name": str, "env_name": str, ["source", "source_weight"]}
 
 `loss_multiplier` 0.0 masks the sample out of the loss (it becomes `sample_mask`); it is how an
 over-long sample is dropped without crashing the run. Processors are registered by name
@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from posttrain.data.datasets import DataError
+from posttrain.data.datasets import DataError, env_metadata
 from posttrain.utils.registry import registrar
 
 Processor = Callable[..., dict[str, Any]]
@@ -40,24 +40,41 @@ def _field(record: dict, key: str, idx: int) -> Any:
 
 
 def _prompt_text(
-    prompt: str, tokenizer: PreTrainedTokenizerBase, use_chat_template: bool, system_prompt: str | None
+    prompt: str, tokenizer: PreTrainedTokenizerBase, use_chat_template: bool, system_prompt: str | None,
+    messages: list[dict] | None = None,
 ) -> tuple[str, list[dict], bool]:
     """(text the model sees before its answer, chat messages, add_special_tokens for encoding it).
 
     With the chat template the text ends with the generation prompt (e.g. `<|assistant|>`) and
     carries its own special tokens. Without it, the system prompt (if any) goes on its own line
     before the prompt and the tokenizer adds its usual special tokens (bos for Llama-style ones).
+    `messages` (a record's own conversation, e.g. a NeMo-Gym row's input) replaces the single user
+    message; `system_prompt` is added when they have no system message.
     """
-    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-        {"role": "user", "content": prompt}
-    ]
+    if messages:
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        if system_prompt and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": system_prompt})
+    else:
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": prompt}
+        ]
     if use_chat_template:
         if tokenizer.chat_template is None:
             raise ValueError("data.use_chat_template is true but the tokenizer has no chat template")
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return text, messages, False
-    text = f"{system_prompt}\n{prompt}" if system_prompt else prompt
+    text = "\n".join(m["content"] for m in messages)
     return text, messages, True
+
+
+def _routing(record: dict) -> dict[str, Any]:
+    """The datum keys that route a record: task (metrics), environment, and blend source."""
+    task = record.get("task_name", DEFAULT_TASK_NAME)
+    routing = {"task_name": task, "env_name": record.get("env_name") or task}
+    if "source" in record:
+        routing.update(source=record["source"], source_weight=float(record.get("source_weight", 1.0)))
+    return routing
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool) -> torch.Tensor:
@@ -89,7 +106,9 @@ def build_prompt_message_log(
         idx: the sample's index, kept in the datum and used in warnings.
     """
     prompt = _field(record, "prompt", idx)
-    text, _, add_special = _prompt_text(prompt, tokenizer, use_chat_template, system_prompt)
+    if _routing(record)["env_name"] == DEFAULT_TASK_NAME:
+        _field(record, "answer", idx)  # math grades against it; other environments read other fields
+    text, _, add_special = _prompt_text(prompt, tokenizer, use_chat_template, system_prompt, record.get("messages"))
     token_ids = _encode(tokenizer, text, add_special)
     loss_multiplier = 1.0
     if token_ids.numel() > max_seq_length:
@@ -104,10 +123,10 @@ def build_prompt_message_log(
     return {
         "message_log": [{"role": "user", "content": text, "token_ids": token_ids}],
         "length": token_ids.numel(),
-        "extra_env_info": {"ground_truth": _field(record, "answer", idx)},
+        "extra_env_info": env_metadata(record),
         "loss_multiplier": loss_multiplier,
         "idx": idx,
-        "task_name": record.get("task_name", DEFAULT_TASK_NAME),
+        **_routing(record),
     }
 
 
@@ -146,7 +165,8 @@ def build_sft_example(
     """
     prompt = _field(record, "prompt", idx)
     answer = str(_field(record, "answer", idx))
-    prompt_text, messages, add_special = _prompt_text(prompt, tokenizer, use_chat_template, system_prompt)
+    prompt_text, messages, add_special = _prompt_text(prompt, tokenizer, use_chat_template, system_prompt,
+                                                      record.get("messages"))
     prompt_ids = _encode(tokenizer, prompt_text, add_special)
     answer_text, append_eos = _assistant_text(tokenizer, messages, prompt_text, answer, use_chat_template)
     answer_ids = _encode(tokenizer, answer_text, False)
@@ -173,8 +193,8 @@ def build_sft_example(
             {"role": "assistant", "content": answer_text, "token_ids": answer_ids, "loss": True},
         ],
         "length": prompt_ids.numel() + answer_ids.numel(),
-        "extra_env_info": {"ground_truth": _field(record, "answer", idx)},
+        "extra_env_info": env_metadata(record),
         "loss_multiplier": loss_multiplier,
         "idx": idx,
-        "task_name": record.get("task_name", DEFAULT_TASK_NAME),
+        **_routing(record),
     }

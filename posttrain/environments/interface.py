@@ -48,7 +48,22 @@ class EnvironmentReturn(NamedTuple):
 
 
 class Environment(abc.ABC):
-    """Base class of all environments. Subclasses implement `step` and may override `shutdown`."""
+    """Base class of all environments. Subclasses implement `step` and may override `shutdown`.
+
+    Plug-in contract (config section `env.<name>`, see `posttrain.environments.registry.resolve_env`):
+    - `config_class`: an optional pydantic model; the section's fields (all but `class_path`) are
+      validated into it before any worker starts and the instance is passed to `__init__`.
+      Without it, `__init__` receives the section's fields as a dict (or None).
+    - `metadata_problem(metadata)`: an optional check of one data row's metadata (what `step`
+      receives for it), run on every row before any worker starts.
+    """
+
+    config_class: Optional[type] = None
+
+    @classmethod
+    def metadata_problem(cls, metadata: dict) -> Optional[str]:
+        """Why this environment cannot score a row with this metadata, or None (the default)."""
+        return None
 
     @abc.abstractmethod
     def step(self, message_logs: list[MessageLog], metadata: list[dict]) -> EnvironmentReturn:

@@ -31,11 +31,11 @@ from decimal import Decimal
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_for_ready
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
-from posttrain.config.schema import MathEnvConfig
 from posttrain.environments.interface import Environment, EnvironmentReturn, MessageLog, last_assistant_text
 from posttrain.environments.registry import register_env
 
@@ -272,15 +272,28 @@ class VerifierPool:
 
 
 # ------------------------------------------------------------------------------ environment
+class MathEnvConfig(BaseModel):
+    """`env.math.*`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_workers: int = Field(1, ge=1, description="math-verify child processes verifying in parallel.")
+    answer_format: Literal["auto", "boxed", "hash", "last_number"] = Field(
+        "auto", description="How the final answer is extracted (see extract_answer).")
+    verify_timeout_s: float = Field(5.0, gt=0, description="Longest one verification may take; then it scores 0.")
+
+
 @register_env("math")
 class MathEnvironment(Environment):
-    """Single-turn math grading against `metadata[i]["ground_truth"]`.
+    """Single-turn math grading against `metadata[i]["ground_truth"]` (or NeMo-Gym's `expected_answer`).
 
     Args:
         cfg: `MathEnvConfig` (or a dict of its keys): `answer_format` (default `auto`),
             `verify_timeout_s` (default 5.0), `num_workers` verifier processes (default 1).
             None uses the defaults.
     """
+
+    config_class = MathEnvConfig
 
     def __init__(self, cfg: MathEnvConfig | dict | None = None):
         self.cfg = cfg if isinstance(cfg, MathEnvConfig) else MathEnvConfig.model_validate(cfg or {})
@@ -291,9 +304,11 @@ class MathEnvironment(Environment):
             raise ValueError(f"got {len(message_logs)} message logs but {len(metadata)} metadata entries")
         ground_truths = []
         for i, meta in enumerate(metadata):
-            if not isinstance(meta, dict) or meta.get("ground_truth") is None:
+            truth = meta.get("ground_truth") if isinstance(meta, dict) else None
+            truth = meta.get("expected_answer") if truth is None and isinstance(meta, dict) else truth
+            if truth is None:
                 raise ValueError(f"math environment: metadata[{i}] has no 'ground_truth' (got {meta!r})")
-            ground_truths.append(str(meta["ground_truth"]))
+            ground_truths.append(str(truth))
 
         answers = [extract_answer(last_assistant_text(log_), self.cfg.answer_format) for log_ in message_logs]
         rewards = torch.zeros(len(message_logs), dtype=torch.float32)

@@ -24,8 +24,17 @@ from posttrain.environments.interface import Environment, EnvironmentReturn, Mes
 
 ENV_REGISTRY: dict[str, type[Environment]] = {}
 
-# Modules whose import registers the built-in environments (kept lazy to avoid import cycles).
-_BUILTIN_ENV_MODULES = ("posttrain.environments.math_env",)
+# Modules whose import registers the built-in environments (imported on first lookup, not at
+# start-up: they import torch, and `posttrain --help` or loading a config must stay fast). Each
+# must import without its optional packages (import those inside the environment).
+_BUILTIN_ENV_MODULES = (
+    "posttrain.environments.math_env",
+    "posttrain.environments.code_env",
+    "posttrain.environments.mcqa_env",
+    "posttrain.environments.structured_env",
+    "posttrain.environments.instructions_env",
+    "posttrain.environments.reasoning_gym_env",
+)
 
 
 def register_env(name: str) -> Callable[[type[Environment]], type[Environment]]:
@@ -61,6 +70,8 @@ def resolve_env(name: str, section: Any) -> tuple[type[Environment], Any]:
     from posttrain.utils.registry import import_object
 
     fields = section
+    if section is not None and not isinstance(section, dict):
+        raise ValueError(f"env.{name} must be a section (class_path and the environment's fields), got {section!r}")
     if isinstance(section, dict) and section.get("class_path"):
         fields = {k: v for k, v in section.items() if k != "class_path"}
         cls = import_object(section["class_path"])
@@ -179,8 +190,12 @@ class EnvRouter:
         return route_step(self.envs, message_logs, metadata, task_names)
 
     def shutdown(self) -> None:
-        """Shut every environment down (and kill actors)."""
+        """Shut every environment down (and kill actors); one serving several tasks once."""
+        unique: list[Any] = []
         for env in self.envs.values():
+            if not any(env is seen for seen in unique):
+                unique.append(env)
+        for env in unique:
             if _is_local(env):
                 env.shutdown()
             else:

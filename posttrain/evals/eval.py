@@ -145,7 +145,7 @@ def run(cfg) -> dict[str, float]:
     greedy, temperature = validation_sampling(cfg.policy.generation, k)
     sampling = "greedy" if greedy else f"sampled at temperature {temperature or cfg.policy.generation.temperature}"
     print(f"[posttrain] eval: {model_name}, {e.split} split, {len(datums)} prompts x {k} samples ({sampling})", flush=True)
-    envs = make_envs(cfg, [d["task_name"] for d in datums])
+    envs = make_envs(cfg, datums)
     cluster = make_cluster(cfg, 1, name="eval")
     generation = make_generation(cfg, cluster, seed=e.seed)
     try:

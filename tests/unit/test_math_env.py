@@ -6,7 +6,6 @@ import time
 import pytest
 import torch
 
-from posttrain.config.schema import MathEnvConfig
 from posttrain.environments import (
     ENV_REGISTRY,
     Environment,
@@ -18,7 +17,7 @@ from posttrain.environments import (
     register_env,
     route_step,
 )
-from posttrain.environments.math_env import extract_boxed, extract_hash, extract_last_number
+from posttrain.environments.math_env import MathEnvConfig, extract_boxed, extract_hash, extract_last_number
 
 
 def conversation(answer_text: str) -> list[dict]:

@@ -1,0 +1,229 @@
+"""Red-team suite of the code sandbox: each attack is contained, fails its test with a reason, and
+leaves the host (this process, other processes, files, network) unharmed.
+
+Every attack prints the expected answer first, so a sandbox that let the program finish normally
+would score it; a contained attack must fail. Runs in each sandbox mode that works here (bwrap
+and, as root, unshare; the rlimits mode as root refuses to run, see runner.py).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from posttrain.environments.code_env import CodeEnvConfig, CodeEnvironment
+from posttrain.environments.sandbox import Limits, mode_problem, run_tests
+from posttrain.environments.sandbox.runner import _SANDBOX_UID_BASE
+
+MODES = [m for m in ("bwrap", "unshare") if mode_problem(m) is None]
+if not MODES:
+    pytest.skip("no namespace sandbox (bwrap or unshare as root) works here", allow_module_level=True)
+
+FAST = Limits(wall_s=3.0, cpu_s=1, memory_bytes=256 * 2**20, processes=16, file_size_bytes=2**20,
+              disk_bytes=4 * 2**20, output_bytes=4096)
+
+
+def sandbox_processes() -> list[int]:
+    """Host processes running as a sandbox uid (there must be none after a run)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid >= _SANDBOX_UID_BASE:
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def attack(program: str, mode: str, limits: Limits = FAST) -> dict:
+    started = time.monotonic()
+    [result] = run_tests(program, [""], limits=limits, mode=mode)
+    assert time.monotonic() - started < limits.wall_s + 15
+    assert os.getpid() and subprocess.run(["true"]).returncode == 0  # the host can still fork
+    deadline = time.monotonic() + 5
+    while sandbox_processes() and time.monotonic() < deadline:  # killed processes may take a moment
+        time.sleep(0.05)
+    assert not sandbox_processes(), "sandbox processes outlived the run"
+    assert result["status"] != "ok", result
+    return result
+
+
+@pytest.fixture(params=MODES)
+def mode(request):
+    return request.param
+
+
+def test_benign_program_passes(mode):
+    [r] = run_tests("print(sum(map(int, input().split())))", ["2 3"], mode=mode)
+    assert r["status"] == "ok" and r["stdout"].strip() == "5"
+
+
+def test_fork_bomb(mode):
+    r = attack("print(42, flush=True)\nimport os\nwhile True:\n    os.fork()", mode)
+    assert r["reason"] in ("process_limit", "timeout", "cpu_limit")
+
+
+def test_infinite_loop_and_sleep(mode):
+    # CPU time runs out first unless the machine is too busy to give it 1 s within 3 s of wall time
+    assert attack("print(42, flush=True)\nwhile True: pass", mode)["reason"] in ("cpu_limit", "timeout")
+    sleeper = Limits(**{**FAST.__dict__, "wall_s": 1.0})
+    assert attack("print(42, flush=True)\nimport time\ntime.sleep(600)", mode, sleeper)["reason"] == "timeout"
+
+
+def test_memory_bomb(mode):
+    assert attack("print(42)\nx = bytearray(10**10)", mode)["reason"] == "memory"
+    assert attack("print(42)\nchunks = []\nwhile True: chunks.append(b'x' * 2**20)", mode)["reason"] == "memory"
+
+
+def test_disk_fill(mode):
+    big_file = "print(42)\nwith open('big', 'wb') as f:\n    while True: f.write(b'x' * 2**16)"
+    assert attack(big_file, mode)["reason"] == "file_size_limit"
+    many_files = "print(42)\ni = 0\nwhile True:\n    open(f'f{i}', 'wb').write(b'x' * 900_000)\n    i += 1"
+    assert attack(many_files, mode)["reason"] == "disk_full"
+
+
+def test_writes_outside_its_directory(mode, tmp_path):
+    marker = f"pwned-{uuid.uuid4().hex}"
+    targets = [tmp_path / marker, Path("/tmp") / marker, Path.cwd() / marker, Path("/etc") / marker,
+               Path(sys.prefix) / marker]
+    program = "print(42)\nfailures = 0\n"
+    for target in targets:
+        program += f"try:\n    open({str(target)!r}, 'w').write('x')\nexcept OSError:\n    failures += 1\n"
+    program += "raise SystemExit(0 if failures == 0 else 1)"
+    attack_result = run_tests(program, [""], limits=FAST, mode=mode)[0]
+    for target in targets:
+        assert not target.exists(), f"the sandbox wrote {target}"
+    # /tmp inside is the sandbox's own tmpfs, so that write may succeed there, unseen by the host;
+    # the host paths must all have failed.
+    assert attack_result["returncode"] != 0 or attack_result["status"] != "ok"
+
+
+def test_reads_no_trainer_secrets(mode, tmp_path, monkeypatch):
+    secret = uuid.uuid4().hex
+    monkeypatch.setenv("POSTTRAIN_TEST_SECRET", secret)
+    planted = tmp_path / "secret.txt"
+    planted.write_text(secret)
+    planted.chmod(0o644)  # world-readable: only isolation keeps it out
+    home_secret = Path.home() / f".posttrain-test-secret-{secret[:8]}"
+    home_secret.write_text(secret)
+    try:
+        program = (
+            "import os\nprint(dict(os.environ))\n"
+            f"for path in [{str(planted)!r}, {str(home_secret)!r}, '/proc/1/environ', '/proc/{os.getpid()}/environ']:\n"
+            "    try:\n        print(open(path).read())\n    except OSError as e:\n        print('denied', path, e)\n"
+        )
+        [r] = run_tests(program, [""], limits=FAST, mode=mode)
+        assert secret not in r.get("stdout", "") and secret not in r.get("stderr", "")
+        assert "POSTTRAIN_TEST_SECRET" not in r.get("stdout", "")
+        # and the environment scores a program that needs the secret 0, saying why
+        attack_result = attack(f"print(open({str(planted)!r}).read())", mode)
+        assert attack_result["reason"] in ("file_not_found", "forbidden")
+    finally:
+        home_secret.unlink()
+
+
+def test_no_network_even_loopback(mode):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.2)
+    port = server.getsockname()[1]
+    connections = []
+    done = threading.Event()
+
+    def accept():
+        while not done.is_set():
+            try:
+                connections.append(server.accept())
+            except socket.timeout:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        r = attack(
+            "import socket\nprint(42)\n"
+            f"s = socket.create_connection(('127.0.0.1', {port}), timeout=2)\ns.sendall(b'hi')",
+            mode,
+        )
+        assert r["reason"] == "network"
+        r = attack("import socket\nprint(42)\nsocket.create_connection(('1.1.1.1', 53), timeout=2)", mode)
+        assert r["reason"] == "network"
+        done.set()
+        thread.join()
+        assert connections == []
+    finally:
+        server.close()
+
+
+def test_cannot_kill_the_trainer_or_other_processes(mode):
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        program = (
+            "import os, signal\nprint(42, flush=True)\n"
+            f"for pid in ({os.getpid()}, {victim.pid}, os.getppid(), 1):\n"
+            "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\n"
+            "os.kill(-1, signal.SIGKILL)\n"
+        )
+        r = attack(program, mode)
+        assert r["reason"] in ("killed", "sandbox_error", "forbidden")
+        assert victim.poll() is None  # the host process survived
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_huge_output_is_capped(mode):
+    r = attack("import sys\nwhile True: sys.stdout.write('x' * 65536)", mode)
+    assert r["reason"] == "output_limit" and len(r.get("stdout", "")) <= FAST.output_bytes
+
+
+def test_cannot_import_posttrain_or_reach_ray(mode):
+    repo = str(Path(__file__).resolve().parents[2])
+    site = [p for p in sys.path if p.endswith("site-packages")]
+    program = f"import sys\nsys.path[:0] = {[repo] + site!r}\nprint(42)\nimport ray\nray.init(address='auto')"
+    assert attack(program, mode)["reason"] == "import_error"
+    program = f"import sys\nsys.path[:0] = {[repo]!r}\nprint(42)\nimport posttrain"
+    assert attack(program, mode)["reason"] == "import_error"
+
+
+def test_a_mix_of_attacks(mode):
+    program = (
+        "import os, threading\nprint(42, flush=True)\n"
+        "for _ in range(4):\n"
+        "    if os.fork() == 0:\n"
+        "        data = []\n"
+        "        while True:\n            data.append(b'x' * 2**20); open('junk', 'ab').write(b'y' * 2**16)\n"
+        "threading.Thread(target=lambda: [0 for _ in iter(int, 1)], daemon=True).start()\n"
+        "while True: os.fork() if len(os.listdir('.')) < 5 else None\n"
+    )
+    assert attack(program, mode)["reason"] in ("cpu_limit", "timeout", "process_limit", "memory", "file_size_limit")
+
+
+def test_environment_scores_attacks_zero_with_reasons(mode):
+    env = CodeEnvironment(CodeEnvConfig(sandbox=mode, timeout_s=1.0, cpu_s=1, memory_mb=256, reward="fraction"))
+    tests = {"tests": [{"input": "2 3", "output": "5"}]}
+    responses = {
+        "```python\nprint(sum(map(int, input().split())))\n```": (1.0, ""),
+        "```python\nprint(5)\nimport os\nwhile True: os.fork()\n```": (0.0, "process_limit"),
+        "```python\nprint(5)\nx = bytearray(10**10)\n```": (0.0, "memory"),
+        "```python\nprint(5, flush=True)\nimport time\ntime.sleep(60)\n```": (0.0, "timeout"),
+        "no code here": (0.0, "no_code"),
+    }
+    logs = [[{"role": "assistant", "content": text}] for text in responses]
+    try:
+        out = env.step(logs, [tests] * len(logs))
+    finally:
+        env.shutdown()
+    for (text, (reward, reason)), got, obs in zip(responses.items(), out.rewards.tolist(), out.observations):
+        assert got == reward, text
+        assert (reason in obs["content"]) if reason else "first failure" not in obs["content"]
