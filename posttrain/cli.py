@@ -5,6 +5,8 @@
     posttrain sft --print-config                     # show the resolved config and exit
     posttrain init-model --preset tiny --arch llama --out models/tiny
     posttrain convert --checkpoint checkpoints/run/step_100 --out hf_model
+    posttrain init-model --preset smollm2-135m-instruct --out models/smollm2   # pretrained, from GGUF
+    posttrain convert --gguf model.gguf --out hf_model
 
 Only the standard library is imported at module level, and only pydantic/PyYAML before a job
 starts: `--help` and config errors answer in about a second. torch, transformers and ray are
@@ -36,6 +38,7 @@ ALGO_HELP = {
     "distill": "on-policy distillation: the student generates, a larger teacher's top-k logits teach it",
 }
 SAMPLE_PROMPT = "12+34="
+PRETRAINED_SAMPLE_PROMPT = "What is the capital of France? Answer in one sentence."
 EXIT_CONFIG_ERROR = 2  # same code argparse uses for bad usage
 EXIT_UNAVAILABLE = 1
 
@@ -92,24 +95,31 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, applied last")
         sub.set_defaults(handler=_run_job)
 
+    from posttrain.models.presets import ARCHS, PRESETS, PRETRAINED_PRESETS
+
     init = commands.add_parser(
         "init-model",
-        help="build a small local model and tokenizer (no download)",
-        description="Write a randomly initialised HF model and character-level tokenizer to --out, "
-        "then print a greedy sample from it as a smoke check.",
+        help="build a small local model and tokenizer, or convert a pretrained one (no download)",
+        description="Write a randomly initialised HF model and character-level tokenizer to --out "
+        "(tiny, small, 100m), or a pretrained model converted from the GGUF file its package ships "
+        f"({', '.join(PRETRAINED_PRESETS)}; needs the 'smollm2' extra), then print a greedy sample "
+        "from it as a smoke check.",
     )
-    init.add_argument("--preset", choices=["tiny", "small", "100m"], default="tiny", help="model size (default: tiny)")
-    init.add_argument("--arch", choices=["llama", "qwen2"], default="llama", help="architecture (default: llama)")
+    init.add_argument("--preset", choices=[*PRESETS, *PRETRAINED_PRESETS], default="tiny", help="model (default: tiny)")
+    init.add_argument("--arch", choices=list(ARCHS), default="llama", help="architecture of a tiny preset (default: llama)")
     init.add_argument("--out", required=True, metavar="DIR", help="output directory")
     init.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
     init.set_defaults(handler=_init_model)
 
     convert = commands.add_parser(
         "convert",
-        help="convert a training checkpoint (step dir) to a Hugging Face model directory",
-        description="Convert a checkpoint step directory into a Hugging Face model directory.",
+        help="convert a training checkpoint (step dir) or a GGUF file to a Hugging Face model directory",
+        description="Convert a checkpoint step directory, or a GGUF model file (weights de-quantized to "
+        "float32, tokenizer and chat template kept; needs the 'smollm2' extra), into a Hugging Face model directory.",
     )
-    convert.add_argument("--checkpoint", required=True, metavar="DIR", help="checkpoint step directory (…/step_N)")
+    source = convert.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="DIR", help="checkpoint step directory (…/step_N)")
+    source.add_argument("--gguf", metavar="FILE", help="GGUF model file (llama.cpp format)")
     convert.add_argument("--out", required=True, metavar="DIR", help="output directory")
     convert.set_defaults(handler=_convert)
     return parser
@@ -144,11 +154,28 @@ def _run_job(args: argparse.Namespace) -> int:
 
 
 def _init_model(args: argparse.Namespace) -> int:
-    build_tiny_model = load_target("posttrain.models.tiny", "build_tiny_model", "init-model")
-    path = build_tiny_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed)
-    print(f"Wrote {args.arch}-{args.preset} model (seed {args.seed}) to {path}")
-    num_params, completion = greedy_sample(path, SAMPLE_PROMPT)
-    print(f"{num_params:,} parameters. Greedy sample (untrained) for {SAMPLE_PROMPT!r}: {completion!r}")
+    from posttrain.errors import UserError
+    from posttrain.models.presets import PRETRAINED_PRESETS
+
+    if args.preset in PRETRAINED_PRESETS:
+        from posttrain.models import gguf_import
+
+        try:
+            gguf_file = gguf_import.preset_gguf_file(args.preset)
+            print(f"Converting {gguf_file} (about a minute on 2 cores)", flush=True)
+            path = gguf_import.convert_gguf(gguf_file, args.out)
+        except UserError as e:
+            print(f"posttrain init-model: {e}", file=sys.stderr)
+            return EXIT_CONFIG_ERROR
+        print(f"Wrote {args.preset} to {path}")
+        prompt, state = PRETRAINED_SAMPLE_PROMPT, "pretrained"
+    else:
+        build_tiny_model = load_target("posttrain.models.tiny", "build_tiny_model", "init-model")
+        path = build_tiny_model(args.out, preset=args.preset, arch=args.arch, seed=args.seed)
+        print(f"Wrote {args.arch}-{args.preset} model (seed {args.seed}) to {path}")
+        prompt, state = SAMPLE_PROMPT, "untrained"
+    num_params, completion = greedy_sample(path, prompt)
+    print(f"{num_params:,} parameters. Greedy sample ({state}) for {prompt!r}: {completion!r}")
     return 0
 
 
@@ -182,9 +209,12 @@ def greedy_sample(model_dir: Any, prompt: str, max_new_tokens: int = 16) -> tupl
 def _convert(args: argparse.Namespace) -> int:
     from posttrain.errors import UserError
 
-    convert_to_hf = load_target("posttrain.models.policy.checkpoint", "convert_to_hf", "convert")
+    if args.gguf is not None:
+        convert_to = load_target("posttrain.models.gguf_import", "convert_gguf", "convert")
+    else:
+        convert_to = load_target("posttrain.models.policy.checkpoint", "convert_to_hf", "convert")
     try:
-        path = convert_to_hf(args.checkpoint, args.out)
+        path = convert_to(args.gguf if args.gguf is not None else args.checkpoint, args.out)
     except UserError as e:
         print(f"posttrain convert: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

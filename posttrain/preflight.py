@@ -200,11 +200,14 @@ def latest_step_dir(run_dir: Path) -> Optional[Path]:
 def check_model_name(name: str, key: str, tiny_arch: str = "llama") -> None:
     """Refuse a model name that cannot load, fast: a missing or wrong local path, a run directory
     given where a `step_N` is meant, or a hub id that is neither cached nor downloadable."""
-    from posttrain.models.presets import ARCHS, PRESETS
+    from posttrain.models.presets import ARCHS, PRESETS, PRETRAINED_PRESETS
 
     preset, _, arch = name.partition("-")
     if preset in PRESETS and (not arch or arch in ARCHS):
         return  # a built-in preset, built locally
+    if name in PRETRAINED_PRESETS:
+        check_pretrained_preset(name, key)
+        return
     path = Path(name).expanduser()
     if path.is_file():
         raise UserError(f"{key}={name!r} is a file; expected a Hugging Face model directory or a step_N checkpoint")
@@ -222,6 +225,23 @@ def check_model_name(name: str, key: str, tiny_arch: str = "llama") -> None:
             "or a hub id like 'owner/name'"
         )
     check_hub_model(name, key)
+
+
+def check_pretrained_preset(name: str, key: str) -> None:
+    """A pretrained preset converts here, once, in the controller (about a minute on 2 cores): its
+    package or the `gguf` package missing is one line naming the install command, and workers then
+    find the converted copy in the cache instead of each converting it."""
+    from posttrain.models import gguf_import
+    from posttrain.models.tiny import cache_dir
+
+    try:
+        gguf_import.preset_gguf_file(name)
+        gguf_import.require_gguf()
+    except UserError as e:
+        raise UserError(f"{key}={name!r}: {e}") from None
+    if not gguf_import.is_converted(name):
+        print(f"Converting {name} from its GGUF file into {cache_dir() / 'models' / name} (once, about a minute)", flush=True)
+        gguf_import.ensure_pretrained(name)
 
 
 def check_hub_model(repo_id: str, key: str) -> None:

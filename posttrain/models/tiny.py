@@ -177,21 +177,29 @@ def _is_current(path: Path, preset: str, arch: str) -> bool:
 
 
 def ensure_tiny_model(preset: str = "tiny", arch: str = "llama") -> Path:
-    """Return `<cache>/models/<arch>-<preset>`, building it (seed 0) on first use.
-
-    The build goes to a private temporary directory that is renamed into place, so a reader never
-    sees a half-written model and two processes racing to build both succeed (the loser discards
-    its copy). A copy written by an older recipe is replaced.
-    """
+    """Return `<cache>/models/<arch>-<preset>`, building it (seed 0) on first use (atomically, see
+    `build_atomically`); a copy written by an older recipe is replaced."""
     tiny_config(preset, arch)  # validate the names before touching the file system
     final = cache_dir() / "models" / f"{arch}-{preset}"
     if _is_current(final, preset, arch):
         return final
+    return build_atomically(
+        final, lambda tmp: build_tiny_model(tmp, preset, arch, seed=0), lambda p: _is_current(p, preset, arch)
+    )
+
+
+def build_atomically(final: Path, build: Any, is_current: Any) -> Path:
+    """Build a cache entry with `build(tmp_dir)` and rename it to `final`; returns `final`.
+
+    The build goes to a private temporary directory that is renamed into place, so a reader never
+    sees a half-written entry and two processes racing to build both succeed (the loser discards
+    its copy). A copy that `is_current(final)` rejects (older recipe, broken) is replaced.
+    """
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        build_tiny_model(tmp, preset, arch, seed=0)
-        if final.exists() and not _is_current(final, preset, arch):
+        build(tmp)
+        if final.exists() and not is_current(final):
             # Stale or broken copy: move it aside first (rename is atomic), then delete it.
             stale = final.parent / f".stale-{final.name}-{uuid.uuid4().hex[:8]}"
             try:
@@ -203,7 +211,7 @@ def ensure_tiny_model(preset: str = "tiny", arch: str = "llama") -> Path:
             os.rename(tmp, final)
         except OSError:
             # Another process renamed its build into place first; use theirs if it is complete.
-            if not _is_current(final, preset, arch):
+            if not is_current(final):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
