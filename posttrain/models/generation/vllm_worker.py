@@ -34,7 +34,7 @@ from posttrain.models.refit import RefitMetadata
 # Read by vLLM at import time: set for the actor by VllmGeneration and again here for direct use.
 VLLM_ENV_VARS = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process: zero-copy collective_rpc
-    "VLLM_CONFIGURE_LOGGING": "0",  # no vLLM INFO lines in the run's output
+    "VLLM_LOGGING_LEVEL": "ERROR",  # vLLM start-up notes and CPU tuning hints stay out of the run's output
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_DO_NOT_TRACK": "1",
 }
