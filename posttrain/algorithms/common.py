@@ -77,10 +77,19 @@ def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int =
 
 
 def make_generation(cfg: MasterConfig, cluster, *, seed: int = 0):
-    """Generation workers for `policy.model_name` with `policy.generation` settings."""
+    """Generation workers for `policy.model_name` with `policy.generation` settings, on the
+    backend it names (`native`, or `vllm` in its isolated environment)."""
+    p = cfg.policy
+    if p.generation.backend == "vllm":
+        from posttrain.models.generation.vllm_generation import VllmGeneration
+
+        return VllmGeneration(
+            cluster, p.generation, p.model_name, tokenizer_name=p.tokenizer_name, tiny_arch=p.tiny_arch,
+            precision=p.precision, max_model_len=p.max_total_sequence_length, seed=seed,
+            worker_timeout_s=cfg.cluster.worker_timeout_s,
+        )
     from posttrain.models.generation.interface import Generation
 
-    p = cfg.policy
     return Generation(
         cluster, p.generation, p.model_name, tokenizer_name=p.tokenizer_name, tiny_arch=p.tiny_arch,
         precision=p.precision, seed=seed, worker_timeout_s=cfg.cluster.worker_timeout_s,

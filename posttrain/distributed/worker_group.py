@@ -121,6 +121,12 @@ class WorkerGroup:
             `cluster.bundle_locations()`) to use; default None uses all of them. Rank *r* of the
             group runs on bundle `bundle_indices[r]`.
         env_vars: extra environment variables for every worker (e.g. NCCL settings).
+        python_executable: interpreter of an isolated environment to start the workers with
+            (`posttrain.distributed.isolated_env.ensure_isolated_env`); default None: the driver's
+            environment. This checkout of posttrain is put on the workers' `PYTHONPATH` there.
+        actor_resources: overrides of the Ray resources each actor asks for (default None: its
+            share of a bundle, `cluster.actor_resources()`), e.g. `{"num_gpus": 0}` for an actor
+            whose GPU work runs in processes it starts itself.
         worker_timeout_s: longest wait for any call, actor start-up included, and the timeout of
             torch.distributed collectives (default 1800.0, `cluster.worker_timeout_s`).
     """
@@ -135,6 +141,8 @@ class WorkerGroup:
         bundle_indices: Sequence[int] | None = None,
         env_vars: Mapping[str, str] | None = None,
         worker_timeout_s: float = 1800.0,
+        python_executable: str | os.PathLike | None = None,
+        actor_resources: Mapping[str, float] | None = None,
     ) -> None:
         if not (isinstance(actor_cls, type) and issubclass(actor_cls, DistributedWorker)):
             raise TypeError(
@@ -148,6 +156,8 @@ class WorkerGroup:
         self.cluster = cluster
         self.worker_timeout_s = worker_timeout_s
         self._actor_cls = actor_cls
+        self._python_executable = None if python_executable is None else str(python_executable)
+        self._actor_resources = {**cluster.actor_resources(), **(actor_resources or {})}
         self._pending: dict[ray.ObjectRef, tuple[int, str]] = {}  # ref -> (rank, method), for errors
 
         locations = cluster.bundle_locations()
@@ -188,10 +198,15 @@ class WorkerGroup:
             )
             env[COLLECTIVE_TIMEOUT_ENV] = str(self.worker_timeout_s)
             pg, index = locations[bundle]
+            runtime_env: dict[str, Any] = {"env_vars": env}  # set before the interpreter starts (CUDA/NCCL read them early)
+            if self._python_executable is not None:
+                from posttrain.distributed.isolated_env import isolated_runtime_env
+
+                runtime_env = isolated_runtime_env(self._python_executable, env)
             handle = remote_cls.options(
-                **self.cluster.actor_resources(),
+                **self._actor_resources,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-                runtime_env={"env_vars": env},  # set before the interpreter starts (CUDA/NCCL read them early)
+                runtime_env=runtime_env,
             ).remote(**init_kwargs)
             self.workers.append(handle)
 
@@ -205,7 +220,7 @@ class WorkerGroup:
         Ray would otherwise leave the actors pending forever. Resource views lag a little
         behind actor deaths, so poll for up to the cluster's placement timeout.
         """
-        need = self.cluster.actor_resources()
+        need = self._actor_resources
         locations = self.cluster.bundle_locations()
         deadline = time.monotonic() + self.cluster.placement_timeout_s
         while True:

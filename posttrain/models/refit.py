@@ -74,14 +74,15 @@ def build_refit_metadata(
     params: Iterable[tuple[str, Sequence[int], torch.dtype]],
     bucket_bytes: int = 512 * 2**20,
     alignment: int = DEFAULT_ALIGNMENT,
-    dtypes: Optional[Mapping[str, torch.dtype]] = None,
+    dtypes: Optional[Mapping[str, torch.dtype] | torch.dtype] = None,
 ) -> RefitMetadata:
     """Lay out tensors in buffers of about `bucket_bytes`, in the given order.
 
     Args:
         params: `(name, shape, dtype)` per tensor, in the order the sender will pack them.
-        dtypes: the receivers' dtype per name, which the buffers then carry (default None: the
-            sender's). float32 masters sent to a bfloat16 engine are cast while packing, so the
+        dtypes: the receivers' dtype per name, or one dtype for every tensor (an engine such as
+            vLLM holds all its weights in one dtype), which the buffers then carry (default None:
+            the sender's). float32 masters sent to a bfloat16 engine are cast while packing, so the
             transfer moves half the bytes and the receiver copies without casting.
         bucket_bytes: target buffer size (default 512 MiB, `policy.generation.refit_buffer_size_mb`).
             A tensor larger than this gets a buffer of its own; buffers hold whole tensors.
@@ -98,7 +99,7 @@ def build_refit_metadata(
         if name in seen:
             raise ValueError(f"refit metadata: parameter {name!r} is listed twice")
         seen.add(name)
-        dtype = dtypes.get(name, dtype) if dtypes else dtype
+        dtype = _dtype_for(dtypes, name, dtype)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"refit metadata: dtype of {name!r} must be a torch.dtype, got {dtype!r}")
         shape = tuple(int(d) for d in shape)
@@ -111,6 +112,13 @@ def build_refit_metadata(
         used += padded
         bucket_sizes[-1] = used
     return RefitMetadata(tuple(slots), tuple(bucket_sizes))
+
+
+def _dtype_for(dtypes: Optional[Mapping[str, torch.dtype] | torch.dtype], name: str, default: torch.dtype) -> torch.dtype:
+    """The receiver's dtype of `name`: `dtypes` per name, one dtype for all, or `default`."""
+    if isinstance(dtypes, torch.dtype):
+        return dtypes
+    return dtypes.get(name, default) if dtypes else default
 
 
 def refit_metadata_from_state_dict(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int = 512 * 2**20) -> RefitMetadata:
@@ -143,6 +151,22 @@ def pack(state_dict: Mapping[str, torch.Tensor], metadata: RefitMetadata) -> lis
             raise ValueError(f"refit pack: {slot.name!r} has shape {tuple(tensor.shape)}, metadata says {slot.shape}")
         target = byte_views[slot.bucket][slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
         target.copy_(tensor.detach())
+    return buffers
+
+
+def pack_on_device(state_dict: Mapping[str, torch.Tensor], metadata: RefitMetadata, device: torch.device) -> list[torch.Tensor]:
+    """`pack` into uint8 torch buffers on `device` (GPU refits: CUDA IPC and broadcast)."""
+    missing = [slot.name for slot in metadata.slots if slot.name not in state_dict]
+    if missing:
+        raise KeyError(f"refit pack: state dict lacks {len(missing)} tensors of the metadata, e.g. {missing[:5]}")
+    buffers = [torch.zeros(size, dtype=torch.uint8, device=device) for size in metadata.bucket_sizes]
+    for slot in metadata.slots:
+        tensor = state_dict[slot.name]
+        if hasattr(tensor, "full_tensor"):  # a DTensor left sharded
+            tensor = tensor.full_tensor()
+        if tuple(tensor.shape) != slot.shape:
+            raise ValueError(f"refit pack: {slot.name!r} has shape {tuple(tensor.shape)}, metadata says {slot.shape}")
+        buffers[slot.bucket][slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(tensor.detach())
     return buffers
 
 
@@ -207,18 +231,18 @@ def verify_equal(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor])
 
 
 def state_dict_checksum(
-    state_dict: Mapping[str, torch.Tensor], dtypes: Optional[Mapping[str, torch.dtype]] = None
+    state_dict: Mapping[str, torch.Tensor], dtypes: Optional[Mapping[str, torch.dtype] | torch.dtype] = None
 ) -> str:
     """SHA-256 over names, dtypes, shapes and raw bytes, in sorted name order (bit-exact check).
 
-    `dtypes` (name -> dtype) casts tensors first, so float32 masters can be compared with the
-    bfloat16 copy a generation engine holds.
+    `dtypes` (name -> dtype, or one dtype for all) casts tensors first, so float32 masters can be
+    compared with the bfloat16 copy a generation engine holds.
     """
     digest = hashlib.sha256()
     for name in sorted(state_dict):
         tensor = state_dict[name].detach().cpu()
-        if dtypes and name in dtypes:
-            tensor = tensor.to(dtypes[name])
+        if dtypes:
+            tensor = tensor.to(_dtype_for(dtypes, name, tensor.dtype))
         tensor = tensor.contiguous()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -246,23 +270,16 @@ def naive_load_state_dict(model: torch.nn.Module, refs: Mapping[str, object]) ->
 def refit_policy_generation(policy, generation, metadata: RefitMetadata, *, version: int, verify: bool = False) -> None:
     """Copy the policy's current weights into every generation worker.
 
-    The policy's rank 0 packs its full weights into `metadata`'s buffers and keeps them in the
-    object store; the generation workers read them from there (zero-copy on one node) and copy
-    them into their parameters. No per-tensor messages; the controller never touches the bytes.
+    By default the policy's rank 0 packs its full weights into `metadata`'s buffers and keeps them
+    in the object store; the generation workers read them from there (zero-copy on one node) and
+    copy them into their parameters. No per-tensor messages; the controller never touches the
+    bytes. A backend may take a faster path on GPU (`GenerationInterface.refit_from_policy`).
 
     Args:
-        verify: afterwards, check that every generation worker's weights checksum equals the
-            policy's (config `policy.generation.verify_refit`; on in tests).
+        verify: afterwards, check that the engine holds the policy's weights
+            (`GenerationInterface.verify_refit`: checksums for the native engine, a logprob
+            probe for vLLM; config `policy.generation.verify_refit`).
     """
-    ref = policy.pack_for_refit(metadata)
-    generation.update_weights(ref, version)
+    generation.refit_from_policy(policy, metadata, version)
     if verify:
-        # In the engine's dtypes: a bfloat16 engine holds bf16(master) for every float32 master.
-        expected = policy.weights_checksum(generation.weight_dtypes())
-        got = generation.get_weights_checksums()
-        bad = [rank for rank, checksum in enumerate(got) if checksum != expected]
-        if bad:
-            raise RuntimeError(
-                f"refit verification failed: generation workers {bad} hold weights that differ from the "
-                f"policy's (checksum {expected}) after refit to version {version}"
-            )
+        generation.verify_refit(policy, version)

@@ -334,8 +334,24 @@ def test_unbuilt_features_are_refused_not_ignored():
     with pytest.raises(ConfigError, match=r"LoRA is supported for language models, not reward models"):
         load_config("rm", overrides=["policy.lora.enabled=true"])
     assert load_config("grpo", overrides=["policy.lora.enabled=true"]).policy.lora.enabled
-    with pytest.raises(ConfigError, match=r"policy.generation.backend' expects one of 'native'"):
-        load_config("grpo", overrides=["policy.generation.backend=vllm"])
+    with pytest.raises(ConfigError, match=r"policy.generation.backend' expects one of 'native' or 'vllm', got 'vlm'"):
+        load_config("grpo", overrides=["policy.generation.backend=vlm"])
+
+
+def test_vllm_backend_config():
+    gen = load_config("grpo", overrides=["policy.generation.backend=vllm"]).policy.generation
+    assert gen.backend == "vllm" and gen.vllm_cfg.tensor_parallel_size == 1
+    assert gen.verify_refit_enabled  # the logprob probe is on by default for vLLM
+    assert not load_config("grpo").policy.generation.verify_refit_enabled
+    assert not load_config("grpo", overrides=["policy.generation.backend=vllm", "policy.generation.verify_refit=false"]
+                           ).policy.generation.verify_refit_enabled
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2 needs GPUs: set cluster.gpus_per_node"):
+        load_config("grpo", overrides=["policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 must divide cluster.gpus_per_node=4"):
+        load_config("grpo", overrides=["policy.generation.backend=vllm", "policy.generation.vllm_cfg.tensor_parallel_size=3",
+                                       "cluster.gpus_per_node=4"])
+    with pytest.raises(ConfigError, match=r"vllm_cfg.tensr_parallel_size"):
+        load_config("grpo", overrides=["policy.generation.vllm_cfg.tensr_parallel_size=2"])
 
 
 def test_grpo_refuses_filtered_sampling_the_trainer_cannot_match():

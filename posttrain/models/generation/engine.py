@@ -47,7 +47,7 @@ def right_to_left_padding(
     return left_ids, attention_mask, position_ids
 
 
-def _per_row_stop_strings(stop_strings: StopStrings, batch_size: int) -> list[list[str]]:
+def per_row_stop_strings(stop_strings: StopStrings, batch_size: int) -> list[list[str]]:
     """Normalise `None | list[str] | list[list[str] | None]` (per row) to one list per row."""
     if not stop_strings:
         return [[] for _ in range(batch_size)]
@@ -69,6 +69,55 @@ def _per_row_stop_strings(stop_strings: StopStrings, batch_size: int) -> list[li
         if any(s == "" for s in row):
             raise ValueError(f"stop_strings[{i}] contains an empty string")
     return rows
+
+
+def assemble_outputs(
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    new_tokens: torch.Tensor,
+    new_logprobs: torch.Tensor,
+    generation_lengths: torch.Tensor,
+    stopped: torch.Tensor,
+    pad_token_id: int,
+) -> dict[str, torch.Tensor]:
+    """The generation contract's outputs from per-row generated tokens (shared by every backend).
+
+    Args:
+        input_ids, input_lengths: the right-padded prompts `[B, S]` and their lengths `[B]`.
+        new_tokens, new_logprobs: `[B, T']` generated tokens and their processed logprobs, valid
+            up to `generation_lengths [B]` per row.
+        stopped: `[B]` bool, the row ended on eos, a stop token or a stop string.
+
+    Returns:
+        `output_ids`, `generation_lengths`, `unpadded_sequence_lengths`, `logprobs` and
+        `truncated` (`~stopped`), each row's tokens right after its prompt, right-padded.
+    """
+    batch_size, prompt_width = input_ids.shape
+    out_device = input_ids.device
+    new_tokens, new_logprobs = new_tokens.to(out_device), new_logprobs.to(out_device)
+    generation_lengths, stopped = generation_lengths.to(out_device), stopped.to(out_device)
+    longest = int(generation_lengths.max()) if batch_size else 0
+    total_width = prompt_width + longest
+
+    output_ids = torch.full((batch_size, total_width), pad_token_id, dtype=torch.long, device=out_device)
+    prompt_cols = torch.arange(prompt_width, device=out_device).unsqueeze(0)
+    output_ids[:, :prompt_width] = input_ids.masked_fill(prompt_cols >= input_lengths.unsqueeze(1), pad_token_id)
+    logprobs = torch.zeros((batch_size, total_width), dtype=torch.float32, device=out_device)
+
+    gen_cols = torch.arange(longest, device=out_device).unsqueeze(0)
+    valid = gen_cols < generation_lengths.unsqueeze(1)
+    target_cols = (input_lengths.unsqueeze(1) + gen_cols)[valid]
+    target_rows = torch.arange(batch_size, device=out_device).unsqueeze(1).expand(-1, longest)[valid]
+    output_ids[target_rows, target_cols] = new_tokens[:, :longest][valid]
+    logprobs[target_rows, target_cols] = new_logprobs[:, :longest][valid]
+
+    return {
+        "output_ids": output_ids,
+        "generation_lengths": generation_lengths,
+        "unpadded_sequence_lengths": input_lengths + generation_lengths,
+        "logprobs": logprobs,
+        "truncated": ~stopped,
+    }
 
 
 class NativeGenerationEngine:
@@ -167,7 +216,7 @@ class NativeGenerationEngine:
             )
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        row_stop_strings = _per_row_stop_strings(stop_strings, batch_size)
+        row_stop_strings = per_row_stop_strings(stop_strings, batch_size)
         has_stop_strings = any(row_stop_strings)
         if has_stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass one to NativeGenerationEngine")
@@ -251,33 +300,9 @@ class NativeGenerationEngine:
         return hits.to(active.device)
 
     def _assemble_outputs(self, input_ids, input_lengths, new_tokens, new_logprobs, generation_lengths, stopped):
-        """Place each row's generated tokens right after its prompt, right-padded."""
-        batch_size, prompt_width = input_ids.shape
-        out_device = input_ids.device
-        new_tokens, new_logprobs = new_tokens.to(out_device), new_logprobs.to(out_device)
-        generation_lengths, stopped = generation_lengths.to(out_device), stopped.to(out_device)
-        longest = int(generation_lengths.max()) if batch_size else 0
-        total_width = prompt_width + longest
-
-        output_ids = torch.full((batch_size, total_width), self.pad_token_id, dtype=torch.long, device=out_device)
-        prompt_cols = torch.arange(prompt_width, device=out_device).unsqueeze(0)
-        output_ids[:, :prompt_width] = input_ids.masked_fill(prompt_cols >= input_lengths.unsqueeze(1), self.pad_token_id)
-        logprobs = torch.zeros((batch_size, total_width), dtype=torch.float32, device=out_device)
-
-        gen_cols = torch.arange(longest, device=out_device).unsqueeze(0)
-        valid = gen_cols < generation_lengths.unsqueeze(1)
-        target_cols = (input_lengths.unsqueeze(1) + gen_cols)[valid]
-        target_rows = torch.arange(batch_size, device=out_device).unsqueeze(1).expand(-1, longest)[valid]
-        output_ids[target_rows, target_cols] = new_tokens[:, :longest][valid]
-        logprobs[target_rows, target_cols] = new_logprobs[:, :longest][valid]
-
-        return {
-            "output_ids": output_ids,
-            "generation_lengths": generation_lengths,
-            "unpadded_sequence_lengths": input_lengths + generation_lengths,
-            "logprobs": logprobs,
-            "truncated": ~stopped,
-        }
+        return assemble_outputs(
+            input_ids, input_lengths, new_tokens, new_logprobs, generation_lengths, stopped, self.pad_token_id
+        )
 
 
 class HFGenerateBaseline:

@@ -30,6 +30,10 @@ from posttrain.models.generation.worker import GenerationWorker
 from posttrain.models.refit import RefitMetadata
 
 
+class RefitVerificationError(RuntimeError):
+    """After a refit, the generation engine does not hold the policy's weights."""
+
+
 class GenerationInterface(abc.ABC):
     """What the algorithm loops need from a generation backend."""
 
@@ -50,8 +54,8 @@ class GenerationInterface(abc.ABC):
         """Release generation memory when colocated with training. Idempotent."""
 
     @abc.abstractmethod
-    def weight_dtypes(self) -> dict[str, torch.dtype]:
-        """dtype per weight name as the engine holds it: refit packs in these dtypes."""
+    def weight_dtypes(self) -> dict[str, torch.dtype] | torch.dtype:
+        """dtype per weight name as the engine holds it, or one dtype for all: refit packs in these dtypes."""
 
     @abc.abstractmethod
     def prepare_refit_info(self, metadata: RefitMetadata) -> None:
@@ -64,6 +68,26 @@ class GenerationInterface(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> bool:
         """Stop the workers."""
+
+    def refit_from_policy(self, policy: Any, metadata: RefitMetadata, version: int) -> None:
+        """Copy `policy`'s current weights in (default: its rank 0's packed buffers through the
+        object store, `update_weights`). Backends with a faster path on GPU override this."""
+        self.update_weights(policy.pack_for_refit(metadata), version)
+
+    def verify_refit(self, policy: Any, version: int) -> None:
+        """Raise `RefitVerificationError` unless the engine now holds `policy`'s weights (default:
+        every worker's weights checksum equals the policy's, in the engine's dtypes)."""
+        expected = policy.weights_checksum(self.weight_dtypes())
+        got = self.get_weights_checksums()
+        bad = [rank for rank, checksum in enumerate(got) if checksum != expected]
+        if bad:
+            raise RefitVerificationError(
+                f"refit verification failed: generation workers {bad} hold weights that differ from the "
+                f"policy's (checksum {expected}) after refit to version {version}"
+            )
+
+    def get_weights_checksums(self) -> list[str]:
+        raise NotImplementedError(f"{type(self).__name__} does not report weight checksums")
 
 
 class Generation(GenerationInterface):

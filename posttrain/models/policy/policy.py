@@ -151,6 +151,26 @@ class Policy:
         self.worker_group.get(refs[1:])
         return refs[0]
 
+    def pack_for_refit_ipc(self, metadata) -> dict[str, list]:
+        """Colocated GPU refit: `{gpu uuid: CUDA IPC handles}` of the full weights packed on every
+        policy GPU (kept until `release_refit_buffers`). Not run here: no GPU in this task."""
+        handles: dict[str, list] = {}
+        for per_rank in self.worker_group.run_all("pack_for_refit_ipc", metadata):
+            handles.update(per_rank)
+        return handles
+
+    def release_refit_buffers(self) -> None:
+        self.worker_group.run_all("release_refit_buffers")
+
+    def init_refit_broadcast(self, host: str, port: int, world_size: int) -> Any:
+        """Split GPU refit: rank 0 joins the broadcast group (returns the futures: the vLLM workers
+        join concurrently). Not run here: no GPU in this task."""
+        return self.worker_group.run_all_async("init_refit_broadcast", host, port, world_size)
+
+    def broadcast_for_refit(self, metadata) -> Any:
+        """Split GPU refit: gather and broadcast from rank 0 (returns the futures)."""
+        return self.worker_group.run_all_async("broadcast_for_refit", metadata)
+
     def weights_checksum(self, dtypes: Optional[dict[str, torch.dtype]] = None) -> str:
         """Checksum of the full weights, cast to `dtypes` (name -> dtype) where given (see
         `refit.state_dict_checksum`)."""

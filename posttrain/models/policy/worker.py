@@ -466,6 +466,48 @@ class PolicyWorker(DistributedWorker):
         state = self._full_state_dict()
         return refit.pack(state, metadata) if self.rank == 0 else None
 
+    def pack_for_refit_ipc(self, metadata: refit.RefitMetadata) -> dict[str, list]:
+        """Collective, colocated GPU refit: every rank packs the full weights into buffers on its
+        own GPU and returns `{gpu uuid: [CUDA IPC handle per buffer]}` for the generation worker
+        sharing that GPU. The buffers live until `release_refit_buffers`. Not run here: no GPU in
+        this task."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+        if self.lora_scaling is not None:
+            state = lora.merged_state_dict(state, self.lora_scaling)
+        self._refit_buffers = refit.pack_on_device(state, metadata, self.device)
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        return {uuid: [reduce_tensor(buffer) for buffer in self._refit_buffers]}
+
+    def release_refit_buffers(self) -> bool:
+        """Free the buffers of the last `pack_for_refit_ipc` (after the generation side loaded them)."""
+        self._refit_buffers = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return True
+
+    def init_refit_broadcast(self, host: str, port: int, world_size: int) -> bool:
+        """Split GPU refit: rank 0 joins the standalone broadcast group with the vLLM workers
+        (as its rank 0); other ranks do nothing. Not run here: no GPU in this task."""
+        if self.rank == 0:
+            from posttrain.distributed.collective import new_standalone_group
+
+            self._refit_group = new_standalone_group(host, port, 0, world_size, self.device)
+        return True
+
+    def broadcast_for_refit(self, metadata: refit.RefitMetadata) -> bool:
+        """Collective, split GPU refit: gather the full weights, then rank 0 packs them on its
+        GPU and broadcasts each buffer to the vLLM workers. Not run here: no GPU in this task."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        if self.rank != 0:
+            return True
+        if self.lora_scaling is not None:
+            state = lora.merged_state_dict(state, self.lora_scaling)
+        for buffer in refit.pack_on_device(state, metadata, self.device):
+            self._refit_group.broadcast(buffer, src=0)
+        return True
+
     def weights_checksum(self, dtypes: Optional[dict[str, torch.dtype]] = None) -> Optional[str]:
         """Collective: `refit.state_dict_checksum` of the full weights (cast to `dtypes` where given)
         on rank 0; None elsewhere."""

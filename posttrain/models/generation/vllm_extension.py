@@ -1,0 +1,156 @@
+"""`VllmWeightLoader`: posttrain's methods inside vLLM's own workers (a vLLM "worker extension").
+
+vLLM mixes this class into each of its workers (`LLM(worker_extension_cls=...)`); the generation
+actor calls the methods on every worker with `LLM.collective_rpc`. The refit layout
+(`RefitMetadata`) is sent once; each refit then sends only buffers (or handles to them), and the
+model's own `load_weights` maps Hugging Face names onto vLLM's fused, tensor-parallel parameters
+(`q/k/v_proj` -> `qkv_proj`, `gate/up_proj` -> `gate_up_proj`, shards per rank).
+
+Three ways the bytes arrive (after NeMo-RL's vLLM refit):
+- in-process (CPU, and any engine running in the actor's process): the packed numpy buffers, read
+  zero-copy from Ray's object store;
+- CUDA IPC (colocated on GPU): a handle to a packed buffer the policy worker on the same GPU
+  filled; not run here: no GPU in this task;
+- a collective broadcast (split placement on GPU): policy rank 0 broadcasts the packed buffers
+  over a process group it shares with every vLLM worker; not run here: no GPU in this task.
+
+This module is imported by vLLM inside the isolated environment; it must not import vllm at
+module level (the driver imports it to name it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from posttrain.models.refit import RefitMetadata, unpack
+
+EXTENSION_QUALNAME = "posttrain.models.generation.vllm_extension.VllmWeightLoader"
+
+
+class VllmWeightLoader:
+    """Methods vLLM adds to its worker class; `self` is the vLLM worker (`self.model_runner`, `self.device`)."""
+
+    def posttrain_set_refit_metadata(self, metadata: RefitMetadata) -> bool:
+        """Keep the packed-buffer layout (once per run) and check that the model takes every name."""
+        model = self.model_runner.model
+        known = _loadable_names(model)
+        unknown = [name for name in metadata.names if _vllm_param_name(name, known) is None]
+        if unknown:
+            raise ValueError(
+                f"refit metadata names tensors the vLLM model cannot load, e.g. {unknown[:5]} "
+                f"(its parameters look like {sorted(known)[:3]})"
+            )
+        self._posttrain_refit_metadata = metadata
+        return True
+
+    def _posttrain_metadata(self) -> RefitMetadata:
+        metadata = getattr(self, "_posttrain_refit_metadata", None)
+        if metadata is None:
+            raise RuntimeError("refit before prepare_refit_info: call Generation.prepare_refit_info first")
+        return metadata
+
+    @torch.no_grad()
+    def posttrain_load_packed(self, buffers: Sequence[Any]) -> int:
+        """Load packed CPU buffers (numpy uint8 arrays from `refit.pack`); returns the tensors loaded."""
+        views = unpack(list(buffers), self._posttrain_metadata())
+        return self._posttrain_load(views)
+
+    @torch.no_grad()
+    def posttrain_load_ipc(self, handles_by_device: dict[str, list[Any]]) -> int:
+        """Colocated GPU refit: rebuild the policy's packed GPU buffers from CUDA IPC handles.
+
+        `handles_by_device` maps a GPU's UUID to the handles (`torch.multiprocessing.reductions
+        .reduce_tensor` output) of the buffers packed on that GPU; each vLLM worker opens those of
+        its own GPU, so no byte crosses PCIe. Not run here: no GPU in this task.
+        """
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        if uuid not in handles_by_device:
+            raise RuntimeError(
+                f"colocated refit: no packed buffers on this worker's GPU {uuid}; policy GPUs: {sorted(handles_by_device)}"
+            )
+        buffers = []
+        for rebuild, args in handles_by_device[uuid]:
+            args = list(args)
+            args[6] = self.device.index  # the handle names the sender's device ordinal; use ours (same GPU)
+            buffers.append(rebuild(*args))
+        views = _unpack_tensors(buffers, self._posttrain_metadata())
+        loaded = self._posttrain_load(views)
+        torch.cuda.synchronize()
+        return loaded
+
+    def posttrain_init_broadcast_group(self, host: str, port: int, world_size: int, rank_offset: int) -> bool:
+        """Split GPU refit: join the process group in which policy rank 0 (rank 0) broadcasts
+        weights to every vLLM worker (ranks `rank_offset + vLLM rank`). Not run here: no GPU in this task."""
+        from posttrain.distributed.collective import new_standalone_group
+
+        rank = rank_offset + self.rank
+        self._posttrain_broadcast_group = new_standalone_group(host, port, rank, world_size, self.device)
+        return True
+
+    @torch.no_grad()
+    def posttrain_load_broadcast(self) -> int:
+        """Receive every packed buffer from the broadcast group's rank 0 and load it. Not run here:
+        no GPU in this task."""
+        group = getattr(self, "_posttrain_broadcast_group", None)
+        if group is None:
+            raise RuntimeError("broadcast refit before the broadcast group was set up")
+        metadata = self._posttrain_metadata()
+        buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for size in metadata.bucket_sizes]
+        for buffer in buffers:
+            group.broadcast(buffer, src=0)
+        loaded = self._posttrain_load(_unpack_tensors(buffers, metadata))
+        torch.cuda.synchronize()
+        return loaded
+
+    def posttrain_weights_fingerprint(self) -> float:
+        """Sum of every parameter's float64 sum: a cheap number that changes when the weights do
+        (used to report an engine that did not take a refit)."""
+        return float(sum(p.detach().double().sum().item() for p in self.model_runner.model.parameters()))
+
+    def _posttrain_load(self, views: dict[str, torch.Tensor]) -> int:
+        loaded = self.model_runner.model.load_weights(weights=iter(views.items()))
+        # Models return the set of parameter names they loaded; a few older ones return None.
+        return len(views) if loaded is None else len(loaded)
+
+
+def _unpack_tensors(buffers: Sequence[torch.Tensor], metadata: RefitMetadata) -> dict[str, torch.Tensor]:
+    """`refit.unpack` for torch uint8 buffers (on any device): views, no copies."""
+    return {
+        slot.name: buffers[slot.bucket][slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+        for slot in metadata.slots
+    }
+
+
+# vLLM fuses these Hugging Face projections into one parameter per layer (every decoder-only
+# model in vLLM uses these names).
+_FUSED = {
+    "q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj",
+}
+
+
+def _loadable_names(model: torch.nn.Module) -> set[str]:
+    return {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+
+
+def _vllm_param_name(hf_name: str, known: set[str]) -> Optional[str]:
+    """The vLLM parameter an HF tensor name loads into, or None if the model has none.
+
+    Only for the metadata check: loading itself is the model's `load_weights`.
+    """
+    if hf_name in known:
+        return hf_name
+    parts = hf_name.split(".")
+    fused = [_FUSED.get(p, p) for p in parts]
+    candidate = ".".join(fused)
+    if candidate in known:
+        return candidate
+    # Tied or absent heads (vLLM drops lm_head when embeddings are tied; load_weights skips it).
+    if parts[0] == "lm_head" and not any(n.startswith("lm_head") for n in known):
+        return hf_name
+    # Rotary caches and similar non-persistent buffers vLLM recomputes.
+    if parts[-1] in ("inv_freq", "cos_cached", "sin_cached"):
+        return hf_name
+    return None

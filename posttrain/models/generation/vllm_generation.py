@@ -1,0 +1,237 @@
+"""`VllmGeneration`: `policy.generation.backend=vllm`, the controller side of vLLM engines.
+
+Same interface and output contract as the native `Generation` (interface.py); the loops cannot
+tell them apart. Each data-parallel engine is one `VllmGenerationWorker` actor started with the
+interpreter of vLLM's isolated environment (`vllm_env.py`, built on first use and cached).
+
+Refit (`refit_from_policy`), after NeMo-RL's vLLM refit:
+- CPU, either placement: the policy's rank 0 packs its weights into a few byte buffers in Ray's
+  object store; each engine reads them zero-copy and vLLM's `load_weights` takes them.
+- GPU, colocated: each policy rank packs the full weights on its own GPU and sends CUDA IPC
+  handles; the engine on the same GPU loads from them without a copy through the host.
+- GPU, split: policy rank 0 broadcasts the packed buffers (nccl) to every vLLM worker over a
+  process group set up once.
+The two GPU paths are written and reviewed; not run here: no GPU in this task.
+
+Verification (`verify_refit`, on by default for vLLM): a probe sequence's logprobs from every
+engine must match the policy's; an engine that did not take the weights fails with
+`RefitVerificationError` naming it. A checksum would need vLLM's fused, sharded parameters
+mapped back to Hugging Face names; the probe checks what matters, the distribution it samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import ray
+import torch
+
+from posttrain.config.schema import GenerationConfig
+from posttrain.distributed.batch import Batch
+from posttrain.distributed.cluster import VirtualCluster
+from posttrain.distributed.worker_group import WorkerGroup
+from posttrain.models.generation.interface import GenerationInterface, RefitVerificationError
+from posttrain.models.generation.vllm_env import ensure_vllm_env
+from posttrain.models.generation.vllm_worker import VLLM_ENV_VARS, VllmGenerationWorker
+from posttrain.models.refit import RefitMetadata
+
+PROBE_LENGTH = 32
+# Largest mean |logp_engine - logp_policy| over the probe that counts as "same weights": float32
+# engines agree to ~1e-6; bfloat16 / float16 ones differ by rounding (~1e-2).
+PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+
+
+class VllmGeneration(GenerationInterface):
+    """Data-parallel vLLM engines on a WorkerGroup of `VllmGenerationWorker`s.
+
+    Args:
+        cluster: the VirtualCluster to place engines on (GPU bundles: one per tensor-parallel
+            rank; CPU bundles: one engine each).
+        config: `policy.generation` (`GenerationConfig` or a dict of its keys), backend `vllm`.
+        model_name: `policy.model_name`; the engines load it, which is weights version 0.
+        tokenizer_name, tiny_arch, precision: as in `policy` (defaults None, "llama", "auto").
+        max_model_len: longest prompt + generation when `vllm_cfg.max_model_len` is unset
+            (default None: 4096; the loops pass `policy.max_total_sequence_length`).
+        bundle_indices: bundles of `cluster` to use (default None: all).
+        name: worker group name in errors and logs (default "generation-vllm").
+        seed: seeds rows that arrive without `seeds` (default 0), drawn before sharding as the
+            native backend does.
+        worker_timeout_s: longest wait for a worker call, engine start-up included (default 1800.0).
+    """
+
+    def __init__(
+        self,
+        cluster: VirtualCluster,
+        config: GenerationConfig | dict[str, Any],
+        model_name: str,
+        *,
+        tokenizer_name: Optional[str] = None,
+        tiny_arch: str = "llama",
+        precision: str = "auto",
+        max_model_len: Optional[int] = None,
+        bundle_indices: Optional[Sequence[int]] = None,
+        name: str = "generation-vllm",
+        seed: int = 0,
+        worker_timeout_s: float = 1800.0,
+    ) -> None:
+        self.config = config if isinstance(config, GenerationConfig) else GenerationConfig(**config)
+        if self.config.backend != "vllm":
+            raise ValueError(f"VllmGeneration needs policy.generation.backend=vllm, got {self.config.backend!r}")
+        vcfg = self.config.vllm_cfg
+        self.use_gpu = cluster.use_gpus
+        tp = vcfg.tensor_parallel_size
+        bundles = list(range(len(cluster.bundle_locations())) if bundle_indices is None else bundle_indices)
+        if tp > 1 and not self.use_gpu:
+            raise ValueError("policy.generation.vllm_cfg.tensor_parallel_size > 1 needs GPUs (cluster.gpus_per_node)")
+        if len(bundles) % tp:
+            raise ValueError(
+                f"{len(bundles)} generation bundles are not a multiple of "
+                f"policy.generation.vllm_cfg.tensor_parallel_size={tp}"
+            )
+        python = ensure_vllm_env(self.use_gpu, vcfg.requirements, vcfg.python_executable)
+        env_vars = dict(VLLM_ENV_VARS)
+        leaders = bundles[::tp]
+        init_kwargs: dict[str, Any] = dict(
+            model_name=model_name,
+            generation_config=self.config.model_dump(),
+            tokenizer_name=tokenizer_name,
+            tiny_arch=tiny_arch,
+            precision=precision,
+            max_model_len=max_model_len,
+            seed=seed,
+            use_gpu=self.use_gpu,
+        )
+        actor_resources = None
+        if tp > 1:  # not run here: no GPU in this task
+            init_kwargs["gpu_share"] = cluster.actor_resources()["num_gpus"]
+            init_kwargs["tp_bundle_groups"] = _tp_bundle_groups(cluster, bundles, tp)
+            actor_resources = {"num_gpus": 0}  # vLLM's own Ray workers hold the GPUs
+        self.tensor_parallel_size = tp
+        self.worker_group = WorkerGroup(
+            cluster,
+            VllmGenerationWorker,
+            init_kwargs=init_kwargs,
+            name=name,
+            bundle_indices=leaders,
+            env_vars=env_vars,
+            worker_timeout_s=worker_timeout_s,
+            python_executable=python,
+            actor_resources=actor_resources,
+        )
+        self.pad_token_id = self.worker_group.run_rank0("special_token_ids")["pad_token_id"]
+        self._seed_generator = torch.Generator().manual_seed(seed)
+        self._engine_dtype: torch.dtype = self.worker_group.run_rank0("get_weight_dtypes")
+        self._broadcast_ready = False
+        self.weights_version = 0
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None) -> Batch:
+        if "seeds" not in batch and not greedy:
+            batch = batch.copy()
+            batch["seeds"] = torch.randint(0, 2**62, (batch.size,), generator=self._seed_generator)
+        refs = self.worker_group.run_sharded_async("generate", batch, greedy=greedy, params=params)
+        return self.worker_group.gather(refs, pad_values={"output_ids": self.pad_token_id})
+
+    def prepare_for_generation(self) -> bool:
+        return all(self.worker_group.run_all("prepare_for_generation"))
+
+    def finish_generation(self) -> bool:
+        return all(self.worker_group.run_all("finish_generation", offload=self.config.colocated.enabled))
+
+    # ------------------------------------------------------------------ refit
+    def weight_dtypes(self) -> torch.dtype:
+        """vLLM holds every weight in one dtype (`policy.precision`); refit buffers carry it."""
+        return self._engine_dtype
+
+    def prepare_refit_info(self, metadata: RefitMetadata) -> None:
+        self.metadata = metadata
+        self.worker_group.run_all("prepare_refit_info", metadata)
+
+    def update_weights(self, buffers: Sequence[np.ndarray] | ray.ObjectRef, version: int) -> None:
+        """Load packed buffers (`refit.pack` output, or an ObjectRef to it) into every engine."""
+        ref = buffers if isinstance(buffers, ray.ObjectRef) else ray.put(list(buffers))
+        self.worker_group.run_all("update_weights", ref, version)
+        self.weights_version = version
+
+    def refit_from_policy(self, policy: Any, metadata: RefitMetadata, version: int) -> None:
+        if not self.use_gpu:
+            self.update_weights(policy.pack_for_refit(metadata), version)
+        elif self.config.colocated.enabled:  # not run here: no GPU in this task
+            handles = policy.pack_for_refit_ipc(metadata)
+            try:
+                self.worker_group.run_all("update_weights_ipc", handles, version)
+            finally:
+                policy.release_refit_buffers()
+        else:  # not run here: no GPU in this task
+            if not self._broadcast_ready:
+                self._init_broadcast(policy)
+            sends = policy.broadcast_for_refit(metadata)
+            receives = self.worker_group.run_all_async("update_weights_broadcast", version)
+            self.worker_group.get(receives)
+            policy.worker_group.get(sends)
+        self.weights_version = version
+
+    def _init_broadcast(self, policy: Any) -> None:
+        """Split GPU refit: one process group of policy rank 0 (rank 0) and every vLLM worker
+        (rank 1 + engine * tp + tp rank). Not run here: no GPU in this task."""
+        host, port = policy.worker_group.cluster.master_address_and_port(0)
+        tp = self.tensor_parallel_size
+        world_size = 1 + self.worker_group.world_size * tp
+        joins = policy.init_refit_broadcast(host, port, world_size)
+        receivers = [
+            self.worker_group.run_single_async(engine, "init_broadcast_group", host, port, world_size, 1 + engine * tp)
+            for engine in range(self.worker_group.world_size)
+        ]
+        self.worker_group.get(receivers)
+        policy.worker_group.get(joins)
+        self._broadcast_ready = True
+
+    def verify_refit(self, policy: Any, version: int) -> None:
+        """Every engine's logprobs of a fixed probe sequence must match the policy's (mean
+        absolute difference within `PROBE_TOLERANCE` of the engine's dtype)."""
+        probe = self.probe_token_ids()
+        expected = policy.get_logprobs(
+            Batch(input_ids=torch.tensor([probe]), input_lengths=torch.tensor([len(probe)])), temperature=1.0
+        )["logprobs"][0, 1 : len(probe)]
+        tolerance = PROBE_TOLERANCE.get(self._engine_dtype, 5e-2)
+        bad = []
+        for engine, got in enumerate(self.worker_group.run_all("prompt_logprobs", probe)):
+            error = (got[1:] - expected.float()).abs().mean().item()
+            if not error <= tolerance:  # also catches NaN
+                bad.append(f"engine {engine}: mean |difference| {error:.3g}")
+        if bad:
+            raise RefitVerificationError(
+                f"refit to version {version} not taken: vLLM's logprobs of a probe sequence differ from the "
+                f"policy's ({'; '.join(bad)}; tolerance {tolerance:g} for {self._engine_dtype}). The engine "
+                "does not generate with the policy's weights."
+            )
+
+    def probe_token_ids(self) -> list[int]:
+        """A fixed pseudo-random token sequence over the vocabulary (the refit probe)."""
+        vocab = int(self.worker_group.run_rank0("vocab_size"))
+        generator = torch.Generator().manual_seed(20240611)
+        return torch.randint(0, vocab, (PROBE_LENGTH,), generator=generator).tolist()
+
+    def get_weights_versions(self) -> list[int]:
+        return self.worker_group.run_all("get_weights_version")
+
+    def shutdown(self) -> bool:
+        self.worker_group.shutdown()
+        return True
+
+
+def _tp_bundle_groups(cluster: VirtualCluster, bundles: list[int], tp: int) -> list[list[int]]:
+    """Per engine, the placement-group bundle indices of its `tp` consecutive bundles, which
+    must lie in one placement group (one node). Not run here: no GPU in this task."""
+    locations = cluster.bundle_locations()
+    groups = []
+    for start in range(0, len(bundles), tp):
+        members = [locations[b] for b in bundles[start : start + tp]]
+        if len({pg.id for pg, _ in members}) != 1:
+            raise ValueError(
+                f"a tensor-parallel group of {tp} GPUs would span nodes (bundles {bundles[start:start + tp]}): "
+                "use a tensor_parallel_size that divides cluster.gpus_per_node"
+            )
+        groups.append([index for _, index in members])
+    return groups

