@@ -54,7 +54,8 @@ def start_ray(cfg: MasterConfig) -> None:
 
 def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int = 1, name: str = "policy"):
     """A `VirtualCluster` of `num_workers` bundles: `cluster.gpus_per_node` per node with GPUs,
-    else spread evenly over `cluster.num_nodes` (CPU bundles of `cluster.cpus_per_worker`)."""
+    else spread evenly over `cluster.num_nodes` (CPU bundles of `cluster.cpus_per_worker`, plus
+    `cluster.bundle_resources[name]` when `name` is "policy" or "generation")."""
     from posttrain.distributed.cluster import VirtualCluster
 
     c = cfg.cluster
@@ -73,6 +74,8 @@ def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int =
         max_colocated_worker_groups=colocated_groups,
         placement_timeout_s=c.placement_timeout_s,
         name=name,
+        bundle_resources=c.bundle_resources.get(name),
+        autoscaling=c.autoscaling,
     )
 
 
