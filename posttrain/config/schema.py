@@ -363,6 +363,13 @@ class CheckpointingConfig(Section):
     metric_name: Optional[str] = "validation/accuracy"
     higher_is_better: bool = True
     save_optimizer: bool = True
+    allow_resume_config_changes: bool = Field(
+        False,
+        description=(
+            "Resume even when the model, data or batch-shape keys differ from the checkpoints' saved config "
+            "(<checkpoint_dir>/config.yaml); the differences are then printed as warnings."
+        ),
+    )
 
 
 # ---------------------------------------------------------------------------------- algorithms
