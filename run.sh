@@ -28,7 +28,7 @@ if [ ! -f "$STAMP" ]; then
     # resolves to the local CPU wheel instead of several GB of CUDA packages.
     phase "installing torch 2.13.0 (the largest download)" "$VENV/bin/python" -m pip install torch==2.13.0
     phase "installing posttrain and its pinned dependencies (ray, transformers, ...)" \
-        "$VENV/bin/python" -m pip install -e "$REPO[dev]"
+        "$VENV/bin/python" -m pip install -e "${REPO}[dev]"
     rm -f "$VENV"/.installed-*
     touch "$STAMP"
     echo "[run.sh] environment ready" >&2
