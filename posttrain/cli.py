@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
         "then print a greedy sample from it as a smoke check.",
     )
     init.add_argument("--preset", choices=["tiny", "small", "100m"], default="tiny", help="model size (default: tiny)")
-    init.add_argument("--arch", choices=["llama", "qwen2"], default="llama", help="architecture (default: llama)")
+    init.add_argument("--arch", choices=["llama", "qwen2", "qwen3_moe", "mixtral"], default="llama",
+                      help="architecture (default: llama; qwen3_moe and mixtral are mixtures of experts)")
     init.add_argument("--out", required=True, metavar="DIR", help="output directory")
     init.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
     init.set_defaults(handler=_init_model)

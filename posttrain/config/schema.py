@@ -125,7 +125,17 @@ class LoraConfig(Section):
 class PolicyConfig(Section):
     model_name: str = Field("tiny", description="HF hub id, local HF directory, or 'tiny'/'small' for a built-in model.")
     tokenizer_name: Optional[str] = Field(None, description="Defaults to model_name.")
-    tiny_arch: Literal["llama", "qwen2"] = "llama"
+    tiny_arch: Literal["llama", "qwen2", "qwen3_moe", "mixtral"] = Field(
+        "llama", description="Arch of a built-in model (model_name tiny/small/100m); qwen3_moe and mixtral are MoE."
+    )
+    router_aux_loss_coef: Optional[float] = Field(
+        None, ge=0,
+        description=(
+            "Mixture-of-experts models: weight of the router's load-balancing loss (Switch Transformer, Fedus et "
+            "al. 2021) added to the training loss and logged as train/router_aux_loss; None (default) takes the "
+            "model config's router_aux_loss_coef, 0 turns it off. Ignored for dense models."
+        ),
+    )
     precision: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     train_global_batch_size: int = Field(64, ge=1)
     train_micro_batch_size: int = Field(8, ge=1)

@@ -52,15 +52,16 @@ def test_sbatch_starts_two_nodes_runs_the_command_and_tears_down(tmp_path):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     job_id = str(90000 + os.getpid() % 10000)
+    ray_tmp = f"/tmp/ray-smoke-{job_id}"  # short: Ray's socket paths must fit in 107 characters
     env = {
         **os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node[1-2]",
         "SLURM_JOB_ID": job_id, "FAKE_NODES": "node1 node2", "RAY_PORT": str(free_port()),
         "RAY_CLIENT_PORT": str(free_port()), "RAY_DASHBOARD_PORT": str(free_port()), "CPUS_PER_NODE": "1",
-        "NODE_WAIT_S": "200", "COMMAND": COMMAND, "RAY_TMPDIR": str(tmp_path / "ray"),
+        "NODE_WAIT_S": "200", "COMMAND": COMMAND, "RAY_TMPDIR": ray_tmp,
     }
     result = subprocess.run(["bash", str(SBATCH)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=380)
     output = result.stdout + result.stderr
     assert result.returncode == 7, output[-3000:]  # the command's exit code
     assert "ALIVE_NODES 2" in output and "all 2 nodes joined" in output
-    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path / "ray") in " ".join(p.info["cmdline"] or [])]
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if ray_tmp in " ".join(p.info["cmdline"] or [])]
     assert not leftovers, [" ".join(p.info["cmdline"])[:120] for p in leftovers]
