@@ -28,7 +28,7 @@ if [ ! -f "$STAMP" ]; then
     # resolves to the local CPU wheel instead of several GB of CUDA packages.
     phase "installing torch 2.13.0 (the largest download)" "$VENV/bin/python" -m pip install torch==2.13.0
     phase "installing posttrain and its pinned dependencies (ray, transformers, ...)" \
-        "$VENV/bin/python" -m pip install -e "$REPO[dev]"
+        "$VENV/bin/python" -m pip install -e "${REPO}[dev]"
     # The code environment's sandbox uses bubblewrap; without it, it falls back (loudly) to weaker
     # isolation (README "Code sandbox"). Installed here when we may; otherwise say how.
     if ! command -v bwrap >/dev/null 2>&1; then

@@ -54,7 +54,8 @@ def start_ray(cfg: MasterConfig) -> None:
 
 def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int = 1, name: str = "policy"):
     """A `VirtualCluster` of `num_workers` bundles: `cluster.gpus_per_node` per node with GPUs,
-    else spread evenly over `cluster.num_nodes` (CPU bundles of `cluster.cpus_per_worker`)."""
+    else spread evenly over `cluster.num_nodes` (CPU bundles of `cluster.cpus_per_worker`, plus
+    `cluster.bundle_resources[name]` when `name` is "policy" or "generation")."""
     from posttrain.distributed.cluster import VirtualCluster
 
     c = cfg.cluster
@@ -73,6 +74,8 @@ def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int =
         max_colocated_worker_groups=colocated_groups,
         placement_timeout_s=c.placement_timeout_s,
         name=name,
+        bundle_resources=c.bundle_resources.get(name),
+        autoscaling=c.autoscaling,
     )
 
 
@@ -162,8 +165,11 @@ class PairRun:
     val_batches: list  # validation pairs as flattened Batches of `val_batch_size` pairs
 
     def shutdown(self) -> None:
+        from posttrain.utils.run_dirs import release_run_dirs
+
         self.policy.shutdown()
         self.cluster.shutdown()
+        release_run_dirs(self.cfg)
 
 
 def start_pair_run(cfg, section, *, model_type: str = "lm", init_reference_model: bool = False) -> PairRun:
@@ -244,7 +250,12 @@ def make_envs(cfg, tasks) -> dict[str, Any]:
 
 
 def prepare_run_dirs(cfg: MasterConfig) -> None:
-    """Create the log dir and save the resolved config beside the run's logs."""
+    """Lock the log and checkpoint dirs for this run, check a resume's config against the saved
+    one (`posttrain.utils.run_dirs`) and save the resolved config beside the run's logs."""
+    from posttrain.utils.run_dirs import lock_run_dirs, prepare_checkpoint_dir
+
+    lock_run_dirs(cfg)
+    prepare_checkpoint_dir(cfg)
     log_dir = Path(cfg.logger.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, log_dir / "config.yaml")
@@ -343,6 +354,11 @@ def train_offline(
         if ck.enabled:
             info = restore_training_state(checkpointer, policy, loader, logger)
             step = int(info["step"]) if info else 0
+        if step and step >= last_step:
+            from posttrain.utils.run_dirs import already_done_message
+
+            print(already_done_message(step, last_step, f"{desc.lower()}.max_num_steps"), flush=True)
+            return {}
         if step == 0 and a.val_at_start:
             val_metrics = validate()
             if val_metrics:  # empty without validation data
@@ -390,7 +406,10 @@ def reduce_loss_metrics(loss_fn, outputs_and_batches: list[tuple[torch.Tensor, A
 
 
 def finish_offline_run(cfg: MasterConfig, metrics: dict[str, float], name: str) -> None:
-    """Write `report.png` (when `logger.report`) and print a one-line summary of the run."""
+    """Write `report.png` (when `logger.report`) and print a one-line summary of the run (nothing
+    when the run trained no step: `train_offline` said why)."""
+    if not metrics:
+        return
     log_dir = Path(cfg.logger.log_dir)
     if cfg.logger.report and (log_dir / "metrics.jsonl").exists():
         from posttrain.utils.report import write_report

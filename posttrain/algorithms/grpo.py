@@ -80,6 +80,7 @@ class GRPOContext:
 
     def shutdown(self) -> None:
         from posttrain.environments.registry import EnvRouter
+        from posttrain.utils.run_dirs import release_run_dirs
 
         for part in (EnvRouter(self.envs), self.generation, self.policy, *self.clusters):
             try:
@@ -87,6 +88,7 @@ class GRPOContext:
             except Exception as e:  # shutting down must not mask the real error
                 log.warning("shutdown failed: %s", e)
         self.logger.close()
+        release_run_dirs(self.cfg)
 
 
 # ------------------------------------------------------------------------------------- set-up
@@ -368,8 +370,14 @@ def run(cfg: GRPOMasterConfig) -> dict[str, float]:
     """`posttrain grpo`: optional SFT warm start, then GRPO; prints before/after accuracy."""
     if cfg.sft_warmup is not None:
         cfg = apply_sft_warm_start(cfg)
+    from posttrain.utils.run_dirs import already_done_message
+
     ctx = setup(cfg)
     try:
+        done = already_done_message(ctx.step, ctx.last_step, "grpo.max_num_steps") if ctx.step else None
+        if done:  # resumed at or past the last step: say so rather than reprint the old results
+            print(done, flush=True)
+            return {"before": None, "after": None}
         start = time.perf_counter()
         grpo_train(ctx)
         _finish(ctx, time.perf_counter() - start)

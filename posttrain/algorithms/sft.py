@@ -100,7 +100,10 @@ def run(cfg: SFTMasterConfig, export_dir: Optional[Path] = None) -> dict[str, fl
             export_hf_atomic(policy, export_dir)
             print(f"[posttrain] SFT model exported to {export_dir}", flush=True)
     finally:
+        from posttrain.utils.run_dirs import release_run_dirs
+
         policy.shutdown()
         cluster.shutdown()
+        release_run_dirs(cfg)
     finish_offline_run(cfg, metrics, "SFT")
     return metrics

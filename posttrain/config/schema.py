@@ -22,8 +22,40 @@ class ClusterConfig(Section):
     gpus_per_node: int = Field(0, ge=0, description="GPUs per node; 0 runs on CPU.")
     cpus_per_worker: float = Field(1.0, gt=0, description="Logical CPUs per worker bundle (CPU mode).")
     ray_address: Optional[str] = Field(None, description="Existing Ray cluster to join; None starts a local one.")
-    placement_timeout_s: float = Field(120.0, gt=0, description="Fail if placement groups are not ready in time.")
+    placement_timeout_s: float = Field(
+        120.0, gt=0,
+        description=(
+            "How long to wait for worker slots the cluster could hold but that are busy (other jobs) or, with "
+            "cluster.autoscaling, on nodes still to join; a request the live nodes cannot hold fails at once."
+        ),
+    )
     worker_timeout_s: float = Field(1800.0, gt=0, description="Longest a single worker call may take.")
+    autoscaling: bool = Field(
+        False,
+        description=(
+            "The Ray cluster adds nodes on demand (Ray autoscaler / KubeRay): a request larger than the live "
+            "nodes waits up to cluster.placement_timeout_s instead of failing at once."
+        ),
+    )
+    bundle_resources: dict[Literal["policy", "generation"], dict[str, float]] = Field(
+        {},
+        description=(
+            "Extra Ray custom resources per worker slot of a group, e.g. {policy: {trainer: 1}, generation: "
+            "{rollout: 1}} to put training and (non-colocated) generation workers on the nodes started with "
+            "`ray start --resources '{\"trainer\": 8}'` / '{\"rollout\": 8}'."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_bundle_resources(self):
+        for group, resources in self.bundle_resources.items():
+            for key, value in resources.items():
+                if key in ("CPU", "GPU") or value <= 0:
+                    raise ValueError(
+                        f"cluster.bundle_resources.{group}.{key}={value}: give positive custom resources here; "
+                        "CPUs and GPUs come from cluster.cpus_per_worker and cluster.gpus_per_node"
+                    )
+        return self
 
 
 # ---------------------------------------------------------------------------------------- policy
@@ -143,7 +175,17 @@ class LoraConfig(Section):
 class PolicyConfig(Section):
     model_name: str = Field("tiny", description="HF hub id, local HF directory, or 'tiny'/'small' for a built-in model.")
     tokenizer_name: Optional[str] = Field(None, description="Defaults to model_name.")
-    tiny_arch: Literal["llama", "qwen2"] = "llama"
+    tiny_arch: Literal["llama", "qwen2", "qwen3_moe", "mixtral"] = Field(
+        "llama", description="Arch of a built-in model (model_name tiny/small/100m); qwen3_moe and mixtral are MoE."
+    )
+    router_aux_loss_coef: Optional[float] = Field(
+        None, ge=0,
+        description=(
+            "Mixture-of-experts models: weight of the router's load-balancing loss (Switch Transformer, Fedus et "
+            "al. 2021) added to the training loss and logged as train/router_aux_loss; None (default) takes the "
+            "model config's router_aux_loss_coef, 0 turns it off. Ignored for dense models."
+        ),
+    )
     precision: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
     train_global_batch_size: int = Field(64, ge=1)
     train_micro_batch_size: int = Field(8, ge=1)
@@ -461,6 +503,13 @@ class CheckpointingConfig(Section):
     metric_name: Optional[str] = "validation/accuracy"
     higher_is_better: bool = True
     save_optimizer: bool = True
+    allow_resume_config_changes: bool = Field(
+        False,
+        description=(
+            "Resume even when the model, data or batch-shape keys differ from the checkpoints' saved config "
+            "(<checkpoint_dir>/config.yaml); the differences are then printed as warnings."
+        ),
+    )
 
 
 # ---------------------------------------------------------------------------------- algorithms

@@ -6,9 +6,12 @@ Worker groups put one actor on each bundle. Several groups may share the bundles
 e.g. policy training and generation on the same GPUs): each of their actors then asks for
 `1 / max_colocated_worker_groups` of the bundle. Separate clusters give split placement.
 
-Ray waits forever, silently, for a placement group it cannot place; here the wait is bounded by
-`placement_timeout_s` and ends with a `ClusterError` that says what was asked and what exists.
-Modelled on NeMo-RL's `RayVirtualCluster`.
+Ray waits forever, silently, for a placement group it cannot place. Here a preflight compares
+the request with the resources of the Ray cluster's live nodes first (`check_request_fits`) and
+fails at once, with both numbers, when no placement can exist; only a request that may still be
+met (resources held by other jobs, or nodes an autoscaler may add: `autoscaling=True`) waits, for
+at most `placement_timeout_s`, and then ends with a `ClusterError` that says what was asked and
+what exists. Modelled on NeMo-RL's `RayVirtualCluster`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from __future__ import annotations
 import logging
 import socket
 import uuid
-from typing import Any
+import weakref
+from typing import Any, Mapping, Sequence
 
 import ray
 import ray._private.state as ray_state
@@ -30,6 +34,67 @@ class ClusterError(RuntimeError):
     """The requested resources cannot be reserved (or a cluster is used after shutdown)."""
 
 
+# VirtualClusters of this process that hold their reservation: what they hold stays taken while
+# a later cluster of the same job (e.g. generation after policy) is placed.
+_LIVE_CLUSTERS: "weakref.WeakSet[VirtualCluster]" = weakref.WeakSet()
+
+
+def check_request_fits(
+    groups: Sequence[Mapping[str, float]], node_capacity: Mapping[str, Mapping[str, float]]
+) -> list[str]:
+    """Problems that make a reservation impossible on these nodes; empty when it may fit.
+
+    Args:
+        groups: the resources of each placement group (one virtual node, all bundles summed);
+            each must fit on one physical node (`STRICT_PACK`).
+        node_capacity: per live node id, the resources left to this request (the node's total
+            minus what this job already holds there).
+
+    Checks, per resource: the sum over groups against the sum over nodes, and each group
+    against the largest node; then places the groups largest first on the first node with room
+    (exact for groups of equal size, the layout `make_cluster` produces). Pure: no Ray calls.
+    """
+    problems: list[str] = []
+    keys = sorted({key for group in groups for key, value in group.items() if value > 0})
+    for key in keys:
+        asked = sum(group.get(key, 0.0) for group in groups)
+        have = sum(node.get(key, 0.0) for node in node_capacity.values())
+        if asked > have + 1e-9:
+            problems.append(f"{key}: asked {asked:g}, the cluster has {have:g}")
+    if problems:
+        return problems
+    for i, group in enumerate(groups):
+        if not any(_fits(group, node) for node in node_capacity.values()):
+            largest = {key: max((node.get(key, 0.0) for node in node_capacity.values()), default=0.0) for key in group}
+            problems.append(
+                f"node group {i} needs {_fmt(group)} on one machine; the largest node has {_fmt(largest)}"
+            )
+    if problems:
+        return problems
+    sizes = {tuple(sorted(group.items())) for group in groups}
+    if len(sizes) == 1:  # equal groups: first fit is exact
+        left = {node: dict(capacity) for node, capacity in node_capacity.items()}
+        for i, group in enumerate(groups):
+            node = next((n for n, capacity in left.items() if _fits(group, capacity)), None)
+            if node is None:
+                problems.append(
+                    f"{len(groups)} node groups of {_fmt(group)} each (each on one machine): only {i} fit "
+                    f"on the {len(node_capacity)} node(s)"
+                )
+                break
+            for key, value in group.items():
+                left[node][key] = left[node].get(key, 0.0) - value
+    return problems
+
+
+def _fits(need: Mapping[str, float], capacity: Mapping[str, float]) -> bool:
+    return all(capacity.get(key, 0.0) + 1e-9 >= value for key, value in need.items())
+
+
+def _fmt(resources: Mapping[str, float]) -> str:
+    return "{" + ", ".join(f"{key}: {value:g}" for key, value in sorted(resources.items())) + "}"
+
+
 class VirtualCluster:
     """Reserve `bundles_per_node[i]` worker slots on each of `len(bundles_per_node)` nodes.
 
@@ -40,12 +105,20 @@ class VirtualCluster:
         max_colocated_worker_groups: how many worker groups may share each bundle (default 1).
             Each actor asks for `cpus_per_bundle / max_colocated_worker_groups` CPUs and, with
             GPUs, `1 / max_colocated_worker_groups` GPU.
-        placement_timeout_s: how long to wait for the reservation before raising `ClusterError`
-            (default 60.0).
+        placement_timeout_s: how long to wait for a reservation that may still be met (resources
+            held by other jobs, or by nodes still to join) before raising `ClusterError`
+            (default 60.0). A request the live nodes cannot hold fails at once instead.
         name: prefix of the placement-group names, shown in Ray's tools and in errors.
+        bundle_resources: extra Ray resources per bundle, e.g. `{"trainer": 1}` to place the
+            workers only on nodes started with `ray start --resources '{"trainer": 8}'`
+            (default None: none).
+        autoscaling: the Ray cluster may add nodes (KubeRay / Ray autoscaler): a request larger
+            than the live nodes waits up to `placement_timeout_s` instead of failing at once
+            (default False).
 
     Virtual nodes are steered to distinct physical nodes when there are enough of them (a soft
-    hint to Ray), and share a physical node otherwise.
+    hint to Ray), preferring nodes this job's other clusters do not use (so a separate generation
+    cluster lands beside, not on, the policy's nodes), and share a physical node otherwise.
     """
 
     def __init__(
@@ -56,6 +129,8 @@ class VirtualCluster:
         max_colocated_worker_groups: int = 1,
         placement_timeout_s: float = 60.0,
         name: str = "",
+        bundle_resources: Mapping[str, float] | None = None,
+        autoscaling: bool = False,
     ) -> None:
         if not bundles_per_node or any(int(n) != n or n < 1 for n in bundles_per_node):
             raise ValueError(f"bundles_per_node must be a non-empty list of positive ints, got {bundles_per_node!r}")
@@ -63,6 +138,9 @@ class VirtualCluster:
             raise ValueError(f"cpus_per_bundle must be > 0, got {cpus_per_bundle}")
         if max_colocated_worker_groups < 1:
             raise ValueError(f"max_colocated_worker_groups must be >= 1, got {max_colocated_worker_groups}")
+        bad = {key: value for key, value in (bundle_resources or {}).items() if key in ("CPU", "GPU") or value <= 0}
+        if bad:
+            raise ValueError(f"bundle_resources takes positive custom resources (not CPU / GPU), got {bad}")
         if not ray.is_initialized():
             raise ClusterError("Ray is not initialised: call posttrain.distributed.ray_utils.init_ray() first")
         self.bundles_per_node = [int(n) for n in bundles_per_node]
@@ -71,18 +149,58 @@ class VirtualCluster:
         self.max_colocated_worker_groups = max_colocated_worker_groups
         self.placement_timeout_s = placement_timeout_s
         self.name = name or "cluster"
+        self.bundle_resources = {key: float(value) for key, value in (bundle_resources or {}).items()}
+        self.autoscaling = autoscaling
         self._uid = uuid.uuid4().hex[:8]
         self._placement_groups: list[PlacementGroup] = self._reserve()
         self._bundle_node_ids = [placement_group_table(pg)["bundles_to_node_id"] for pg in self._placement_groups]
+        _LIVE_CLUSTERS.add(self)
 
     # ------------------------------------------------------------------ reservation
     def _bundle(self) -> dict[str, float]:
         bundle = {"CPU": self.cpus_per_bundle}
         if self.use_gpus:
             bundle["GPU"] = 1.0
+        bundle.update(self.bundle_resources)
         return bundle
 
+    def _group_needs(self) -> list[dict[str, float]]:
+        return [{key: value * count for key, value in self._bundle().items()} for count in self.bundles_per_node]
+
+    def _preflight(self) -> None:
+        """Fail at once when the live nodes cannot hold the request, whoever else uses them.
+
+        Compared with each node's total resources minus what this job's other clusters already
+        hold there. With `autoscaling` the shortfall is only logged: nodes may still join.
+        """
+        capacity = _node_capacity_left()
+        problems = check_request_fits(self._group_needs(), capacity)
+        if not problems:
+            return
+        held = _held_by_this_job()
+        lines = [
+            f"VirtualCluster {self.name!r}: the Ray cluster cannot hold this request "
+            f"({len(self.bundles_per_node)} node group(s) of {self.bundles_per_node} bundles, each bundle "
+            f"{_fmt(self._bundle())}, all bundles of a group on one machine):",
+            *(f"  {problem}" for problem in problems),
+            f"  asked in total: {_fmt(_sum(self._group_needs()))}; Ray cluster: {len(capacity)} live node(s), "
+            f"total {_fmt(_plain(ray.cluster_resources(), self._bundle()))}"
+            + (f", of which this job's other worker groups already hold {_fmt(held)}" if held else ""),
+        ]
+        for node in ray.nodes():
+            if node["Alive"]:
+                lines.append(f"  node {node['NodeManagerAddress']} ({node['NodeID'][:8]}): "
+                             f"{_fmt(_plain(node['Resources'], self._bundle()))}")
+        if self.autoscaling:
+            logger.warning("%s\n  autoscaling: waiting up to %.0fs (cluster.placement_timeout_s) for nodes to join",
+                           "\n".join(lines), self.placement_timeout_s)
+            return
+        lines.append("  Lower the workers / CPUs / GPUs asked for (policy.num_workers, cluster.*), add nodes, or set "
+                     "cluster.autoscaling=true if an autoscaler adds nodes.")
+        raise ClusterError("\n".join(lines))
+
     def _reserve(self) -> list[PlacementGroup]:
+        self._preflight()
         targets = self._pick_target_nodes()
         groups = [
             placement_group(
@@ -109,15 +227,13 @@ class VirtualCluster:
         """
         available = ray_state.available_resources_per_node()
         alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        others = {node for cluster in list(_LIVE_CLUSTERS) if cluster._placement_groups
+                  for node in cluster.bundle_node_ids()}
         used: set[str] = set()
         targets: list[str | None] = []
-        for count in self.bundles_per_node:
-            need = {key: value * count for key, value in self._bundle().items()}
-            fits = [
-                node
-                for node in alive
-                if node not in used and all(available.get(node, {}).get(k, 0.0) >= v for k, v in need.items())
-            ]
+        for need in self._group_needs():
+            fits = [node for node in alive if node not in used and _fits(need, available.get(node, {}))]
+            fits.sort(key=lambda node: node in others)  # stable: nodes free of this job's other groups first
             targets.append(fits[0] if fits else None)
             if fits:
                 used.add(fits[0])
@@ -127,23 +243,26 @@ class VirtualCluster:
         bundle = self._bundle()
         lines = [
             f"VirtualCluster {self.name!r}: placement groups not ready after {self.placement_timeout_s:.1f}s "
-            "(placement_timeout_s / cluster.placement_timeout_s).",
+            "(placement_timeout_s / cluster.placement_timeout_s): "
+            + ("the autoscaler has not added the nodes yet, or other jobs hold the resources."
+               if self.autoscaling else "the live nodes could hold the request, so other jobs hold the resources."),
             f"  requested: {len(self.bundles_per_node)} node(s) with {self.bundles_per_node} bundles, "
             f"each bundle {bundle} (all bundles of a node on one machine); "
             f"total {self.world_size() * self.cpus_per_bundle:g} CPU"
             + (f", {self.world_size()} GPU" if self.use_gpus else ""),
             f"  placed: {sum(ready_flags)} of {len(ready_flags)} node groups",
-            f"  Ray cluster total: {_plain(ray.cluster_resources())}; available: {_plain(ray.available_resources())}",
+            f"  Ray cluster total: {_plain(ray.cluster_resources(), bundle)}; "
+            f"available: {_plain(ray.available_resources(), bundle)}",
         ]
         available = ray_state.available_resources_per_node()
         for node in ray.nodes():
             if node["Alive"]:
                 node_id = node["NodeID"]
                 lines.append(
-                    f"  node {node['NodeManagerAddress']} ({node_id[:8]}): total {_plain(node['Resources'])}, "
-                    f"available {_plain(available.get(node_id, {}))}"
+                    f"  node {node['NodeManagerAddress']} ({node_id[:8]}): total {_plain(node['Resources'], bundle)}, "
+                    f"available {_plain(available.get(node_id, {}), bundle)}"
                 )
-        lines.append("  Lower the bundles / CPUs / GPUs asked for, or add nodes to the Ray cluster.")
+        lines.append("  Lower the bundles / CPUs / GPUs asked for, stop the other jobs, or add nodes to the Ray cluster.")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ queries
@@ -190,6 +309,7 @@ class VirtualCluster:
             except Exception as error:  # Ray already gone: nothing left to release
                 logger.debug("remove_placement_group failed: %s", error)
         self._placement_groups = []
+        _LIVE_CLUSTERS.discard(self)
 
     def _check_alive(self) -> None:
         if not self._placement_groups:
@@ -211,6 +331,35 @@ def _free_address_and_port() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
-def _plain(resources: dict[str, Any]) -> dict[str, float]:
-    """CPU / GPU entries only: Ray also lists memory and one key per bundle, noise here."""
-    return {key: resources[key] for key in ("CPU", "GPU") if key in resources}
+def _plain(resources: Mapping[str, Any], bundle: Mapping[str, float] | None = None) -> dict[str, float]:
+    """CPU / GPU entries (and the custom resources of `bundle`) only: Ray also lists memory and
+    one key per placement-group bundle, noise here."""
+    keys = ("CPU", "GPU", *sorted(set(bundle or {}) - {"CPU", "GPU"}))
+    return {key: resources[key] for key in keys if key in resources}
+
+
+def _sum(groups: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for group in groups:
+        for key, value in group.items():
+            total[key] = total.get(key, 0.0) + value
+    return total
+
+
+def _held_by_this_job() -> dict[str, float]:
+    """Resources the live VirtualClusters of this process reserved, summed."""
+    return _sum([need for cluster in list(_LIVE_CLUSTERS) if cluster._placement_groups
+                 for need in cluster._group_needs()])
+
+
+def _node_capacity_left() -> dict[str, dict[str, float]]:
+    """Per live node: its total resources minus what this job's live clusters hold there."""
+    capacity = {node["NodeID"]: dict(node["Resources"]) for node in ray.nodes() if node["Alive"]}
+    for cluster in list(_LIVE_CLUSTERS):
+        if not cluster._placement_groups:
+            continue
+        for node_id in cluster.bundle_node_ids():
+            for key, value in cluster._bundle().items():
+                if node_id in capacity:
+                    capacity[node_id][key] = capacity[node_id].get(key, 0.0) - value
+    return capacity

@@ -12,7 +12,11 @@ PRESETS: dict[str, dict[str, int]] = {
     "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                  intermediate_size=3072),
 }
-ARCHS = ("llama", "qwen2")
+# Mixture-of-experts archs (Qwen3-MoE, Mixtral): each dense MLP becomes MOE_EXPERTS experts of a
+# quarter of its width, MOE_TOP_K of them per token; the router's load-balancing loss is on.
+MOE_ARCHS = ("qwen3_moe", "mixtral")
+MOE_EXPERTS, MOE_TOP_K, MOE_ROUTER_AUX_LOSS_COEF = 4, 2, 0.01
+ARCHS = ("llama", "qwen2", *MOE_ARCHS)
 
 # Pretrained models converted from a GGUF file that a registry package ships (no hub needed):
 # `policy.model_name: <name>` or `posttrain init-model --preset <name>` converts it once into the

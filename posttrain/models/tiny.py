@@ -34,12 +34,21 @@ from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
     LlamaConfig,
+    MixtralConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3MoeConfig,
 )
 
-from posttrain.models.presets import ARCHS, PRESETS  # noqa: F401 (re-exported: tiny.PRESETS, tiny.ARCHS)
+from posttrain.models.presets import (  # noqa: F401 (re-exported: tiny.PRESETS, tiny.ARCHS)
+    ARCHS,
+    MOE_ARCHS,
+    MOE_EXPERTS,
+    MOE_ROUTER_AUX_LOSS_COEF,
+    MOE_TOP_K,
+    PRESETS,
+)
 
 PAD, UNK, BOS, EOS = "<pad>", "<unk>", "<bos>", "<|end|>"
 SYSTEM, USER, ASSISTANT = "<|system|>", "<|user|>", "<|assistant|>"
@@ -91,10 +100,15 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_config(preset: str = "tiny", arch: str = "llama", vocab_size: int | None = None):
-    """The transformers config of a preset (`tiny`, `small`, `100m`) and arch (`llama`, `qwen2`).
+    """The transformers config of a preset (`tiny`, `small`, `100m`) and arch (`llama`, `qwen2`,
+    `qwen3_moe`, `mixtral`).
 
     Llama keeps input and output embeddings separate (`tie_word_embeddings=False`); qwen2 ties
-    them, as Qwen2.5-0.5B/1.5B do, so both layouts are exercised by the same tests.
+    them, as Qwen2.5-0.5B/1.5B do, so both layouts are exercised by the same tests. The
+    mixture-of-experts archs replace each MLP by `MOE_EXPERTS` experts of a quarter of its width,
+    `MOE_TOP_K` per token (same active MLP width), with the router's load-balancing loss
+    (`router_aux_loss_coef`, Fedus et al. 2021) on: Qwen3-MoE (per-head q/k norms, tied
+    embeddings like the small Qwen3 models) and Mixtral (untied).
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown tiny model preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -112,7 +126,15 @@ def tiny_config(preset: str = "tiny", arch: str = "llama", vocab_size: int | Non
     )
     if arch == "llama":
         return LlamaConfig(**common, tie_word_embeddings=False)
-    return Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True)
+    expert_width = common["intermediate_size"] // 4
+    moe: dict[str, Any] = dict(num_experts_per_tok=MOE_TOP_K, router_aux_loss_coef=MOE_ROUTER_AUX_LOSS_COEF)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, **moe, num_experts=MOE_EXPERTS, moe_intermediate_size=expert_width,
+                              head_dim=common["hidden_size"] // common["num_attention_heads"], tie_word_embeddings=True)
+    common["intermediate_size"] = expert_width
+    return MixtralConfig(**common, **moe, num_local_experts=MOE_EXPERTS, tie_word_embeddings=False)
 
 
 def make_tiny_model(
@@ -141,7 +163,7 @@ def build_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", arch: str
     Args:
         out_dir: target directory (created; existing files of the same names are overwritten).
         preset: `tiny` (hidden 128, 2 layers; default), `small` (hidden 256, 4 layers) or `100m`.
-        arch: `llama` (default) or `qwen2`.
+        arch: `llama` (default), `qwen2`, or the mixture-of-experts `qwen3_moe` / `mixtral`.
         seed: seed of the random initialisation (default 0).
     """
     out = Path(out_dir)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
 import ray
 import torch
+from conftest import RAY_TEST_CPUS
 
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.cluster import ClusterError, VirtualCluster
@@ -135,18 +137,41 @@ def test_failing_constructor_is_reported(ray_cluster):
         cluster.shutdown()
 
 
-def test_unschedulable_cluster_fails_with_requested_and_available(ray_cluster):
+def test_impossible_request_fails_at_once_with_both_numbers(ray_cluster):
+    # The preflight answers without waiting for placement_timeout_s (an hour here).
     with pytest.raises(ClusterError) as info:
-        VirtualCluster([20], cpus_per_bundle=1.0, placement_timeout_s=2.0, name="toobig")
+        VirtualCluster([20], cpus_per_bundle=1.0, placement_timeout_s=3600.0, name="toobig")
     message = str(info.value)
-    assert "not ready after 2.0s" in message
-    assert "[20] bundles" in message and "{'CPU': 1.0}" in message
-    assert "available" in message and "node " in message
-    with pytest.raises(ClusterError, match="'GPU': 1.0"):
-        VirtualCluster([1], use_gpus=True, placement_timeout_s=1.0, name="nogpu")
-    # The half-made reservations were released, not left pending.
-    groups = ray.util.placement_group_table().values()
-    states = [pg["state"] for pg in groups if pg["name"].startswith(("toobig", "nogpu"))]
+    assert message.startswith("VirtualCluster 'toobig': the Ray cluster cannot hold this request")
+    assert re.search(r"CPU: asked 20, the cluster has \d", message)  # less what other tests' groups hold
+    assert "node " in message and "cluster.autoscaling=true" in message
+    with pytest.raises(ClusterError, match="GPU: asked 1, the cluster has 0"):
+        VirtualCluster([1], use_gpus=True, placement_timeout_s=3600.0, name="nogpu")
+    # What this job already holds counts: a second group that only fits in an empty cluster fails at once too.
+    from posttrain.distributed.cluster import _held_by_this_job
+
+    unheld = RAY_TEST_CPUS - int(_held_by_this_job().get("CPU", 0))  # other tests' fixtures may hold some
+    first = VirtualCluster([unheld - 1], name="holder")
+    try:
+        with pytest.raises(ClusterError) as info:
+            VirtualCluster([2], placement_timeout_s=3600.0, name="second")
+        assert "CPU: asked 2, the cluster has 1" in str(info.value)
+        assert f"this job's other worker groups already hold {{CPU: {RAY_TEST_CPUS - 1}}}" in str(info.value)
+    finally:
+        first.shutdown()
+    # Nothing was reserved for the refused requests.
+    names = [pg["name"] for pg in ray.util.placement_group_table().values()]
+    assert not any(name.startswith(("toobig", "nogpu", "second")) for name in names)
+
+
+def test_autoscaling_waits_for_nodes_then_says_so(ray_cluster):
+    with pytest.raises(ClusterError) as info:
+        VirtualCluster([20], placement_timeout_s=1.0, autoscaling=True, name="scaleup")
+    message = str(info.value)
+    assert "not ready after 1.0s" in message and "the autoscaler has not added the nodes yet" in message
+    assert "[20] bundles" in message and "{'CPU': 1.0}" in message and "available" in message
+    # The half-made reservation was released, not left pending.
+    states = [pg["state"] for pg in ray.util.placement_group_table().values() if pg["name"].startswith("scaleup")]
     assert states and set(states) == {"REMOVED"}
 
 

@@ -37,7 +37,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 from posttrain.config.schema import PolicyConfig
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
-from posttrain.models import lora, refit
+from posttrain.models import lora, moe, refit
 from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype, resolve_model_path
 from posttrain.models.policy import checkpoint as ckpt
 from posttrain.models.policy.forward import (
@@ -110,6 +110,8 @@ class PolicyWorker(DistributedWorker):
             self.model = lora.apply_lora(self.model, self.cfg.lora)
             self.lora_scaling = lora.scaling(self.cfg.lora)
         self.hf_config = self.model.config
+        # Mixture of experts: weight of the router's load-balancing loss (0: dense, or turned off).
+        self.router_aux_loss_coef = moe.aux_loss_coef(self.model, self.cfg.router_aux_loss_coef)
         self.model.config.use_cache = False  # no KV cache in training / scoring forwards
         if self.cfg.activation_checkpointing:
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -363,14 +365,20 @@ class PolicyWorker(DistributedWorker):
             rows = batch.select(torch.arange(step_index * local_gbs, (step_index + 1) * local_gbs))
             valid_seqs, valid_toks = self._global_counts(rows, scores)
             total_toks, total_seqs = total_toks + float(valid_toks), total_seqs + float(valid_seqs)
+            router_tokens = self._global_input_tokens(rows) if self.router_aux_loss_coef > 0 else None
             self.optimizer.zero_grad(set_to_none=True)
             bad_microbatches: list[int] = []
             for mb_index, mb in enumerate(self._microbatches(rows, for_training=True, rows_per_mb=mbs)):
-                outputs = self._forward(mb, temperature, input_type)
+                with moe.record_router_logits(self.model, enabled=router_tokens is not None) as routers:
+                    outputs = self._forward(mb, temperature, input_type)
                 if mb.dummy:
                     (outputs.sum() * 0.0).backward()
                     continue
                 loss, metrics = loss_fn(outputs, mb.rows.to(self.device), valid_seqs, valid_toks)
+                if routers is not None:
+                    router_loss = self._router_loss(mb, routers, router_tokens)
+                    loss = loss + self.router_aux_loss_coef * router_loss
+                    metrics = {**metrics, "router_aux_loss": router_loss.detach()}
                 if not torch.isfinite(loss):
                     bad_microbatches.append(mb_index)
                 # Keep going even on a bad loss so the other ranks' collectives stay in step.
@@ -400,6 +408,24 @@ class PolicyWorker(DistributedWorker):
             dist.all_reduce(counts)
         counts = counts.float().to(self.device)
         return counts[0], counts[1]
+
+    def _global_input_tokens(self, rows: Batch) -> torch.Tensor:
+        """Tokens (prompt and response, no padding) of one optimizer step's rows, over all ranks."""
+        count = rows["input_lengths"].sum().double().reshape(1)
+        if self.world_size > 1:
+            dist.all_reduce(count)
+        return count.float().to(self.device)[0]
+
+    def _router_loss(self, mb: MicroBatch, routers: moe.RouterLogits, step_tokens: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's load-balancing loss times its share of the step's tokens (see `models/moe.py`)."""
+        if mb.packed is not None:
+            width = mb.packed["input_ids"].shape[1]
+            mask = (torch.arange(width) < mb.packed["cu_seqlens"][-1]).long()[None, :]
+        else:
+            width = mb.rows["input_ids"].shape[1]
+            mask = (torch.arange(width)[None, :] < mb.rows["input_lengths"][:, None]).long()
+        mask = mask.to(self.device)
+        return moe.load_balancing_loss(self.model, routers.logits, mask) * (mask.sum() / step_tokens)
 
     def _clip_grad_norm(self) -> float:
         """Total grad norm over all ranks before clipping; clips when `policy.max_grad_norm` is set."""

@@ -1,0 +1,100 @@
+"""Mixture-of-experts models (the tiny Qwen3-MoE and Mixtral presets) on real Ray workers: the
+router's load-balancing loss is in the gradient and in the metrics, FSDP2 over 2 workers equals
+1 worker, GRPO runs with refit into the native engine, and the HF export reloads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_grpo import SMALL, read_metrics
+from test_policy import LR, assert_weights_close, make_batch, policy_cfg
+
+from posttrain.algorithms.loss import NLLLoss
+from posttrain.distributed.batch import Batch
+from posttrain.distributed.cluster import VirtualCluster
+from posttrain.models import moe
+from posttrain.models.hf import load_causal_lm
+from posttrain.models.policy.forward import fixed_size_microbatches
+from posttrain.models.policy.policy import Policy
+
+pytestmark = [pytest.mark.functional, pytest.mark.timeout(400)]
+
+MICRO_BATCH = 2
+
+
+def reference_step(model_name: str, batch: Batch, coef: float) -> tuple[dict[str, torch.Tensor], float]:
+    """One SGD step in-process on micro-batches of 2 rows: NLL with global token counts plus
+    `coef` x each micro-batch's load-balancing loss weighted by its share of the tokens."""
+    model = load_causal_lm(model_name, dtype=torch.float32, device="cpu").train()
+    mask = batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]
+    step_tokens = batch["input_lengths"].sum()
+    router_loss_total = 0.0
+    for mb in fixed_size_microbatches(batch, MICRO_BATCH):
+        rows = mb.rows
+        width = rows["input_ids"].shape[1]
+        tokens = (torch.arange(width)[None] < rows["input_lengths"][:, None]).long()
+        with moe.record_router_logits(model) as routers:
+            logits = model(input_ids=rows["input_ids"], attention_mask=tokens).logits
+        logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, rows["input_ids"][:, 1:, None]).squeeze(-1)
+        logprobs = torch.nn.functional.pad(logprobs, (1, 0))
+        loss, _ = NLLLoss()(logprobs, rows, batch["sample_mask"].sum(), mask.sum())
+        router_loss = moe.load_balancing_loss(model, routers.logits, tokens) * tokens.sum() / step_tokens
+        (loss + coef * router_loss).backward()
+        router_loss_total += router_loss.item()
+    return {name: (p - LR * p.grad).detach() for name, p in model.named_parameters()}, router_loss_total
+
+
+def test_moe_sft_step_two_workers_equal_one_and_include_the_router_loss(ray_cluster):
+    batch = make_batch()
+    cfg = policy_cfg(model_name="tiny-qwen3_moe", train_micro_batch_size=MICRO_BATCH)
+    expected, expected_router_loss = reference_step("tiny-qwen3_moe", batch, coef=0.01)
+    without_router_loss, _ = reference_step("tiny-qwen3_moe", batch, coef=0.0)
+    one_cluster, two_cluster = VirtualCluster([1], name="moe-dp1"), VirtualCluster([2], name="moe-dp2")
+    policies = []
+    try:
+        policies.append(Policy(one_cluster, cfg, init_reference_model=False, name="moe-dp1"))
+        policies.append(Policy(two_cluster, cfg, init_reference_model=False, name="moe-dp2"))
+        for policy in policies:
+            metrics = policy.train(batch, NLLLoss())
+            assert metrics["router_aux_loss"] == pytest.approx(expected_router_loss, rel=1e-5)
+            assert_weights_close(policy.state_dict_for_export(), expected)
+        # The router loss moved the routers: without it their weights would differ.
+        gate = "model.layers.0.mlp.gate.weight"
+        assert (expected[gate] - without_router_loss[gate]).abs().max() > 1e-4
+    finally:
+        for policy in policies:
+            policy.shutdown()
+        one_cluster.shutdown()
+        two_cluster.shutdown()
+
+
+def test_moe_grpo_refits_the_engine_logs_the_router_loss_and_exports(ray_cluster, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.algorithms import grpo
+    from posttrain.config.loader import load_config
+
+    cfg = load_config("grpo", overrides=[
+        *SMALL, "grpo.max_num_steps=2", "policy.model_name=tiny-mixtral", "checkpointing.enabled=false",
+        f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
+    ])
+    ctx = grpo.setup(cfg)
+    try:
+        grpo.grpo_train(ctx)  # verify_refit: generation's weights equal the policy's after each refit
+        metrics = read_metrics(tmp_path / "logs")
+        for step in (1, 2):
+            assert metrics[step]["train/router_aux_loss"] > 0  # ~ num_experts_per_tok when balanced
+            assert 1.0 <= metrics[step]["train/token_mult_prob_error"] < 1.001
+        assert ctx.generation.weights_version == 1
+
+        export = ctx.policy.export_hf(tmp_path / "hf")
+        reloaded = AutoModelForCausalLM.from_pretrained(export).eval()
+        assert type(reloaded).__name__ == "MixtralForCausalLM"
+        ids = torch.randint(7, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+        probe = Batch(input_ids=ids, input_lengths=torch.tensor([10, 10]))
+        with torch.no_grad():
+            logits = reloaded(input_ids=ids).logits
+        expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        torch.testing.assert_close(ctx.policy.get_logprobs(probe)["logprobs"][:, 1:], expected, atol=1e-5, rtol=0)
+    finally:
+        ctx.shutdown()

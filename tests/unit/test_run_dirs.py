@@ -1,0 +1,191 @@
+"""Safe run directories: the lock naming its run, stale-lock take-over, config checks on resume,
+and the message for a run resumed at or past its last step."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from posttrain.algorithms import common
+from posttrain.config import load_config
+from posttrain.utils import run_dirs
+from posttrain.utils.run_dirs import (
+    LOCK_FILE,
+    ResumeConfigError,
+    RunDirLocked,
+    acquire_dir_lock,
+    already_done_message,
+    compare_configs,
+    release_dir_lock,
+)
+
+HOLD_LOCK = textwrap.dedent("""
+    import sys, time
+    from posttrain.utils.run_dirs import acquire_dir_lock
+    acquire_dir_lock(sys.argv[1])
+    print("locked", flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.fixture
+def other_run(tmp_path):
+    """Another process holding the lock of `tmp_path / "run"`; yields (process, directory)."""
+    directory = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(directory)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    yield proc, directory
+    proc.kill()
+    proc.wait()
+
+
+def test_a_second_run_is_refused_naming_the_first(other_run):
+    proc, directory = other_run
+    with pytest.raises(RunDirLocked) as info:
+        acquire_dir_lock(directory)
+    message = str(info.value)
+    assert f"{directory.resolve()} is in use by another run (host {socket.gethostname()}, pid {proc.pid}, started 20" in message
+    assert "command: -c" in message and "use another logger.log_dir / checkpointing.checkpoint_dir" in message
+
+
+def test_the_lock_of_a_killed_run_is_taken_over(other_run, capsys):
+    proc, directory = other_run
+    proc.kill()  # kill -9: the lock file stays behind
+    proc.wait()
+    assert json.loads((directory / LOCK_FILE).read_text())["pid"] == proc.pid
+    lock = acquire_dir_lock(directory)
+    try:
+        assert f"taking over the stale lock of {directory.resolve()}" in capsys.readouterr().out
+        assert json.loads(lock.read_text())["pid"] != proc.pid
+    finally:
+        release_dir_lock(lock)
+    assert not lock.exists()
+
+
+def test_a_reused_pid_does_not_keep_a_lock_alive(tmp_path):
+    """A lock whose pid now belongs to a newer process (this one) is stale."""
+    import os
+
+    directory = tmp_path / "run"
+    directory.mkdir()
+    stale = {"host": socket.gethostname(), "pid": os.getpid() + 0, "process_start_time": 1.0, "token": "x"}
+    assert run_dirs.holder_is_alive(stale) is False
+    stale["host"] = "some-other-host"
+    assert run_dirs.holder_is_alive(stale) is None  # cannot tell: refused with the file to delete
+    (directory / LOCK_FILE).write_text(json.dumps(stale))
+    with pytest.raises(RunDirLocked, match=f"on another host.*delete {directory.resolve() / LOCK_FILE}"):
+        acquire_dir_lock(directory)
+
+
+def test_lock_is_reentrant_in_one_process_and_released(tmp_path):
+    first = acquire_dir_lock(tmp_path / "a")
+    assert acquire_dir_lock(tmp_path / "a") == first
+    release_dir_lock(first)
+    assert not first.exists()
+
+
+def test_compare_configs_splits_corrupting_and_harmless_changes():
+    old = load_config("grpo", overrides=["sft_warmup=null"]).model_dump(mode="json")
+    new = load_config("grpo", overrides=[
+        "sft_warmup=null", "grpo.max_num_steps=500", "logger.log_dir=elsewhere", "policy.optimizer.lr=3e-4",
+        "data.num_train=100", "policy.train_global_batch_size=64", "policy.model_name=small",
+        "data.num_validation=50",
+    ]).model_dump(mode="json")
+    corrupting, harmless = compare_configs(old, new)
+    assert corrupting == [
+        "data.num_train: 8000 -> 100",
+        "policy.model_name: 'tiny' -> 'small'",
+        "policy.train_global_batch_size: 128 -> 64",
+    ]
+    assert harmless == [
+        "data.num_validation: 500 -> 50",
+        "grpo.max_num_steps: 250 -> 500",
+        "logger.log_dir: 'logs/grpo_math_tiny' -> 'elsewhere'",
+        "policy.optimizer.lr: 0.0001 -> 0.0003",
+    ]
+
+
+def _fake_checkpoint(ckpt: Path) -> None:
+    (ckpt / "step_3").mkdir(parents=True)
+    (ckpt / "step_3" / "training_info.json").write_text(json.dumps({"step": 3}))
+
+
+def _cfg(tmp_path: Path, *extra: str):
+    return load_config("sft", overrides=[f"logger.log_dir={tmp_path}/logs",
+                                         f"checkpointing.checkpoint_dir={tmp_path}/ckpt", *extra])
+
+
+def test_resume_refuses_corrupting_changes_before_anything_starts(tmp_path, capsys):
+    common.prepare_run_dirs(_cfg(tmp_path))  # first run: saves its config beside the checkpoints
+    assert (tmp_path / "ckpt" / "config.yaml").is_file() and (tmp_path / "logs" / LOCK_FILE).is_file()
+    _fake_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(ResumeConfigError) as info:
+        common.prepare_run_dirs(_cfg(tmp_path, "data.num_digits=3", "policy.max_total_sequence_length=128"))
+    message = str(info.value)
+    assert "data.num_digits: 2 -> 3" in message and "policy.max_total_sequence_length: 64 -> 128" in message
+    assert "checkpointing.allow_resume_config_changes=true" in message
+    # Harmless changes: allowed and listed; the saved config becomes the new one.
+    common.prepare_run_dirs(_cfg(tmp_path, "sft.max_num_steps=900", "logger.progress_bar=false"))
+    out = capsys.readouterr().out
+    assert "resuming with config changes: logger.progress_bar: True -> False; sft.max_num_steps: 200 -> 900" in out
+    assert "max_num_steps: 900" in (tmp_path / "ckpt" / "config.yaml").read_text()
+    # The escape hatch resumes anyway, with a warning per key.
+    common.prepare_run_dirs(_cfg(tmp_path, "sft.max_num_steps=900", "logger.progress_bar=false",
+                                 "data.num_digits=3", "checkpointing.allow_resume_config_changes=true"))
+    assert "WARNING: resuming with a changed config" in capsys.readouterr().out
+
+
+def test_already_done_messages():
+    assert already_done_message(3, 5, "grpo.max_num_steps") is None
+    assert "this run is complete" in already_done_message(5, 5, "grpo.max_num_steps")
+    message = already_done_message(8, 5, "grpo.max_num_steps")
+    assert "at step 8, past this run's last step 5" in message and "raise grpo.max_num_steps above 8" in message
+
+
+class _Loader:
+    def steps_for_epochs(self, epochs):
+        return 10**9
+
+    def load_state_dict(self, state):
+        pass
+
+
+class _Policy:
+    def load_checkpoint(self, path):
+        pass
+
+
+def test_offline_run_resumed_past_its_last_step_says_so(tmp_path, capsys):
+    cfg = _cfg(tmp_path, "sft.max_num_steps=2", "logger.tensorboard_enabled=false", "logger.progress_bar=false")
+    _fake_checkpoint(tmp_path / "ckpt")
+
+    def no_training(*_):
+        raise AssertionError("nothing should train")
+
+    metrics = common.train_offline(cfg, cfg.sft, _Policy(), _Loader(), no_training, dict, desc="SFT")
+    assert metrics == {}
+    common.finish_offline_run(cfg, metrics, "SFT")
+    out = capsys.readouterr().out
+    assert "checkpoint is at step 3, past this run's last step 2" in out and "sft.max_num_steps above 3" in out
+    assert "SFT finished" not in out  # no stale summary
+
+
+def test_grpo_resumed_past_its_last_step_says_so(monkeypatch, capsys):
+    from posttrain.algorithms import grpo
+
+    class Ctx:
+        step, last_step, shut = 7, 4, False
+
+        def shutdown(self):
+            Ctx.shut = True
+
+    monkeypatch.setattr(grpo, "setup", lambda cfg: Ctx())
+    monkeypatch.setattr(grpo, "grpo_train", lambda ctx: pytest.fail("nothing should train"))
+    assert grpo.run(load_config("grpo", overrides=["sft_warmup=null"])) == {"before": None, "after": None}
+    assert "at step 7, past this run's last step 4" in capsys.readouterr().out and Ctx.shut
