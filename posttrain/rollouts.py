@@ -40,7 +40,19 @@ def text_only(message_log: list[dict]) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in message_log]
 
 
-def run_multi_turn_rollout(
+def run_multi_turn_rollout(generation, *args, **kwargs) -> RolloutResult:
+    """Roll out `datums` (already repeated per generation) until every sample is done; arguments
+    as `_rollout_turns`. The generation engine is told when its phase begins and ends
+    (`prepare_for_generation` / `finish_generation`): colocated with training on a GPU it wakes
+    its weights for the rollout and frees that memory for the policy afterwards."""
+    generation.prepare_for_generation()
+    try:
+        return _rollout_turns(generation, *args, **kwargs)
+    finally:
+        generation.finish_generation()
+
+
+def _rollout_turns(
     generation,
     datums: list[dict],
     tokenizer,
@@ -53,7 +65,7 @@ def run_multi_turn_rollout(
     weight_version: int = 0,
     params: Optional[dict[str, Any]] = None,
 ) -> RolloutResult:
-    """Roll out `datums` (already repeated per generation) until every sample is done.
+    """The turns of `run_multi_turn_rollout`.
 
     Args:
         generation: a `GenerationInterface` (`generate(batch, greedy) -> Batch`).
