@@ -34,6 +34,14 @@ class RolloutResult:
     env_seconds: float = 0.0  # wall time spent in environments (the "reward" timing)
 
 
+def sample_seeds(base_seed: int, step: int, n: int) -> torch.Tensor:
+    """Per-sample sampling seeds that depend only on (seed, step, index).
+
+    Generation is then reproducible across resume, batching and the number of workers.
+    """
+    return torch.arange(n, dtype=torch.long) + (base_seed * 1_000_003 + step * 65_537) % (2**40)
+
+
 def text_only(message_log: list[dict]) -> list[dict]:
     """The conversation as environments see it: roles and contents, without the token tensors,
     which environments do not need and which dominate the cost of sending a batch to an actor."""

@@ -571,7 +571,7 @@ class RewardShapingConfig(Section):
 
 
 class OfflineLoopConfig(Section):
-    """What `algorithms.common.train_offline` reads: run length, validation schedule, seed."""
+    """What `algorithms.loop.train_offline` reads: run length, validation schedule, seed."""
 
     max_num_steps: int = Field(1000, ge=1)
     max_num_epochs: int = Field(1000, ge=1)

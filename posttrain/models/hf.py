@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from posttrain.models.presets import PRETRAINED_PRESETS
 from posttrain.models.tiny import ARCHS, PRESETS, ensure_tiny_model
 
-from posttrain.preflight import HUB_ID as _HUB_ID
+from posttrain.models.paths import HUB_ID as _HUB_ID
 
 
 def parse_tiny_name(name: str, tiny_arch: str = "llama") -> tuple[str, str] | None:
