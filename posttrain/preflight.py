@@ -23,7 +23,7 @@ HUB_PROBE_TIMEOUT_S = 5.0
 
 def preflight(cfg: Any) -> None:
     """Check `cfg`'s model, tokenizer and data (and its SFT warm start's, if any); see the module doc."""
-    from posttrain.config.schema import DistillMasterConfig, GRPOMasterConfig
+    from posttrain.config.schema import DistillMasterConfig
 
     for warm_start in ("sft_warmup", "teacher_warmup"):  # GRPO's and distillation's SFT warm starts
         if getattr(cfg, warm_start, None) is not None:
@@ -38,23 +38,28 @@ def preflight(cfg: Any) -> None:
     if isinstance(cfg, DistillMasterConfig):
         check_distill_vocabularies(cfg)  # a preset's size needs the tokenizer (imports torch)
     # Last: these import torch (and the user's modules), seconds that the checks above never need.
-    if isinstance(cfg, GRPOMasterConfig):
-        check_components(cfg)
+    check_components(cfg)
     if hasattr(cfg, "env"):
         check_envs(cfg, [r for split in records.values() for r in split if "task_name" in r])
 
 
 def check_components(cfg: Any) -> None:
-    """Import what GRPO's `loss_fn.name` and `grpo.adv_estimator.name` name (a user's module is
-    imported here, in the controller, before Ray passes its path on to the workers)."""
-    from posttrain.algorithms.advantages import ADVANTAGE_ESTIMATORS
-    from posttrain.algorithms.loss import LOSS_REGISTRY
+    """Import what `policy.scheduler.name` and GRPO's `loss_fn.name` and `grpo.adv_estimator.name`
+    name (a user's module is imported here, in the controller, before Ray passes its path on to
+    the workers)."""
+    from posttrain.utils.lr_schedule import DECAYS
     from posttrain.utils.registry import ImportPathError, resolve
 
-    for key, registry, name, kind in (
-        ("loss_fn.name", LOSS_REGISTRY, cfg.loss_fn.name, "loss"),
-        ("grpo.adv_estimator.name", ADVANTAGE_ESTIMATORS, cfg.grpo.adv_estimator.name, "advantage estimator"),
-    ):
+    components = [("policy.scheduler.name", DECAYS, cfg.policy.scheduler.name, "LR decay")]
+    if hasattr(cfg, "grpo"):
+        from posttrain.algorithms.advantages import ADVANTAGE_ESTIMATORS
+        from posttrain.algorithms.loss import LOSS_REGISTRY
+
+        components += [
+            ("loss_fn.name", LOSS_REGISTRY, cfg.loss_fn.name, "loss"),
+            ("grpo.adv_estimator.name", ADVANTAGE_ESTIMATORS, cfg.grpo.adv_estimator.name, "advantage estimator"),
+        ]
+    for key, registry, name, kind in components:
         try:
             obj = resolve(registry, name, kind)
         except (KeyError, ImportPathError) as e:

@@ -58,6 +58,13 @@ class ClusterConfig(Section):
         return self
 
 
+def _check_component_name(name: str, key: str) -> None:
+    """A registered name, or an import path `module:attr` / `file.py:attr` (resolved by preflight,
+    before any worker starts: importing a user's module may be slow)."""
+    if ":" in name and (name.count(":") != 1 or not all(name.split(":"))):
+        raise ValueError(f"{key}={name!r} is not a registered name or an import path 'module:attr' / 'file.py:attr'")
+
+
 # ---------------------------------------------------------------------------------------- policy
 class OptimizerConfig(Section):
     name: Literal["adamw", "adam", "sgd"] = "adamw"
@@ -69,9 +76,21 @@ class OptimizerConfig(Section):
 
 
 class SchedulerConfig(Section):
-    name: Literal["constant", "linear", "cosine"] = "constant"
+    name: str = Field(
+        "constant",
+        description=(
+            "Decay after warm-up: 'constant', 'linear' or 'cosine' to optimizer.min_lr at total_steps, a shape "
+            "registered with posttrain.utils.lr_schedule.register_decay, or an import path 'module:fn' / "
+            "'file.py:fn' of fn(progress in [0, 1]) -> fraction of the way from lr to min_lr."
+        ),
+    )
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 10% to 100% of lr.")
     total_steps: Optional[int] = Field(None, ge=1, description="Decay horizon; None uses the run's max steps.")
+
+    @model_validator(mode="after")
+    def _check_name(self):
+        _check_component_name(self.name, "policy.scheduler.name")
+        return self
 
 
 class SequencePackingConfig(Section):
@@ -214,13 +233,6 @@ class PolicyConfig(Section):
 
 
 # ------------------------------------------------------------------------------------------ loss
-def _check_component_name(name: str, key: str) -> None:
-    """A registered name, or an import path `module:attr` / `file.py:attr` (resolved by preflight,
-    before any worker starts: importing a user's module may be slow)."""
-    if ":" in name and (name.count(":") != 1 or not all(name.split(":"))):
-        raise ValueError(f"{key}={name!r} is not a registered name or an import path 'module:attr' / 'file.py:attr'")
-
-
 class LossConfig(Section):
     """Clipped policy-gradient loss; presets for GRPO, DAPO, GSPO, Dr.GRPO are example configs."""
 

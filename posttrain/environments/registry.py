@@ -14,13 +14,13 @@ Ray actors) and the results put back in the original order.
 
 from __future__ import annotations
 
-import difflib
 import importlib
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from posttrain.environments.interface import Environment, EnvironmentReturn, MessageLog
+from posttrain.utils.registry import registrar, resolve
 
 ENV_REGISTRY: dict[str, type[Environment]] = {}
 
@@ -37,27 +37,15 @@ _BUILTIN_ENV_MODULES = (
 )
 
 
-def register_env(name: str) -> Callable[[type[Environment]], type[Environment]]:
-    """Class decorator: make `cls` available as `create_env(name, ...)`."""
-
-    def decorator(cls: type[Environment]) -> type[Environment]:
-        if name in ENV_REGISTRY and ENV_REGISTRY[name] is not cls:
-            raise ValueError(f"environment {name!r} is already registered by {ENV_REGISTRY[name].__qualname__}")
-        ENV_REGISTRY[name] = cls
-        return cls
-
-    return decorator
+register_env = registrar(ENV_REGISTRY, "environment")
+"""Class decorator: `@register_env("name")` makes the class available as `create_env("name", ...)`."""
 
 
 def get_env_class(name: str) -> type[Environment]:
     """The class registered as `name`; a KeyError suggests the closest registered name."""
     for module in _BUILTIN_ENV_MODULES:
         importlib.import_module(module)
-    if name not in ENV_REGISTRY:
-        close = difflib.get_close_matches(name, ENV_REGISTRY, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise KeyError(f"unknown environment {name!r} (registered: {sorted(ENV_REGISTRY)}){hint}")
-    return ENV_REGISTRY[name]
+    return resolve(ENV_REGISTRY, name, "environment")
 
 
 def resolve_env(name: str, section: Any) -> tuple[type[Environment], Any]:
