@@ -216,6 +216,15 @@ class PolicyConfig(Section):
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     sequence_packing: SequencePackingConfig = SequencePackingConfig()
+    attn_implementation: Optional[str] = Field(
+        None,
+        description=(
+            "transformers' attention kernel for training and logprob forwards: None (default) keeps the model's "
+            "(sdpa for most), 'flash_attention_2' (GPU, needs flash-attn), 'flex_attention', 'sdpa' or 'eager'. "
+            "Packed micro-batches carry only position_ids restarting per sequence, from which transformers runs "
+            "flash-attention varlen, a flex-attention block mask, or an SDPA boolean mask."
+        ),
+    )
     dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
     generation: GenerationConfig = GenerationConfig()
     lora: LoraConfig = LoraConfig()
