@@ -29,9 +29,9 @@ from posttrain.errors import UserError
 
 COMMAND_LINE = "command line"
 
-# The embedded default config of each algorithm, in <repo>/examples/configs (one copy only: the
-# package is installed editable, so the repository's examples are next to it).
-EXAMPLE_CONFIG_DIR = Path(__file__).resolve().parents[2] / "examples" / "configs"
+# The embedded default config of each algorithm: package data in posttrain/configs, which in the
+# repository is a link to examples/configs (one copy), and in a wheel the files themselves.
+EXAMPLE_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIGS: dict[str, str] = {
     "grpo": "grpo_math_tiny.yaml",
     "sft": "sft_tiny.yaml",
@@ -374,10 +374,7 @@ def default_config_path(algo: str) -> Path:
     """The embedded default YAML of an algorithm (e.g. `grpo` -> examples/configs/grpo_math_tiny.yaml)."""
     path = EXAMPLE_CONFIG_DIR / DEFAULT_CONFIGS[_check_algo(algo)]
     if not path.is_file():
-        raise ConfigError(
-            f"Embedded default config {path} is missing; posttrain must be installed from its "
-            "repository (pip install -e .) or given --config FILE"
-        )
+        raise ConfigError(f"Embedded default config {path} is missing (a broken installation?); give --config FILE")
     return path
 
 

@@ -55,3 +55,21 @@ def test_print_config_comments_every_key_and_loads_back(algo, tmp_path):
     assert re.search(r"\n( +)# Tokens generated per turn at most[^\n]*\n\1max_new_tokens: \d+\n", text)
     assert "# Directory of metrics.jsonl" in text and "log_dir: somewhere" in text
     assert text == config_to_yaml(load_config(algo, path), comments=True)
+
+
+def test_the_embedded_default_configs_ship_in_the_wheel(tmp_path):
+    """Default YAMLs are package data (posttrain/configs), not found through the repository layout."""
+    import subprocess
+    import sys
+    import zipfile
+    from pathlib import Path
+
+    from posttrain.config.loader import DEFAULT_CONFIGS, EXAMPLE_CONFIG_DIR
+
+    repo = Path(__file__).resolve().parents[2]
+    assert EXAMPLE_CONFIG_DIR.parent.name == "posttrain"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path), str(repo)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("posttrain-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"posttrain/configs/{name}" for name in DEFAULT_CONFIGS.values()} <= names
