@@ -149,13 +149,6 @@ def modified_first_fit_decreasing(sizes: list[int], capacity: int) -> list[list[
     return bins
 
 
-def packing_efficiency(lengths: Lengths, bins: list[list[int]], capacity: int) -> float:
-    """Fraction of the packed budget holding real tokens: ``sum(lengths) / (len(bins) * capacity)``."""
-    sizes = _as_list(lengths)
-    used = sum(sizes[i] for b in bins for i in b)
-    return used / (len(bins) * capacity) if bins else 1.0
-
-
 # ------------------------------------------------------------------------------ packed tensors
 def pack_sequences(
     input_ids: torch.Tensor,
