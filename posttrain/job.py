@@ -14,6 +14,7 @@ import torch
 
 from posttrain.config.loader import save_config
 from posttrain.config.schema import MasterConfig, PolicyConfig
+from posttrain.data.processors import DEFAULT_TASK_NAME
 
 log = logging.getLogger("posttrain")
 
@@ -209,7 +210,7 @@ def make_envs(cfg, tasks) -> dict[str, Any]:
 
     env_of_task = {}
     for item in tasks:
-        task = item if isinstance(item, str) else item.get("task_name", cfg.data.env_name)
+        task = item if isinstance(item, str) else item.get("task_name", DEFAULT_TASK_NAME)
         env_of_task[task] = task if isinstance(item, str) else item.get("env_name") or task
     actors = {}
     for env_name in sorted(set(env_of_task.values())):

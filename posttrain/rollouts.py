@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from posttrain.data.message_log import append_message, flatten_message_logs
+from posttrain.data.processors import DEFAULT_TASK_NAME
 from posttrain.distributed.batch import Batch
 from posttrain.environments.registry import route_step
 
@@ -130,7 +131,7 @@ def _rollout_turns(
             envs,
             [text_only(datums[i]["message_log"]) for i in active],
             [datums[i].get("extra_env_info") or {} for i in active],
-            [datums[i].get("task_name", "math") for i in active],
+            [datums[i].get("task_name", DEFAULT_TASK_NAME) for i in active],
         )
         env_seconds += time.perf_counter() - t0
 

@@ -26,15 +26,28 @@ from typing import Any, Optional
 
 import torch
 
-from posttrain.algorithms.grpo import _refit_if_stale, apply_sft_warm_start, sft_warm_start_dir
+from posttrain.algorithms.grpo import (
+    _refit_if_stale,
+    apply_sft_warm_start,
+    sft_warm_start_dir,
+)
 from posttrain.algorithms.loop import TrainingLoop, prefixed
 from posttrain.config.schema import DistillMasterConfig
 from posttrain.data.dataloader import ResumableLoader
 from posttrain.data.message_log import flatten_message_logs
+from posttrain.data.processors import DEFAULT_TASK_NAME
 from posttrain.distributed.batch import Batch
 from posttrain.errors import UserError
 from posttrain.evals.eval import evaluate, per_task_means, validation_sampling
-from posttrain.job import build_datums, make_cluster, make_envs, make_generation, make_policy, start_concurrently, start_run
+from posttrain.job import (
+    build_datums,
+    make_cluster,
+    make_envs,
+    make_generation,
+    make_policy,
+    start_concurrently,
+    start_run,
+)
 from posttrain.models.refit import build_refit_metadata
 from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
 from posttrain.utils.timer import Timer
@@ -94,8 +107,8 @@ def apply_warm_starts(cfg: DistillMasterConfig) -> DistillMasterConfig:
     """Run (or reuse from the cache) the student's and the teacher's SFT warm starts and point
     `policy` / `teacher` at their exports. A teacher given as a training checkpoint (`step_N`, e.g.
     of a GRPO run) becomes its cached Hugging Face copy, as `policy.model_name` does in every job."""
-    from posttrain.models.policy.checkpoint import converted_checkpoint
     from posttrain.models.paths import checkpoint_policy_dir
+    from posttrain.models.policy.checkpoint import converted_checkpoint
 
     if cfg.sft_warmup is not None:
         cfg = apply_sft_warm_start(cfg)
@@ -168,7 +181,7 @@ def setup(cfg: DistillMasterConfig) -> DistillContext:
         policy.refit_info(), cfg.policy.generation.refit_buffer_size_mb * 2**20, dtypes=generation.weight_dtypes()
     )
     generation.prepare_refit_info(refit_metadata)
-    envs = make_envs(cfg, [datum.get("task_name", cfg.data.env_name) for datum in train_datums + val_datums])
+    envs = make_envs(cfg, [datum.get("task_name", DEFAULT_TASK_NAME) for datum in train_datums + val_datums])
 
     ctx = DistillContext(
         cfg=cfg, policy=policy, generation=generation, teacher=teacher, envs=envs, tokenizer=tokenizer,
@@ -223,7 +236,7 @@ def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Bat
     train_data["sample_mask"] = torch.tensor([float(s.get("loss_multiplier", 1.0)) for s in samples])
     metrics = {
         "train/reward": result.rewards.mean().item(),
-        **per_task_means(result.rewards, [s.get("task_name", cfg.data.env_name) for s in samples], "train/reward",
+        **per_task_means(result.rewards, [s.get("task_name", DEFAULT_TASK_NAME) for s in samples], "train/reward",
                          list(ctx.envs)),
         "train/num_samples": float(train_data.size),
         "train/mean_prompt_length": sum(p["length"] for p in prompts) / len(prompts),

@@ -29,9 +29,23 @@ from posttrain.algorithms.loss import LossFunction, build_loss
 from posttrain.config.schema import GRPOMasterConfig
 from posttrain.data.dataloader import ResumableLoader, make_loader
 from posttrain.data.message_log import flatten_message_logs
+from posttrain.data.processors import DEFAULT_TASK_NAME
 from posttrain.distributed.batch import Batch
-from posttrain.evals.eval import evaluate, per_task_means, response_lengths, validation_sampling
-from posttrain.job import build_datums, make_cluster, make_envs, make_generation, make_policy, start_concurrently, start_run
+from posttrain.evals.eval import (
+    evaluate,
+    per_task_means,
+    response_lengths,
+    validation_sampling,
+)
+from posttrain.job import (
+    build_datums,
+    make_cluster,
+    make_envs,
+    make_generation,
+    make_policy,
+    start_concurrently,
+    start_run,
+)
 from posttrain.models.refit import build_refit_metadata, refit_policy_generation
 from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
 from posttrain.utils.timer import Timer
@@ -254,7 +268,7 @@ def _collect_experience(ctx: GRPOContext, step: int, timer: Timer) -> tuple[Batc
     all_rewards = torch.cat([b.raw_rewards for b in batches])
     metrics = {
         "train/reward": all_rewards.mean().item(),
-        **per_task_means(all_rewards, [s.get("task_name", ctx.cfg.data.env_name) for b in batches for s in b.samples],
+        **per_task_means(all_rewards, [s.get("task_name", DEFAULT_TASK_NAME) for b in batches for s in b.samples],
                          "train/reward", list(ctx.envs)),
         "train/advantages/mean": stats.mean().item(),
         "train/advantages/max": stats.max().item(),

@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from posttrain.data.processors import DEFAULT_TASK_NAME
 from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
 
 
@@ -94,7 +95,7 @@ def evaluate(
         "validation/accuracy": r[:, 0].mean().item(),
         "validation/avg_length": torch.cat(lengths).mean().item(),
     }
-    metrics.update(per_task_means(r[:, 0], [d.get("task_name", "math") for d in datums], "validation/accuracy", list(envs)))
+    metrics.update(per_task_means(r[:, 0], [d.get("task_name", DEFAULT_TASK_NAME) for d in datums], "validation/accuracy", list(envs)))
     if k > 1:
         correct = (r > 0.5).sum(dim=1)
         metrics[f"validation/pass@{k}"] = pass_at_k(k, correct, k).float().mean().item()
@@ -144,9 +145,15 @@ def run(cfg) -> dict[str, float]:
     import json
     import time
 
-    from posttrain.job import build_datums, make_cluster, make_envs, make_generation, start_run
     from posttrain.data.processors import build_prompt_message_log
     from posttrain.environments.registry import EnvRouter
+    from posttrain.job import (
+        build_datums,
+        make_cluster,
+        make_envs,
+        make_generation,
+        start_run,
+    )
 
     e = cfg.eval
     model_name = cfg.policy.model_name
