@@ -180,6 +180,8 @@ def load_split_records(cfg: Any) -> dict[str, list[dict]]:
     load = load_records
     if isinstance(cfg, (DPOMasterConfig, RMMasterConfig)):
         from posttrain.data.preference import load_preference_records as load
+    if load is load_records:
+        return {split: load(cfg.data, split, getattr(cfg, "env", None)) for split in ("train", "validation")}
     return {split: load(cfg.data, split) for split in ("train", "validation")}
 
 

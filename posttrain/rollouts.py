@@ -4,7 +4,9 @@ Each sample is a datum `{"message_log", "extra_env_info", "task_name", "loss_mul
 A turn generates one assistant message for every still-active sample, asks its environment for a
 reward and an observation, and appends the observation as a new message. Generated messages keep
 their token ids and the generation logprobs (never re-tokenised); environment messages get loss
-mask 0 later because they carry no `generation_logprobs`.
+mask 0 later because they carry no `generation_logprobs`. An observation flagged
+`"chat_template": True` (tool results, game boards) is rendered as the next chat turn of the
+tokenizer's template (`posttrain.data.chat.observation_ids`); others are tokenised as they are.
 
 A sample ends when its environment says it terminated, when its conversation reaches the token
 limit (truncated), or after `max_rollout_turns` turns.
@@ -18,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from posttrain.data.chat import observation_ids
 from posttrain.data.message_log import append_message, flatten_message_logs
 from posttrain.distributed.batch import Batch
 from posttrain.environments.registry import route_step
@@ -125,7 +128,8 @@ def run_multi_turn_rollout(
                 continue
             total_len = sum(len(m["token_ids"]) for m in datums[i]["message_log"])
             obs = env_out.observations[row]
-            obs_ids = torch.tensor(tokenizer(obs["content"], add_special_tokens=False)["input_ids"], dtype=torch.long)
+            _, obs_ids = observation_ids(tokenizer, obs, datums[i]["message_log"][-1]["token_ids"].tolist())
+            obs_ids = torch.tensor(obs_ids, dtype=torch.long)
             if total_len + len(obs_ids) >= max_seq_len:
                 # The observation cannot fit with room left to answer: stop here (truncated).
                 truncated[i] = True

@@ -334,7 +334,13 @@ class ReasoningGymTask(Section):
 
 
 class DataConfig(Section):
-    dataset: Literal["arithmetic", "jsonl", "hf", "reasoning_gym"] = "arithmetic"
+    dataset: Literal["arithmetic", "jsonl", "hf", "reasoning_gym", "env"] = Field(
+        "arithmetic",
+        description=(
+            "Where prompts come from: arithmetic (synthetic), jsonl, hf, reasoning_gym, or env (episodes made by the "
+            "environment data.env_name, e.g. sliding_puzzle boards; data.num_train / num_validation / seed)."
+        ),
+    )
     train_path: Optional[str] = Field(None, description="JSONL file or HF dataset name (jsonl / hf).")
     validation_path: Optional[str] = None
     prompt_key: str = "prompt"

@@ -15,6 +15,8 @@ Sources:
   directory. A hub name may carry a config and a split: `openai/gsm8k:main@test`; the split
   defaults to `train` for training and `validation` for validation.
 - `reasoning_gym`: procedurally generated tasks of the reasoning-gym package (`data.reasoning_gym`).
+- `env`: episodes made by the environment `data.env_name` itself (games: one board or game seed
+  per row; `data.num_train`, `data.num_validation`, `data.seed`).
 - `data.blend`: several of the above, each with its task name, environment and sampling weight.
 
 Routing: a record's `task_name` names its task (metrics are per task) and `env_name` the
@@ -160,13 +162,19 @@ def _nemo_gym_fields(row: dict, at: str) -> dict:
         raise DataError(f"{at}: responses_create_params.input must be a non-empty list of {{role, content}} messages")
     messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in messages]
     users = [m["content"] for m in messages if m["role"] == "user"]
-    return {"messages": messages, "prompt": users[-1] if users else messages[-1]["content"],
-            "answer": row.get("expected_answer", row.get("answer"))}
+    fields = {"messages": messages, "prompt": users[-1] if users else messages[-1]["content"],
+              "answer": row.get("expected_answer", row.get("answer"))}
+    tools = params.get("tools")
+    if tools:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) and (t.get("name") or isinstance(t.get("function"), dict)) for t in tools):
+            raise DataError(f"{at}: responses_create_params.tools must be a list of function schemas with a 'name'")
+        fields["tools"] = tools
+    return fields
 
 
 # Record keys that are not passed to environments as metadata (the prompt is in the message log).
 NOT_METADATA = ("prompt", "answer", "task_name", "env_name", "messages", "responses_create_params", "source",
-                "source_weight")
+                "source_weight", "stop_strings")
 
 
 def env_metadata(record: dict) -> dict:
@@ -208,15 +216,19 @@ def _finish(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConfig
     return records
 
 
-def load_records(data_cfg: DataConfig, split: Split) -> list[dict]:
+def load_records(data_cfg: DataConfig, split: Split, env_sections=None) -> list[dict]:
     """Records of one split as `{"prompt", "answer", "task_name", "env_name", ...}` dicts.
 
     For `jsonl` and `hf` without `data.validation_path`, the validation split is empty.
+    `env_sections` (the `env` config) configures the environment that makes the rows of
+    `data.dataset=env`.
     """
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
     if data_cfg.blend:
         return _load_blend(data_cfg, split)
+    if data_cfg.dataset == "env":
+        return _finish(*env_rows(data_cfg, split, env_sections), data_cfg)
     if data_cfg.dataset == "arithmetic":
         train, val = generate_arithmetic(
             data_cfg.num_train, data_cfg.num_validation, data_cfg.operations, data_cfg.num_digits, data_cfg.seed
@@ -228,6 +240,30 @@ def load_records(data_cfg: DataConfig, split: Split) -> list[dict]:
 
         return load_reasoning_gym(data_cfg, split)
     return _finish(*read_source_rows(data_cfg, split), data_cfg)
+
+
+# Validation episodes are seeded apart from training ones (seed s, row i uses s + i).
+VALIDATION_SEED_OFFSET = 10**7
+
+
+def env_rows(data_cfg: DataConfig, split: Split, env_sections=None) -> tuple[list[dict], list[str]]:
+    """Rows made by the environment `data.env_name` (`Environment.make_rows`: a game's boards):
+    `data.num_train` / `data.num_validation` of them from `data.seed`, and where each comes from."""
+    from posttrain.environments.registry import resolve_env
+
+    name = data_cfg.env_name
+    section = env_sections.section(name) if env_sections is not None else None
+    try:
+        cls, env_cfg = resolve_env(name, section)
+    except (KeyError, ValueError) as e:
+        raise DataError(f"data.dataset=env: {e.args[0] if e.args else e}") from None
+    count = data_cfg.num_train if split == "train" else data_cfg.num_validation
+    seed = data_cfg.seed + (0 if split == "train" else VALIDATION_SEED_OFFSET)
+    try:
+        rows = cls.make_rows(env_cfg, count, seed)
+    except NotImplementedError:
+        raise DataError(f"data.dataset=env: environment {name!r} ({cls.__name__}) does not make its own rows") from None
+    return rows, [f"env {name} {split} row {i}" for i in range(len(rows))]
 
 
 def _load_blend(data_cfg: DataConfig, split: Split) -> list[dict]:

@@ -34,6 +34,9 @@ _BUILTIN_ENV_MODULES = (
     "posttrain.environments.structured_env",
     "posttrain.environments.instructions_env",
     "posttrain.environments.reasoning_gym_env",
+    "posttrain.environments.sliding_puzzle_env",
+    "posttrain.environments.textarena_env",
+    "posttrain.environments.tools.tool_env",
 )
 
 
