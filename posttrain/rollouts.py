@@ -79,6 +79,7 @@ def run_multi_turn_rollout(
     hit_max_new_tokens = torch.zeros(n, dtype=torch.bool)
     env_seconds = 0.0
     answers: list[Optional[str]] = [None] * n
+    env_counts: dict[str, float] = {}  # environments' own counts (EnvironmentReturn.metrics), summed
 
     for turn in range(max_rollout_turns):
         if not active:
@@ -116,6 +117,8 @@ def run_multi_turn_rollout(
             [datums[i].get("task_name", "math") for i in active],
         )
         env_seconds += time.perf_counter() - t0
+        for key, value in (env_out.metrics or {}).items():
+            env_counts[key] = env_counts.get(key, 0.0) + value
 
         still_active = []
         for row, i in enumerate(active):
@@ -150,5 +153,6 @@ def run_multi_turn_rollout(
         "truncation_rate": truncated.float().mean().item(),
         "max_turns_reached_rate": max_turns_reached.float().mean().item(),
         "max_new_tokens_hit_rate": hit_max_new_tokens.float().mean().item(),
+        **{f"env/{key}": value for key, value in env_counts.items()},
     }
     return RolloutResult(datums, rewards, truncated, truncated | hit_max_new_tokens, answers, metrics, env_seconds)

@@ -226,7 +226,7 @@ def load_records(data_cfg: DataConfig, split: Split, env_sections=None) -> list[
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
     if data_cfg.blend:
-        return _load_blend(data_cfg, split)
+        return _load_blend(data_cfg, split, env_sections)
     if data_cfg.dataset == "env":
         return _finish(*env_rows(data_cfg, split, env_sections), data_cfg)
     if data_cfg.dataset == "arithmetic":
@@ -266,7 +266,7 @@ def env_rows(data_cfg: DataConfig, split: Split, env_sections=None) -> tuple[lis
     return rows, [f"env {name} {split} row {i}" for i in range(len(rows))]
 
 
-def _load_blend(data_cfg: DataConfig, split: Split) -> list[dict]:
+def _load_blend(data_cfg: DataConfig, split: Split, env_sections=None) -> list[dict]:
     """The records of every `data.blend` component, each tagged with its `source` and sampling weight
     (a reasoning-gym component shares its weight among its tasks by their own weights)."""
     from posttrain.config.schema import blend_component
@@ -283,6 +283,9 @@ def _load_blend(data_cfg: DataConfig, split: Split) -> list[dict]:
 
             # rows route to env.reasoning_gym unless the component names another environment
             part = load_reasoning_gym(sub, split, env_name=env if "env" in data_cfg.blend[i] else None)
+        elif sub.dataset == "env":  # rows made by the component's environment (a game)
+            rows, _ = env_rows(sub.model_copy(update={"env_name": env}), split, env_sections)
+            part = _finish(rows, [f"data.blend[{i}] ({name}) {split} row {j}" for j in range(len(rows))], sub, env)
         else:
             if split == "validation" and sub.validation_path is None:
                 continue

@@ -37,6 +37,8 @@ class EnvironmentReturn(NamedTuple):
         terminateds: BoolTensor[B], True where the episode is over.
         answers: B extracted answers (str) or None where nothing could be extracted; used for
             logging and for majority voting (cons@k) in evaluation.
+        metrics: optional counts of this call (e.g. `{"tool_errors": 2}`), summed over the calls
+            of a rollout and logged as `train/env/<key>` (default None).
     """
 
     observations: list[dict[str, str]]
@@ -45,6 +47,7 @@ class EnvironmentReturn(NamedTuple):
     rewards: torch.Tensor
     terminateds: torch.Tensor
     answers: list[Optional[str]]
+    metrics: Optional[dict[str, float]] = None
 
 
 class Environment(abc.ABC):

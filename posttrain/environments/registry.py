@@ -163,8 +163,11 @@ def route_step(
     answers: list[Optional[str]] = [None] * batch_size
     rewards = torch.zeros(batch_size, dtype=torch.float32)
     terminateds = torch.zeros(batch_size, dtype=torch.bool)
+    metrics: dict[str, float] = {}
     for task, indices in groups.items():
         result: EnvironmentReturn = launched[task]
+        for key, value in (getattr(result, "metrics", None) or {}).items():
+            metrics[key] = metrics.get(key, 0.0) + float(value)
         if len(result.observations) != len(indices) or result.rewards.numel() != len(indices):
             raise RuntimeError(
                 f"environment {task!r} returned {len(result.observations)} observations and "
@@ -178,7 +181,7 @@ def route_step(
             out_metadata[i] = result.metadata[j]
             stop_strings[i] = result.next_stop_strings[j]
             answers[i] = result.answers[j] if result.answers is not None else None
-    return EnvironmentReturn(observations, out_metadata, stop_strings, rewards, terminateds, answers)
+    return EnvironmentReturn(observations, out_metadata, stop_strings, rewards, terminateds, answers, metrics)
 
 
 class EnvRouter:

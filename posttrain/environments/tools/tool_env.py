@@ -119,7 +119,7 @@ class ToolEnvironment(Environment):
         n = len(message_logs)
         observations: list[dict] = [{}] * n
         out_meta, rewards, done, answers = list(metadata), [0.0] * n, [False] * n, [None] * n
-        final = []
+        final, counts = [], {"tool_calls": 0, "tool_errors": 0, "over_budget": 0}
         for i, (log_, meta) in enumerate(zip(message_logs, metadata, strict=True)):
             calls = parse_tool_calls(last_assistant_text(log_), self.pattern)
             if not calls:
@@ -127,15 +127,15 @@ class ToolEnvironment(Environment):
                 continue
             used = int(meta.get("tool_calls_used", 0))
             if used >= self.cfg.max_tool_calls:
-                self.counts["over_budget"] += 1
+                counts["over_budget"] += 1
                 observations[i] = {"role": "tool", "content": "Error: tool call budget spent.", "chat_template": True}
                 done[i] = True
                 continue
             results = []
             for call in calls[: self.cfg.max_tool_calls - used]:
                 text, ok = self.call(call.name, call.arguments, call.error)
-                self.counts["tool_calls"] += 1
-                self.counts["tool_errors"] += int(not ok)
+                counts["tool_calls"] += 1
+                counts["tool_errors"] += int(not ok)
                 results.append(text)
             if len(calls) > self.cfg.max_tool_calls - used:
                 results.append(f"Error: tool call budget ({self.cfg.max_tool_calls}) spent; give your final answer.")
@@ -150,10 +150,12 @@ class ToolEnvironment(Environment):
                 answers[i] = graded.answers[j]
                 done[i] = True
                 observations[i] = graded.observations[j]
+        for key, value in counts.items():
+            self.counts[key] += value
         return EnvironmentReturn(
             observations=observations, metadata=out_meta, next_stop_strings=[None] * n,
             rewards=torch.tensor(rewards, dtype=torch.float32), terminateds=torch.tensor(done, dtype=torch.bool),
-            answers=answers,
+            answers=answers, metrics=counts,
         )
 
     def metrics(self) -> dict[str, int]:
