@@ -14,6 +14,7 @@ see `posttrain.data.chat`). Each turn:
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -50,6 +51,17 @@ class ToolEnvConfig(BaseModel):
     def _pattern(cls, pattern: str) -> str:
         compile_pattern(pattern)
         return pattern
+
+    @field_validator("documents")
+    @classmethod
+    def _documents(cls, path: Optional[str]) -> Optional[str]:
+        # Absolute here (in the driver): the environment actor may run in another directory.
+        if path is None:
+            return None
+        resolved = Path(path).expanduser().resolve()
+        if not resolved.is_file():
+            raise ValueError(f"no such file {path!r}")
+        return str(resolved)
 
     @field_validator("tools")
     @classmethod
