@@ -172,6 +172,8 @@ def _nemo_gym_fields(row: dict, at: str) -> dict:
     return fields
 
 
+HTTP_ENV = "http"  # the environment that sends NeMo-Gym rows to their resources servers (http_env.py)
+
 # Record keys that are not passed to environments as metadata (the prompt is in the message log).
 NOT_METADATA = ("prompt", "answer", "task_name", "env_name", "messages", "responses_create_params", "source",
                 "source_weight", "stop_strings")
@@ -195,7 +197,9 @@ def _finish(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConfig
         if "responses_create_params" in row:
             fields.update(_nemo_gym_fields(row, at))
             prompt_key, answer_key = "prompt", "answer"
-            default_task = nemo_gym_task(row) or data_cfg.env_name
+            # Rows go to their resources servers with data.env_name=http, else to the built-in
+            # environment their verifier fields call for.
+            default_task = data_cfg.env_name if data_cfg.env_name == HTTP_ENV else nemo_gym_task(row) or data_cfg.env_name
         else:
             prompt_key, answer_key = data_cfg.prompt_key, data_cfg.answer_key
             default_task = data_cfg.env_name

@@ -38,7 +38,7 @@ class EnvironmentReturn(NamedTuple):
         answers: B extracted answers (str) or None where nothing could be extracted; used for
             logging and for majority voting (cons@k) in evaluation.
         metrics: optional counts of this call (e.g. `{"tool_errors": 2}`), summed over the calls
-            of a rollout and logged as `train/env/<key>` (default None).
+            of a rollout and logged as `train/env/<task>/<key>` (default None).
     """
 
     observations: list[dict[str, str]]

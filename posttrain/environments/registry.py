@@ -37,6 +37,7 @@ _BUILTIN_ENV_MODULES = (
     "posttrain.environments.sliding_puzzle_env",
     "posttrain.environments.textarena_env",
     "posttrain.environments.tools.tool_env",
+    "posttrain.environments.http_env",
 )
 
 
@@ -166,8 +167,8 @@ def route_step(
     metrics: dict[str, float] = {}
     for task, indices in groups.items():
         result: EnvironmentReturn = launched[task]
-        for key, value in (getattr(result, "metrics", None) or {}).items():
-            metrics[key] = metrics.get(key, 0.0) + float(value)
+        for key, value in (getattr(result, "metrics", None) or {}).items():  # per task: "<task>/<key>"
+            metrics[f"{task}/{key}"] = metrics.get(f"{task}/{key}", 0.0) + float(value)
         if len(result.observations) != len(indices) or result.rewards.numel() != len(indices):
             raise RuntimeError(
                 f"environment {task!r} returned {len(result.observations)} observations and "

@@ -4,7 +4,8 @@
   and tools environments as Ray actors: per-turn observations rendered as chat turns, loss mask 1
   exactly on generated tokens, rewards only on solving / on the final answer.
 - `posttrain grpo` from a user's directory on a blend of the sliding puzzle (rows made by the
-  environment), tool calling on arithmetic and a textarena game, with max_rollout_turns > 1.
+  environment), tool calling on arithmetic, a textarena game and NeMo-Gym rows sent to our own
+  resources server (started here on loopback), with max_rollout_turns > 1.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def test_scripted_moves_give_chat_turns_masks_and_rewards(ray_cluster):
     assert result.answers[2] == "42"
     assert result.metrics["avg_turns_per_sample"] == (3 + 4 + 2) / 3
     assert result.metrics["max_turns_reached_rate"] == pytest.approx(1 / 3)
-    assert result.metrics["env/tool_calls"] == 1.0 and result.metrics["env/tool_errors"] == 0.0
+    assert result.metrics["env/tools/tool_calls"] == 1.0 and result.metrics["env/tools/tool_errors"] == 0.0
     # Stop strings: the puzzle rows stop at </action> on every turn; the tools row uses the default.
     assert generation.stop_strings_seen[0] == [["</action>"], ["</action>"], None]
     assert generation.stop_strings_seen[1] == [["</action>"], ["</action>"], None]
@@ -150,10 +151,12 @@ data:
     - {{name: sliding_puzzle, dataset: env}}
     - {{name: calc, env: tools, dataset: arithmetic, num_train: 16, num_validation: 2}}
     - {{name: guess, env: textarena, dataset: env}}
+    - {{name: gym, env: http, dataset: jsonl, train_path: gym.jsonl}}
 env:
   sliding_puzzle: {{size: 2, shuffle_moves: 3, max_moves: 3}}
   tools: {{tools: [calculator], max_tool_calls: 2, math: {{answer_format: last_number}}}}
   textarena: {{game: GuessTheNumber-v0}}
+  http: {{servers: {{calc: URL}}, timeout_s: 10, retries: 1}}
 logger:
   log_dir: logs/games
   progress_bar: false
@@ -164,20 +167,37 @@ checkpointing:
 """
 
 
-def test_grpo_trains_on_games_and_tools_with_several_turns(tmp_path):
+def test_grpo_trains_on_games_tools_and_a_resources_server_with_several_turns(tmp_path):
     pytest.importorskip("textarena")
-    (tmp_path / "games.yaml").write_text(CONFIG)
-    result = subprocess.run([sys.executable, "-m", "posttrain", "grpo", "--config", "games.yaml"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    pytest.importorskip("fastapi")
+    from posttrain.environments.resources_server import ServerThread, make_app
+
+    app = make_app()
+    gym_rows = [{"responses_create_params": {"input": [{"role": "user", "content": f"{a}+{a}="}],
+                                             "tools": [{"type": "function", "name": "calculator"}]},
+                 "agent_ref": {"type": "responses_api_agents", "name": "calc"}, "expected_answer": str(2 * a)}
+                for a in range(6)]
+    (tmp_path / "gym.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gym_rows))
+    with ServerThread(app) as url:
+        (tmp_path / "games.yaml").write_text(CONFIG.replace("URL", url))
+        result = subprocess.run([sys.executable, "-m", "posttrain", "grpo", "--config", "games.yaml"], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "logs/games/metrics.jsonl").read_text().splitlines()]
     train = [row for row in rows if "train/loss" in row]
     assert len(train) == 2
     for row in train:
         assert torch.isfinite(torch.tensor(row["train/loss"]))
-        counts = [row.get(f"train/reward_count/{task}", 0.0) for task in ("sliding_puzzle", "calc", "guess")]
+        counts = [row.get(f"train/reward_count/{task}", 0.0) for task in ("sliding_puzzle", "calc", "guess", "gym")]
         assert sum(counts) == 12
         # The tiny model rarely finishes a game in one turn: episodes go on after the first turn.
         assert row["train/avg_turns_per_sample"] > 1.0
         if counts[1]:  # the tools environment reports its counts (zero calls is fine for the tiny model)
-            assert row["train/env/tool_calls"] >= 0 and "train/env/tool_errors" in row
+            assert row["train/env/calc/tool_calls"] >= 0 and "train/env/calc/tool_errors" in row
+    gym_samples = sum(row.get("train/reward_count/gym", 0.0) for row in train)
+    # Each gym episode seeded a session on the server and the HTTP environment counted nothing failing.
+    assert len(app.state.sessions) >= gym_samples / 4  # at least one session per gym prompt drawn
+    if gym_samples:
+        assert all(row.get("train/env/gym/seed_failures", 0.0) == 0 and row.get("train/env/gym/verify_failures", 0.0) == 0
+                   for row in train)
+        assert any("train/env/gym/reward/correct" in row for row in train)
