@@ -38,6 +38,7 @@ _BUILTIN_ENV_MODULES = (
     "posttrain.environments.textarena_env",
     "posttrain.environments.tools.tool_env",
     "posttrain.environments.http_env",
+    "posttrain.environments.reward_model_env",
 )
 
 
