@@ -39,6 +39,7 @@ _BUILTIN_ENV_MODULES = (
     "posttrain.environments.tools.tool_env",
     "posttrain.environments.http_env",
     "posttrain.environments.reward_model_env",
+    "posttrain.environments.judge_env",
 )
 
 
