@@ -4,8 +4,9 @@
   and tools environments as Ray actors: per-turn observations rendered as chat turns, loss mask 1
   exactly on generated tokens, rewards only on solving / on the final answer.
 - `posttrain grpo` from a user's directory on a blend of the sliding puzzle (rows made by the
-  environment), tool calling on arithmetic, a textarena game and NeMo-Gym rows sent to our own
-  resources server (started here on loopback), with max_rollout_turns > 1.
+  environment), tool calling on arithmetic, a textarena game, NeMo-Gym rows sent to our own
+  resources server (started here on loopback), a reward model and a pairwise LLM judge, with
+  max_rollout_turns > 1.
 """
 
 from __future__ import annotations
@@ -125,11 +126,25 @@ def test_scripted_moves_give_chat_turns_masks_and_rewards(ray_cluster):
         assert torch.all(generated == ScriptedGeneration.LOGPROB)
 
 
+def tiny_reward_model(out: Path) -> Path:
+    """A tiny sequence-classification model (random score head) saved like `posttrain rm` exports."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from posttrain.models.tiny import build_tiny_model
+
+    lm_dir = build_tiny_model(out.parent / "rm_lm")
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(lm_dir, num_labels=1)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(lm_dir).save_pretrained(out)
+    return out
+
+
 CONFIG = f"""
 defaults: {REPO}/examples/configs/grpo_math_tiny.yaml
 sft_warmup: null
 grpo:
-  num_prompts_per_step: 3
+  num_prompts_per_step: 6
   num_generations_per_prompt: 4
   max_num_steps: 2
   max_rollout_turns: 3
@@ -138,9 +153,9 @@ grpo:
   val_at_end: false
   max_val_samples: 2
 policy:
-  train_global_batch_size: 12
-  train_micro_batch_size: 12
-  logprob_batch_size: 12
+  train_global_batch_size: 24
+  train_micro_batch_size: 24
+  logprob_batch_size: 24
   max_total_sequence_length: 900
   generation:
     max_new_tokens: 8
@@ -152,11 +167,15 @@ data:
     - {{name: calc, env: tools, dataset: arithmetic, num_train: 16, num_validation: 2}}
     - {{name: guess, env: textarena, dataset: env}}
     - {{name: gym, env: http, dataset: jsonl, train_path: gym.jsonl}}
+    - {{name: rm, env: reward_model, dataset: arithmetic, num_train: 8, num_validation: 2}}
+    - {{name: judged, env: judge, dataset: arithmetic, num_train: 8, num_validation: 2}}
 env:
   sliding_puzzle: {{size: 2, shuffle_moves: 3, max_moves: 3}}
   tools: {{tools: [calculator], max_tool_calls: 2, math: {{answer_format: last_number}}}}
   textarena: {{game: GuessTheNumber-v0}}
   http: {{servers: {{calc: URL}}, timeout_s: 10, retries: 1}}
+  reward_model: {{model_path: RM_DIR}}
+  judge: {{judge_model: tiny, mode: pairwise, comparison_strategy: circular, max_new_tokens: 4}}
 logger:
   log_dir: logs/games
   progress_bar: false
@@ -178,8 +197,9 @@ def test_grpo_trains_on_games_tools_and_a_resources_server_with_several_turns(tm
                  "agent_ref": {"type": "responses_api_agents", "name": "calc"}, "expected_answer": str(2 * a)}
                 for a in range(6)]
     (tmp_path / "gym.jsonl").write_text("".join(json.dumps(r) + "\n" for r in gym_rows))
+    rm_dir = tiny_reward_model(tmp_path / "rm")
     with ServerThread(app) as url:
-        (tmp_path / "games.yaml").write_text(CONFIG.replace("URL", url))
+        (tmp_path / "games.yaml").write_text(CONFIG.replace("URL", url).replace("RM_DIR", str(rm_dir)))
         result = subprocess.run([sys.executable, "-m", "posttrain", "grpo", "--config", "games.yaml"], cwd=tmp_path,
                                 capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
@@ -188,12 +208,18 @@ def test_grpo_trains_on_games_tools_and_a_resources_server_with_several_turns(tm
     assert len(train) == 2
     for row in train:
         assert torch.isfinite(torch.tensor(row["train/loss"]))
-        counts = [row.get(f"train/reward_count/{task}", 0.0) for task in ("sliding_puzzle", "calc", "guess", "gym")]
-        assert sum(counts) == 12
-        # The tiny model rarely finishes a game in one turn: episodes go on after the first turn.
-        assert row["train/avg_turns_per_sample"] > 1.0
+        counts = [row.get(f"train/reward_count/{task}", 0.0)
+                  for task in ("sliding_puzzle", "calc", "guess", "gym", "rm", "judged")]
+        assert sum(counts) == 24
+        if counts[0]:  # a puzzle episode lasts more than one turn unless its first move solves it
+            assert row["train/avg_turns_per_sample"] > 1.0
         if counts[1]:  # the tools environment reports its counts (zero calls is fine for the tiny model)
             assert row["train/env/calc/tool_calls"] >= 0 and "train/env/calc/tool_errors" in row
+        if counts[4]:  # reward-model scores of an untrained head: real numbers, not the 0 of a failure
+            assert row["train/env/rm/scored"] == counts[4] and row["train/reward/rm"] != 0.0
+        if counts[5]:  # pairwise GenRM: circular, one comparison per response in groups of 4
+            assert row["train/env/judged/judgements"] == counts[5]
+    assert any(row.get("train/reward_count/sliding_puzzle") for row in train)  # seeded: drawn at step 1
     gym_samples = sum(row.get("train/reward_count/gym", 0.0) for row in train)
     # Each gym episode seeded a session on the server and the HTTP environment counted nothing failing.
     assert len(app.state.sessions) >= gym_samples / 4  # at least one session per gym prompt drawn
