@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 import uuid
 from collections import OrderedDict
 from typing import Any, Optional
@@ -57,6 +59,7 @@ class HttpEnvConfig(BaseModel):
     tool_call_pattern: str = Field(DEFAULT_TOOL_CALL_PATTERN, description="Regex whose first group is a call's JSON.")
     max_result_chars: int = Field(4000, ge=50, description="Longest tool result sent back (cut at the end). Default 4000.")
     max_live_sessions: int = Field(4096, ge=1, description="Open episode sessions kept; older abandoned ones are dropped.")
+    max_parallel_requests: int = Field(32, ge=1, description="Episodes whose requests run at once (threads). Default 32.")
 
     @field_validator("servers")
     @classmethod
@@ -139,6 +142,7 @@ class HttpEnvironment(Environment):
         self.pattern = compile_pattern(self.cfg.tool_call_pattern)
         self.sessions: OrderedDict[str, Any] = OrderedDict()
         self._ids = itertools.count()
+        self._lock = threading.Lock()
 
     @classmethod
     def metadata_problem(cls, metadata: dict) -> Optional[str]:
@@ -174,104 +178,108 @@ class HttpEnvironment(Environment):
             return response.text
         raise _Failed(last, timed_out)
 
-    def _episode(self, meta: dict, counts: dict) -> tuple[str, dict]:
-        """The episode's `(key, state)`, seeding a new session at its first step."""
-        key = meta.get(_EPISODE_KEY)
-        if key in self.sessions:
-            return key, self.sessions[key]
-        name = server_of(meta) or self.cfg.default_server
-        if name not in self.cfg.servers:
-            raise ValueError(f"http environment: row names server {name!r} but env.http.servers has {sorted(self.cfg.servers)}")
-        state = {"session": self.requests.Session(), "url": self.cfg.servers[name], "seeded": False}
-        try:
-            self._post(state["session"], state["url"] + "/seed_session", self.row(meta), counts)
-            state["seeded"] = True
-        except _Failed as e:
-            state["seed_error"] = str(e)
-        key = f"{next(self._ids)}"
-        self.sessions[key] = state
-        while len(self.sessions) > self.cfg.max_live_sessions:
-            _, old = self.sessions.popitem(last=False)
-            old["session"].close()
-        return key, state
-
     @staticmethod
     def row(meta: dict) -> dict:
         """The data row as the server sees it (our own bookkeeping keys left out)."""
         return {k: v for k, v in meta.items() if k not in _PRIVATE}
 
     def _end(self, key: str) -> None:
-        state = self.sessions.pop(key, None)
+        with self._lock:
+            state = self.sessions.pop(key, None)
         if state is not None:
             state["session"].close()
 
     # ------------------------------------------------------------------------------------ step
     def step(self, message_logs: list[MessageLog], metadata: list[dict]) -> EnvironmentReturn:
+        """Episodes are independent: their requests run in parallel (`max_parallel_requests`)."""
         n = len(message_logs)
-        counts: dict[str, float] = {k: 0.0 for k in ("tool_calls", "tool_errors", "http_errors", "timeouts",
-                                                      "seed_failures", "verify_failures", "over_budget")}
-        observations: list[dict] = [{}] * n
-        out_meta, rewards, done = list(metadata), [0.0] * n, [False] * n
-        for i, (log_, meta) in enumerate(zip(message_logs, metadata, strict=True)):
-            key, state = self._episode(meta, counts)
-            out_meta[i] = {**meta, _EPISODE_KEY: key}
-            if not state["seeded"]:
-                counts["seed_failures"] += 1
-                observations[i] = {"role": "environment", "content": f"Error: could not start the episode ({state['seed_error']})."}
-                done[i] = True
-                self._end(key)
-                continue
-            last = next((m for m in reversed(log_) if m.get("role") == "assistant"), {"content": ""})
-            calls = parse_tool_calls(str(last.get("content", "")), self.pattern)
-            if calls:
-                used = int(meta.get("tool_calls_used", 0))
-                if used >= self.cfg.max_tool_calls:
-                    counts["over_budget"] += 1
-                    observations[i] = {"role": "tool", "content": "Error: tool call budget spent.", "chat_template": True}
-                    done[i] = True
-                    self._end(key)
-                    continue
-                allowed = tool_names(meta.get("tools")) or None
-                results = []
-                for call in calls[: self.cfg.max_tool_calls - used]:
-                    counts["tool_calls"] += 1
-                    if call.error is not None:
-                        text = f"Error: {call.error}"
-                    elif allowed is not None and call.name not in allowed:
-                        text = f"Error: unknown tool {call.name!r} (tools: {', '.join(allowed)})"
-                    else:
-                        try:
-                            text = self._post(state["session"], f"{state['url']}/{call.name}", call.arguments, counts)
-                        except _Failed as e:
-                            text = f"Error: tool {call.name} failed: {e}"
-                    counts["tool_errors"] += float(text.startswith("Error:"))
-                    if len(text) > self.cfg.max_result_chars:
-                        text = text[: self.cfg.max_result_chars] + " ...(cut)"
-                    results.append(text)
-                if len(calls) > self.cfg.max_tool_calls - used:
-                    results.append(f"Error: tool call budget ({self.cfg.max_tool_calls}) spent; give your final answer.")
-                observations[i] = {"role": "tool", "content": "\n".join(results), "chat_template": True}
-                out_meta[i]["tool_calls_used"] = min(used + len(calls), self.cfg.max_tool_calls)
-                continue
-            # The final answer: verify the whole episode.
-            body = {**self.row(meta), "response": responses_object(log_, self.pattern)}
-            try:
-                verdict = json.loads(self._post(state["session"], state["url"] + "/verify", body, counts))
-                rewards[i] = float(verdict["reward"])
-                for name, value in (verdict.get("reward_components") or {}).items():
-                    counts[f"reward/{name}"] = counts.get(f"reward/{name}", 0.0) + float(value)
-                text = f"Reward: {rewards[i]:g}"
-            except (_Failed, ValueError, KeyError, TypeError) as e:  # bad JSON or no numeric reward: 0
-                counts["verify_failures"] += 1
-                rewards[i], text = 0.0, f"Error: verify failed ({e})"
-            observations[i] = {"role": "environment", "content": text}
-            done[i] = True
-            self._end(key)
+        for meta in metadata:  # a row naming an unknown server is a data error, raised before any request
+            name = server_of(meta) or self.cfg.default_server
+            if name not in self.cfg.servers:
+                raise ValueError(f"http environment: row names server {name!r} but env.http.servers has {sorted(self.cfg.servers)}")
+        with self._lock:  # episode keys and the session table are shared
+            episodes = [self._episode_key(meta) for meta in metadata]
+        with ThreadPoolExecutor(max_workers=max(1, min(n, self.cfg.max_parallel_requests))) as pool:
+            results = list(pool.map(self._step_one, message_logs, metadata, episodes))
+        counts: dict[str, float] = {}
+        for *_, sample_counts in results:
+            for key, value in sample_counts.items():
+                counts[key] = counts.get(key, 0.0) + value
         return EnvironmentReturn(
-            observations=observations, metadata=out_meta, next_stop_strings=[None] * n,
-            rewards=torch.tensor(rewards, dtype=torch.float32), terminateds=torch.tensor(done, dtype=torch.bool),
-            answers=[None] * n, metrics=counts,
+            observations=[r[0] for r in results], metadata=[r[1] for r in results], next_stop_strings=[None] * n,
+            rewards=torch.tensor([r[2] for r in results], dtype=torch.float32),
+            terminateds=torch.tensor([r[3] for r in results], dtype=torch.bool), answers=[None] * n, metrics=counts,
         )
+
+    def _episode_key(self, meta: dict) -> tuple[str, bool]:
+        """`(key, new)`: the episode's session key, registering a new session at its first step."""
+        key = meta.get(_EPISODE_KEY)
+        if key in self.sessions:
+            return key, False
+        key = f"{next(self._ids)}"
+        name = server_of(meta) or self.cfg.default_server
+        self.sessions[key] = {"session": self.requests.Session(), "url": self.cfg.servers[name], "seeded": False}
+        while len(self.sessions) > self.cfg.max_live_sessions:
+            _, old = self.sessions.popitem(last=False)
+            old["session"].close()
+        return key, True
+
+    def _step_one(self, log_: MessageLog, meta: dict, episode: tuple[str, bool]):
+        """`(observation, metadata, reward, done, counts)` of one sample's turn."""
+        counts = dict.fromkeys(("tool_calls", "tool_errors", "http_errors", "timeouts", "seed_failures",
+                                "verify_failures", "over_budget"), 0.0)
+        key, new = episode
+        state = self.sessions[key]
+        meta = {**meta, _EPISODE_KEY: key}
+        if new:
+            try:
+                self._post(state["session"], state["url"] + "/seed_session", self.row(meta), counts)
+            except _Failed as e:
+                counts["seed_failures"] += 1
+                self._end(key)
+                return {"role": "environment", "content": f"Error: could not start the episode ({e})."}, meta, 0.0, True, counts
+        last = next((m for m in reversed(log_) if m.get("role") == "assistant"), {"content": ""})
+        calls = parse_tool_calls(str(last.get("content", "")), self.pattern)
+        if calls:
+            used = int(meta.get("tool_calls_used", 0))
+            if used >= self.cfg.max_tool_calls:
+                counts["over_budget"] += 1
+                self._end(key)
+                return {"role": "tool", "content": "Error: tool call budget spent.", "chat_template": True}, meta, 0.0, True, counts
+            allowed = tool_names(meta.get("tools")) or None
+            results = []
+            for call in calls[: self.cfg.max_tool_calls - used]:
+                counts["tool_calls"] += 1
+                if call.error is not None:
+                    text = f"Error: {call.error}"
+                elif allowed is not None and call.name not in allowed:
+                    text = f"Error: unknown tool {call.name!r} (tools: {', '.join(allowed)})"
+                else:
+                    try:
+                        text = self._post(state["session"], f"{state['url']}/{call.name}", call.arguments, counts)
+                    except _Failed as e:
+                        text = f"Error: tool {call.name} failed: {e}"
+                counts["tool_errors"] += float(text.startswith("Error:"))
+                if len(text) > self.cfg.max_result_chars:
+                    text = text[: self.cfg.max_result_chars] + " ...(cut)"
+                results.append(text)
+            if len(calls) > self.cfg.max_tool_calls - used:
+                results.append(f"Error: tool call budget ({self.cfg.max_tool_calls}) spent; give your final answer.")
+            meta["tool_calls_used"] = min(used + len(calls), self.cfg.max_tool_calls)
+            return {"role": "tool", "content": "\n".join(results), "chat_template": True}, meta, 0.0, False, counts
+        # The final answer: verify the whole episode.
+        body = {**self.row(meta), "response": responses_object(log_, self.pattern)}
+        try:
+            verdict = json.loads(self._post(state["session"], state["url"] + "/verify", body, counts))
+            reward = float(verdict["reward"])
+            for name, value in (verdict.get("reward_components") or {}).items():
+                counts[f"reward/{name}"] = counts.get(f"reward/{name}", 0.0) + float(value)
+            text = f"Reward: {reward:g}"
+        except (_Failed, ValueError, KeyError, TypeError) as e:  # bad JSON or no numeric reward: 0
+            counts["verify_failures"] += 1
+            reward, text = 0.0, f"Error: verify failed ({e})"
+        self._end(key)
+        return {"role": "environment", "content": text}, meta, reward, True, counts
 
     def shutdown(self) -> None:
         for key in list(self.sessions):
