@@ -21,7 +21,9 @@ import time
 
 import torch
 
-from posttrain.models.generation.engine import HFGenerateBaseline, NativeGenerationEngine
+from baselines import HFGenerateBaseline
+
+from posttrain.models.generation.engine import NativeGenerationEngine
 from posttrain.models.hf import load_causal_lm, pick_dtype
 
 

@@ -23,15 +23,10 @@ import time
 import ray
 import torch
 
+from baselines import naive_load_state_dict, naive_put_state_dict
+
 from posttrain.distributed.ray_utils import init_ray
-from posttrain.models.refit import (
-    load_packed,
-    naive_load_state_dict,
-    naive_put_state_dict,
-    pack,
-    refit_metadata_from_state_dict,
-    state_dict_checksum,
-)
+from posttrain.models.refit import load_packed, pack, refit_metadata_from_state_dict, state_dict_checksum
 from posttrain.models.tiny import make_tiny_model
 
 

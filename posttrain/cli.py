@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="FILE",
             help="YAML config; its `defaults:` files are merged underneath it (default: the embedded tiny example)",
         )
-        sub.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+        sub.add_argument("--print-config", action="store_true", help="print the resolved config as YAML, each key with its description, and exit")
         sub.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, applied last")
         sub.set_defaults(handler=_run_job)
 
@@ -139,7 +139,7 @@ def _run_job(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.command, args.config, args.overrides)
         if args.print_config:
-            sys.stdout.write(config_to_yaml(cfg))
+            sys.stdout.write(config_to_yaml(cfg, comments=True))
             return 0
         from posttrain.preflight import preflight
 

@@ -10,22 +10,20 @@ line naming the key and the value.
 from __future__ import annotations
 
 import os
-import re
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from posttrain.errors import UserError
+from posttrain.models.paths import HUB_ID, checkpoint_policy_dir, latest_step_dir, model_vocab_size, vocabulary_problem
 
-# A hub id is `name` or `owner/name` made of letters, digits, `-`, `_`, `.` (as in models/hf.py).
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 HUB_PROBE_TIMEOUT_S = 5.0
 
 
 def preflight(cfg: Any) -> None:
     """Check `cfg`'s model, tokenizer and data (and its SFT warm start's, if any); see the module doc."""
-    from posttrain.config.schema import DistillMasterConfig, GRPOMasterConfig
+    from posttrain.config.schema import DistillMasterConfig
 
     for warm_start in ("sft_warmup", "teacher_warmup"):  # GRPO's and distillation's SFT warm starts
         if getattr(cfg, warm_start, None) is not None:
@@ -40,23 +38,28 @@ def preflight(cfg: Any) -> None:
     if isinstance(cfg, DistillMasterConfig):
         check_distill_vocabularies(cfg)  # a preset's size needs the tokenizer (imports torch)
     # Last: these import torch (and the user's modules), seconds that the checks above never need.
-    if isinstance(cfg, GRPOMasterConfig):
-        check_components(cfg)
+    check_components(cfg)
     if hasattr(cfg, "env"):
         check_envs(cfg, [r for split in records.values() for r in split if "task_name" in r])
 
 
 def check_components(cfg: Any) -> None:
-    """Import what GRPO's `loss_fn.name` and `grpo.adv_estimator.name` name (a user's module is
-    imported here, in the controller, before Ray passes its path on to the workers)."""
-    from posttrain.algorithms.advantages import ADVANTAGE_ESTIMATORS
-    from posttrain.algorithms.loss import LOSS_REGISTRY
+    """Import what `policy.scheduler.name` and GRPO's `loss_fn.name` and `grpo.adv_estimator.name`
+    name (a user's module is imported here, in the controller, before Ray passes its path on to
+    the workers)."""
+    from posttrain.utils.lr_schedule import DECAYS
     from posttrain.utils.registry import ImportPathError, resolve
 
-    for key, registry, name, kind in (
-        ("loss_fn.name", LOSS_REGISTRY, cfg.loss_fn.name, "loss"),
-        ("grpo.adv_estimator.name", ADVANTAGE_ESTIMATORS, cfg.grpo.adv_estimator.name, "advantage estimator"),
-    ):
+    components = [("policy.scheduler.name", DECAYS, cfg.policy.scheduler.name, "LR decay")]
+    if hasattr(cfg, "grpo"):
+        from posttrain.algorithms.advantages import ADVANTAGE_ESTIMATORS
+        from posttrain.algorithms.loss import LOSS_REGISTRY
+
+        components += [
+            ("loss_fn.name", LOSS_REGISTRY, cfg.loss_fn.name, "loss"),
+            ("grpo.adv_estimator.name", ADVANTAGE_ESTIMATORS, cfg.grpo.adv_estimator.name, "advantage estimator"),
+        ]
+    for key, registry, name, kind in components:
         try:
             obj = resolve(registry, name, kind)
         except (KeyError, ImportPathError) as e:
@@ -102,41 +105,6 @@ def check_envs(cfg: Any, records: list) -> None:
                 raise UserError(f"task {record['task_name']!r} (env.{name}), row {i} (prompt {str(record.get('prompt'))[:60]!r}): {problem}")
 
 
-def model_vocab_size(name: str, tiny_arch: str = "llama") -> Optional[int]:
-    """The vocabulary size (width of the logits) of `name` from its `config.json`, without loading
-    weights: a preset's, a local directory's or checkpoint's, or a hub id's cached config; None
-    when it cannot be known yet (a hub id not in the cache)."""
-    import json
-
-    from posttrain.models.presets import ARCHS, PRESETS
-
-    preset, _, arch = name.partition("-")
-    if preset in PRESETS and (not arch or arch in ARCHS):
-        from posttrain.models.tiny import build_tokenizer
-
-        return len(build_tokenizer())  # every preset shares the character-level tokenizer
-    path = Path(name).expanduser()
-    candidates: list[Path] = []
-    if path.is_dir():
-        candidates.append(path / "config.json")
-        checkpoint = checkpoint_policy_dir(path)
-        if checkpoint is not None:
-            candidates += sorted(checkpoint.rglob("config.json"))
-    else:
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(name, "config.json")
-        if isinstance(cached, str):
-            candidates.append(Path(cached))
-    for candidate in candidates:
-        if candidate.is_file():
-            config = json.loads(candidate.read_text())
-            size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-            if size:
-                return int(size)
-    return None
-
-
 def distill_model_keys(cfg: Any) -> tuple[tuple[str, str, str], tuple[str, str, str]]:
     """`(key, model name, tiny arch)` of the student and of the teacher whose weights a distillation
     run starts from: a warm start's `policy.model_name` when there is one (its export keeps the vocabulary)."""
@@ -147,15 +115,6 @@ def distill_model_keys(cfg: Any) -> tuple[tuple[str, str, str], tuple[str, str, 
 
     return (start("policy", cfg.policy, "sft_warmup", cfg.sft_warmup),
             start("teacher", cfg.teacher, "teacher_warmup", cfg.teacher_warmup))
-
-
-def vocabulary_problem(student: tuple[str, str, Optional[int]], teacher: tuple[str, str, Optional[int]]) -> Optional[str]:
-    """One line when the student's and the teacher's vocabulary sizes, `(key, name, size)`, differ."""
-    (s_key, s_name, s_size), (t_key, t_name, t_size) = student, teacher
-    if s_size is None or t_size is None or s_size == t_size:
-        return None
-    return (f"{t_key}={t_name!r} has a vocabulary of {t_size} tokens but {s_key}={s_name!r} has {s_size}: "
-            "distillation compares the two models token by token, so they need the same vocabulary")
 
 
 def check_distill_vocabularies(cfg: Any) -> None:
@@ -181,22 +140,13 @@ def load_split_records(cfg: Any) -> dict[str, list[dict]]:
     if isinstance(cfg, (DPOMasterConfig, RMMasterConfig)):
         from posttrain.data.preference import load_preference_records as load
     if load is load_records:
-        return {split: load(cfg.data, split, getattr(cfg, "env", None)) for split in ("train", "validation")}
+        def env_rows(data_cfg, split):  # data.dataset=env; imported only then (torch)
+            from posttrain.environments.registry import env_rows_maker
+
+            return env_rows_maker(getattr(cfg, "env", None))(data_cfg, split)
+
+        return {split: load(cfg.data, split, env_rows) for split in ("train", "validation")}
     return {split: load(cfg.data, split) for split in ("train", "validation")}
-
-
-def checkpoint_policy_dir(path: Path) -> Optional[Path]:
-    """The policy checkpoint inside a `step_N` directory (or the policy directory itself), else None."""
-    for candidate in (path / "policy", path):
-        if (candidate / "model" / ".metadata").is_file():
-            return candidate
-    return None
-
-
-def latest_step_dir(run_dir: Path) -> Optional[Path]:
-    """The `step_N` subdirectory with the largest N, if `run_dir` is a checkpoint directory."""
-    steps = [(int(p.name[5:]), p) for p in run_dir.glob("step_*") if p.name[5:].isdigit() and p.is_dir()]
-    return max(steps)[1] if steps else None
 
 
 def check_model_name(name: str, key: str, tiny_arch: str = "llama") -> None:
@@ -234,7 +184,7 @@ def check_pretrained_preset(name: str, key: str) -> None:
     package or the `gguf` package missing is one line naming the install command, and workers then
     find the converted copy in the cache instead of each converting it."""
     from posttrain.models import gguf_import
-    from posttrain.models.tiny import cache_dir
+    from posttrain.utils.cache import cache_dir
 
     try:
         gguf_import.preset_gguf_file(name)

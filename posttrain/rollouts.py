@@ -22,6 +22,7 @@ import torch
 
 from posttrain.data.chat import observation_ids
 from posttrain.data.message_log import append_message, flatten_message_logs
+from posttrain.data.processors import DEFAULT_TASK_NAME
 from posttrain.distributed.batch import Batch
 from posttrain.environments.registry import route_step
 
@@ -37,13 +38,33 @@ class RolloutResult:
     env_seconds: float = 0.0  # wall time spent in environments (the "reward" timing)
 
 
+def sample_seeds(base_seed: int, step: int, n: int) -> torch.Tensor:
+    """Per-sample sampling seeds that depend only on (seed, step, index).
+
+    Generation is then reproducible across resume, batching and the number of workers.
+    """
+    return torch.arange(n, dtype=torch.long) + (base_seed * 1_000_003 + step * 65_537) % (2**40)
+
+
 def text_only(message_log: list[dict]) -> list[dict]:
     """The conversation as environments see it: roles and contents, without the token tensors,
     which environments do not need and which dominate the cost of sending a batch to an actor."""
     return [{"role": m["role"], "content": m["content"]} for m in message_log]
 
 
-def run_multi_turn_rollout(
+def run_multi_turn_rollout(generation, *args, **kwargs) -> RolloutResult:
+    """Roll out `datums` (already repeated per generation) until every sample is done; arguments
+    as `_rollout_turns`. The generation engine is told when its phase begins and ends
+    (`prepare_for_generation` / `finish_generation`): colocated with training on a GPU it wakes
+    its weights for the rollout and frees that memory for the policy afterwards."""
+    generation.prepare_for_generation()
+    try:
+        return _rollout_turns(generation, *args, **kwargs)
+    finally:
+        generation.finish_generation()
+
+
+def _rollout_turns(
     generation,
     datums: list[dict],
     tokenizer,
@@ -56,7 +77,7 @@ def run_multi_turn_rollout(
     weight_version: int = 0,
     params: Optional[dict[str, Any]] = None,
 ) -> RolloutResult:
-    """Roll out `datums` (already repeated per generation) until every sample is done.
+    """The turns of `run_multi_turn_rollout`.
 
     Args:
         generation: a `GenerationInterface` (`generate(batch, greedy) -> Batch`).
@@ -114,7 +135,7 @@ def run_multi_turn_rollout(
             envs,
             [text_only(datums[i]["message_log"]) for i in active],
             [datums[i].get("extra_env_info") or {} for i in active],
-            [datums[i].get("task_name", "math") for i in active],
+            [datums[i].get("task_name", DEFAULT_TASK_NAME) for i in active],
         )
         env_seconds += time.perf_counter() - t0
         for key, value in (env_out.metrics or {}).items():

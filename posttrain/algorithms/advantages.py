@@ -12,7 +12,7 @@ advantage per sample ``[B]``; `broadcast_to_tokens` spreads them over a token ma
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import torch
 
@@ -240,22 +240,3 @@ def filter_zero_variance_groups(
     high = torch.full((n,), float("-inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, ids, values, "amax")
     low = torch.full((n,), float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(0, ids, values, "amin")
     return high > low
-
-
-# ------------------------------------------------------------------------------------------ evals
-def pass_at_k(n: int, c: Union[int, torch.Tensor], k: int) -> torch.Tensor:
-    """Unbiased pass@k (Chen et al. 2021, "Evaluating Large Language Models Trained on Code"):
-    ``1 - C(n - c, k) / C(n, k)`` for ``n`` samples of which ``c`` are correct, computed in
-    log space. ``c`` may be a tensor of counts; returns a float tensor of the same shape."""
-    if not 1 <= k <= n:
-        raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
-    c = torch.as_tensor(c)
-    if c.numel() and (c.min() < 0 or c.max() > n):
-        raise ValueError(f"pass@k: correct counts must lie in [0, n={n}], got {c.tolist()}")
-    wrong = (n - c).double()
-    log_ratio = (
-        torch.lgamma(wrong + 1) - torch.lgamma((wrong - k).clamp(min=0) + 1)
-        - torch.lgamma(torch.tensor(n + 1.0, dtype=torch.double))
-        + torch.lgamma(torch.tensor(n - k + 1.0, dtype=torch.double))
-    )
-    return torch.where(wrong < k, torch.ones_like(wrong), 1 - log_ratio.exp()).float()

@@ -26,29 +26,30 @@ from typing import Any, Optional
 
 import torch
 
-from posttrain.algorithms.common import (
+from posttrain.algorithms.grpo import (
+    _refit_if_stale,
+    apply_sft_warm_start,
+    sft_warm_start_dir,
+)
+from posttrain.algorithms.loop import TrainingLoop, prefixed
+from posttrain.config.schema import DistillMasterConfig
+from posttrain.data.dataloader import ResumableLoader
+from posttrain.data.message_log import flatten_message_logs
+from posttrain.data.processors import DEFAULT_TASK_NAME
+from posttrain.distributed.batch import Batch
+from posttrain.errors import UserError
+from posttrain.evals.eval import evaluate, per_task_means, validation_sampling
+from posttrain.job import (
     build_datums,
     make_cluster,
     make_envs,
     make_generation,
-    prefixed,
-    restore_training_state,
-    sample_seeds,
-    save_training_state,
+    make_policy,
     start_concurrently,
     start_run,
 )
-from posttrain.algorithms.grpo import _refit_if_stale, apply_sft_warm_start, sft_warm_start_dir
-from posttrain.config.schema import DistillMasterConfig
-from posttrain.data.dataloader import ResumableLoader
-from posttrain.data.message_log import flatten_message_logs
-from posttrain.distributed.batch import Batch
-from posttrain.errors import UserError
-from posttrain.evals.eval import evaluate, per_task_means, validation_sampling
 from posttrain.models.refit import build_refit_metadata
-from posttrain.rollouts import run_multi_turn_rollout
-from posttrain.utils.checkpoint import CheckpointManager
-from posttrain.utils.logger import Logger, ProgressBar
+from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
 from posttrain.utils.timer import Timer
 
 
@@ -65,22 +66,30 @@ class DistillContext:
     tokenizer: Any
     train_loader: ResumableLoader
     val_datums: list[dict]
-    logger: Logger
-    checkpointer: CheckpointManager
+    loop: TrainingLoop  # resume, validation schedule, logging, checkpoints, report
     loss_fn: Any
     refit_metadata: Any
     teacher_cluster: Any
     clusters: list[Any] = field(default_factory=list)
-    step: int = 0
     generation_stale: bool = False
-    val_history: list[tuple[int, float]] = field(default_factory=list)
-    kl_history: list[tuple[int, float]] = field(default_factory=list)
-    teacher_accuracy: Optional[float] = None
+
+    @property
+    def step(self) -> int:
+        return self.loop.step
 
     @property
     def last_step(self) -> int:
-        d = self.cfg.distillation
-        return min(d.max_num_steps, self.train_loader.steps_for_epochs(d.max_num_epochs))
+        return self.loop.last_step
+
+    # Resume state of the run besides the loop's own (saved in every checkpoint).
+    @property
+    def kl_history(self) -> list:
+        """(step, training KL) of every step."""
+        return self.loop.state.setdefault("kl_history", [])
+
+    @property
+    def teacher_accuracy(self) -> Optional[float]:
+        return self.loop.state.get("teacher_accuracy")
 
     def shutdown(self) -> None:
         from posttrain.environments.registry import EnvRouter
@@ -90,7 +99,7 @@ class DistillContext:
                 part.shutdown()
             except Exception as e:  # shutting down must not mask the real error
                 print(f"[posttrain] WARNING: shutdown failed: {e}", flush=True)
-        self.logger.close()
+        self.loop.close()
 
 
 # ------------------------------------------------------------------------------------- set-up
@@ -98,8 +107,8 @@ def apply_warm_starts(cfg: DistillMasterConfig) -> DistillMasterConfig:
     """Run (or reuse from the cache) the student's and the teacher's SFT warm starts and point
     `policy` / `teacher` at their exports. A teacher given as a training checkpoint (`step_N`, e.g.
     of a GRPO run) becomes its cached Hugging Face copy, as `policy.model_name` does in every job."""
+    from posttrain.models.paths import checkpoint_policy_dir
     from posttrain.models.policy.checkpoint import converted_checkpoint
-    from posttrain.preflight import checkpoint_policy_dir
 
     if cfg.sft_warmup is not None:
         cfg = apply_sft_warm_start(cfg)
@@ -124,7 +133,7 @@ def check_vocabularies(cfg: DistillMasterConfig) -> Optional[int]:
     hub downloads); raises `UserError` naming both keys and sizes when they differ, before any
     worker starts. Also refuses `distillation.topk_logits_k` above the vocabulary size."""
     from posttrain.models.hf import resolve_model_path
-    from posttrain.preflight import model_vocab_size, vocabulary_problem
+    from posttrain.models.paths import model_vocab_size, vocabulary_problem
 
     sizes = []
     for key, policy in (("policy.model_name", cfg.policy), ("teacher.model_name", cfg.teacher)):
@@ -147,7 +156,6 @@ def check_vocabularies(cfg: DistillMasterConfig) -> Optional[int]:
 def setup(cfg: DistillMasterConfig) -> DistillContext:
     from posttrain.algorithms.distill_loss import DistillationLoss
     from posttrain.data.processors import build_prompt_message_log
-    from posttrain.models.policy.policy import Policy
 
     d = cfg.distillation
     cfg, tokenizer = start_run(cfg, seed=d.seed, max_num_steps=d.max_num_steps)
@@ -165,73 +173,49 @@ def setup(cfg: DistillMasterConfig) -> DistillContext:
     # The teacher's bundles also host, once, the generation engine that measures its accuracy.
     teacher_cluster = make_cluster(cfg, cfg.teacher.num_workers, colocated_groups=2, name="teacher")
     policy, generation, teacher = start_concurrently(
-        lambda: Policy(policy_cluster, cfg.policy, init_reference_model=False,
-                       worker_timeout_s=cfg.cluster.worker_timeout_s),
+        lambda: make_policy(cfg, policy_cluster),
         lambda: make_generation(cfg, gen_cluster),
-        lambda: Policy(teacher_cluster, cfg.teacher, init_reference_model=False, init_optimizer=False,
-                       name="teacher", worker_timeout_s=cfg.cluster.worker_timeout_s),
+        lambda: make_policy(cfg, teacher_cluster, cfg.teacher, init_optimizer=False, name="teacher"),
     )
     refit_metadata = build_refit_metadata(
         policy.refit_info(), cfg.policy.generation.refit_buffer_size_mb * 2**20, dtypes=generation.weight_dtypes()
     )
     generation.prepare_refit_info(refit_metadata)
-    envs = make_envs(cfg, [datum.get("task_name", cfg.data.env_name) for datum in train_datums + val_datums])
+    envs = make_envs(cfg, [datum.get("task_name", DEFAULT_TASK_NAME) for datum in train_datums + val_datums])
 
     ctx = DistillContext(
         cfg=cfg, policy=policy, generation=generation, teacher=teacher, envs=envs, tokenizer=tokenizer,
-        train_loader=loader, val_datums=val_datums, logger=Logger(cfg.logger),
-        checkpointer=CheckpointManager(cfg.checkpointing), loss_fn=DistillationLoss(**cfg.loss_fn.model_dump()),
+        train_loader=loader, val_datums=val_datums,
+        loop=TrainingLoop(cfg, d, name="distillation", section="distillation", policy=policy, loader=loader),
+        loss_fn=DistillationLoss(**cfg.loss_fn.model_dump()),
         refit_metadata=refit_metadata, teacher_cluster=teacher_cluster,
         clusters=[policy_cluster, teacher_cluster] + ([] if colocated else [gen_cluster]),
     )
-    if cfg.checkpointing.enabled:
-        info = restore_training_state(ctx.checkpointer, ctx.policy, ctx.train_loader, ctx.logger)
-        if info is not None:
-            ctx.step, ctx.generation_stale = int(info["step"]), True
-            ctx.val_history = [tuple(v) for v in info.get("val_history", [])]
-            ctx.kl_history = [tuple(v) for v in info.get("kl_history", [])]
-            ctx.teacher_accuracy = info.get("teacher_accuracy")
-    ctx.logger.log_hyperparams(cfg.model_dump(mode="json"))
+    ctx.generation_stale = ctx.loop.resume()  # resumed weights are newer than the generation's
     return ctx
 
 
 # --------------------------------------------------------------------------------- the loop
 def distill_train(ctx: DistillContext) -> dict[str, float]:
-    cfg, d = ctx.cfg, ctx.cfg.distillation
-    if ctx.step == 0 and d.val_at_start and ctx.val_datums:
-        metrics = _validate_metrics(ctx, 0)
-        if ctx.teacher_accuracy is not None:
-            metrics["validation/teacher_accuracy"] = ctx.teacher_accuracy
-        ctx.logger.log_metrics(metrics, 0)
+    """Distil from the context's step to its last step (`TrainingLoop` runs the schedule)."""
+    return ctx.loop.run(lambda step, timer: distill_step(ctx, step, timer), lambda: _validate(ctx))
 
+
+def distill_step(ctx: DistillContext, step: int, timer: Timer) -> dict[str, float]:
+    """One step: student rollouts, the teacher's top-k logits, a student update on the KL."""
+    cfg, d = ctx.cfg, ctx.cfg.distillation
     temperature = cfg.policy.generation.temperature  # student and teacher see the sampling distribution
-    gbs = cfg.policy.train_global_batch_size
-    bar = ProgressBar(total=ctx.last_step, initial=ctx.step, enabled=cfg.logger.progress_bar, desc="distill")
-    last: dict[str, float] = {}
-    while ctx.step < ctx.last_step:
-        step = ctx.step + 1
-        timer = Timer()
-        with timer.time("total_step_time"):
-            train_data, metrics = _student_rollouts(ctx, step, timer)
-            with timer.time("logprobs"):  # the teacher's forward pass (a logprob-like pass)
-                top = ctx.teacher.get_topk_logits(train_data, d.topk_logits_k, temperature)
-                train_data["teacher_topk_logits"] = top["topk_logits"]
-                train_data["teacher_topk_indices"] = top["topk_indices"]
-            with timer.time("policy_training"):
-                train_metrics = ctx.policy.train(train_data, ctx.loss_fn, global_batch_size=gbs, temperature=temperature)
-            ctx.generation_stale = True
-            ctx.step = step
-        ctx.kl_history.append((step, train_metrics["loss"]))
-        metrics.update(prefixed(train_metrics, "train"))
-        metrics.update(prefixed(timer.get_timing_metrics(), "timing/train"))
-        if (d.val_period > 0 and step % d.val_period == 0) or (d.val_at_end and step == ctx.last_step):
-            metrics.update(_validate_metrics(ctx, step))
-        ctx.logger.log_metrics(metrics, step)
-        _maybe_checkpoint(ctx, step)
-        bar.update(metrics)
-        last = metrics
-    bar.close()
-    return last
+    train_data, metrics = _student_rollouts(ctx, step, timer)
+    with timer.time("logprobs"):  # the teacher's forward pass (a logprob-like pass)
+        top = ctx.teacher.get_topk_logits(train_data, d.topk_logits_k, temperature)
+        train_data["teacher_topk_logits"] = top["topk_logits"]
+        train_data["teacher_topk_indices"] = top["topk_indices"]
+    with timer.time("policy_training"):
+        train_metrics = ctx.policy.train(train_data, ctx.loss_fn, global_batch_size=cfg.policy.train_global_batch_size,
+                                         temperature=temperature)
+    ctx.generation_stale = True
+    ctx.kl_history.append((step, train_metrics["loss"]))
+    return {**metrics, **prefixed(train_metrics, "train")}
 
 
 def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
@@ -252,7 +236,7 @@ def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Bat
     train_data["sample_mask"] = torch.tensor([float(s.get("loss_multiplier", 1.0)) for s in samples])
     metrics = {
         "train/reward": result.rewards.mean().item(),
-        **per_task_means(result.rewards, [s.get("task_name", cfg.data.env_name) for s in samples], "train/reward",
+        **per_task_means(result.rewards, [s.get("task_name", DEFAULT_TASK_NAME) for s in samples], "train/reward",
                          list(ctx.envs)),
         "train/num_samples": float(train_data.size),
         "train/mean_prompt_length": sum(p["length"] for p in prompts) / len(prompts),
@@ -274,14 +258,14 @@ def _evaluate(ctx: DistillContext, generation, weight_version: int) -> dict[str,
     )
 
 
-def _validate_metrics(ctx: DistillContext, step: int) -> dict[str, float]:
+def _validate(ctx: DistillContext) -> dict[str, float]:
+    """The student's validation accuracy; at step 0 also the teacher's (measured once)."""
     if not ctx.val_datums:
         return {}
-    t0 = time.perf_counter()
     _refit_if_stale(ctx)
     metrics = _evaluate(ctx, ctx.generation, ctx.step)
-    metrics["timing/validation/total_validation_time"] = time.perf_counter() - t0
-    ctx.val_history.append((step, metrics["validation/accuracy"]))
+    if ctx.step == 0 and ctx.teacher_accuracy is not None:
+        metrics["validation/teacher_accuracy"] = ctx.teacher_accuracy
     return metrics
 
 
@@ -304,15 +288,6 @@ def measure_teacher_accuracy(ctx: DistillContext) -> Optional[float]:
         engine.shutdown()
 
 
-def _maybe_checkpoint(ctx: DistillContext, step: int) -> None:
-    ck = ctx.cfg.checkpointing
-    if not ck.enabled or not (step % ck.save_period == 0 or step == ctx.last_step):
-        return
-    ranking = {"validation/accuracy": ctx.val_history[-1][1]} if ctx.val_history else {}
-    info = {"val_history": ctx.val_history, "kl_history": ctx.kl_history, "teacher_accuracy": ctx.teacher_accuracy}
-    save_training_state(ctx.checkpointer, ctx.policy, ctx.train_loader, step, ranking, info)
-
-
 # ------------------------------------------------------------------------------ entry point
 def run(cfg: DistillMasterConfig) -> dict[str, Optional[float]]:
     """`posttrain distill`: warm starts (cached), teacher accuracy, distillation, a final summary.
@@ -320,16 +295,19 @@ def run(cfg: DistillMasterConfig) -> dict[str, Optional[float]]:
     Returns `teacher_accuracy`, `student_before`, `student_after` (validation accuracies) and
     `kl_first`, `kl_last` (the training KL, averaged over the first and the last few steps).
     """
-    start = time.perf_counter()
     cfg = apply_warm_starts(cfg)
     check_vocabularies(cfg)
     ctx = setup(cfg)
     try:
+        done = ctx.loop.done_message()
+        if done:  # resumed at or past the last step: say so rather than reprint the old results
+            print(done, flush=True)
+            return summarize(ctx)
         if ctx.teacher_accuracy is None and ctx.cfg.distillation.val_at_start:
-            ctx.teacher_accuracy = measure_teacher_accuracy(ctx)
+            ctx.loop.state["teacher_accuracy"] = measure_teacher_accuracy(ctx)
         distill_train(ctx)
         summary = summarize(ctx)
-        _finish(ctx, summary, time.perf_counter() - start)
+        ctx.loop.finish(details(ctx, summary))
     finally:
         ctx.shutdown()
     return summary
@@ -340,31 +318,20 @@ def summarize(ctx: DistillContext, window: int = 5) -> dict[str, Optional[float]
     (each KL averaged over `window` steps: one step's KL depends on which prompts it drew)."""
     kls = [kl for _, kl in ctx.kl_history]
     n = max(1, min(window, len(kls) // 2))
+    before, after = ctx.loop.headline_change()
     return {
         "teacher_accuracy": ctx.teacher_accuracy,
-        "student_before": ctx.val_history[0][1] if ctx.val_history else None,
-        "student_after": ctx.val_history[-1][1] if ctx.val_history else None,
+        "student_before": before,
+        "student_after": after,
         "kl_first": sum(kls[:n]) / n if kls else None,
         "kl_last": sum(kls[-n:]) / n if kls else None,
     }
 
 
-def _finish(ctx: DistillContext, summary: dict[str, Optional[float]], seconds: float) -> None:
-    log_dir = Path(ctx.cfg.logger.log_dir)
-    if ctx.cfg.logger.report and (log_dir / "metrics.jsonl").exists():
-        from posttrain.utils.report import write_report
-
-        write_report(log_dir / "metrics.jsonl", log_dir / "report.png")
-
-    def pct(value: Optional[float]) -> str:
-        return "n/a" if value is None else f"{value:.1%}"
-
+def details(ctx: DistillContext, summary: dict[str, Optional[float]]) -> str:
+    """The distillation's own part of the summary line: the KL and the teacher's accuracy."""
     s = summary
     kl = "n/a" if s["kl_first"] is None else f"{s['kl_first']:.4f} -> {s['kl_last']:.4f}"
-    print(
-        f"[posttrain] distillation finished at step {ctx.step} in {seconds:.0f}s ({ctx.cfg.loss_fn.kl_type} KL "
-        f"over the teacher's top-{ctx.cfg.distillation.topk_logits_k}): KL {kl} (mean of the first / last steps); "
-        f"validation accuracy: teacher {pct(s['teacher_accuracy'])}, student {pct(s['student_before'])} -> "
-        f"{pct(s['student_after'])}; logs in {log_dir}",
-        flush=True,
-    )
+    teacher = "n/a" if s["teacher_accuracy"] is None else f"{s['teacher_accuracy']:.1%}"
+    return (f"; {ctx.cfg.loss_fn.kl_type} KL over the teacher's top-{ctx.cfg.distillation.topk_logits_k} "
+            f"{kl} (mean of the first / last steps); teacher validation accuracy {teacher}")

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 
-from posttrain.algorithms.common import finish_offline_run, reduce_loss_metrics, start_pair_run, train_offline
+from posttrain.algorithms.loop import train_offline
 from posttrain.algorithms.loss import DPOLoss
+from posttrain.algorithms.preference import reduce_loss_metrics, start_pair_run
 from posttrain.config.schema import DPOMasterConfig
 from posttrain.distributed.batch import Batch
 from posttrain.utils.timer import Timer
@@ -68,9 +69,8 @@ def run(cfg: DPOMasterConfig) -> dict[str, float]:
         return {f"validation/{k}": v for k, v in reduce_loss_metrics(loss_fn, scored).items()}
 
     try:
-        metrics = train_offline(cfg, d, policy, job.loader, train_step, validate, desc="DPO")
-        finish_offline_run(cfg, metrics, "DPO")
-        return metrics
+        return train_offline(cfg, d, name="DPO", section="dpo", policy=policy, loader=job.loader,
+                             train_step=train_step, validate=validate)
     finally:
         job.shutdown()
 

@@ -24,28 +24,30 @@ from typing import Any, Optional
 import torch
 
 from posttrain.algorithms import advantages as adv
-from posttrain.algorithms.common import (
-    build_datums,
-    make_cluster,
-    make_envs,
-    make_generation,
-    prefixed,
-    restore_training_state,
-    sample_seeds,
-    save_training_state,
-    start_concurrently,
-    start_run,
-)
+from posttrain.algorithms.loop import TrainingLoop, prefixed
 from posttrain.algorithms.loss import LossFunction, build_loss
 from posttrain.config.schema import GRPOMasterConfig
 from posttrain.data.dataloader import ResumableLoader, make_loader
 from posttrain.data.message_log import flatten_message_logs
+from posttrain.data.processors import DEFAULT_TASK_NAME
 from posttrain.distributed.batch import Batch
-from posttrain.evals.eval import evaluate, per_task_means, response_lengths, validation_sampling
+from posttrain.evals.eval import (
+    evaluate,
+    per_task_means,
+    response_lengths,
+    validation_sampling,
+)
+from posttrain.job import (
+    build_datums,
+    make_cluster,
+    make_envs,
+    make_generation,
+    make_policy,
+    start_concurrently,
+    start_run,
+)
 from posttrain.models.refit import build_refit_metadata, refit_policy_generation
-from posttrain.rollouts import run_multi_turn_rollout
-from posttrain.utils.checkpoint import CheckpointManager
-from posttrain.utils.logger import Logger, ProgressBar
+from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
 from posttrain.utils.timer import Timer
 
 log = logging.getLogger("posttrain.grpo")
@@ -62,21 +64,22 @@ class GRPOContext:
     tokenizer: Any
     train_loader: ResumableLoader
     val_datums: list[dict]
-    logger: Logger
-    checkpointer: CheckpointManager
+    loop: TrainingLoop  # resume, validation schedule, logging, checkpoints, report
     loss_fn: LossFunction
     refit_metadata: Any
     clusters: list[Any] = field(default_factory=list)
-    step: int = 0  # completed training steps
     generation_stale: bool = False  # generation weights lag the policy's (both start from model_name)
-    val_history: list[tuple[int, float]] = field(default_factory=list)
+
+    @property
+    def step(self) -> int:
+        """Completed training steps (the version of the policy's weights)."""
+        return self.loop.step
 
     @property
     def last_step(self) -> int:
         """`grpo.max_num_steps`, or fewer when `grpo.max_num_epochs` passes over the prompts end
         first (epochs count prompt batches; with dynamic sampling a step may draw several)."""
-        g = self.cfg.grpo
-        return min(g.max_num_steps, self.train_loader.steps_for_epochs(g.max_num_epochs))
+        return self.loop.last_step
 
     def shutdown(self) -> None:
         from posttrain.environments.registry import EnvRouter
@@ -87,14 +90,13 @@ class GRPOContext:
                 part.shutdown()
             except Exception as e:  # shutting down must not mask the real error
                 log.warning("shutdown failed: %s", e)
-        self.logger.close()
+        self.loop.close()
         release_run_dirs(self.cfg)
 
 
 # ------------------------------------------------------------------------------------- set-up
 def setup(cfg: GRPOMasterConfig) -> GRPOContext:
     from posttrain.data.processors import build_prompt_message_log
-    from posttrain.models.policy.policy import Policy
 
     cfg, tokenizer = start_run(cfg, seed=cfg.grpo.seed, max_num_steps=cfg.grpo.max_num_steps)
     train_datums = build_datums(cfg, build_prompt_message_log, tokenizer, "train")
@@ -113,8 +115,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
         n_gen = cfg.policy.generation.colocated.num_workers or 1
         gen_cluster = make_cluster(cfg, n_gen, name="generation")
     policy, generation = start_concurrently(
-        lambda: Policy(policy_cluster, cfg.policy, init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0,
-                       worker_timeout_s=cfg.cluster.worker_timeout_s),
+        lambda: make_policy(cfg, policy_cluster, init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0),
         lambda: make_generation(cfg, gen_cluster),
     )
     refit_metadata = build_refit_metadata(
@@ -124,67 +125,42 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
 
     envs = make_envs(cfg, train_datums + val_datums)
 
+    loop = TrainingLoop(cfg, cfg.grpo, name="GRPO", section="grpo", policy=policy, loader=loader)
     ctx = GRPOContext(
-        cfg=cfg, policy=policy, generation=generation, envs=envs, tokenizer=tokenizer,
-        train_loader=loader, val_datums=val_datums, logger=Logger(cfg.logger),
-        checkpointer=CheckpointManager(cfg.checkpointing), loss_fn=build_loss(cfg.loss_fn),
-        refit_metadata=refit_metadata, clusters=[policy_cluster] + ([] if colocated else [gen_cluster]),
+        cfg=cfg, policy=policy, generation=generation, envs=envs, tokenizer=tokenizer, train_loader=loader,
+        val_datums=val_datums, loop=loop, loss_fn=build_loss(cfg.loss_fn), refit_metadata=refit_metadata,
+        clusters=[policy_cluster] + ([] if colocated else [gen_cluster]),
     )
-    _maybe_resume(ctx)
-    ctx.logger.log_hyperparams(cfg.model_dump(mode="json"))
+    ctx.generation_stale = loop.resume()  # resumed weights are newer than the generation's
     return ctx
-
-
-def _maybe_resume(ctx: GRPOContext) -> None:
-    if not ctx.cfg.checkpointing.enabled:
-        return
-    info = restore_training_state(ctx.checkpointer, ctx.policy, ctx.train_loader, ctx.logger)
-    if info is not None:
-        ctx.step = int(info["step"])
-        ctx.generation_stale = True
-        ctx.val_history = [tuple(v) for v in info.get("val_history", [])]
 
 
 # --------------------------------------------------------------------------------- the loop
 def grpo_train(ctx: GRPOContext) -> dict[str, float]:
-    cfg, g = ctx.cfg, ctx.cfg.grpo
-    if ctx.step == 0 and g.val_at_start:
-        _log_validation(ctx, 0)
+    """Train from the context's step to its last step (`TrainingLoop` runs the schedule)."""
+    return ctx.loop.run(lambda step, timer: grpo_step(ctx, step, timer), lambda: validate(ctx))
 
+
+def grpo_step(ctx: GRPOContext, step: int, timer: Timer) -> dict[str, float]:
+    """One GRPO step: experience, previous and reference logprobs, policy update."""
+    cfg = ctx.cfg
     # Logprobs are compared with the generation's processed logprobs: same temperature.
     temperature = cfg.policy.generation.temperature
     gbs = cfg.policy.train_global_batch_size
-    bar = ProgressBar(total=ctx.last_step, initial=ctx.step, enabled=cfg.logger.progress_bar, desc="GRPO")
-    last_metrics: dict[str, float] = {}
-    while ctx.step < ctx.last_step:
-        step = ctx.step + 1
-        timer = Timer()
-        with timer.time("total_step_time"):
-            train_data, metrics = _collect_experience(ctx, step, timer)
+    train_data, metrics = _collect_experience(ctx, step, timer)
 
-            with timer.time("logprobs"):
-                if train_data.size > gbs:  # several optimizer steps: later ones need the old policy's logprobs
-                    train_data["prev_logprobs"] = ctx.policy.get_logprobs(train_data, temperature)["logprobs"]
-                # else one step: the loss takes the training forward's own (detached) logprobs
-                if cfg.loss_fn.reference_policy_kl_penalty > 0:
-                    ref = ctx.policy.get_reference_logprobs(train_data, temperature)
-                    train_data["reference_policy_logprobs"] = ref["logprobs"]
+    with timer.time("logprobs"):
+        if train_data.size > gbs:  # several optimizer steps: later ones need the old policy's logprobs
+            train_data["prev_logprobs"] = ctx.policy.get_logprobs(train_data, temperature)["logprobs"]
+        # else one step: the loss takes the training forward's own (detached) logprobs
+        if cfg.loss_fn.reference_policy_kl_penalty > 0:
+            ref = ctx.policy.get_reference_logprobs(train_data, temperature)
+            train_data["reference_policy_logprobs"] = ref["logprobs"]
 
-            with timer.time("policy_training"):
-                train_metrics = ctx.policy.train(train_data, ctx.loss_fn, global_batch_size=gbs, temperature=temperature)
-            ctx.generation_stale = True
-            ctx.step = step
-
-        metrics.update(prefixed(train_metrics, "train"))
-        metrics.update(prefixed(timer.get_timing_metrics(), "timing/train"))
-        if g.val_period > 0 and step % g.val_period == 0 or (g.val_at_end and step == ctx.last_step):
-            metrics.update(_validate_metrics(ctx, step))
-        ctx.logger.log_metrics(metrics, step)
-        _maybe_checkpoint(ctx, step, metrics)
-        bar.update(metrics)
-        last_metrics = metrics
-    bar.close()
-    return last_metrics
+    with timer.time("policy_training"):
+        train_metrics = ctx.policy.train(train_data, ctx.loss_fn, global_batch_size=gbs, temperature=temperature)
+    ctx.generation_stale = True
+    return {**metrics, **prefixed(train_metrics, "train")}
 
 
 @dataclass
@@ -292,7 +268,7 @@ def _collect_experience(ctx: GRPOContext, step: int, timer: Timer) -> tuple[Batc
     all_rewards = torch.cat([b.raw_rewards for b in batches])
     metrics = {
         "train/reward": all_rewards.mean().item(),
-        **per_task_means(all_rewards, [s.get("task_name", ctx.cfg.data.env_name) for b in batches for s in b.samples],
+        **per_task_means(all_rewards, [s.get("task_name", DEFAULT_TASK_NAME) for b in batches for s in b.samples],
                          "train/reward", list(ctx.envs)),
         "train/advantages/mean": stats.mean().item(),
         "train/advantages/max": stats.max().item(),
@@ -325,7 +301,10 @@ def _refit_if_stale(ctx: GRPOContext, timer: Optional[Timer] = None) -> None:
 
 # ------------------------------------------------------------------------------- validation
 def validate(ctx: GRPOContext) -> dict[str, float]:
-    """Accuracy (and pass@k for k > 1) on the held-out prompts, with current weights."""
+    """Accuracy (and pass@k for k > 1) on the held-out prompts, with current weights; empty
+    without validation data (the run said so at set-up)."""
+    if not ctx.val_datums:
+        return {}
     cfg, g = ctx.cfg, ctx.cfg.grpo
     k = g.val_num_generations_per_prompt
     greedy, temperature = validation_sampling(cfg.policy.generation, k)
@@ -338,53 +317,24 @@ def validate(ctx: GRPOContext) -> dict[str, float]:
     )
 
 
-def _validate_metrics(ctx: GRPOContext, step: int) -> dict[str, float]:
-    if not ctx.val_datums:  # no validation set: the run trains without validation (said at set-up)
-        return {}
-    t0 = time.perf_counter()
-    metrics = validate(ctx)
-    metrics["timing/validation/total_validation_time"] = time.perf_counter() - t0
-    ctx.val_history.append((step, metrics["validation/accuracy"]))
-    return metrics
-
-
-def _log_validation(ctx: GRPOContext, step: int) -> None:
-    metrics = _validate_metrics(ctx, step)
-    if metrics:
-        ctx.logger.log_metrics(metrics, step)
-
-
-# ------------------------------------------------------------------------------ checkpoints
-def _maybe_checkpoint(ctx: GRPOContext, step: int, metrics: dict[str, float]) -> None:
-    ck = ctx.cfg.checkpointing
-    if not ck.enabled or not (step % ck.save_period == 0 or step == ctx.last_step):
-        return
-    ranking = {"validation/accuracy": ctx.val_history[-1][1]} if ctx.val_history else {}
-    save_training_state(
-        ctx.checkpointer, ctx.policy, ctx.train_loader, step, ranking, {"val_history": ctx.val_history}
-    )
-
-
 # ------------------------------------------------------------------------------ entry point
-def run(cfg: GRPOMasterConfig) -> dict[str, float]:
-    """`posttrain grpo`: optional SFT warm start, then GRPO; prints before/after accuracy."""
+def run(cfg: GRPOMasterConfig) -> dict[str, Optional[float]]:
+    """`posttrain grpo`: optional SFT warm start, then GRPO; prints before/after accuracy and
+    returns them (`before`, `after`: the first and the last validation accuracy, or None)."""
     if cfg.sft_warmup is not None:
         cfg = apply_sft_warm_start(cfg)
-    from posttrain.utils.run_dirs import already_done_message
-
     ctx = setup(cfg)
     try:
-        done = already_done_message(ctx.step, ctx.last_step, "grpo.max_num_steps") if ctx.step else None
+        done = ctx.loop.done_message()
         if done:  # resumed at or past the last step: say so rather than reprint the old results
             print(done, flush=True)
             return {"before": None, "after": None}
-        start = time.perf_counter()
         grpo_train(ctx)
-        _finish(ctx, time.perf_counter() - start)
+        ctx.loop.finish()
     finally:
         ctx.shutdown()
-    return {"before": ctx.val_history[0][1] if ctx.val_history else None,
-            "after": ctx.val_history[-1][1] if ctx.val_history else None}
+    before, after = ctx.loop.headline_change()
+    return {"before": before, "after": after}
 
 
 def apply_sft_warm_start(cfg: GRPOMasterConfig) -> GRPOMasterConfig:
@@ -408,7 +358,7 @@ def sft_warm_start_dir(warm: Any, log_dir: Path) -> Path:
 
     from posttrain.algorithms import sft
     from posttrain.config.loader import config_to_yaml
-    from posttrain.models.tiny import cache_dir
+    from posttrain.utils.cache import cache_dir
 
     weights_cfg = warm.model_copy(update={"logger": None, "checkpointing": None})
     key = hashlib.sha1(config_to_yaml(weights_cfg).encode()).hexdigest()[:12]
@@ -422,21 +372,3 @@ def sft_warm_start_dir(warm: Any, log_dir: Path) -> Path:
         warm_cfg.logger.log_dir = str(log_dir)
         sft.run(warm_cfg, export_dir=warm_dir)
     return warm_dir
-
-
-def _finish(ctx: GRPOContext, seconds: float) -> None:
-    log_dir = Path(ctx.cfg.logger.log_dir)
-    if ctx.cfg.logger.report:
-        from posttrain.utils.report import write_report
-
-        write_report(log_dir / "metrics.jsonl", log_dir / "report.png")
-    if ctx.val_history:
-        (s0, before), (s1, after) = ctx.val_history[0], ctx.val_history[-1]
-        print(
-            f"[posttrain] validation accuracy: {before:.1%} (step {s0}) -> {after:.1%} (step {s1}), "
-            f"{100 * (after - before):+.1f} percentage points in {seconds:.0f}s; logs in {log_dir}",
-            flush=True,
-        )
-    else:
-        print(f"[posttrain] GRPO finished at step {ctx.step} in {seconds:.0f}s (no validation); logs in {log_dir}",
-              flush=True)

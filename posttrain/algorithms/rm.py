@@ -19,14 +19,9 @@ from __future__ import annotations
 
 import logging
 
-from posttrain.algorithms.common import (
-    export_hf_atomic,
-    finish_offline_run,
-    reduce_loss_metrics,
-    start_pair_run,
-    train_offline,
-)
+from posttrain.algorithms.loop import train_offline
 from posttrain.algorithms.loss import PreferenceLoss
+from posttrain.algorithms.preference import reduce_loss_metrics, start_pair_run
 from posttrain.config.schema import RMMasterConfig
 from posttrain.utils.timer import Timer
 
@@ -54,11 +49,11 @@ def run(cfg: RMMasterConfig) -> dict[str, float]:
         return {f"validation/{k}": v for k, v in reduce_loss_metrics(loss_fn, scored).items()}
 
     try:
-        metrics = train_offline(cfg, r, policy, job.loader, train_step, validate, desc="RM")
+        metrics = train_offline(cfg, r, name="RM", section="rm", policy=policy, loader=job.loader,
+                                train_step=train_step, validate=validate)
         if r.export_dir is not None:
-            export_hf_atomic(policy, r.export_dir)
+            policy.export_hf(r.export_dir)
             print(f"[posttrain] reward model exported to {r.export_dir}", flush=True)
-        finish_offline_run(cfg, metrics, "reward model")
         return metrics
     finally:
         job.shutdown()

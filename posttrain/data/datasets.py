@@ -29,13 +29,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 from posttrain.config.schema import DataConfig
 from posttrain.data.arithmetic import generate_arithmetic
 from posttrain.errors import UserError
 
 Split = Literal["train", "validation"]
+# Makes the rows of data.dataset=env: (data section, split) -> (rows, where each comes from).
+EnvRows = Callable[[DataConfig, Split], tuple[list[dict], list[str]]]
 
 
 class DataError(UserError):
@@ -220,19 +222,19 @@ def _finish(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConfig
     return records
 
 
-def load_records(data_cfg: DataConfig, split: Split, env_sections=None) -> list[dict]:
+def load_records(data_cfg: DataConfig, split: Split, env_rows: Optional[EnvRows] = None) -> list[dict]:
     """Records of one split as `{"prompt", "answer", "task_name", "env_name", ...}` dicts.
 
     For `jsonl` and `hf` without `data.validation_path`, the validation split is empty.
-    `env_sections` (the `env` config) configures the environment that makes the rows of
-    `data.dataset=env`.
+    `env_rows(data_cfg, split) -> (rows, locations)` makes the rows of `data.dataset=env` (the
+    environments' `make_rows`; `posttrain.environments.registry.env_rows_maker(cfg.env)`).
     """
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
     if data_cfg.blend:
-        return _load_blend(data_cfg, split, env_sections)
+        return _load_blend(data_cfg, split, env_rows)
     if data_cfg.dataset == "env":
-        return _finish(*env_rows(data_cfg, split, env_sections), data_cfg)
+        return _finish(*_rows_from_env(env_rows, data_cfg, split), data_cfg)
     if data_cfg.dataset == "arithmetic":
         train, val = generate_arithmetic(
             data_cfg.num_train, data_cfg.num_validation, data_cfg.operations, data_cfg.num_digits, data_cfg.seed
@@ -250,27 +252,13 @@ def load_records(data_cfg: DataConfig, split: Split, env_sections=None) -> list[
 VALIDATION_SEED_OFFSET = 10**7
 
 
-def env_rows(data_cfg: DataConfig, split: Split, env_sections=None) -> tuple[list[dict], list[str]]:
-    """Rows made by the environment `data.env_name` (`Environment.make_rows`: a game's boards):
-    `data.num_train` / `data.num_validation` of them from `data.seed`, and where each comes from."""
-    from posttrain.environments.registry import resolve_env
-
-    name = data_cfg.env_name
-    section = env_sections.section(name) if env_sections is not None else None
-    try:
-        cls, env_cfg = resolve_env(name, section)
-    except (KeyError, ValueError) as e:
-        raise DataError(f"data.dataset=env: {e.args[0] if e.args else e}") from None
-    count = data_cfg.num_train if split == "train" else data_cfg.num_validation
-    seed = data_cfg.seed + (0 if split == "train" else VALIDATION_SEED_OFFSET)
-    try:
-        rows = cls.make_rows(env_cfg, count, seed)
-    except NotImplementedError:
-        raise DataError(f"data.dataset=env: environment {name!r} ({cls.__name__}) does not make its own rows") from None
-    return rows, [f"env {name} {split} row {i}" for i in range(len(rows))]
+def _rows_from_env(env_rows: Optional[EnvRows], data_cfg: DataConfig, split: Split) -> tuple[list[dict], list[str]]:
+    if env_rows is None:
+        raise DataError("data.dataset=env: this command has no environments to make rows (use it with grpo / eval)")
+    return env_rows(data_cfg, split)
 
 
-def _load_blend(data_cfg: DataConfig, split: Split, env_sections=None) -> list[dict]:
+def _load_blend(data_cfg: DataConfig, split: Split, env_rows: Optional[EnvRows] = None) -> list[dict]:
     """The records of every `data.blend` component, each tagged with its `source` and sampling weight
     (a reasoning-gym component shares its weight among its tasks by their own weights)."""
     from posttrain.config.schema import blend_component
@@ -288,7 +276,7 @@ def _load_blend(data_cfg: DataConfig, split: Split, env_sections=None) -> list[d
             # rows route to env.reasoning_gym unless the component names another environment
             part = load_reasoning_gym(sub, split, env_name=env if "env" in data_cfg.blend[i] else None)
         elif sub.dataset == "env":  # rows made by the component's environment (a game)
-            rows, _ = env_rows(sub.model_copy(update={"env_name": env}), split, env_sections)
+            rows, _ = _rows_from_env(env_rows, sub.model_copy(update={"env_name": env}), split)
             part = _finish(rows, [f"data.blend[{i}] ({name}) {split} row {j}" for j in range(len(rows))], sub, env)
         else:
             if split == "validation" and sub.validation_path is None:

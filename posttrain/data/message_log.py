@@ -57,11 +57,6 @@ def append_message(
     return log
 
 
-def message_log_text(log: Iterable[Message]) -> str:
-    """The conversation as one string: the messages' `content`, concatenated."""
-    return "".join(message["content"] for message in log)
-
-
 def is_trained_on(message: Message, loss_roles: Iterable[str] | None = None) -> bool:
     """True for generated messages, messages flagged `loss: True`, and roles in `loss_roles`."""
     return (

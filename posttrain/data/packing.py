@@ -10,10 +10,10 @@ ones (checked against a real HF Llama in tests/unit/test_packing.py):
    embeddings see the same positions as unpacked), ``cu_seqlens [n + 1]`` (int32 slot boundaries,
    FlashAttention-2 varlen style), ``lengths [n]``, ``seq_indices [n]`` (rows of the batch),
    ``max_seqlen``.
-3. Forward with ``position_ids`` and, for models without varlen attention (HF "eager" / "sdpa",
-   CPU), ``attention_mask = block_causal_attention_mask(cu_seqlens)`` (``[1, 1, T, T]`` additive
-   float mask: every token sees only earlier tokens of its own sequence). With flash-attention-2,
-   pass ``cu_seqlens``/``max_seqlen`` instead.
+3. Forward with ``position_ids`` and no attention mask: transformers finds the sequence
+   boundaries where the positions restart and keeps attention within each sequence, with the
+   model's kernel (flash-attention varlen, a flex-attention block mask, or SDPA's boolean mask;
+   ``policy.attn_implementation``). No dense ``T x T`` float mask is built.
 4. The model's next-token logprobs of the packed row, with ``zero_sequence_starts(values,
    cu_seqlens)`` (0 at each sequence start), and ``unpack(values, cu_seqlens, lengths, max_len)`` scatters
    them back to ``[n, S]``, aligned with ``batch.select(seq_indices)``; the ordinary loss runs on
@@ -149,13 +149,6 @@ def modified_first_fit_decreasing(sizes: list[int], capacity: int) -> list[list[
     return bins
 
 
-def packing_efficiency(lengths: Lengths, bins: list[list[int]], capacity: int) -> float:
-    """Fraction of the packed budget holding real tokens: ``sum(lengths) / (len(bins) * capacity)``."""
-    sizes = _as_list(lengths)
-    used = sum(sizes[i] for b in bins for i in b)
-    return used / (len(bins) * capacity) if bins else 1.0
-
-
 # ------------------------------------------------------------------------------ packed tensors
 def pack_sequences(
     input_ids: torch.Tensor,
@@ -217,25 +210,6 @@ def unpack(packed_values: torch.Tensor, cu_seqlens: torch.Tensor, lengths: torch
             raise ValueError(f"sequence {j}: length {length} does not fit max_len {max_len} or its packed slot")
         out[j, :length] = packed_values[0, start : start + length]
     return out
-
-
-def block_causal_attention_mask(
-    cu_seqlens: torch.Tensor, dtype: torch.dtype = torch.float32, total_len: int | None = None
-) -> torch.Tensor:
-    """``[1, 1, T, T]`` attention mask for a packed row: query i may attend key j iff both are in
-    the same sequence and j <= i. For a floating ``dtype`` it is additive (0 allowed, dtype min
-    elsewhere; HF eager and sdpa attention accept it); ``torch.bool`` gives True = allowed.
-    ``total_len`` defaults to ``cu_seqlens[-1]``; positions past the last sequence form one more
-    causal segment of their own (so no row is fully masked, which would give NaN)."""
-    total = int(cu_seqlens[-1]) if total_len is None else total_len
-    positions = torch.arange(total, device=cu_seqlens.device)
-    segment = torch.bucketize(positions, cu_seqlens[1:].to(positions.dtype), right=True)
-    allowed = (segment[:, None] == segment[None, :]) & (positions[None, :] <= positions[:, None])
-    allowed = allowed[None, None]
-    if dtype == torch.bool:
-        return allowed
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=cu_seqlens.device)
-    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def zero_sequence_starts(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ PROCESSORS: dict[str, Processor] = {}
 # Tokens an over-long prompt keeps (as NeMo-RL's math processor): enough to keep tensors
 # non-empty, while its loss_multiplier of 0 keeps it out of training.
 TRUNCATED_PROMPT_TOKENS = 4
+# The task (and environment) of a row that names none: `data.env_name` sets it per data set.
 DEFAULT_TASK_NAME = "math"
 
 

@@ -270,15 +270,6 @@ class VirtualCluster:
         """Total number of bundles (worker slots)."""
         return sum(self.bundles_per_node)
 
-    def node_count(self) -> int:
-        """Number of virtual nodes (placement groups)."""
-        return len(self.bundles_per_node)
-
-    def placement_groups(self) -> list[PlacementGroup]:
-        """One placement group per virtual node."""
-        self._check_alive()
-        return list(self._placement_groups)
-
     def bundle_locations(self) -> list[tuple[PlacementGroup, int]]:
         """`(placement_group, bundle_index)` of every bundle, in rank order (node by node)."""
         self._check_alive()

@@ -91,7 +91,7 @@ class IsolatedEnvSpec:
 
 def envs_root() -> Path:
     """`$POSTTRAIN_CACHE/envs` (default `~/.cache/posttrain/envs`)."""
-    from posttrain.models.tiny import cache_dir
+    from posttrain.utils.cache import cache_dir
 
     return cache_dir() / "envs"
 

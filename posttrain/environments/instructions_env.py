@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable, Literal, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field

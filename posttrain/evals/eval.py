@@ -9,12 +9,30 @@ from __future__ import annotations
 import copy
 from collections import Counter
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from posttrain.algorithms.advantages import pass_at_k
-from posttrain.rollouts import run_multi_turn_rollout
+from posttrain.data.processors import DEFAULT_TASK_NAME
+from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
+
+
+def pass_at_k(n: int, c: Union[int, torch.Tensor], k: int) -> torch.Tensor:
+    """Unbiased pass@k (Chen et al. 2021, "Evaluating Large Language Models Trained on Code"):
+    ``1 - C(n - c, k) / C(n, k)`` for ``n`` samples of which ``c`` are correct, computed in
+    log space. ``c`` may be a tensor of counts; returns a float tensor of the same shape."""
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
+    c = torch.as_tensor(c)
+    if c.numel() and (c.min() < 0 or c.max() > n):
+        raise ValueError(f"pass@k: correct counts must lie in [0, n={n}], got {c.tolist()}")
+    wrong = (n - c).double()
+    log_ratio = (
+        torch.lgamma(wrong + 1) - torch.lgamma((wrong - k).clamp(min=0) + 1)
+        - torch.lgamma(torch.tensor(n + 1.0, dtype=torch.double))
+        + torch.lgamma(torch.tensor(n - k + 1.0, dtype=torch.double))
+    )
+    return torch.where(wrong < k, torch.ones_like(wrong), 1 - log_ratio.exp()).float()
 
 
 def response_lengths(datums: list[dict]) -> torch.Tensor:
@@ -57,8 +75,6 @@ def evaluate(
     (the unbiased estimator of Chen et al. 2021), `validation/cons@k` (majority vote) and
     `validation/mean_reward`.
     """
-    from posttrain.algorithms.common import sample_seeds
-
     rewards, lengths, answers = [], [], []
     for start in range(0, len(datums), batch_size):
         chunk = [copy.deepcopy(d) for d in datums[start : start + batch_size] for _ in range(k)]
@@ -79,7 +95,7 @@ def evaluate(
         "validation/accuracy": r[:, 0].mean().item(),
         "validation/avg_length": torch.cat(lengths).mean().item(),
     }
-    metrics.update(per_task_means(r[:, 0], [d.get("task_name", "math") for d in datums], "validation/accuracy", list(envs)))
+    metrics.update(per_task_means(r[:, 0], [d.get("task_name", DEFAULT_TASK_NAME) for d in datums], "validation/accuracy", list(envs)))
     if k > 1:
         correct = (r > 0.5).sum(dim=1)
         metrics[f"validation/pass@{k}"] = pass_at_k(k, correct, k).float().mean().item()
@@ -129,9 +145,15 @@ def run(cfg) -> dict[str, float]:
     import json
     import time
 
-    from posttrain.algorithms.common import build_datums, make_cluster, make_envs, make_generation, start_run
     from posttrain.data.processors import build_prompt_message_log
     from posttrain.environments.registry import EnvRouter
+    from posttrain.job import (
+        build_datums,
+        make_cluster,
+        make_envs,
+        make_generation,
+        start_run,
+    )
 
     e = cfg.eval
     model_name = cfg.policy.model_name

@@ -157,14 +157,15 @@ def _is_current(path: Path, name: str) -> bool:
 
 def is_converted(name: str) -> bool:
     """Whether the cache holds a current conversion of pretrained preset `name`."""
-    from posttrain.models.tiny import cache_dir
+    from posttrain.utils.cache import cache_dir
 
     return _is_current(cache_dir() / "models" / name, name)
 
 
 def ensure_pretrained(name: str) -> Path:
     """Return `<cache>/models/<name>` for a pretrained preset, converting its GGUF file on first use."""
-    from posttrain.models.tiny import build_atomically, cache_dir
+    from posttrain.models.tiny import build_atomically
+    from posttrain.utils.cache import cache_dir
 
     if name not in PRETRAINED_PRESETS:
         raise ValueError(f"unknown pretrained preset {name!r}; choose one of {sorted(PRETRAINED_PRESETS)}")

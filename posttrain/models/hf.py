@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -22,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from posttrain.models.presets import PRETRAINED_PRESETS
 from posttrain.models.tiny import ARCHS, PRESETS, ensure_tiny_model
 
-from posttrain.preflight import HUB_ID as _HUB_ID
+from posttrain.models.paths import HUB_ID as _HUB_ID
 
 
 def parse_tiny_name(name: str, tiny_arch: str = "llama") -> tuple[str, str] | None:
@@ -93,11 +94,14 @@ def load_causal_lm(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     tiny_arch: str = "llama",
+    attn_implementation: Optional[str] = None,
 ) -> PreTrainedModel:
-    """Load a causal LM with `AutoModelForCausalLM` in `dtype` on `device` (training mode off)."""
+    """Load a causal LM with `AutoModelForCausalLM` in `dtype` on `device` (training mode off),
+    with the attention kernel `attn_implementation` (None: the model's default)."""
     path = resolve_model_path(name_or_path, tiny_arch)
     _require_files(path, ("config.json",), "model")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    options = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **options)
     return model.to(device).eval()
 
 

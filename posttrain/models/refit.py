@@ -21,8 +21,6 @@ policy is on GPU), (2) buffer -> object store in `ray.put`, (3) object store -> 
 Refit is lazy: generation tracks the `weights_version` it holds, the controller refits only when
 the policy's version differs.
 
-`naive_put_state_dict` / `naive_load_state_dict` (one `ray.put` / `ray.get` per tensor) exist only
-as the baseline for `benchmarks/refit.py`.
 """
 
 from __future__ import annotations
@@ -247,24 +245,6 @@ def state_dict_checksum(
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-# --------------------------------------------------------------------- naive baseline (benchmarks)
-def naive_put_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict:
-    """One `ray.put` per tensor: the per-tensor transfer that packing replaces (benchmark only)."""
-    import ray
-
-    return {name: ray.put(t.detach().cpu()) for name, t in state_dict.items()}
-
-
-@torch.no_grad()
-def naive_load_state_dict(model: torch.nn.Module, refs: Mapping[str, object]) -> None:
-    """One `ray.get` per tensor, then copy into the model (benchmark only)."""
-    import ray
-
-    own = model.state_dict()
-    for name, ref in refs.items():
-        own[name].copy_(ray.get(ref))
 
 
 def refit_policy_generation(policy, generation, metadata: RefitMetadata, *, version: int, verify: bool = False) -> None:

@@ -41,6 +41,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from posttrain.utils.cache import cache_dir
 from posttrain.models.presets import (  # noqa: F401 (re-exported: tiny.PRESETS, tiny.ARCHS)
     ARCHS,
     MOE_ARCHS,
@@ -183,11 +184,6 @@ def build_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", arch: str
     marker = {"recipe_version": RECIPE_VERSION, "preset": preset, "arch": arch, "seed": seed}
     (out / MARKER_FILE).write_text(json.dumps(marker) + "\n")
     return out
-
-
-def cache_dir() -> Path:
-    """Root of posttrain's cache: `$POSTTRAIN_CACHE`, default `~/.cache/posttrain`."""
-    return Path(os.environ.get("POSTTRAIN_CACHE") or Path.home() / ".cache" / "posttrain").expanduser()
 
 
 def _is_current(path: Path, preset: str, arch: str) -> bool:

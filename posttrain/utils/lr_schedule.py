@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from posttrain.config.schema import OptimizerConfig, SchedulerConfig
+from posttrain.utils.registry import registrar, resolve
 
 WARMUP_START_FACTOR = 0.1  # NeMo-RL's LinearLR start factor.
 
@@ -26,14 +27,9 @@ DecayFn = Callable[[float], float]  # progress in [0, 1] -> fraction of the way 
 DECAYS: dict[str, DecayFn] = {}
 
 
-def register_decay(name: str) -> Callable[[DecayFn], DecayFn]:
-    """Register a decay shape; `fn(progress)` returns how far (0..1) the rate has moved to `min_lr`."""
-
-    def wrap(fn: DecayFn) -> DecayFn:
-        DECAYS[name] = fn
-        return fn
-
-    return wrap
+# `@register_decay("name")`: a decay shape `fn(progress)` returning how far (0..1) the rate has
+# moved to `min_lr`; `policy.scheduler.name` picks one.
+register_decay = registrar(DECAYS, "LR decay")
 
 
 @register_decay("constant")
@@ -66,13 +62,15 @@ def lr_at_step(
         step: training steps already taken (0 for the first step).
         lr: peak learning rate (`policy.optimizer.lr`).
         min_lr: floor reached at `total_steps` by `linear`/`cosine` (`policy.optimizer.min_lr`, default 0).
-        name: decay shape, one of `DECAYS` (`policy.scheduler.name`, default "constant").
+        name: decay shape, a name in `DECAYS` or an import path (`policy.scheduler.name`, default "constant").
         warmup_steps: linear warm-up length from 10% of `lr` (`policy.scheduler.warmup_steps`, default 0).
         total_steps: decay horizon including warm-up (`policy.scheduler.total_steps`); required by
             every schedule but "constant".
     """
-    if name not in DECAYS:
-        raise ValueError(f"policy.scheduler.name={name!r} is unknown; choose one of {sorted(DECAYS)}")
+    try:
+        decay = resolve(DECAYS, name, "LR decay")
+    except KeyError as e:
+        raise ValueError(f"policy.scheduler.name: {e.args[0]}") from None
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if step < warmup_steps:
@@ -89,7 +87,7 @@ def lr_at_step(
             f"policy.scheduler.total_steps={total_steps} must exceed policy.scheduler.warmup_steps={warmup_steps}"
         )
     progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
-    return lr + (min_lr - lr) * DECAYS[name](progress)
+    return lr + (min_lr - lr) * decay(progress)
 
 
 def build_lr_scheduler(

@@ -1,5 +1,6 @@
-"""Name -> implementation registries (losses, advantage estimators, packers, data processors):
-a new variant is one decorated function or class."""
+"""Name -> implementation registries (losses, advantage estimators, environments, LR decays,
+packers, data processors): a new variant is one decorated function or class, and a config key
+that picks one also takes an import path (`"pkg.module:attr"`, `"file.py:attr"`)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ def registrar(registry: dict[str, T], kind: str) -> Callable[[str], Callable[[T]
 
     def register(name: str) -> Callable[[T], T]:
         def decorator(obj: T) -> T:
-            if name in registry:
-                raise ValueError(f"{kind} {name!r} is already registered")
+            if name in registry and registry[name] is not obj:  # registering the same object again is harmless
+                raise ValueError(f"{kind} {name!r} is already registered "
+                                 f"(by {getattr(registry[name], '__qualname__', registry[name])!s})")
             registry[name] = obj
             return obj
 

@@ -289,6 +289,7 @@ def test_loss_presets_run_from_their_example_configs(grpo_context, tmp_path):
         )
         assert cfg.policy.model_dump(exclude={"scheduler"}) == ctx.cfg.policy.model_dump(exclude={"scheduler"})
         ctx.cfg, ctx.loss_fn = cfg, ClippedPGLoss(cfg.loss_fn)
+        ctx.loop.cfg, ctx.loop.schedule = cfg, cfg.grpo
         grpo.grpo_train(ctx)
         row = read_metrics(tmp_path / "logs")[i]
         assert 1.0 <= row["train/token_mult_prob_error"] < 1.001, preset
@@ -324,4 +325,4 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(grpo_context, tmp_
     assert ctx.policy.weights_checksum() == weights_before  # no optimizer step on a NaN loss
     assert (step1 / "training_info.json").read_text() == info_before
     assert not (tmp_path / "ckpt" / "step_2").exists()
-    assert ctx.checkpointer.latest() == step1
+    assert ctx.loop.checkpointer.latest() == step1

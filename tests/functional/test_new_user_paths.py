@@ -48,7 +48,7 @@ def test_grpo_without_validation_in_the_users_directory_then_checkpoint_as_model
     first = posttrain("grpo", *SMALL_GRPO, "data.dataset=jsonl", "data.train_path=train.jsonl",
                       "logger.log_dir=logs/a", "checkpointing.checkpoint_dir=ckpt/a", cwd=tmp_path)
     assert "running without validation" in first.stdout
-    assert "GRPO finished at step 2" in first.stdout and "(no validation)" in first.stdout
+    assert "GRPO finished at step 2" in first.stdout and ": no validation;" in first.stdout
     assert not any(k.startswith("validation/") for row in metrics(tmp_path / "logs/a/metrics.jsonl") for k in row)
     assert (tmp_path / "ckpt/a/step_2/training_info.json").is_file()  # relative to the user's directory
     warm = metrics(tmp_path / "logs/a/sft_warmup/metrics.jsonl")  # the warm start follows logger.log_dir
@@ -75,14 +75,15 @@ def test_sft_export_summary_report_and_no_fake_validation(tmp_path):
     common = ["sft.max_num_steps=2", "sft.val_period=1", "policy.train_global_batch_size=8",
               "policy.train_micro_batch_size=8", "logger.progress_bar=false", "checkpointing.enabled=false"]
     result = posttrain("sft", *common, "sft.export_dir=out", "logger.log_dir=logs/sft", cwd=tmp_path)
-    assert "[posttrain] SFT finished: validation loss" in result.stdout and "accuracy" in result.stdout
+    assert "[posttrain] SFT finished at step 2" in result.stdout
+    assert "validation accuracy" in result.stdout and "at the end: loss" in result.stdout
     assert (tmp_path / "out/config.json").is_file() and (tmp_path / "logs/sft/report.png").is_file()
     last = metrics(tmp_path / "logs/sft/metrics.jsonl")[-1]
     assert 0.0 <= last["validation/accuracy"] <= 1.0 and last["validation/loss"] > 0
 
     result = posttrain("sft", *common, "data.dataset=jsonl", "data.train_path=train.jsonl",
                        "logger.log_dir=logs/noval", cwd=tmp_path)
-    assert "SFT finished: no validation" in result.stdout
+    assert ": no validation;" in result.stdout
     assert not any(k.startswith("validation/") for row in metrics(tmp_path / "logs/noval/metrics.jsonl") for k in row)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.algorithms.common import make_cluster, make_generation
+from posttrain.job import make_cluster, make_generation
 from posttrain.algorithms.loss import NLLLoss
 from posttrain.config.loader import load_config
 from posttrain.distributed.batch import Batch

@@ -160,7 +160,7 @@ def _refit_cfg(*extra: str):
 def test_vllm_refit_from_policy(ray_cluster, vllm_python, colocated):
     """Refit from real policy workers into a running vLLM engine, verified by the logprob probe;
     afterwards vLLM's processed logprobs match the trainer's (token_mult_prob_error ~ 1)."""
-    from posttrain.algorithms.common import make_cluster, make_generation
+    from posttrain.job import make_cluster, make_generation
     from posttrain.algorithms.loss import NLLLoss
     from posttrain.models.generation.interface import RefitVerificationError
     from posttrain.models.policy.policy import Policy

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from posttrain.evals.eval import pass_at_k
 from posttrain.algorithms.advantages import (
     apply_overlong_penalty,
     broadcast_to_tokens,
@@ -13,7 +14,6 @@ from posttrain.algorithms.advantages import (
     group_baseline_and_std,
     group_mean,
     group_std,
-    pass_at_k,
 )
 
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])

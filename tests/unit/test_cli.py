@@ -23,7 +23,7 @@ def test_print_config_reloads_to_an_equal_config(capsys, tmp_path):
     assert cli.main(["grpo", "--print-config", *overrides]) == 0
     printed = capsys.readouterr().out
     expected = load_config("grpo", overrides=overrides)
-    assert printed == config_to_yaml(expected)
+    assert printed == config_to_yaml(expected, comments=True)
     (tmp_path / "printed.yaml").write_text(printed)
     reloaded = load_config("grpo", tmp_path / "printed.yaml")
     assert reloaded == expected
@@ -35,7 +35,7 @@ def test_print_config_with_config_file(capsys, tmp_path):
     path.write_text("defaults: " + str(EXAMPLE_CONFIG_DIR / "grpo_dapo_tiny.yaml") + "\ngrpo: {seed: 3}\n")
     assert cli.main(["grpo", "--config", str(path), "--print-config"]) == 0
     cfg = load_config("grpo", path)
-    assert capsys.readouterr().out == config_to_yaml(cfg)
+    assert capsys.readouterr().out == config_to_yaml(cfg, comments=True)
     assert (cfg.grpo.seed, cfg.loss_fn.ratio_clip_max) == (3, 0.28)
 
 

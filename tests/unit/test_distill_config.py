@@ -14,7 +14,8 @@ import pytest
 from posttrain.config import ConfigError, load_config
 from posttrain.config.schema import DistillMasterConfig
 from posttrain.errors import UserError
-from posttrain.preflight import check_distill_vocabularies, model_vocab_size
+from posttrain.models.paths import model_vocab_size
+from posttrain.preflight import check_distill_vocabularies
 
 TINY_VOCAB = 103  # the character-level tokenizer of every built-in preset
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from posttrain.environments.judge_env import JudgeEnvConfig, JudgeEnvironment, comparison_pairs, parse_pairwise
+from posttrain.judges.judge_env import JudgeEnvConfig, JudgeEnvironment, comparison_pairs, parse_pairwise
 
 
 def logs(prompt: str, *responses: str) -> list[list[dict]]:

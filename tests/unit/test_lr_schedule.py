@@ -61,3 +61,34 @@ def test_lambda_scheduler_follows_lr_at_step_and_round_trips():
 
     with pytest.raises(ValueError, match="total_steps is required"):
         build_lr_scheduler(opt, opt_cfg, SchedulerConfig(name="cosine"))
+
+
+def test_a_decay_shape_plugs_in_by_registration_or_import_path(tmp_path):
+    from posttrain.utils.lr_schedule import DECAYS, register_decay
+
+    @register_decay("step_halfway")
+    def step_halfway(progress):  # full lr for the first half, min_lr after
+        return 0.0 if progress < 0.5 else 1.0
+
+    try:
+        assert lr_at_step(4, lr=1.0, min_lr=0.1, name="step_halfway", total_steps=10) == 1.0
+        assert lr_at_step(6, lr=1.0, min_lr=0.1, name="step_halfway", total_steps=10) == pytest.approx(0.1)
+        with pytest.raises(ValueError, match="already registered"):
+            register_decay("step_halfway")(lambda p: p)
+    finally:
+        DECAYS.pop("step_halfway")
+    (tmp_path / "my_decay.py").write_text("def squared(progress):\n    return progress ** 2\n")
+    assert lr_at_step(5, lr=1.0, name=f"{tmp_path}/my_decay.py:squared", total_steps=10) == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="unknown LR decay 'cosin'.*did you mean 'cosine'"):
+        lr_at_step(5, lr=1.0, name="cosin", total_steps=10)
+
+
+def test_preflight_names_a_bad_decay_path_before_workers_start(tmp_path):
+    from posttrain.config import load_config
+    from posttrain.errors import UserError
+    from posttrain.preflight import check_components
+
+    with pytest.raises(UserError, match=r"policy.scheduler.name: .*no_such_file.py"):
+        check_components(load_config("sft", overrides=[f"policy.scheduler.name={tmp_path}/no_such_file.py:fn"]))
+    with pytest.raises(UserError, match="policy.scheduler.name: unknown LR decay 'cosin'"):
+        check_components(load_config("sft", overrides=["policy.scheduler.name=cosin"]))

@@ -3,7 +3,7 @@
 import pytest
 
 import posttrain.distributed.cluster as cluster_module
-from posttrain.algorithms.common import make_cluster
+from posttrain.job import make_cluster
 from posttrain.config import load_config
 
 

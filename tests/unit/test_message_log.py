@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.data.message_log import append_message, flatten_message_logs, message_log_text
+from posttrain.data.message_log import append_message, flatten_message_logs
 from posttrain.distributed.batch import Batch
 
 PAD = 0
@@ -26,7 +26,7 @@ def test_append_message_fields():
     assert [m["role"] for m in log] == ["user", "assistant", "environment", "assistant"]
     assert log[1]["token_ids"].dtype == torch.long and log[1]["generation_logprobs"].dtype == torch.float32
     assert log[1]["weight_version"] == 3 and "weight_version" not in log[0] and "generation_logprobs" not in log[2]
-    assert message_log_text(log) == "abcdefghij"
+    assert "".join(m["content"] for m in log) == "abcdefghij"
     with pytest.raises(ValueError, match="1 generation_logprobs for 2 tokens"):
         append_message([], "assistant", "xy", [1, 2], generation_logprobs=[-1.0])
 

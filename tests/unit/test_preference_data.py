@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from posttrain.algorithms.common import build_datums
+from posttrain.job import build_datums
 from posttrain.config import ConfigError, load_config
 from posttrain.config.schema import DataConfig, DPOMasterConfig, PolicyConfig, pair_batching_problems
 from posttrain.data.datasets import DataError

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.algorithms import common
+from posttrain.algorithms.loop import train_offline
+from posttrain.job import prepare_run_dirs
 from posttrain.config import load_config
 from posttrain.utils import run_dirs
 from posttrain.utils.run_dirs import (
@@ -122,21 +123,21 @@ def _cfg(tmp_path: Path, *extra: str):
 
 
 def test_resume_refuses_corrupting_changes_before_anything_starts(tmp_path, capsys):
-    common.prepare_run_dirs(_cfg(tmp_path))  # first run: saves its config beside the checkpoints
+    prepare_run_dirs(_cfg(tmp_path))  # first run: saves its config beside the checkpoints
     assert (tmp_path / "ckpt" / "config.yaml").is_file() and (tmp_path / "logs" / LOCK_FILE).is_file()
     _fake_checkpoint(tmp_path / "ckpt")
     with pytest.raises(ResumeConfigError) as info:
-        common.prepare_run_dirs(_cfg(tmp_path, "data.num_digits=3", "policy.max_total_sequence_length=128"))
+        prepare_run_dirs(_cfg(tmp_path, "data.num_digits=3", "policy.max_total_sequence_length=128"))
     message = str(info.value)
     assert "data.num_digits: 2 -> 3" in message and "policy.max_total_sequence_length: 64 -> 128" in message
     assert "checkpointing.allow_resume_config_changes=true" in message
     # Harmless changes: allowed and listed; the saved config becomes the new one.
-    common.prepare_run_dirs(_cfg(tmp_path, "sft.max_num_steps=900", "logger.progress_bar=false"))
+    prepare_run_dirs(_cfg(tmp_path, "sft.max_num_steps=900", "logger.progress_bar=false"))
     out = capsys.readouterr().out
     assert "resuming with config changes: logger.progress_bar: True -> False; sft.max_num_steps: 200 -> 900" in out
     assert "max_num_steps: 900" in (tmp_path / "ckpt" / "config.yaml").read_text()
     # The escape hatch resumes anyway, with a warning per key.
-    common.prepare_run_dirs(_cfg(tmp_path, "sft.max_num_steps=900", "logger.progress_bar=false",
+    prepare_run_dirs(_cfg(tmp_path, "sft.max_num_steps=900", "logger.progress_bar=false",
                                  "data.num_digits=3", "checkpointing.allow_resume_config_changes=true"))
     assert "WARNING: resuming with a changed config" in capsys.readouterr().out
 
@@ -168,9 +169,9 @@ def test_offline_run_resumed_past_its_last_step_says_so(tmp_path, capsys):
     def no_training(*_):
         raise AssertionError("nothing should train")
 
-    metrics = common.train_offline(cfg, cfg.sft, _Policy(), _Loader(), no_training, dict, desc="SFT")
+    metrics = train_offline(cfg, cfg.sft, name="SFT", section="sft", policy=_Policy(), loader=_Loader(),
+                            train_step=no_training, validate=dict)
     assert metrics == {}
-    common.finish_offline_run(cfg, metrics, "SFT")
     out = capsys.readouterr().out
     assert "checkpoint is at step 3, past this run's last step 2" in out and "sft.max_num_steps above 3" in out
     assert "SFT finished" not in out  # no stale summary
@@ -179,8 +180,12 @@ def test_offline_run_resumed_past_its_last_step_says_so(tmp_path, capsys):
 def test_grpo_resumed_past_its_last_step_says_so(monkeypatch, capsys):
     from posttrain.algorithms import grpo
 
+    class Loop:
+        def done_message(self):
+            return already_done_message(7, 4, "grpo.max_num_steps")
+
     class Ctx:
-        step, last_step, shut = 7, 4, False
+        loop, shut = Loop(), False
 
         def shutdown(self):
             Ctx.shut = True

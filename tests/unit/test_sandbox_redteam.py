@@ -156,8 +156,6 @@ def test_no_network_even_loopback(mode):
             mode,
         )
         assert r["reason"] == "network"
-        r = attack("import socket\nprint(42)\nsocket.create_connection(('1.1.1.1', 53), timeout=2)", mode)
-        assert r["reason"] == "network"
         done.set()
         thread.join()
         assert connections == []

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from posttrain.algorithms.common import start_concurrently
+from posttrain.job import start_concurrently
 
 
 class FakeGroup:

@@ -17,9 +17,17 @@ class RecordingGeneration:
 
     def __init__(self):
         self.calls = []
+        self.events = []
+
+    def prepare_for_generation(self):
+        self.events.append("prepare")
+
+    def finish_generation(self):
+        self.events.append("finish")
 
     def generate(self, batch, greedy=False, params=None):
         self.calls.append((greedy, params))
+        self.events.append("generate")
         ids, lengths = batch["input_ids"], batch["input_lengths"]
         out = torch.cat([ids, torch.full((ids.shape[0], 1), 20)], dim=1)
         for row, n in enumerate(lengths.tolist()):
@@ -68,3 +76,26 @@ def test_per_task_accuracy_and_counts():
     # A task of the run that this batch lacks: count 0, no mean.
     assert per_task_means(values, ["a"] * 4, "r", ["a", "c"]) == {"r/a": 0.75, "r_count/a": 4.0, "r_count/c": 0.0}
     assert per_task_means(values, ["a"] * 4, "validation/accuracy", ["a"]) == {}  # one task: the overall metric only
+
+
+def test_rollouts_tell_the_engine_when_generation_begins_and_ends():
+    """`prepare_for_generation` / `finish_generation` bracket every rollout (they were never called:
+    a colocated GPU engine could not free its memory for training), also when an environment fails."""
+    from posttrain.rollouts import run_multi_turn_rollout
+
+    tokenizer = build_tokenizer()
+    datums = [build_prompt_message_log({"prompt": "1+1=", "answer": "2", "task_name": "t"}, tokenizer, 64, idx=0)]
+    generation = RecordingGeneration()
+    run_multi_turn_rollout(generation, datums, tokenizer, {"t": AlwaysRight()}, max_seq_len=64)
+    assert generation.events == ["prepare", "generate", "finish"]
+
+    class Broken(Environment):
+        def step(self, message_logs, metadata):
+            raise RuntimeError("environment down")
+
+    generation.events.clear()
+    try:
+        run_multi_turn_rollout(generation, datums, tokenizer, {"t": Broken()}, max_seq_len=64)
+    except RuntimeError:
+        pass
+    assert generation.events == ["prepare", "generate", "finish"]

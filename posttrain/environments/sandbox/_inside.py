@@ -153,6 +153,14 @@ def read_capped(process, streams, cap, deadline):
     return data, why
 
 
+def capped_reason(why, stderr):
+    """`read_capped`'s reason, except that output flooded by the tracebacks of failed forks is the
+    process limit at work (a fork bomb), not a program that prints too much."""
+    if why == "output_limit" and ("BlockingIOError" in stderr or "Resource temporarily unavailable" in stderr):
+        return "process_limit"
+    return why
+
+
 def classify(returncode, stderr):
     """Why a test process failed: a short reason from its exit signal or last traceback line."""
     if returncode < 0:
@@ -223,6 +231,7 @@ def run_stdio(job, workdir):
         )
         returncode = process.wait()
         stderr = data["err"].decode(errors="replace")
+        why = capped_reason(why, stderr)
         if why:
             status, reason = why, why
         elif returncode != 0:
@@ -269,7 +278,7 @@ def run_function(job, workdir):
             load_error = record["load_error"]
         elif isinstance(record, dict) and isinstance(record.get("test"), int):
             results.setdefault(record["test"], record)
-    failure = why or ("" if returncode == 0 else classify(returncode, stderr))
+    failure = capped_reason(why, stderr) or ("" if returncode == 0 else classify(returncode, stderr))
     for i in range(num_tests):
         record = results.get(i)
         if record is not None and "value" in record:

@@ -7,7 +7,7 @@
   shards batches over data-parallel generation workers and receives refits.
 """
 
-from posttrain.models.generation.engine import HFGenerateBaseline, NativeGenerationEngine
+from posttrain.models.generation.engine import NativeGenerationEngine
 from posttrain.models.generation.sampling import process_logits, sample
 
-__all__ = ["HFGenerateBaseline", "NativeGenerationEngine", "process_logits", "sample"]
+__all__ = ["NativeGenerationEngine", "process_logits", "sample"]

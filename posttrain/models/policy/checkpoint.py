@@ -170,7 +170,7 @@ def converted_checkpoint(checkpoint_dir: str | os.PathLike) -> Path:
     """
     import hashlib
 
-    from posttrain.models.tiny import cache_dir
+    from posttrain.utils.cache import cache_dir
 
     path = Path(checkpoint_dir).resolve()
     stamp = f"{path}:{(path / MODEL_DIR).stat().st_mtime_ns if (path / MODEL_DIR).exists() else path.stat().st_mtime_ns}"
@@ -190,7 +190,7 @@ def convert_to_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike)
     `step_N` subdirectories) is refused with a `UserError` naming its latest step.
     """
     from posttrain.errors import UserError
-    from posttrain.preflight import checkpoint_policy_dir, latest_step_dir
+    from posttrain.models.paths import checkpoint_policy_dir, latest_step_dir
 
     path = Path(checkpoint_dir)
     if not path.is_dir():

@@ -106,6 +106,17 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def packed_forward(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:
+    """Logits `[1, T, V]` of a packed row. It carries no attention mask, only `position_ids` that
+    restart at 0 for every sequence (so rotary embeddings match unpacked rows): from them
+    transformers finds the sequence boundaries and keeps attention within each sequence, with
+    the model's attention kernel (`policy.attn_implementation`): flash-attention varlen, a
+    flex-attention block mask, or SDPA's boolean mask. No dense `T x T` float mask is built here.
+    (transformers looks for the boundaries only without a KV cache, hence `use_cache=False`.)"""
+    return model(input_ids=mb.packed["input_ids"].to(device), position_ids=mb.packed["position_ids"].to(device),
+                  use_cache=False).logits
+
+
 def microbatch_logprobs(
     model: torch.nn.Module, mb: MicroBatch, device: torch.device, compute_dtype: torch.dtype, temperature: float = 1.0
 ) -> torch.Tensor:
@@ -115,12 +126,8 @@ def microbatch_logprobs(
     seq_len = input_ids.shape[1]
     with _autocast(device, compute_dtype):
         if mb.packed is not None:
-            # Block-diagonal causal mask (additive, in the compute dtype so sdpa accepts it under
-            # autocast) plus position_ids restarting at 0, so rotary embeddings match unpacked rows.
             packed_ids = mb.packed["input_ids"].to(device)
-            mask = packing.block_causal_attention_mask(mb.packed["cu_seqlens"].to(device), dtype=compute_dtype)
-            position_ids = mb.packed["position_ids"].to(device)
-            logits = model(input_ids=packed_ids, attention_mask=mask, position_ids=position_ids).logits
+            logits = packed_forward(model, mb, device)
             packed_logprobs = packing.zero_sequence_starts(
                 next_token_logprobs(logits, packed_ids, temperature), mb.packed["cu_seqlens"]
             )
@@ -143,9 +150,7 @@ def microbatch_logits(
     seq_len = input_ids.shape[1]
     with _autocast(device, compute_dtype):
         if mb.packed is not None:
-            packed_ids = mb.packed["input_ids"].to(device)
-            mask = packing.block_causal_attention_mask(mb.packed["cu_seqlens"].to(device), dtype=compute_dtype)
-            logits = model(input_ids=packed_ids, attention_mask=mask, position_ids=mb.packed["position_ids"].to(device)).logits
+            logits = packed_forward(model, mb, device)
         else:
             attention = (torch.arange(seq_len, device=device)[None, :] < lengths[:, None]).long()
             logits = model(input_ids=input_ids, attention_mask=attention).logits

@@ -6,6 +6,7 @@ together (they run collectives among themselves) and returns results in the call
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -136,9 +137,19 @@ class Policy:
     def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
         self.worker_group.run_all("load_checkpoint", str(path), load_optimizer=load_optimizer)
 
-    def export_hf(self, out_dir: str) -> str:
-        """Consolidated Hugging Face directory (safetensors, config, tokenizer)."""
-        return self.worker_group.run_all("export_hf", str(out_dir))[0]
+    def export_hf(self, out_dir: str | Path) -> str:
+        """Write a consolidated Hugging Face directory (safetensors, config, tokenizer) to `out_dir`,
+        through a temporary sibling, so a half-written export is never found there; a previous
+        export in `out_dir` is replaced."""
+        import shutil
+
+        from posttrain.utils.checkpoint import publish_dir
+
+        out_dir = Path(out_dir)
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted export
+        self.worker_group.run_all("export_hf", str(tmp))
+        return str(publish_dir(tmp, out_dir))
 
     def state_dict_for_export(self) -> dict[str, torch.Tensor]:
         """Full weights in HF names (gathered on rank 0; every worker takes part)."""

@@ -144,7 +144,8 @@ class PolicyWorker(DistributedWorker):
     def _load_model(self, model_path: str) -> torch.nn.Module:
         # Loaded on the CPU in float32: FSDP moves only this rank's shard to the device.
         if self.model_type == "lm":
-            return load_causal_lm(model_path, dtype=torch.float32, device="cpu", tiny_arch=self.cfg.tiny_arch)
+            return load_causal_lm(model_path, dtype=torch.float32, device="cpu", tiny_arch=self.cfg.tiny_arch,
+                                  attn_implementation=self.cfg.attn_implementation)
         config = AutoConfig.from_pretrained(model_path, num_labels=1)
         if config.pad_token_id is None:  # needed to find each row's last token
             config.pad_token_id = self.tokenizer.pad_token_id

@@ -1,0 +1,223 @@
+"""The one training-loop skeleton every algorithm runs (GRPO, SFT, DPO, RM, distillation).
+
+An algorithm supplies a step function and a validation function; `TrainingLoop` owns the rest,
+identically for all of them: resume from the latest checkpoint, the validation schedule
+(`val_at_start`, every `val_period` steps, `val_at_end`), logging (metrics.jsonl, TensorBoard,
+trackers), the progress bar, checkpoints (every `checkpointing.save_period` steps and at the last
+step, ranked by the most recent validation), `report.png` and the closing summary line.
+
+    loop = TrainingLoop(cfg, cfg.sft, name="SFT", section="sft", policy=policy, loader=loader)
+    loop.resume()
+    loop.run(step_fn, validate_fn)   # step_fn(step, timer) -> metrics with full names
+    loop.finish()
+    loop.close()
+
+`train_offline` is that sequence for the trainers on a fixed data set.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from posttrain.utils.checkpoint import CheckpointManager
+from posttrain.utils.logger import Logger, ProgressBar
+from posttrain.utils.timer import Timer
+
+LOADER_STATE_FILE = "dataloader.json"
+
+StepFn = Callable[[int, Timer], dict[str, float]]
+ValidateFn = Callable[[], dict[str, float]]
+
+
+def prefixed(metrics: dict, prefix: str) -> dict[str, float]:
+    return {f"{prefix}/{k}": float(v) for k, v in metrics.items()}
+
+
+class TrainingLoop:
+    """Resume, schedule, log, checkpoint and report one run.
+
+    Args:
+        cfg: the master config (`logger` and `checkpointing` are read).
+        schedule: the algorithm's section (`grpo`, `sft`, ...): `max_num_steps`, `max_num_epochs`
+            (the run stops at whichever comes first), `val_period`, `val_at_start`, `val_at_end`.
+        name: how the run is called in its progress bar and summary ("GRPO", "SFT", ...).
+        section: the section's key, named by messages (`<section>.max_num_steps`).
+        policy: the `Policy` being trained (checkpointed with the loader position).
+        loader: the `ResumableLoader` the steps draw from.
+        headline: the validation metric the summary reports from the first to the last validation.
+    """
+
+    def __init__(self, cfg: Any, schedule: Any, *, name: str, section: str, policy: Any, loader: Any,
+                 headline: str = "validation/accuracy"):
+        self.cfg, self.schedule, self.name, self.section = cfg, schedule, name, section
+        self.policy, self.loader, self.headline = policy, loader, headline
+        self.logger = Logger(cfg.logger)
+        self.logger.log_hyperparams(cfg.model_dump(mode="json"))
+        self.checkpointer = CheckpointManager(cfg.checkpointing)
+        self.step = 0  # completed training steps
+        self.history: list[tuple[int, dict[str, float]]] = []  # (step, validation metrics) of each validation
+        self.state: dict[str, Any] = {}  # the algorithm's own resume state, saved with each checkpoint
+        self.started = time.perf_counter()
+
+    @property
+    def last_step(self) -> int:
+        """`max_num_steps`, or fewer when `max_num_epochs` passes over the data end first."""
+        s = self.schedule
+        return min(s.max_num_steps, self.loader.steps_for_epochs(s.max_num_epochs))
+
+    # ------------------------------------------------------------------------------ resume
+    def resume(self) -> bool:
+        """Restore the latest complete checkpoint (policy, loader position, step, validation history,
+        `state`) when `checkpointing.enabled`; True when there was one."""
+        if not self.cfg.checkpointing.enabled:
+            return False
+        latest = self.checkpointer.latest()
+        if latest is None:
+            self.logger.truncate_after(-1)  # a fresh start: forget metrics of a run that never checkpointed
+            return False
+        info = self.checkpointer.load_training_info(latest)
+        self.policy.load_checkpoint(latest / "policy")
+        loader_state = latest / LOADER_STATE_FILE
+        if loader_state.exists():
+            self.loader.load_state_dict(json.loads(loader_state.read_text()))
+        self.step = int(info["step"])
+        self.history = [(int(step), dict(metrics)) for step, metrics in info.get("val_history", [])]
+        self.state = dict(info.get("state", {}))
+        self.logger.truncate_after(self.step)
+        print(f"[posttrain] resumed from {latest} (step {self.step})", flush=True)
+        return True
+
+    def done_message(self) -> Optional[str]:
+        """What to say when a resumed run is already at or past its last step (else None)."""
+        from posttrain.utils.run_dirs import already_done_message
+
+        if not self.step:
+            return None
+        return already_done_message(self.step, self.last_step, f"{self.section}.max_num_steps")
+
+    # ------------------------------------------------------------------------------ the loop
+    def run(self, step_fn: StepFn, validate_fn: ValidateFn) -> dict[str, float]:
+        """Train from `self.step` to `last_step`; returns the last step's metrics (empty when
+        there was nothing left to train).
+
+        `step_fn(step, timer)` runs one training step and returns its metrics with full names
+        (`train/...`); the parts it times with `timer` are logged as `timing/train/<part>` beside
+        `timing/train/total_step_time`. `validate_fn()` returns `validation/...` metrics, or an
+        empty dict when there is no validation data.
+        """
+        s = self.schedule
+        if self.step == 0 and s.val_at_start:
+            metrics = self.validate(validate_fn)
+            if metrics:
+                self.logger.log_metrics(metrics, 0)
+        bar = ProgressBar(total=self.last_step, initial=self.step, enabled=self.cfg.logger.progress_bar,
+                          desc=self.name)
+        metrics: dict[str, float] = {}
+        while self.step < self.last_step:
+            step, timer = self.step + 1, Timer()
+            with timer.time("total_step_time"):
+                metrics = dict(step_fn(step, timer))
+            self.step = step
+            metrics.update(prefixed(timer.get_timing_metrics(), "timing/train"))
+            if (s.val_period > 0 and step % s.val_period == 0) or (s.val_at_end and step == self.last_step):
+                metrics.update(self.validate(validate_fn))
+            self.logger.log_metrics(metrics, step)
+            if self.checkpointer.should_save(step, is_last_step=step == self.last_step):
+                self.save()
+            bar.update(metrics)
+        bar.close()
+        return metrics
+
+    def validate(self, validate_fn: ValidateFn) -> dict[str, float]:
+        """Run `validate_fn` at the current step, time it and record it in the history."""
+        t0 = time.perf_counter()
+        metrics = dict(validate_fn())
+        if not metrics:
+            return {}
+        metrics["timing/validation/total_validation_time"] = time.perf_counter() - t0
+        self.history.append((self.step, {k: v for k, v in metrics.items() if k.startswith("validation/")}))
+        return metrics
+
+    def save(self) -> Path:
+        """Write `step_N/` atomically: policy (weights, optimizer, RNG), loader position, validation
+        history and `state`; ranked for `keep_top_k` by the most recent validation."""
+        ranking = self.history[-1][1] if self.history else {}
+        tmp = self.checkpointer.begin(self.step)
+        self.policy.save_checkpoint(tmp / "policy")
+        (tmp / LOADER_STATE_FILE).write_text(json.dumps(self.loader.state_dict()))
+        info = {"val_history": self.history, "state": self.state}
+        return self.checkpointer.finalize(self.step, tmp, ranking, info)
+
+    # ------------------------------------------------------------------------------ the end
+    def headline_change(self) -> tuple[Optional[float], Optional[float]]:
+        """The headline metric at the first and at the last validation that reported it."""
+        values = [m[self.headline] for _, m in self.history if self.headline in m]
+        return (values[0], values[-1]) if values else (None, None)
+
+    def finish(self, details: str = "") -> None:
+        """Write `report.png` (when `logger.report`) and print the run's summary line; `details`
+        (the algorithm's own results) is added to it."""
+        log_dir = Path(self.cfg.logger.log_dir)
+        if self.cfg.logger.report and (log_dir / "metrics.jsonl").exists():
+            from posttrain.utils.report import write_report
+
+            write_report(log_dir / "metrics.jsonl", log_dir / "report.png")
+        seconds = time.perf_counter() - self.started
+        print(f"[posttrain] {self.name} finished at step {self.step} in {seconds:.0f}s: "
+              f"{self.summary()}{details}; logs in {log_dir}", flush=True)
+
+    def summary(self) -> str:
+        """The validation results in words: the headline's change from the first to the last
+        validation, and the other metrics of the last one."""
+        if not self.history:
+            return "no validation"
+        (first_step, first), (last_step, last) = self.history[0], self.history[-1]
+        parts = []
+        if self.headline in last and self.headline in first and first_step != last_step:
+            before, after = first[self.headline], last[self.headline]
+            label = self.headline.partition("/")[2].replace("_", " ")
+            change = (f"{100 * (after - before):+.1f} percentage points" if _is_fraction(self.headline)
+                      else f"{after - before:+.4f}")
+            parts.append(f"validation {label} {_fmt(self.headline, before)} (step {first_step}) -> "
+                         f"{_fmt(self.headline, after)} (step {last_step}), {change}")
+        others = ", ".join(f"{k.partition('/')[2].replace('_', ' ')} {_fmt(k, v)}" for k, v in last.items()
+                           if not (parts and k == self.headline) and "/" not in k.partition("/")[2])
+        if others:
+            parts.append(("at the end: " if parts else f"validation (step {last_step}): ") + others)
+        return "; ".join(parts)
+
+    def close(self) -> None:
+        self.logger.close()
+
+
+def _is_fraction(name: str) -> bool:
+    return name.endswith("accuracy") or "pass@" in name
+
+
+def _fmt(name: str, value: float) -> str:
+    return f"{value:.1%}" if _is_fraction(name) else f"{value:.4f}"
+
+
+def train_offline(cfg: Any, schedule: Any, *, name: str, section: str, policy: Any, loader: Any,
+                  train_step: Callable[[list, Timer], dict[str, float]], validate: ValidateFn) -> dict[str, float]:
+    """The whole run of a trainer on a fixed data set (SFT, DPO, RM), from resume to summary.
+
+    `train_step(datums, timer)` trains on the loader's next batch and returns metric names without
+    the `train/` prefix; `validate()` as in `TrainingLoop.run`. Returns the last step's metrics
+    (empty when a resumed run had nothing left to train: it said so).
+    """
+    loop = TrainingLoop(cfg, schedule, name=name, section=section, policy=policy, loader=loader)
+    try:
+        loop.resume()
+        done = loop.done_message()
+        if done:
+            print(done, flush=True)
+            return {}
+        metrics = loop.run(lambda step, timer: prefixed(train_step(loader.next_batch(), timer), "train"), validate)
+        loop.finish()
+        return metrics
+    finally:
+        loop.close()

@@ -1,0 +1,246 @@
+"""What every job starts with, in one place: seeding, the run directories, Ray, and the factories
+of clusters, worker groups, data and environments. Algorithms (`posttrain.algorithms`) and
+evaluation (`posttrain.evals`) both build on it; it imports neither."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from posttrain.config.loader import save_config
+from posttrain.config.schema import MasterConfig, PolicyConfig
+from posttrain.data.processors import DEFAULT_TASK_NAME
+
+log = logging.getLogger("posttrain")
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def with_schedule_horizon(cfg, max_num_steps: int):
+    """Fill `policy.scheduler.total_steps` (decay horizon) from the run length when unset."""
+    if cfg.policy.scheduler.total_steps is not None:
+        return cfg
+    cfg = cfg.model_copy(deep=True)
+    cfg.policy.scheduler.total_steps = max_num_steps
+    return cfg
+
+
+def start_ray(cfg: MasterConfig) -> None:
+    from posttrain.distributed.ray_utils import init_ray
+
+    cluster = cfg.cluster
+    init_ray(address=cluster.ray_address)
+
+
+def start_run(cfg: MasterConfig, *, seed: int, max_num_steps: Optional[int] = None):
+    """The prologue of every job: seed, LR-decay horizon, log dir + saved config, Ray, tokenizer.
+
+    Returns the (possibly completed) config and the tokenizer.
+    """
+    from posttrain.models.hf import load_tokenizer
+
+    set_seed(seed)
+    if max_num_steps is not None:
+        cfg = with_schedule_horizon(cfg, max_num_steps)
+    cfg = with_checkpoint_model(cfg)
+    prepare_run_dirs(cfg)
+    start_ray(cfg)
+    return cfg, load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+
+
+def with_checkpoint_model(cfg):
+    """A `policy.model_name` naming a training checkpoint (`step_N`) becomes its cached HF copy
+    (tokenizer too, unless `policy.tokenizer_name` is set), so every job accepts checkpoints."""
+    from posttrain.models.paths import checkpoint_policy_dir
+
+    checkpoint = checkpoint_policy_dir(Path(cfg.policy.model_name).expanduser())
+    if checkpoint is None:
+        return cfg
+    from posttrain.models.policy.checkpoint import converted_checkpoint
+
+    hf_dir = converted_checkpoint(checkpoint)
+    print(f"[posttrain] policy.model_name: checkpoint {cfg.policy.model_name} as Hugging Face model {hf_dir}", flush=True)
+    cfg = cfg.model_copy(deep=True)
+    cfg.policy.tokenizer_name = cfg.policy.tokenizer_name or str(hf_dir)
+    cfg.policy.model_name = str(hf_dir)
+    return cfg
+
+
+def prepare_run_dirs(cfg: MasterConfig) -> None:
+    """Lock the log and checkpoint dirs for this run, check a resume's config against the saved
+    one (`posttrain.utils.run_dirs`) and save the resolved config beside the run's logs."""
+    from posttrain.utils.run_dirs import lock_run_dirs, prepare_checkpoint_dir
+
+    lock_run_dirs(cfg)
+    prepare_checkpoint_dir(cfg)
+    log_dir = Path(cfg.logger.log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, log_dir / "config.yaml")
+
+
+def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int = 1, name: str = "policy"):
+    """A `VirtualCluster` of `num_workers` bundles: `cluster.gpus_per_node` per node with GPUs,
+    else spread evenly over `cluster.num_nodes` (CPU bundles of `cluster.cpus_per_worker`, plus
+    `cluster.bundle_resources[name]` when `name` is "policy" or "generation")."""
+    from posttrain.distributed.cluster import VirtualCluster
+
+    c = cfg.cluster
+    use_gpus = c.gpus_per_node > 0
+    per_node = min(num_workers, c.gpus_per_node) if use_gpus else -(-num_workers // c.num_nodes)
+    nodes = max(1, -(-num_workers // per_node))
+    if nodes > c.num_nodes:
+        raise ValueError(
+            f"{name} needs {num_workers} workers but cluster.num_nodes={c.num_nodes} x "
+            f"{per_node} per node is too few"
+        )
+    return VirtualCluster(
+        [per_node] * nodes,
+        use_gpus=use_gpus,
+        cpus_per_bundle=c.cpus_per_worker,
+        max_colocated_worker_groups=colocated_groups,
+        placement_timeout_s=c.placement_timeout_s,
+        name=name,
+        bundle_resources=c.bundle_resources.get(name),
+        autoscaling=c.autoscaling,
+    )
+
+
+def make_generation(cfg: MasterConfig, cluster, *, seed: int = 0):
+    """Generation workers for `policy.model_name` with `policy.generation` settings, on the
+    backend it names (`native`, or `vllm` in its isolated environment)."""
+    p = cfg.policy
+    if p.generation.backend == "vllm":
+        from posttrain.models.generation.vllm_generation import VllmGeneration
+
+        return VllmGeneration(
+            cluster, p.generation, p.model_name, tokenizer_name=p.tokenizer_name, tiny_arch=p.tiny_arch,
+            precision=p.precision, max_model_len=p.max_total_sequence_length, seed=seed,
+            worker_timeout_s=cfg.cluster.worker_timeout_s,
+        )
+    from posttrain.models.generation.interface import Generation
+
+    return Generation(
+        cluster, p.generation, p.model_name, tokenizer_name=p.tokenizer_name, tiny_arch=p.tiny_arch,
+        precision=p.precision, seed=seed, worker_timeout_s=cfg.cluster.worker_timeout_s,
+    )
+
+
+def make_policy(cfg: MasterConfig, cluster, policy_cfg: Optional[PolicyConfig] = None, **options):
+    """A `Policy` worker group for `policy_cfg` (default `cfg.policy`) on `cluster`, with the run's
+    `cluster.worker_timeout_s`; `options` go to `Policy` (`init_reference_model`, `init_optimizer`,
+    `model_type`, `name`). The one place every algorithm makes its policy (and a teacher) from."""
+    from posttrain.models.policy.policy import Policy
+
+    options.setdefault("init_reference_model", False)
+    return Policy(cluster, policy_cfg or cfg.policy, worker_timeout_s=cfg.cluster.worker_timeout_s, **options)
+
+
+def start_concurrently(*makers: Callable[[], Any]) -> list[Any]:
+    """Call each maker (a worker-group constructor) in its own thread; return their results in order.
+
+    Starting a worker group is mostly its actors importing torch and transformers (~5 s each
+    here), so the policy and generation groups start in the time of one. If any maker fails, the
+    groups that did start are shut down and the first error is raised.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(makers), thread_name_prefix="posttrain-start") as pool:
+        futures = [pool.submit(make) for make in makers]
+        errors = [f.exception() for f in futures]  # waits for every maker, failed or not
+    if any(errors):
+        for future, error in zip(futures, errors):
+            if error is None:
+                future.result().shutdown()
+        raise next(e for e in errors if e is not None)
+    return [f.result() for f in futures]
+
+
+def build_datums(
+    cfg: MasterConfig, builder, tokenizer, split: str, limit: Optional[int] = None, load: Optional[Callable] = None
+) -> list[dict]:
+    """Load `split` of `cfg.data` (at most `limit` records) and turn each record into a datum with
+    `builder` (`build_prompt_message_log`, `build_sft_example`, `build_preference_example`, ...).
+
+    `load(data_cfg, split)` reads the records (default `posttrain.data.datasets.load_records`;
+    preference pairs use `load_preference_records`).
+    """
+    if load is None:
+        from posttrain.data.datasets import load_records
+        from posttrain.environments.registry import env_rows_maker
+
+        def load(data_cfg, split):  # data.dataset=env: the environments make the rows
+            return load_records(data_cfg, split, env_rows_maker(getattr(cfg, "env", None)))
+
+    records = limit_per_source(load(cfg.data, split), limit)
+    if hasattr(cfg, "env"):
+        add_env_tools(cfg, records)
+    return [
+        builder(r, tokenizer, cfg.policy.max_total_sequence_length, use_chat_template=cfg.data.use_chat_template,
+                system_prompt=cfg.data.system_prompt, idx=i)
+        for i, r in enumerate(records)
+    ]
+
+
+def add_env_tools(cfg: MasterConfig, records: list[dict]) -> None:
+    """Give records without `tools` of their own the tools their environment offers
+    (`Environment.prompt_tools`), so the prompt describes them."""
+    from posttrain.environments.registry import resolve_env
+
+    tools_of_env: dict[str, Any] = {}
+    for record in records:
+        if record.get("tools"):
+            continue
+        name = record.get("env_name") or record.get("task_name") or cfg.data.env_name
+        if name not in tools_of_env:
+            try:
+                cls, env_cfg = resolve_env(name, cfg.env.section(name))
+            except (KeyError, ValueError):  # preflight names the problem
+                tools_of_env[name] = None
+            else:
+                tools_of_env[name] = cls.prompt_tools(env_cfg)
+        if tools_of_env[name]:
+            record["tools"] = tools_of_env[name]
+
+
+def limit_per_source(records: list[dict], limit: Optional[int]) -> list[dict]:
+    """The first `limit` records, or with several sources (a blend) the first `limit` of each, so
+    every task is validated."""
+    if limit is None:
+        return records
+    sources = {r.get("source") for r in records}
+    if len(sources) < 2:
+        return records[:limit]
+    taken: dict[Any, int] = {}
+    kept = []
+    for record in records:
+        source = record.get("source")
+        if taken.get(source, 0) < limit:
+            taken[source] = taken.get(source, 0) + 1
+            kept.append(record)
+    return kept
+
+
+def make_envs(cfg, tasks) -> dict[str, Any]:
+    """Task name -> environment actor. `tasks` are task names or datums; a datum's `env_name`
+    says which `env.<name>` section serves its task (a built-in, a registered environment, or a
+    user's class by `env.<name>.class_path`). Tasks served by the same section share one actor."""
+    from posttrain.environments.registry import create_env, resolve_env
+
+    env_of_task = {}
+    for item in tasks:
+        task = item if isinstance(item, str) else item.get("task_name", DEFAULT_TASK_NAME)
+        env_of_task[task] = task if isinstance(item, str) else item.get("env_name") or task
+    actors = {}
+    for env_name in sorted(set(env_of_task.values())):
+        cls, env_cfg = resolve_env(env_name, cfg.env.section(env_name))
+        actors[env_name] = create_env(env_name, env_cfg, cls=cls)
+    return {task: actors[env_name] for task, env_name in sorted(env_of_task.items())}

@@ -1,0 +1,70 @@
+"""Facts about a model name that need neither torch nor the weights: is it a hub id, a training
+checkpoint, which `step_N` is the latest, how large is its vocabulary. Kept apart from `hf.py`
+(which imports transformers) so that `posttrain.preflight` answers in milliseconds."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+# A hub id is `name` or `owner/name` made of letters, digits, `-`, `_`, `.`.
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def model_vocab_size(name: str, tiny_arch: str = "llama") -> Optional[int]:
+    """The vocabulary size (width of the logits) of `name` from its `config.json`, without loading
+    weights: a preset's, a local directory's or checkpoint's, or a hub id's cached config; None
+    when it cannot be known yet (a hub id not in the cache)."""
+    import json
+
+    from posttrain.models.presets import ARCHS, PRESETS
+
+    preset, _, arch = name.partition("-")
+    if preset in PRESETS and (not arch or arch in ARCHS):
+        from posttrain.models.tiny import build_tokenizer
+
+        return len(build_tokenizer())  # every preset shares the character-level tokenizer
+    path = Path(name).expanduser()
+    candidates: list[Path] = []
+    if path.is_dir():
+        candidates.append(path / "config.json")
+        checkpoint = checkpoint_policy_dir(path)
+        if checkpoint is not None:
+            candidates += sorted(checkpoint.rglob("config.json"))
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json")
+        if isinstance(cached, str):
+            candidates.append(Path(cached))
+    for candidate in candidates:
+        if candidate.is_file():
+            config = json.loads(candidate.read_text())
+            size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+            if size:
+                return int(size)
+    return None
+
+
+def vocabulary_problem(student: tuple[str, str, Optional[int]], teacher: tuple[str, str, Optional[int]]) -> Optional[str]:
+    """One line when the student's and the teacher's vocabulary sizes, `(key, name, size)`, differ."""
+    (s_key, s_name, s_size), (t_key, t_name, t_size) = student, teacher
+    if s_size is None or t_size is None or s_size == t_size:
+        return None
+    return (f"{t_key}={t_name!r} has a vocabulary of {t_size} tokens but {s_key}={s_name!r} has {s_size}: "
+            "distillation compares the two models token by token, so they need the same vocabulary")
+
+
+def checkpoint_policy_dir(path: Path) -> Optional[Path]:
+    """The policy checkpoint inside a `step_N` directory (or the policy directory itself), else None."""
+    for candidate in (path / "policy", path):
+        if (candidate / "model" / ".metadata").is_file():
+            return candidate
+    return None
+
+
+def latest_step_dir(run_dir: Path) -> Optional[Path]:
+    """The `step_N` subdirectory with the largest N, if `run_dir` is a checkpoint directory."""
+    steps = [(int(p.name[5:]), p) for p in run_dir.glob("step_*") if p.name[5:].isdigit() and p.is_dir()]
+    return max(steps)[1] if steps else None

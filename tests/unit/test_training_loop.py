@@ -1,0 +1,136 @@
+"""The one loop skeleton (`algorithms.loop.TrainingLoop`): validation schedule, checkpoints ranked
+by the latest validation, resume of step / history / algorithm state, and the summary line, with a
+fake policy and loader (no workers)."""
+
+from __future__ import annotations
+
+import json
+
+from posttrain.algorithms.loop import TrainingLoop, train_offline
+from posttrain.config import load_config
+from posttrain.utils.logger import read_metrics_jsonl
+
+
+class FakeLoader:
+    def __init__(self):
+        self.position = 0
+
+    def next_batch(self):
+        self.position += 1
+        return [self.position]
+
+    def steps_for_epochs(self, epochs):
+        return 10**9
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+class FakePolicy:
+    def __init__(self):
+        self.weights = 0
+
+    def save_checkpoint(self, path):
+        path.mkdir(parents=True)
+        (path / "weights.json").write_text(json.dumps(self.weights))
+
+    def load_checkpoint(self, path):
+        self.weights = json.loads((path / "weights.json").read_text())
+
+
+def cfg_for(tmp_path, *extra):
+    return load_config("sft", overrides=[
+        f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
+        "logger.tensorboard_enabled=false", "logger.progress_bar=false", "logger.report=false",
+        "sft.max_num_steps=5", "sft.val_period=2", "sft.val_at_start=true", "sft.val_at_end=true",
+        "checkpointing.save_period=2", "checkpointing.keep_top_k=2", *extra,
+    ])
+
+
+def make_loop(cfg, policy, loader):
+    return TrainingLoop(cfg, cfg.sft, name="SFT", section="sft", policy=policy, loader=loader)
+
+
+def test_schedule_checkpoints_and_resume(tmp_path, capsys):
+    cfg = cfg_for(tmp_path)
+    policy, loader = FakePolicy(), FakeLoader()
+    accuracy = {0: 0.1, 2: 0.9, 4: 0.3, 5: 0.5}  # by step: the best checkpoint is not the last one
+
+    def step_fn(step, timer):
+        with timer.time("policy_training"):
+            policy.weights += 1
+        loop.state["seen"] = loop.state.get("seen", 0) + len(loader.next_batch())
+        return {"train/loss": 1.0 / step}
+
+    def validate():
+        return {"validation/accuracy": accuracy[loop.step], "validation/loss": 1 - accuracy[loop.step]}
+
+    loop = make_loop(cfg, policy, loader)
+    assert loop.resume() is False and loop.step == 0
+    loop.run(step_fn, validate)
+    loop.finish()
+    loop.close()
+    out = capsys.readouterr().out
+    assert ("SFT finished at step 5" in out and "validation accuracy 10.0% (step 0) -> 50.0% (step 5), "
+            "+40.0 percentage points" in out and "at the end: loss 0.5000" in out)
+
+    rows = read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl")
+    assert [s for s in sorted(rows) if "validation/accuracy" in rows[s]] == [0, 2, 4, 5]
+    assert "timing/train/policy_training" in rows[1] and "timing/train/total_step_time" in rows[1]
+    assert "timing/validation/total_validation_time" in rows[2]
+    # Saved at 2, 4 and the last step 5; keep_top_k=2 by the latest validation keeps 2 (0.9) and 5 (0.5).
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_2", "step_5"]
+
+    # A new process resumes: weights, loader position, step, validation history, algorithm state.
+    policy2, loader2 = FakePolicy(), FakeLoader()
+    loop = make_loop(cfg_for(tmp_path, "sft.max_num_steps=6"), policy2, loader2)
+    assert loop.resume() is True
+    assert (loop.step, policy2.weights, loader2.position, loop.state) == (5, 5, 5, {"seen": 5})
+    assert [s for s, _ in loop.history] == [0, 2, 4, 5] and loop.headline_change() == (0.1, 0.5)
+    assert loop.done_message() is None
+    accuracy[6] = 0.7
+    policy = policy2
+    loader = loader2
+    loop.run(step_fn, validate)
+    loop.close()
+    assert loop.step == 6 and loop.state == {"seen": 6}
+    info = json.loads((tmp_path / "ckpt" / "step_6" / "training_info.json").read_text())
+    assert info["metrics"]["validation/accuracy"] == 0.7 and info["state"] == {"seen": 6}
+
+
+def test_checkpoint_is_ranked_by_the_latest_validation_even_between_validations(tmp_path):
+    cfg = cfg_for(tmp_path, "sft.val_period=3", "sft.val_at_start=false", "sft.max_num_steps=4",
+                  "checkpointing.save_period=4")
+    policy, loader = FakePolicy(), FakeLoader()
+    loop = make_loop(cfg, policy, loader)
+    loop.run(lambda step, timer: {}, lambda: {"validation/accuracy": 0.25 * loop.step})
+    loop.close()
+    info = json.loads((tmp_path / "ckpt" / "step_4" / "training_info.json").read_text())
+    assert info["metrics"] == {"validation/accuracy": 1.0}  # val_at_end at step 4
+
+
+def test_without_validation_data_and_the_offline_runner(tmp_path, capsys):
+    cfg = cfg_for(tmp_path, "checkpointing.enabled=false")
+    batches = []
+
+    def train_step(datums, timer):
+        batches.append(datums)
+        return {"loss": 0.5}
+
+    metrics = train_offline(cfg, cfg.sft, name="SFT", section="sft", policy=FakePolicy(), loader=FakeLoader(),
+                            train_step=train_step, validate=dict)
+    assert batches == [[1], [2], [3], [4], [5]] and metrics["train/loss"] == 0.5
+    assert "SFT finished at step 5" in capsys.readouterr().out and not (tmp_path / "ckpt").exists()
+    assert "no validation" in make_loop(cfg, FakePolicy(), FakeLoader()).summary()
+
+
+def test_resumed_at_the_last_step_trains_nothing(tmp_path, capsys):
+    cfg = cfg_for(tmp_path, "sft.max_num_steps=2", "sft.val_at_start=false")
+    loop = make_loop(cfg, FakePolicy(), FakeLoader())
+    loop.run(lambda step, timer: {}, dict)
+    loop.close()
+    loop = make_loop(cfg, FakePolicy(), FakeLoader())
+    assert loop.resume() and "this run is complete" in loop.done_message()
