@@ -36,6 +36,12 @@ class ScriptedGeneration:
         self.turns: dict[str, int] = {}
         self.stop_strings_seen: list = []
 
+    def prepare_for_generation(self) -> bool:
+        return True
+
+    def finish_generation(self) -> bool:
+        return True
+
     def generate(self, batch: Batch, greedy: bool = False, params=None) -> Batch:
         rows, lengths = [], []
         self.stop_strings_seen.append(list(batch["stop_strings"]))
