@@ -16,9 +16,9 @@ Modes (`mode`):
   response 1 much better); on equal scores `3.5 - ranking` is added to score_1 and subtracted from
   score_2. A response's reward is the mean of its scores over its comparisons, divided by 5; an
   unparsable comparison adds nothing (and is counted). With `length_bonus_alpha` > 0, each
-  response also gets `alpha * (mean_length - length) / max_length` over its group (ours: shorter
-  than average gains, longer loses, zero-sum; after the Nemotron recipe's length-normalised
-  bonus, whose exact form is not public here).
+  response with at least one parsed comparison also gets `alpha * (mean_length - length) /
+  max_length` over those of its group (ours: shorter than average gains, longer loses, zero-sum;
+  after the Nemotron recipe's length-normalised bonus, whose exact form is not given here).
 """
 
 from __future__ import annotations
@@ -181,6 +181,7 @@ class JudgeEnvironment(Environment):
         judgements = self.judge([job[2] for job in jobs]) if jobs else []
         totals = [0.0] * len(message_logs)
         counts = [0] * len(message_logs)
+        parsed = [0] * len(message_logs)
         unparsed = 0
         for (i, j, _), judgement in zip(jobs, judgements):
             scores = parse_pairwise(judgement)
@@ -191,9 +192,14 @@ class JudgeEnvironment(Environment):
                 continue
             totals[i] += scores[0]
             totals[j] += scores[1]
+            parsed[i] += 1
+            parsed[j] += 1
         rewards = [totals[i] / counts[i] / 5.0 if counts[i] else 0.0 for i in range(len(message_logs))]
         if self.cfg.length_bonus_alpha:
             for members in groups.values():
+                members = [i for i in members if parsed[i]]  # no bonus without a judgement
+                if not members:
+                    continue
                 lengths = [len(self._response(message_logs[i])) for i in members]
                 longest = max(lengths) or 1
                 mean = sum(lengths) / len(lengths)

@@ -124,6 +124,17 @@ def test_textarena_guess_the_number_episode_ends_with_the_game_reward():
     assert env.games == {}  # the finished game is closed
 
 
+def test_every_allow_listed_textarena_game_runs_offline():
+    pytest.importorskip("textarena")
+    from posttrain.environments.textarena_env import OFFLINE_GAMES, TextArenaEnvironment
+
+    for game in OFFLINE_GAMES:
+        row = TextArenaEnvironment.make_rows({"game": game}, 1, seed=1)[0]
+        env = TextArenaEnvironment({"game": game})
+        out = env.step([user_log("[1]")], [{"game": row["game"], "game_seed": 1}])
+        assert row["prompt"] and out.observations[0]["content"] and not out.observations[0]["content"].startswith("Game error"), game
+
+
 # ------------------------------------------------------------------------------------- tool calling
 
 def test_parse_tool_calls_forms_and_errors():

@@ -56,6 +56,9 @@ def test_length_bonus_favours_shorter_responses_zero_sum(judge_env, monkeypatch)
     out = judge_env.step(logs("q", "aa", "aaaaaa"), [{}] * 2)
     base = 3 / 5
     assert out.rewards.tolist() == pytest.approx([base + 0.5 * (4 - 2) / 6, base + 0.5 * (4 - 6) / 6])
+    # no judgement, no bonus: a failing judge must not train on length alone
+    monkeypatch.setattr(judge_env, "judge", lambda prompts: ["?"] * len(prompts))
+    assert judge_env.step(logs("q", "aa", "aaaaaa"), [{}] * 2).rewards.tolist() == [0.0, 0.0]
 
 
 def test_pointwise_scores_and_unparsable_judgements(judge_env, monkeypatch):
