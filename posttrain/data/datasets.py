@@ -218,6 +218,8 @@ def _finish(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConfig
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = str(answer)
         env_name = row.get("env_name") or (env if env and "task_name" not in row else None) or task_name
+        if env_name == HTTP_ENV and "responses_create_params" in row:
+            fields["nemo_gym_row"] = row  # resources servers get the whole row, as NeMo-Gym sends it
         records.append({**fields, "prompt": prompt, "answer": answer, "task_name": task_name, "env_name": env_name})
     return records
 

@@ -180,7 +180,10 @@ class HttpEnvironment(Environment):
 
     @staticmethod
     def row(meta: dict) -> dict:
-        """The data row as the server sees it (our own bookkeeping keys left out)."""
+        """The data row as the server sees it: a NeMo-Gym row whole (`nemo_gym_row`, kept by the
+        loader), else the row's fields (our own bookkeeping keys left out)."""
+        if isinstance(meta.get("nemo_gym_row"), dict):
+            return dict(meta["nemo_gym_row"])
         return {k: v for k, v in meta.items() if k not in _PRIVATE}
 
     def _end(self, key: str) -> None:

@@ -229,6 +229,8 @@ def test_grpo_trains_on_games_tools_and_a_resources_server_with_several_turns(tm
     gym_samples = sum(row.get("train/reward_count/gym", 0.0) for row in train)
     # Each gym episode seeded a session on the server and the HTTP environment counted nothing failing.
     assert len(app.state.sessions) >= gym_samples / 4  # at least one session per gym prompt drawn
+    seeded_rows = [s["row"] for s in app.state.sessions.values() if "row" in s]
+    assert seeded_rows and all(r["agent_ref"]["name"] == "calc" and "responses_create_params" in r for r in seeded_rows)
     if gym_samples:
         assert all(row.get("train/env/gym/seed_failures", 0.0) == 0 and row.get("train/env/gym/verify_failures", 0.0) == 0
                    for row in train)
