@@ -211,6 +211,19 @@ def add_env_tools(cfg: MasterConfig, records: list[dict]) -> None:
             record["tools"] = tools_of_env[name]
 
 
+def build_splits(
+    cfg: MasterConfig, builder, tokenizer, max_val_samples: Optional[int], load: Optional[Callable] = None
+) -> tuple[list[dict], list[dict]]:
+    """The training datums and at most `max_val_samples` validation datums (`build_datums`); says
+    once when there is no validation data, as the run then trains without validation."""
+    train = build_datums(cfg, builder, tokenizer, "train", load=load)
+    val = build_datums(cfg, builder, tokenizer, "validation", max_val_samples, load=load)
+    if not val:
+        print("[posttrain] no validation data (data.validation_path is unset or empty): running without validation",
+              flush=True)
+    return train, val
+
+
 def limit_per_source(records: list[dict], limit: Optional[int]) -> list[dict]:
     """The first `limit` records, or with several sources (a blend) the first `limit` of each, so
     every task is validated."""

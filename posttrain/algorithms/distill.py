@@ -40,7 +40,7 @@ from posttrain.distributed.batch import Batch
 from posttrain.errors import UserError
 from posttrain.evals.eval import evaluate, per_task_means, validation_sampling
 from posttrain.job import (
-    build_datums,
+    build_splits,
     make_cluster,
     make_envs,
     make_generation,
@@ -159,11 +159,7 @@ def setup(cfg: DistillMasterConfig) -> DistillContext:
 
     d = cfg.distillation
     cfg, tokenizer = start_run(cfg, seed=d.seed, max_num_steps=d.max_num_steps)
-    train_datums = build_datums(cfg, build_prompt_message_log, tokenizer, "train")
-    val_datums = build_datums(cfg, build_prompt_message_log, tokenizer, "validation", d.max_val_samples)
-    if not val_datums:
-        print("[posttrain] no validation data (data.validation_path is unset or empty): running without validation",
-              flush=True)
+    train_datums, val_datums = build_splits(cfg, build_prompt_message_log, tokenizer, d.max_val_samples)
     loader = ResumableLoader(train_datums, d.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=d.seed)
 
     colocated = cfg.policy.generation.colocated.enabled

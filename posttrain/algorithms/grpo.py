@@ -38,7 +38,7 @@ from posttrain.evals.eval import (
     validation_sampling,
 )
 from posttrain.job import (
-    build_datums,
+    build_splits,
     make_cluster,
     make_envs,
     make_generation,
@@ -99,11 +99,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
     from posttrain.data.processors import build_prompt_message_log
 
     cfg, tokenizer = start_run(cfg, seed=cfg.grpo.seed, max_num_steps=cfg.grpo.max_num_steps)
-    train_datums = build_datums(cfg, build_prompt_message_log, tokenizer, "train")
-    val_datums = build_datums(cfg, build_prompt_message_log, tokenizer, "validation", cfg.grpo.max_val_samples)
-    if not val_datums:
-        print("[posttrain] no validation data (data.validation_path is unset or empty): running without validation",
-              flush=True)
+    train_datums, val_datums = build_splits(cfg, build_prompt_message_log, tokenizer, cfg.grpo.max_val_samples)
     # A blend (or several reasoning-gym tasks) is sampled by its components' weights.
     loader = make_loader(train_datums, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.grpo.seed)
 

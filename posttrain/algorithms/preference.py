@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from posttrain.job import build_datums, make_cluster, make_policy, start_run
+from posttrain.job import build_splits, make_cluster, make_policy, start_run
 
 
 @dataclass
@@ -38,10 +38,8 @@ def start_pair_run(cfg, section, *, model_type: str = "lm", init_reference_model
 
     cfg, tokenizer = start_run(cfg, seed=section.seed, max_num_steps=section.max_num_steps)
     pad = tokenizer.pad_token_id
-    train = build_datums(cfg, build_preference_example, tokenizer, "train", load=load_preference_records)
-    val = build_datums(
-        cfg, build_preference_example, tokenizer, "validation", section.max_val_samples, load=load_preference_records
-    )
+    train, val = build_splits(cfg, build_preference_example, tokenizer, section.max_val_samples,
+                              load=load_preference_records)
     loader = ResumableLoader(
         train, cfg.policy.train_global_batch_size // 2, shuffle=cfg.data.shuffle, seed=section.seed
     )

@@ -18,7 +18,7 @@ from posttrain.config.schema import SFTMasterConfig
 from posttrain.data.dataloader import make_loader
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.distributed.batch import Batch
-from posttrain.job import build_datums, make_cluster, make_policy, start_run
+from posttrain.job import build_splits, make_cluster, make_policy, start_run
 from posttrain.utils.timer import Timer
 
 log = logging.getLogger("posttrain.sft")
@@ -69,11 +69,7 @@ def run(cfg: SFTMasterConfig, export_dir: Optional[Path] = None) -> dict[str, fl
     s = cfg.sft
     export_dir = export_dir if export_dir is not None else s.export_dir
     cfg, tokenizer = start_run(cfg, seed=s.seed, max_num_steps=s.max_num_steps)
-    train = build_datums(cfg, build_sft_example, tokenizer, "train")
-    val = build_datums(cfg, build_sft_example, tokenizer, "validation", s.max_val_samples)
-    if not val:
-        print("[posttrain] no validation data (data.validation_path is unset or empty): SFT runs without validation",
-              flush=True)
+    train, val = build_splits(cfg, build_sft_example, tokenizer, s.max_val_samples)
     loader = make_loader(train, cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle, seed=s.seed)
     cluster = make_cluster(cfg, cfg.policy.num_workers)
     policy = make_policy(cfg, cluster)

@@ -311,7 +311,7 @@ class PolicyConfig(Section):
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     sequence_packing: SequencePackingConfig = SequencePackingConfig()
-    attn_implementation: Optional[str] = Field(
+    attn_implementation: Optional[Literal["eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"]] = Field(
         None,
         description=(
             "transformers' attention kernel for training and logprob forwards: None (default) keeps the model's "

@@ -110,9 +110,12 @@ class VllmWeightLoader:
         return float(sum(p.detach().double().sum().item() for p in self.model_runner.model.parameters()))
 
     def _posttrain_load(self, views: dict[str, torch.Tensor]) -> int:
-        loaded = self.model_runner.model.load_weights(weights=iter(views.items()))
-        # Models return the set of parameter names they loaded; a few older ones return None.
-        return len(views) if loaded is None else len(loaded)
+        # vLLM's in-place reload: after start-up a backend may have processed its weights into a
+        # kernel layout (the CPU backend repacks linear weights, dropping their `weight_loader`),
+        # so a plain `model.load_weights` of checkpoint-format tensors no longer fits; the reload
+        # restores the checkpoint layout layer by layer, loads, and processes again.
+        self.model_runner.reload_weights(weights_iterator=iter(views.items()), is_checkpoint_format=True)
+        return len(views)
 
 
 def _unpack_tensors(buffers: Sequence[torch.Tensor], metadata: RefitMetadata) -> dict[str, torch.Tensor]:

@@ -210,8 +210,10 @@ class VllmGeneration(GenerationInterface):
     def probe_token_ids(self) -> list[int]:
         """A fixed pseudo-random token sequence over the vocabulary (the refit probe)."""
         vocab = int(self.worker_group.run_rank0("vocab_size"))
+        # The engine scores a prompt only with room for one generated token after it.
+        length = min(PROBE_LENGTH, int(self.worker_group.run_rank0("get_max_model_len")) - 1)
         generator = torch.Generator().manual_seed(20240611)
-        return torch.randint(0, vocab, (PROBE_LENGTH,), generator=generator).tolist()
+        return torch.randint(0, vocab, (length,), generator=generator).tolist()
 
     def get_weights_versions(self) -> list[int]:
         return self.worker_group.run_all("get_weights_version")

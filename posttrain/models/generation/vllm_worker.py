@@ -204,6 +204,9 @@ class VllmGenerationWorker(DistributedWorker):
             input_ids, input_lengths, new_tokens, new_logprobs, lengths, stopped, self.tokenizer.pad_token_id
         ))
 
+    def get_max_model_len(self) -> int:
+        return self.max_model_len
+
     def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
         """`[len(token_ids)]` float32 log p(token_i | tokens_<i) under the engine's weights
         (raw, temperature 1; position 0 is 0): the refit probe."""
