@@ -174,14 +174,41 @@ def build_datums(
     preference pairs use `load_preference_records`).
     """
     if load is None:
-        from posttrain.data.datasets import load_records as load
+        from posttrain.data.datasets import load_records
+        from posttrain.environments.registry import env_rows_maker
+
+        def load(data_cfg, split):  # data.dataset=env: the environments make the rows
+            return load_records(data_cfg, split, env_rows_maker(getattr(cfg, "env", None)))
 
     records = limit_per_source(load(cfg.data, split), limit)
+    if hasattr(cfg, "env"):
+        add_env_tools(cfg, records)
     return [
         builder(r, tokenizer, cfg.policy.max_total_sequence_length, use_chat_template=cfg.data.use_chat_template,
                 system_prompt=cfg.data.system_prompt, idx=i)
         for i, r in enumerate(records)
     ]
+
+
+def add_env_tools(cfg: MasterConfig, records: list[dict]) -> None:
+    """Give records without `tools` of their own the tools their environment offers
+    (`Environment.prompt_tools`), so the prompt describes them."""
+    from posttrain.environments.registry import resolve_env
+
+    tools_of_env: dict[str, Any] = {}
+    for record in records:
+        if record.get("tools"):
+            continue
+        name = record.get("env_name") or record.get("task_name") or cfg.data.env_name
+        if name not in tools_of_env:
+            try:
+                cls, env_cfg = resolve_env(name, cfg.env.section(name))
+            except (KeyError, ValueError):  # preflight names the problem
+                tools_of_env[name] = None
+            else:
+                tools_of_env[name] = cls.prompt_tools(env_cfg)
+        if tools_of_env[name]:
+            record["tools"] = tools_of_env[name]
 
 
 def build_splits(

@@ -139,6 +139,13 @@ def load_split_records(cfg: Any) -> dict[str, list[dict]]:
     load = load_records
     if isinstance(cfg, (DPOMasterConfig, RMMasterConfig)):
         from posttrain.data.preference import load_preference_records as load
+    if load is load_records:
+        def env_rows(data_cfg, split):  # data.dataset=env; imported only then (torch)
+            from posttrain.environments.registry import env_rows_maker
+
+            return env_rows_maker(getattr(cfg, "env", None))(data_cfg, split)
+
+        return {split: load(cfg.data, split, env_rows) for split in ("train", "validation")}
     return {split: load(cfg.data, split) for split in ("train", "validation")}
 
 

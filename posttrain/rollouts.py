@@ -4,7 +4,9 @@ Each sample is a datum `{"message_log", "extra_env_info", "task_name", "loss_mul
 A turn generates one assistant message for every still-active sample, asks its environment for a
 reward and an observation, and appends the observation as a new message. Generated messages keep
 their token ids and the generation logprobs (never re-tokenised); environment messages get loss
-mask 0 later because they carry no `generation_logprobs`.
+mask 0 later because they carry no `generation_logprobs`. An observation flagged
+`"chat_template": True` (tool results, game boards) is rendered as the next chat turn of the
+tokenizer's template (`posttrain.data.chat.observation_ids`); others are tokenised as they are.
 
 A sample ends when its environment says it terminated, when its conversation reaches the token
 limit (truncated), or after `max_rollout_turns` turns.
@@ -18,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from posttrain.data.chat import observation_ids
 from posttrain.data.message_log import append_message, flatten_message_logs
 from posttrain.data.processors import DEFAULT_TASK_NAME
 from posttrain.distributed.batch import Batch
@@ -97,6 +100,7 @@ def _rollout_turns(
     hit_max_new_tokens = torch.zeros(n, dtype=torch.bool)
     env_seconds = 0.0
     answers: list[Optional[str]] = [None] * n
+    env_counts: dict[str, float] = {}  # environments' own counts (EnvironmentReturn.metrics), summed
 
     for turn in range(max_rollout_turns):
         if not active:
@@ -134,6 +138,8 @@ def _rollout_turns(
             [datums[i].get("task_name", DEFAULT_TASK_NAME) for i in active],
         )
         env_seconds += time.perf_counter() - t0
+        for key, value in (env_out.metrics or {}).items():
+            env_counts[key] = env_counts.get(key, 0.0) + value
 
         still_active = []
         for row, i in enumerate(active):
@@ -146,7 +152,8 @@ def _rollout_turns(
                 continue
             total_len = sum(len(m["token_ids"]) for m in datums[i]["message_log"])
             obs = env_out.observations[row]
-            obs_ids = torch.tensor(tokenizer(obs["content"], add_special_tokens=False)["input_ids"], dtype=torch.long)
+            _, obs_ids = observation_ids(tokenizer, obs, datums[i]["message_log"][-1]["token_ids"].tolist())
+            obs_ids = torch.tensor(obs_ids, dtype=torch.long)
             if total_len + len(obs_ids) >= max_seq_len:
                 # The observation cannot fit with room left to answer: stop here (truncated).
                 truncated[i] = True
@@ -167,5 +174,6 @@ def _rollout_turns(
         "truncation_rate": truncated.float().mean().item(),
         "max_turns_reached_rate": max_turns_reached.float().mean().item(),
         "max_new_tokens_hit_rate": hit_max_new_tokens.float().mean().item(),
+        **{f"env/{key}": value for key, value in env_counts.items()},
     }
     return RolloutResult(datums, rewards, truncated, truncated | hit_max_new_tokens, answers, metrics, env_seconds)

@@ -274,8 +274,8 @@ def _collect_experience(ctx: GRPOContext, step: int, timer: Timer) -> tuple[Batc
     }
     if g.use_dynamic_sampling:
         metrics["train/dynamic_sampling_num_gen_batches"] = float(len(batches))
-    for key in batches[0].metrics:
-        metrics[f"train/{key}"] = sum(b.metrics[key] for b in batches) / len(batches)
+    for key in {key for b in batches for key in b.metrics}:  # environments' counts may differ per batch
+        metrics[f"train/{key}"] = sum(b.metrics.get(key, 0.0) for b in batches) / len(batches)
     return train_data, metrics
 
 

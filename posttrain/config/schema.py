@@ -505,11 +505,12 @@ class ReasoningGymTask(Section):
 class DataConfig(Section):
     """Prompt (or SFT / preference) data and how rows become prompts."""
 
-    dataset: Literal["arithmetic", "jsonl", "hf", "reasoning_gym"] = Field(
+    dataset: Literal["arithmetic", "jsonl", "hf", "reasoning_gym", "env"] = Field(
         "arithmetic",
         description=(
             "Prompt source: 'arithmetic' (synthetic, seeded), 'jsonl' (train_path / validation_path), 'hf' (a Hugging "
-            "Face data set) or 'reasoning_gym' (generated tasks)."
+            "Face data set), 'reasoning_gym' (generated tasks) or 'env' (episodes made by the environment "
+            "data.env_name, e.g. sliding_puzzle boards; data.num_train / num_validation / seed)."
         ),
     )
     train_path: Optional[str] = Field(None, description="JSONL file or HF dataset name (jsonl / hf).")

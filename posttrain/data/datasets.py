@@ -15,6 +15,8 @@ Sources:
   directory. A hub name may carry a config and a split: `openai/gsm8k:main@test`; the split
   defaults to `train` for training and `validation` for validation.
 - `reasoning_gym`: procedurally generated tasks of the reasoning-gym package (`data.reasoning_gym`).
+- `env`: episodes made by the environment `data.env_name` itself (games: one board or game seed
+  per row; `data.num_train`, `data.num_validation`, `data.seed`).
 - `data.blend`: several of the above, each with its task name, environment and sampling weight.
 
 Routing: a record's `task_name` names its task (metrics are per task) and `env_name` the
@@ -27,13 +29,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 from posttrain.config.schema import DataConfig
 from posttrain.data.arithmetic import generate_arithmetic
 from posttrain.errors import UserError
 
 Split = Literal["train", "validation"]
+# Makes the rows of data.dataset=env: (data section, split) -> (rows, where each comes from).
+EnvRows = Callable[[DataConfig, Split], tuple[list[dict], list[str]]]
 
 
 class DataError(UserError):
@@ -160,13 +164,21 @@ def _nemo_gym_fields(row: dict, at: str) -> dict:
         raise DataError(f"{at}: responses_create_params.input must be a non-empty list of {{role, content}} messages")
     messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in messages]
     users = [m["content"] for m in messages if m["role"] == "user"]
-    return {"messages": messages, "prompt": users[-1] if users else messages[-1]["content"],
-            "answer": row.get("expected_answer", row.get("answer"))}
+    fields = {"messages": messages, "prompt": users[-1] if users else messages[-1]["content"],
+              "answer": row.get("expected_answer", row.get("answer"))}
+    tools = params.get("tools")
+    if tools:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) and (t.get("name") or isinstance(t.get("function"), dict)) for t in tools):
+            raise DataError(f"{at}: responses_create_params.tools must be a list of function schemas with a 'name'")
+        fields["tools"] = tools
+    return fields
 
+
+HTTP_ENV = "http"  # the environment that sends NeMo-Gym rows to their resources servers (http_env.py)
 
 # Record keys that are not passed to environments as metadata (the prompt is in the message log).
 NOT_METADATA = ("prompt", "answer", "task_name", "env_name", "messages", "responses_create_params", "source",
-                "source_weight")
+                "source_weight", "stop_strings")
 
 
 def env_metadata(record: dict) -> dict:
@@ -187,7 +199,9 @@ def _finish(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConfig
         if "responses_create_params" in row:
             fields.update(_nemo_gym_fields(row, at))
             prompt_key, answer_key = "prompt", "answer"
-            default_task = nemo_gym_task(row) or data_cfg.env_name
+            # Rows go to their resources servers with data.env_name=http, else to the built-in
+            # environment their verifier fields call for.
+            default_task = data_cfg.env_name if data_cfg.env_name == HTTP_ENV else nemo_gym_task(row) or data_cfg.env_name
         else:
             prompt_key, answer_key = data_cfg.prompt_key, data_cfg.answer_key
             default_task = data_cfg.env_name
@@ -204,19 +218,25 @@ def _finish(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConfig
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = str(answer)
         env_name = row.get("env_name") or (env if env and "task_name" not in row else None) or task_name
+        if env_name == HTTP_ENV and "responses_create_params" in row:
+            fields["nemo_gym_row"] = row  # resources servers get the whole row, as NeMo-Gym sends it
         records.append({**fields, "prompt": prompt, "answer": answer, "task_name": task_name, "env_name": env_name})
     return records
 
 
-def load_records(data_cfg: DataConfig, split: Split) -> list[dict]:
+def load_records(data_cfg: DataConfig, split: Split, env_rows: Optional[EnvRows] = None) -> list[dict]:
     """Records of one split as `{"prompt", "answer", "task_name", "env_name", ...}` dicts.
 
     For `jsonl` and `hf` without `data.validation_path`, the validation split is empty.
+    `env_rows(data_cfg, split) -> (rows, locations)` makes the rows of `data.dataset=env` (the
+    environments' `make_rows`; `posttrain.environments.registry.env_rows_maker(cfg.env)`).
     """
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
     if data_cfg.blend:
-        return _load_blend(data_cfg, split)
+        return _load_blend(data_cfg, split, env_rows)
+    if data_cfg.dataset == "env":
+        return _finish(*_rows_from_env(env_rows, data_cfg, split), data_cfg)
     if data_cfg.dataset == "arithmetic":
         train, val = generate_arithmetic(
             data_cfg.num_train, data_cfg.num_validation, data_cfg.operations, data_cfg.num_digits, data_cfg.seed
@@ -230,7 +250,17 @@ def load_records(data_cfg: DataConfig, split: Split) -> list[dict]:
     return _finish(*read_source_rows(data_cfg, split), data_cfg)
 
 
-def _load_blend(data_cfg: DataConfig, split: Split) -> list[dict]:
+# Validation episodes are seeded apart from training ones (seed s, row i uses s + i).
+VALIDATION_SEED_OFFSET = 10**7
+
+
+def _rows_from_env(env_rows: Optional[EnvRows], data_cfg: DataConfig, split: Split) -> tuple[list[dict], list[str]]:
+    if env_rows is None:
+        raise DataError("data.dataset=env: this command has no environments to make rows (use it with grpo / eval)")
+    return env_rows(data_cfg, split)
+
+
+def _load_blend(data_cfg: DataConfig, split: Split, env_rows: Optional[EnvRows] = None) -> list[dict]:
     """The records of every `data.blend` component, each tagged with its `source` and sampling weight
     (a reasoning-gym component shares its weight among its tasks by their own weights)."""
     from posttrain.config.schema import blend_component
@@ -247,6 +277,9 @@ def _load_blend(data_cfg: DataConfig, split: Split) -> list[dict]:
 
             # rows route to env.reasoning_gym unless the component names another environment
             part = load_reasoning_gym(sub, split, env_name=env if "env" in data_cfg.blend[i] else None)
+        elif sub.dataset == "env":  # rows made by the component's environment (a game)
+            rows, _ = _rows_from_env(env_rows, sub.model_copy(update={"env_name": env}), split)
+            part = _finish(rows, [f"data.blend[{i}] ({name}) {split} row {j}" for j in range(len(rows))], sub, env)
         else:
             if split == "validation" and sub.validation_path is None:
                 continue

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from posttrain.data.chat import render_prompt, tools_system_text
 from posttrain.data.datasets import DataError, env_metadata
 from posttrain.utils.registry import registrar
 
@@ -42,7 +43,7 @@ def _field(record: dict, key: str, idx: int) -> Any:
 
 def _prompt_text(
     prompt: str, tokenizer: PreTrainedTokenizerBase, use_chat_template: bool, system_prompt: str | None,
-    messages: list[dict] | None = None,
+    messages: list[dict] | None = None, tools: list[dict] | None = None,
 ) -> tuple[str, list[dict], bool]:
     """(text the model sees before its answer, chat messages, add_special_tokens for encoding it).
 
@@ -50,7 +51,9 @@ def _prompt_text(
     carries its own special tokens. Without it, the system prompt (if any) goes on its own line
     before the prompt and the tokenizer adds its usual special tokens (bos for Llama-style ones).
     `messages` (a record's own conversation, e.g. a NeMo-Gym row's input) replaces the single user
-    message; `system_prompt` is added when they have no system message.
+    message; `system_prompt` is added when they have no system message. `tools` (OpenAI-style
+    function schemas) are described through the template (`posttrain.data.chat.render_prompt`), or
+    in the system message without a chat template.
     """
     if messages:
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
@@ -63,9 +66,9 @@ def _prompt_text(
     if use_chat_template:
         if tokenizer.chat_template is None:
             raise ValueError("data.use_chat_template is true but the tokenizer has no chat template")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = render_prompt(tokenizer, messages, tools)
         return text, messages, False
-    text = "\n".join(m["content"] for m in messages)
+    text = "\n".join(([tools_system_text(tools)] if tools else []) + [m["content"] for m in messages])
     return text, messages, True
 
 
@@ -101,7 +104,8 @@ def build_prompt_message_log(
         max_seq_length: a longer prompt is cut to 4 tokens and gets `loss_multiplier` 0.0, with a
             warning naming `idx`.
         use_chat_template: wrap the prompt with the tokenizer's chat template, ending in the
-            generation prompt (default True). The single `user` message's content is the whole
+            generation prompt (default True). A record's `tools` (function schemas) are described
+            in the prompt, and its `stop_strings` end the first generated turn. The single `user` message's content is the whole
             templated text, so the message log holds exactly the tokens the model sees.
         system_prompt: optional system message (default None).
         idx: the sample's index, kept in the datum and used in warnings.
@@ -109,7 +113,8 @@ def build_prompt_message_log(
     prompt = _field(record, "prompt", idx)
     if _routing(record)["env_name"] == DEFAULT_TASK_NAME:
         _field(record, "answer", idx)  # math grades against it; other environments read other fields
-    text, _, add_special = _prompt_text(prompt, tokenizer, use_chat_template, system_prompt, record.get("messages"))
+    text, _, add_special = _prompt_text(prompt, tokenizer, use_chat_template, system_prompt, record.get("messages"),
+                                        record.get("tools"))
     token_ids = _encode(tokenizer, text, add_special)
     loss_multiplier = 1.0
     if token_ids.numel() > max_seq_length:
@@ -127,6 +132,7 @@ def build_prompt_message_log(
         "extra_env_info": env_metadata(record),
         "loss_multiplier": loss_multiplier,
         "idx": idx,
+        **({"stop_strings": list(record["stop_strings"])} if record.get("stop_strings") else {}),
         **_routing(record),
     }
 

@@ -37,6 +37,8 @@ class EnvironmentReturn(NamedTuple):
         terminateds: BoolTensor[B], True where the episode is over.
         answers: B extracted answers (str) or None where nothing could be extracted; used for
             logging and for majority voting (cons@k) in evaluation.
+        metrics: optional counts of this call (e.g. `{"tool_errors": 2}`), summed over the calls
+            of a rollout and logged as `train/env/<task>/<key>` (default None).
     """
 
     observations: list[dict[str, str]]
@@ -45,6 +47,7 @@ class EnvironmentReturn(NamedTuple):
     rewards: torch.Tensor
     terminateds: torch.Tensor
     answers: list[Optional[str]]
+    metrics: Optional[dict[str, float]] = None
 
 
 class Environment(abc.ABC):
@@ -56,6 +59,10 @@ class Environment(abc.ABC):
       Without it, `__init__` receives the section's fields as a dict (or None).
     - `metadata_problem(metadata)`: an optional check of one data row's metadata (what `step`
       receives for it), run on every row before any worker starts.
+    - `make_rows(cfg, count, seed)`: optional; the rows of `data.dataset=env` (games).
+    - `prompt_tools(cfg)`: optional; tool schemas rendered into every prompt of the environment.
+    - Observations may carry `"chat_template": True` to be rendered as the next chat turn
+      (`{"role": "tool" | "user", ...}`), see `posttrain.data.chat.observation_ids`.
     """
 
     config_class: Optional[type] = None
@@ -63,6 +70,17 @@ class Environment(abc.ABC):
     @classmethod
     def metadata_problem(cls, metadata: dict) -> Optional[str]:
         """Why this environment cannot score a row with this metadata, or None (the default)."""
+        return None
+
+    @classmethod
+    def make_rows(cls, cfg: Any, count: int, seed: int) -> list[dict]:
+        """`count` data rows (`{"prompt", ...fields step reads}`) made by the environment itself, for
+        `data.dataset=env` (games: one board per row). Row i must depend only on `(seed, i)`."""
+        raise NotImplementedError
+
+    @classmethod
+    def prompt_tools(cls, cfg: Any) -> Optional[list[dict]]:
+        """OpenAI-style function schemas the prompt should describe (default None: no tools)."""
         return None
 
     @abc.abstractmethod
