@@ -90,7 +90,37 @@ class GenerationInterface(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not report weight checksums")
 
 
-class Generation(GenerationInterface):
+class WorkerGroupGeneration(GenerationInterface):
+    """What every backend that drives a WorkerGroup of data-parallel engines shares: rows seeded
+    here before sharding (the same batch gives the same samples for any number of workers),
+    sharded generation, the generation-phase hooks and shutdown. Subclasses build the group and
+    call `_attach`."""
+
+    def _attach(self, worker_group: WorkerGroup, seed: int) -> None:
+        self.worker_group = worker_group
+        self.pad_token_id = worker_group.run_rank0("special_token_ids")["pad_token_id"]
+        self._seed_generator = torch.Generator().manual_seed(seed)
+        self.weights_version = 0
+
+    def generate(self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None) -> Batch:
+        if "seeds" not in batch and not greedy:
+            batch = batch.copy()
+            batch["seeds"] = torch.randint(0, 2**62, (batch.size,), generator=self._seed_generator)
+        refs = self.worker_group.run_sharded_async("generate", batch, greedy=greedy, params=params)
+        return self.worker_group.gather(refs, pad_values={"output_ids": self.pad_token_id})
+
+    def prepare_for_generation(self) -> bool:
+        return all(self.worker_group.run_all("prepare_for_generation"))
+
+    def finish_generation(self) -> bool:
+        return all(self.worker_group.run_all("finish_generation", offload=self.config.colocated.enabled))
+
+    def shutdown(self) -> bool:
+        self.worker_group.shutdown()
+        return True
+
+
+class Generation(WorkerGroupGeneration):
     """Data-parallel native generation on a WorkerGroup of `GenerationWorker`s.
 
     Args:
@@ -124,7 +154,7 @@ class Generation(GenerationInterface):
             raise ValueError(
                 f"policy.generation.backend={self.config.backend!r} is not available; this build has 'native'"
             )
-        self.worker_group = WorkerGroup(
+        worker_group = WorkerGroup(
             cluster,
             GenerationWorker,
             init_kwargs=dict(
@@ -139,22 +169,7 @@ class Generation(GenerationInterface):
             bundle_indices=bundle_indices,
             worker_timeout_s=worker_timeout_s,
         )
-        self.pad_token_id = self.worker_group.run_rank0("special_token_ids")["pad_token_id"]
-        self._seed_generator = torch.Generator().manual_seed(seed)
-        self.weights_version = 0
-
-    def generate(self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None) -> Batch:
-        if "seeds" not in batch and not greedy:
-            batch = batch.copy()
-            batch["seeds"] = torch.randint(0, 2**62, (batch.size,), generator=self._seed_generator)
-        refs = self.worker_group.run_sharded_async("generate", batch, greedy=greedy, params=params)
-        return self.worker_group.gather(refs, pad_values={"output_ids": self.pad_token_id})
-
-    def prepare_for_generation(self) -> bool:
-        return all(self.worker_group.run_all("prepare_for_generation"))
-
-    def finish_generation(self) -> bool:
-        return all(self.worker_group.run_all("finish_generation", offload=self.config.colocated.enabled))
+        self._attach(worker_group, seed)
 
     def prepare_refit_info(self, metadata: RefitMetadata) -> None:
         self.worker_group.run_all("prepare_refit_info", metadata)
@@ -180,7 +195,3 @@ class Generation(GenerationInterface):
     def get_weights_checksums(self) -> list[str]:
         """`refit.state_dict_checksum` of every worker's weights, in rank order."""
         return self.worker_group.run_all("get_weights_checksum")
-
-    def shutdown(self) -> bool:
-        self.worker_group.shutdown()
-        return True

@@ -31,7 +31,7 @@ from posttrain.config.schema import GenerationConfig
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.cluster import VirtualCluster
 from posttrain.distributed.worker_group import WorkerGroup
-from posttrain.models.generation.interface import GenerationInterface, RefitVerificationError
+from posttrain.models.generation.interface import RefitVerificationError, WorkerGroupGeneration
 from posttrain.models.generation.vllm_env import ensure_vllm_env
 from posttrain.models.generation.vllm_worker import VLLM_ENV_VARS, VllmGenerationWorker
 from posttrain.models.refit import RefitMetadata
@@ -42,7 +42,7 @@ PROBE_LENGTH = 32
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 
 
-class VllmGeneration(GenerationInterface):
+class VllmGeneration(WorkerGroupGeneration):
     """Data-parallel vLLM engines on a WorkerGroup of `VllmGenerationWorker`s.
 
     Args:
@@ -108,7 +108,7 @@ class VllmGeneration(GenerationInterface):
             init_kwargs["tp_bundle_groups"] = _tp_bundle_groups(cluster, bundles, tp)
             actor_resources = {"num_gpus": 0}  # vLLM's own Ray workers hold the GPUs
         self.tensor_parallel_size = tp
-        self.worker_group = WorkerGroup(
+        worker_group = WorkerGroup(
             cluster,
             VllmGenerationWorker,
             init_kwargs=init_kwargs,
@@ -119,25 +119,9 @@ class VllmGeneration(GenerationInterface):
             python_executable=python,
             actor_resources=actor_resources,
         )
-        self.pad_token_id = self.worker_group.run_rank0("special_token_ids")["pad_token_id"]
-        self._seed_generator = torch.Generator().manual_seed(seed)
+        self._attach(worker_group, seed)
         self._engine_dtype: torch.dtype = self.worker_group.run_rank0("get_weight_dtypes")
         self._broadcast_ready = False
-        self.weights_version = 0
-
-    # ------------------------------------------------------------------ generation
-    def generate(self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None) -> Batch:
-        if "seeds" not in batch and not greedy:
-            batch = batch.copy()
-            batch["seeds"] = torch.randint(0, 2**62, (batch.size,), generator=self._seed_generator)
-        refs = self.worker_group.run_sharded_async("generate", batch, greedy=greedy, params=params)
-        return self.worker_group.gather(refs, pad_values={"output_ids": self.pad_token_id})
-
-    def prepare_for_generation(self) -> bool:
-        return all(self.worker_group.run_all("prepare_for_generation"))
-
-    def finish_generation(self) -> bool:
-        return all(self.worker_group.run_all("finish_generation", offload=self.config.colocated.enabled))
 
     # ------------------------------------------------------------------ refit
     def weight_dtypes(self) -> torch.dtype:
@@ -218,9 +202,6 @@ class VllmGeneration(GenerationInterface):
     def get_weights_versions(self) -> list[int]:
         return self.worker_group.run_all("get_weights_version")
 
-    def shutdown(self) -> bool:
-        self.worker_group.shutdown()
-        return True
 
 
 def _tp_bundle_groups(cluster: VirtualCluster, bundles: list[int], tp: int) -> list[list[int]]:
