@@ -179,10 +179,10 @@ class TrainingLoop:
         if self.headline in last and self.headline in first and first_step != last_step:
             before, after = first[self.headline], last[self.headline]
             label = self.headline.partition("/")[2].replace("_", " ")
-            change = (f"{100 * (after - before):+.1f} percentage points" if _is_fraction(self.headline)
-                      else f"{after - before:+.4f}")
-            parts.append(f"validation {label} {_fmt(self.headline, before)} (step {first_step}) -> "
-                         f"{_fmt(self.headline, after)} (step {last_step}), {change}")
+            as_fraction = _is_fraction(self.headline, before) and _is_fraction(self.headline, after)
+            change = f"{100 * (after - before):+.1f} percentage points" if as_fraction else f"{after - before:+.4f}"
+            parts.append(f"validation {label} {_fmt(self.headline, before, as_fraction)} (step {first_step}) -> "
+                         f"{_fmt(self.headline, after, as_fraction)} (step {last_step}), {change}")
         others = ", ".join(f"{k.partition('/')[2].replace('_', ' ')} {_fmt(k, v)}" for k, v in last.items()
                            if not (parts and k == self.headline) and "/" not in k.partition("/")[2])
         if others:
@@ -193,12 +193,15 @@ class TrainingLoop:
         self.logger.close()
 
 
-def _is_fraction(name: str) -> bool:
-    return name.endswith("accuracy") or "pass@" in name
+def _is_fraction(name: str, value: float) -> bool:
+    """Accuracies are fractions, unless an environment's reward is not 0/1 (a reward model's score:
+    its mean is then no percentage)."""
+    return (name.endswith("accuracy") or "pass@" in name) and 0.0 <= value <= 1.0
 
 
-def _fmt(name: str, value: float) -> str:
-    return f"{value:.1%}" if _is_fraction(name) else f"{value:.4f}"
+def _fmt(name: str, value: float, as_fraction: Optional[bool] = None) -> str:
+    fraction = _is_fraction(name, value) if as_fraction is None else as_fraction
+    return f"{value:.1%}" if fraction else f"{value:.4f}"
 
 
 def train_offline(cfg: Any, schedule: Any, *, name: str, section: str, policy: Any, loader: Any,

@@ -134,3 +134,13 @@ def test_resumed_at_the_last_step_trains_nothing(tmp_path, capsys):
     loop.close()
     loop = make_loop(cfg, FakePolicy(), FakeLoader())
     assert loop.resume() and "this run is complete" in loop.done_message()
+
+
+def test_summary_of_a_reward_that_is_not_a_fraction(tmp_path):
+    """A reward model's mean score is the 'accuracy' of GRPO's validation: no percentages then."""
+    loop = make_loop(cfg_for(tmp_path), FakePolicy(), FakeLoader())
+    loop.history = [(0, {"validation/accuracy": 2.418}), (40, {"validation/accuracy": 2.494})]
+    assert loop.summary() == "validation accuracy 2.4180 (step 0) -> 2.4940 (step 40), +0.0760"
+    loop.history = [(0, {"validation/accuracy": 0.25}), (40, {"validation/accuracy": 0.5})]
+    assert loop.summary() == "validation accuracy 25.0% (step 0) -> 50.0% (step 40), +25.0 percentage points"
+    loop.close()
