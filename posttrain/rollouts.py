@@ -24,7 +24,7 @@ from posttrain.data.chat import observation_ids
 from posttrain.data.message_log import append_message, flatten_message_logs
 from posttrain.data.processors import DEFAULT_TASK_NAME
 from posttrain.distributed.batch import Batch
-from posttrain.environments.registry import route_step
+from posttrain.environments.registry import launch_step
 
 
 @dataclass
@@ -35,7 +35,11 @@ class RolloutResult:
     overlong: torch.Tensor  # [B] bool: truncated, or the last turn hit max_new_tokens (DAPO filter)
     answers: list[Optional[str]]  # the answer each environment extracted at the sample's last turn
     metrics: dict[str, float] = field(default_factory=dict)
-    env_seconds: float = 0.0  # wall time spent in environments (the "reward" timing)
+    env_seconds: float = 0.0  # wall time spent waiting for environments (the "reward" timing)
+    # Per-sample progress, in seconds: `env_step_wait` (mean time from a sample's generation coming
+    # back to its environment step starting) and `generation_shard_spread` (first to last engine
+    # shard back, summed over turns: what early samples would wait without per-shard stepping).
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def sample_seeds(base_seed: int, step: int, n: int) -> torch.Tensor:
@@ -101,6 +105,8 @@ def _rollout_turns(
     env_seconds = 0.0
     answers: list[Optional[str]] = [None] * n
     env_counts: dict[str, float] = {}  # environments' own counts (EnvironmentReturn.metrics), summed
+    waits: list[float] = []  # per sample and turn: seconds from its generation's return to its environment step
+    shard_spread = 0.0  # per turn, first to last engine shard back: what early shards no longer wait for
 
     for turn in range(max_rollout_turns):
         if not active:
@@ -111,38 +117,52 @@ def _rollout_turns(
         batch["stop_strings"] = [stop_strings[i] for i in active]
         if seeds is not None:
             batch["seeds"] = seeds[active] + turn * 1_000_003
-        out = generation.generate(batch, greedy=greedy, params=params)
-
-        for row, i in enumerate(active):
-            start = int(batch["input_lengths"][row])
-            length = int(out["generation_lengths"][row])
-            token_ids = out["output_ids"][row, start : start + length].clone()
-            logprobs = out["logprobs"][row, start : start + length].clone()
-            append_message(
-                datums[i]["message_log"],
-                "assistant",
-                tokenizer.decode(token_ids.tolist(), skip_special_tokens=True),
-                token_ids,
-                generation_logprobs=logprobs,
-                weight_version=weight_version,
-            )
-            gen_tokens[i] += length
-            turns[i] += 1
-            hit_max_new_tokens[i] = bool(out["truncated"][row])
+        # Engines return their shards as they finish: each shard's samples are appended and their
+        # environments start stepping at once, while the other shards still generate.
+        pending, ready_at, launch_seconds = [], [], 0.0
+        for rows, out in generation.generate_shards(batch, greedy=greedy, params=params):
+            ready_at.append(time.perf_counter())
+            members = [active[row] for row in rows]
+            for k, (row, i) in enumerate(zip(rows, members)):
+                start = int(batch["input_lengths"][row])
+                length = int(out["generation_lengths"][k])
+                token_ids = out["output_ids"][k, start : start + length].clone()
+                logprobs = out["logprobs"][k, start : start + length].clone()
+                append_message(
+                    datums[i]["message_log"],
+                    "assistant",
+                    tokenizer.decode(token_ids.tolist(), skip_special_tokens=True),
+                    token_ids,
+                    generation_logprobs=logprobs,
+                    weight_version=weight_version,
+                )
+                gen_tokens[i] += length
+                turns[i] += 1
+                hit_max_new_tokens[i] = bool(out["truncated"][k])
+            t0 = time.perf_counter()
+            waits.extend([t0 - ready_at[-1]] * len(members))
+            pending.append((members, launch_step(
+                envs,
+                [text_only(datums[i]["message_log"]) for i in members],
+                [datums[i].get("extra_env_info") or {} for i in members],
+                [datums[i].get("task_name", DEFAULT_TASK_NAME) for i in members],
+            )))
+            launch_seconds += time.perf_counter() - t0  # local environments step right here
+        shard_spread += ready_at[-1] - ready_at[0] if ready_at else 0.0
 
         t0 = time.perf_counter()
-        env_out = route_step(
-            envs,
-            [text_only(datums[i]["message_log"]) for i in active],
-            [datums[i].get("extra_env_info") or {} for i in active],
-            [datums[i].get("task_name", DEFAULT_TASK_NAME) for i in active],
-        )
-        env_seconds += time.perf_counter() - t0
-        for key, value in (env_out.metrics or {}).items():
-            env_counts[key] = env_counts.get(key, 0.0) + value
+        stepped = {}  # sample -> (its shard's environment results, its row there)
+        for members, step in pending:
+            env_out = step.result()
+            for key, value in (env_out.metrics or {}).items():
+                env_counts[key] = env_counts.get(key, 0.0) + value
+            stepped.update({i: (env_out, row) for row, i in enumerate(members)})
+        # Environment time the rollout waited for (beyond what overlapped generation).
+        env_seconds += launch_seconds + time.perf_counter() - t0
 
         still_active = []
-        for row, i in enumerate(active):
+        for i in active:
+            env_out, row = stepped[i]
             rewards[i] += float(env_out.rewards[row])
             if env_out.answers is not None:
                 answers[i] = env_out.answers[row]
@@ -176,4 +196,6 @@ def _rollout_turns(
         "max_new_tokens_hit_rate": hit_max_new_tokens.float().mean().item(),
         **{f"env/{key}": value for key, value in env_counts.items()},
     }
-    return RolloutResult(datums, rewards, truncated, truncated | hit_max_new_tokens, answers, metrics, env_seconds)
+    timings = {"env_step_wait": sum(waits) / len(waits) if waits else 0.0, "generation_shard_spread": shard_spread}
+    return RolloutResult(datums, rewards, truncated, truncated | hit_max_new_tokens, answers, metrics, env_seconds,
+                         timings)

@@ -228,6 +228,8 @@ def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Bat
     )
     timer.add("generation", time.perf_counter() - t0 - result.env_seconds)
     timer.add("reward", result.env_seconds)
+    for name, seconds in result.timings.items():  # per-sample progress of multi-turn rollouts
+        timer.add(name, seconds)
     train_data = flatten_message_logs([s["message_log"] for s in samples], pad_token_id=ctx.tokenizer.pad_token_id)
     train_data["sample_mask"] = torch.tensor([float(s.get("loss_multiplier", 1.0)) for s in samples])
     metrics = {

@@ -189,6 +189,8 @@ def _generate_groups(ctx: GRPOContext, step: int, gen_batch: int, timer: Timer) 
     # the step-time breakdown adds up.
     timer.add("generation", time.perf_counter() - t0 - result.env_seconds)
     timer.add("reward", result.env_seconds)
+    for name, seconds in result.timings.items():  # per-sample progress of multi-turn rollouts
+        timer.add(name, seconds)
 
     rewards = result.rewards
     if cfg.reward_shaping.enabled:  # DAPO overlong penalty

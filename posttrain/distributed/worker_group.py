@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from datetime import timedelta
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import ray
 import torch
@@ -319,10 +319,18 @@ class WorkerGroup:
             WorkerTimeoutError: naming the ranks still running when the time is up.
         """
         refs = list(refs)
-        timeout = self.worker_timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + timeout
         position = {ref: i for i, ref in enumerate(refs)}
         results: list[Any] = [None] * len(refs)
+        for ref, result in self.as_completed(refs, timeout):
+            results[position[ref]] = result
+        return results
+
+    def as_completed(self, refs: Sequence[ray.ObjectRef], timeout: float | None = None) -> Iterator[tuple[ray.ObjectRef, Any]]:
+        """`(ref, result)` of each of `refs` as soon as it finishes, with `get`'s failure and
+        timeout handling (the timeout covers all of them)."""
+        refs = list(refs)
+        timeout = self.worker_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         waiting = list(refs)
         try:
             while waiting:
@@ -336,13 +344,13 @@ class WorkerGroup:
                 ready, waiting = ray.wait(waiting, num_returns=1, timeout=remaining)
                 for ref in ready:
                     try:
-                        results[position[ref]] = ray.get(ref)
+                        result = ray.get(ref)
                     except Exception as error:
                         self._raise_failure(ref, error, waiting)
+                    yield ref, result
         finally:
             for ref in refs:
                 self._pending.pop(ref, None)
-        return results
 
     def _raise_failure(self, ref: ray.ObjectRef, error: Exception, waiting: list[ray.ObjectRef]) -> None:
         """Raise a WorkerError for the failure of `ref`, putting the likely root cause first.

@@ -123,6 +123,59 @@ def route_step(
         envs: task name -> environment (local `Environment` or Ray actor handle).
         message_logs, metadata, task_names: one entry per sample.
     """
+    return launch_step(envs, message_logs, metadata, task_names).result()
+
+
+class PendingStep:
+    """Environment steps launched by `launch_step`: actor calls already running (local
+    environments have already stepped); `result()` waits for them and reassembles the batch."""
+
+    def __init__(self, envs: dict[str, Any], groups: dict[str, list[int]], launched: dict[str, Any], batch_size: int):
+        self.envs, self.groups, self.launched, self.batch_size = envs, groups, launched, batch_size
+
+    def result(self) -> EnvironmentReturn:
+        groups, launched, batch_size = self.groups, dict(self.launched), self.batch_size
+        remote_tasks = [task for task in groups if not _is_local(self.envs[task])]
+        if remote_tasks:
+            import ray
+
+            for task, result in zip(remote_tasks, ray.get([launched[t] for t in remote_tasks])):
+                launched[task] = result
+        observations: list[Optional[dict]] = [None] * batch_size
+        out_metadata: list[Any] = [None] * batch_size
+        stop_strings: list[Optional[list[str]]] = [None] * batch_size
+        answers: list[Optional[str]] = [None] * batch_size
+        rewards = torch.zeros(batch_size, dtype=torch.float32)
+        terminateds = torch.zeros(batch_size, dtype=torch.bool)
+        metrics: dict[str, float] = {}
+        for task, indices in groups.items():
+            result: EnvironmentReturn = launched[task]
+            for key, value in (getattr(result, "metrics", None) or {}).items():  # per task: "<task>/<key>"
+                metrics[f"{task}/{key}"] = metrics.get(f"{task}/{key}", 0.0) + float(value)
+            if len(result.observations) != len(indices) or result.rewards.numel() != len(indices):
+                raise RuntimeError(
+                    f"environment {task!r} returned {len(result.observations)} observations and "
+                    f"{result.rewards.numel()} rewards for {len(indices)} samples"
+                )
+            index = torch.tensor(indices, dtype=torch.long)
+            rewards[index] = result.rewards.to(torch.float32).reshape(-1).cpu()
+            terminateds[index] = result.terminateds.to(torch.bool).reshape(-1).cpu()
+            for j, i in enumerate(indices):
+                observations[i] = result.observations[j]
+                out_metadata[i] = result.metadata[j]
+                stop_strings[i] = result.next_stop_strings[j]
+                answers[i] = result.answers[j] if result.answers is not None else None
+        return EnvironmentReturn(observations, out_metadata, stop_strings, rewards, terminateds, answers, metrics)
+
+
+def launch_step(
+    envs: dict[str, Any],
+    message_logs: Sequence[MessageLog],
+    metadata: Sequence[dict],
+    task_names: Sequence[str],
+) -> PendingStep:
+    """Start stepping each sample in the environment of its task, without waiting: every actor call
+    is launched at once (environments work in parallel, and beside whatever the caller does next)."""
     batch_size = len(message_logs)
     if not (len(metadata) == len(task_names) == batch_size):
         raise ValueError(
@@ -133,46 +186,13 @@ def route_step(
         if task not in envs:
             raise KeyError(f"sample {i} has task_name {task!r} but no environment serves it (have: {sorted(envs)})")
         groups.setdefault(task, []).append(i)
-
-    # Launch every actor call before waiting on any, so environments work in parallel.
     launched: dict[str, Any] = {}
     for task, indices in groups.items():
         env = envs[task]
         group_logs = [message_logs[i] for i in indices]
         group_meta = [metadata[i] for i in indices]
         launched[task] = env.step(group_logs, group_meta) if _is_local(env) else env.step.remote(group_logs, group_meta)
-    remote_tasks = [task for task in groups if not _is_local(envs[task])]
-    if remote_tasks:
-        import ray
-
-        for task, result in zip(remote_tasks, ray.get([launched[t] for t in remote_tasks])):
-            launched[task] = result
-
-    observations: list[Optional[dict]] = [None] * batch_size
-    out_metadata: list[Any] = [None] * batch_size
-    stop_strings: list[Optional[list[str]]] = [None] * batch_size
-    answers: list[Optional[str]] = [None] * batch_size
-    rewards = torch.zeros(batch_size, dtype=torch.float32)
-    terminateds = torch.zeros(batch_size, dtype=torch.bool)
-    metrics: dict[str, float] = {}
-    for task, indices in groups.items():
-        result: EnvironmentReturn = launched[task]
-        for key, value in (getattr(result, "metrics", None) or {}).items():  # per task: "<task>/<key>"
-            metrics[f"{task}/{key}"] = metrics.get(f"{task}/{key}", 0.0) + float(value)
-        if len(result.observations) != len(indices) or result.rewards.numel() != len(indices):
-            raise RuntimeError(
-                f"environment {task!r} returned {len(result.observations)} observations and "
-                f"{result.rewards.numel()} rewards for {len(indices)} samples"
-            )
-        index = torch.tensor(indices, dtype=torch.long)
-        rewards[index] = result.rewards.to(torch.float32).reshape(-1).cpu()
-        terminateds[index] = result.terminateds.to(torch.bool).reshape(-1).cpu()
-        for j, i in enumerate(indices):
-            observations[i] = result.observations[j]
-            out_metadata[i] = result.metadata[j]
-            stop_strings[i] = result.next_stop_strings[j]
-            answers[i] = result.answers[j] if result.answers is not None else None
-    return EnvironmentReturn(observations, out_metadata, stop_strings, rewards, terminateds, answers, metrics)
+    return PendingStep(envs, groups, launched, batch_size)
 
 
 class EnvRouter:

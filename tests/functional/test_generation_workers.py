@@ -71,6 +71,21 @@ def test_data_parallel_generation_matches_single_engine(generation):
     assert_same_generation(sampled, reference)
 
 
+def test_shards_come_back_per_worker_and_cover_the_batch(generation):
+    """`generate_shards` yields each worker's rows as it finishes (2 workers: rows 0-2, 3-4), and
+    the pieces equal `generate` on the whole batch."""
+    tokenizer = load_tokenizer("tiny")
+    batch = prompt_batch(tokenizer)
+    whole = generation.generate(batch, greedy=True)
+    pieces = list(generation.generate_shards(batch, greedy=True))
+    assert sorted(rows for rows, _ in pieces) == [[0, 1, 2], [3, 4]]
+    for rows, out in pieces:
+        assert out["generation_lengths"].tolist() == whole["generation_lengths"][rows].tolist()
+        for k, row in enumerate(rows):
+            end = int(out["unpadded_sequence_lengths"][k])
+            assert out["output_ids"][k, :end].tolist() == whole["output_ids"][row, :end].tolist()
+
+
 def test_packed_refit_updates_every_worker(generation):
     tokenizer = load_tokenizer("tiny")
     torch.manual_seed(0)

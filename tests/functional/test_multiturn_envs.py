@@ -42,6 +42,9 @@ class ScriptedGeneration:
     def finish_generation(self) -> bool:
         return True
 
+    def generate_shards(self, batch: Batch, greedy: bool = False, params=None):
+        yield list(range(batch.size)), self.generate(batch, greedy, params)
+
     def generate(self, batch: Batch, greedy: bool = False, params=None) -> Batch:
         rows, lengths = [], []
         self.stop_strings_seen.append(list(batch["stop_strings"]))

@@ -25,6 +25,9 @@ class RecordingGeneration:
     def finish_generation(self):
         self.events.append("finish")
 
+    def generate_shards(self, batch, greedy=False, params=None):
+        yield list(range(batch.size)), self.generate(batch, greedy, params)
+
     def generate(self, batch, greedy=False, params=None):
         self.calls.append((greedy, params))
         self.events.append("generate")
@@ -99,3 +102,38 @@ def test_rollouts_tell_the_engine_when_generation_begins_and_ends():
     except RuntimeError:
         pass
     assert generation.events == ["prepare", "generate", "finish"]
+
+
+def test_environments_step_each_shard_as_soon_as_it_is_generated():
+    """Per-sample multi-turn progress: a shard's samples reach their environment while the other
+    shards still generate (not after the slowest one), over two turns, and the rollout reports
+    how long samples waited."""
+    from posttrain.rollouts import run_multi_turn_rollout
+
+    events = []
+
+    class TwoShards(RecordingGeneration):
+        def generate_shards(self, batch, greedy=False, params=None):
+            out = self.generate(batch, greedy, params)
+            half = batch.size // 2
+            for rows in (list(range(half)), list(range(half, batch.size))):
+                events.append(("generated", len(rows)))
+                yield rows, out.select(torch.tensor(rows))
+
+    class TwoTurns(Environment):
+        def step(self, message_logs, metadata):
+            events.append(("stepped", len(message_logs)))
+            n = len(message_logs)
+            done = [len(log) >= 4 for log in message_logs]  # user, assistant, observation, assistant
+            return EnvironmentReturn([{"role": "environment", "content": "again"}] * n, list(metadata), [None] * n,
+                                     torch.ones(n), torch.tensor(done), ["1"] * n)
+
+    tokenizer = build_tokenizer()
+    datums = [build_prompt_message_log({"prompt": "1+1=", "answer": "2", "task_name": "t"}, tokenizer, 64, idx=i)
+              for i in range(4)]
+    result = run_multi_turn_rollout(TwoShards(), datums, tokenizer, {"t": TwoTurns()}, max_seq_len=64,
+                                    max_rollout_turns=3)
+    assert events == [("generated", 2), ("stepped", 2), ("generated", 2), ("stepped", 2)] * 2
+    assert result.rewards.tolist() == [2.0] * 4  # rewards of both turns, every sample back in its place
+    assert all(len(d["message_log"]) == 4 for d in datums)
+    assert 0.0 <= result.timings["env_step_wait"] < 1.0 and result.timings["generation_shard_spread"] >= 0.0

@@ -16,7 +16,7 @@ Typical use from an algorithm loop:
 from __future__ import annotations
 
 import abc
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import ray
@@ -44,6 +44,14 @@ class GenerationInterface(abc.ABC):
         """`batch` has `input_ids [B,S]` (right-padded), `input_lengths [B]`, optionally `seeds [B]`
         and per-row `stop_strings`. Returns `output_ids`, `generation_lengths`,
         `unpadded_sequence_lengths`, `logprobs`, `truncated` (docs/internals.md)."""
+
+    def generate_shards(
+        self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None
+    ) -> Iterator[tuple[list[int], Batch]]:
+        """`generate` in pieces as they finish: yields `(rows of batch, their outputs)`, so the
+        caller can work on early pieces (e.g. step their environments) while the rest generate.
+        Default: the whole batch at once."""
+        yield list(range(batch.size)), self.generate(batch, greedy=greedy, params=params)
 
     @abc.abstractmethod
     def prepare_for_generation(self) -> bool:
@@ -108,6 +116,22 @@ class WorkerGroupGeneration(GenerationInterface):
             batch["seeds"] = torch.randint(0, 2**62, (batch.size,), generator=self._seed_generator)
         refs = self.worker_group.run_sharded_async("generate", batch, greedy=greedy, params=params)
         return self.worker_group.gather(refs, pad_values={"output_ids": self.pad_token_id})
+
+    def generate_shards(
+        self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None
+    ) -> Iterator[tuple[list[int], Batch]]:
+        """Each worker's shard as soon as that worker returns it (`Batch.shard`'s contiguous rows)."""
+        if "seeds" not in batch and not greedy:
+            batch = batch.copy()
+            batch["seeds"] = torch.randint(0, 2**62, (batch.size,), generator=self._seed_generator)
+        refs = self.worker_group.run_sharded_async("generate", batch, greedy=greedy, params=params)
+        rows, start = {}, 0
+        for ref, shard in zip(refs, batch.shard(len(refs))):
+            rows[ref] = list(range(start, start + shard.size))
+            start += shard.size
+        for ref, result in self.worker_group.as_completed(refs):
+            if rows[ref]:
+                yield rows[ref], result
 
     def prepare_for_generation(self) -> bool:
         return all(self.worker_group.run_all("prepare_for_generation"))
