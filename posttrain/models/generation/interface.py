@@ -111,19 +111,23 @@ class WorkerGroupGeneration(GenerationInterface):
         self.weights_version = 0
 
     def generate(self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None) -> Batch:
-        if "seeds" not in batch and not greedy:
-            batch = batch.copy()
-            batch["seeds"] = torch.randint(0, 2**62, (batch.size,), generator=self._seed_generator)
-        refs = self.worker_group.run_sharded_async("generate", batch, greedy=greedy, params=params)
+        refs = self.worker_group.run_sharded_async("generate", self._seeded(batch, greedy), greedy=greedy,
+                                                   params=params)
         return self.worker_group.gather(refs, pad_values={"output_ids": self.pad_token_id})
+
+    def _seeded(self, batch: Batch, greedy: bool) -> Batch:
+        """`batch` with a seed for every row of a sampled batch that came without seeds."""
+        if "seeds" in batch or greedy:
+            return batch
+        batch = batch.copy()
+        batch["seeds"] = torch.randint(0, 2**62, (batch.size,), generator=self._seed_generator)
+        return batch
 
     def generate_shards(
         self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None
     ) -> Iterator[tuple[list[int], Batch]]:
         """Each worker's shard as soon as that worker returns it (`Batch.shard`'s contiguous rows)."""
-        if "seeds" not in batch and not greedy:
-            batch = batch.copy()
-            batch["seeds"] = torch.randint(0, 2**62, (batch.size,), generator=self._seed_generator)
+        batch = self._seeded(batch, greedy)
         refs = self.worker_group.run_sharded_async("generate", batch, greedy=greedy, params=params)
         rows, start = {}, 0
         for ref, shard in zip(refs, batch.shard(len(refs))):
