@@ -40,6 +40,8 @@ class RolloutResult:
     # back to its environment step starting) and `generation_shard_spread` (first to last engine
     # shard back, summed over turns: what early samples would wait without per-shard stepping).
     timings: dict[str, float] = field(default_factory=dict)
+    # [B] bool: samples whose environment did not answer before the rollout's deadline (dropped).
+    timed_out: Optional[torch.Tensor] = None
 
 
 def sample_seeds(base_seed: int, step: int, n: int) -> torch.Tensor:
@@ -80,6 +82,7 @@ def _rollout_turns(
     seeds: Optional[torch.Tensor] = None,
     weight_version: int = 0,
     params: Optional[dict[str, Any]] = None,
+    deadline: Optional[float] = None,
 ) -> RolloutResult:
     """The turns of `run_multi_turn_rollout`.
 
@@ -91,6 +94,9 @@ def _rollout_turns(
             reproduces the whole rollout regardless of batching.
         params: per-call sampling overrides passed to `generate` (e.g. `{"temperature": 0.6}` for
             validation at `policy.generation.val_temperature`).
+        deadline: `time.monotonic()` after which environment steps are not waited for: samples
+            whose environment has not answered end there, flagged in `timed_out` (default None:
+            wait for every environment).
     """
     n = len(datums)
     rewards = torch.zeros(n)
@@ -102,6 +108,7 @@ def _rollout_turns(
     gen_tokens = torch.zeros(n, dtype=torch.long)
     env_tokens = torch.zeros(n, dtype=torch.long)
     hit_max_new_tokens = torch.zeros(n, dtype=torch.bool)
+    timed_out = torch.zeros(n, dtype=torch.bool)
     env_seconds = 0.0
     answers: list[Optional[str]] = [None] * n
     env_counts: dict[str, float] = {}  # environments' own counts (EnvironmentReturn.metrics), summed
@@ -153,7 +160,8 @@ def _rollout_turns(
         t0 = time.perf_counter()
         stepped = {}  # sample -> (its shard's environment results, its row there)
         for members, step in pending:
-            env_out = step.result()
+            env_out = step.result(None if deadline is None else deadline - time.monotonic())
+            timed_out[[members[row] for row in step.timed_out]] = True
             for key, value in (env_out.metrics or {}).items():
                 env_counts[key] = env_counts.get(key, 0.0) + value
             stepped.update({i: (env_out, row) for row, i in enumerate(members)})
@@ -163,6 +171,8 @@ def _rollout_turns(
         still_active = []
         for i in active:
             env_out, row = stepped[i]
+            if timed_out[i]:
+                continue
             rewards[i] += float(env_out.rewards[row])
             if env_out.answers is not None:
                 answers[i] = env_out.answers[row]
@@ -198,4 +208,4 @@ def _rollout_turns(
     }
     timings = {"env_step_wait": sum(waits) / len(waits) if waits else 0.0, "generation_shard_spread": shard_spread}
     return RolloutResult(datums, rewards, truncated, truncated | hit_max_new_tokens, answers, metrics, env_seconds,
-                         timings)
+                         timings, timed_out)

@@ -134,6 +134,10 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
 # --------------------------------------------------------------------------------- the loop
 def grpo_train(ctx: GRPOContext) -> dict[str, float]:
     """Train from the context's step to its last step (`TrainingLoop` runs the schedule)."""
+    if ctx.cfg.grpo.async_grpo.enabled:
+        from posttrain.algorithms.async_grpo import async_grpo_train
+
+        return async_grpo_train(ctx)
     return ctx.loop.run(lambda step, timer: grpo_step(ctx, step, timer), lambda: validate(ctx))
 
 
@@ -160,30 +164,46 @@ def grpo_step(ctx: GRPOContext, step: int, timer: Timer) -> dict[str, float]:
 
 
 @dataclass
-class _Groups:
-    """One generation batch: `n_gen` samples per prompt, their advantages and which groups to keep."""
+class PromptGroup:
+    """One prompt's `num_generations_per_prompt` rolled-out samples, scored: the unit that the
+    replay buffer of async GRPO holds and that dynamic sampling keeps or drops."""
 
-    samples: list[dict]
-    raw_rewards: torch.Tensor  # [B] environment rewards before shaping (logged as train/reward)
-    advantages: torch.Tensor  # [B]
-    sample_mask: torch.Tensor  # [B]
-    keep: torch.Tensor  # [num_prompts] bool: groups that carry a learning signal
-    metrics: dict[str, float]
+    samples: list[dict]  # the datums, their message logs extended by the rollout
+    rewards: torch.Tensor  # [n] environment rewards before shaping (logged as train/reward)
+    advantages: torch.Tensor  # [n]
+    sample_mask: torch.Tensor  # [n]
+    has_signal: bool  # rewards differ within the group (DAPO's dynamic sampling keeps only these)
+    weight_version: int  # policy step of the generation weights the rollout started from
+    timed_out: bool = False  # an environment did not answer before the rollout's deadline
+    rollout_metrics: dict[str, float] = field(default_factory=dict)  # of the rollout batch it came from
+
+    @property
+    def task_names(self) -> list[str]:
+        return [s.get("task_name", DEFAULT_TASK_NAME) for s in self.samples]
 
 
-def _generate_groups(ctx: GRPOContext, step: int, gen_batch: int, timer: Timer) -> _Groups:
-    """Roll out `num_generations_per_prompt` samples for the next prompts and score them."""
+def roll_out_groups(
+    ctx: GRPOContext, prompts: list[dict], seed_key: int, timer: Timer, *, generation: Any = None,
+    weight_version: Optional[int] = None, deadline: Optional[float] = None,
+) -> tuple[list[PromptGroup], dict[str, float]]:
+    """Roll out `num_generations_per_prompt` samples of each prompt and score them: one group per
+    prompt, and the rollout's metrics.
+
+    `seed_key` fixes the samples' seeds (sync GRPO: step x 1000 + generation batch). `generation`
+    defaults to `ctx.generation`; `weight_version` (default `ctx.step`) tags the groups;
+    `deadline` (a `time.monotonic()`) ends environment waits (see `run_multi_turn_rollout`).
+    """
     cfg, g = ctx.cfg, ctx.cfg.grpo
-    prompts = ctx.train_loader.next_batch()
-    samples = [copy.deepcopy(d) for d in prompts for _ in range(g.num_generations_per_prompt)]
-    group_ids = torch.arange(len(prompts)).repeat_interleave(g.num_generations_per_prompt)
+    n_gen = g.num_generations_per_prompt
+    version = ctx.step if weight_version is None else weight_version
+    samples = [copy.deepcopy(d) for d in prompts for _ in range(n_gen)]
+    group_ids = torch.arange(len(prompts)).repeat_interleave(n_gen)
 
-    _refit_if_stale(ctx, timer)
     t0 = time.perf_counter()
     result = run_multi_turn_rollout(
-        ctx.generation, samples, ctx.tokenizer, ctx.envs,
+        generation or ctx.generation, samples, ctx.tokenizer, ctx.envs,
         max_seq_len=cfg.policy.max_total_sequence_length, max_rollout_turns=g.max_rollout_turns,
-        seeds=sample_seeds(g.seed, step * 1000 + gen_batch, len(samples)), weight_version=ctx.step,
+        seeds=sample_seeds(g.seed, seed_key, len(samples)), weight_version=version, deadline=deadline,
     )
     # The rollout interleaves generation and environment calls: split its time between them so
     # the step-time breakdown adds up.
@@ -206,10 +226,16 @@ def _generate_groups(ctx: GRPOContext, step: int, gen_batch: int, timer: Timer) 
     advantages = adv.compute_advantages(
         g.adv_estimator.name, rewards, group_ids, sample_mask, **advantage_options(g),
     )
-    keep = torch.ones(len(prompts), dtype=torch.bool)
-    if g.use_dynamic_sampling:  # DAPO: a group whose (unshaped) rewards all agree teaches nothing
-        keep = adv.filter_zero_variance_groups(result.rewards, group_ids, num_groups=len(prompts))
-    return _Groups(samples, result.rewards, advantages, sample_mask, keep, result.metrics)
+    # DAPO: a group whose (unshaped) rewards all agree teaches nothing.
+    signal = adv.filter_zero_variance_groups(result.rewards, group_ids, num_groups=len(prompts))
+    timed_out = result.timed_out if result.timed_out is not None else torch.zeros(len(samples), dtype=torch.bool)
+    groups = [
+        PromptGroup(samples[p * n_gen:(p + 1) * n_gen], result.rewards[p * n_gen:(p + 1) * n_gen],
+                    advantages[p * n_gen:(p + 1) * n_gen], sample_mask[p * n_gen:(p + 1) * n_gen],
+                    bool(signal[p]), version, bool(timed_out[p * n_gen:(p + 1) * n_gen].any()))
+        for p in range(len(prompts))
+    ]
+    return groups, result.metrics
 
 
 def advantage_options(g) -> dict[str, Any]:
@@ -230,54 +256,63 @@ def _collect_experience(ctx: GRPOContext, step: int, timer: Timer) -> tuple[Batc
     `dynamic_sampling_max_gen_batches` generation batches).
     """
     g = ctx.cfg.grpo
-    n_gen = g.num_generations_per_prompt
-    kept: list[tuple[dict, torch.Tensor, torch.Tensor]] = []  # (datum, advantage, sample_mask)
-    batches: list[_Groups] = []
+    kept: list[PromptGroup] = []
+    generated: list[PromptGroup] = []
+    rollout_metrics: list[dict[str, float]] = []
     while True:
-        groups = _generate_groups(ctx, step, len(batches) + 1, timer)
-        batches.append(groups)
-        for p in torch.nonzero(groups.keep).flatten().tolist():
-            for i in range(p * n_gen, (p + 1) * n_gen):
-                kept.append((groups.samples[i], groups.advantages[i], groups.sample_mask[i]))
-        have = len(kept) // n_gen
-        if not g.use_dynamic_sampling or have >= g.num_prompts_per_step:
+        _refit_if_stale(ctx, timer)
+        groups, metrics = roll_out_groups(ctx, ctx.train_loader.next_batch(), step * 1000 + len(rollout_metrics) + 1,
+                                          timer)
+        generated += groups
+        rollout_metrics.append(metrics)
+        kept += [group for group in groups if group.has_signal or not g.use_dynamic_sampling]
+        if not g.use_dynamic_sampling or len(kept) >= g.num_prompts_per_step:
             break
-        if len(batches) >= g.dynamic_sampling_max_gen_batches:
+        if len(rollout_metrics) >= g.dynamic_sampling_max_gen_batches:
             log.warning(
                 "dynamic sampling: only %d of %d prompt groups had reward variance after %d generation "
-                "batches (grpo.dynamic_sampling_max_gen_batches); training on those", have,
-                g.num_prompts_per_step, len(batches),
+                "batches (grpo.dynamic_sampling_max_gen_batches); training on those", len(kept),
+                g.num_prompts_per_step, len(rollout_metrics),
             )
             break
-    kept = kept[: g.num_prompts_per_step * n_gen]
-    if not kept:  # every group was filtered: train on a fully masked batch rather than crash
-        kept = [(datum, torch.tensor(0.0), torch.tensor(0.0)) for datum in groups.samples]
-    while len(kept) % ctx.cfg.policy.train_global_batch_size:  # whole optimizer steps (a short dynamic-sampling batch)
-        kept.append((kept[-1][0], torch.tensor(0.0), torch.tensor(0.0)))
+    train_data, metrics = training_batch(ctx, kept[: g.num_prompts_per_step], generated, rollout_metrics)
+    if g.use_dynamic_sampling:
+        metrics["train/dynamic_sampling_num_gen_batches"] = float(len(rollout_metrics))
+    return train_data, metrics
 
-    datums = [datum for datum, _, _ in kept]
-    seq_adv = torch.stack([a for _, a, _ in kept]).float()
+
+def training_batch(
+    ctx: GRPOContext, kept: list[PromptGroup], generated: list[PromptGroup], rollout_metrics: list[dict[str, float]],
+) -> tuple[Batch, dict[str, float]]:
+    """The training batch of the `kept` groups (advantages broadcast to tokens, sample masks) and
+    the step's metrics over every `generated` group (`rollout_metrics`: one dict per rollout)."""
+    rows = [(datum, a, m) for group in kept for datum, a, m in zip(group.samples, group.advantages, group.sample_mask)]
+    if not rows:  # every group was filtered: train on a fully masked batch rather than crash
+        rows = [(datum, torch.tensor(0.0), torch.tensor(0.0)) for datum in generated[-1].samples]
+    while len(rows) % ctx.cfg.policy.train_global_batch_size:  # whole optimizer steps (a short dynamic-sampling batch)
+        rows.append((rows[-1][0], torch.tensor(0.0), torch.tensor(0.0)))
+
+    datums = [datum for datum, _, _ in rows]
+    seq_adv = torch.stack([a for _, a, _ in rows]).float()
     train_data = flatten_message_logs([d["message_log"] for d in datums], pad_token_id=ctx.tokenizer.pad_token_id)
-    train_data["sample_mask"] = torch.stack([m for _, _, m in kept]).float()
+    train_data["sample_mask"] = torch.stack([m for _, _, m in rows]).float()
     train_data["advantages"] = adv.broadcast_to_tokens(seq_adv, train_data["token_mask"])
 
     valid = train_data["sample_mask"] > 0
     stats = seq_adv[valid] if valid.any() else torch.zeros(1)
-    all_rewards = torch.cat([b.raw_rewards for b in batches])
+    all_rewards = torch.cat([group.rewards for group in generated])
     metrics = {
         "train/reward": all_rewards.mean().item(),
-        **per_task_means(all_rewards, [s.get("task_name", DEFAULT_TASK_NAME) for b in batches for s in b.samples],
-                         "train/reward", list(ctx.envs)),
+        **per_task_means(all_rewards, [task for group in generated for task in group.task_names], "train/reward",
+                         list(ctx.envs)),
         "train/advantages/mean": stats.mean().item(),
         "train/advantages/max": stats.max().item(),
         "train/advantages/min": stats.min().item(),
         "train/num_samples": float(train_data.size),
         "train/mean_prompt_length": sum(d["length"] for d in datums) / len(datums),
     }
-    if g.use_dynamic_sampling:
-        metrics["train/dynamic_sampling_num_gen_batches"] = float(len(batches))
-    for key in {key for b in batches for key in b.metrics}:  # environments' counts may differ per batch
-        metrics[f"train/{key}"] = sum(b.metrics.get(key, 0.0) for b in batches) / len(batches)
+    for key in {key for m in rollout_metrics for key in m}:  # environments' counts may differ per rollout
+        metrics[f"train/{key}"] = sum(m.get(key, 0.0) for m in rollout_metrics) / len(rollout_metrics)
     return train_data, metrics
 
 

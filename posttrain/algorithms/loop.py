@@ -60,6 +60,10 @@ class TrainingLoop:
         self.step = 0  # completed training steps
         self.history: list[tuple[int, dict[str, float]]] = []  # (step, validation metrics) of each validation
         self.state: dict[str, Any] = {}  # the algorithm's own resume state, saved with each checkpoint
+        # What a checkpoint saves beside the policy, taken together: (loader state, {file name:
+        # object for torch.save}). Async GRPO's collector draws prompts ahead of training, so its
+        # loader position and replay buffer must come from one snapshot.
+        self.checkpoint_extras: Callable[[], tuple[dict, dict[str, Any]]] = lambda: (self.loader.state_dict(), {})
         self.started = time.perf_counter()
 
     @property
@@ -142,12 +146,17 @@ class TrainingLoop:
         return metrics
 
     def save(self) -> Path:
-        """Write `step_N/` atomically: policy (weights, optimizer, RNG), loader position, validation
-        history and `state`; ranked for `keep_top_k` by the most recent validation."""
+        """Write `step_N/` atomically: policy (weights, optimizer, RNG), loader position (and the
+        files of `checkpoint_extras`), validation history and `state`; ranked for `keep_top_k` by the most recent validation."""
         ranking = self.history[-1][1] if self.history else {}
         tmp = self.checkpointer.begin(self.step)
         self.policy.save_checkpoint(tmp / "policy")
-        (tmp / LOADER_STATE_FILE).write_text(json.dumps(self.loader.state_dict()))
+        loader_state, files = self.checkpoint_extras()
+        (tmp / LOADER_STATE_FILE).write_text(json.dumps(loader_state))
+        for name, obj in files.items():
+            import torch
+
+            torch.save(obj, tmp / name)
         info = {"val_history": self.history, "state": self.state}
         return self.checkpointer.finalize(self.step, tmp, ranking, info)
 

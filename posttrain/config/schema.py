@@ -769,6 +769,48 @@ class AdvantageEstimatorConfig(Section):
         return self
 
 
+class AsyncGRPOConfig(Section):
+    """Asynchronous GRPO: a trajectory collector keeps generating on its own workers while the
+    policy trains, through a replay buffer of per-prompt groups with bounded staleness (NeMo-RL's
+    async GRPO; `posttrain/algorithms/async_grpo.py`)."""
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Overlap generation and training: needs policy.generation.colocated.enabled=false and "
+            "loss_fn.use_importance_sampling_correction=true."
+        ),
+    )
+    max_trajectory_age_steps: int = Field(
+        1, ge=1,
+        description=(
+            "Oldest weights a trained group may come from, in steps behind the policy; older groups are evicted "
+            "and counted (async/evicted_groups). The collector runs at most this many steps ahead."
+        ),
+    )
+    buffer_timeout_s: float = Field(
+        600.0, gt=0,
+        description=(
+            "Longest the trainer waits for a step's groups before the run stops with the collector's state; "
+            "a dead collector stops it at once."
+        ),
+    )
+    rollout_timeout_s: float = Field(
+        300.0, gt=0,
+        description=(
+            "Longest one rollout batch may wait for its environments: groups whose environment calls are still "
+            "running then are dropped and counted (async/dropped_groups) instead of holding the buffer."
+        ),
+    )
+    max_consecutive_failed_rollouts: int = Field(
+        3, ge=1,
+        description=(
+            "Rollout batches in a row that may yield no group (all dropped) before the collector gives up and "
+            "the run stops with the reason."
+        ),
+    )
+
+
 class GRPOConfig(Section):
     """The GRPO loop: group sizes, run length, validation schedule, advantage estimation, DAPO filters."""
 
@@ -805,6 +847,7 @@ class GRPOConfig(Section):
         description="Baseline each sample by the mean of the other samples of its group (RLOO).",
     )
     adv_estimator: AdvantageEstimatorConfig = AdvantageEstimatorConfig()
+    async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
     val_period: int = Field(10, ge=0, description="0 disables periodic validation.")
     val_at_start: bool = Field(True, description="Validate before the first step.")
     val_at_end: bool = Field(True, description="Validate after the last step.")
@@ -961,6 +1004,10 @@ class GRPOMasterConfig(MasterConfig):
                 f"policy.generation.top_p={gen.top_p} / policy.generation.top_k={gen.top_k}: GRPO trains "
                 "on the full distribution (top_p=1.0, top_k=null); filtered sampling is for posttrain eval"
             )
+        if self.grpo.async_grpo.enabled:
+            problem = async_grpo_problem(self)
+            if problem:
+                raise ValueError(problem)
         # Each GRPO step trains on prompts x generations rows in optimizer steps of
         # policy.train_global_batch_size rows (NeMo-RL's meaning of the key).
         rows = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
@@ -972,6 +1019,23 @@ class GRPOMasterConfig(MasterConfig):
                 f"(set it to {rows} for one optimizer step per GRPO step)"
             )
         return self
+
+
+def async_grpo_problem(cfg: "GRPOMasterConfig") -> Optional[str]:
+    """Why `grpo.async_grpo.enabled` cannot run with this config, or None."""
+    if cfg.policy.generation.colocated.enabled:
+        # Colocated, generation and training take turns on the same workers: nothing to overlap.
+        return ("grpo.async_grpo.enabled needs generation on workers of its own: set "
+                "policy.generation.colocated.enabled=false (and policy.generation.colocated.num_workers)")
+    if not cfg.loss_fn.use_importance_sampling_correction:
+        # Groups come from weights up to max_trajectory_age_steps old: without the correction the
+        # gradient is that of the old policy (NeMo-RL asserts the same).
+        return ("grpo.async_grpo.enabled trains on trajectories from older weights: set "
+                "loss_fn.use_importance_sampling_correction=true (optionally with "
+                "loss_fn.truncated_importance_sampling_type tis / icepop / seq-mask-tis)")
+    if cfg.loss_fn.force_on_policy_ratio:
+        return "grpo.async_grpo.enabled: loss_fn.force_on_policy_ratio=true would ignore the trajectories' staleness"
+    return None
 
 
 class SFTMasterConfig(MasterConfig):

@@ -133,12 +133,26 @@ class PendingStep:
     def __init__(self, envs: dict[str, Any], groups: dict[str, list[int]], launched: dict[str, Any], batch_size: int):
         self.envs, self.groups, self.launched, self.batch_size = envs, groups, launched, batch_size
 
-    def result(self) -> EnvironmentReturn:
-        groups, launched, batch_size = self.groups, dict(self.launched), self.batch_size
+    def result(self, timeout: Optional[float] = None) -> EnvironmentReturn:
+        """Wait for the steps and reassemble them in input order.
+
+        With `timeout` (seconds), environments that have not answered by then are left behind:
+        their samples come back terminated with reward 0 and an empty observation, and their
+        indices are in `self.timed_out` (a straggler is dropped, not waited for).
+        """
+        groups, launched, batch_size = dict(self.groups), dict(self.launched), self.batch_size
+        self.timed_out: list[int] = []
         remote_tasks = [task for task in groups if not _is_local(self.envs[task])]
         if remote_tasks:
             import ray
 
+            if timeout is not None:
+                refs = [launched[t] for t in remote_tasks]
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, timeout))
+                ready = set(ready)
+                for task in [t for t in remote_tasks if launched[t] not in ready]:
+                    self.timed_out.extend(groups.pop(task))
+                    remote_tasks.remove(task)
             for task, result in zip(remote_tasks, ray.get([launched[t] for t in remote_tasks])):
                 launched[task] = result
         observations: list[Optional[dict]] = [None] * batch_size
@@ -147,6 +161,8 @@ class PendingStep:
         answers: list[Optional[str]] = [None] * batch_size
         rewards = torch.zeros(batch_size, dtype=torch.float32)
         terminateds = torch.zeros(batch_size, dtype=torch.bool)
+        for i in self.timed_out:
+            observations[i], out_metadata[i], terminateds[i] = {"role": "environment", "content": ""}, {}, True
         metrics: dict[str, float] = {}
         for task, indices in groups.items():
             result: EnvironmentReturn = launched[task]
@@ -195,6 +211,9 @@ def launch_step(
     return PendingStep(envs, groups, launched, batch_size)
 
 
+ENV_SHUTDOWN_TIMEOUT_S = 5.0  # an environment's own clean-up, at most, before its actor is killed
+
+
 class EnvRouter:
     """Holds `task name -> environment` and steps mixed batches with `route_step`."""
 
@@ -218,8 +237,10 @@ class EnvRouter:
             else:
                 import ray
 
-                try:
-                    ray.get(env.shutdown.remote())
+                try:  # a wedged environment must not wedge the shutdown: it is killed regardless
+                    ray.get(env.shutdown.remote(), timeout=ENV_SHUTDOWN_TIMEOUT_S)
+                except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+                    pass
                 finally:
                     ray.kill(env)
 

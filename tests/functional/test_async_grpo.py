@@ -1,0 +1,194 @@
+"""Async GRPO with real Ray workers: staleness, importance weights, resume, and every way it
+could hang (a dead collector, a crashed, killed or stuck environment, a dead generation worker,
+a straggler) ending in a clear error or a counted drop within its timeout."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_grpo import SMALL, read_metrics
+
+from posttrain.config.loader import load_config, save_config
+
+pytestmark = pytest.mark.functional
+
+REPO = Path(__file__).resolve().parents[2]
+FAULTS = Path(__file__).with_name("async_faults.py")
+
+ASYNC = [
+    "grpo.async_grpo.enabled=true",
+    "grpo.async_grpo.max_trajectory_age_steps=1",
+    "loss_fn.use_importance_sampling_correction=true",
+    "policy.generation.colocated.enabled=false",
+    "policy.generation.colocated.num_workers=1",
+]
+
+
+def async_cfg(tmp_path: Path, *extra: str):
+    return load_config("grpo", overrides=[
+        *SMALL, *ASYNC, f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt", *extra,
+    ])
+
+
+def faulty(name: str) -> str:
+    return f"env.math.class_path={FAULTS}:{name}"
+
+
+def run_async(cfg) -> tuple[float, BaseException | None]:
+    """Run GRPO to the end or to its error; (seconds, error)."""
+    from posttrain.algorithms import grpo
+
+    ctx = grpo.setup(cfg)
+    t0 = time.monotonic()
+    try:
+        grpo.grpo_train(ctx)
+        return time.monotonic() - t0, None
+    except Exception as e:  # noqa: BLE001 - the tests assert on it
+        return time.monotonic() - t0, e
+    finally:
+        ctx.shutdown()
+
+
+def test_async_grpo_trains_on_one_step_old_groups_with_importance_weights(ray_cluster, tmp_path):
+    seconds, error = run_async(async_cfg(
+        tmp_path, "grpo.max_num_steps=4", "grpo.val_at_end=true", "checkpointing.save_period=2", faulty("CoinEnv"),
+        "loss_fn.truncated_importance_sampling_type=tis", "loss_fn.truncated_importance_sampling_ratio=2.0",
+    ))
+    assert error is None, error
+    steps = read_metrics(tmp_path / "logs")
+    assert sorted(s for s in steps if s > 0) == [1, 2, 3, 4]
+    # The first step trains the groups made with the starting weights; afterwards the collector
+    # is one step ahead, and nothing is older than the limit, so nothing is evicted.
+    assert steps[1]["async/trajectory_age_max"] == 0
+    assert [steps[s]["async/trajectory_age_max"] for s in (2, 3, 4)] == [1, 1, 1]
+    assert all(steps[s]["async/evicted_groups"] == 0 and steps[s]["async/dropped_groups"] == 0 for s in steps if s)
+    # One step old, the generating weights differ from the trained ones: the importance weights
+    # are no longer all 1, and stay close to it (small steps).
+    weights = [steps[s]["train/sampling_importance_ratio_untruncated"] for s in (2, 3, 4)]
+    assert all(w != 1.0 and abs(w - 1.0) < 0.2 for w in weights), weights
+    assert steps[1]["train/sampling_importance_ratio_untruncated"] == pytest.approx(1.0, abs=1e-5)
+    for key in ("timing/train/idle/buffer_starvation", "timing/train/exposed_generation", "timing/train/weight_sync",
+                "timing/train/idle/refit_bubble", "timing/collector/generation", "async/buffer_size"):
+        assert all(key in steps[s] for s in (1, 2, 3, 4)), key
+    assert 0 <= steps[4]["timing/train/exposed_generation"] <= steps[4]["timing/train/idle/buffer_starvation"] + 1e-6
+    assert "validation/accuracy" in steps[4]
+    # The checkpoint holds the buffer: what a resumed run trains next.
+    saved = torch.load(tmp_path / "ckpt" / "step_2" / "replay_buffer.pt", weights_only=False)
+    assert saved["batches"] >= 2 and all(g.weight_version <= 2 for g in saved["buffer"]["groups"])
+
+
+def test_staleness_eviction_with_a_real_collector(ray_cluster, tmp_path):
+    """Groups older than the limit when the trainer looks are evicted and counted; the
+    collector then goes on with fresh groups."""
+    from posttrain.algorithms import grpo
+    from posttrain.algorithms.async_grpo import TrajectoryCollector
+    from posttrain.algorithms.replay_buffer import ReplayBuffer
+
+    ctx = grpo.setup(async_cfg(tmp_path))
+    lock = __import__("threading").Lock()
+    buffer = ReplayBuffer(capacity=8, max_age=1)
+    collector = TrajectoryCollector(ctx, buffer, lock)
+    collector.start()
+    try:
+        deadline = time.monotonic() + 60
+        while len(buffer) < 8:  # two steps' groups, made with weights of step 0
+            assert collector.problem() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        # The policy moved on three steps without them (version 3): step-0 groups are too old.
+        ctx.generation.update_weights(ctx.policy.pack_for_refit(ctx.refit_metadata), 3)
+        collector.consumed_steps = 3
+        fresh = buffer.take(4, current_version=3, timeout=60, producer_error=collector.problem)
+        assert buffer.evicted == 8
+        assert [g.weight_version for g in fresh] == [3] * 4 and buffer.last_ages == [0] * 4
+    finally:
+        collector.stop()
+        ctx.shutdown()
+
+
+@pytest.mark.parametrize("fault, extra, expected", [
+    ("CrashingEnv", [], "verifier exploded on purpose"),
+    ("StuckEnv", ["grpo.async_grpo.rollout_timeout_s=1.5", "grpo.async_grpo.max_consecutive_failed_rollouts=2"],
+     "2 rollout batches in a row yielded no group"),
+    ("StuckEnv", ["grpo.async_grpo.rollout_timeout_s=600", "grpo.async_grpo.buffer_timeout_s=4"],
+     "ready after 4s (grpo.async_grpo.buffer_timeout_s)"),
+])
+def test_a_failing_environment_stops_the_run_with_its_reason(ray_cluster, tmp_path, fault, extra, expected):
+    seconds, error = run_async(async_cfg(tmp_path, "grpo.max_num_steps=50", faulty(fault), *extra))
+    assert error is not None and expected in str(error), error
+    assert seconds < 30, seconds
+
+
+def test_a_killed_environment_or_generation_worker_stops_the_run(ray_cluster, tmp_path):
+    import ray
+
+    from posttrain.algorithms import grpo
+
+    for victim in ("environment", "generation worker"):
+        ctx = grpo.setup(async_cfg(tmp_path / victim.replace(" ", "_"), "grpo.max_num_steps=200"))
+        actor = ctx.envs["math"] if victim == "environment" else ctx.generation.worker_group.workers[0]
+        # Kill it once the run is under way (after its second step).
+        original = ctx.loop.logger.log_metrics
+
+        def log_then_kill(metrics, step, actor=actor, original=original):
+            original(metrics, step)
+            if step == 2:
+                ray.kill(actor)
+
+        ctx.loop.logger.log_metrics = log_then_kill
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(Exception) as caught:
+                grpo.grpo_train(ctx)
+        finally:
+            ctx.shutdown()
+        message = str(caught.value)
+        if victim == "environment":  # seen by the collector, reported by the trainer
+            assert "trajectory collector stopped" in message and "ActorDiedError" in message, message
+        else:  # seen by whichever of the collector (generating) or the trainer (refitting) calls it first
+            assert "WorkerGroup 'generation'" in message and "Actor" in message, message
+        assert time.monotonic() - t0 < 60, victim
+
+
+def test_a_straggler_is_dropped_and_counted_and_the_run_finishes(ray_cluster, tmp_path, monkeypatch):
+    seconds, error = run_async(async_cfg(
+        tmp_path, "grpo.max_num_steps=4", faulty("StragglerEnv"), "grpo.async_grpo.rollout_timeout_s=1.5",
+    ))
+    assert error is None, error
+    steps = read_metrics(tmp_path / "logs")
+    assert steps[4]["async/dropped_groups"] >= 4  # the third rollout's whole batch came late
+    assert all(steps[s]["async/trajectory_age_max"] <= 1 for s in (1, 2, 3, 4))
+
+
+def test_a_killed_async_run_resumes_and_finishes(tmp_path):
+    cfg = async_cfg(tmp_path, "grpo.max_num_steps=6", "checkpointing.save_period=2")
+    config = tmp_path / "run.yaml"
+    save_config(cfg, config)
+    log = tmp_path / "run.log"
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "posttrain", "grpo", "--config", str(config)], cwd=REPO,
+                                stdout=open(log, "a"), stderr=subprocess.STDOUT)
+
+    run = start()
+    step2 = tmp_path / "ckpt" / "step_2" / "training_info.json"
+    deadline = time.time() + 300
+    while not step2.exists():
+        assert run.poll() is None, log.read_text()[-3000:]
+        assert time.time() < deadline, "no step-2 checkpoint in time"
+        time.sleep(0.1)
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    assert (tmp_path / "ckpt" / "step_2" / "replay_buffer.pt").exists()
+    resumed = start()
+    assert resumed.wait(timeout=300) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "resumed from" in text and "GRPO finished at step 6" in text, text[-3000:]
+    steps = read_metrics(tmp_path / "logs")
+    assert sorted(s for s in steps if s > 0) == [1, 2, 3, 4, 5, 6]
+    assert all(steps[s]["async/trajectory_age_max"] <= 1 for s in range(1, 7))
