@@ -14,7 +14,6 @@ import torch
 
 from posttrain.config.loader import save_config
 from posttrain.config.schema import MasterConfig, PolicyConfig
-from posttrain.data.processors import DEFAULT_TASK_NAME
 
 log = logging.getLogger("posttrain")
 
@@ -243,15 +242,15 @@ def limit_per_source(records: list[dict], limit: Optional[int]) -> list[dict]:
 
 
 def make_envs(cfg, tasks) -> dict[str, Any]:
-    """Task name -> environment actor. `tasks` are task names or datums; a datum's `env_name`
+    """Task name -> environment actor. `tasks` are task names or `Sample`s; a sample's `env_name`
     says which `env.<name>` section serves its task (a built-in, a registered environment, or a
     user's class by `env.<name>.class_path`). Tasks served by the same section share one actor."""
     from posttrain.environments.registry import create_env, resolve_env
 
     env_of_task = {}
     for item in tasks:
-        task = item if isinstance(item, str) else item.get("task_name", DEFAULT_TASK_NAME)
-        env_of_task[task] = task if isinstance(item, str) else item.get("env_name") or task
+        task = item if isinstance(item, str) else item.task_name
+        env_of_task[task] = task if isinstance(item, str) else item.env_name
     actors = {}
     for env_name in sorted(set(env_of_task.values())):
         cls, env_cfg = resolve_env(env_name, cfg.env.section(env_name))

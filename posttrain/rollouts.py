@@ -1,6 +1,6 @@
 """The multi-turn rollout loop over message logs.
 
-Each sample is a datum `{"message_log", "extra_env_info", "task_name", "loss_multiplier", ...}`.
+Each sample is a `Sample` (`posttrain.data.sample`): its message log, task and environment info.
 A turn generates one assistant message for every still-active sample, asks its environment for a
 reward and an observation, and appends the observation as a new message. Generated messages keep
 their token ids and the generation logprobs (never re-tokenised); environment messages get loss
@@ -22,15 +22,15 @@ import torch
 
 from posttrain.data.chat import observation_ids
 from posttrain.data.message_log import append_message, flatten_message_logs
-from posttrain.data.processors import DEFAULT_TASK_NAME
+from posttrain.data.sample import Sample
 from posttrain.distributed.batch import Batch
 from posttrain.environments.registry import launch_step
 
 
 @dataclass
 class RolloutResult:
-    datums: list[dict]  # the input datums with their message logs extended in place
-    rewards: torch.Tensor  # [B] summed over turns
+    samples: list[Sample]  # the input samples: message logs extended, `reward` set, in place
+    rewards: torch.Tensor  # [B] summed over turns (also each sample's `reward`)
     truncated: torch.Tensor  # [B] bool: stopped by the token limit, not by the environment
     overlong: torch.Tensor  # [B] bool: truncated, or the last turn hit max_new_tokens (DAPO filter)
     answers: list[Optional[str]]  # the answer each environment extracted at the sample's last turn
@@ -59,7 +59,7 @@ def text_only(message_log: list[dict]) -> list[dict]:
 
 
 def run_multi_turn_rollout(generation, *args, **kwargs) -> RolloutResult:
-    """Roll out `datums` (already repeated per generation) until every sample is done; arguments
+    """Roll out `samples` (already repeated per generation) until every sample is done; arguments
     as `_rollout_turns`. The generation engine is told when its phase begins and ends
     (`prepare_for_generation` / `finish_generation`): colocated with training on a GPU it wakes
     its weights for the rollout and frees that memory for the policy afterwards."""
@@ -72,7 +72,7 @@ def run_multi_turn_rollout(generation, *args, **kwargs) -> RolloutResult:
 
 def _rollout_turns(
     generation,
-    datums: list[dict],
+    samples: list[Sample],
     tokenizer,
     envs: dict[str, Any],
     *,
@@ -98,11 +98,11 @@ def _rollout_turns(
             whose environment has not answered end there, flagged in `timed_out` (default None:
             wait for every environment).
     """
-    n = len(datums)
+    n = len(samples)
     rewards = torch.zeros(n)
     truncated = torch.zeros(n, dtype=torch.bool)
     active = list(range(n))
-    stop_strings: list[Optional[list[str]]] = [d.get("stop_strings") for d in datums]
+    stop_strings: list[Optional[list[str]]] = [s.stop_strings for s in samples]
     turns = torch.zeros(n, dtype=torch.long)
     terminated = torch.zeros(n, dtype=torch.bool)
     gen_tokens = torch.zeros(n, dtype=torch.long)
@@ -118,7 +118,7 @@ def _rollout_turns(
     for turn in range(max_rollout_turns):
         if not active:
             break
-        logs = [datums[i]["message_log"] for i in active]
+        logs = [samples[i].message_log for i in active]
         batch = flatten_message_logs(logs, pad_token_id=tokenizer.pad_token_id)
         batch = Batch(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
         batch["stop_strings"] = [stop_strings[i] for i in active]
@@ -136,7 +136,7 @@ def _rollout_turns(
                 token_ids = out["output_ids"][k, start : start + length].clone()
                 logprobs = out["logprobs"][k, start : start + length].clone()
                 append_message(
-                    datums[i]["message_log"],
+                    samples[i].message_log,
                     "assistant",
                     tokenizer.decode(token_ids.tolist(), skip_special_tokens=True),
                     token_ids,
@@ -150,9 +150,9 @@ def _rollout_turns(
             waits.extend([t0 - ready_at[-1]] * len(members))
             pending.append((members, launch_step(
                 envs,
-                [text_only(datums[i]["message_log"]) for i in members],
-                [datums[i].get("extra_env_info") or {} for i in members],
-                [datums[i].get("task_name", DEFAULT_TASK_NAME) for i in members],
+                [text_only(samples[i].message_log) for i in members],
+                [samples[i].extra_env_info or {} for i in members],
+                [samples[i].task_name for i in members],
             )))
             launch_seconds += time.perf_counter() - t0  # local environments step right here
         shard_spread += ready_at[-1] - ready_at[0] if ready_at else 0.0
@@ -176,19 +176,19 @@ def _rollout_turns(
             rewards[i] += float(env_out.rewards[row])
             if env_out.answers is not None:
                 answers[i] = env_out.answers[row]
-            datums[i]["extra_env_info"] = env_out.metadata[row]
+            samples[i].extra_env_info = env_out.metadata[row]
             if bool(env_out.terminateds[row]):
                 terminated[i] = True
                 continue
-            total_len = sum(len(m["token_ids"]) for m in datums[i]["message_log"])
+            total_len = sum(len(m["token_ids"]) for m in samples[i].message_log)
             obs = env_out.observations[row]
-            _, obs_ids = observation_ids(tokenizer, obs, datums[i]["message_log"][-1]["token_ids"].tolist())
+            _, obs_ids = observation_ids(tokenizer, obs, samples[i].message_log[-1]["token_ids"].tolist())
             obs_ids = torch.tensor(obs_ids, dtype=torch.long)
             if total_len + len(obs_ids) >= max_seq_len:
                 # The observation cannot fit with room left to answer: stop here (truncated).
                 truncated[i] = True
                 continue
-            append_message(datums[i]["message_log"], obs.get("role", "environment"), obs["content"], obs_ids)
+            append_message(samples[i].message_log, obs.get("role", "environment"), obs["content"], obs_ids)
             env_tokens[i] += len(obs_ids)
             stop_strings[i] = env_out.next_stop_strings[row]
             still_active.append(i)
@@ -207,5 +207,7 @@ def _rollout_turns(
         **{f"env/{key}": value for key, value in env_counts.items()},
     }
     timings = {"env_step_wait": sum(waits) / len(waits) if waits else 0.0, "generation_shard_spread": shard_spread}
-    return RolloutResult(datums, rewards, truncated, truncated | hit_max_new_tokens, answers, metrics, env_seconds,
+    for sample, reward in zip(samples, rewards.tolist()):
+        sample.reward = reward
+    return RolloutResult(samples, rewards, truncated, truncated | hit_max_new_tokens, answers, metrics, env_seconds,
                          timings, timed_out)

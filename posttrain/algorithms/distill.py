@@ -18,7 +18,6 @@ The embedded default (`examples/configs/distill_tiny.yaml`) warm-starts both mod
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,7 @@ from posttrain.algorithms.loop import TrainingLoop, prefixed
 from posttrain.config.schema import DistillMasterConfig
 from posttrain.data.dataloader import ResumableLoader
 from posttrain.data.message_log import flatten_message_logs
-from posttrain.data.processors import DEFAULT_TASK_NAME
+from posttrain.data.sample import Sample
 from posttrain.distributed.batch import Batch
 from posttrain.errors import UserError
 from posttrain.evals.eval import evaluate, per_task_means, validation_sampling
@@ -65,7 +64,7 @@ class DistillContext:
     envs: dict[str, Any]
     tokenizer: Any
     train_loader: ResumableLoader
-    val_datums: list[dict]
+    val_samples: list[Sample]
     loop: TrainingLoop  # resume, validation schedule, logging, checkpoints, report
     loss_fn: Any
     refit_metadata: Any
@@ -159,8 +158,8 @@ def setup(cfg: DistillMasterConfig) -> DistillContext:
 
     d = cfg.distillation
     cfg, tokenizer = start_run(cfg, seed=d.seed, max_num_steps=d.max_num_steps)
-    train_datums, val_datums = build_splits(cfg, build_prompt_message_log, tokenizer, d.max_val_samples)
-    loader = ResumableLoader(train_datums, d.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=d.seed)
+    train_samples, val_samples = build_splits(cfg, build_prompt_message_log, tokenizer, d.max_val_samples)
+    loader = ResumableLoader(train_samples, d.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=d.seed)
 
     colocated = cfg.policy.generation.colocated.enabled
     policy_cluster = make_cluster(cfg, cfg.policy.num_workers, colocated_groups=2 if colocated else 1)
@@ -177,11 +176,11 @@ def setup(cfg: DistillMasterConfig) -> DistillContext:
         policy.refit_info(), cfg.policy.generation.refit_buffer_size_mb * 2**20, dtypes=generation.weight_dtypes()
     )
     generation.prepare_refit_info(refit_metadata)
-    envs = make_envs(cfg, [datum.get("task_name", DEFAULT_TASK_NAME) for datum in train_datums + val_datums])
+    envs = make_envs(cfg, train_samples + val_samples)
 
     ctx = DistillContext(
         cfg=cfg, policy=policy, generation=generation, teacher=teacher, envs=envs, tokenizer=tokenizer,
-        train_loader=loader, val_datums=val_datums,
+        train_loader=loader, val_samples=val_samples,
         loop=TrainingLoop(cfg, d, name="distillation", section="distillation", policy=policy, loader=loader),
         loss_fn=DistillationLoss(**cfg.loss_fn.model_dump()),
         refit_metadata=refit_metadata, teacher_cluster=teacher_cluster,
@@ -219,7 +218,7 @@ def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Bat
     score the answers (logged, not trained on). Returns the flattened training rows."""
     cfg, d = ctx.cfg, ctx.cfg.distillation
     prompts = ctx.train_loader.next_batch()
-    samples = [copy.deepcopy(datum) for datum in prompts for _ in range(d.num_generations_per_prompt)]
+    samples = [prompt.fresh_copy() for prompt in prompts for _ in range(d.num_generations_per_prompt)]
     _refit_if_stale(ctx, timer)
     t0 = time.perf_counter()
     result = run_multi_turn_rollout(
@@ -230,14 +229,14 @@ def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Bat
     timer.add("reward", result.env_seconds)
     for name, seconds in result.timings.items():  # per-sample progress of multi-turn rollouts
         timer.add(name, seconds)
-    train_data = flatten_message_logs([s["message_log"] for s in samples], pad_token_id=ctx.tokenizer.pad_token_id)
-    train_data["sample_mask"] = torch.tensor([float(s.get("loss_multiplier", 1.0)) for s in samples])
+    train_data = flatten_message_logs([s.message_log for s in samples], pad_token_id=ctx.tokenizer.pad_token_id)
+    train_data["sample_mask"] = torch.tensor([s.loss_multiplier for s in samples])
     metrics = {
         "train/reward": result.rewards.mean().item(),
-        **per_task_means(result.rewards, [s.get("task_name", DEFAULT_TASK_NAME) for s in samples], "train/reward",
+        **per_task_means(result.rewards, [s.task_name for s in samples], "train/reward",
                          list(ctx.envs)),
         "train/num_samples": float(train_data.size),
-        "train/mean_prompt_length": sum(p["length"] for p in prompts) / len(prompts),
+        "train/mean_prompt_length": sum(p.prompt_length for p in prompts) / len(prompts),
         **prefixed(result.metrics, "train"),
     }
     return train_data, metrics
@@ -249,7 +248,7 @@ def _evaluate(ctx: DistillContext, generation, weight_version: int) -> dict[str,
     cfg, d = ctx.cfg, ctx.cfg.distillation
     greedy, temperature = validation_sampling(cfg.policy.generation, 1)
     return evaluate(
-        generation, ctx.val_datums, ctx.tokenizer, ctx.envs, k=1, greedy=greedy, temperature=temperature,
+        generation, ctx.val_samples, ctx.tokenizer, ctx.envs, k=1, greedy=greedy, temperature=temperature,
         batch_size=d.val_batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
         max_rollout_turns=d.max_rollout_turns, seed=d.seed + 7919, weight_version=weight_version,
         num_samples_to_print=cfg.logger.num_val_samples_to_print,
@@ -258,7 +257,7 @@ def _evaluate(ctx: DistillContext, generation, weight_version: int) -> dict[str,
 
 def _validate(ctx: DistillContext) -> dict[str, float]:
     """The student's validation accuracy; at step 0 also the teacher's (measured once)."""
-    if not ctx.val_datums:
+    if not ctx.val_samples:
         return {}
     _refit_if_stale(ctx)
     metrics = _evaluate(ctx, ctx.generation, ctx.step)
@@ -272,7 +271,7 @@ def measure_teacher_accuracy(ctx: DistillContext) -> Optional[float]:
     started on the teacher's bundles for this once (then shut down)."""
     from posttrain.models.generation.interface import Generation
 
-    if not ctx.val_datums:
+    if not ctx.val_samples:
         return None
     cfg, t = ctx.cfg, ctx.cfg.teacher
     engine = Generation(

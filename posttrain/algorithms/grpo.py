@@ -14,10 +14,9 @@ One step, top to bottom:
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -29,7 +28,7 @@ from posttrain.algorithms.loss import LossFunction, build_loss
 from posttrain.config.schema import GRPOMasterConfig
 from posttrain.data.dataloader import ResumableLoader, make_loader
 from posttrain.data.message_log import flatten_message_logs
-from posttrain.data.processors import DEFAULT_TASK_NAME
+from posttrain.data.sample import Sample
 from posttrain.distributed.batch import Batch
 from posttrain.evals.eval import (
     evaluate,
@@ -63,7 +62,7 @@ class GRPOContext:
     envs: dict[str, Any]
     tokenizer: Any
     train_loader: ResumableLoader
-    val_datums: list[dict]
+    val_samples: list[Sample]
     loop: TrainingLoop  # resume, validation schedule, logging, checkpoints, report
     loss_fn: LossFunction
     refit_metadata: Any
@@ -99,9 +98,9 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
     from posttrain.data.processors import build_prompt_message_log
 
     cfg, tokenizer = start_run(cfg, seed=cfg.grpo.seed, max_num_steps=cfg.grpo.max_num_steps)
-    train_datums, val_datums = build_splits(cfg, build_prompt_message_log, tokenizer, cfg.grpo.max_val_samples)
+    train_samples, val_samples = build_splits(cfg, build_prompt_message_log, tokenizer, cfg.grpo.max_val_samples)
     # A blend (or several reasoning-gym tasks) is sampled by its components' weights.
-    loader = make_loader(train_datums, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.grpo.seed)
+    loader = make_loader(train_samples, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.grpo.seed)
 
     colocated = cfg.policy.generation.colocated.enabled
     policy_cluster = make_cluster(cfg, cfg.policy.num_workers, colocated_groups=2 if colocated else 1)
@@ -119,12 +118,12 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
     )
     generation.prepare_refit_info(refit_metadata)
 
-    envs = make_envs(cfg, train_datums + val_datums)
+    envs = make_envs(cfg, train_samples + val_samples)
 
     loop = TrainingLoop(cfg, cfg.grpo, name="GRPO", section="grpo", policy=policy, loader=loader)
     ctx = GRPOContext(
         cfg=cfg, policy=policy, generation=generation, envs=envs, tokenizer=tokenizer, train_loader=loader,
-        val_datums=val_datums, loop=loop, loss_fn=build_loss(cfg.loss_fn), refit_metadata=refit_metadata,
+        val_samples=val_samples, loop=loop, loss_fn=build_loss(cfg.loss_fn), refit_metadata=refit_metadata,
         clusters=[policy_cluster] + ([] if colocated else [gen_cluster]),
     )
     ctx.generation_stale = loop.resume()  # resumed weights are newer than the generation's
@@ -165,25 +164,24 @@ def grpo_step(ctx: GRPOContext, step: int, timer: Timer) -> dict[str, float]:
 
 @dataclass
 class PromptGroup:
-    """One prompt's `num_generations_per_prompt` rolled-out samples, scored: the unit that the
-    replay buffer of async GRPO holds and that dynamic sampling keeps or drops."""
+    """One prompt's `num_generations_per_prompt` rolled-out samples (each with its reward,
+    advantage and sample mask): the unit that the replay buffer of async GRPO holds and that
+    dynamic sampling keeps or drops."""
 
-    samples: list[dict]  # the datums, their message logs extended by the rollout
-    rewards: torch.Tensor  # [n] environment rewards before shaping (logged as train/reward)
-    advantages: torch.Tensor  # [n]
-    sample_mask: torch.Tensor  # [n]
+    samples: list[Sample]
     has_signal: bool  # rewards differ within the group (DAPO's dynamic sampling keeps only these)
     weight_version: int  # policy step of the generation weights the rollout started from
     timed_out: bool = False  # an environment did not answer before the rollout's deadline
     rollout_metrics: dict[str, float] = field(default_factory=dict)  # of the rollout batch it came from
 
     @property
-    def task_names(self) -> list[str]:
-        return [s.get("task_name", DEFAULT_TASK_NAME) for s in self.samples]
+    def rewards(self) -> torch.Tensor:
+        """[n] environment rewards before shaping (logged as train/reward)."""
+        return torch.tensor([s.reward for s in self.samples])
 
 
 def roll_out_groups(
-    ctx: GRPOContext, prompts: list[dict], seed_key: int, timer: Timer, *, generation: Any = None,
+    ctx: GRPOContext, prompts: list[Sample], seed_key: int, timer: Timer, *, generation: Any = None,
     weight_version: Optional[int] = None, deadline: Optional[float] = None,
 ) -> tuple[list[PromptGroup], dict[str, float]]:
     """Roll out `num_generations_per_prompt` samples of each prompt and score them: one group per
@@ -196,7 +194,7 @@ def roll_out_groups(
     cfg, g = ctx.cfg, ctx.cfg.grpo
     n_gen = g.num_generations_per_prompt
     version = ctx.step if weight_version is None else weight_version
-    samples = [copy.deepcopy(d) for d in prompts for _ in range(n_gen)]
+    samples = [prompt.fresh_copy() for prompt in prompts for _ in range(n_gen)]
     group_ids = torch.arange(len(prompts)).repeat_interleave(n_gen)
 
     t0 = time.perf_counter()
@@ -220,7 +218,7 @@ def roll_out_groups(
             max_response_length=rs.max_response_length or cfg.policy.generation.max_new_tokens,
             buffer_length=rs.overlong_buffer_length, penalty=rs.overlong_buffer_penalty,
         )
-    sample_mask = torch.tensor([float(s.get("loss_multiplier", 1.0)) for s in samples])
+    sample_mask = torch.tensor([s.loss_multiplier for s in samples])
     if g.overlong_filtering:
         sample_mask = sample_mask * (~result.overlong).float()
     advantages = adv.compute_advantages(
@@ -228,11 +226,12 @@ def roll_out_groups(
     )
     # DAPO: a group whose (unshaped) rewards all agree teaches nothing.
     signal = adv.filter_zero_variance_groups(result.rewards, group_ids, num_groups=len(prompts))
+    for sample, advantage, mask in zip(samples, advantages.tolist(), sample_mask.tolist()):
+        sample.advantage, sample.sample_mask = advantage, mask
     timed_out = result.timed_out if result.timed_out is not None else torch.zeros(len(samples), dtype=torch.bool)
     groups = [
-        PromptGroup(samples[p * n_gen:(p + 1) * n_gen], result.rewards[p * n_gen:(p + 1) * n_gen],
-                    advantages[p * n_gen:(p + 1) * n_gen], sample_mask[p * n_gen:(p + 1) * n_gen],
-                    bool(signal[p]), version, bool(timed_out[p * n_gen:(p + 1) * n_gen].any()))
+        PromptGroup(samples[p * n_gen:(p + 1) * n_gen], bool(signal[p]), version,
+                    bool(timed_out[p * n_gen:(p + 1) * n_gen].any()))
         for p in range(len(prompts))
     ]
     return groups, result.metrics
@@ -286,16 +285,15 @@ def training_batch(
 ) -> tuple[Batch, dict[str, float]]:
     """The training batch of the `kept` groups (advantages broadcast to tokens, sample masks) and
     the step's metrics over every `generated` group (`rollout_metrics`: one dict per rollout)."""
-    rows = [(datum, a, m) for group in kept for datum, a, m in zip(group.samples, group.advantages, group.sample_mask)]
+    rows = [sample for group in kept for sample in group.samples]
     if not rows:  # every group was filtered: train on a fully masked batch rather than crash
-        rows = [(datum, torch.tensor(0.0), torch.tensor(0.0)) for datum in generated[-1].samples]
+        rows = [replace(sample, advantage=0.0, sample_mask=0.0) for sample in generated[-1].samples]
     while len(rows) % ctx.cfg.policy.train_global_batch_size:  # whole optimizer steps (a short dynamic-sampling batch)
-        rows.append((rows[-1][0], torch.tensor(0.0), torch.tensor(0.0)))
+        rows.append(replace(rows[-1], advantage=0.0, sample_mask=0.0))
 
-    datums = [datum for datum, _, _ in rows]
-    seq_adv = torch.stack([a for _, a, _ in rows]).float()
-    train_data = flatten_message_logs([d["message_log"] for d in datums], pad_token_id=ctx.tokenizer.pad_token_id)
-    train_data["sample_mask"] = torch.stack([m for _, _, m in rows]).float()
+    seq_adv = torch.tensor([s.advantage for s in rows], dtype=torch.float32)
+    train_data = flatten_message_logs([s.message_log for s in rows], pad_token_id=ctx.tokenizer.pad_token_id)
+    train_data["sample_mask"] = torch.tensor([s.sample_mask for s in rows], dtype=torch.float32)
     train_data["advantages"] = adv.broadcast_to_tokens(seq_adv, train_data["token_mask"])
 
     valid = train_data["sample_mask"] > 0
@@ -303,13 +301,13 @@ def training_batch(
     all_rewards = torch.cat([group.rewards for group in generated])
     metrics = {
         "train/reward": all_rewards.mean().item(),
-        **per_task_means(all_rewards, [task for group in generated for task in group.task_names], "train/reward",
+        **per_task_means(all_rewards, [s.task_name for group in generated for s in group.samples], "train/reward",
                          list(ctx.envs)),
         "train/advantages/mean": stats.mean().item(),
         "train/advantages/max": stats.max().item(),
         "train/advantages/min": stats.min().item(),
         "train/num_samples": float(train_data.size),
-        "train/mean_prompt_length": sum(d["length"] for d in datums) / len(datums),
+        "train/mean_prompt_length": sum(s.prompt_length for s in rows) / len(rows),
     }
     for key in {key for m in rollout_metrics for key in m}:  # environments' counts may differ per rollout
         metrics[f"train/{key}"] = sum(m.get(key, 0.0) for m in rollout_metrics) / len(rollout_metrics)
@@ -336,14 +334,14 @@ def _refit_if_stale(ctx: GRPOContext, timer: Optional[Timer] = None) -> None:
 def validate(ctx: GRPOContext) -> dict[str, float]:
     """Accuracy (and pass@k for k > 1) on the held-out prompts, with current weights; empty
     without validation data (the run said so at set-up)."""
-    if not ctx.val_datums:
+    if not ctx.val_samples:
         return {}
     cfg, g = ctx.cfg, ctx.cfg.grpo
     k = g.val_num_generations_per_prompt
     greedy, temperature = validation_sampling(cfg.policy.generation, k)
     _refit_if_stale(ctx)
     return evaluate(
-        ctx.generation, ctx.val_datums, ctx.tokenizer, ctx.envs, k=k, greedy=greedy, temperature=temperature,
+        ctx.generation, ctx.val_samples, ctx.tokenizer, ctx.envs, k=k, greedy=greedy, temperature=temperature,
         batch_size=g.val_batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
         max_rollout_turns=g.max_rollout_turns, seed=g.seed + 7919, weight_version=ctx.step,
         num_samples_to_print=cfg.logger.num_val_samples_to_print,

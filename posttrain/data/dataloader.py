@@ -114,16 +114,17 @@ class BlendedLoader:
                 self.loaders[name].load_state_dict(loader_state)
 
 
-def make_loader(items: Sequence[dict], batch_size: int, *, shuffle: bool = True, seed: int = 0):
+def make_loader(items: Sequence[Any], batch_size: int, *, shuffle: bool = True, seed: int = 0):
     """A `BlendedLoader` over the items' `source`s (weights `source_weight`) when they come from
     several sources (a data blend or several reasoning-gym tasks), else a `ResumableLoader`."""
     sources: dict[str, list] = {}
     weights: dict[str, float] = {}
-    for item in items:
-        name = item.get("source") if isinstance(item, dict) else None
+    for item in items:  # a `Sample` or an example dict
+        source = item if isinstance(item, dict) else vars(item)
+        name = source.get("source")
         sources.setdefault(name, []).append(item)
         if name is not None:
-            weights[name] = float(item.get("source_weight", 1.0))
+            weights[name] = float(source.get("source_weight", 1.0))
     if len(sources) < 2 or None in sources:
         return ResumableLoader(items, batch_size, shuffle=shuffle, seed=seed)
     return BlendedLoader(sources, weights, batch_size, shuffle=shuffle, seed=seed)

@@ -1,6 +1,7 @@
-"""Turn a record (`{"prompt", "answer", "task_name", ...}`) into a datum with a message log.
+"""Turn a record (`{"prompt", "answer", "task_name", ...}`) into what the algorithms train on.
 
-A datum is what the data loader hands the algorithms (NeMo-RL's `DatumSpec`):
+An RL prompt becomes a `Sample` (`posttrain.data.sample`: message log, task and environment,
+`extra_env_info` with the ground truth, ...); an SFT example is a dict
 
     {"message_log": [...], "length": int, "extra_env_info": {"ground_truth": answer, <row fields>},
      "loss_multiplier": 1.0, "idx": int, "task_name": str, "env_name": str, ["source", "source_weight"]}
@@ -20,16 +21,15 @@ from transformers import PreTrainedTokenizerBase
 
 from posttrain.data.chat import render_prompt, tools_system_text
 from posttrain.data.datasets import DataError, env_metadata
+from posttrain.data.sample import DEFAULT_TASK_NAME, Sample
 from posttrain.utils.registry import registrar
 
-Processor = Callable[..., dict[str, Any]]
+Processor = Callable[..., Any]  # a `Sample` (RL prompts) or an example dict (SFT)
 PROCESSORS: dict[str, Processor] = {}
 
 # Tokens an over-long prompt keeps (as NeMo-RL's math processor): enough to keep tensors
 # non-empty, while its loss_multiplier of 0 keeps it out of training.
 TRUNCATED_PROMPT_TOKENS = 4
-# The task (and environment) of a row that names none: `data.env_name` sets it per data set.
-DEFAULT_TASK_NAME = "math"
 
 
 register_processor = registrar(PROCESSORS, "processor")  # @register_processor("name") on a Processor
@@ -93,8 +93,8 @@ def build_prompt_message_log(
     use_chat_template: bool = True,
     system_prompt: str | None = None,
     idx: int = 0,
-) -> dict[str, Any]:
-    """A one-message prompt datum for RL: the model answers it, an environment grades it.
+) -> Sample:
+    """A one-message prompt `Sample` for RL: the model answers it, an environment grades it.
 
     Args:
         record: needs `prompt` and `answer` (ground truth, passed to the environment as
@@ -126,15 +126,15 @@ def build_prompt_message_log(
         token_ids = token_ids[: min(TRUNCATED_PROMPT_TOKENS, max_seq_length)]
         text = tokenizer.decode(token_ids)
         loss_multiplier = 0.0
-    return {
-        "message_log": [{"role": "user", "content": text, "token_ids": token_ids}],
-        "length": token_ids.numel(),
-        "extra_env_info": env_metadata(record),
-        "loss_multiplier": loss_multiplier,
-        "idx": idx,
-        **({"stop_strings": list(record["stop_strings"])} if record.get("stop_strings") else {}),
+    return Sample(
+        message_log=[{"role": "user", "content": text, "token_ids": token_ids}],
+        prompt_length=token_ids.numel(),
+        extra_env_info=env_metadata(record),
+        loss_multiplier=loss_multiplier,
+        idx=idx,
+        stop_strings=list(record["stop_strings"]) if record.get("stop_strings") else None,
         **_routing(record),
-    }
+    )
 
 
 def _assistant_text(

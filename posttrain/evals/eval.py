@@ -6,14 +6,13 @@ model), so both report the same numbers the same way.
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from posttrain.data.processors import DEFAULT_TASK_NAME
+from posttrain.data.sample import Sample
 from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
 
 
@@ -35,10 +34,10 @@ def pass_at_k(n: int, c: Union[int, torch.Tensor], k: int) -> torch.Tensor:
     return torch.where(wrong < k, torch.ones_like(wrong), 1 - log_ratio.exp()).float()
 
 
-def response_lengths(datums: list[dict]) -> torch.Tensor:
+def response_lengths(samples: list[Sample]) -> torch.Tensor:
     """Generated tokens per sample (all assistant turns)."""
     return torch.tensor(
-        [sum(len(m["token_ids"]) for m in d["message_log"] if "generation_logprobs" in m) for d in datums],
+        [sum(len(m["token_ids"]) for m in s.message_log if "generation_logprobs" in m) for s in samples],
         dtype=torch.float,
     )
 
@@ -53,7 +52,7 @@ def validation_sampling(generation_cfg, k: int) -> tuple[bool, Optional[float]]:
 
 def evaluate(
     generation,
-    datums: list[dict],
+    samples: list[Sample],
     tokenizer,
     envs: dict[str, Any],
     *,
@@ -76,8 +75,8 @@ def evaluate(
     `validation/mean_reward`.
     """
     rewards, lengths, answers = [], [], []
-    for start in range(0, len(datums), batch_size):
-        chunk = [copy.deepcopy(d) for d in datums[start : start + batch_size] for _ in range(k)]
+    for start in range(0, len(samples), batch_size):
+        chunk = [s.fresh_copy() for s in samples[start : start + batch_size] for _ in range(k)]
         result = run_multi_turn_rollout(
             generation, chunk, tokenizer, envs, max_seq_len=max_seq_len,
             max_rollout_turns=max_rollout_turns, greedy=greedy,
@@ -88,14 +87,14 @@ def evaluate(
         answers.extend(result.answers)
         lengths.append(response_lengths(chunk))
         if start == 0:
-            for d, r in list(zip(chunk, result.rewards))[:num_samples_to_print]:
-                print(f"[reward {float(r):.2f}] " + "".join(m["content"] for m in d["message_log"]), flush=True)
+            for s in chunk[:num_samples_to_print]:
+                print(f"[reward {s.reward:.2f}] " + "".join(m["content"] for m in s.message_log), flush=True)
     r = torch.cat(rewards).view(-1, k)
     metrics = {
         "validation/accuracy": r[:, 0].mean().item(),
         "validation/avg_length": torch.cat(lengths).mean().item(),
     }
-    metrics.update(per_task_means(r[:, 0], [d.get("task_name", DEFAULT_TASK_NAME) for d in datums], "validation/accuracy", list(envs)))
+    metrics.update(per_task_means(r[:, 0], [s.task_name for s in samples], "validation/accuracy", list(envs)))
     if k > 1:
         correct = (r > 0.5).sum(dim=1)
         metrics[f"validation/pass@{k}"] = pass_at_k(k, correct, k).float().mean().item()
@@ -158,21 +157,21 @@ def run(cfg) -> dict[str, float]:
     e = cfg.eval
     model_name = cfg.policy.model_name
     cfg, tokenizer = start_run(cfg, seed=e.seed)
-    datums = build_datums(cfg, build_prompt_message_log, tokenizer, e.split, e.max_samples)
-    if not datums:
+    samples = build_datums(cfg, build_prompt_message_log, tokenizer, e.split, e.max_samples)
+    if not samples:
         from posttrain.errors import UserError
 
         raise UserError(f"eval.split={e.split!r} of the configured data has no records (is data.validation_path set?)")
     k = e.num_generations_per_prompt
     greedy, temperature = validation_sampling(cfg.policy.generation, k)
     sampling = "greedy" if greedy else f"sampled at temperature {temperature or cfg.policy.generation.temperature}"
-    print(f"[posttrain] eval: {model_name}, {e.split} split, {len(datums)} prompts x {k} samples ({sampling})", flush=True)
-    envs = make_envs(cfg, datums)
+    print(f"[posttrain] eval: {model_name}, {e.split} split, {len(samples)} prompts x {k} samples ({sampling})", flush=True)
+    envs = make_envs(cfg, samples)
     cluster = make_cluster(cfg, 1, name="eval")
     generation = make_generation(cfg, cluster, seed=e.seed)
     try:
         metrics = evaluate(
-            generation, datums, tokenizer, envs, k=k, greedy=greedy, temperature=temperature,
+            generation, samples, tokenizer, envs, k=k, greedy=greedy, temperature=temperature,
             batch_size=e.batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
             max_rollout_turns=e.max_rollout_turns, seed=e.seed,
             num_samples_to_print=cfg.logger.num_val_samples_to_print,
@@ -184,7 +183,7 @@ def run(cfg) -> dict[str, float]:
     for name, value in metrics.items():
         print(f"{name}: {value:.4f}")
     results = Path(cfg.logger.log_dir) / "eval_results.jsonl"
-    record = {"model": model_name, "split": e.split, "num_prompts": len(datums), "samples_per_prompt": k,
+    record = {"model": model_name, "split": e.split, "num_prompts": len(samples), "samples_per_prompt": k,
               "greedy": greedy, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "metrics": metrics}
     with results.open("a") as f:
         f.write(json.dumps(record) + "\n")

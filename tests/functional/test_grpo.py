@@ -192,29 +192,28 @@ def test_multi_turn_rollout_masks_only_generated_tokens(grpo_context):
     from posttrain.rollouts import run_multi_turn_rollout
 
     ctx = grpo_context()
-    datums = [dict(d) for d in ctx.train_loader.items[:3]]
-    for d in datums:
-        d["message_log"] = [dict(m) for m in d["message_log"]]
+    datums = [d.fresh_copy() for d in ctx.train_loader.items[:3]]
     result = run_multi_turn_rollout(
         ctx.generation, datums, ctx.tokenizer, {"math": TwoTurnEnv()}, max_seq_len=64, max_rollout_turns=4,
         seeds=torch.arange(3),
     )
     assert result.rewards.tolist() == [1.0, 1.0, 1.0]
     assert result.metrics["avg_turns_per_sample"] == 2.0
-    batch = flatten_message_logs([d["message_log"] for d in datums], pad_token_id=ctx.tokenizer.pad_token_id)
+    assert [d.reward for d in datums] == [1.0, 1.0, 1.0]
+    batch = flatten_message_logs([d.message_log for d in datums], pad_token_id=ctx.tokenizer.pad_token_id)
     for row, d in enumerate(datums):
-        roles = [m["role"] for m in d["message_log"]]
+        roles = [m["role"] for m in d.message_log]
         assert roles == ["user", "assistant", "environment", "assistant"]
         expected = torch.cat([
-            torch.full((len(m["token_ids"]),), 1.0 if m["role"] == "assistant" else 0.0) for m in d["message_log"]
+            torch.full((len(m["token_ids"]),), 1.0 if m["role"] == "assistant" else 0.0) for m in d.message_log
         ])
         n = len(expected)
         assert torch.equal(batch["token_mask"][row, :n], expected)
         assert batch["token_mask"][row, n:].sum() == 0
-        env_msg = d["message_log"][2]
+        env_msg = d.message_log[2]
         assert env_msg["content"] == TwoTurnEnv.OBSERVATION and "generation_logprobs" not in env_msg
         # Generated tokens keep their ids and logprobs (never re-tokenised).
-        for m in d["message_log"][1::2]:
+        for m in d.message_log[1::2]:
             assert len(m["generation_logprobs"]) == len(m["token_ids"])
             assert (m["generation_logprobs"] <= 0).all()
 

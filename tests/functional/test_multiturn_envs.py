@@ -84,7 +84,7 @@ def test_scripted_moves_give_chat_turns_masks_and_rewards(ray_cluster):
     records.append({"prompt": "Tools C: what is 6*7?", "answer": "42", "task_name": "tools",
                     "tools": ToolEnvironment.prompt_tools({"tools": ["calculator"]})})
     datums = [build_prompt_message_log(r, tokenizer, 2048, idx=i) for i, r in enumerate(records)]
-    assert "You may call tools" in datums[2]["message_log"][0]["content"]  # the tiny template's fallback
+    assert "You may call tools" in datums[2].prompt  # the tiny template's fallback
     scripts = {
         # A: a wrong-way move, then two moves that solve it (generation stops at </action>: no eos).
         "Puzzle A": ["<action>down</action>", "<action>up</action>", "<action>left</action>"],
@@ -114,7 +114,7 @@ def test_scripted_moves_give_chat_turns_masks_and_rewards(ray_cluster):
     assert generation.stop_strings_seen[0] == [["</action>"], ["</action>"], None]
     assert generation.stop_strings_seen[1] == [["</action>"], ["</action>"], None]
 
-    logs = [d["message_log"] for d in datums]
+    logs = [d.message_log for d in datums]
     assert [m["role"] for m in logs[0]] == ["user", "assistant", "user", "assistant", "user", "assistant"]
     observation = logs[0][2]
     assert observation["content"] == "Moved down.\nBoard:\n1 2 3\n4 _ 6\n7 5 8"

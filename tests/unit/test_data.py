@@ -109,28 +109,29 @@ def test_load_records_hf_local_json_file(tmp_path):
 def test_prompt_datum_with_chat_template(tokenizer):
     record = {"prompt": "12+34=", "answer": "46", "task_name": "math"}
     datum = build_prompt_message_log(record, tokenizer, max_seq_length=64, system_prompt="Add.", idx=5)
-    (message,) = datum["message_log"]
+    (message,) = datum.message_log
     assert message["role"] == "user" and message["content"] == "<|system|>Add.<|end|><|user|>12+34=<|end|><|assistant|>"
     assert message["token_ids"].tolist() == tokenizer(message["content"], add_special_tokens=False)["input_ids"]
     assert message["token_ids"].tolist()[-1] == tokenizer.convert_tokens_to_ids("<|assistant|>")
-    assert datum["length"] == 1 + 4 + 1 + 1 + 6 + 1 + 1
-    assert (datum["extra_env_info"], datum["loss_multiplier"], datum["idx"], datum["task_name"]) == (
-        {"ground_truth": "46"}, 1.0, 5, "math")
+    assert datum.prompt_length == 1 + 4 + 1 + 1 + 6 + 1 + 1 and datum.prompt == message["content"]
+    assert (datum.extra_env_info, datum.loss_multiplier, datum.idx, datum.task_name, datum.env_name) == (
+        {"ground_truth": "46"}, 1.0, 5, "math", "math")
+    assert (datum.reward, datum.advantage, datum.sample_mask) == (0.0, 0.0, 1.0)  # set by rollout and GRPO
     assert PROCESSORS["math"] is build_prompt_message_log
 
 
 def test_prompt_datum_without_chat_template(tokenizer):
     datum = build_prompt_message_log({"prompt": "1+2=", "answer": "3"}, tokenizer, 64, use_chat_template=False)
-    assert datum["message_log"][0]["content"] == "1+2=" and datum["length"] == 4
+    assert datum.message_log[0]["content"] == "1+2=" and datum.prompt_length == 4
 
 
 def test_over_long_prompt_is_truncated_and_masked_with_warning(tokenizer):
     record = {"prompt": "1+" * 50 + "1=", "answer": "51"}
     with pytest.warns(UserWarning, match="sample idx 17: prompt has 105 tokens > max_seq_length 32"):
         datum = build_prompt_message_log(record, tokenizer, max_seq_length=32, idx=17)
-    assert datum["loss_multiplier"] == 0.0 and datum["length"] == 4
-    assert datum["message_log"][0]["token_ids"].tolist() == [5, 25, 19, 25]  # <|user|>1+1
-    assert datum["message_log"][0]["content"] == "<|user|>1+1"
+    assert datum.loss_multiplier == 0.0 and datum.prompt_length == 4
+    assert datum.message_log[0]["token_ids"].tolist() == [5, 25, 19, 25]  # <|user|>1+1
+    assert datum.message_log[0]["content"] == "<|user|>1+1"
 
 
 def test_sft_example_trains_on_answer_and_end_token(tokenizer):

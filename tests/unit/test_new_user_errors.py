@@ -187,3 +187,14 @@ def test_run_sh_first_install_shows_each_phase_and_the_log(tmp_path):
     again = subprocess.run(["bash", str(tmp_path / "run.sh"), "true"], cwd=tmp_path, capture_output=True, text=True,
                            timeout=60, env={**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"})
     assert again.stderr == ""  # installed once: later calls print nothing
+
+
+def test_async_grpo_needs_its_own_generation_workers_and_importance_weights():
+    on = ["grpo.async_grpo.enabled=true"]
+    with pytest.raises(ConfigError, match="policy.generation.colocated.enabled=false"):
+        load_config("grpo", overrides=on + ["loss_fn.use_importance_sampling_correction=true"])
+    with pytest.raises(ConfigError, match="set loss_fn.use_importance_sampling_correction=true"):
+        load_config("grpo", overrides=on + ["policy.generation.colocated.enabled=false"])
+    cfg = load_config("grpo", config_path=str(REPO / "examples/configs/grpo_async_tiny.yaml"))
+    assert cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.max_trajectory_age_steps == 1
+    assert cfg.loss_fn.truncated_importance_sampling_type == "tis"

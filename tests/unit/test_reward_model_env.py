@@ -33,7 +33,7 @@ def test_scores_equal_the_reward_models_forward_on_the_training_layout(reward_mo
     for response in responses:
         prompt = build_prompt_message_log({"prompt": "23+23=", "answer": "46"}, tokenizer, 256)
         # the rollout's view: the templated prompt, then the decoded response (eos dropped)
-        logs.append([{"role": "user", "content": prompt["message_log"][0]["content"]},
+        logs.append([{"role": "user", "content": prompt.prompt},
                      {"role": "assistant", "content": response}])
         pair_row = build_sft_example({"prompt": "23+23=", "answer": response}, tokenizer, 256)
         ids = torch.cat([m["token_ids"] for m in pair_row["message_log"]])

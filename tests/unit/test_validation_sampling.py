@@ -135,5 +135,5 @@ def test_environments_step_each_shard_as_soon_as_it_is_generated():
                                     max_rollout_turns=3)
     assert events == [("generated", 2), ("stepped", 2), ("generated", 2), ("stepped", 2)] * 2
     assert result.rewards.tolist() == [2.0] * 4  # rewards of both turns, every sample back in its place
-    assert all(len(d["message_log"]) == 4 for d in datums)
+    assert all(len(d.message_log) == 4 and d.reward == 2.0 for d in datums)
     assert 0.0 <= result.timings["env_step_wait"] < 1.0 and result.timings["generation_shard_spread"] >= 0.0

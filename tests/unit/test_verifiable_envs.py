@@ -243,7 +243,7 @@ def test_nemo_gym_rows_load_directly(tmp_path, tokenizer):
     meta = env_metadata(records[1])
     assert meta["ground_truth"] == "C" and meta["options"] == OPTIONS and "responses_create_params" not in meta
     datum = build_prompt_message_log(records[0], tokenizer, 128)
-    assert datum["message_log"][0]["content"] == "<|system|>Be brief.<|end|><|user|>2+2?<|end|><|assistant|>"
+    assert datum.prompt == "<|system|>Be brief.<|end|><|user|>2+2?<|end|><|assistant|>"
     env = MCQAEnvironment({})
     assert rewards(env, ["\\boxed{C}", "\\boxed{A}"], meta) == [1.0, 0.0]
     bad = tmp_path / "bad.jsonl"
