@@ -95,6 +95,8 @@ def measure_machine(shapes: list[tuple[int, int, int]], copy_bytes: int, linear_
     rows through every Linear of the model, its weights read from memory, not cache). A Ray task,
     so its threads are a worker's."""
 
+    # As benchmarks/refit.py's best_of, defined here because this function runs in a Ray task
+    # (pickled by value; the sibling script is not importable there).
     def best_seconds(fn, repeats: int) -> float:
         fn()
         times = []
