@@ -163,6 +163,8 @@ class TrajectoryCollector:
                         f"answer within grpo.async_grpo.rollout_timeout_s={self.cfg.rollout_timeout_s:g}s"
                     )
         except BaseException as e:  # the trainer reports it (problem()); never die silently
+            if self._stop.is_set():  # the run is over: its workers went away under a rollout
+                return
             self._error = f"{type(e).__name__}: {e} (while {self._activity})"
             log.error("trajectory collector stopped: %s", self._error)
         finally:

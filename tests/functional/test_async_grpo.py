@@ -19,7 +19,7 @@ from posttrain.config.loader import load_config, save_config
 pytestmark = pytest.mark.functional
 
 REPO = Path(__file__).resolve().parents[2]
-FAULTS = Path(__file__).with_name("async_faults.py")
+PLUGIN_ENVS = Path(__file__).with_name("plugin_envs.py")
 
 ASYNC = [
     "grpo.async_grpo.enabled=true",
@@ -37,7 +37,7 @@ def async_cfg(tmp_path: Path, *extra: str):
 
 
 def faulty(name: str) -> str:
-    return f"env.math.class_path={FAULTS}:{name}"
+    return f"env.math.class_path={PLUGIN_ENVS}:{name}"
 
 
 def run_async(cfg) -> tuple[float, BaseException | None]:

@@ -20,6 +20,12 @@ from posttrain.environments.interface import Environment, EnvironmentReturn
 pytestmark = pytest.mark.functional
 
 REPO = Path(__file__).resolve().parents[2]
+PLUGIN_ENVS = Path(__file__).with_name("plugin_envs.py")
+
+
+def plugin_env(name: str) -> str:
+    """The override that serves the math task with `name` from plugin_envs.py, as a user would."""
+    return f"env.math.class_path={PLUGIN_ENVS}:{name}"
 
 # Small but real: 4 prompts x 4 generations, 8 new tokens, tiny llama built locally.
 SMALL = [
@@ -59,26 +65,6 @@ def read_metrics(log_dir: Path) -> dict[int, dict]:
         row = json.loads(line)
         steps.setdefault(row["step"], {}).update(row)
     return steps
-
-
-class CoinEnv(Environment):
-    """Reward 1 when the first generated character is in the first half of the alphabet.
-
-    Prompts with an even answer always score 0 (no reward variance: dynamic sampling must drop
-    them); odd ones depend on the sample, so their groups usually carry a learning signal.
-    """
-
-    def step(self, message_logs, metadata):
-        rewards = []
-        for log, meta in zip(message_logs, metadata):
-            text = log[-1]["content"]
-            rewards.append(0.0 if int(meta["ground_truth"]) % 2 == 0 else float(bool(text) and text[0] < "O"))
-        n = len(message_logs)
-        return EnvironmentReturn(
-            observations=[{"role": "environment", "content": ""}] * n, metadata=list(metadata),
-            next_stop_strings=[None] * n, rewards=torch.tensor(rewards), terminateds=torch.ones(n, dtype=torch.bool),
-            answers=[None] * n,
-        )
 
 
 class TwoTurnEnv(Environment):
@@ -150,8 +136,8 @@ def test_grpo_steps_report_metrics_and_logprobs_agree(grpo_context, tmp_path):
 def test_previous_logprobs_are_recomputed_only_for_several_optimizer_steps(grpo_context, tmp_path):
     from posttrain.algorithms import grpo
 
-    ctx = grpo_context("grpo.max_num_steps=1", "policy.optimizer.lr=1e-3")
-    ctx.envs = {"math": CoinEnv()}  # rewards with variance: non-zero advantages, so updates move the policy
+    # CoinEnv: rewards with variance, so non-zero advantages, so updates move the policy.
+    ctx = grpo_context("grpo.max_num_steps=1", "policy.optimizer.lr=1e-3", plugin_env("CoinEnv"))
     calls = []
     get_logprobs = ctx.policy.get_logprobs
     ctx.policy.get_logprobs = lambda *a, **k: calls.append(1) or get_logprobs(*a, **k)
@@ -174,8 +160,8 @@ def test_dynamic_sampling_refills_a_full_batch(grpo_context):
     from posttrain.algorithms import grpo
     from posttrain.utils.timer import Timer
 
-    ctx = grpo_context("grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=8")
-    ctx.envs = {"math": CoinEnv()}
+    ctx = grpo_context("grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=8",
+                       plugin_env("CoinEnv"))
     train_data, metrics = grpo._collect_experience(ctx, 1, Timer())
     # About half of every generation batch (even answers) has zero variance and is dropped, so
     # a full batch needs at least two generation batches; it is then exactly full.
@@ -300,25 +286,16 @@ def test_loss_presets_run_from_their_example_configs(grpo_context, tmp_path):
     assert not drgrpo.grpo.normalize_rewards and drgrpo.loss_fn.token_level_loss
 
 
-class NaNRewardEnv(CoinEnv):
-    """A broken reward function: every reward is NaN."""
-
-    def step(self, message_logs, metadata):
-        out = super().step(message_logs, metadata)
-        return out._replace(rewards=torch.full_like(out.rewards, float("nan")))
-
-
 def test_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(grpo_context, tmp_path):
     from posttrain.algorithms import grpo
 
-    ctx = grpo_context("grpo.max_num_steps=1", "checkpointing.save_period=1")
+    ctx = grpo_context("grpo.max_num_steps=1", "checkpointing.save_period=1", plugin_env("NaNAfterFirstCallEnv"))
     grpo.grpo_train(ctx)
     step1 = tmp_path / "ckpt" / "step_1"
     info_before = (step1 / "training_info.json").read_text()
     weights_before = ctx.policy.weights_checksum()
 
-    ctx.cfg.grpo.max_num_steps = 2
-    ctx.envs = {"math": NaNRewardEnv()}
+    ctx.cfg.grpo.max_num_steps = 2  # the environment's rewards are NaN from now on
     with pytest.raises(Exception, match=r"(?i)non-finite|nan"):
         grpo.grpo_train(ctx)
     assert ctx.policy.weights_checksum() == weights_before  # no optimizer step on a NaN loss

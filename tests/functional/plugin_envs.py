@@ -1,5 +1,6 @@
-"""Environments for the async GRPO tests: ones that misbehave on purpose (loaded by
-`env.math.class_path=<this file>:<Class>` in the environment's Ray actor)."""
+"""Environments the functional tests plug in the way users do, by `env.math.class_path=<this
+file>:<Class>` (each runs in the environment's Ray actor): rewards with variance for an
+untrained model, and ones that misbehave on purpose."""
 
 from __future__ import annotations
 
@@ -45,11 +46,30 @@ class StragglerEnv(MathEnvironment):
         return super().step(message_logs, metadata)
 
 
+
 class CoinEnv(MathEnvironment):
-    """Reward 1 when the answer starts with a letter before "O": rewards vary within a group even
-    for an untrained model, so every step moves the policy."""
+    """Reward 1 when the first generated character is in the first half of the alphabet.
+
+    Prompts with an even answer always score 0 (no reward variance: dynamic sampling must drop
+    them); odd ones depend on the sample, so their groups usually carry a learning signal.
+    """
 
     def step(self, message_logs, metadata):
         out = super().step(message_logs, metadata)
-        rewards = [float(bool(log[-1]["content"]) and log[-1]["content"][0] < "O") for log in message_logs]
+        rewards = [0.0 if int(meta["ground_truth"]) % 2 == 0 else float(bool(log[-1]["content"]) and
+                                                                           log[-1]["content"][0] < "O")
+                   for log, meta in zip(message_logs, metadata)]
         return out._replace(rewards=out.rewards.new_tensor(rewards))
+
+
+class NaNAfterFirstCallEnv(CoinEnv):
+    """A reward function that breaks: every reward after its first call is NaN."""
+
+    calls = 0
+
+    def step(self, message_logs, metadata):
+        NaNAfterFirstCallEnv.calls += 1
+        out = super().step(message_logs, metadata)
+        if NaNAfterFirstCallEnv.calls > 1:
+            out = out._replace(rewards=out.rewards.new_full(out.rewards.shape, float("nan")))
+        return out
