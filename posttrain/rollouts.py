@@ -41,7 +41,16 @@ class RolloutResult:
     # shard back, summed over turns: what early samples would wait without per-shard stepping).
     timings: dict[str, float] = field(default_factory=dict)
     # [B] bool: samples whose environment did not answer before the rollout's deadline (dropped).
-    timed_out: Optional[torch.Tensor] = None
+    timed_out: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+
+    def add_timings(self, timer, seconds: float) -> None:
+        """Split the rollout's `seconds` between `generation` and `reward` (environment time not
+        hidden behind generation) on `timer`, so a step's time breakdown adds up, and add the
+        per-sample progress timings."""
+        timer.add("generation", seconds - self.env_seconds)
+        timer.add("reward", self.env_seconds)
+        for name, value in self.timings.items():
+            timer.add(name, value)
 
 
 def sample_seeds(base_seed: int, step: int, n: int) -> torch.Tensor:

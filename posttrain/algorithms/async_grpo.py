@@ -40,13 +40,13 @@ from typing import Any, Optional
 from posttrain.algorithms.grpo import (
     GRPOContext,
     PromptGroup,
+    refit_generation,
     roll_out_groups,
     training_batch,
     validate,
 )
 from posttrain.algorithms.loop import prefixed
 from posttrain.algorithms.replay_buffer import AsyncRolloutError, ReplayBuffer
-from posttrain.models.refit import refit_policy_generation
 from posttrain.utils.timer import Timer
 
 log = logging.getLogger("posttrain.async_grpo")
@@ -114,7 +114,6 @@ class TrajectoryCollector:
         self._state = threading.Lock()  # guards the loader position and batches in flight vs the buffer
         self._loader_before_flight: Optional[dict] = None  # loader state before the batch in flight
         self._timer = Timer()  # the collector's own timings, drained by the trainer each step
-        self._rollout_metrics: list[dict[str, float]] = []
         self._stop = threading.Event()
         self._error: Optional[str] = None
         self._activity = "starting"
@@ -179,7 +178,6 @@ class TrajectoryCollector:
         with self._state:
             self.dropped += sum(g.timed_out for g in groups)
             self.filtered += sum(not g.timed_out and dynamic and not g.has_signal for g in groups)
-            self._rollout_metrics.append(metrics)
             for group in ready:
                 group.rollout_metrics = metrics  # logged by the step that trains it
                 if not self.buffer.put(group, self._stop):
@@ -199,12 +197,11 @@ class TrajectoryCollector:
         return False
 
     # ------------------------------------------------------------------------ trainer side
-    def drain(self) -> tuple[dict[str, float], list[dict[str, float]]]:
-        """The collector's timings and rollout metrics since the last call."""
+    def drain_timings(self) -> dict[str, float]:
+        """The collector's timings since the last call (zeros when no rollout ended)."""
         with self._state:
             timer, self._timer = self._timer, Timer()
-            metrics, self._rollout_metrics = self._rollout_metrics, []
-        return {"generation": 0.0, "reward": 0.0, **timer.get_timing_metrics()}, metrics  # zeros: no rollout ended
+        return {"generation": 0.0, "reward": 0.0, **timer.get_timing_metrics()}
 
     def snapshot(self) -> tuple[dict, dict[str, Any]]:
         """(loader state, checkpoint files): the loader position from before any batch in flight,
@@ -275,7 +272,7 @@ def async_grpo_step(ctx: GRPOContext, collector: TrajectoryCollector, step: int,
     with timer.time("weight_sync"):  # waiting for the generation call in flight, then the copy
         timer.add("idle/refit_bubble", _refit(ctx, collector.generation.lock, step))
 
-    collector_timings, _ = collector.drain()
+    collector_timings = collector.drain_timings()
     collector_timings["paused"] = collector.generation.drain_lock_wait()  # refits and validation
     metrics.update({
         "async/trajectory_age_mean": sum(ages) / len(ages),
@@ -297,8 +294,6 @@ def _refit(ctx: GRPOContext, lock: threading.Lock, version: int) -> float:
         if ctx.generation.weights_version == version and not ctx.generation_stale:
             return 0.0
         start = time.perf_counter()
-        refit_policy_generation(ctx.policy, ctx.generation, ctx.refit_metadata, version=version,
-                                verify=ctx.cfg.policy.generation.verify_refit_enabled)
-        ctx.generation_stale = False
+        refit_generation(ctx, version)
         return time.perf_counter() - start
 

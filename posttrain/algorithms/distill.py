@@ -225,10 +225,7 @@ def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Bat
         ctx.generation, samples, ctx.tokenizer, ctx.envs, max_seq_len=cfg.policy.max_total_sequence_length,
         max_rollout_turns=d.max_rollout_turns, seeds=sample_seeds(d.seed, step, len(samples)), weight_version=ctx.step,
     )
-    timer.add("generation", time.perf_counter() - t0 - result.env_seconds)
-    timer.add("reward", result.env_seconds)
-    for name, seconds in result.timings.items():  # per-sample progress of multi-turn rollouts
-        timer.add(name, seconds)
+    result.add_timings(timer, time.perf_counter() - t0)
     train_data = flatten_message_logs([s.message_log for s in samples], pad_token_id=ctx.tokenizer.pad_token_id)
     train_data["sample_mask"] = torch.tensor([s.loss_multiplier for s in samples])
     metrics = {

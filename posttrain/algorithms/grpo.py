@@ -203,12 +203,7 @@ def roll_out_groups(
         max_seq_len=cfg.policy.max_total_sequence_length, max_rollout_turns=g.max_rollout_turns,
         seeds=sample_seeds(g.seed, seed_key, len(samples)), weight_version=version, deadline=deadline,
     )
-    # The rollout interleaves generation and environment calls: split its time between them so
-    # the step-time breakdown adds up.
-    timer.add("generation", time.perf_counter() - t0 - result.env_seconds)
-    timer.add("reward", result.env_seconds)
-    for name, seconds in result.timings.items():  # per-sample progress of multi-turn rollouts
-        timer.add(name, seconds)
+    result.add_timings(timer, time.perf_counter() - t0)
 
     rewards = result.rewards
     if cfg.reward_shaping.enabled:  # DAPO overlong penalty
@@ -228,10 +223,9 @@ def roll_out_groups(
     signal = adv.filter_zero_variance_groups(result.rewards, group_ids, num_groups=len(prompts))
     for sample, advantage, mask in zip(samples, advantages.tolist(), sample_mask.tolist()):
         sample.advantage, sample.sample_mask = advantage, mask
-    timed_out = result.timed_out if result.timed_out is not None else torch.zeros(len(samples), dtype=torch.bool)
     groups = [
         PromptGroup(samples[p * n_gen:(p + 1) * n_gen], bool(signal[p]), version,
-                    bool(timed_out[p * n_gen:(p + 1) * n_gen].any()))
+                    bool(result.timed_out[p * n_gen:(p + 1) * n_gen].any()))
         for p in range(len(prompts))
     ]
     return groups, result.metrics
@@ -321,12 +315,16 @@ def _refit_if_stale(ctx: GRPOContext, timer: Optional[Timer] = None) -> None:
             timer.add("refit", 0.0)  # always reported, so step-time breakdowns line up
         return
     t0 = time.perf_counter()
-    refit_policy_generation(
-        ctx.policy, ctx.generation, ctx.refit_metadata, version=ctx.step,
-        verify=ctx.cfg.policy.generation.verify_refit_enabled,
-    )
+    refit_generation(ctx, ctx.step)
     if timer is not None:
         timer.add("refit", time.perf_counter() - t0)
+
+
+def refit_generation(ctx: GRPOContext, version: int) -> None:
+    """Copy the policy's weights (policy step `version`) into the generation workers, verified
+    when `policy.generation.verify_refit` asks."""
+    refit_policy_generation(ctx.policy, ctx.generation, ctx.refit_metadata, version=version,
+                            verify=ctx.cfg.policy.generation.verify_refit_enabled)
     ctx.generation_stale = False
 
 

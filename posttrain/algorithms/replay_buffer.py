@@ -63,17 +63,6 @@ class ReplayBuffer:
             self._cond.notify_all()
             return True
 
-    def has_room(self) -> bool:
-        with self._cond:
-            return len(self._groups) < self.capacity
-
-    def wait_for_room(self, stop: threading.Event, poll_s: float = 0.5) -> bool:
-        """Wait until a group fits; False when `stop` is set or the buffer closed first."""
-        with self._cond:
-            while len(self._groups) >= self.capacity and not self._closed and not stop.is_set():
-                self._cond.wait(poll_s)
-            return not self._closed and not stop.is_set()
-
     def take(
         self, num_groups: int, current_version: int, *, timeout: float,
         producer_error: Callable[[], Optional[str]] = lambda: None, poll_s: float = 0.2,

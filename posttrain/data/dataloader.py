@@ -120,11 +120,11 @@ def make_loader(items: Sequence[Any], batch_size: int, *, shuffle: bool = True, 
     sources: dict[str, list] = {}
     weights: dict[str, float] = {}
     for item in items:  # a `Sample` or an example dict
-        source = item if isinstance(item, dict) else vars(item)
-        name = source.get("source")
+        is_dict = isinstance(item, dict)
+        name = item.get("source") if is_dict else item.source
         sources.setdefault(name, []).append(item)
         if name is not None:
-            weights[name] = float(source.get("source_weight", 1.0))
+            weights[name] = float(item.get("source_weight", 1.0) if is_dict else item.source_weight)
     if len(sources) < 2 or None in sources:
         return ResumableLoader(items, batch_size, shuffle=shuffle, seed=seed)
     return BlendedLoader(sources, weights, batch_size, shuffle=shuffle, seed=seed)

@@ -132,6 +132,7 @@ class PendingStep:
 
     def __init__(self, envs: dict[str, Any], groups: dict[str, list[int]], launched: dict[str, Any], batch_size: int):
         self.envs, self.groups, self.launched, self.batch_size = envs, groups, launched, batch_size
+        self.timed_out: list[int] = []  # indices `result(timeout)` left behind
 
     def result(self, timeout: Optional[float] = None) -> EnvironmentReturn:
         """Wait for the steps and reassemble them in input order.
@@ -141,7 +142,7 @@ class PendingStep:
         indices are in `self.timed_out` (a straggler is dropped, not waited for).
         """
         groups, launched, batch_size = dict(self.groups), dict(self.launched), self.batch_size
-        self.timed_out: list[int] = []
+        self.timed_out = []
         remote_tasks = [task for task in groups if not _is_local(self.envs[task])]
         if remote_tasks:
             import ray

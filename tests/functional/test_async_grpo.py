@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -91,7 +92,7 @@ def test_staleness_eviction_with_a_real_collector(ray_cluster, tmp_path):
     from posttrain.algorithms.replay_buffer import ReplayBuffer
 
     ctx = grpo.setup(async_cfg(tmp_path))
-    lock = __import__("threading").Lock()
+    lock = threading.Lock()
     buffer = ReplayBuffer(capacity=8, max_age=1)
     collector = TrajectoryCollector(ctx, buffer, lock)
     collector.start()
