@@ -14,6 +14,7 @@ import torch
 
 from posttrain.config.loader import save_config
 from posttrain.config.schema import MasterConfig, PolicyConfig
+from posttrain.utils import startup
 
 log = logging.getLogger("posttrain")
 
@@ -33,11 +34,19 @@ def with_schedule_horizon(cfg, max_num_steps: int):
     return cfg
 
 
-def start_ray(cfg: MasterConfig) -> None:
+def start_backend(cfg: MasterConfig) -> None:
+    """Start Ray (`cluster.backend` resolving to ray), or give this process's math the cores the
+    local backend's workers may use (they run here, taking turns)."""
+    from posttrain.config.schema import resolve_backend
+
+    if resolve_backend(cfg) == "local":
+        from posttrain.distributed.actors import available_cpus
+
+        torch.set_num_threads(max(1, int(cfg.cluster.cpus_per_worker or available_cpus())))
+        return
     from posttrain.distributed.ray_utils import init_ray
 
-    cluster = cfg.cluster
-    init_ray(address=cluster.ray_address)
+    init_ray(address=cfg.cluster.ray_address)
 
 
 def start_run(cfg: MasterConfig, *, seed: int, max_num_steps: Optional[int] = None):
@@ -52,7 +61,8 @@ def start_run(cfg: MasterConfig, *, seed: int, max_num_steps: Optional[int] = No
         cfg = with_schedule_horizon(cfg, max_num_steps)
     cfg = with_checkpoint_model(cfg)
     prepare_run_dirs(cfg)
-    start_ray(cfg)
+    start_backend(cfg)
+    startup.mark("backend")
     return cfg, load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
 
 
@@ -89,10 +99,17 @@ def prepare_run_dirs(cfg: MasterConfig) -> None:
 def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int = 1, name: str = "policy"):
     """A `VirtualCluster` of `num_workers` bundles: `cluster.gpus_per_node` per node with GPUs,
     else spread evenly over `cluster.num_nodes` (CPU bundles of `cluster.cpus_per_worker`, plus
-    `cluster.bundle_resources[name]` when `name` is "policy" or "generation")."""
-    from posttrain.distributed.cluster import VirtualCluster
+    `cluster.bundle_resources[name]` when `name` is "policy" or "generation"). With the local
+    backend (`resolve_backend`), a `LocalCluster`: this process (the config check allows one worker)."""
+    from posttrain.config.schema import resolve_backend
 
     c = cfg.cluster
+    if resolve_backend(cfg) == "local":
+        from posttrain.distributed.actors import LocalCluster
+
+        return LocalCluster(cpus=c.cpus_per_worker, use_gpus=c.gpus_per_node > 0, name=name)
+    from posttrain.distributed.cluster import VirtualCluster
+
     use_gpus = c.gpus_per_node > 0
     per_node = min(num_workers, c.gpus_per_node) if use_gpus else -(-num_workers // c.num_nodes)
     nodes = max(1, -(-num_workers // per_node))
@@ -104,7 +121,7 @@ def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int =
     return VirtualCluster(
         [per_node] * nodes,
         use_gpus=use_gpus,
-        cpus_per_bundle=c.cpus_per_worker,
+        cpus_per_bundle=c.cpus_per_worker or 1.0,
         max_colocated_worker_groups=colocated_groups,
         placement_timeout_s=c.placement_timeout_s,
         name=name,
@@ -160,6 +177,7 @@ def start_concurrently(*makers: Callable[[], Any]) -> list[Any]:
             if error is None:
                 future.result().shutdown()
         raise next(e for e in errors if e is not None)
+    startup.mark("workers")
     return [f.result() for f in futures]
 
 
@@ -220,6 +238,7 @@ def build_splits(
     if not val:
         print("[posttrain] no validation data (data.validation_path is unset or empty): running without validation",
               flush=True)
+    startup.mark("data")
     return train, val
 
 
@@ -244,7 +263,9 @@ def limit_per_source(records: list[dict], limit: Optional[int]) -> list[dict]:
 def make_envs(cfg, tasks) -> dict[str, Any]:
     """Task name -> environment actor. `tasks` are task names or `Sample`s; a sample's `env_name`
     says which `env.<name>` section serves its task (a built-in, a registered environment, or a
-    user's class by `env.<name>.class_path`). Tasks served by the same section share one actor."""
+    user's class by `env.<name>.class_path`). Tasks served by the same section share one actor
+    (a Ray actor, or a thread of this process with the local backend)."""
+    from posttrain.config.schema import resolve_backend
     from posttrain.environments.registry import create_env, resolve_env
 
     env_of_task = {}
@@ -254,5 +275,6 @@ def make_envs(cfg, tasks) -> dict[str, Any]:
     actors = {}
     for env_name in sorted(set(env_of_task.values())):
         cls, env_cfg = resolve_env(env_name, cfg.env.section(env_name))
-        actors[env_name] = create_env(env_name, env_cfg, cls=cls)
+        actors[env_name] = create_env(env_name, env_cfg, cls=cls, backend=resolve_backend(cfg))
+    startup.mark("environments")
     return {task: actors[env_name] for task, env_name in sorted(env_of_task.items())}

@@ -488,6 +488,14 @@ class PolicyWorker(DistributedWorker):
         state = self._full_state_dict()
         return state if self.rank == 0 else None
 
+    def live_weights(self) -> Optional[dict[str, torch.Tensor]]:
+        """The model's own weight tensors by name, not copied, for a generation engine in this
+        process to read in place (the local backend); None when generation needs something else
+        (LoRA: the merged weights; FSDP: the full tensors, not shards): refit copies them then."""
+        if self.lora_scaling is not None or self.is_fsdp:
+            return None
+        return dict(self.model.state_dict())  # detached tensors sharing the parameters' storage
+
     def pack_for_refit(self, metadata: refit.RefitMetadata) -> Optional[list]:
         """Collective: rank 0 packs the full weights into `metadata`'s refit buffers; None elsewhere."""
         state = self._full_state_dict()
