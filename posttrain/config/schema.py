@@ -541,7 +541,13 @@ class DataConfig(Section):
     answer_key: str = Field("answer", description="Field of a row holding the reference answer the environment checks.")
     chosen_key: str = Field("chosen", description="Preferred response of a preference pair (dpo / rm; jsonl / hf).")
     rejected_key: str = Field("rejected", description="Dispreferred response of a preference pair (dpo / rm).")
-    prompt_template: str = Field("{prompt}", description="Python format string applied to each prompt.")
+    prompt_template: str = Field(
+        "{prompt}",
+        description=(
+            "Python format string making each prompt from its row: {prompt} and the row's other fields (arithmetic "
+            "rows also have {a}, {op} and {b}: 'What is {a} {op} {b}?')."
+        ),
+    )
     use_chat_template: bool = Field(
         True,
         description="Render prompts with the tokenizer's chat template (as a user turn); false feeds the raw text.",
