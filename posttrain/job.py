@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import random
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -182,13 +182,15 @@ def start_concurrently(*makers: Callable[[], Any]) -> list[Any]:
 
 
 def build_datums(
-    cfg: MasterConfig, builder, tokenizer, split: str, limit: Optional[int] = None, load: Optional[Callable] = None
-) -> list[dict]:
+    cfg: MasterConfig, builder, tokenizer, split: str, limit: Optional[int] = None, load: Optional[Callable] = None,
+    lazy: bool = False,
+) -> Sequence[Any]:
     """Load `split` of `cfg.data` (at most `limit` records) and turn each record into a datum with
     `builder` (`build_prompt_message_log`, `build_sft_example`, `build_preference_example`, ...).
 
     `load(data_cfg, split)` reads the records (default `posttrain.data.datasets.load_records`;
-    preference pairs use `load_preference_records`).
+    preference pairs use `load_preference_records`). `lazy`: a `LazyDatums`, each datum built when
+    first read (default False: a list, all built now).
     """
     if load is None:
         from posttrain.data.datasets import load_records
@@ -200,11 +202,16 @@ def build_datums(
     records = limit_per_source(load(cfg.data, split), limit)
     if hasattr(cfg, "env"):
         add_env_tools(cfg, records)
-    return [
-        builder(r, tokenizer, cfg.policy.max_total_sequence_length, use_chat_template=cfg.data.use_chat_template,
-                system_prompt=cfg.data.system_prompt, idx=i)
-        for i, r in enumerate(records)
-    ]
+
+    def build(record: dict, index: int) -> Any:
+        return builder(record, tokenizer, cfg.policy.max_total_sequence_length,
+                       use_chat_template=cfg.data.use_chat_template, system_prompt=cfg.data.system_prompt, idx=index)
+
+    if lazy:
+        from posttrain.data.dataloader import LazyDatums
+
+        return LazyDatums(records, build)
+    return [build(r, i) for i, r in enumerate(records)]
 
 
 def add_env_tools(cfg: MasterConfig, records: list[dict]) -> None:
@@ -232,8 +239,12 @@ def build_splits(
     cfg: MasterConfig, builder, tokenizer, max_val_samples: Optional[int], load: Optional[Callable] = None
 ) -> tuple[list[dict], list[dict]]:
     """The training datums and at most `max_val_samples` validation datums (`build_datums`); says
-    once when there is no validation data, as the run then trains without validation."""
-    train = build_datums(cfg, builder, tokenizer, "train", load=load)
+    once when there is no validation data, as the run then trains without validation.
+
+    The training split is built lazily (`LazyDatums`: a run reads the prompts it draws, so start-up
+    does not wait for every prompt of a large data set to be templated and tokenised); validation,
+    read whole at every validation, is built now."""
+    train = build_datums(cfg, builder, tokenizer, "train", load=load, lazy=True)
     val = build_datums(cfg, builder, tokenizer, "validation", max_val_samples, load=load)
     if not val:
         print("[posttrain] no validation data (data.validation_path is unset or empty): running without validation",
@@ -261,7 +272,8 @@ def limit_per_source(records: list[dict], limit: Optional[int]) -> list[dict]:
 
 
 def make_envs(cfg, tasks) -> dict[str, Any]:
-    """Task name -> environment actor. `tasks` are task names or `Sample`s; a sample's `env_name`
+    """Task name -> environment actor. `tasks` are task names, `Sample`s or `(task_name, env_name)`
+    pairs (`dataloader.routes`); a sample's `env_name`
     says which `env.<name>` section serves its task (a built-in, a registered environment, or a
     user's class by `env.<name>.class_path`). Tasks served by the same section share one actor
     (a Ray actor, or a thread of this process with the local backend)."""
@@ -270,8 +282,13 @@ def make_envs(cfg, tasks) -> dict[str, Any]:
 
     env_of_task = {}
     for item in tasks:
-        task = item if isinstance(item, str) else item.task_name
-        env_of_task[task] = task if isinstance(item, str) else item.env_name
+        if isinstance(item, str):
+            task, env = item, item
+        elif isinstance(item, tuple):
+            task, env = item
+        else:
+            task, env = item.task_name, item.env_name
+        env_of_task[task] = env
     actors = {}
     for env_name in sorted(set(env_of_task.values())):
         cls, env_cfg = resolve_env(env_name, cfg.env.section(env_name))

@@ -26,7 +26,7 @@ from posttrain.algorithms import advantages as adv
 from posttrain.algorithms.loop import TrainingLoop, prefixed
 from posttrain.algorithms.loss import LossFunction, build_loss
 from posttrain.config.schema import GRPOMasterConfig
-from posttrain.data.dataloader import ResumableLoader, make_loader
+from posttrain.data.dataloader import ResumableLoader, make_loader, routes
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.data.sample import Sample
 from posttrain.distributed.batch import Batch
@@ -119,7 +119,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
     )
     generation.prepare_refit_info(refit_metadata)
 
-    envs = make_envs(cfg, train_samples + val_samples)
+    envs = make_envs(cfg, routes(train_samples) + routes(val_samples))
 
     loop = TrainingLoop(cfg, cfg.grpo, name="GRPO", section="grpo", policy=policy, loader=loader)
     ctx = GRPOContext(
