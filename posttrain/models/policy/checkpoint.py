@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.utils.checkpoint import publish_dir
 
 # A worker of the local backend saves and loads without a process group, which DCP handles (it
@@ -155,7 +156,7 @@ def save_hf(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with torch.device("meta"):
+    with torch.device("meta"), MODEL_BUILD_LOCK:
         model = MODEL_CLASSES[model_type].from_config(hf_config)
     missing, unexpected = model.load_state_dict(dict(state_dict), strict=False, assign=True)
     tied = set(getattr(model, "_tied_weights_keys", None) or ())

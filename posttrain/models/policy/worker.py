@@ -38,6 +38,7 @@ from posttrain.config.schema import PolicyConfig
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
 from posttrain.models import lora, moe, refit
+from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype, resolve_model_path
 from posttrain.models.policy import checkpoint as ckpt
 from posttrain.models.policy.forward import (
@@ -156,7 +157,7 @@ class PolicyWorker(DistributedWorker):
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), MODEL_BUILD_LOCK:
                 torch.manual_seed(0)  # the new score head: same initial values on every rank and run
                 model, info = AutoModelForSequenceClassification.from_pretrained(
                     model_path, config=config, dtype=torch.float32, output_loading_info=True
