@@ -21,17 +21,21 @@ once for both backends.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import queue
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from typing import Any, Mapping, Optional, Sequence
 
 _actor_ids = itertools.count()
 _identity = threading.local()  # the rank variables of the local actor whose thread this is
+_live_actors: "weakref.WeakSet[LocalActor]" = weakref.WeakSet()
+STOP_WAIT_S = 10.0  # how long `kill` (and the process's exit) waits for an actor's thread to end
 
 
 class LocalActorDiedError(RuntimeError):
@@ -94,6 +98,7 @@ class LocalActor:
             name=f"posttrain-{self.name}", daemon=True,
         )
         self._thread.start()
+        _live_actors.add(self)
 
     def __getattr__(self, method: str) -> _RemoteMethod:
         if method.startswith("_"):
@@ -109,11 +114,14 @@ class LocalActor:
             self._calls.put((ref, tuple(args), dict(kwargs)))
         return ref
 
-    def kill(self) -> None:
-        """Fail every queued call and stop the thread after the call in progress (idempotent)."""
+    def kill(self, wait_s: float = STOP_WAIT_S) -> None:
+        """Fail every queued call, stop the thread after the call in progress and wait up to `wait_s`
+        seconds for it to end (idempotent)."""
         if self._dead is None:
             self._dead = LocalActorDiedError(f"local actor {self.name} ({self.actor_id}) was killed")
         self._calls.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=wait_s)
 
     def _death_error(self, method: str) -> LocalActorDiedError:
         error = LocalActorDiedError(f"{self.name}.{method}: the actor is dead: {self._dead}")
@@ -126,25 +134,13 @@ class LocalActor:
             self._instance = self.cls(*args, **kwargs)
         except BaseException as error:  # every later call reports the constructor's error
             self._dead = error
-        while True:
-            item = self._calls.get()
-            if item is None:
-                break
-            ref, call_args, call_kwargs = item
-            if self._dead is not None:
-                ref.future.set_exception(self._death_error(ref.method))
-                continue
-            if not ref.future.set_running_or_notify_cancel():
-                continue
-            try:
-                # As Ray does, a future passed as a top-level argument is replaced by its result.
-                call_args = tuple(_resolved(a) for a in call_args)
-                call_kwargs = {k: _resolved(v) for k, v in call_kwargs.items()}
-                result = getattr(self._instance, ref.method)(*call_args, **call_kwargs)
-            except BaseException as error:
-                ref.future.set_exception(error)
-            else:
-                ref.future.set_result(result)
+        while (item := self._calls.get()) is not None:
+            self._call(*item)
+            # Drop the call's arguments here and now: freeing large tensors releases the GIL, which a
+            # daemon thread must not do once the interpreter is shutting down (it is then ended
+            # mid-free, and the C++ below it aborts the process).
+            del item
+        self._instance = None  # the worker (its model) is freed on its own thread, before the exit
         while True:  # killed: fail whatever is still queued
             try:
                 item = self._calls.get_nowait()
@@ -152,6 +148,22 @@ class LocalActor:
                 return
             if item is not None:
                 item[0].future.set_exception(self._death_error(item[0].method))
+
+    def _call(self, ref: LocalRef, args: tuple, kwargs: dict) -> None:
+        if self._dead is not None:
+            ref.future.set_exception(self._death_error(ref.method))
+            return
+        if not ref.future.set_running_or_notify_cancel():
+            return
+        try:
+            # As Ray does, a future passed as a top-level argument is replaced by its result.
+            args = tuple(_resolved(a) for a in args)
+            kwargs = {k: _resolved(v) for k, v in kwargs.items()}
+            result = getattr(self._instance, ref.method)(*args, **kwargs)
+        except BaseException as error:
+            ref.future.set_exception(error)
+        else:
+            ref.future.set_result(result)
 
 
 class LocalCluster:
@@ -199,6 +211,15 @@ def available_cpus() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+@atexit.register
+def _stop_live_actors() -> None:
+    """At the process's exit (a job that failed before shutting its workers down), stop every actor
+    while the interpreter can still run their threads: one ended during its shutdown in the middle
+    of freeing tensors aborts the process."""
+    for actor in list(_live_actors):
+        actor.kill()
 
 
 def _resolved(value: Any) -> Any:

@@ -120,3 +120,26 @@ def test_asking_local_for_what_it_cannot_run_is_one_clear_error():
     with pytest.raises(ConfigError, match=r"cluster.backend=local: policy.num_workers=2: a local worker group has one "
                                           r"worker; use cluster.backend=ray"):
         load_config("grpo", overrides=["cluster.backend=local", "policy.num_workers=2"])
+
+
+def test_a_process_that_stops_its_actors_and_exits_at_once_exits_cleanly(tmp_path):
+    """An actor's last call left many tensors to free; the process kills it and exits straight away.
+    The actor frees them on its own thread before the interpreter shuts down (ended mid-free, the
+    thread's C++ frames would abort the process: exit code 134)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import torch\n"
+        "from posttrain.distributed import actors\n"
+        "class Holder:\n"
+        "    def take(self, tensors):\n"
+        "        return len(tensors)\n"
+        "actor = actors.LocalActor(Holder)\n"
+        "print(actors.get(actor.take.remote([torch.ones(1000) for _ in range(20000)])))\n"
+        "actor.kill()\n"
+    )
+    for _ in range(2):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        assert (done.returncode, done.stdout.strip()) == (0, "20000"), done.stderr[-2000:]
