@@ -18,7 +18,7 @@ from posttrain.models.policy.forward import (
     next_token_logprobs,
     packed_microbatches,
 )
-from posttrain.models.policy.linear_logprobs import chunk_tokens_for, fused_logprobs_problem, linear_logprobs
+from posttrain.models.policy.linear_logprobs import fused_logprobs_problem, linear_logprobs, tile_shape
 
 CPU = torch.device("cpu")
 
@@ -44,10 +44,11 @@ def values_and_grads(fn, hidden, weight, targets, temperature, upstream):
     return values.detach(), hidden.grad, weight.grad
 
 
-# Chunks of 1 and 3 tokens over 10 (the last chunk partial), exactly 10, and more than 10.
-@pytest.mark.parametrize("chunk_tokens", [1, 3, 10, 64])
+# Tiles over 10 tokens x 300 logits: one token and 7 logits (the last block partial); 3 tokens
+# (the last chunk partial) and 64 logits; everything in one tile; tiles larger than the inputs.
+@pytest.mark.parametrize("chunk_tokens, vocab_block", [(1, 7), (3, 64), (10, 300), (64, 1000)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_kernel_matches_full_logits_values_and_gradients(chunk_tokens, temperature):
+def test_kernel_matches_full_logits_values_and_gradients(chunk_tokens, vocab_block, temperature):
     g = torch.Generator().manual_seed(0)
     n, h, v = 10, 16, 300
     hidden, weight = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) / 2
@@ -55,7 +56,7 @@ def test_kernel_matches_full_logits_values_and_gradients(chunk_tokens, temperatu
     upstream = torch.randn(n, generator=g)
 
     def fused(hd, w, t, temp):
-        return linear_logprobs(hd, w, t, temp, chunk_tokens=chunk_tokens)
+        return linear_logprobs(hd, w, t, temp, chunk_tokens=chunk_tokens, vocab_block=vocab_block)
 
     got = values_and_grads(fused, hidden, weight, targets, temperature, upstream)
     want = values_and_grads(reference, hidden, weight, targets, temperature, upstream)
@@ -90,7 +91,7 @@ def test_kernel_under_bfloat16_autocast_matches_the_autocast_head():
 
     def fused(hd, w, t, temp):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return linear_logprobs(hd, w, t, temp, chunk_tokens=5)
+            return linear_logprobs(hd, w, t, temp, chunk_tokens=5, vocab_block=128)
 
     got = values_and_grads(fused, hidden, weight, targets, 0.8, upstream)
     want = values_and_grads(plain, hidden, weight, targets, 0.8, upstream)
@@ -100,9 +101,11 @@ def test_kernel_under_bfloat16_autocast_matches_the_autocast_head():
         assert relative_error(a, b) < 2e-2
 
 
-def test_chunk_size_follows_the_vocabulary():
-    assert chunk_tokens_for(49152) == 341  # 64 MiB of float32 logits
-    assert chunk_tokens_for(10**6) == 128  # the floor
+def test_tile_shape():
+    assert tile_shape(2400, 49152) == (2400, 1747)  # all tokens, 16 MiB of float32 logits per tile
+    assert tile_shape(10, 49152) == (10, 49152)  # few tokens: the whole vocabulary
+    assert tile_shape(100_000, 49152) == (8192, 512)  # many tokens: chunked, blocks no narrower than 512
+    assert tile_shape(0, 49152)[0] == 1
 
 
 # ------------------------------------------------------------------------------ real tiny models

@@ -29,7 +29,12 @@ import torch.nn.functional as F
 
 from posttrain.data import packing
 from posttrain.distributed.batch import Batch
-from posttrain.models.policy.linear_logprobs import final_hidden_states, linear_logprobs, output_weight
+from posttrain.models.policy.linear_logprobs import (
+    attention_implementation,
+    final_hidden_states,
+    linear_logprobs,
+    output_weight,
+)
 
 
 @dataclass
@@ -199,8 +204,14 @@ def _fused_microbatch_logprobs(
                   use_cache=False, logits_to_keep=1)
             hidden_index = mb.packed["cu_seqlens"].to(device).long()[row] + pos - 1
         else:
+            # Right-padded rows need no attention mask with a causal model: no valid token sees the
+            # padding after it, and the padding's outputs are never read. Without one, SDPA takes
+            # its causal kernel instead of a dense boolean mask (flash-attention keeps its mask:
+            # it skips the padding).
             lengths = mb.rows["input_lengths"].to(device)
             mask = (torch.arange(seq_len, device=device)[None, :] < lengths[:, None]).long()
+            if attention_implementation(model) in ("sdpa", "eager"):
+                mask = None
             model(input_ids=input_ids, attention_mask=mask, logits_to_keep=1)
             hidden_index = row * seq_len + pos - 1
         hidden = captured[-1]

@@ -1,13 +1,23 @@
 """Next-token logprobs straight from the decoder's hidden states, without the `[N, V]` logits.
 
 `linear_logprobs(hidden [N, H], weight [V, H], targets [N])` is
-`log_softmax(hidden @ weight.T / temperature)[i, targets[i]]`, computed chunk by chunk over the
-tokens: a chunk's `[n, V]` logits live in one reused buffer (tens of MB, see `CHUNK_BYTES`), are
-reduced to `logit[target] - logsumexp` and dropped. Backward recomputes each chunk's logits and
-turns them in place into `(onehot - softmax) * grad / temperature`, then feeds the two matmuls
-for `grad_hidden` and `grad_weight`. The full-vocabulary log-softmax over the whole micro-batch,
+`log_softmax(hidden @ weight.T / temperature)[i, targets[i]]`, computed one tile of logits at a
+time: a tile is `[token chunk, vocab block]` float32 logits in one reused buffer (`TILE_BYTES`),
+reduced to a running logsumexp (and the target's logit) per token and dropped. Backward recomputes
+each tile and turns it in place into `(onehot - softmax) * grad / temperature`, then feeds the two
+matmuls for `grad_hidden` and `grad_weight`. The full-vocabulary log-softmax over the micro-batch,
 its backward and the fills and copies around it (memory-bound passes over `N x V` floats) are gone;
 the price is one more `N x H x V` matmul (the recompute).
+
+Why vocabulary blocks (all of a micro-batch's tokens, a slice of the vocabulary) rather than token
+chunks (a few tokens, the whole vocabulary): every token chunk re-reads all of `weight` and, in
+backward, reads and writes the whole `[V, H]` weight-gradient accumulator once more; with vocabulary
+blocks each block of `weight` is read once per pass and each block of `grad_weight` written once,
+while `hidden` and `grad_hidden` (`N x H`, small) stay in cache. Measured on SmolLM2-135M's head
+(H 576, V 49152, 2393 tokens, 1 thread, forward + backward): 3.8-3.9 s with 4-16 MiB vocabulary
+blocks, 4.1 s with 64 MiB ones, 4.3-4.5 s with 32-128 MiB token chunks and 4.5 s for the full
+logits (which skip the recompute); 140 GFLOP/s of `8 N H V` FLOPs, ~90% of the float32 matmul rate. Tokens are chunked too, only beyond
+`TILE_BYTES / (4 MIN_VOCAB_BLOCK)` of them (GPU-sized micro-batches).
 
 `fused_logprobs_problem(model)` says whether a model's logits are provably `lm_head(hidden)` with a
 plain linear head (then the worker takes this path), and `final_hidden_states(model)` collects the
@@ -25,14 +35,11 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
-# One chunk's float32 logits: [n, V] * 4 bytes, in a buffer reused by every chunk. Measured on
-# SmolLM2-135M's head (H 576, V 49152, 2400 tokens, forward + backward): 32 to 128 MiB chunks
-# (n = 170 to 682) take the same time, 16 MiB is 15-20% slower and 2 MiB 4x slower, because the
-# weight gradient is accumulated by one matmul per chunk whose inner size is n: the [V, H] float32
-# accumulator is read and written per chunk, ~n / 4 FLOPs per byte. Hence also a floor on n for
-# large vocabularies. (`benchmarks/train_step_135m.py --kernel` reruns the sweep.)
-CHUNK_BYTES = 64 * 2**20
-MIN_CHUNK_TOKENS = 128
+# One tile of float32 logits. Under 32 MiB, glibc's largest mmap threshold, so on CPU the buffer
+# comes from the reused heap instead of fresh pages. `benchmarks/train_step_135m.py --kernel`
+# reruns the measurement above.
+TILE_BYTES = 16 * 2**20
+MIN_VOCAB_BLOCK = 512  # narrower blocks make thin matmuls; beyond this many tokens, chunk the tokens
 
 # Model types whose `XForCausalLM.forward` (transformers 5.23) is exactly
 # `logits = self.lm_head(slice_logits_to_keep(decoder(...).last_hidden_state, logits_to_keep))`:
@@ -45,36 +52,47 @@ PLAIN_HEAD_MODEL_TYPES = frozenset(
 LOGIT_TRANSFORM_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def chunk_tokens_for(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Tokens per chunk: a chunk's float32 logits take about `chunk_bytes` (default `CHUNK_BYTES`),
-    and at least `MIN_CHUNK_TOKENS` tokens."""
-    return max(MIN_CHUNK_TOKENS, chunk_bytes // (4 * vocab_size))
+def tile_shape(n_tokens: int, vocab_size: int, tile_bytes: int = TILE_BYTES) -> tuple[int, int]:
+    """`(token chunk, vocab block)` of a tile of about `tile_bytes` (default `TILE_BYTES`) float32
+    logits: all tokens in one chunk unless that would make blocks narrower than `MIN_VOCAB_BLOCK`."""
+    elements = tile_bytes // 4
+    chunk = max(1, min(n_tokens, elements // MIN_VOCAB_BLOCK))
+    return chunk, min(vocab_size, max(MIN_VOCAB_BLOCK, elements // chunk))
 
 
-class ChunkedLinearLogprobs(torch.autograd.Function):
-    """`(hidden [N, H], weight [V, H], targets [N], temperature, chunk_tokens) -> logprobs [N]` (float32).
+class TiledLinearLogprobs(torch.autograd.Function):
+    """`(hidden [N, H], weight [V, H], targets [N], temperature, chunk_tokens, vocab_block) -> logprobs [N]`
+    (float32), one `[chunk_tokens, vocab_block]` tile of logits at a time.
 
-    `hidden` and `weight` share a dtype (the compute dtype: the caller casts under autocast); the
-    logits are taken to float32 before the division by `temperature`, as in `next_token_logprobs`.
+    `hidden` and `weight` share a dtype (the compute dtype: the caller casts under autocast); each
+    tile's logits are taken to float32 before the division by `temperature`, as in
+    `next_token_logprobs`; gradients are accumulated in float32 and rounded once at the end.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk_tokens: int):
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk_tokens: int, vocab_block: int):
         n_tokens = hidden.shape[0]
         logprobs = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
         logsumexp = torch.empty_like(logprobs)
-        buffers = _LogitBuffers(min(chunk_tokens, n_tokens), weight)
-        for start in range(0, n_tokens, chunk_tokens):
-            end = min(start + chunk_tokens, n_tokens)
-            logits = buffers.logits(hidden[start:end], weight, temperature)
-            target_logits = logits.gather(1, targets[start:end, None]).squeeze(1)
-            # logsumexp in place: the chunk is not needed afterwards (backward recomputes it).
-            peak = logits.amax(dim=1)
-            logits.sub_(peak[:, None]).exp_()
-            torch.add(logits.sum(dim=1).log_(), peak, out=logsumexp[start:end])
-            torch.sub(target_logits, logsumexp[start:end], out=logprobs[start:end])
+        tiles = _Tiles(hidden, weight, targets, temperature, chunk_tokens, vocab_block)
+        for chunk in tiles.token_chunks():
+            n = chunk.stop - chunk.start
+            running_max = hidden.new_full((n,), -torch.inf, dtype=torch.float32)
+            running_sum = hidden.new_zeros((n,), dtype=torch.float32)
+            target_logit = hidden.new_zeros((n,), dtype=torch.float32)
+            for block in tiles.vocab_blocks():
+                logits = tiles.logits(chunk, block)
+                rows, columns = tiles.targets_in(chunk, block)
+                target_logit[rows] = logits[rows, columns]
+                # Online logsumexp (Milakov & Gimelshein 2018): rescale the sum to the new maximum.
+                new_max = torch.maximum(running_max, logits.amax(dim=1))
+                running_sum.mul_(torch.exp(running_max - new_max))
+                running_sum.add_(logits.sub_(new_max[:, None]).exp_().sum(dim=1))
+                running_max = new_max
+            torch.add(running_sum.log_(), running_max, out=logsumexp[chunk])
+            torch.sub(target_logit, logsumexp[chunk], out=logprobs[chunk])
         ctx.save_for_backward(hidden, weight, targets, logsumexp)
-        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        ctx.options = (temperature, chunk_tokens, vocab_block)
         return logprobs
 
     @staticmethod
@@ -82,57 +100,85 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprobs):
         hidden, weight, targets, logsumexp = ctx.saved_tensors
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        n_tokens, chunk_tokens = hidden.shape[0], ctx.chunk_tokens
-        grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        # float32 accumulator over chunks; for a half-precision weight it is rounded once at the end.
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
-        # d logprob_i / d logit_iv = (onehot_iv - softmax_iv) / temperature
-        scale = grad_logprobs.float() / ctx.temperature
-        buffers = _LogitBuffers(min(chunk_tokens, n_tokens), weight)
-        for start in range(0, n_tokens, chunk_tokens):
-            end = min(start + chunk_tokens, n_tokens)
-            chunk = slice(start, end)
-            grad_logits = buffers.logits(hidden[chunk], weight, ctx.temperature)
-            grad_logits.sub_(logsumexp[chunk, None]).exp_().mul_(-scale[chunk, None])
-            grad_logits.scatter_add_(1, targets[chunk, None], scale[chunk, None])
-            grad_logits = buffers.in_compute_dtype(grad_logits)
-            if want_hidden:
-                torch.mm(grad_logits, weight, out=grad_hidden[chunk])
-            if want_weight:
-                if grad_logits.dtype == torch.float32:
-                    grad_weight.addmm_(grad_logits.T, hidden[chunk])
-                else:
-                    grad_weight += grad_logits.T @ hidden[chunk]
-        if want_weight:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        temperature = ctx.options[0]
+        n_tokens = hidden.shape[0]
+        tiles = _Tiles(hidden, weight, targets, *ctx.options)
+        float32 = dict(dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty(hidden.shape, **float32) if want_hidden else None
+        # Every block is written by the first token chunk; with no tokens there is none.
+        grad_weight = (torch.empty if n_tokens else torch.zeros)(weight.shape, **float32) if want_weight else None
+        scale = grad_logprobs.float() / temperature  # d logprob_i / d logit_iv = (onehot - softmax) / T
+        for chunk_index, chunk in enumerate(tiles.token_chunks()):
+            for block_index, block in enumerate(tiles.vocab_blocks()):
+                grad_logits = tiles.logits(chunk, block)
+                grad_logits.sub_(logsumexp[chunk, None]).exp_().mul_(-scale[chunk, None])
+                rows, columns = tiles.targets_in(chunk, block)
+                grad_logits[rows, columns] += scale[chunk][rows]
+                grad_logits = tiles.in_compute_dtype(grad_logits)
+                if want_hidden:
+                    _matmul_into(grad_hidden[chunk], grad_logits, weight[block], accumulate=block_index > 0)
+                if want_weight:
+                    _matmul_into(grad_weight[block], grad_logits.T, hidden[chunk], accumulate=chunk_index > 0)
+        grad_hidden = grad_hidden.to(hidden.dtype) if want_hidden else None
+        grad_weight = grad_weight.to(weight.dtype) if want_weight else None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
-class _LogitBuffers:
-    """One float32 `[n, V]` buffer reused by every chunk (fresh large tensors cost page faults on
-    CPU), plus a compute-dtype one when the matmuls run in half precision."""
+class _Tiles:
+    """The tiling of one `TiledLinearLogprobs` call: its slices, and one float32 tile buffer reused by
+    every tile (plus a compute-dtype one when the matmuls run in half precision)."""
 
-    def __init__(self, rows: int, weight: torch.Tensor):
-        vocab, dtype = weight.shape[0], weight.dtype
-        self.fp32 = torch.empty(rows, vocab, dtype=torch.float32, device=weight.device)
-        self.compute = None if dtype == torch.float32 else torch.empty(rows, vocab, dtype=dtype, device=weight.device)
+    def __init__(self, hidden, weight, targets, temperature: float, chunk_tokens: int, vocab_block: int):
+        self.hidden, self.weight, self.targets, self.temperature = hidden, weight, targets, temperature
+        self.chunk_tokens, self.vocab_block = chunk_tokens, vocab_block
+        rows, columns = min(chunk_tokens, hidden.shape[0]), min(vocab_block, weight.shape[0])
+        self.buffer = torch.empty(rows, columns, dtype=torch.float32, device=weight.device)
+        half = weight.dtype != torch.float32
+        self.compute = torch.empty(rows, columns, dtype=weight.dtype, device=weight.device) if half else None
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-        """`(hidden @ weight.T).float() / temperature` of one chunk, in the float32 buffer."""
-        rows = hidden.shape[0]
-        out = self.fp32[:rows]
+    def token_chunks(self) -> Iterator[slice]:
+        n = self.hidden.shape[0]
+        return (slice(start, min(start + self.chunk_tokens, n)) for start in range(0, n, self.chunk_tokens))
+
+    def vocab_blocks(self) -> Iterator[slice]:
+        v = self.weight.shape[0]
+        return (slice(start, min(start + self.vocab_block, v)) for start in range(0, v, self.vocab_block))
+
+    def logits(self, chunk: slice, block: slice) -> torch.Tensor:
+        """`(hidden[chunk] @ weight[block].T).float() / temperature`, in the float32 buffer."""
+        shape = (chunk.stop - chunk.start, block.stop - block.start)
+        out = self.buffer[: shape[0], : shape[1]]
         if self.compute is None:
-            torch.mm(hidden, weight.T, out=out)
+            torch.mm(self.hidden[chunk], self.weight[block].T, out=out)
         else:
-            out.copy_(torch.mm(hidden, weight.T, out=self.compute[:rows]))
-        if temperature != 1.0:
-            out.div_(temperature)
+            out.copy_(torch.mm(self.hidden[chunk], self.weight[block].T, out=self.compute[: shape[0], : shape[1]]))
+        if self.temperature != 1.0:
+            out.div_(self.temperature)
         return out
+
+    def targets_in(self, chunk: slice, block: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(rows of the chunk whose target is in the block, the target's column in the block)`."""
+        targets = self.targets[chunk]
+        rows = ((targets >= block.start) & (targets < block.stop)).nonzero().squeeze(1)
+        return rows, targets[rows] - block.start
 
     def in_compute_dtype(self, values: torch.Tensor) -> torch.Tensor:
         if self.compute is None:
             return values
-        return self.compute[: values.shape[0]].copy_(values)
+        return self.compute[: values.shape[0], : values.shape[1]].copy_(values)
+
+
+def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """`out = a @ b` or `out += a @ b`; `out` is float32, `a` and `b` maybe half precision."""
+    if a.dtype == out.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    elif accumulate:
+        out.add_(a @ b)
+    else:
+        out.copy_(a @ b)
 
 
 def linear_logprobs(
@@ -141,6 +187,7 @@ def linear_logprobs(
     targets: torch.Tensor,
     temperature: float = 1.0,
     chunk_tokens: Optional[int] = None,
+    vocab_block: Optional[int] = None,
 ) -> torch.Tensor:
     """`log_softmax(hidden @ weight.T / temperature)[i, targets[i]]` for each of the N rows, float32.
 
@@ -150,7 +197,7 @@ def linear_logprobs(
             parameter it is).
         targets: `[N]` token ids.
         temperature: the logits are divided by it after the cast to float32 (default 1.0).
-        chunk_tokens: tokens per chunk (default `chunk_tokens_for(V)`, about `CHUNK_BYTES` of logits).
+        chunk_tokens, vocab_block: the tile (default `tile_shape(N, V)`, about `TILE_BYTES` of logits).
 
     Under autocast the matmuls run in the autocast dtype, as `lm_head` would; otherwise in
     `hidden`'s and `weight`'s common dtype.
@@ -164,12 +211,13 @@ def linear_logprobs(
         dtype = torch.get_autocast_dtype(device_type)
     else:
         dtype = torch.promote_types(hidden.dtype, weight.dtype)
-    chunk_tokens = chunk_tokens or chunk_tokens_for(weight.shape[0])
+    default_chunk, default_block = tile_shape(hidden.shape[0], weight.shape[0])
     # The casts stay outside the Function so autograd takes their gradients back to each dtype.
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     with torch.autocast(device_type, enabled=False):
-        return ChunkedLinearLogprobs.apply(
-            hidden.contiguous(), weight.contiguous(), targets.long().contiguous(), float(temperature), int(chunk_tokens)
+        return TiledLinearLogprobs.apply(
+            hidden.contiguous(), weight.contiguous(), targets.long().contiguous(), float(temperature),
+            int(chunk_tokens or default_chunk), int(vocab_block or default_block),
         )
 
 
@@ -220,6 +268,11 @@ def final_hidden_states(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
         yield captured
     finally:
         handle.remove()
+
+
+def attention_implementation(model: torch.nn.Module) -> Optional[str]:
+    """transformers' attention kernel of `model` ("sdpa", "eager", "flash_attention_2", ...)."""
+    return getattr(_unwrapped(model).config, "_attn_implementation", None)
 
 
 def output_weight(model: torch.nn.Module) -> torch.Tensor:
