@@ -238,7 +238,8 @@ def bench_steps(args: argparse.Namespace) -> None:
                                                 timings.others["logits"], timings.others["fused"])
                  if max(oa, ob) < 0.1]
         pairs = pairs or [a / b for a, b in zip(timings.seconds["logits"], timings.seconds["fused"])]
-        print(f"tokens/s fused/logits: {statistics.median(timings.clean('logits')) / statistics.median(timings.clean('fused')):.2f}x "
+        overall = statistics.median(timings.clean("logits")) / statistics.median(timings.clean("fused"))
+        print(f"tokens/s fused/logits: {overall:.2f}x "
               f"(median of per-round ratios {statistics.median(pairs):.2f}x over {len(pairs)} rounds)")
 
 

@@ -16,8 +16,9 @@ blocks each block of `weight` is read once per pass and each block of `grad_weig
 while `hidden` and `grad_hidden` (`N x H`, small) stay in cache. Measured on SmolLM2-135M's head
 (H 576, V 49152, 2393 tokens, 1 thread, forward + backward): 3.8-3.9 s with 4-16 MiB vocabulary
 blocks, 4.1 s with 64 MiB ones, 4.3-4.5 s with 32-128 MiB token chunks and 4.5 s for the full
-logits (which skip the recompute); 140 GFLOP/s of `8 N H V` FLOPs, ~90% of the float32 matmul rate. Tokens are chunked too, only beyond
-`TILE_BYTES / (4 MIN_VOCAB_BLOCK)` of them (GPU-sized micro-batches).
+logits (which skip the recompute); 140 GFLOP/s of `8 N H V` FLOPs, ~90% of the float32 matmul
+rate. Tokens are chunked too, only beyond `TILE_BYTES / (4 MIN_VOCAB_BLOCK)` of them (GPU-sized
+micro-batches).
 
 `fused_logprobs_problem(model)` says whether a model's logits are provably `lm_head(hidden)` with a
 plain linear head (then the worker takes this path), and `final_hidden_states(model)` collects the
@@ -203,7 +204,9 @@ def linear_logprobs(
     `hidden`'s and `weight`'s common dtype.
     """
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"linear_logprobs: hidden [N, H] and weight [V, H], got {tuple(hidden.shape)}, {tuple(weight.shape)}")
+        raise ValueError(
+            f"linear_logprobs: hidden [N, H] and weight [V, H], got {tuple(hidden.shape)}, {tuple(weight.shape)}"
+        )
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"linear_logprobs: targets must be [N] = [{hidden.shape[0]}], got {tuple(targets.shape)}")
     device_type = hidden.device.type
@@ -240,8 +243,10 @@ def fused_logprobs_problem(model: torch.nn.Module) -> Optional[str]:
         if getattr(config, key, None) not in (None, 1, 1.0):
             return f"config.{key}={getattr(config, key)!r} transforms the logits after the head"
     head = inner.get_output_embeddings()
-    if type(head) is not torch.nn.Linear or head.bias is not None:  # peft-wrapped or biased heads
-        return f"the output head is a {type(head).__name__}{' with bias' if getattr(head, 'bias', None) is not None else ''}, not a plain nn.Linear"
+    if type(head) is not torch.nn.Linear:  # e.g. a peft LoRA layer or ModulesToSaveWrapper on the head
+        return f"the output head is a {type(head).__name__}, not a plain nn.Linear"
+    if head.bias is not None:
+        return "the output head is an nn.Linear with bias"
     if "logits_to_keep" not in inspect.signature(type(inner).forward).parameters:
         return f"{type(inner).__name__}.forward takes no logits_to_keep"
     return None
