@@ -324,6 +324,16 @@ class PolicyConfig(Section):
         False,
         description="Recompute activations in the backward pass: less memory, about a third more compute.",
     )
+    fused_logprobs: bool = Field(
+        True,
+        description=(
+            "Take logprobs from the decoder's last hidden states chunk by chunk (models/policy/linear_logprobs.py), "
+            "never building the [tokens, vocab] logits, and in training only where the loss reads them "
+            "(token_mask and sample_mask nonzero; 0 elsewhere). Applies to models whose head is a plain linear layer "
+            "of a known architecture (llama, mistral, qwen2/3, their MoE variants, ...); others, and False, use the "
+            "full logits."
+        ),
+    )
     num_workers: int = Field(1, ge=1, description="Data-parallel training workers.")
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
