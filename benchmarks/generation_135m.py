@@ -17,7 +17,7 @@ each next to each other (P x G rows), sampled at `--temperature`, top_p 1, no to
 
 Printed per shape: seconds, generated tokens/s, samples/s and ratios; whether `native` gave
 `unoptimised`'s tokens (same seeds) and the largest logprob difference; one decode step at the full
-batch for both engines, the native step split into matmuls, attention, sampling and the rest; and
+batch for both engines, split by torch's profiler into matmuls, attention, sampling and the rest; and
 two bounds for the native run: the compute bound (its FLOPs / the fp32 matmul rate measured on a
 2048^3 product) and the weight-reading floor (decode steps x the time to read every weight once).
 """
@@ -29,12 +29,10 @@ import statistics
 import time
 
 import torch
-import torch.nn.functional as F
 
 from baselines import HFGenerateBaseline
 
 from posttrain.data.arithmetic import generate_arithmetic
-from posttrain.models.generation.decoders import LlamaLikeDecoder, ModelForwardDecoder
 from posttrain.models.generation.engine import UNOPTIMISED, NativeGenerationEngine
 from posttrain.models.generation.sampling import SamplingBuffers, process_logits, sample
 from posttrain.models.hf import load_causal_lm, load_tokenizer
@@ -86,54 +84,39 @@ def generation_flops(model, prompt_lengths: list[int], generation_lengths: list[
     return flops
 
 
-def decode_steps(engine: NativeGenerationEngine, ids, lengths, steps: int) -> tuple[float, object, torch.Tensor]:
-    """Median seconds of one decode step (model step + sampling) at the full batch, over `steps` steps."""
+def decode_steps(engine: NativeGenerationEngine, ids, lengths, steps: int) -> dict[str, float]:
+    """Seconds per decode step (sampling + model step) at the full batch, mean over `steps` steps
+    after the prefill and one warm-up step, split by the profiler into matmuls (aten::mm/addmm),
+    attention (SDPA, or the eager attention's ops), sampling and the rest."""
     decoder = engine._decoder()
     rows = ids.shape[0]
     with torch.inference_mode():
-        logits, positions = engine._prefill(ids, lengths, decoder, capacity=ids.shape[1] + steps + 1)
+        logits, positions = engine._prefill(ids, lengths, decoder, capacity=ids.shape[1] + steps + 2)
         buffers = SamplingBuffers(rows, logits.shape[-1], logits.device) if engine.reuse_buffers else None
-        seeds, times = torch.arange(rows), []
-        for step in range(steps):
+        seeds = torch.arange(rows)
+
+        def one_step(step: int) -> torch.Tensor:
+            with torch.profiler.record_function("sampling"):
+                tokens, _ = sample(process_logits(logits, buffers=buffers), seeds, torch.full((rows,), step),
+                                   buffers=buffers)
+            return decoder.step(tokens, positions + step)
+
+        logits = one_step(0)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
             start = time.perf_counter()
-            tokens, _ = sample(process_logits(logits, buffers=buffers), seeds, torch.full((rows,), step), buffers=buffers)
-            logits = decoder.step(tokens, positions + step)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]), decoder, logits
-
-
-def native_step_parts(model, decoder: LlamaLikeDecoder, logits: torch.Tensor) -> dict[str, float]:
-    """Seconds of the native step's matmuls, attention and sampling at the decoder's current batch."""
-    rows = decoder.rows
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    head = model.get_output_embeddings().weight
-    inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
-    config = model.config
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    query = torch.randn(rows, heads, 1, decoder.head_dim)
-
-    def matmuls():
-        for w in weights:
-            if w is head:
-                F.linear(inputs[w.shape[1]], w)
-            else:
-                torch.mm(w, inputs[w.shape[1]].t())
-
-    def attention():
-        filled = decoder.length
-        for keys, values in zip(decoder.keys, decoder.values):
-            F.scaled_dot_product_attention(query, keys[:rows, :, :filled], values[:rows, :, :filled],
-                                           enable_gqa=heads != kv_heads)
-
-    buffers = SamplingBuffers(rows, logits.shape[-1], logits.device)
-    seeds, steps = torch.arange(rows), torch.zeros(rows, dtype=torch.long)
-    with torch.inference_mode():
-        return {
-            "matmuls": best_seconds(matmuls, 3),
-            "attention": best_seconds(attention, 3),
-            "sampling": best_seconds(lambda: sample(process_logits(logits, buffers=buffers), seeds, steps,
-                                                    buffers=buffers), 5),
-        }
+            for step in range(1, steps + 1):
+                logits = one_step(step)
+            total = time.perf_counter() - start
+    events = {e.key: e for e in profiler.key_averages()}
+    self_us = lambda *keys: sum(events[k].self_cpu_time_total for k in keys if k in events)  # noqa: E731
+    parts = {
+        "matmuls": self_us("aten::mm", "aten::addmm") / 1e6,
+        "attention": events["aten::scaled_dot_product_attention"].cpu_time_total / 1e6
+        if "aten::scaled_dot_product_attention" in events else 0.0,
+        "sampling": events["sampling"].cpu_time_total / 1e6,
+    }
+    parts["rest"] = total - sum(parts.values())
+    return {"step": total / steps, **{k: v / steps for k, v in parts.items()}}
 
 
 def main() -> None:
@@ -201,23 +184,20 @@ def main() -> None:
             print(f"  {name:12s} {s:8.2f} {tokens[name] / s:9.1f} {rows / s:10.2f} "
                   f"{seconds['unoptimised'] / s:15.2f} {vs_hf}")
 
-        # One decode step at the full batch (median of 8, after the prefill), interleaved pairs.
-        step_s = {"unoptimised": [], "native": []}
+        # One decode step at the full batch, both engines, the better of two interleaved tries each.
+        tries = {name: [] for name in engines}
         for _ in range(2):
             for name, engine in engines.items():
-                seconds_per_step, decoder, logits = decode_steps(engine, ids, lengths, steps=9)
-                step_s[name].append(seconds_per_step)
-        old_step, new_step = min(step_s["unoptimised"]), min(step_s["native"])
-        print(f"  decode step at {rows} rows: unoptimised {old_step * 1e3:.1f} ms, native {new_step * 1e3:.1f} ms "
-              f"({old_step / new_step:.2f}x)")
-        if isinstance(decoder, LlamaLikeDecoder):
-            parts = native_step_parts(model, decoder, logits)
-            rest = new_step - sum(parts.values())
-            print("  native step: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in parts.items())
-                  + f", rest (norms, rotary, cache writes, op overhead) {rest * 1e3:.1f} ms")
-            step_flops = 2 * sum(matmul_params(model)) * rows
-            print(f"  native step matmuls: {step_flops / parts['matmuls'] / 1e9:.0f} GFLOP/s; alone at the 2048^3 rate "
-                  f"{step_flops / matmul_rate * 1e3:.1f} ms; reading the weights {read_weights_s * 1e3:.1f} ms")
+                tries[name].append(decode_steps(engine, ids, lengths, steps=8))
+        step_flops = 2 * sum(matmul_params(model)) * rows
+        for name, measured in tries.items():
+            parts = min(measured, key=lambda m: m["step"])
+            print(f"  decode step at {rows} rows, {name}: {parts['step'] * 1e3:.1f} ms = matmuls "
+                  f"{parts['matmuls'] * 1e3:.1f} ({step_flops / parts['matmuls'] / 1e9:.0f} GFLOP/s) + attention "
+                  f"{parts['attention'] * 1e3:.1f} + sampling {parts['sampling'] * 1e3:.1f} + rest "
+                  f"{parts['rest'] * 1e3:.1f} (norms, rotary, cache, op overhead)")
+        print(f"  one decode step's matmuls alone at the 2048^3 rate: {step_flops / matmul_rate * 1e3:.1f} ms; "
+              f"reading the weights: {read_weights_s * 1e3:.1f} ms")
 
         flops = generation_flops(model, lengths.tolist(), gen_lengths)
         compute_bound = flops / matmul_rate

@@ -164,7 +164,8 @@ class NativeGenerationEngine:
         finished_rows_fraction: a decoder that can keep finished rows in its batch (the llama-like
             one) drops them once they are at least this fraction of it, so the cache is copied a few
             times per generation instead of once per finishing step (default 0.25; 0: at once).
-            `UNOPTIMISED` turns the first three off.
+
+    `UNOPTIMISED` turns the three optimisations off: the engine as it was before them.
     """
 
     def __init__(
@@ -342,7 +343,8 @@ class NativeGenerationEngine:
             if step + 1 == max_new_tokens:
                 break
 
-            # Next step's input: each generating row's new token, padding for finished rows still in the batch.
+            # Next step's input: each row's new token; rows that finished earlier but are still in the
+            # decoder's batch are fed padding (their outputs are ignored).
             if live_slots is not None:
                 fed = torch.full_like(slot_rows, self.pad_token_id)
                 fed[live_slots] = tokens
