@@ -6,19 +6,17 @@ decoder, which feeds one token per running row per step and returns the next-tok
 - `ModelForwardDecoder`: the model's forward with a `DynamicCache` and a 2-D attention mask, for
   any Hugging Face causal LM.
 - `LlamaLikeDecoder`: for the decoder families in `LLAMA_LIKE_LAYERS` (llama, mistral, qwen2,
-  qwen3, qwen3_moe, mixtral). It uses the model's own modules and functions (embedding, RMSNorms,
-  rotary embedding and `apply_rotary_pos_emb`, MLP and mixture-of-experts blocks, SDPA as
-  transformers calls it) and differs from the forward in three places, each measured on
-  SmolLM2-135M on 2 CPU cores (benchmarks/README.md) and giving the same logits bit for bit at
-  32 rows:
+  qwen3, qwen3_moe, mixtral). It runs the model's own modules and functions (embedding, norms,
+  projections, rotary embedding and `apply_rotary_pos_emb`, MLP or mixture-of-experts block) and
+  calls SDPA as transformers does, so its logits are the forward's bit for bit (SmolLM2-135M, 32
+  rows), and differs from the forward in two places (measured on SmolLM2-135M, 2 CPU cores,
+  benchmarks/README.md):
   - KV cache: one `[rows, kv_heads, prompt + new tokens, head_dim]` buffer per layer, written in
     place. `DynamicCache` concatenates each layer's whole cache every step (copying that grows
-    with the sequence); at 32 rows that was about a fifth of the step.
+    with the sequence: 21 ms of a 164 ms step at 32 rows and 88 positions, 1 thread).
   - Attention mask: a `[rows, 1, 1, positions]` additive buffer (0 or -inf, what SDPA turns a
     boolean mask into on every call) built once and sliced, instead of a 4-D mask built from the
-    2-D one every step.
-  - Projections past 8 rows: `weight @ x.T` instead of `F.linear`'s `x @ weight.T`, bit-identical
-    (same accumulation order) and 5-10% faster at 9-64 rows (`MAX_ROWS_FOR_F_LINEAR`).
+    2-D one every step and converted in each layer.
 
 `unsupported_reason` says why a model cannot use `LlamaLikeDecoder`, and `LlamaLikeDecoder.self_check`
 compares a decode step against the model's forward before first use, so a transformers release
@@ -41,11 +39,6 @@ LLAMA_LIKE_LAYERS = frozenset({
     "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
     "Qwen3MoeDecoderLayer", "MixtralDecoderLayer",
 })
-# MLPs computed here as down(act(gate(x)) * up(x)); any other MLP (mixture-of-experts blocks) is called as a module.
-GATED_MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP"})
-# Up to this many rows MKL's `x @ weight.T` (F.linear) takes a streaming kernel that beats `weight @ x.T`
-# (SmolLM2-135M's matmuls at 2 threads: 22 vs 47 ms at 2 rows, 44 vs 47 at 8, 48 vs 46 at 16, 58 vs 55 at 32).
-MAX_ROWS_FOR_F_LINEAR = 8
 
 
 class ModelForwardDecoder:
@@ -104,31 +97,6 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
     if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
         return "the output embedding is not an nn.Linear"
     return None
-
-
-def _linear_t(weight: torch.Tensor, bias: Optional[torch.Tensor], x_t: torch.Tensor) -> torch.Tensor:
-    """`weight @ x_t (+ bias)`: a linear layer on columns, `x_t [in, n] -> [out, n]`."""
-    if bias is None:
-        return torch.mm(weight, x_t)
-    return torch.addmm(bias.unsqueeze(1), weight, x_t)
-
-
-def linear_rows(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    """`layer(x)` for `x [n, in]`: `F.linear` up to `MAX_ROWS_FOR_F_LINEAR` rows, else `(weight @ x.T).T`
-    (a `[n, out]` view of a contiguous `[out, n]`)."""
-    if x.shape[0] <= MAX_ROWS_FOR_F_LINEAR:
-        return F.linear(x, layer.weight, layer.bias)
-    return _linear_t(layer.weight, layer.bias, x.t()).t()
-
-
-def _mlp_rows(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`mlp(x)` for `x [n, hidden]`; a gated MLP past `MAX_ROWS_FOR_F_LINEAR` rows stays in the
-    `[width, n]` orientation throughout."""
-    if type(mlp).__name__ not in GATED_MLPS or x.shape[0] <= MAX_ROWS_FOR_F_LINEAR:
-        return mlp(x.unsqueeze(1)).squeeze(1)
-    gate = _linear_t(mlp.gate_proj.weight, mlp.gate_proj.bias, x.t())
-    up = _linear_t(mlp.up_proj.weight, mlp.up_proj.bias, x.t())
-    return _linear_t(mlp.down_proj.weight, mlp.down_proj.bias, mlp.act_fn(gate) * up).t()
 
 
 class LlamaLikeDecoder:
@@ -219,11 +187,9 @@ class LlamaLikeDecoder:
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
             h = layer.input_layernorm(x)
-            # Contiguous rows as in the model: the norms reduce over them, and SDPA's fused CPU kernel
-            # needs unit stride on head_dim.
-            q = linear_rows(h, attention.q_proj).contiguous().view(rows, 1, heads, head_dim)
-            k = linear_rows(h, attention.k_proj).contiguous().view(rows, 1, kv_heads, head_dim)
-            v = linear_rows(h, attention.v_proj).view(rows, 1, kv_heads, head_dim)
+            q = attention.q_proj(h).view(rows, 1, heads, head_dim)
+            k = attention.k_proj(h).view(rows, 1, kv_heads, head_dim)
+            v = attention.v_proj(h).view(rows, 1, kv_heads, head_dim)
             if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm per head
                 q, k = attention.q_norm(q), attention.k_norm(k)
             q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [rows, heads, 1, d]
@@ -243,8 +209,9 @@ class LlamaLikeDecoder:
                 out = F.scaled_dot_product_attention(
                     q, keys, values, scale=attention.scaling, enable_gqa=heads != kv_heads
                 )
-            x = x + linear_rows(out.reshape(rows, heads * head_dim), attention.o_proj)
-            x = x + _mlp_rows(layer.mlp, layer.post_attention_layernorm(x))
+            x = x + attention.o_proj(out.reshape(rows, heads * head_dim))
+            # [rows, 1, hidden] as in the model: mixture-of-experts blocks expect a sequence dimension.
+            x = x + layer.mlp(layer.post_attention_layernorm(x).unsqueeze(1)).squeeze(1)
         self.length = column + 1
         return self.lm_head(self.norm(x))
 
