@@ -17,7 +17,7 @@ Settings (each default can be overridden by its flag):
   temperature 1.0, lr 1e-4, 60 steps, 500 validation problems.
 - `135m`: SmolLM2-135M-Instruct (converted once from its registry package's GGUF file), the same
   additions in words ("What is 12 + 34?") through the model's own chat template, 4 prompts x 8
-  generations, up to 128 new tokens with natural stopping (eos), temperature 0.7, lr 2e-6, 20
+  generations, up to 128 new tokens with natural stopping (eos), temperature 0.7, lr 1e-5, 20
   steps, 100 validation problems (greedy, up to 128 new tokens).
 
 Common to both sides: reward 1 when the last number of the response equals the answer, else 0;
@@ -69,7 +69,7 @@ SMOLLM2 = "smollm2-135m-instruct"
 SETTINGS: dict[str, dict] = {
     "tiny": dict(steps=60, prompts_per_step=16, generations=8, max_new_tokens=16, temperature=1.0, lr=1e-4,
                  val_samples=500, prompt_template="{prompt}"),
-    "135m": dict(steps=20, prompts_per_step=4, generations=8, max_new_tokens=128, temperature=0.7, lr=2e-6,
+    "135m": dict(steps=20, prompts_per_step=4, generations=8, max_new_tokens=128, temperature=0.7, lr=1e-5,
                  val_samples=100, prompt_template="What is {a} {op} {b}?"),
 }
 
@@ -165,7 +165,7 @@ def posttrain_overrides(args: argparse.Namespace, model_dir: str, log_dir: Path)
         # of rows of similar length instead of one padded block.
         overrides += [f"policy.max_total_sequence_length={64 + args.max_new_tokens}",
                       "policy.dynamic_batching.enabled=true",
-                      "policy.dynamic_batching.train_mb_tokens=2048",
+                      "policy.dynamic_batching.train_mb_tokens=1024",
                       "policy.dynamic_batching.logprob_mb_tokens=4096"]
     return overrides
 

@@ -115,7 +115,9 @@ class TrainingLoop:
         """
         s = self.schedule
         if self.step == 0 and s.val_at_start:
+            startup.mark("other")  # so the start-up line shows validation as its own phase
             metrics = self.validate(validate_fn)
+            startup.mark("validation")
             if metrics:
                 self.logger.log_metrics(metrics, 0)
         bar = ProgressBar(total=self.last_step, initial=self.step, enabled=self.cfg.logger.progress_bar,

@@ -71,7 +71,7 @@ class StartupClock:
             phases[phase] = phases.get(phase, 0.0) + max(0.0, at - previous)
             previous = at
         to_first_step = now - first_step_seconds
-        phases["other"] = max(0.0, to_first_step - previous)
+        phases["other"] = phases.get("other", 0.0) + max(0.0, to_first_step - previous)
         phases["to_first_step"] = to_first_step
         phases["first_step"] = first_step_seconds
         return phases
