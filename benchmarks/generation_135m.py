@@ -31,21 +31,12 @@ import time
 import torch
 
 from baselines import HFGenerateBaseline
+from bench_timing import best_seconds
 
 from posttrain.data.arithmetic import generate_arithmetic
 from posttrain.models.generation.engine import UNOPTIMISED, NativeGenerationEngine
 from posttrain.models.generation.sampling import SamplingBuffers, process_logits, sample
 from posttrain.models.hf import load_causal_lm, load_tokenizer
-
-
-def best_seconds(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def rollout_prompts(tokenizer, num_prompts: int, generations: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from bench_timing import best_seconds
 
 PARTS = ("generation", "refit", "logprobs", "policy_training", "reward")
 COMMON = [
@@ -82,17 +83,6 @@ def model_shape(model_dir: str) -> ModelShape:
         hidden=config.hidden_size, intermediate=config.intermediate_size, vocab=config.vocab_size,
         linear_shapes=[(m.out_features, m.in_features) for m in linears],
     )
-
-
-def best_seconds(fn, repeats: int) -> float:
-    """The fastest of `repeats` timed calls of `fn`, after one untimed call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def worker_threads(cfg) -> int:
