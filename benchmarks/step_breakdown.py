@@ -21,6 +21,7 @@ settings use), on this model's matmul shapes:
 - logprobs: one forward per pass run (previous logprobs when the batch spans several optimizer
   steps, reference logprobs when the KL penalty is on); policy training: 3 forwards;
 - refit: the weights' bytes divided by the measured memcpy rate (one copy, the speed of light);
+  0 with the local backend, whose engine reads the policy's tensors in place;
 - reward and controller overhead: no FLOPs, bound 0.
 T is the mean prompt plus generated tokens of that step (from metrics.jsonl). Also printed, a
 floor for generation that FLOPs miss: decode steps x the measured time of one decode step's
@@ -153,7 +154,10 @@ def breakdown(cfg, metrics: dict[int, dict], shape: ModelShape, gflops: float, m
     steps = sorted(metrics)[1:]
     logprob_passes = (cfg.policy.train_global_batch_size < metrics[steps[0]]["train/num_samples"]) + (
         cfg.loss_fn.reference_policy_kl_penalty > 0)
-    refit_bytes = shape.unique_params * 4  # float32
+    from posttrain.config.schema import resolve_backend
+
+    # The local backend's engine reads the policy's tensors in place: a refit moves no bytes.
+    refit_bytes = 0 if resolve_backend(cfg) == "local" else shape.unique_params * 4  # float32
     per_step: dict[str, dict[str, list[float]]] = {}
     for step in steps:
         m = metrics[step]
@@ -188,7 +192,9 @@ def print_table(name: str, model: str, shape: ModelShape, table: dict, num_steps
     total = table["total step"]["measured"]
     for part in (*PARTS, "controller overhead", "total step"):
         r = table[part]
-        work = f"{table['_refit_mb']:.0f} MiB" if part == "refit" else f"{r['gflop']:.1f}"
+        work = f"{r['gflop']:.1f}"
+        if part == "refit":
+            work = f"{table['_refit_mb']:.0f} MiB" if table["_refit_mb"] else "shared"
         ratio = f"{r['measured'] / r['bound']:.1f}x" if r["bound"] > 0 else "-"
         print(f"{part:20s} {r['measured']:10.3f} {work:>9s} {r['bound']:9.3f} {ratio:>15s} "
               f"{r['measured'] / total:6.1%}")
