@@ -24,6 +24,7 @@ import ray
 import torch
 
 from baselines import naive_load_state_dict, naive_put_state_dict
+from bench_timing import best_seconds
 
 from posttrain.distributed.ray_utils import init_ray
 from posttrain.models.refit import load_packed, pack, refit_metadata_from_state_dict, state_dict_checksum
@@ -69,16 +70,6 @@ class Receiver:
         return state_dict_checksum(self.model.state_dict())
 
 
-def best_of(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def bench(preset: str, bucket_bytes: int, repeats: int) -> None:
     sender, receiver = Sender.remote(preset, bucket_bytes), Receiver.remote(preset)
     metadata, expected = ray.get(sender.metadata_and_checksum.remote())
@@ -93,14 +84,14 @@ def bench(preset: str, bucket_bytes: int, repeats: int) -> None:
         refs = ray.get(sender.naive_put.remote())
         ray.get(receiver.naive_load.remote(refs))
 
-    packed_s = best_of(packed_refit, repeats)
+    packed_s = best_seconds(packed_refit, repeats)
     assert ray.get(receiver.checksum.remote()) == expected, "packed refit is not bit-exact"
-    naive_s = best_of(naive_refit, repeats)
+    naive_s = best_seconds(naive_refit, repeats)
     assert ray.get(receiver.checksum.remote()) == expected, "naive refit is not bit-exact"
 
     src = torch.randint(0, 255, (total,), dtype=torch.uint8)
     dst = torch.empty_like(src)
-    memcpy_s = best_of(lambda: dst.copy_(src), repeats)
+    memcpy_s = best_seconds(lambda: dst.copy_(src), repeats)
 
     print(
         f"{preset:6s} {len(metadata.slots):7d} {total / 2**20:9.1f} {len(metadata.bucket_sizes):8d} "

@@ -5,20 +5,23 @@
 Settings (validation and checkpointing off, logs in a temporary directory):
 - tiny: the embedded default (`examples/configs/grpo_math_tiny.yaml`, its cached SFT warm start),
   16 prompts x 8 generations, 16 new tokens at most; 20 steps by default.
-- 135m: SmolLM2-135M-Instruct (`policy.model_name=smollm2-135m-instruct`, README "A real
-  pretrained model, offline") on the same additions, 4 prompts x 4 generations, 128 new tokens at
-  most, two optimizer steps of 8 per batch (so the previous-logprobs pass runs); 5 steps by default.
+- 135m: `examples/configs/grpo_smollm2_135m.yaml`, SmolLM2-135M-Instruct (README "A real
+  pretrained model, offline") on additions in words through its chat template, 4 prompts x 8
+  generations, up to 128 new tokens ending at eos, one optimizer step per batch, dynamic
+  batching; 5 steps by default.
 
 Each part's median over steps 2..N (step 1 is warm-up) comes from `timing/train/<part>` in the
 run's metrics.jsonl; controller overhead is the total step time minus the parts. The bound of a
-part is its FLOPs divided by the matmul rate measured here, in a Ray task holding the CPU share
-of one policy worker (so with the same torch threads), on this model's matmul shapes:
+part is its FLOPs divided by the matmul rate measured here, in this process at the torch threads
+the run's workers get (`cluster.cpus_per_worker`: every core with the local backend, which both
+settings use), on this model's matmul shapes:
 - forward over S sequences of T tokens: S * (2 * P_mm * T + 2 * layers * attention width * T^2),
   with P_mm the weights of the model's Linear layers (lm_head included) and causal attention;
 - generation: one forward (prefill + decode with a KV cache do the same matmuls);
 - logprobs: one forward per pass run (previous logprobs when the batch spans several optimizer
   steps, reference logprobs when the KL penalty is on); policy training: 3 forwards;
 - refit: the weights' bytes divided by the measured memcpy rate (one copy, the speed of light);
+  0 with the local backend, whose engine reads the policy's tensors in place;
 - reward and controller overhead: no FLOPs, bound 0.
 T is the mean prompt plus generated tokens of that step (from metrics.jsonl). Also printed, a
 floor for generation that FLOPs miss: decode steps x the measured time of one decode step's
@@ -36,22 +39,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import ray
 import torch
+from bench_timing import best_seconds
 
 PARTS = ("generation", "refit", "logprobs", "policy_training", "reward")
 COMMON = [
     "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false", "checkpointing.enabled=false",
     "logger.tensorboard_enabled=false", "logger.progress_bar=false", "logger.report=false",
 ]
-SETTINGS = {  # name: (overrides of the embedded default, default number of steps)
-    "tiny": ([], 20),
-    "135m": ([
-        "sft_warmup=null", "policy.model_name=smollm2-135m-instruct", "policy.max_total_sequence_length=256",
-        "policy.generation.max_new_tokens=128", "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4",
-        "policy.train_global_batch_size=8", "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16",
-        "policy.generation.batch_size=16",
-    ], 5),
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "configs"
+SETTINGS = {  # name: (config file, None for the embedded default; default number of steps)
+    "tiny": (None, 20),
+    "135m": (EXAMPLES / "grpo_smollm2_135m.yaml", 5),
 }
 
 
@@ -87,30 +86,28 @@ def model_shape(model_dir: str) -> ModelShape:
     )
 
 
-@ray.remote
-def measure_machine(shapes: list[tuple[int, int, int]], copy_bytes: int, linear_shapes: list[tuple[int, int]],
-                    decode_rows: int) -> dict:
-    """At this worker's torch threads and at all cores: float32 matmul GFLOP/s per (rows, k, n)
-    shape, memcpy GB/s of `copy_bytes`, and the seconds of one decode step's matmuls (`decode_rows`
-    rows through every Linear of the model, its weights read from memory, not cache). A Ray task,
-    so its threads are a worker's."""
+def worker_threads(cfg) -> int:
+    """The torch threads a policy worker of `cfg` computes with (as `posttrain.job.start_backend`
+    and the Ray workers set them)."""
+    from posttrain.config.schema import resolve_backend
+    from posttrain.distributed.actors import available_cpus
 
-    # As benchmarks/refit.py's best_of, defined here because this function runs in a Ray task
-    # (pickled by value; the sibling script is not importable there).
-    def best_seconds(fn, repeats: int) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return min(times)
+    if resolve_backend(cfg) == "local":
+        return max(1, int(cfg.cluster.cpus_per_worker or available_cpus()))
+    return max(1, int(cfg.cluster.cpus_per_worker or 1))
+
+
+def measure_machine(shapes: list[tuple[int, int, int]], copy_bytes: int, linear_shapes: list[tuple[int, int]],
+                    decode_rows: int, worker_threads: int) -> dict:
+    """At a worker's torch threads and at all cores: float32 matmul GFLOP/s per (rows, k, n) shape,
+    memcpy GB/s of `copy_bytes`, and the seconds of one decode step's matmuls (`decode_rows` rows
+    through every Linear of the model, its weights read from memory, not cache)."""
 
     def decode_step() -> None:
         for w in weights:
             torch.nn.functional.linear(inputs[w.shape[1]], w)
 
-    worker_threads = torch.get_num_threads()
+    previous_threads = torch.get_num_threads()
     src = torch.empty(copy_bytes // 4, dtype=torch.float32).uniform_()
     dst = torch.empty_like(src)
     weights = [torch.randn(out, inp) for out, inp in linear_shapes]  # as many bytes as the model's: not cached
@@ -129,19 +126,19 @@ def measure_machine(shapes: list[tuple[int, int, int]], copy_bytes: int, linear_
             "memcpy_gbs": copy_bytes / best_seconds(lambda: dst.copy_(src), 5) / 1e9,
             "decode_step_s": best_seconds(decode_step, 3),
         }
-    torch.set_num_threads(worker_threads)
+    torch.set_num_threads(previous_threads)
     return result
 
 
-def run_grpo(overrides: list[str], steps: int, log_dir: Path) -> tuple[object, dict[int, dict]]:
-    """Run `steps` GRPO steps with the embedded default plus `overrides`; (config, metrics per step)."""
+def run_grpo(config: Path | None, steps: int, log_dir: Path) -> tuple[object, dict[int, dict]]:
+    """Run `steps` GRPO steps of `config` (None: the embedded default); (config, metrics per step)."""
     from posttrain.algorithms import grpo
     from posttrain.config.loader import load_config
     from posttrain.preflight import preflight
     from posttrain.utils.logger import METRICS_FILE, read_metrics_jsonl
 
-    run_overrides = [*COMMON, *overrides, f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}"]
-    cfg = load_config("grpo", overrides=run_overrides)
+    run_overrides = [*COMMON, f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}"]
+    cfg = load_config("grpo", config, overrides=run_overrides)
     preflight(cfg)  # converts a pretrained preset into the cache on first use
     grpo.run(cfg)
     return cfg, read_metrics_jsonl(log_dir / METRICS_FILE)
@@ -157,7 +154,10 @@ def breakdown(cfg, metrics: dict[int, dict], shape: ModelShape, gflops: float, m
     steps = sorted(metrics)[1:]
     logprob_passes = (cfg.policy.train_global_batch_size < metrics[steps[0]]["train/num_samples"]) + (
         cfg.loss_fn.reference_policy_kl_penalty > 0)
-    refit_bytes = shape.unique_params * 4  # float32
+    from posttrain.config.schema import resolve_backend
+
+    # The local backend's engine reads the policy's tensors in place: a refit moves no bytes.
+    refit_bytes = 0 if resolve_backend(cfg) == "local" else shape.unique_params * 4  # float32
     per_step: dict[str, dict[str, list[float]]] = {}
     for step in steps:
         m = metrics[step]
@@ -192,7 +192,9 @@ def print_table(name: str, model: str, shape: ModelShape, table: dict, num_steps
     total = table["total step"]["measured"]
     for part in (*PARTS, "controller overhead", "total step"):
         r = table[part]
-        work = f"{table['_refit_mb']:.0f} MiB" if part == "refit" else f"{r['gflop']:.1f}"
+        work = f"{r['gflop']:.1f}"
+        if part == "refit":
+            work = f"{table['_refit_mb']:.0f} MiB" if table["_refit_mb"] else "shared"
         ratio = f"{r['measured'] / r['bound']:.1f}x" if r["bound"] > 0 else "-"
         print(f"{part:20s} {r['measured']:10.3f} {work:>9s} {r['bound']:9.3f} {ratio:>15s} "
               f"{r['measured'] / total:6.1%}")
@@ -238,19 +240,18 @@ def run_setting(name: str, steps: int | None) -> dict:
     from posttrain.config.loader import load_config
     from posttrain.models.hf import resolve_model_path
 
-    overrides, default_steps = SETTINGS[name]
+    config, default_steps = SETTINGS[name]
     steps = steps or default_steps
-    cfg = load_config("grpo", overrides=[*COMMON, *overrides])
+    cfg = load_config("grpo", config, overrides=COMMON)
     # For `tiny`, the preset: its SFT warm start (what the run trains) has the same architecture.
     shape = model_shape(resolve_model_path(cfg.policy.model_name, cfg.policy.tiny_arch))
-    worker_cpus = cfg.cluster.cpus_per_worker / (2 if cfg.policy.generation.colocated.enabled else 1)
+    threads = worker_threads(cfg)
     batch = cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt
     rows = min(2048, batch * cfg.policy.max_total_sequence_length)  # training / prefill: many tokens at once
     decode_rows = min(cfg.policy.generation.batch_size, batch)  # decoding: one token per sequence
     big = [(rows, shape.hidden, shape.intermediate), (rows, shape.hidden, shape.vocab)]
-    machine = ray.get(measure_machine.options(num_cpus=worker_cpus).remote(
-        big, min(shape.unique_params * 4, 256 * 2**20), shape.linear_shapes, decode_rows))
-    threads = machine["worker_threads"]
+    machine = measure_machine(big, min(shape.unique_params * 4, 256 * 2**20), shape.linear_shapes, decode_rows,
+                              threads)
     for n in sorted(k for k in machine if isinstance(k, int)):
         rates = ", ".join(f"{r}x{k}x{c} {g:.0f}" for (r, k, c), g in machine[n]["gflops"].items())
         print(f"[{name}] {n} thread(s){' (a worker)' if n == threads else ''}: matmul GFLOP/s {rates}; "
@@ -259,11 +260,11 @@ def run_setting(name: str, steps: int | None) -> dict:
     at_worker = machine[threads]
     gflops = max(at_worker["gflops"][s] for s in big)
     print(f"[{name}] bound rate: {gflops:.0f} GFLOP/s (best of the {rows}-row shapes at {threads} thread(s), "
-          f"measured in a Ray task with num_cpus={worker_cpus:g}, a policy worker's share)", flush=True)
+          f"a policy worker's threads in this run)", flush=True)
 
     with tempfile.TemporaryDirectory(prefix=f"step_breakdown_{name}_") as tmp:
         start = time.perf_counter()
-        run_cfg, metrics = run_grpo(overrides, steps, Path(tmp))
+        run_cfg, metrics = run_grpo(config, steps, Path(tmp))
         print(f"[{name}] {steps} steps in {time.perf_counter() - start:.0f}s", flush=True)
     table = breakdown(run_cfg, metrics, shape, gflops, at_worker["memcpy_gbs"])
     print_table(name, cfg.policy.model_name, shape, table, steps)
@@ -288,19 +289,14 @@ def main() -> None:
     if args.steps is not None and args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is warm-up)")
 
-    from posttrain.distributed.ray_utils import init_ray, shutdown_ray
     from posttrain.errors import UserError
 
-    init_ray()
     tables = {}
-    try:
-        for name in args.settings:
-            try:
-                tables[name] = run_setting(name, args.steps)
-            except UserError as e:  # e.g. the 135m weights package is not installed: say so, run the others
-                print(f"[{name}] skipped: {e}", flush=True)
-    finally:
-        shutdown_ray()
+    for name in args.settings:
+        try:
+            tables[name] = run_setting(name, args.steps)
+        except UserError as e:  # e.g. the 135m weights package is not installed: say so, run the others
+            print(f"[{name}] skipped: {e}", flush=True)
     if tables:
         plot(tables, args.out)
 

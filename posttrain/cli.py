@@ -136,16 +136,21 @@ def _run_job(args: argparse.Namespace) -> int:
     from posttrain.config import config_to_yaml, load_config
     from posttrain.errors import UserError
 
+    from posttrain.utils import startup
+
     try:
         cfg = load_config(args.command, args.config, args.overrides)
         if args.print_config:
             sys.stdout.write(config_to_yaml(cfg, comments=True))
             return 0
+        startup.mark("config")
         from posttrain.preflight import preflight
 
         preflight(cfg)  # model paths, hub ids and data: seconds, before Ray or any worker starts
+        startup.mark("preflight")
         module_name, attr = JOBS[args.command]
         run = load_target(module_name, attr, args.command)
+        startup.mark("imports")
         run(cfg)
     except UserError as e:  # config, data or model problem: the message names it; a traceback adds nothing
         print(f"posttrain {args.command}: {e}", file=sys.stderr)

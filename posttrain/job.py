@@ -7,13 +7,14 @@ from __future__ import annotations
 import logging
 import random
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from posttrain.config.loader import save_config
 from posttrain.config.schema import MasterConfig, PolicyConfig
+from posttrain.utils import startup
 
 log = logging.getLogger("posttrain")
 
@@ -33,11 +34,19 @@ def with_schedule_horizon(cfg, max_num_steps: int):
     return cfg
 
 
-def start_ray(cfg: MasterConfig) -> None:
+def start_backend(cfg: MasterConfig) -> None:
+    """Start Ray (`cluster.backend` resolving to ray), or give this process's math the cores the
+    local backend's workers may use (they run here, taking turns)."""
+    from posttrain.config.schema import resolve_backend
+
+    if resolve_backend(cfg) == "local":
+        from posttrain.distributed.actors import available_cpus
+
+        torch.set_num_threads(max(1, int(cfg.cluster.cpus_per_worker or available_cpus())))
+        return
     from posttrain.distributed.ray_utils import init_ray
 
-    cluster = cfg.cluster
-    init_ray(address=cluster.ray_address)
+    init_ray(address=cfg.cluster.ray_address)
 
 
 def start_run(cfg: MasterConfig, *, seed: int, max_num_steps: Optional[int] = None):
@@ -52,7 +61,8 @@ def start_run(cfg: MasterConfig, *, seed: int, max_num_steps: Optional[int] = No
         cfg = with_schedule_horizon(cfg, max_num_steps)
     cfg = with_checkpoint_model(cfg)
     prepare_run_dirs(cfg)
-    start_ray(cfg)
+    start_backend(cfg)
+    startup.mark("backend")
     return cfg, load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
 
 
@@ -89,10 +99,17 @@ def prepare_run_dirs(cfg: MasterConfig) -> None:
 def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int = 1, name: str = "policy"):
     """A `VirtualCluster` of `num_workers` bundles: `cluster.gpus_per_node` per node with GPUs,
     else spread evenly over `cluster.num_nodes` (CPU bundles of `cluster.cpus_per_worker`, plus
-    `cluster.bundle_resources[name]` when `name` is "policy" or "generation")."""
-    from posttrain.distributed.cluster import VirtualCluster
+    `cluster.bundle_resources[name]` when `name` is "policy" or "generation"). With the local
+    backend (`resolve_backend`), a `LocalCluster`: this process (the config check allows one worker)."""
+    from posttrain.config.schema import resolve_backend
 
     c = cfg.cluster
+    if resolve_backend(cfg) == "local":
+        from posttrain.distributed.actors import LocalCluster
+
+        return LocalCluster(cpus=c.cpus_per_worker, use_gpus=c.gpus_per_node > 0, name=name)
+    from posttrain.distributed.cluster import VirtualCluster
+
     use_gpus = c.gpus_per_node > 0
     per_node = min(num_workers, c.gpus_per_node) if use_gpus else -(-num_workers // c.num_nodes)
     nodes = max(1, -(-num_workers // per_node))
@@ -104,7 +121,7 @@ def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int =
     return VirtualCluster(
         [per_node] * nodes,
         use_gpus=use_gpus,
-        cpus_per_bundle=c.cpus_per_worker,
+        cpus_per_bundle=c.cpus_per_worker or 1.0,
         max_colocated_worker_groups=colocated_groups,
         placement_timeout_s=c.placement_timeout_s,
         name=name,
@@ -160,17 +177,20 @@ def start_concurrently(*makers: Callable[[], Any]) -> list[Any]:
             if error is None:
                 future.result().shutdown()
         raise next(e for e in errors if e is not None)
+    startup.mark("workers")
     return [f.result() for f in futures]
 
 
 def build_datums(
-    cfg: MasterConfig, builder, tokenizer, split: str, limit: Optional[int] = None, load: Optional[Callable] = None
-) -> list[dict]:
+    cfg: MasterConfig, builder, tokenizer, split: str, limit: Optional[int] = None, load: Optional[Callable] = None,
+    lazy: bool = False,
+) -> Sequence[Any]:
     """Load `split` of `cfg.data` (at most `limit` records) and turn each record into a datum with
     `builder` (`build_prompt_message_log`, `build_sft_example`, `build_preference_example`, ...).
 
     `load(data_cfg, split)` reads the records (default `posttrain.data.datasets.load_records`;
-    preference pairs use `load_preference_records`).
+    preference pairs use `load_preference_records`). `lazy`: a `LazyDatums`, each datum built when
+    first read (default False: a list, all built now).
     """
     if load is None:
         from posttrain.data.datasets import load_records
@@ -182,11 +202,16 @@ def build_datums(
     records = limit_per_source(load(cfg.data, split), limit)
     if hasattr(cfg, "env"):
         add_env_tools(cfg, records)
-    return [
-        builder(r, tokenizer, cfg.policy.max_total_sequence_length, use_chat_template=cfg.data.use_chat_template,
-                system_prompt=cfg.data.system_prompt, idx=i)
-        for i, r in enumerate(records)
-    ]
+
+    def build(record: dict, index: int) -> Any:
+        return builder(record, tokenizer, cfg.policy.max_total_sequence_length,
+                       use_chat_template=cfg.data.use_chat_template, system_prompt=cfg.data.system_prompt, idx=index)
+
+    if lazy:
+        from posttrain.data.dataloader import LazyDatums
+
+        return LazyDatums(records, build)
+    return [build(r, i) for i, r in enumerate(records)]
 
 
 def add_env_tools(cfg: MasterConfig, records: list[dict]) -> None:
@@ -214,12 +239,17 @@ def build_splits(
     cfg: MasterConfig, builder, tokenizer, max_val_samples: Optional[int], load: Optional[Callable] = None
 ) -> tuple[list[dict], list[dict]]:
     """The training datums and at most `max_val_samples` validation datums (`build_datums`); says
-    once when there is no validation data, as the run then trains without validation."""
-    train = build_datums(cfg, builder, tokenizer, "train", load=load)
+    once when there is no validation data, as the run then trains without validation.
+
+    The training split is built lazily (`LazyDatums`: a run reads the prompts it draws, so start-up
+    does not wait for every prompt of a large data set to be templated and tokenised); validation,
+    read whole at every validation, is built now."""
+    train = build_datums(cfg, builder, tokenizer, "train", load=load, lazy=True)
     val = build_datums(cfg, builder, tokenizer, "validation", max_val_samples, load=load)
     if not val:
         print("[posttrain] no validation data (data.validation_path is unset or empty): running without validation",
               flush=True)
+    startup.mark("data")
     return train, val
 
 
@@ -242,17 +272,26 @@ def limit_per_source(records: list[dict], limit: Optional[int]) -> list[dict]:
 
 
 def make_envs(cfg, tasks) -> dict[str, Any]:
-    """Task name -> environment actor. `tasks` are task names or `Sample`s; a sample's `env_name`
+    """Task name -> environment actor. `tasks` are task names, `Sample`s or `(task_name, env_name)`
+    pairs (`dataloader.routes`); a sample's `env_name`
     says which `env.<name>` section serves its task (a built-in, a registered environment, or a
-    user's class by `env.<name>.class_path`). Tasks served by the same section share one actor."""
+    user's class by `env.<name>.class_path`). Tasks served by the same section share one actor
+    (a Ray actor, or a thread of this process with the local backend)."""
+    from posttrain.config.schema import resolve_backend
     from posttrain.environments.registry import create_env, resolve_env
 
     env_of_task = {}
     for item in tasks:
-        task = item if isinstance(item, str) else item.task_name
-        env_of_task[task] = task if isinstance(item, str) else item.env_name
+        if isinstance(item, str):
+            task, env = item, item
+        elif isinstance(item, tuple):
+            task, env = item
+        else:
+            task, env = item.task_name, item.env_name
+        env_of_task[task] = env
     actors = {}
     for env_name in sorted(set(env_of_task.values())):
         cls, env_cfg = resolve_env(env_name, cfg.env.section(env_name))
-        actors[env_name] = create_env(env_name, env_cfg, cls=cls)
+        actors[env_name] = create_env(env_name, env_cfg, cls=cls, backend=resolve_backend(cfg))
+    startup.mark("environments")
     return {task: actors[env_name] for task, env_name in sorted(env_of_task.items())}

@@ -32,7 +32,7 @@ from posttrain.algorithms.grpo import (
 )
 from posttrain.algorithms.loop import TrainingLoop, prefixed
 from posttrain.config.schema import DistillMasterConfig
-from posttrain.data.dataloader import ResumableLoader
+from posttrain.data.dataloader import ResumableLoader, routes
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.data.sample import Sample
 from posttrain.distributed.batch import Batch
@@ -176,7 +176,7 @@ def setup(cfg: DistillMasterConfig) -> DistillContext:
         policy.refit_info(), cfg.policy.generation.refit_buffer_size_mb * 2**20, dtypes=generation.weight_dtypes()
     )
     generation.prepare_refit_info(refit_metadata)
-    envs = make_envs(cfg, train_samples + val_samples)
+    envs = make_envs(cfg, routes(train_samples) + routes(val_samples))
 
     ctx = DistillContext(
         cfg=cfg, policy=policy, generation=generation, teacher=teacher, envs=envs, tokenizer=tokenizer,

@@ -26,7 +26,7 @@ from posttrain.algorithms import advantages as adv
 from posttrain.algorithms.loop import TrainingLoop, prefixed
 from posttrain.algorithms.loss import LossFunction, build_loss
 from posttrain.config.schema import GRPOMasterConfig
-from posttrain.data.dataloader import ResumableLoader, make_loader
+from posttrain.data.dataloader import ResumableLoader, make_loader, routes
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.data.sample import Sample
 from posttrain.distributed.batch import Batch
@@ -47,6 +47,7 @@ from posttrain.job import (
 )
 from posttrain.models.refit import build_refit_metadata, refit_policy_generation
 from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
+from posttrain.utils import startup
 from posttrain.utils.timer import Timer
 
 log = logging.getLogger("posttrain.grpo")
@@ -118,7 +119,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
     )
     generation.prepare_refit_info(refit_metadata)
 
-    envs = make_envs(cfg, train_samples + val_samples)
+    envs = make_envs(cfg, routes(train_samples) + routes(val_samples))
 
     loop = TrainingLoop(cfg, cfg.grpo, name="GRPO", section="grpo", policy=policy, loader=loader)
     ctx = GRPOContext(
@@ -380,8 +381,9 @@ def sft_warm_start_dir(warm: Any, log_dir: Path) -> Path:
     """Run (or reuse) the SFT job `warm` (an `SFTMasterConfig`) and return its HF export.
 
     The export is cached under `$POSTTRAIN_CACHE/sft_warmup/<hash of the config>` (without its
-    `logger` and `checkpointing` sections, which do not change the weights), so reruns, resumed
-    runs and the presets that share a warm start share one export. The run logs under `log_dir`.
+    `logger`, `checkpointing` and `cluster` sections, which do not change what is trained, only
+    where and how it is logged), so reruns, resumed runs and the presets that share a warm start
+    share one export. The run logs under `log_dir`.
     """
     import hashlib
 
@@ -389,7 +391,7 @@ def sft_warm_start_dir(warm: Any, log_dir: Path) -> Path:
     from posttrain.config.loader import config_to_yaml
     from posttrain.utils.cache import cache_dir
 
-    weights_cfg = warm.model_copy(update={"logger": None, "checkpointing": None})
+    weights_cfg = warm.model_copy(update={"logger": None, "checkpointing": None, "cluster": None})
     key = hashlib.sha1(config_to_yaml(weights_cfg).encode()).hexdigest()[:12]
     warm_dir = cache_dir() / "sft_warmup" / key
     if (warm_dir / "config.json").exists():
@@ -399,5 +401,7 @@ def sft_warm_start_dir(warm: Any, log_dir: Path) -> Path:
         warm_dir.parent.mkdir(parents=True, exist_ok=True)
         warm_cfg = warm.model_copy(deep=True)
         warm_cfg.logger.log_dir = str(log_dir)
-        sft.run(warm_cfg, export_dir=warm_dir)
+        with startup.CLOCK.nested():
+            sft.run(warm_cfg, export_dir=warm_dir)
+    startup.mark("warm_start")
     return warm_dir

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from posttrain.utils import startup
 from posttrain.utils.checkpoint import CheckpointManager
 from posttrain.utils.logger import Logger, ProgressBar
 from posttrain.utils.timer import Timer
@@ -114,7 +115,9 @@ class TrainingLoop:
         """
         s = self.schedule
         if self.step == 0 and s.val_at_start:
+            startup.mark("other")  # so the start-up line shows validation as its own phase
             metrics = self.validate(validate_fn)
+            startup.mark("validation")
             if metrics:
                 self.logger.log_metrics(metrics, 0)
         bar = ProgressBar(total=self.last_step, initial=self.step, enabled=self.cfg.logger.progress_bar,
@@ -126,6 +129,7 @@ class TrainingLoop:
                 metrics = dict(step_fn(step, timer))
             self.step = step
             metrics.update(prefixed(timer.get_timing_metrics(), "timing/train"))
+            metrics.update(self._startup_metrics(metrics["timing/train/total_step_time"]))
             if (s.val_period > 0 and step % s.val_period == 0) or (s.val_at_end and step == self.last_step):
                 metrics.update(self.validate(validate_fn))
             self.logger.log_metrics(metrics, step)
@@ -134,6 +138,15 @@ class TrainingLoop:
             bar.update(metrics)
         bar.close()
         return metrics
+
+    def _startup_metrics(self, step_seconds: float) -> dict[str, float]:
+        """After this process's first training step: where the start-up went (`timing/startup/*`),
+        printed as one line as well."""
+        phases = startup.CLOCK.report(step_seconds)
+        if phases is None:
+            return {}
+        print(startup.summary_line(phases), flush=True)
+        return prefixed(phases, "timing/startup")
 
     def validate(self, validate_fn: ValidateFn) -> dict[str, float]:
         """Run `validate_fn` at the current step, time it and record it in the history."""

@@ -8,6 +8,8 @@ Contract (docs/internals.md): every loss is called as
   position 0 is 0). A loss with ``input_type == "scores"`` gets one scalar per sequence ``[B]``
   instead (reward models).
 - Every loss looks at positions ``1:`` and uses ``mask = token_mask[:, 1:] * sample_mask[:, None]``.
+  In training, logprobs outside that mask may be 0 rather than computed (the policy's fused path,
+  ``policy.fused_logprobs``), so a loss must keep them out of anything that could overflow there.
 - Losses and metrics are divided by the *global* valid counts of the whole optimizer step (all
   micro-batches, all data-parallel ranks), so per-micro-batch values **sum** to the full-batch
   value. Metric names ending in ``_min`` / ``_max`` are reduced by min / max instead.
@@ -325,7 +327,9 @@ class ClippedPGLoss:
             ratio = logprobs  # REINFORCE: -A * logp
             ratio_clamped = logprobs
         else:
-            log_ratio = logprobs - prev
+            # Outside the mask the training logprobs may be 0 (not computed: docs/internals.md)
+            # while prev holds real values; exp() of their difference could overflow to inf there.
+            log_ratio = torch.where(mask != 0, logprobs - prev, 0.0)
             if cfg.sequence_level_importance_ratios:  # GSPO: geometric mean over the sequence
                 log_ratio = masked_mean(log_ratio, mask, dim=-1)[:, None].expand_as(logprobs)
             ratio = log_ratio.exp()

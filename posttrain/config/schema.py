@@ -20,9 +20,26 @@ class Section(BaseModel):
 class ClusterConfig(Section):
     """The Ray cluster the job runs on and the resources of its workers."""
 
+    backend: Literal["auto", "ray", "local"] = Field(
+        "auto",
+        description=(
+            "Where workers run. 'ray': Ray actors, one process per worker (any size, several nodes, GPUs). 'local': "
+            "every worker group and environment in this process, one worker each (starts in seconds: no Ray, "
+            "torch imported once); for one node without GPUs or with one, native generation, sync training. 'auto': "
+            "local when the job fits it (one node, no GPU, no cluster.ray_address, one worker per group, native "
+            "generation, no async GRPO), else ray."
+        ),
+    )
     num_nodes: int = Field(1, ge=1, description="Nodes in the Ray cluster to use.")
     gpus_per_node: int = Field(0, ge=0, description="GPUs per node; 0 runs on CPU.")
-    cpus_per_worker: float = Field(1.0, gt=0, description="Logical CPUs per worker bundle (CPU mode).")
+    cpus_per_worker: Optional[float] = Field(
+        None, gt=0,
+        description=(
+            "CPU cores per worker slot in CPU mode: the torch threads of its workers (colocated groups take turns, "
+            "so each uses them all) and, with Ray, the logical CPUs its bundle reserves. Default (null): every core "
+            "this process may use with the local backend, 1 with Ray."
+        ),
+    )
     ray_address: Optional[str] = Field(None, description="Existing Ray cluster to join; None starts a local one.")
     placement_timeout_s: float = Field(
         120.0, gt=0,
@@ -307,6 +324,16 @@ class PolicyConfig(Section):
         False,
         description="Recompute activations in the backward pass: less memory, about a third more compute.",
     )
+    fused_logprobs: bool = Field(
+        True,
+        description=(
+            "Take logprobs from the decoder's last hidden states chunk by chunk (models/policy/linear_logprobs.py), "
+            "never building the [tokens, vocab] logits, and in training only where the loss reads them "
+            "(token_mask and sample_mask nonzero; 0 elsewhere). Applies to models whose head is a plain linear layer "
+            "of a known architecture (llama, mistral, qwen2/3, their MoE variants, ...); others, and False, use the "
+            "full logits."
+        ),
+    )
     num_workers: int = Field(1, ge=1, description="Data-parallel training workers.")
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
@@ -524,7 +551,13 @@ class DataConfig(Section):
     answer_key: str = Field("answer", description="Field of a row holding the reference answer the environment checks.")
     chosen_key: str = Field("chosen", description="Preferred response of a preference pair (dpo / rm; jsonl / hf).")
     rejected_key: str = Field("rejected", description="Dispreferred response of a preference pair (dpo / rm).")
-    prompt_template: str = Field("{prompt}", description="Python format string applied to each prompt.")
+    prompt_template: str = Field(
+        "{prompt}",
+        description=(
+            "Python format string making each prompt from its row: {prompt} and the row's other fields (arithmetic "
+            "rows also have {a}, {op} and {b}: 'What is {a} {op} {b}?')."
+        ),
+    )
     use_chat_template: bool = Field(
         True,
         description="Render prompts with the tokenizer's chat template (as a user turn); false feeds the raw text.",
@@ -951,6 +984,14 @@ class MasterConfig(Section):
     cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="after")
+    def _check_backend(self):
+        if self.cluster.backend == "local":
+            problem = local_backend_problem(self)
+            if problem:
+                raise ValueError(f"cluster.backend=local: {problem}; use cluster.backend=ray (or auto)")
+        return self
+
+    @model_validator(mode="after")
     def _check_generation_placement(self):
         gen, gpus = self.policy.generation, self.cluster.gpus_per_node
         tp = gen.vllm_cfg.tensor_parallel_size
@@ -1019,6 +1060,40 @@ class GRPOMasterConfig(MasterConfig):
                 f"(set it to {rows} for one optimizer step per GRPO step)"
             )
         return self
+
+
+def local_backend_problem(cfg: MasterConfig) -> Optional[str]:
+    """Why this job cannot run in one process (`cluster.backend: local`), or None."""
+    c, policy = cfg.cluster, cfg.policy
+    gen = policy.generation
+    async_grpo = getattr(getattr(cfg, "grpo", None), "async_grpo", None)
+    teacher = getattr(cfg, "teacher", None)
+    checks = [
+        (c.ray_address is not None, f"cluster.ray_address={c.ray_address!r} joins a Ray cluster"),
+        (c.num_nodes > 1, f"cluster.num_nodes={c.num_nodes}: one process runs on one node"),
+        (c.gpus_per_node > 1, f"cluster.gpus_per_node={c.gpus_per_node}: one process drives one GPU"),
+        (c.autoscaling, "cluster.autoscaling=true needs a Ray cluster"),
+        (bool(c.bundle_resources), "cluster.bundle_resources places workers by Ray custom resources"),
+        (policy.num_workers > 1, f"policy.num_workers={policy.num_workers}: a local worker group has one worker"),
+        (not gen.colocated.enabled and (gen.colocated.num_workers or 1) > 1,
+         f"policy.generation.colocated.num_workers={gen.colocated.num_workers}: a local worker group has one worker"),
+        (gen.backend != "native", f"policy.generation.backend={gen.backend!r} runs in its own Python environment"),
+        # Generation and training would share (and fight over) this process's one pool of math threads.
+        (async_grpo is not None and async_grpo.enabled, "grpo.async_grpo.enabled overlaps generation and training"),
+        (teacher is not None and teacher.num_workers > 1,
+         f"teacher.num_workers={getattr(teacher, 'num_workers', 1)}: a local worker group has one worker"),
+    ]
+    return next((problem for failed, problem in checks if failed), None)
+
+
+def resolve_backend(cfg: MasterConfig) -> Literal["ray", "local"]:
+    """The backend `cluster.backend` means for this job: `auto` is local when the job fits one
+    process (`local_backend_problem` is None) and has no GPU (GPU jobs go to Ray unless asked)."""
+    backend = cfg.cluster.backend
+    if backend == "auto":
+        fits = local_backend_problem(cfg) is None and cfg.cluster.gpus_per_node == 0
+        return "local" if fits else "ray"
+    return backend
 
 
 def async_grpo_problem(cfg: "GRPOMasterConfig") -> Optional[str]:

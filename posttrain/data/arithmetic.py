@@ -1,8 +1,9 @@
 """Synthetic arithmetic problems: the embedded default task.
 
-Records look like `{"prompt": "12+34=", "answer": "46"}`. The format is as compact as it gets
-(no spaces, no words) because a character-level tiny model spends a forward pass per
-character. Operands are uniform in `[0, 10**num_digits)`; answers are plain integers in
+Records look like `{"prompt": "12+34=", "answer": "46", "a": 12, "b": 34, "op": "+"}`. The prompt
+is as compact as it gets (no spaces, no words) because a character-level tiny model spends a
+forward pass per character; a pretrained model reads words better, e.g. with
+`data.prompt_template: "What is {a} {op} {b}?"`. Operands are uniform in `[0, 10**num_digits)`; answers are plain integers in
 decimal, negative for some subtractions.
 """
 
@@ -77,7 +78,9 @@ def generate_arithmetic(
         op_index, rest = divmod(pid, base * base)
         a, b = divmod(rest, base)
         symbol, fn = OPERATIONS[ops[op_index]]
-        records.append({"prompt": f"{a}{symbol}{b}=", "answer": str(fn(a, b))})
+        # The operands and the operator ride along, so `data.prompt_template` can phrase the
+        # problem for a pretrained model: "What is {a} {op} {b}?".
+        records.append({"prompt": f"{a}{symbol}{b}=", "answer": str(fn(a, b)), "a": a, "b": b, "op": symbol})
     return records[:n_train], records[n_train:]
 
 

@@ -8,16 +8,74 @@ just (epoch, position): two integers saved in every checkpoint.
 from __future__ import annotations
 
 import random
-from typing import Any, Generic, Sequence, TypeVar
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 T = TypeVar("T")
+
+
+class LazyDatums(Sequence):
+    """Datums made from records when first read (then kept): a training split of many prompts is
+    not tokenised at start-up, only the prompts the run draws. Records are checked for what every
+    datum needs when they are loaded (`datasets.load_records`), so a bad row still fails at start.
+
+    Args:
+        records: the split's records (`{"prompt", "answer", "task_name", "env_name", ...}`).
+        build: `build(record, index) -> datum` (a processor with its settings bound).
+    """
+
+    def __init__(self, records: Sequence[dict], build: Callable[[dict, int], Any]):
+        self.records = records
+        self._build = build
+        self._datums: list[Any] = [None] * len(records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        datum = self._datums[index]
+        if datum is None:
+            datum = self._datums[index] = self._build(self.records[index], index)
+        return datum
+
+
+def routes(datums: Sequence[Any]) -> list[tuple[str, str]]:
+    """`(task_name, env_name)` of each datum, read from the records of `LazyDatums` without
+    building them."""
+    if isinstance(datums, LazyDatums):
+        return [(r["task_name"], r["env_name"]) for r in datums.records]
+    return [(d["task_name"], d["env_name"]) if isinstance(d, dict) else (d.task_name, d.env_name) for d in datums]
+
+
+def _source(items: Sequence[Any], index: int) -> tuple[Any, float]:
+    """A datum's blend source and its weight (from the record for `LazyDatums`)."""
+    item = items.records[index] if isinstance(items, LazyDatums) else items[index]
+    if isinstance(item, dict):  # a record, or an example dict
+        return item.get("source"), float(item.get("source_weight", 1.0))
+    return item.source, item.source_weight
+
+
+class _Subset(Sequence):
+    """`items[indices[i]]`, read through (a blend source's share of a lazy split)."""
+
+    def __init__(self, items: Sequence[Any], indices: list[int]):
+        self.items, self.indices = items, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i):
+        return self.items[self.indices[i]]
 
 
 class ResumableLoader(Generic[T]):
     """Yields batches of `batch_size` items, reshuffling (seeded) at every epoch boundary.
 
     Args:
-        items: the data set (kept in memory; RL prompt sets are small).
+        items: the data set (any sequence, read by index: `LazyDatums` builds only what is drawn).
         batch_size: items per batch. A batch may span an epoch boundary, so every batch is full.
         shuffle: permute each epoch with `random.Random(seed + epoch)` (default True).
         seed: base seed of the permutation.
@@ -26,7 +84,7 @@ class ResumableLoader(Generic[T]):
     def __init__(self, items: Sequence[T], batch_size: int, *, shuffle: bool = True, seed: int = 0):
         if not items:
             raise ValueError("ResumableLoader got an empty data set")
-        self.items = list(items)
+        self.items = items if isinstance(items, Sequence) else list(items)
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
@@ -117,14 +175,14 @@ class BlendedLoader:
 def make_loader(items: Sequence[Any], batch_size: int, *, shuffle: bool = True, seed: int = 0):
     """A `BlendedLoader` over the items' `source`s (weights `source_weight`) when they come from
     several sources (a data blend or several reasoning-gym tasks), else a `ResumableLoader`."""
-    sources: dict[str, list] = {}
+    indices: dict[str, list[int]] = {}
     weights: dict[str, float] = {}
-    for item in items:  # a `Sample` or an example dict
-        is_dict = isinstance(item, dict)
-        name = item.get("source") if is_dict else item.source
-        sources.setdefault(name, []).append(item)
+    for i in range(len(items)):  # `Sample`s, example dicts, or `LazyDatums` (read from the records)
+        name, weight = _source(items, i)
+        indices.setdefault(name, []).append(i)
         if name is not None:
-            weights[name] = float(item.get("source_weight", 1.0) if is_dict else item.source_weight)
-    if len(sources) < 2 or None in sources:
+            weights[name] = weight
+    if len(indices) < 2 or None in indices:
         return ResumableLoader(items, batch_size, shuffle=shuffle, seed=seed)
+    sources = {name: _Subset(items, rows) for name, rows in indices.items()}
     return BlendedLoader(sources, weights, batch_size, shuffle=shuffle, seed=seed)

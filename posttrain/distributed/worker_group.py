@@ -5,30 +5,40 @@ on shards of a `Batch` (`run_sharded`, results gathered back in the original row
 wait goes through `get`, which fails fast: the first worker whose call raises or whose process
 dies ends the wait with a `WorkerError` naming it, instead of waiting for the other ranks, which
 may be blocked forever in a collective with the dead one. Modelled on NeMo-RL's `RayWorkerGroup`.
+
+On a `LocalCluster` (`cluster.backend: local`) the group is one `LocalActor` in the controller's
+process instead (`posttrain.distributed.actors`); everything else here is the same code.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from datetime import timedelta
-from typing import Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-import ray
 import torch
 import torch.distributed as dist
-from ray.exceptions import RayActorError
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from posttrain.distributed import actors
+from posttrain.distributed.actors import LocalCluster
 from posttrain.distributed.batch import Batch
-from posttrain.distributed.cluster import ClusterError, VirtualCluster
+
+if TYPE_CHECKING:
+    from posttrain.distributed.cluster import VirtualCluster
 
 logger = logging.getLogger(__name__)
 
 # Set by WorkerGroup for every actor; the timeout also bounds each torch.distributed collective.
 RENDEZVOUS_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LOCAL_IDENTITY_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # a local worker joins no process group
 COLLECTIVE_TIMEOUT_ENV = "POSTTRAIN_COLLECTIVE_TIMEOUT_S"
+# torch threads of a CPU worker: its bundle's CPUs. Colocated groups share a bundle but take turns
+# (generation, then training), so each may use all of them; Ray alone would give an actor holding
+# half a CPU one thread.
+NUM_THREADS_ENV = "POSTTRAIN_NUM_THREADS"
 SHUTDOWN_TIMEOUT_S = 5.0
 FAILURE_GRACE_S = 1.0  # after a failure, how long to wait for the other ranks' errors
 
@@ -49,16 +59,24 @@ class DistributedWorker:
     actor was given a GPU, gloo otherwise. Subclasses call `super().__init__()` first, then build models.
     """
 
+    is_local = False  # set in __init__; a subclass that builds itself without it (vLLM's) runs under Ray
+
     def __init__(self) -> None:
-        missing = [name for name in RENDEZVOUS_ENV_VARS if name not in os.environ]
+        local = actors.worker_identity()  # a local actor's ranks; a Ray worker's are in its environment
+        env = local if local is not None else os.environ
+        needed = LOCAL_IDENTITY_VARS if local is not None else RENDEZVOUS_ENV_VARS
+        missing = [name for name in needed if name not in env]
         if missing:
             raise RuntimeError(
                 f"{type(self).__name__} needs the environment variables {missing}; "
                 "create workers through posttrain.distributed.worker_group.WorkerGroup"
             )
-        self.rank = int(os.environ["RANK"])
-        self.world_size = int(os.environ["WORLD_SIZE"])
-        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.rank = int(env["RANK"])
+        self.world_size = int(env["WORLD_SIZE"])
+        self.local_rank = int(env["LOCAL_RANK"])
+        self.is_local = local is not None
+        if env.get(NUM_THREADS_ENV):
+            torch.set_num_threads(int(env[NUM_THREADS_ENV]))
         if _has_gpu():
             # Ray shows each actor only its own GPU, so this is device 0; the modulo covers the rest.
             torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
@@ -67,7 +85,12 @@ class DistributedWorker:
         else:
             self.device = torch.device("cpu")
             backend = "gloo"
-        timeout = timedelta(seconds=float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, 1800.0)))
+        if self.is_local:
+            # A local group has one worker, which needs no process group (every collective in the
+            # workers is skipped at world size 1); the process-wide default group could not be
+            # initialised once per local group anyway.
+            return
+        timeout = timedelta(seconds=float(env.get(COLLECTIVE_TIMEOUT_ENV, 1800.0)))
         dist.init_process_group(
             backend=backend, init_method="env://", rank=self.rank, world_size=self.world_size, timeout=timeout
         )
@@ -78,16 +101,25 @@ class DistributedWorker:
 
     def get_node_ip(self) -> str:
         """IP address of the node this worker runs on."""
+        if self.is_local:
+            return "local"
+        import ray
+
         return ray.util.get_node_ip_address()
 
     def get_node_id(self) -> str:
-        """Ray node id (hex) of the node this worker runs on."""
+        """Ray node id (hex) of the node this worker runs on ("local" for the local backend)."""
+        if self.is_local:
+            return "local"
+        import ray
+
         return ray.get_runtime_context().get_node_id()
 
     def all_reduce_sum(self, value: torch.Tensor | float) -> torch.Tensor | float:
         """Sum `value` over all ranks; returns the same kind (CPU tensor or Python number)."""
         tensor = torch.as_tensor(value).to(self.device).clone()
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        if dist.is_initialized():  # a local-backend worker (world size 1) has no process group
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor.cpu() if isinstance(value, torch.Tensor) else tensor.item()
 
     def shutdown(self) -> bool:
@@ -105,6 +137,10 @@ def _has_gpu() -> bool:
     """
     if not torch.cuda.is_available():
         return False
+    if actors.worker_identity() is not None or "ray" not in sys.modules:
+        return True  # a local actor (or no Ray at all): the process's GPU
+    import ray
+
     return bool(ray.get_gpu_ids()) if ray.is_initialized() else True
 
 
@@ -133,7 +169,7 @@ class WorkerGroup:
 
     def __init__(
         self,
-        cluster: VirtualCluster,
+        cluster: VirtualCluster | LocalCluster,
         actor_cls: type[DistributedWorker],
         *,
         init_kwargs: Mapping[str, Any] | None = None,
@@ -149,7 +185,7 @@ class WorkerGroup:
                 f"actor_cls must be a plain subclass of DistributedWorker (WorkerGroup applies ray.remote), "
                 f"got {actor_cls!r}"
             )
-        clashes = sorted(set(env_vars or {}) & {*RENDEZVOUS_ENV_VARS, COLLECTIVE_TIMEOUT_ENV})
+        clashes = sorted(set(env_vars or {}) & {*RENDEZVOUS_ENV_VARS, COLLECTIVE_TIMEOUT_ENV, NUM_THREADS_ENV})
         if clashes:
             raise ValueError(f"env_vars may not set {clashes}: WorkerGroup sets them per worker")
         self.name = name or actor_cls.__name__
@@ -158,28 +194,43 @@ class WorkerGroup:
         self._actor_cls = actor_cls
         self._python_executable = None if python_executable is None else str(python_executable)
         self._actor_resources = {**cluster.actor_resources(), **(actor_resources or {})}
-        self._pending: dict[ray.ObjectRef, tuple[int, str]] = {}  # ref -> (rank, method), for errors
+        self._pending: dict[Any, tuple[int, str]] = {}  # ref -> (rank, method), for errors
+        self.is_local = isinstance(cluster, LocalCluster)
 
-        locations = cluster.bundle_locations()
-        bundle_indices = list(range(len(locations)) if bundle_indices is None else bundle_indices)
+        size = cluster.world_size()
+        bundle_indices = list(range(size) if bundle_indices is None else bundle_indices)
         if not bundle_indices or len(set(bundle_indices)) != len(bundle_indices):
             raise ValueError(f"bundle_indices must be distinct and non-empty, got {bundle_indices}")
-        if any(not 0 <= b < len(locations) for b in bundle_indices):
-            raise ValueError(f"bundle_indices {bundle_indices} out of range: the cluster has {len(locations)} bundles")
-        self._wait_for_room(bundle_indices)
+        if any(not 0 <= b < size for b in bundle_indices):
+            raise ValueError(f"bundle_indices {bundle_indices} out of range: the cluster has {size} bundles")
+        if self.is_local and self._python_executable is not None:
+            raise ValueError(f"WorkerGroup {self.name!r}: an isolated Python environment needs cluster.backend=ray")
 
-        self.workers: list[ray.actor.ActorHandle] = []
+        self.workers: list[Any] = []  # Ray actor handles, or one LocalActor
         self.node_ips = ["?"] * len(bundle_indices)
         try:
-            self._spawn(bundle_indices, init_kwargs or {}, env_vars or {})
+            if self.is_local:
+                self._spawn_local(init_kwargs or {})
+            else:
+                self._wait_for_room(bundle_indices)
+                self._spawn(bundle_indices, init_kwargs or {}, env_vars or {})
             # Constructing = joining the process group; a failure in any __init__ surfaces here.
             self.node_ips = self.run_all("get_node_ip")
         except BaseException:
             self.shutdown(timeout_s=1.0)  # ranks that did start wait in the rendezvous; kill them
             raise
 
+    def _spawn_local(self, init_kwargs: Mapping[str, Any]) -> None:
+        """The local backend: one worker, an object on a thread of this process (environment
+        variables are the process's own and are not set per worker here)."""
+        identity = dict(zip(LOCAL_IDENTITY_VARS, ("0", "1", "0")))
+        self.workers.append(actors.LocalActor(self._actor_cls, kwargs=init_kwargs, name=self.name, identity=identity))
+
     def _spawn(self, bundle_indices: list[int], init_kwargs: Mapping[str, Any], env_vars: Mapping[str, str]) -> None:
         """Start one actor per bundle with its rendezvous environment (they rendezvous in __init__)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         locations = self.cluster.bundle_locations()
         node_ids = self.cluster.bundle_node_ids()
         master_addr, master_port = self.cluster.master_address_and_port(bundle_indices[0])
@@ -197,6 +248,8 @@ class WorkerGroup:
                 MASTER_PORT=str(master_port),
             )
             env[COLLECTIVE_TIMEOUT_ENV] = str(self.worker_timeout_s)
+            if not self.cluster.use_gpus:
+                env[NUM_THREADS_ENV] = str(max(1, int(self.cluster.cpus_per_bundle)))
             pg, index = locations[bundle]
             runtime_env: dict[str, Any] = {"env_vars": env}  # set before the interpreter starts (CUDA/NCCL read them early)
             if self._python_executable is not None:
@@ -220,6 +273,10 @@ class WorkerGroup:
         Ray would otherwise leave the actors pending forever. Resource views lag a little
         behind actor deaths, so poll for up to the cluster's placement timeout.
         """
+        import ray
+
+        from posttrain.distributed.cluster import ClusterError
+
         need = self._actor_resources
         locations = self.cluster.bundle_locations()
         deadline = time.monotonic() + self.cluster.placement_timeout_s
@@ -243,7 +300,7 @@ class WorkerGroup:
             time.sleep(0.2)
 
     # ------------------------------------------------------------------ calling workers
-    def _submit(self, rank: int, method: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> ray.ObjectRef:
+    def _submit(self, rank: int, method: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
         if not self.workers:
             raise WorkerError(f"WorkerGroup {self.name!r} was shut down")
         if not callable(getattr(self._actor_cls, method, None)):
@@ -252,18 +309,22 @@ class WorkerGroup:
         self._pending[ref] = (rank, method)
         return ref
 
-    def run_all_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+    def run_all_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method(*args, **kwargs)` on every worker; returns one future per rank."""
         if self.world_size > 1:  # serialise big arguments once, not once per worker
-            args = tuple(a if isinstance(a, ray.ObjectRef) else ray.put(a) for a in args)
-            kwargs = {k: v if isinstance(v, ray.ObjectRef) else ray.put(v) for k, v in kwargs.items()}
+            args = tuple(self._shared(a) for a in args)
+            kwargs = {k: self._shared(v) for k, v in kwargs.items()}
         return [self._submit(rank, method, args, kwargs) for rank in range(self.world_size)]
 
     def run_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` on every worker and wait; results in rank order."""
         return self.get(self.run_all_async(method, *args, **kwargs))
 
-    def run_single_async(self, rank: int, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+    def _shared(self, value: Any) -> Any:
+        """`value` put once where every worker reads it (Ray's object store; as is when local)."""
+        return value if actors.is_ref(value) else actors.put(value, self.is_local)
+
+    def run_single_async(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call `method` on worker `rank` only; returns its future."""
         if not 0 <= rank < self.world_size:
             raise IndexError(f"WorkerGroup {self.name!r} has ranks 0..{self.world_size - 1}, not {rank}")
@@ -275,7 +336,7 @@ class WorkerGroup:
 
     def run_sharded_async(
         self, method: str, batch: Batch, *, common_kwargs: Mapping[str, Any] | None = None, **kwargs: Any
-    ) -> list[ray.ObjectRef]:
+    ) -> list[Any]:
         """Call `method(shard_r, **common)` on each rank r, with `batch.shard(world_size)`.
 
         Every rank is called, even with an empty shard (when B < world_size), because the method
@@ -283,7 +344,7 @@ class WorkerGroup:
         """
         common = {**(common_kwargs or {}), **kwargs}
         if self.world_size > 1:
-            common = {k: v if isinstance(v, ray.ObjectRef) else ray.put(v) for k, v in common.items()}
+            common = {k: self._shared(v) for k, v in common.items()}
         shards = batch.shard(self.world_size)
         return [self._submit(rank, method, (shard,), common) for rank, shard in enumerate(shards)]
 
@@ -298,7 +359,7 @@ class WorkerGroup:
         return self.gather(self.run_sharded_async(method, batch, common_kwargs=common_kwargs, **kwargs))
 
     def gather(
-        self, refs: Sequence[ray.ObjectRef], pad_values: Mapping[str, Any] | None = None, timeout: float | None = None
+        self, refs: Sequence[Any], pad_values: Mapping[str, Any] | None = None, timeout: float | None = None
     ) -> Batch:
         """Wait for per-rank Batches and concatenate them in rank order (`Batch.cat`)."""
         results = self.get(refs, timeout=timeout)
@@ -307,7 +368,7 @@ class WorkerGroup:
                 raise TypeError(f"WorkerGroup {self.name!r}: rank {rank} returned {type(result).__name__}, not a Batch")
         return Batch.cat(results, pad_values)
 
-    def get(self, refs: Sequence[ray.ObjectRef], timeout: float | None = None) -> list[Any]:
+    def get(self, refs: Sequence[Any], timeout: float | None = None) -> list[Any]:
         """Results of `refs`, in order; raises as soon as any call fails or any worker dies.
 
         Args:
@@ -325,7 +386,7 @@ class WorkerGroup:
             results[position[ref]] = result
         return results
 
-    def as_completed(self, refs: Sequence[ray.ObjectRef], timeout: float | None = None) -> Iterator[tuple[ray.ObjectRef, Any]]:
+    def as_completed(self, refs: Sequence[Any], timeout: float | None = None) -> Iterator[tuple[Any, Any]]:
         """`(ref, result)` of each of `refs` as soon as it finishes, with `get`'s failure and
         timeout handling (the timeout covers all of them)."""
         refs = list(refs)
@@ -341,10 +402,10 @@ class WorkerGroup:
                         f"WorkerGroup {self.name!r}: no answer after {timeout:.1f}s (worker_timeout_s) from {running}"
                     )
                 # num_returns=1: wake up on the first finished (or failed) call, not the last.
-                ready, waiting = ray.wait(waiting, num_returns=1, timeout=remaining)
+                ready, waiting = actors.wait(waiting, num_returns=1, timeout=remaining)
                 for ref in ready:
                     try:
-                        result = ray.get(ref)
+                        result = actors.get(ref)
                     except Exception as error:
                         self._raise_failure(ref, error, waiting)
                     yield ref, result
@@ -352,7 +413,7 @@ class WorkerGroup:
             for ref in refs:
                 self._pending.pop(ref, None)
 
-    def _raise_failure(self, ref: ray.ObjectRef, error: Exception, waiting: list[ray.ObjectRef]) -> None:
+    def _raise_failure(self, ref: Any, error: Exception, waiting: list[Any]) -> None:
         """Raise a WorkerError for the failure of `ref`, putting the likely root cause first.
 
         When one worker dies, its peers fail a moment later inside their collectives
@@ -361,24 +422,24 @@ class WorkerGroup:
         """
         failures = [(ref, error)]
         if waiting:
-            done, _ = ray.wait(waiting, num_returns=len(waiting), timeout=FAILURE_GRACE_S)
+            done, _ = actors.wait(waiting, num_returns=len(waiting), timeout=FAILURE_GRACE_S)
             for other in done:
                 try:
-                    ray.get(other)
+                    actors.get(other)
                 except Exception as other_error:
                     failures.append((other, other_error))
-        failures.sort(key=lambda failure: not isinstance(failure[1], RayActorError))
+        failures.sort(key=lambda failure: not actors.is_actor_death(failure[1]))
         lines = [f"{self._describe(r)} failed: {type(e).__name__}: {e}" for r, e in failures]
         message = f"WorkerGroup {self.name!r}: " + lines[0]
         if len(lines) > 1:
             message += "\nAlso failed:\n" + "\n".join(lines[1:])
         raise WorkerError(message) from failures[0][1]
 
-    def _describe(self, ref: ray.ObjectRef) -> str:
+    def _describe(self, ref: Any) -> str:
         rank, method = self._pending.get(ref, (None, "?"))
         if rank is None:
             return "a worker (unknown rank)"
-        actor_id = self.workers[rank]._actor_id.hex() if rank < len(self.workers) else "?"
+        actor_id = actors.actor_id(self.workers[rank]) if rank < len(self.workers) else "?"
         return f"rank {rank} ({method}, node {self.node_ips[rank]}, actor {actor_id})"
 
     # ------------------------------------------------------------------ teardown
@@ -395,12 +456,12 @@ class WorkerGroup:
                 logger.debug("shutdown call failed: %s", error)
         if goodbyes:
             # A worker stuck in a collective never answers; the kill below ends it anyway.
-            ray.wait(goodbyes, num_returns=len(goodbyes), timeout=timeout_s)
+            actors.wait(goodbyes, num_returns=len(goodbyes), timeout=timeout_s)
         for worker in self.workers:
             try:
-                ray.kill(worker, no_restart=True)
+                actors.kill(worker)
             except Exception as error:
-                logger.debug("ray.kill failed: %s", error)
+                logger.debug("killing the actor failed: %s", error)
         self.workers = []
         self._pending.clear()
 

@@ -1,4 +1,4 @@
-"""Environment registry, construction (local or Ray actor) and routing by task name.
+"""Environment registry, construction (plain instance, Ray actor or local actor) and routing by task name.
 
 A new environment is one decorated class:
 
@@ -9,7 +9,7 @@ A new environment is one decorated class:
 
 `route_step` lets one run mix environments: each sample carries a task name (`DataConfig.env_name`
 by default), samples are grouped per environment, stepped (in parallel when the environments are
-Ray actors) and the results put back in the original order.
+actors) and the results put back in the original order.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from posttrain.distributed import actors
 from posttrain.environments.interface import Environment, EnvironmentReturn, MessageLog
 from posttrain.utils.registry import registrar, resolve
 
@@ -86,28 +87,35 @@ def resolve_env(name: str, section: Any) -> tuple[type[Environment], Any]:
     return cls, fields
 
 
-def create_env(name: str, cfg: Any = None, as_actor: bool = True, num_cpus: float = 0.0, cls: Any = None) -> Any:
+def create_env(
+    name: str, cfg: Any = None, as_actor: bool = True, num_cpus: float = 0.0, cls: Any = None, backend: str = "ray"
+) -> Any:
     """Build the environment registered as `name`.
 
     Args:
         name: registry name, e.g. `"math"`.
         cfg: the environment's config (e.g. `MathEnvConfig`), passed to its constructor.
-        as_actor: True returns a Ray actor handle (call `handle.step.remote(...)`, or use
-            `route_step`); False returns a local instance. Defaults to True.
+        as_actor: True returns an actor handle (call `handle.step.remote(...)`, or use
+            `route_step`); False returns a plain instance, stepped in the caller's thread.
+            Defaults to True.
         num_cpus: Ray CPUs the actor reserves. Defaults to 0 so the actor always schedules
             beside placement groups that reserve every CPU for policy / generation workers;
             environment work is light and its verifier processes are not Ray tasks anyway.
         cls: the environment class (default None: the one registered as `name`; see `resolve_env`).
+        backend: "ray" (default: a Ray actor, its own process) or "local" (a `LocalActor`: a
+            thread of this process; `cluster.backend: local`).
     """
     cls = cls or get_env_class(name)
     if not as_actor:
         return cls(cfg)
+    if backend == "local":
+        return actors.LocalActor(cls, (cfg,), name=f"env-{name}")
     import ray
 
     return ray.remote(num_cpus=num_cpus)(cls).remote(cfg)
 
 
-def _is_local(env: Any) -> bool:
+def _is_plain_instance(env: Any) -> bool:
     return isinstance(env, Environment)
 
 
@@ -127,8 +135,8 @@ def route_step(
 
 
 class PendingStep:
-    """Environment steps launched by `launch_step`: actor calls already running (local
-    environments have already stepped); `result()` waits for them and reassembles the batch."""
+    """Environment steps launched by `launch_step`: actor calls already running (plain instances
+    have already stepped); `result()` waits for them and reassembles the batch."""
 
     def __init__(self, envs: dict[str, Any], groups: dict[str, list[int]], launched: dict[str, Any], batch_size: int):
         self.envs, self.groups, self.launched, self.batch_size = envs, groups, launched, batch_size
@@ -143,18 +151,16 @@ class PendingStep:
         """
         groups, launched, batch_size = dict(self.groups), dict(self.launched), self.batch_size
         self.timed_out = []
-        remote_tasks = [task for task in groups if not _is_local(self.envs[task])]
+        remote_tasks = [task for task in groups if not _is_plain_instance(self.envs[task])]
         if remote_tasks:
-            import ray
-
             if timeout is not None:
                 refs = [launched[t] for t in remote_tasks]
-                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, timeout))
-                ready = set(ready)
-                for task in [t for t in remote_tasks if launched[t] not in ready]:
+                ready, _ = actors.wait(refs, num_returns=len(refs), timeout=max(0.0, timeout))
+                ready_ids = set(map(id, ready))
+                for task in [t for t in remote_tasks if id(launched[t]) not in ready_ids]:
                     self.timed_out.extend(groups.pop(task))
                     remote_tasks.remove(task)
-            for task, result in zip(remote_tasks, ray.get([launched[t] for t in remote_tasks])):
+            for task, result in zip(remote_tasks, actors.get([launched[t] for t in remote_tasks])):
                 launched[task] = result
         observations: list[Optional[dict]] = [None] * batch_size
         out_metadata: list[Any] = [None] * batch_size
@@ -208,7 +214,9 @@ def launch_step(
         env = envs[task]
         group_logs = [message_logs[i] for i in indices]
         group_meta = [metadata[i] for i in indices]
-        launched[task] = env.step(group_logs, group_meta) if _is_local(env) else env.step.remote(group_logs, group_meta)
+        launched[task] = (
+            env.step(group_logs, group_meta) if _is_plain_instance(env) else env.step.remote(group_logs, group_meta)
+        )
     return PendingStep(envs, groups, launched, batch_size)
 
 
@@ -233,17 +241,16 @@ class EnvRouter:
             if not any(env is seen for seen in unique):
                 unique.append(env)
         for env in unique:
-            if _is_local(env):
+            if _is_plain_instance(env):
                 env.shutdown()
             else:
-                import ray
-
                 try:  # a wedged environment must not wedge the shutdown: it is killed regardless
-                    ray.get(env.shutdown.remote(), timeout=ENV_SHUTDOWN_TIMEOUT_S)
-                except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
-                    pass
+                    actors.get(env.shutdown.remote(), timeout=ENV_SHUTDOWN_TIMEOUT_S)
+                except Exception as error:
+                    if not (actors.is_get_timeout(error) or actors.is_actor_death(error)):
+                        raise
                 finally:
-                    ray.kill(env)
+                    actors.kill(env)
 
 
 # Validation episodes are seeded apart from training ones (seed s, row i uses s + i).

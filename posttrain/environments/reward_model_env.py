@@ -77,7 +77,10 @@ class RewardModelEnvironment(Environment):
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_path)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(self.cfg.model_path, num_labels=1)
+        from posttrain.utils.model_build import MODEL_BUILD_LOCK
+
+        with MODEL_BUILD_LOCK:  # another thread of this process (the local backend) may be building one
+            self.model = AutoModelForSequenceClassification.from_pretrained(self.cfg.model_path, num_labels=1)
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.to(self.device).eval()
         self.closing = end_of_assistant_turn(self.tokenizer)

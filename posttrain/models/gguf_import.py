@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from posttrain.errors import UserError
+from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.models.presets import PRETRAINED_PRESETS
 
 EXTRA = "smollm2"  # the pip extra with the pinned `gguf` package
@@ -92,14 +93,16 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     hf_logging.disable_progress_bar()  # per-tensor de-quantization bars are noise here
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-        loaded = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+        with MODEL_BUILD_LOCK:
+            loaded = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
         config = loaded.config
         # The loaded model carries a `quantization_config` (GGUF) that save_pretrained refuses:
         # a fresh model of the same architecture takes its (already de-quantized) weights.
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.name_or_path = ""
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with MODEL_BUILD_LOCK:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
         missing = [k for k in missing if k not in _tied_keys(model)]
         if missing or unexpected:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.models.presets import PRETRAINED_PRESETS
 from posttrain.models.tiny import ARCHS, PRESETS, ensure_tiny_model
 
@@ -101,7 +102,8 @@ def load_causal_lm(
     path = resolve_model_path(name_or_path, tiny_arch)
     _require_files(path, ("config.json",), "model")
     options = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **options)
+    with MODEL_BUILD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **options)
     return model.to(device).eval()
 
 

@@ -41,6 +41,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from posttrain.utils.model_build import MODEL_BUILD_LOCK
+
 from posttrain.utils.cache import cache_dir
 from posttrain.models.presets import (  # noqa: F401 (re-exported: tiny.PRESETS, tiny.ARCHS)
     ARCHS,
@@ -147,7 +149,7 @@ def make_tiny_model(
     """
     tokenizer = build_tokenizer()
     config = tiny_config(preset, arch, vocab_size=len(tokenizer))
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), MODEL_BUILD_LOCK:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(

@@ -109,10 +109,12 @@ REQUIRED = [
 ]
 
 
-def test_grpo_steps_report_metrics_and_logprobs_agree(grpo_context, tmp_path):
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_grpo_steps_report_metrics_and_logprobs_agree(grpo_context, tmp_path, backend):
     from posttrain.algorithms import grpo
 
-    ctx = grpo_context("grpo.val_at_start=true", "grpo.val_at_end=true", "loss_fn.reference_policy_kl_penalty=0.01")
+    ctx = grpo_context("grpo.val_at_start=true", "grpo.val_at_end=true", "loss_fn.reference_policy_kl_penalty=0.01",
+                       f"cluster.backend={backend}")
     grpo.grpo_train(ctx)
     metrics = read_metrics(tmp_path / "logs")
     assert sorted(metrics) == [0, 1, 2, 3]
@@ -216,12 +218,15 @@ def _comparable(metrics: dict[int, dict]) -> dict[int, dict]:
     return {s: {k: v for k, v in row.items() if not k.startswith("timing/")} for s, row in metrics.items()}
 
 
-def test_kill_and_resume_reproduces_uninterrupted_metrics(tmp_path):
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_kill_and_resume_reproduces_uninterrupted_metrics(tmp_path, backend):
     """SIGKILL a run after its step-2 checkpoint; rerunning the same command resumes and logs
-    exactly the metrics an uninterrupted run logs."""
+    exactly the metrics an uninterrupted run logs. With Ray, the killed controller's Ray processes
+    go too; the local backend starts none."""
     runs = {}
     for name in ("straight", "killed"):
-        cfg = small_cfg(tmp_path / name, "grpo.max_num_steps=4", "checkpointing.save_period=2")
+        cfg = small_cfg(tmp_path / name, "grpo.max_num_steps=4", "checkpointing.save_period=2",
+                        f"cluster.backend={backend}")
         path = tmp_path / f"{name}.yaml"
         save_config(cfg, path)
         runs[name] = (path, tmp_path / name)
@@ -235,7 +240,7 @@ def test_kill_and_resume_reproduces_uninterrupted_metrics(tmp_path):
         assert time.time() < deadline, "no step-2 checkpoint in time"
         time.sleep(0.2)
     ray_processes = [p for p in psutil.Process(killed.pid).children(recursive=True)]
-    assert any("raylet" in " ".join(p.cmdline()) for p in ray_processes)
+    assert any("raylet" in " ".join(p.cmdline()) for p in ray_processes) == (backend == "ray")
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     # The reaper takes the killed controller's Ray processes down within seconds (Ray's own

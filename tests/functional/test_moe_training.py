@@ -53,7 +53,8 @@ def test_moe_sft_step_two_workers_equal_one_and_include_the_router_loss(ray_clus
     policies = []
     try:
         policies.append(Policy(one_cluster, cfg, init_reference_model=False, name="moe-dp1"))
-        policies.append(Policy(two_cluster, cfg, init_reference_model=False, name="moe-dp2"))
+        two_workers = cfg.model_copy(update={"num_workers": 2})
+        policies.append(Policy(two_cluster, two_workers, init_reference_model=False, name="moe-dp2"))
         for policy in policies:
             metrics = policy.train(batch, NLLLoss())
             assert metrics["router_aux_loss"] == pytest.approx(expected_router_loss, rel=1e-5)

@@ -100,7 +100,7 @@ def cluster(ray_cluster):
 @pytest.fixture(scope="module")
 def dp2(cluster, tmp_path_factory):
     """Two FSDP2 workers, micro-batches of 2 rows, reference model kept; plus its initial checkpoint."""
-    policy = Policy(cluster, policy_cfg(train_micro_batch_size=2), init_reference_model=True, name="dp2")
+    policy = Policy(cluster, policy_cfg(train_micro_batch_size=2, num_workers=2), init_reference_model=True, name="dp2")
     initial = tmp_path_factory.mktemp("dp2") / "initial"
     policy.save_checkpoint(str(initial))
     yield policy, str(initial)
@@ -113,7 +113,8 @@ def dp2_packed(cluster):
     so rank 0 runs a dummy bin to keep FSDP's collectives in step). Activation checkpointing is on
     too: recomputing activations in backward must not change the gradient."""
     cfg = policy_cfg(
-        sequence_packing=dict(enabled=True, train_mb_tokens=20, logprob_mb_tokens=20), activation_checkpointing=True
+        sequence_packing=dict(enabled=True, train_mb_tokens=20, logprob_mb_tokens=20), activation_checkpointing=True,
+        num_workers=2,
     )
     policy = Policy(cluster, cfg, init_reference_model=False, name="dp2_packed")
     yield policy

@@ -35,7 +35,9 @@ def test_arithmetic_answers_are_correct():
         seen_symbols.add(symbol)
     assert seen_symbols == {"+", "-", "*"}
     assert any(r["answer"].startswith("-") for r in train + val)  # negatives allowed for sub
-    assert generate_arithmetic(1, 0)[0][0].keys() == {"prompt", "answer"}
+    record = generate_arithmetic(1, 0)[0][0]
+    assert record.keys() == {"prompt", "answer", "a", "b", "op"}
+    assert record["prompt"] == f"{record['a']}{record['op']}{record['b']}=" and record["answer"] == str(record["a"] + record["b"])
 
 
 def test_arithmetic_is_disjoint_distinct_and_deterministic():

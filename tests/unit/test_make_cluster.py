@@ -22,8 +22,19 @@ def layouts(monkeypatch):
     (["cluster.gpus_per_node=8"], 4, ([4], True)),                 # fewer workers than GPUs
 ])
 def test_layout(layouts, overrides, workers, expected):
-    make_cluster(load_config("grpo", overrides=overrides), workers)
+    make_cluster(load_config("grpo", overrides=["cluster.backend=ray", *overrides]), workers)
     assert layouts == [expected]
+
+
+def test_auto_backend_runs_a_one_process_job_locally(layouts):
+    """The default job fits one process: no Ray cluster is reserved, the workers get every core
+    unless cluster.cpus_per_worker says otherwise."""
+    from posttrain.distributed.actors import LocalCluster, available_cpus
+
+    local = make_cluster(load_config("grpo"), 1)
+    assert isinstance(local, LocalCluster) and layouts == []
+    assert local.cpus_per_bundle == available_cpus()
+    assert make_cluster(load_config("grpo", overrides=["cluster.cpus_per_worker=1"]), 1).cpus_per_bundle == 1.0
 
 
 def test_too_few_gpu_nodes_is_an_error(layouts):

@@ -145,3 +145,33 @@ def test_pick_dtype():
         assert hf.pick_dtype("auto", "cuda") == torch.bfloat16
     with pytest.raises(ValueError, match="fp8"):
         hf.pick_dtype("fp8", "cpu")
+
+
+def test_models_built_in_threads_at_once_come_out_whole(tmp_path):
+    """The local backend builds its worker groups' models in concurrent threads of one process:
+    `load_causal_lm` must not let transformers' process-wide build patches cross threads (without
+    the lock, most of these tied-embedding models come out with meta tensors or untied heads)."""
+    import threading
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from posttrain.models.hf import load_causal_lm
+
+    config = LlamaConfig(vocab_size=2000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    broken = []
+
+    def load_a_few():
+        for _ in range(4):
+            model = load_causal_lm(str(tmp_path))
+            if any(p.is_meta for p in model.parameters()) or \
+                    model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
+                broken.append(model)
+
+    threads = [threading.Thread(target=load_a_few) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert broken == []

@@ -15,12 +15,16 @@ logprobs at generated positions, 0 elsewhere) and `truncated [B]`.
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Optional, Sequence, Union
 
 import torch
 from transformers import DynamicCache
 
-from posttrain.models.generation.sampling import process_logits, sample
+from posttrain.models.generation.decoders import LlamaLikeDecoder, ModelForwardDecoder, unsupported_reason
+from posttrain.models.generation.sampling import SamplingBuffers, process_logits, sample
+
+logger = logging.getLogger(__name__)
 
 StopStrings = Optional[Union[Sequence[str], Sequence[Optional[Sequence[str]]]]]
 
@@ -120,6 +124,26 @@ def assemble_outputs(
     }
 
 
+def distinct_prompts(input_ids: torch.Tensor, input_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group identical prompts (GRPO's generations of one prompt).
+
+    Returns `(first_rows [U], row_map [B])`: one row holding each distinct prompt, and for every
+    row the index of its prompt in `first_rows`.
+    """
+    batch_size, width = input_ids.shape
+    beyond_prompt = torch.arange(width, device=input_ids.device).unsqueeze(0) >= input_lengths.unsqueeze(1)
+    keys = torch.cat([input_lengths.unsqueeze(1), input_ids.masked_fill(beyond_prompt, -1)], dim=1)
+    _, row_map = torch.unique(keys, dim=0, return_inverse=True)
+    rows = torch.arange(batch_size, device=input_ids.device)
+    first_rows = torch.full((int(row_map.max()) + 1,), batch_size, dtype=torch.long, device=input_ids.device)
+    first_rows.scatter_reduce_(0, row_map, rows, reduce="amin")
+    return first_rows, row_map
+
+
+# The engine before the prefill/decode/sampling optimisations, for benchmarks and equivalence tests.
+UNOPTIMISED = {"share_prompts": False, "llama_like_decoder": False, "reuse_buffers": False}
+
+
 class NativeGenerationEngine:
     """Batched KV-cache decoding with per-row seeds and processed logprobs.
 
@@ -130,6 +154,18 @@ class NativeGenerationEngine:
             None: stop strings are then an error).
         pad_token_id: written after each row's last token in `output_ids`.
         eos_token_id: an id or list of ids that end a row (kept in the output); None: none.
+        share_prompts: prefill each distinct prompt once and copy its KV cache to the rows that
+            share it (GRPO's generations of one prompt) (default True).
+        llama_like_decoder: decode with `decoders.LlamaLikeDecoder` (preallocated KV cache) when the
+            model is llama-like and passes its self-check; otherwise, or False, with the model's
+            forward and a `DynamicCache` (default True).
+        reuse_buffers: keep the sampling work tensors across steps (`sampling.SamplingBuffers`)
+            (default True).
+        finished_rows_fraction: a decoder that can keep finished rows in its batch (the llama-like
+            one) drops them once they are at least this fraction of it, so the cache is copied a few
+            times per generation instead of once per finishing step (default 0.25; 0: at once).
+
+    `UNOPTIMISED` turns the three optimisations off: the engine as it was before them.
     """
 
     def __init__(
@@ -139,6 +175,10 @@ class NativeGenerationEngine:
         *,
         pad_token_id: int,
         eos_token_id: Optional[Union[int, Sequence[int]]],
+        share_prompts: bool = True,
+        llama_like_decoder: bool = True,
+        reuse_buffers: bool = True,
+        finished_rows_fraction: float = 0.25,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -149,22 +189,52 @@ class NativeGenerationEngine:
             self.eos_token_ids = [eos_token_id]
         else:
             self.eos_token_ids = [int(t) for t in eos_token_id]
+        if not 0 <= finished_rows_fraction <= 1:
+            raise ValueError(f"finished_rows_fraction must be in [0, 1], got {finished_rows_fraction}")
+        self.share_prompts = share_prompts
+        self.reuse_buffers = reuse_buffers
+        self.finished_rows_fraction = finished_rows_fraction
         # Ask the model for the last position's logits only, when it supports it (saves a
         # [B, P, V] projection at prefill).
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._llama_like: Optional[LlamaLikeDecoder] = None
+        if llama_like_decoder and unsupported_reason(model) is None:
+            self._llama_like = LlamaLikeDecoder(model)
+        self._llama_like_checked = self._llama_like is None  # its self-check runs on first use
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
-        """One forward pass; returns the last position's logits `[b, V]`."""
+    def _decoder(self):
+        """The llama-like decoder once it passed its self-check (run on first use), else the model's forward."""
+        if not self._llama_like_checked:
+            self._llama_like_checked = True
+            problem = self._llama_like.self_check()
+            if problem is not None:
+                logger.warning("native generation: decoding with the model's forward instead: %s", problem)
+                self._llama_like = None
+        if self._llama_like is not None:
+            return self._llama_like
+        return ModelForwardDecoder(self.model, self._supports_logits_to_keep)
+
+    def _prefill(self, input_ids, input_lengths, decoder, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the prompts through the model and hand their KV cache to `decoder`.
+
+        Returns the next-token logits `[B, V]` and the position ids `[B]` of the first generated token.
+        """
+        batch_size = input_ids.shape[0]
+        if self.share_prompts:
+            first_rows, row_map = distinct_prompts(input_ids, input_lengths)
+        else:
+            first_rows = row_map = torch.arange(batch_size, device=input_ids.device)
+        ids, attention_mask, position_ids = right_to_left_padding(
+            input_ids[first_rows], input_lengths[first_rows], self.pad_token_id
+        )
+        cache = DynamicCache()
         extra = {"logits_to_keep": 1} if self._supports_logits_to_keep else {}
         out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            **extra,
+            input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=cache, use_cache=True, **extra,
         )
-        return out.logits[:, -1, :]
+        decoder.start(cache, attention_mask, row_map, capacity)
+        return out.logits[:, -1, :].index_select(0, row_map), (position_ids[:, -1] + 1).index_select(0, row_map)
 
     @torch.inference_mode()
     def generate(
@@ -239,41 +309,57 @@ class NativeGenerationEngine:
         generation_lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         stopped = torch.zeros(batch_size, dtype=torch.bool, device=device)
 
-        # Running batch: `active` maps running rows to original rows.
-        active = torch.arange(batch_size, device=device)
-        ids, attention_mask, position_ids = right_to_left_padding(
-            input_ids.to(device), input_lengths.to(device), self.pad_token_id
+        decoder = self._decoder()
+        logits, next_position = self._prefill(
+            input_ids.to(device), input_lengths.to(device), decoder, capacity=prompt_width + max_new_tokens
         )
-        cache = DynamicCache()
-        logits = self._forward(ids, attention_mask, position_ids, cache)
-        next_position = position_ids[:, -1] + 1
+        buffers = SamplingBuffers(batch_size, logits.shape[-1], device) if self.reuse_buffers else None
+        keep_fraction = self.finished_rows_fraction if decoder.keeps_finished_rows else 0.0
+        # The decoder's batch: `slot_rows` maps its rows to original rows; `generating` marks those not finished
+        # (finished rows may stay in it a while, fed padding, their outputs ignored).
+        slot_rows = torch.arange(batch_size, device=device)
+        generating = torch.ones(batch_size, dtype=torch.bool, device=device)
+        num_finished_slots = 0
 
         for step in range(max_new_tokens):
-            if active.numel() == 0:
-                break
-            processed = process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-            steps = torch.full_like(active, step)
-            tokens, token_logprobs = sample(processed, seeds[active], steps, greedy=greedy)
-            new_tokens[active, step] = tokens
-            new_logprobs[active, step] = token_logprobs
-            generation_lengths[active] = step + 1
+            # Sample for the decoder rows still generating.
+            if num_finished_slots:
+                live_slots = generating.nonzero().squeeze(1)
+                rows, step_logits = slot_rows[live_slots], logits[live_slots]
+            else:
+                live_slots, rows, step_logits = None, slot_rows, logits
+            processed = process_logits(step_logits, temperature=temperature, top_k=top_k, top_p=top_p, buffers=buffers)
+            tokens, token_logprobs = sample(
+                processed, seeds[rows], torch.full_like(rows, step), greedy=greedy, buffers=buffers
+            )
+            new_tokens[rows, step] = tokens
+            new_logprobs[rows, step] = token_logprobs
+            generation_lengths[rows] = step + 1
 
             finished = torch.isin(tokens, end_ids)
-            if has_stop_strings and any(row_stop_strings[i] for i in active.tolist()):
-                finished |= self._hits_stop_string(new_tokens, active, step + 1, row_stop_strings)
-            stopped[active] = finished
+            if has_stop_strings and any(row_stop_strings[i] for i in rows.tolist()):
+                finished |= self._hits_stop_string(new_tokens, rows, step + 1, row_stop_strings)
+            stopped[rows] = finished
             if step + 1 == max_new_tokens:
                 break
 
-            if finished.any():  # drop finished rows and their KV-cache rows
-                keep = (~finished).nonzero().squeeze(1)
-                active, tokens = active[keep], tokens[keep]
-                attention_mask, next_position = attention_mask[keep], next_position[keep]
-                cache.batch_select_indices(keep)
-                if active.numel() == 0:
+            # Next step's input: each row's new token; rows that finished earlier but are still in the
+            # decoder's batch are fed padding (their outputs are ignored).
+            if live_slots is not None:
+                fed = torch.full_like(slot_rows, self.pad_token_id)
+                fed[live_slots] = tokens
+                tokens = fed
+            if finished.any():
+                generating[finished.nonzero().squeeze(1) if live_slots is None else live_slots[finished]] = False
+                num_finished_slots = int((~generating).sum())
+                if num_finished_slots == slot_rows.numel():
                     break
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(active.numel(), 1)], dim=1)
-            logits = self._forward(tokens.unsqueeze(1), attention_mask, next_position.unsqueeze(1), cache)
+                if num_finished_slots >= keep_fraction * slot_rows.numel():  # drop the finished rows
+                    keep = generating.nonzero().squeeze(1)
+                    decoder.keep_rows(keep)
+                    slot_rows, next_position, tokens = slot_rows[keep], next_position[keep], tokens[keep]
+                    generating, num_finished_slots = generating[keep], 0
+            logits = decoder.step(tokens, next_position)
             next_position = next_position + 1
 
         return self._assemble_outputs(input_ids, input_lengths, new_tokens, new_logprobs, generation_lengths, stopped)

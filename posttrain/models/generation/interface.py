@@ -19,12 +19,11 @@ import abc
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
-import ray
 import torch
 
 from posttrain.config.schema import GenerationConfig
 from posttrain.distributed.batch import Batch
-from posttrain.distributed.cluster import VirtualCluster
+from posttrain.distributed import actors
 from posttrain.distributed.worker_group import WorkerGroup
 from posttrain.models.generation.worker import GenerationWorker
 from posttrain.models.refit import RefitMetadata
@@ -152,7 +151,7 @@ class Generation(WorkerGroupGeneration):
     """Data-parallel native generation on a WorkerGroup of `GenerationWorker`s.
 
     Args:
-        cluster: the VirtualCluster to place workers on.
+        cluster: the VirtualCluster (or the local backend's LocalCluster) to place workers on.
         config: `policy.generation` (`GenerationConfig` or a dict of its keys).
         model_name: `policy.model_name`; the workers load it, which is weights version 0.
         tokenizer_name, tiny_arch, precision: as in `policy` (defaults None, "llama", "auto").
@@ -165,7 +164,7 @@ class Generation(WorkerGroupGeneration):
 
     def __init__(
         self,
-        cluster: VirtualCluster,
+        cluster: Any,
         config: GenerationConfig | dict[str, Any],
         model_name: str,
         *,
@@ -202,7 +201,7 @@ class Generation(WorkerGroupGeneration):
     def prepare_refit_info(self, metadata: RefitMetadata) -> None:
         self.worker_group.run_all("prepare_refit_info", metadata)
 
-    def update_weights(self, buffers: Sequence[np.ndarray] | ray.ObjectRef, version: int) -> None:
+    def update_weights(self, buffers: Sequence[np.ndarray] | Any, version: int) -> None:
         """Send packed buffers to every worker through the object store, once.
 
         Args:
@@ -210,11 +209,23 @@ class Generation(WorkerGroupGeneration):
                 returned), which is passed on without fetching it here.
             version: the policy's weights version these buffers hold.
         """
-        ref = buffers if isinstance(buffers, ray.ObjectRef) else ray.put(list(buffers))
+        ref = buffers if actors.is_ref(buffers) else actors.put(list(buffers), self.worker_group.is_local)
         # A top-level ObjectRef argument is resolved by Ray in each worker: the arrays are read
         # zero-copy from the node's shared memory.
         self.worker_group.run_all("update_weights", ref, version)
         self.weights_version = version
+
+    def refit_from_policy(self, policy: Any, metadata: RefitMetadata, version: int) -> None:
+        """With the policy in this process too (the local backend), the engine reads the policy's
+        weights in place (`GenerationWorker.share_weights`): no packing, no copy once shared.
+        Otherwise packed buffers through the object store (`update_weights`)."""
+        if self.worker_group.is_local and policy.worker_group.is_local:
+            weights = policy.worker_group.run_rank0("live_weights")
+            if weights is not None:
+                self.worker_group.run_all("share_weights", weights, version)
+                self.weights_version = version
+                return
+        super().refit_from_policy(policy, metadata, version)
 
     def weight_dtypes(self) -> dict[str, torch.dtype]:
         """dtype of every weight the engine holds (all workers load the same model and precision)."""

@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import numpy as np
-import ray
 import torch
 
 from posttrain.config.schema import GenerationConfig
+from posttrain.distributed import actors
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
 from posttrain.models.generation.engine import NativeGenerationEngine
@@ -121,15 +121,43 @@ class GenerationWorker(DistributedWorker):
         self.refit_metadata = metadata
         return True
 
-    def update_weights(self, buffers: Sequence[np.ndarray] | Sequence[ray.ObjectRef], version: int) -> bool:
+    def update_weights(self, buffers: Sequence[np.ndarray] | Sequence[Any], version: int) -> bool:
         """Copy packed weights into the model; `buffers` are arrays (zero-copy from Ray's object
         store) or refs to them. Records `version` as the held weights version."""
         if self.refit_metadata is None:
             raise RuntimeError("update_weights before prepare_refit_info: call Generation.prepare_refit_info first")
-        buffers = [ray.get(b) if isinstance(b, ray.ObjectRef) else b for b in buffers]
+        buffers = [actors.get(b) if actors.is_ref(b) else b for b in buffers]
         load_packed(self.model, buffers, self.refit_metadata)
         self.weights_version = version
         return True
+
+    @torch.no_grad()
+    def share_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
+        """Refit from a policy in this process (the local backend): each tensor of `weights` of
+        the model's dtype and device becomes the model's own (shared storage: the policy's
+        optimizer steps update it in place, so later refits move no bytes); the others are copied.
+        Returns the number of bytes copied."""
+        own = self.model.state_dict()
+        unknown = sorted(set(weights) - set(own))
+        if unknown:
+            raise KeyError(f"refit: model has no tensors named {unknown[:5]}")
+        copied = 0
+        for name, source in weights.items():
+            target = own[name]
+            if target.data_ptr() == source.data_ptr():
+                continue  # shared since an earlier refit
+            if source.dtype == target.dtype and source.device == target.device and source.shape == target.shape:
+                module_name, _, leaf = name.rpartition(".")
+                module = self.model.get_submodule(module_name)
+                if leaf in module._parameters:
+                    module._parameters[leaf].data = source
+                else:
+                    module._buffers[leaf] = source
+            else:
+                target.copy_(source)
+                copied += source.numel() * source.element_size()
+        self.weights_version = version
+        return copied
 
     def get_weights_version(self) -> int:
         return self.weights_version

@@ -26,6 +26,7 @@ import os
 import random
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -36,7 +37,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.utils.checkpoint import publish_dir
+
+# A worker of the local backend saves and loads without a process group, which DCP handles (it
+# reads and writes as the only rank) but warns about on every call.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
 
 MODEL_DIR, OPTIM_DIR, HF_DIR = "model", "optim", "hf"
 TRAINER_STATE_FILE = "trainer_state.pt"
@@ -85,11 +92,11 @@ def save_sharded(
         hf_config / tokenizer: saved by rank 0 with `save_pretrained` into `hf/`.
     """
     final, tmp = Path(path), tmp_path(path)
-    rank = dist.get_rank()
+    rank = dist.get_rank() if dist.is_initialized() else 0  # a local-backend worker has no process group
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         tmp.mkdir(parents=True)
-    dist.barrier()
+    _barrier()
     dcp.save(model_state, checkpoint_id=str(tmp / MODEL_DIR))
     if optim_state is not None:
         dcp.save(optim_state, checkpoint_id=str(tmp / OPTIM_DIR))
@@ -99,11 +106,16 @@ def save_sharded(
         torch.save(trainer_state, tmp / TRAINER_STATE_FILE)
         hf_config.save_pretrained(tmp / HF_DIR)
         tokenizer.save_pretrained(tmp / HF_DIR)
-    dist.barrier()  # every rank's shards are on disk before the rename publishes them
+    _barrier()  # every rank's shards are on disk before the rename publishes them
     if rank == 0:
         publish_dir(tmp, final)
-    dist.barrier()
+    _barrier()
     return final
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def check_checkpoint_dir(path: str | os.PathLike) -> Path:
@@ -144,7 +156,7 @@ def save_hf(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with torch.device("meta"):
+    with torch.device("meta"), MODEL_BUILD_LOCK:
         model = MODEL_CLASSES[model_type].from_config(hf_config)
     missing, unexpected = model.load_state_dict(dict(state_dict), strict=False, assign=True)
     tied = set(getattr(model, "_tied_weights_keys", None) or ())

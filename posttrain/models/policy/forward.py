@@ -11,6 +11,11 @@ always gets ordinary right-padded `[n, L]` rows):
   token inside its own sequence (eager / sdpa attention; flash-attention varlen kwargs are not
   wired yet); the packed logprobs are unpacked back to `[n, L]` before the loss.
 Bin packing, packed tensors and unpacking are `posttrain.data.packing`'s.
+
+Two ways to turn a micro-batch into logprobs (`microbatch_logprobs`): the plain one takes the
+model's logits `[n, L, V]` and `next_token_logprobs`; the fused one (`fused=True`, for models
+`linear_logprobs.fused_logprobs_problem` accepts) takes the decoder's last hidden states, picks the
+positions whose logprob is wanted and runs `linear_logprobs` on them only, never building the logits.
 """
 
 from __future__ import annotations
@@ -24,6 +29,12 @@ import torch.nn.functional as F
 
 from posttrain.data import packing
 from posttrain.distributed.batch import Batch
+from posttrain.models.policy.linear_logprobs import (
+    attention_implementation,
+    final_hidden_states,
+    linear_logprobs,
+    output_weight,
+)
 
 
 @dataclass
@@ -118,9 +129,25 @@ def packed_forward(model: torch.nn.Module, mb: MicroBatch, device: torch.device)
 
 
 def microbatch_logprobs(
-    model: torch.nn.Module, mb: MicroBatch, device: torch.device, compute_dtype: torch.dtype, temperature: float = 1.0
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    temperature: float = 1.0,
+    *,
+    fused: bool = False,
+    loss_positions_only: bool = False,
 ) -> torch.Tensor:
-    """Logprobs `[n, L]` of a micro-batch's rows (0 at position 0 and in the padding)."""
+    """Logprobs `[n, L]` of a micro-batch's rows (0 at position 0 and in the padding).
+
+    Args:
+        fused: through the decoder's hidden states and `linear_logprobs` (default False: the
+            model's logits); the caller checks `fused_logprobs_problem(model)` first.
+        loss_positions_only: with `fused`, compute only the positions a loss reads
+            (`logprob_positions`); the others hold 0 (default False: every valid position).
+    """
+    if fused:
+        return _fused_microbatch_logprobs(model, mb, device, compute_dtype, temperature, loss_positions_only)
     input_ids = mb.rows["input_ids"].to(device)
     lengths = mb.rows["input_lengths"].to(device)
     seq_len = input_ids.shape[1]
@@ -135,6 +162,62 @@ def microbatch_logprobs(
         mask = (torch.arange(seq_len, device=device)[None, :] < lengths[:, None]).long()
         logits = model(input_ids=input_ids, attention_mask=mask).logits
     return next_token_logprobs(logits, input_ids, temperature) * mask
+
+
+def logprob_positions(rows: Batch, loss_positions_only: bool) -> torch.Tensor:
+    """`[n, L]` bool: where a logprob is wanted. Every valid position but the first of each row; with
+    `loss_positions_only` (and a `token_mask` in `rows`) only those where the losses read it,
+    `token_mask != 0` and `sample_mask != 0` (docs/internals.md: a loss uses positions `1:` under
+    `token_mask[:, 1:] * sample_mask[:, None]`)."""
+    lengths = rows["input_lengths"]
+    positions = torch.arange(rows["input_ids"].shape[1], device=lengths.device)
+    wanted = (positions[None, :] < lengths[:, None]) & (positions[None, :] > 0)
+    if loss_positions_only and "token_mask" in rows:
+        wanted &= rows["token_mask"] != 0
+        if "sample_mask" in rows:
+            wanted &= (rows["sample_mask"] != 0)[:, None]
+    return wanted
+
+
+def _fused_microbatch_logprobs(
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    temperature: float,
+    loss_positions_only: bool,
+) -> torch.Tensor:
+    """`microbatch_logprobs` from the decoder's hidden states at the wanted positions only.
+
+    The logprob at row position i comes from the hidden state of the token before it: flat index
+    `row * L + i - 1` of a padded `[n, L]` forward, `cu_seqlens[row] + i - 1` of a packed `[1, T]`
+    one (a packed sequence's first position is never wanted, so no sequence reads its neighbour).
+    The values are written straight into the `[n, L]` layout; a packed row needs no unpacking.
+    """
+    input_ids = mb.rows["input_ids"].to(device)
+    n_rows, seq_len = input_ids.shape
+    row, pos = logprob_positions(mb.rows, loss_positions_only).to(device).nonzero(as_tuple=True)
+    with _autocast(device, compute_dtype), final_hidden_states(model) as captured:
+        # logits_to_keep=1: transformers runs its head on one position per row; we do the rest.
+        if mb.packed is not None:
+            model(input_ids=mb.packed["input_ids"].to(device), position_ids=mb.packed["position_ids"].to(device),
+                  use_cache=False, logits_to_keep=1)
+            hidden_index = mb.packed["cu_seqlens"].to(device).long()[row] + pos - 1
+        else:
+            # Right-padded rows need no attention mask with a causal model: no valid token sees the
+            # padding after it, and the padding's outputs are never read. Without one, SDPA takes
+            # its causal kernel instead of a dense boolean mask (flash-attention keeps its mask:
+            # it skips the padding).
+            lengths = mb.rows["input_lengths"].to(device)
+            mask = (torch.arange(seq_len, device=device)[None, :] < lengths[:, None]).long()
+            if attention_implementation(model) in ("sdpa", "eager"):
+                mask = None
+            model(input_ids=input_ids, attention_mask=mask, logits_to_keep=1)
+            hidden_index = row * seq_len + pos - 1
+        hidden = captured[-1]
+        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, hidden_index)
+        values = linear_logprobs(hidden, output_weight(model), input_ids[row, pos], temperature)
+    return values.new_zeros(n_rows, seq_len).index_put((row, pos), values)
 
 
 def microbatch_logits(

@@ -7,15 +7,17 @@ together (they run collectives among themselves) and returns results in the call
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from posttrain.config.schema import PolicyConfig
 from posttrain.distributed.batch import Batch
-from posttrain.distributed.cluster import VirtualCluster
 from posttrain.distributed.worker_group import WorkerGroup
 from posttrain.models.policy.worker import PolicyWorker
+
+if TYPE_CHECKING:
+    from posttrain.distributed.cluster import VirtualCluster
 
 
 class Policy:
@@ -34,7 +36,7 @@ class Policy:
 
     def __init__(
         self,
-        cluster: VirtualCluster,
+        cluster: "VirtualCluster",
         cfg: PolicyConfig | dict,
         *,
         init_reference_model: bool,

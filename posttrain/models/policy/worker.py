@@ -38,6 +38,7 @@ from posttrain.config.schema import PolicyConfig
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
 from posttrain.models import lora, moe, refit
+from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype, resolve_model_path
 from posttrain.models.policy import checkpoint as ckpt
 from posttrain.models.policy.forward import (
@@ -49,6 +50,7 @@ from posttrain.models.policy.forward import (
     microbatch_scores,
     packed_microbatches,
 )
+from posttrain.models.policy.linear_logprobs import use_fused_logprobs
 from posttrain.utils.lr_schedule import build_lr_scheduler
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -115,6 +117,7 @@ class PolicyWorker(DistributedWorker):
         self.model.config.use_cache = False  # no KV cache in training / scoring forwards
         if self.cfg.activation_checkpointing:
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        self.fused_logprobs = model_type == "lm" and use_fused_logprobs(self.model, self.cfg.fused_logprobs, self.rank == 0)
         self.is_fsdp = self.world_size > 1
         if self.is_fsdp:
             self._shard_model()
@@ -156,7 +159,7 @@ class PolicyWorker(DistributedWorker):
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
         try:
-            with torch.random.fork_rng(devices=[]):
+            with torch.random.fork_rng(devices=[]), MODEL_BUILD_LOCK:
                 torch.manual_seed(0)  # the new score head: same initial values on every rank and run
                 model, info = AutoModelForSequenceClassification.from_pretrained(
                     model_path, config=config, dtype=torch.float32, output_loading_info=True
@@ -219,12 +222,17 @@ class PolicyWorker(DistributedWorker):
             mbs += [mbs[-1].as_dummy() for _ in range(int(count) - len(mbs))]
         return mbs
 
-    def _forward(self, mb: MicroBatch, temperature: float, input_type: str = "logprobs") -> torch.Tensor:
+    def _forward(
+        self, mb: MicroBatch, temperature: float, input_type: str = "logprobs", for_loss: bool = False
+    ) -> torch.Tensor:
+        """Scores, logits or logprobs of one micro-batch; `for_loss`: logprobs are needed only where
+        the loss reads them (the fused path leaves the other positions 0)."""
         if self.model_type == "reward":
             return microbatch_scores(self.model, mb, self.device, self.compute_dtype)
         if input_type == "logits":  # full next-token logits [n, L, V] (distillation)
             return microbatch_logits(self.model, mb, self.device, self.compute_dtype, temperature)
-        return microbatch_logprobs(self.model, mb, self.device, self.compute_dtype, temperature)
+        return microbatch_logprobs(self.model, mb, self.device, self.compute_dtype, temperature,
+                                  fused=self.fused_logprobs, loss_positions_only=for_loss)
 
     # ------------------------------------------------------------------------------ logprobs
     def get_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
@@ -371,7 +379,7 @@ class PolicyWorker(DistributedWorker):
             bad_microbatches: list[int] = []
             for mb_index, mb in enumerate(self._microbatches(rows, for_training=True, rows_per_mb=mbs)):
                 with moe.record_router_logits(self.model, enabled=router_tokens is not None) as routers:
-                    outputs = self._forward(mb, temperature, input_type)
+                    outputs = self._forward(mb, temperature, input_type, for_loss=True)
                 if mb.dummy:
                     (outputs.sum() * 0.0).backward()
                     continue
@@ -487,6 +495,14 @@ class PolicyWorker(DistributedWorker):
         """Full parameters in HF names, dtype as trained (float32 masters), on rank 0; None elsewhere."""
         state = self._full_state_dict()
         return state if self.rank == 0 else None
+
+    def live_weights(self) -> Optional[dict[str, torch.Tensor]]:
+        """The model's own weight tensors by name, not copied, for a generation engine in this
+        process to read in place (the local backend); None when generation needs something else
+        (LoRA: the merged weights; FSDP: the full tensors, not shards): refit copies them then."""
+        if self.lora_scaling is not None or self.is_fsdp:
+            return None
+        return dict(self.model.state_dict())  # detached tensors sharing the parameters' storage
 
     def pack_for_refit(self, metadata: refit.RefitMetadata) -> Optional[list]:
         """Collective: rank 0 packs the full weights into `metadata`'s refit buffers; None elsewhere."""

@@ -1,0 +1,242 @@
+"""Decode steps for `NativeGenerationEngine`: the model's own forward, or a faster one for llama-like models.
+
+The engine prefills with the model's forward into a `DynamicCache`, then hands that cache to a
+decoder, which feeds one token per running row per step and returns the next-token logits:
+
+- `ModelForwardDecoder`: the model's forward with a `DynamicCache` and a 2-D attention mask, for
+  any Hugging Face causal LM.
+- `LlamaLikeDecoder`: for the decoder families in `LLAMA_LIKE_LAYERS` (llama, mistral, qwen2,
+  qwen3, qwen3_moe, mixtral). It runs the model's own modules and functions (embedding, norms,
+  projections, rotary embedding and `apply_rotary_pos_emb`, MLP or mixture-of-experts block) and
+  calls SDPA as transformers does, so its logits are the forward's bit for bit (SmolLM2-135M, 32
+  rows), and differs from the forward in two places (measured on SmolLM2-135M, 2 CPU cores,
+  benchmarks/README.md):
+  - KV cache: one `[rows, kv_heads, prompt + new tokens, head_dim]` buffer per layer, written in
+    place. `DynamicCache` concatenates each layer's whole cache every step (copying that grows
+    with the sequence: 21 ms of a 164 ms step at 32 rows and 88 positions, 1 thread).
+  - Attention mask: a `[rows, 1, 1, positions]` additive buffer (0 or -inf, what SDPA turns a
+    boolean mask into on every call) built once and sliced, instead of a 4-D mask built from the
+    2-D one every step and converted in each layer.
+
+`unsupported_reason` says why a model cannot use `LlamaLikeDecoder`, and `LlamaLikeDecoder.self_check`
+compares a decode step against the model's forward before first use, so a transformers release
+that changes a layer's maths falls back to the forward instead of generating from another model.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+# Decoder layers computing x += o_proj(attention(input_layernorm(x))); x += mlp(post_attention_layernorm(x)),
+# where attention is q/k/v projections (Qwen3: per-head q_norm/k_norm first), the rotary embedding and
+# SDPA over grouped KV heads, with no sliding window.
+LLAMA_LIKE_LAYERS = frozenset({
+    "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+    "Qwen3MoeDecoderLayer", "MixtralDecoderLayer",
+})
+
+
+class ModelForwardDecoder:
+    """Decode with the model's own forward, a `DynamicCache` and a 2-D attention mask (any causal LM)."""
+
+    # `DynamicCache` copies the whole cache every step, so finished rows are dropped at once.
+    keeps_finished_rows = False
+
+    def __init__(self, model: torch.nn.Module, supports_logits_to_keep: bool):
+        self.model = model
+        self.extra_args = {"logits_to_keep": 1} if supports_logits_to_keep else {}
+        self.cache: Optional[DynamicCache] = None
+        self.attention_mask: Optional[torch.Tensor] = None
+
+    def start(self, prefill_cache: DynamicCache, prompt_mask: torch.Tensor, row_map: torch.Tensor, capacity: int):
+        """See `LlamaLikeDecoder.start` (`capacity` is unused: the cache grows)."""
+        if not torch.equal(row_map, torch.arange(prompt_mask.shape[0], device=row_map.device)):
+            prefill_cache.batch_select_indices(row_map)  # one cache row per running row
+        self.cache, self.attention_mask = prefill_cache, prompt_mask.index_select(0, row_map)
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """See `LlamaLikeDecoder.step`."""
+        mask = self.attention_mask
+        self.attention_mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        out = self.model(
+            input_ids=tokens.unsqueeze(1), attention_mask=self.attention_mask, position_ids=positions.unsqueeze(1),
+            past_key_values=self.cache, use_cache=True, **self.extra_args,
+        )
+        return out.logits[:, -1, :]
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """See `LlamaLikeDecoder.keep_rows`."""
+        self.cache.batch_select_indices(keep)
+        self.attention_mask = self.attention_mask[keep]
+
+
+def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
+    """None if `LlamaLikeDecoder` can decode for `model`, else why not (one line)."""
+    config = getattr(model, "config", None)
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if config is None or layers is None or not all(hasattr(base, a) for a in ("norm", "rotary_emb")):
+        return f"{type(model).__name__} is not a decoder with model.layers, model.norm and model.rotary_emb"
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return f"attention implementation {config._attn_implementation!r} (this path reproduces 'sdpa')"
+    names = {type(layer).__name__ for layer in layers}
+    if not names <= LLAMA_LIKE_LAYERS:
+        return f"decoder layers {sorted(names - LLAMA_LIKE_LAYERS)} are not llama-like"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        return f"layer types {sorted(set(layer_types))} (only full attention is reproduced)"
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return f"sliding window {config.sliding_window}"
+    if any(getattr(layer.self_attn, "sliding_window", None) is not None for layer in layers):
+        return "sliding-window attention"
+    if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
+        return "the output embedding is not an nn.Linear"
+    return None
+
+
+class LlamaLikeDecoder:
+    """One-token decode steps over a preallocated KV cache, for a model `unsupported_reason` accepts.
+
+    Usage: `start(...)` once per generation with the prefill's cache, then `step(...)` per token;
+    `keep_rows(...)` drops finished rows. Holds the model's modules, not copies of its weights, so
+    refits (in-place weight copies) and device moves need no action.
+    """
+
+    # Dropping rows copies the whole cache, while a finished row left in the batch costs a little
+    # matmul and attention work per step: the engine drops finished rows in batches.
+    keeps_finished_rows = True
+
+    def __init__(self, model: torch.nn.Module):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"LlamaLikeDecoder cannot decode for this model: {reason}")
+        config = model.config
+        self.model = model
+        self.embed = model.get_input_embeddings()
+        self.layers = list(model.model.layers)
+        self.norm = model.model.norm
+        self.rotary_emb = model.model.rotary_emb
+        self.lm_head = model.get_output_embeddings()
+        first_attention = self.layers[0].self_attn
+        # The modeling module's own rotary function, so the model's variant is applied as it applies it.
+        self.apply_rotary = sys.modules[type(first_attention).__module__].apply_rotary_pos_emb
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = first_attention.head_dim
+        self.keys: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
+        self.values: list[torch.Tensor] = []
+        self.attention_bias: Optional[torch.Tensor] = None  # [rows, 1, 1, capacity]: 0 or -inf (padding)
+        self.length = 0  # cache positions filled: prompt width + tokens fed so far
+        self.rows = 0
+        self.has_padding = False  # some running row has a masked (left-padding) position
+
+    def start(
+        self, prefill_cache: DynamicCache, prompt_mask: torch.Tensor, row_map: torch.Tensor, capacity: int
+    ) -> None:
+        """Build the cache of the running rows from a prefill over `U` distinct prompts.
+
+        Args:
+            prefill_cache: the prefill's cache, `[U, kv_heads, P, head_dim]` per layer.
+            prompt_mask: `[U, P]` attention mask of the left-padded prompts.
+            row_map: `[B]` the prompt (index into U) of each running row.
+            capacity: positions to hold, at least P + the tokens that will be fed.
+        """
+        rows, width = row_map.numel(), prompt_mask.shape[1]
+        self.keys, self.values = [], []
+        for layer in prefill_cache.layers:
+            for store, prefilled in ((self.keys, layer.keys), (self.values, layer.values)):
+                buffer = prefilled.new_empty(rows, prefilled.shape[1], capacity, prefilled.shape[3])
+                buffer[:, :, :width] = prefilled.index_select(0, row_map)
+                store.append(buffer)
+        padding = prompt_mask.index_select(0, row_map) == 0
+        self.attention_bias = self.keys[0].new_zeros(rows, 1, 1, capacity)
+        self.attention_bias[:, 0, 0, :width].masked_fill_(padding, float("-inf"))
+        self.length, self.rows = width, rows
+        self.has_padding = bool(padding.any())
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Keep only the running rows `keep` (indices into the running rows), moved to the front."""
+        count, filled = keep.numel(), self.length
+        for buffer in self.keys + self.values:
+            buffer[:count, :, :filled] = buffer[keep, :, :filled]
+        self.attention_bias[:count] = self.attention_bias[keep]
+        self.rows = count
+        self.has_padding = bool(self.attention_bias[:count, :, :, :filled].isinf().any())
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Feed one token per running row; returns the next-token logits `[rows, V]`.
+
+        Args:
+            tokens: `[rows]` token ids.
+            positions: `[rows]` their position ids.
+        """
+        rows, column = tokens.numel(), self.length
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        if rows != self.rows:
+            raise ValueError(f"step got {rows} rows, the cache holds {self.rows}")
+        if column >= self.keys[0].shape[2]:
+            raise RuntimeError(f"KV cache full ({column} positions)")
+        x = self.embed(tokens)  # [rows, hidden]
+        cos, sin = self.rotary_emb(x, positions.unsqueeze(1))  # [rows, 1, head_dim]
+        bias = self.attention_bias[:rows, :, :, : column + 1]
+        for index, layer in enumerate(self.layers):
+            attention = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attention.q_proj(h).view(rows, 1, heads, head_dim)
+            k = attention.k_proj(h).view(rows, 1, kv_heads, head_dim)
+            v = attention.v_proj(h).view(rows, 1, kv_heads, head_dim)
+            if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm per head
+                q, k = attention.q_norm(q), attention.k_norm(k)
+            q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [rows, heads, 1, d]
+            keys, values = self.keys[index], self.values[index]
+            keys[:rows, :, column] = k[:, :, 0]
+            values[:rows, :, column] = v[:, 0]
+            keys, values = keys[:rows, :, : column + 1], values[:rows, :, : column + 1]
+            # The two SDPA calls transformers makes for one query token (integrations/sdpa_attention.py), so
+            # both round alike: without padding, no mask and the KV-head groups inside SDPA; with padding,
+            # the mask, and the heads sharing a KV head packed as that head's queries (pack_gqa).
+            if self.has_padding:
+                out = F.scaled_dot_product_attention(
+                    q.reshape(rows, kv_heads, heads // kv_heads, head_dim), keys, values,
+                    attn_mask=bias, scale=attention.scaling,
+                )
+            else:
+                out = F.scaled_dot_product_attention(
+                    q, keys, values, scale=attention.scaling, enable_gqa=heads != kv_heads
+                )
+            x = x + attention.o_proj(out.reshape(rows, heads * head_dim))
+            # [rows, 1, hidden] as in the model: mixture-of-experts blocks expect a sequence dimension.
+            x = x + layer.mlp(layer.post_attention_layernorm(x).unsqueeze(1)).squeeze(1)
+        self.length = column + 1
+        return self.lm_head(self.norm(x))
+
+    @torch.inference_mode()
+    def self_check(self) -> Optional[str]:
+        """Compare one decode step against the model's forward on two rows (one left-padded); None if
+        they agree to float rounding (1e-4 of the largest logit in float32, 5e-2 in 16-bit types),
+        else the difference."""
+        vocab, device = self.embed.num_embeddings, self.embed.weight.device
+        generator = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, vocab, (2, 5), generator=generator).to(device)
+        token = torch.randint(0, vocab, (2,), generator=generator).to(device)
+        mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], device=device)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        self.model(input_ids=prompt, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        self.start(cache, mask, torch.arange(2, device=device), capacity=6)
+        ours = self.step(token, positions[:, -1] + 1).float()
+        reference = self.model(
+            input_ids=token.unsqueeze(1), attention_mask=torch.cat([mask, mask.new_ones(2, 1)], 1),
+            position_ids=(positions[:, -1] + 1).unsqueeze(1), past_key_values=cache, use_cache=True,
+        ).logits[:, -1].float()
+        self.keys, self.values, self.attention_bias = [], [], None
+        tolerance = 1e-4 if self.embed.weight.dtype == torch.float32 else 5e-2
+        error = ((ours - reference).abs().max() / reference.abs().max().clamp(min=1e-6)).item()
+        if error <= tolerance:
+            return None
+        return f"a decode step differs from the model's forward by {error:.2e} of the largest logit"
