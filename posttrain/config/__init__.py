@@ -1,4 +1,4 @@
-"""Typed configs: schemas (`schema.py`) and YAML + override loading (`loader.py`).
+"""Typed configs: schemas (`schema/`) and YAML + override loading (`loader.py`).
 
 Imports only pydantic and PyYAML, so config errors answer before any heavy library loads.
 """

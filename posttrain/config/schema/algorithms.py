@@ -1,0 +1,254 @@
+"""Each algorithm's own section: `grpo`, `sft`, `dpo`, `rm`, `eval`, `distillation`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import Field, model_validator
+
+from posttrain.config.schema.base import Section, check_component_name
+
+
+class AdvantageEstimatorConfig(Section):
+    """Which advantage estimator GRPO uses (NeMo-RL's `adv_estimator` section)."""
+
+    name: str = Field(
+        "grpo",
+        description=(
+            "'grpo' (default: group baseline, optional std normalisation, from grpo.normalize_rewards, "
+            "grpo.group_std, grpo.use_leave_one_out_baseline), 'reinforce_pp' (Hu et al. 2025), or a user's "
+            "function as an import path 'module:function' / 'file.py:function' with the signature "
+            "fn(rewards [B], group_ids [B], sample_mask [B], **kwargs) -> advantages [B]."
+        ),
+    )
+    kwargs: dict[str, Any] = Field({}, description="Extra keyword options passed to the estimator.")
+
+    @model_validator(mode="after")
+    def _check(self):
+        check_component_name(self.name, "grpo.adv_estimator.name")
+        return self
+
+
+class AsyncGRPOConfig(Section):
+    """Asynchronous GRPO: a trajectory collector keeps generating on its own workers while the
+    policy trains, through a replay buffer of per-prompt groups with bounded staleness (NeMo-RL's
+    async GRPO; `posttrain/algorithms/async_grpo.py`)."""
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Overlap generation and training: needs policy.generation.colocated.enabled=false and "
+            "loss_fn.use_importance_sampling_correction=true."
+        ),
+    )
+    max_trajectory_age_steps: int = Field(
+        1, ge=1,
+        description=(
+            "Oldest weights a trained group may come from, in steps behind the policy; older groups are evicted "
+            "and counted (async/evicted_groups). The collector runs at most this many steps ahead."
+        ),
+    )
+    buffer_timeout_s: float = Field(
+        600.0, gt=0,
+        description=(
+            "Longest the trainer waits for a step's groups before the run stops with the collector's state; "
+            "a dead collector stops it at once."
+        ),
+    )
+    rollout_timeout_s: float = Field(
+        300.0, gt=0,
+        description=(
+            "Longest one rollout batch may wait for its environments: groups whose environment calls are still "
+            "running then are dropped and counted (async/dropped_groups) instead of holding the buffer."
+        ),
+    )
+    max_consecutive_failed_rollouts: int = Field(
+        3, ge=1,
+        description=(
+            "Rollout batches in a row that may yield no group (all dropped) before the collector gives up and "
+            "the run stops with the reason."
+        ),
+    )
+
+
+class GRPOConfig(Section):
+    """The GRPO loop: group sizes, run length, validation schedule, advantage estimation, DAPO filters."""
+
+    num_prompts_per_step: int = Field(
+        16, ge=1,
+        description="Prompts per GRPO step; each is answered num_generations_per_prompt times.",
+    )
+    num_generations_per_prompt: int = Field(
+        8, ge=1,
+        description="Samples per prompt: the group whose rewards form the baseline.",
+    )
+    max_rollout_turns: int = Field(
+        1, ge=1,
+        description="Turns per episode at most (1: single-turn; multi-turn environments need more).",
+    )
+    max_num_steps: int = Field(
+        100, ge=1,
+        description="Training steps (the run stops at this or max_num_epochs, whichever comes first).",
+    )
+    max_num_epochs: int = Field(1000, ge=1, description="Passes over the training prompts at most.")
+    normalize_rewards: bool = Field(
+        True,
+        description="Divide advantages by the group's reward std (GRPO); false keeps mean-centred rewards (Dr.GRPO).",
+    )
+    group_std: Literal["sample", "population"] = Field(
+        "sample",
+        description=(
+            "Std that normalises group advantages: 'sample' divides by n - 1 (NeMo-RL, TRL; default), "
+            "'population' by n (posttrain before 0.2: advantages sqrt(n/(n-1)) larger)."
+        ),
+    )
+    use_leave_one_out_baseline: bool = Field(
+        False,
+        description="Baseline each sample by the mean of the other samples of its group (RLOO).",
+    )
+    adv_estimator: AdvantageEstimatorConfig = AdvantageEstimatorConfig()
+    async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
+    val_period: int = Field(10, ge=0, description="0 disables periodic validation.")
+    val_at_start: bool = Field(True, description="Validate before the first step.")
+    val_at_end: bool = Field(True, description="Validate after the last step.")
+    max_val_samples: int = Field(500, ge=1, description="Validation prompts at most (per blend component).")
+    val_batch_size: int = Field(256, ge=1, description="Validation prompts generated per batch.")
+    val_num_generations_per_prompt: int = Field(1, ge=1, description=">1 also reports pass@k.")
+    overlong_filtering: bool = Field(
+        False,
+        description="Mask out of the loss samples cut by max_new_tokens or the sequence limit (DAPO).",
+    )
+    use_dynamic_sampling: bool = Field(
+        False,
+        description="Drop groups whose rewards all agree and generate more prompts to fill the step (DAPO).",
+    )
+    dynamic_sampling_max_gen_batches: int = Field(
+        10, ge=1,
+        description="Generation batches per step at most under dynamic sampling (then trains on what it has).",
+    )
+    seed: int = Field(
+        42,
+        description="Seed of prompt order and sampling (generation seeds are a function of seed, step and sample).",
+    )
+
+
+class RewardShapingConfig(Section):
+    """DAPO overlong penalty (Yu et al. 2025)."""
+
+    enabled: bool = Field(False, description="Apply DAPO's soft overlong penalty to rewards.")
+    overlong_buffer_length: int = Field(
+        16, ge=1,
+        description="Tokens before max_response_length where the penalty ramps up linearly.",
+    )
+    overlong_buffer_penalty: float = Field(1.0, ge=0, description="Penalty at max_response_length (the ramp's end).")
+    max_response_length: Optional[int] = Field(None, ge=1, description="Defaults to policy.generation.max_new_tokens.")
+
+
+class OfflineLoopConfig(Section):
+    """What `algorithms.loop.train_offline` reads: run length, validation schedule, seed."""
+
+    max_num_steps: int = Field(
+        1000, ge=1,
+        description="Training steps (the run stops at this or max_num_epochs, whichever comes first).",
+    )
+    max_num_epochs: int = Field(1000, ge=1, description="Passes over the training data at most.")
+    val_period: int = Field(100, ge=0, description="Validate every this many steps; 0 only at the start / end.")
+    val_at_start: bool = Field(False, description="Validate before the first step.")
+    val_at_end: bool = Field(True, description="Validate after the last step.")
+    max_val_samples: int = Field(500, ge=1, description="Validation examples at most.")
+    val_batch_size: int = Field(256, ge=1, description="Validation examples per forward batch.")
+    seed: int = Field(42, description="Seed of data order and initialisation.")
+
+
+class SFTConfig(OfflineLoopConfig):
+    """The SFT loop: run length, validation schedule, export."""
+
+    export_dir: Optional[str] = Field(None, description="Write the trained model here in HF format at the end.")
+
+
+class _PairLoopConfig(OfflineLoopConfig):
+    """Preference-pair training (DPO, RM): shorter runs; validation counts pairs."""
+
+    max_num_steps: int = Field(
+        200, ge=1,
+        description="Training steps (the run stops at this or max_num_epochs, whichever comes first).",
+    )
+    val_period: int = Field(50, ge=0, description="Validate every this many steps; 0 only at the start / end.")
+    max_val_samples: int = Field(500, ge=1, description="Validation preference pairs.")
+    val_batch_size: int = Field(256, ge=1, description="Pairs per validation forward batch.")
+
+
+class DPOConfig(_PairLoopConfig):
+    """The DPO loop and loss (Rafailov et al. 2023)."""
+
+    reference_policy_kl_penalty: float = Field(0.1, gt=0, description="beta in the DPO loss (Rafailov et al. 2023).")
+    preference_average_log_probs: bool = Field(
+        False,
+        description=(
+            "Use per-token mean instead of summed response logprobs in the preference term (length-normalised, as in "
+            "SimPO / IPO variants)."
+        ),
+    )
+    sft_loss_weight: float = Field(
+        0.0, ge=0,
+        description="Weight of an NLL term on the chosen response (RPO-style regularisation); 0 disables.",
+    )
+    preference_loss_weight: float = Field(1.0, ge=0, description="Weight of the DPO preference term.")
+
+
+class RMConfig(_PairLoopConfig):
+    """The reward-model loop: run length, validation schedule, export."""
+
+    export_dir: Optional[str] = Field(None, description="Write the trained reward model here in HF format at the end.")
+
+
+class EvalConfig(Section):
+    """What `posttrain eval` scores and how."""
+
+    num_generations_per_prompt: int = Field(1, ge=1, description="k of pass@k; k>1 samples at policy.generation.temperature.")
+    max_samples: int = Field(500, ge=1, description="Prompts evaluated at most.")
+    batch_size: int = Field(256, ge=1, description="Prompts generated per batch.")
+    max_rollout_turns: int = Field(1, ge=1, description="Turns per episode at most.")
+    split: Literal["train", "validation"] = Field(
+        "validation",
+        description="Which split of data to evaluate: 'validation' (default) or 'train'.",
+    )
+    seed: int = Field(42, description="Seed of sampling (with num_generations_per_prompt > 1).")
+
+
+class DistillationConfig(Section):
+    """The on-policy distillation loop (`posttrain distill`; NeMo-RL's `distillation` section)."""
+
+    num_prompts_per_step: int = Field(16, ge=1, description="Prompts the student answers per step.")
+    num_generations_per_prompt: int = Field(4, ge=1, description="Student samples per prompt.")
+    max_rollout_turns: int = Field(1, ge=1, description="Turns per student episode at most.")
+    max_num_steps: int = Field(
+        100, ge=1,
+        description="Training steps (the run stops at this or max_num_epochs, whichever comes first).",
+    )
+    max_num_epochs: int = Field(1000, ge=1, description="Passes over the training prompts at most.")
+    topk_logits_k: int = Field(
+        64, ge=1, description="Teacher logits kept per position (NeMo-RL's default 64; at most the vocabulary size)."
+    )
+    val_period: int = Field(10, ge=0, description="0 disables periodic validation.")
+    val_at_start: bool = Field(True, description="Validate the student (and once the teacher) before the first step.")
+    val_at_end: bool = Field(True, description="Validate after the last step.")
+    max_val_samples: int = Field(500, ge=1, description="Validation prompts at most.")
+    val_batch_size: int = Field(256, ge=1, description="Validation prompts generated per batch.")
+    seed: int = Field(42, description="Seed of prompt order and sampling.")
+
+
+class DistillationLossConfig(Section):
+    """KL between the student and the teacher's top-k distribution (`algorithms/distill_loss.py`)."""
+
+    kl_type: Literal["forward", "reverse", "mixed"] = Field(
+        "forward",
+        description="'forward' KL(teacher||student) (default, mass-covering), 'reverse' KL(student||teacher) "
+        "(mode-seeking) or 'mixed' (mixed_kl_weight x forward + (1 - mixed_kl_weight) x reverse).",
+    )
+    mixed_kl_weight: float = Field(0.5, ge=0, le=1, description="Weight of the forward KL when kl_type='mixed'.")
+    zero_outside_topk: bool = Field(
+        False,
+        description="Treat the teacher's probability outside its top-k as ~0 and compare with the student's "
+        "full-vocabulary probabilities (default False: both renormalised over the top-k).",
+    )

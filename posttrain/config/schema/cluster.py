@@ -1,0 +1,69 @@
+"""`cluster`: where workers run (Ray or this process) and what each gets."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, model_validator
+
+from posttrain.config.schema.base import Section
+
+
+class ClusterConfig(Section):
+    """The Ray cluster the job runs on and the resources of its workers."""
+
+    backend: Literal["auto", "ray", "local"] = Field(
+        "auto",
+        description=(
+            "Where workers run. 'ray': Ray actors, one process per worker (any size, several nodes, GPUs). 'local': "
+            "every worker group and environment in this process, one worker each (starts in seconds: no Ray, "
+            "torch imported once); for one node without GPUs or with one, native generation, sync training. 'auto': "
+            "local when the job fits it (one node, no GPU, no cluster.ray_address, one worker per group, native "
+            "generation, no async GRPO), else ray."
+        ),
+    )
+    num_nodes: int = Field(1, ge=1, description="Nodes in the Ray cluster to use.")
+    gpus_per_node: int = Field(0, ge=0, description="GPUs per node; 0 runs on CPU.")
+    cpus_per_worker: Optional[float] = Field(
+        None, gt=0,
+        description=(
+            "CPU cores per worker slot in CPU mode: the torch threads of its workers (colocated groups take turns, "
+            "so each uses them all) and, with Ray, the logical CPUs its bundle reserves. Default (null): every core "
+            "this process may use with the local backend, 1 with Ray."
+        ),
+    )
+    ray_address: Optional[str] = Field(None, description="Existing Ray cluster to join; None starts a local one.")
+    placement_timeout_s: float = Field(
+        120.0, gt=0,
+        description=(
+            "How long to wait for worker slots the cluster could hold but that are busy (other jobs) or, with "
+            "cluster.autoscaling, on nodes still to join; a request the live nodes cannot hold fails at once."
+        ),
+    )
+    worker_timeout_s: float = Field(1800.0, gt=0, description="Longest a single worker call may take.")
+    autoscaling: bool = Field(
+        False,
+        description=(
+            "The Ray cluster adds nodes on demand (Ray autoscaler / KubeRay): a request larger than the live "
+            "nodes waits up to cluster.placement_timeout_s instead of failing at once."
+        ),
+    )
+    bundle_resources: dict[Literal["policy", "generation"], dict[str, float]] = Field(
+        {},
+        description=(
+            "Extra Ray custom resources per worker slot of a group, e.g. {policy: {trainer: 1}, generation: "
+            "{rollout: 1}} to put training and (non-colocated) generation workers on the nodes started with "
+            "`ray start --resources '{\"trainer\": 8}'` / '{\"rollout\": 8}'."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_bundle_resources(self):
+        for group, resources in self.bundle_resources.items():
+            for key, value in resources.items():
+                if key in ("CPU", "GPU") or value <= 0:
+                    raise ValueError(
+                        f"cluster.bundle_resources.{group}.{key}={value}: give positive custom resources here; "
+                        "CPUs and GPUs come from cluster.cpus_per_worker and cluster.gpus_per_node"
+                    )
+        return self

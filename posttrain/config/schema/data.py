@@ -1,0 +1,179 @@
+"""`data` and `env`: prompt sets (one, or a blend) and the environments that score them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import ConfigDict, Field, model_validator
+
+from posttrain.config.schema.base import Section, check_component_name
+
+
+class ReasoningGymTask(Section):
+    """One reasoning-gym task of `data.dataset=reasoning_gym` (`data.reasoning_gym`)."""
+
+    name: str = Field(description="reasoning-gym data set name, e.g. 'chain_sum', 'spell_backward'.")
+    config: dict[str, Any] = Field({}, description="Keyword arguments of reasoning_gym.create_dataset (the task's own config).")
+    size: int = Field(1000, ge=1, le=10**7, description="Training problems (seeds data.seed + 0 .. size - 1).")
+    val_size: int = Field(
+        100, ge=0, le=10**7,
+        description="Validation problems (seeds from data.seed + 10**7; questions also in training dropped).",
+    )
+    weight: float = Field(1.0, gt=0, description="Share of each GRPO batch drawn from this task.")
+    prompt_template: Optional[str] = Field(
+        None,
+        description=(
+            "Prompt built from the entry's fields: {question} and the entry's metadata keys (e.g. '{expression} ='); "
+            "None uses the question."
+        ),
+    )
+
+
+class DataConfig(Section):
+    """Prompt (or SFT / preference) data and how rows become prompts."""
+
+    dataset: Literal["arithmetic", "jsonl", "hf", "reasoning_gym", "env"] = Field(
+        "arithmetic",
+        description=(
+            "Prompt source: 'arithmetic' (synthetic, seeded), 'jsonl' (train_path / validation_path), 'hf' (a Hugging "
+            "Face data set), 'reasoning_gym' (generated tasks) or 'env' (episodes made by the environment "
+            "data.env_name, e.g. sliding_puzzle boards; data.num_train / num_validation / seed)."
+        ),
+    )
+    train_path: Optional[str] = Field(None, description="JSONL file or HF dataset name (jsonl / hf).")
+    validation_path: Optional[str] = Field(
+        None,
+        description=(
+            "Validation split: a JSONL file ('jsonl') or NAME[:CONFIG][@SPLIT] ('hf'); None trains without validation."
+        ),
+    )
+    prompt_key: str = Field("prompt", description="Field of a row holding the prompt (text or chat messages).")
+    answer_key: str = Field("answer", description="Field of a row holding the reference answer the environment checks.")
+    chosen_key: str = Field("chosen", description="Preferred response of a preference pair (dpo / rm; jsonl / hf).")
+    rejected_key: str = Field("rejected", description="Dispreferred response of a preference pair (dpo / rm).")
+    prompt_template: str = Field(
+        "{prompt}",
+        description=(
+            "Python format string making each prompt from its row: {prompt} and the row's other fields (arithmetic "
+            "rows also have {a}, {op} and {b}: 'What is {a} {op} {b}?')."
+        ),
+    )
+    use_chat_template: bool = Field(
+        True,
+        description="Render prompts with the tokenizer's chat template (as a user turn); false feeds the raw text.",
+    )
+    system_prompt: Optional[str] = Field(
+        None,
+        description="System message put before every prompt (with the chat template).",
+    )
+    # Synthetic arithmetic
+    operations: list[Literal["add", "sub", "mul"]] = Field(
+        ["add"],
+        description="Arithmetic data: operations to draw from ('add', 'sub', 'mul').",
+    )
+    num_digits: int = Field(2, ge=1, le=12, description="Arithmetic data: digits per operand.")
+    num_train: int = Field(8000, ge=1, description="Arithmetic data: training problems generated.")
+    num_validation: int = Field(
+        500, ge=1,
+        description="Arithmetic data: validation problems generated (disjoint from training).",
+    )
+    seed: int = Field(1234, description="Seed of synthetic data generation.")
+    shuffle: bool = Field(
+        True,
+        description="Shuffle training rows each epoch (resumable: the order is a function of seed and epoch).",
+    )
+    env_name: str = Field(
+        "math",
+        description="Task of rows that name none (a JSONL row's own task_name wins); env.<task> serves it.",
+    )
+    reasoning_gym: list[ReasoningGymTask] = Field(
+        [], description="Tasks of data.dataset=reasoning_gym (optional extra: pip install 'posttrain[reasoning_gym]')."
+    )
+    blend: list[dict[str, Any]] = Field(
+        [],
+        description=(
+            "Several data sets in one run: a list of {name, weight (default 1), env (default: name), <data.* keys>}; "
+            "each component's data.* keys override this section's, its rows get task_name=name unless they carry "
+            "their own, and GRPO draws each prompt from component i with probability weight_i / sum(weights)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.dataset == "reasoning_gym" and not self.reasoning_gym and not self.blend:
+            raise ValueError("data.dataset=reasoning_gym needs data.reasoning_gym: a list of {name, config, size, val_size}")
+        names = [task.name for task in self.reasoning_gym]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.reasoning_gym names a task twice: {names}")
+        seen = set()
+        for i, component in enumerate(self.blend):
+            name = blend_component(self, i)[0]  # raises naming data.blend[i].<key>
+            if name in seen:
+                raise ValueError(f"data.blend[{i}].name={name!r} is used twice")
+            seen.add(name)
+        return self
+
+
+BLEND_KEYS = ("name", "weight", "env")
+
+
+def blend_component(data: "DataConfig", index: int) -> tuple[str, float, str, "DataConfig"]:
+    """(name, weight, env section, the component's own DataConfig) of `data.blend[index]`."""
+    from pydantic import ValidationError
+
+    component = data.blend[index]
+    key = f"data.blend[{index}]"
+    if not isinstance(component, dict):
+        raise ValueError(f"{key} must be a section {{name, weight, env, <data.* keys>}}, got {component!r}")
+    name = component.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{key}.name is required (the task name of its rows, e.g. 'math')")
+    weight = component.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+        raise ValueError(f"{key}.weight must be a number > 0, got {weight!r}")
+    env = component.get("env", name)
+    if not isinstance(env, str) or not env:
+        raise ValueError(f"{key}.env must be an environment name, got {env!r}")
+    overrides = {k: v for k, v in component.items() if k not in BLEND_KEYS}
+    if "blend" in overrides:
+        raise ValueError(f"{key}.blend: blends do not nest")
+    fields = data.model_dump(exclude={"blend"}, exclude_unset=True)
+    try:
+        sub = DataConfig.model_validate({**fields, **overrides, "env_name": name})
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"{key}.{where}: {first['msg']} (got {first.get('input')!r})") from None
+    return name, float(weight), env, sub
+
+
+# ---------------------------------------------------------------------------------- environments
+class EnvConfig(Section):
+    """`env.<name>` configures the environment serving task `<name>` (rows carry a task name:
+    `data.env_name`, or a JSONL row's own `task_name`). A built-in environment (math, code, mcqa,
+    structured, instructions, reasoning_gym) or one registered with `@register_env` takes just its
+    fields; a user's environment is `{class_path: "module:Class" or "file.py:Class", <fields>}`. The
+    fields are validated against the class's `config_class` (a pydantic model, kept beside the
+    environment) by `posttrain.preflight` before any worker starts; this schema does not import
+    the environments, so loading a config stays fast."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    @model_validator(mode="after")
+    def _check(self):
+        for name, section in (self.model_extra or {}).items():
+            if not isinstance(section, dict):
+                raise ValueError(f"env.{name} must be a section (class_path and the environment's fields), got {section!r}")
+            class_path = section.get("class_path")
+            if class_path is not None and (not isinstance(class_path, str) or ":" not in class_path):
+                raise ValueError(f"env.{name}.class_path={class_path!r} must be 'module:Class' or 'file.py:Class'")
+            check_component_name(class_path or name, f"env.{name}.class_path")
+        return self
+
+    def section(self, name: str) -> Any:
+        """The config given for environment `name` (a dict), or None."""
+        return (self.model_extra or {}).get(name)
+
+    def names(self) -> list[str]:
+        """The environments configured here."""
+        return sorted(self.model_extra or {})

