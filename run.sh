@@ -42,6 +42,8 @@ if [ ! -f "$STAMP" ]; then
     rm -f "$VENV"/.installed-*
     touch "$STAMP"
     echo "[run.sh] environment ready" >&2
+    # This process's start-up clock (posttrain/utils/startup.py) counts the install as its own phase.
+    export POSTTRAIN_INSTALL_DONE_AT="$(date +%s.%N)"
 fi
 export PATH="$VENV/bin:$PATH"
 exec "$@"

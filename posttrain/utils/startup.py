@@ -8,7 +8,8 @@ start) reports once, for the whole start-up.
 
 The clock starts when the process started (Linux: `/proc/self/stat`; a `./run.sh` wrapper execs
 the interpreter in the same process, so that is when the command was typed), else when this module
-was imported.
+was imported. When `./run.sh` installed its environment first, it says when it finished
+(`POSTTRAIN_INSTALL_DONE_AT`) and that time is the phase "install".
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ def process_start_time() -> float:
         return _IMPORTED_AT
 
 
+INSTALL_DONE_ENV = "POSTTRAIN_INSTALL_DONE_AT"
+
+
+def _float_or_none(text: Optional[str]) -> Optional[float]:
+    try:
+        return float(text) if text else None
+    except ValueError:
+        return None
+
+
 class StartupClock:
     """Milestones of one process's start-up, in order."""
 
@@ -42,6 +53,9 @@ class StartupClock:
         self.marks: list[tuple[str, float]] = []  # (phase that just ended, seconds since start)
         self.reported = False
         self.nested_depth = 0
+        installed_at = _float_or_none(os.environ.get(INSTALL_DONE_ENV))
+        if installed_at is not None and self.start <= installed_at <= time.time():  # this process's install
+            self.marks.append(("install", installed_at - self.start))
 
     def mark(self, phase: str) -> None:
         """`phase` ends now (a phase marked twice adds up)."""

@@ -62,3 +62,22 @@ def test_nested_jobs_neither_mark_nor_report_and_only_the_first_report_counts(mo
 
 def test_process_start_is_in_the_past():
     assert 0 <= time.time() - process_start_time() < 24 * 3600
+
+
+def test_run_sh_install_is_its_own_phase_not_config(monkeypatch):
+    # run.sh installed the environment for 60 s, then exec'd the job in the same process.
+    monkeypatch.setenv("POSTTRAIN_INSTALL_DONE_AT", "1060.0")
+    phases = clock_with_marks(monkeypatch, [("config", 60.3), ("workers", 61.0)], now=63.0)
+    assert phases["install"] == pytest.approx(60.0)
+    assert phases["config"] == pytest.approx(0.3)
+    assert list(phases)[0] == "install"
+    assert "install 60.0, config 0.3" in summary_line(phases)
+
+
+@pytest.mark.parametrize("value", ["999.0", "not-a-time", ""])
+def test_install_time_of_another_process_or_garbage_is_ignored(monkeypatch, value):
+    # An inherited value from before this process started (a shell opened by `run.sh bash`).
+    monkeypatch.setenv("POSTTRAIN_INSTALL_DONE_AT", value)
+    phases = clock_with_marks(monkeypatch, [("config", 0.5)], now=2.0)
+    assert "install" not in phases
+    assert phases["config"] == pytest.approx(0.5)
