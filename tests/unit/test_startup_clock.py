@@ -7,6 +7,13 @@ import pytest
 from posttrain.utils.startup import StartupClock, process_start_time, summary_line
 
 
+@pytest.fixture(autouse=True)
+def no_install_time(monkeypatch):
+    """Under `./run.sh pytest` right after an install, the suite inherits run.sh's real install time;
+    these clocks start at 1000.0, so only the tests that set one see one."""
+    monkeypatch.delenv("POSTTRAIN_INSTALL_DONE_AT", raising=False)
+
+
 def clock_with_marks(monkeypatch, marks: list[tuple[str, float]], now: float) -> dict:
     """A clock started at 1000.0 whose phases end at the given offsets; its report at `now`
     with a first step of 1 s."""
