@@ -43,7 +43,8 @@ if [ ! -f "$STAMP" ]; then
     touch "$STAMP"
     echo "[run.sh] environment ready" >&2
     # This process's start-up clock (posttrain/utils/startup.py) counts the install as its own phase.
-    export POSTTRAIN_INSTALL_DONE_AT="$(date +%s.%N)"
+    POSTTRAIN_INSTALL_DONE_AT="$(date +%s.%N)"
+    export POSTTRAIN_INSTALL_DONE_AT
 fi
 export PATH="$VENV/bin:$PATH"
 exec "$@"
