@@ -28,8 +28,7 @@ LAYER_SHAPES = [  # (in_features, out_features) of q, k, v, o, gate, up, down
 
 
 def decode_step_linears() -> list[torch.nn.Linear]:
-    shapes = LAYER_SHAPES * LAYERS + [(HIDDEN, VOCAB)]
-    return [torch.nn.Linear(i, o, bias=False) for i, o in shapes]
+    return [torch.nn.Linear(i, o, bias=False) for i, o in LAYER_SHAPES * LAYERS + [(HIDDEN, VOCAB)]]
 
 
 def int8_linears(linears: list[torch.nn.Linear]) -> list[torch.nn.Module] | None:
@@ -46,8 +45,8 @@ def int8_linears(linears: list[torch.nn.Linear]) -> list[torch.nn.Module] | None
 
 def step_seconds(linears: list[torch.nn.Module], inputs: dict[int, torch.Tensor], repeats: int) -> float:
     def step():
-        for linear, (in_features, _) in zip(linears, LAYER_SHAPES * LAYERS + [(HIDDEN, VOCAB)]):
-            linear(inputs[in_features])
+        for linear in linears:
+            linear(inputs[linear.in_features])
 
     with torch.inference_mode():
         return best_seconds(step, repeats)

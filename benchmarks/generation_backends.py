@@ -21,23 +21,13 @@ import argparse
 import time
 
 import torch
+from bench_timing import best_seconds
 
 from posttrain.config.loader import load_config
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.ray_utils import init_ray
 from posttrain.job import make_cluster, make_generation, make_policy
 from posttrain.models.refit import build_refit_metadata, refit_policy_generation
-
-
-def timed(fn, repeats: int) -> float:
-    """Best wall time of `repeats` calls, after one warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def prompts(batch: int, prompt_len: int, vocab: int) -> Batch:
@@ -72,9 +62,10 @@ def measure(model: str, backend: str, args) -> dict[str, float]:
         for mode, greedy in (("greedy", True), ("sampled", False)):
             out = generation.generate(batch, greedy=greedy)
             tokens = float(out["generation_lengths"].sum())
-            results[f"{mode}_tok_s"] = tokens / timed(lambda: generation.generate(batch, greedy=greedy), args.repeats)
+            seconds = best_seconds(lambda: generation.generate(batch, greedy=greedy), args.repeats)
+            results[f"{mode}_tok_s"] = tokens / seconds
         version = iter(range(1, 1000))
-        results["refit_s"] = timed(
+        results["refit_s"] = best_seconds(
             lambda: refit_policy_generation(policy, generation, metadata, version=next(version)), args.repeats)
         return results
     finally:

@@ -86,17 +86,6 @@ def model_shape(model_dir: str) -> ModelShape:
     )
 
 
-def worker_threads(cfg) -> int:
-    """The torch threads a policy worker of `cfg` computes with (as `posttrain.job.start_backend`
-    and the Ray workers set them)."""
-    from posttrain.config.schema import resolve_backend
-    from posttrain.distributed.actors import available_cpus
-
-    if resolve_backend(cfg) == "local":
-        return max(1, int(cfg.cluster.cpus_per_worker or available_cpus()))
-    return max(1, int(cfg.cluster.cpus_per_worker or 1))
-
-
 def measure_machine(shapes: list[tuple[int, int, int]], copy_bytes: int, linear_shapes: list[tuple[int, int]],
                     decode_rows: int, worker_threads: int) -> dict:
     """At a worker's torch threads and at all cores: float32 matmul GFLOP/s per (rows, k, n) shape,
@@ -238,6 +227,7 @@ def plot(tables: dict[str, dict], out: Path) -> None:
 def run_setting(name: str, steps: int | None) -> dict:
     """Measure the machine on this setting's matmul shapes, run its GRPO steps, print its table."""
     from posttrain.config.loader import load_config
+    from posttrain.job import worker_threads
     from posttrain.models.hf import resolve_model_path
 
     config, default_steps = SETTINGS[name]

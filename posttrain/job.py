@@ -34,15 +34,26 @@ def with_schedule_horizon(cfg, max_num_steps: int):
     return cfg
 
 
-def start_backend(cfg: MasterConfig) -> None:
-    """Start Ray (`cluster.backend` resolving to ray), or give this process's math the cores the
-    local backend's workers may use (they run here, taking turns)."""
+def worker_threads(cfg: MasterConfig) -> int:
+    """The torch threads each worker of `cfg` computes with: the local backend's workers run in this
+    process, taking turns, with `cluster.cpus_per_worker` or every core; a Ray worker gets its
+    bundle's CPUs (`cluster.cpus_per_worker`, default 1; see `WorkerGroup`)."""
     from posttrain.config.schema import resolve_backend
 
     if resolve_backend(cfg) == "local":
         from posttrain.distributed.actors import available_cpus
 
-        torch.set_num_threads(max(1, int(cfg.cluster.cpus_per_worker or available_cpus())))
+        return max(1, int(cfg.cluster.cpus_per_worker or available_cpus()))
+    return max(1, int(cfg.cluster.cpus_per_worker or 1))
+
+
+def start_backend(cfg: MasterConfig) -> None:
+    """Start Ray (`cluster.backend` resolving to ray), or give this process's math the cores the
+    local backend's workers may use."""
+    from posttrain.config.schema import resolve_backend
+
+    if resolve_backend(cfg) == "local":
+        torch.set_num_threads(worker_threads(cfg))
         return
     from posttrain.distributed.ray_utils import init_ray
 
