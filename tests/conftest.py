@@ -22,6 +22,8 @@ import sys
 
 import pytest
 
+import posttrain  # noqa: F401 - before any test module imports torch: its OpenMP threads then wait passively
+
 RAY_TEST_CPUS = 8
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
