@@ -145,7 +145,8 @@ def _rollout_turns(
         if seeds is not None:
             batch["seeds"] = seeds[active] + turn * 1_000_003
         # Engines return their shards as they finish: each shard's samples are appended and their
-        # environments start stepping at once, while the other shards still generate.
+        # environments start stepping at once (with the rest of their group once it is generated),
+        # while the other shards still generate.
         pending, ready_at, launch_seconds = [], [], 0.0
         group_left = Counter(i // group_size for i in active)  # each group's samples not generated yet
         waiting: dict[int, list[int]] = {}  # group -> its samples generated, waiting for the rest

@@ -333,11 +333,12 @@ class HttpEnvironment(Environment):
         """Record a `/seed_session` outcome on `url`; raise `ServerDown` at the
         `max_consecutive_seed_failures`-th failure in a row."""
         with self._lock:
-            failures = self._seed_failures_in_a_row[url] = 0 if error is None else self._seed_failures_in_a_row.get(url, 0) + 1
+            failures = 0 if error is None else self._seed_failures_in_a_row.get(url, 0) + 1
+            self._seed_failures_in_a_row[url] = failures
         if failures >= self.cfg.max_consecutive_seed_failures:
             raise ServerDown(f"http environment: the last {failures} /seed_session requests to {url} failed "
-                             f"(last: {error}); is the resources server running there? "
-                             f"(env.http.servers; stops at env.http.max_consecutive_seed_failures={self.cfg.max_consecutive_seed_failures})")
+                             f"(last: {error}); is the resources server running there? (env.http.servers; "
+                             f"env.http.max_consecutive_seed_failures={self.cfg.max_consecutive_seed_failures})")
 
     def shutdown(self) -> None:
         for key in list(self.sessions):
