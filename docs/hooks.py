@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def front_page_markdown() -> str:
-    """README.md with `](docs/page.md)` links written as `](page.md)`."""
+    """README.md with the `docs/` prefix taken off its links (the site is built from docs/)."""
     return re.sub(r"\]\(docs/", "](", (REPO / "README.md").read_text())
 
 

@@ -57,15 +57,12 @@ def walk_schemas() -> tuple[list[SectionDoc], list[tuple[type[BaseModel], str, F
             doc.paths.append(path)
             if isinstance(default, BaseModel):
                 doc.defaults[path] = default
-        if known:
-            return
         for name, info in cls.model_fields.items():
             nested = _models_in(info.annotation)
-            for model in nested:
-                if issubclass(model, MasterConfig):
-                    continue
-                walk(model, f"{path}.{name}" if path else name, info.default, command)
-            if not nested:
+            for model in nested:  # walked again from each command, so each section knows its commands
+                if not issubclass(model, MasterConfig):
+                    walk(model, f"{path}.{name}" if path else name, info.default, command)
+            if not nested and not known:
                 keys.append((cls, name, info))
 
     for command, schema in SCHEMAS.items():

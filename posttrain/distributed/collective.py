@@ -41,7 +41,7 @@ def new_standalone_group(
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     prefixed = dist.PrefixStore("posttrain-refit", store)
-    if device.type == "cuda":  # not run here: no GPU in this task
+    if device.type == "cuda":  # GPU only: docs/scaling.md, "GPU-only paths"
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, dist.ProcessGroupNCCL.Options())
     else:
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
