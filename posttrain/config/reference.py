@@ -142,13 +142,19 @@ def _section_markdown(doc: SectionDoc, by_class: dict[type[BaseModel], SectionDo
         if changed:
             lines += [f"Defaults of `{path}` that differ from the table: "
                       + ", ".join(f"`{k}` = {_value(v)}" for k, v in changed.items()) + ".", ""]
+    if not cls.model_fields:
+        return lines + ["No fixed keys.", ""]
     lines += ["| key | type | default | description |", "|---|---|---|---|"]
     for name, info in cls.model_fields.items():
         nested = [m for m in _models_in(info.annotation) if not issubclass(m, MasterConfig)]
-        if nested and typing.get_origin(info.annotation) not in (list, dict):
+        if nested:
             link = f"[`{main}.{name}`](#{by_class[nested[0]].anchor})"
-            optional = " or `null`" if type(None) in typing.get_args(info.annotation) else ""
-            lines.append(f"| `{name}` | section{optional} | see {link} | {_cell(info.description or nested[0].__doc__)} |")
+            description = _cell(info.description or nested[0].__doc__)
+            if typing.get_origin(info.annotation) in (list, dict):
+                lines.append(f"| `{name}` | list of sections | {_default(info)} | {description} Each item: {link}. |")
+            else:
+                optional = " or `null`" if type(None) in typing.get_args(info.annotation) else ""
+                lines.append(f"| `{name}` | section{optional} | see {link} | {description} |")
             continue
         masters = [m for m in _models_in(info.annotation) if issubclass(m, MasterConfig)]
         if masters:
@@ -172,7 +178,9 @@ def config_reference_markdown() -> str:
         "Every key of every command, from the schema's own descriptions. Defaults are the schema's; the "
         "embedded default config of each command (`posttrain <command> --print-config` shows it resolved, with "
         "these descriptions as comments) sets some of them differently. How files, `defaults:` and "
-        "`key=value` overrides combine: [Configuration](../configuration.md).",
+        "`key=value` overrides combine: [Configuration](../configuration.md). The fields of each environment "
+        "(`env.<name>.*`) belong to the environment: [Environments and data](../environments.md), "
+        "[Multi-turn environments](../multi-turn.md).",
         "",
         "| command | sections |",
         "|---|---|",
