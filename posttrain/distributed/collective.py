@@ -121,7 +121,7 @@ def new_standalone_group(
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     prefixed = dist.PrefixStore("posttrain-refit", store)
-    if device.type == "cuda":
+    if device.type == "cuda":  # GPU only: docs/scaling.md, "GPU-only paths"
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, dist.ProcessGroupNCCL.Options())
     else:
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)

@@ -157,7 +157,8 @@ class JudgeEnvironment(Environment):
         from posttrain.models.hf import load_causal_lm, load_tokenizer
 
         self.cfg = cfg if isinstance(cfg, JudgeEnvConfig) else JudgeEnvConfig.model_validate(cfg)
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # cuda: not run here (no GPU in this task)
+        # cuda: a GPU-only path (docs/scaling.md, "GPU-only paths")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
         self.tokenizer = load_tokenizer(self.cfg.judge_model)
         self.model = load_causal_lm(self.cfg.judge_model, device=device)
         self.engine = NativeGenerationEngine(self.model, self.tokenizer, pad_token_id=self.tokenizer.pad_token_id,
