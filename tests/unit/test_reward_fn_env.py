@@ -152,8 +152,12 @@ def test_an_unpicklable_function_is_named_for_ray():
     problem = cfg.pickling_problem()
     assert problem.startswith("reward function ") and "holds_a_lock cannot be sent to a Ray worker" in problem
     assert "lock" in problem
-    _, plain = resolve_env("rewards", reward_fn_section(lambda prompts, completions, **_: [0.0]))
+    _, plain = resolve_env("rewards", reward_fn_section(lambda prompts, completions, **_: [0.5] * len(completions)))
     assert plain.pickling_problem() is None  # cloudpickle sends lambdas by value
+    from ray import cloudpickle
+
+    sent = cloudpickle.loads(cloudpickle.dumps(plain))  # what a Ray actor receives: the functions themselves
+    assert sent.functions[0](prompts=["p"], completions=["c"]) == [0.5]
 
 
 def test_trl_chat_prompts_become_the_conversation(tmp_path):
