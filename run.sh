@@ -30,7 +30,7 @@ if [ ! -f "$STAMP" ]; then
     phase "installing posttrain and its pinned dependencies (ray, transformers, ...)" \
         "$VENV/bin/python" -m pip install -e "${REPO}[dev]"
     # The code environment's sandbox uses bubblewrap; without it, it falls back (loudly) to weaker
-    # isolation (README "Code sandbox"). Installed here when we may; otherwise say how.
+    # isolation (docs/sandbox.md). Installed here when we may; otherwise say how.
     if ! command -v bwrap >/dev/null 2>&1; then
         echo "[run.sh]   installing bubblewrap (the code sandbox)..." >&2
         if ! { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 &&

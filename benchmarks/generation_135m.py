@@ -2,7 +2,7 @@
 
     ./run.sh python benchmarks/generation_135m.py --model /tmp/smol   # --shapes 4x8 8x8 --repeats 3
 
-`--model` is a local Hugging Face directory (README "A real pretrained model, offline":
+`--model` is a local Hugging Face directory (docs/models.md, "A real pretrained model, offline":
 `posttrain init-model --preset smollm2-135m-instruct --out /tmp/smol`) or a preset name.
 Rollout shape: P distinct arithmetic prompts through the model's chat template, G generations of
 each next to each other (P x G rows), sampled at `--temperature`, top_p 1, no top_k, up to

@@ -10,7 +10,7 @@ engine loads them) into each backend. Ratios are vLLM / native.
     ./run.sh python benchmarks/generation_backends.py                       # tiny and 100m
     ./run.sh python benchmarks/generation_backends.py --models tiny --batch 32 --new-tokens 64
 
-The first run builds vLLM's environment (see README, "Generation backends"); both backends get the
+The first run builds vLLM's environment (see docs/generation.md); both backends get the
 same CPU bundle size (`cluster.cpus_per_worker`), one backend at a time, so neither competes with
 the other for cores.
 """

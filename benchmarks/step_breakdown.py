@@ -5,8 +5,8 @@
 Settings (validation and checkpointing off, logs in a temporary directory):
 - tiny: the embedded default (`examples/configs/grpo_math_tiny.yaml`, its cached SFT warm start),
   16 prompts x 8 generations, 16 new tokens at most; 20 steps by default.
-- 135m: `examples/configs/grpo_smollm2_135m.yaml`, SmolLM2-135M-Instruct (README "A real
-  pretrained model, offline") on additions in words through its chat template, 4 prompts x 8
+- 135m: `examples/configs/grpo_smollm2_135m.yaml`, SmolLM2-135M-Instruct (docs/models.md,
+  "A real pretrained model, offline") on additions in words through its chat template, 4 prompts x 8
   generations, up to 128 new tokens ending at eos, one optimizer step per batch, dynamic
   batching; 5 steps by default.
 

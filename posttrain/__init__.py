@@ -4,9 +4,22 @@ Kept import-light on purpose: `posttrain --help` and config errors must answer i
 second, so torch, transformers and ray are imported only inside the modules that need them.
 """
 
+import os as _os
+import sys as _sys
+
 __version__ = "0.1.0"
 
-__all__ = ["GRPO", "__version__"]
+# OpenMP threads that spin while they wait for work make every parallel region wait for a thread
+# the OS has not scheduled when other processes hold the cores: a 2-thread training step went from
+# 0.32 s to 5.1 s beside a CPU hog, and stays at 0.74 s with passive waiting, which costs nothing on
+# a quiet machine (docs/performance.md, "A busy machine"; benchmarks/busy_machine.py). OpenMP reads
+# the variable once, when torch loads it, so it is set here, before anything of ours imports torch;
+# the user's own setting wins, and Ray workers inherit it (posttrain.distributed.ray_utils).
+OMP_WAIT_POLICY_DEFAULT = "PASSIVE"
+OMP_WAIT_POLICY_SET_TOO_LATE = "OMP_WAIT_POLICY" not in _os.environ and "torch" in _sys.modules
+_os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY_DEFAULT)
+
+__all__ = ["GRPO", "TrainResult", "__version__"]
 
 
 def __getattr__(name: str):

@@ -47,11 +47,27 @@ def worker_threads(cfg: MasterConfig) -> int:
     return max(1, int(cfg.cluster.cpus_per_worker or 1))
 
 
+def warn_if_threads_spin() -> None:
+    """Say once when torch was loaded before posttrain could make OpenMP threads wait passively
+    (`posttrain/__init__.py`): then this process's threads spin, and a busy machine slows it
+    several-fold."""
+    import posttrain
+
+    if posttrain.OMP_WAIT_POLICY_SET_TOO_LATE and not getattr(warn_if_threads_spin, "said", False):
+        warn_if_threads_spin.said = True
+        log.warning(
+            "torch was imported before posttrain, so its OpenMP threads spin while they wait: beside other CPU "
+            "work each step can be several times slower. Import posttrain first, or set OMP_WAIT_POLICY=PASSIVE "
+            "in the environment."
+        )
+
+
 def start_backend(cfg: MasterConfig) -> None:
     """Start Ray (`cluster.backend` resolving to ray), or give this process's math the cores the
     local backend's workers may use."""
     from posttrain.config.schema import resolve_backend
 
+    warn_if_threads_spin()
     if resolve_backend(cfg) == "local":
         torch.set_num_threads(worker_threads(cfg))
         return

@@ -9,12 +9,19 @@ mask 0 later because they carry no `generation_logprobs`. An observation flagged
 tokenizer's template (`posttrain.data.chat.observation_ids`); others are tokenised as they are.
 
 A sample ends when its environment says it terminated, when its conversation reaches the token
-limit (truncated), or after `max_rollout_turns` turns.
+limit (truncated), or after `max_rollout_turns` turns; the last two end in the environment's
+`finish` (`Environment.finish`: a verifier scores the unfinished episode), so every episode is scored.
+
+Samples come in prompt groups (`group_size` consecutive samples, GRPO's generations of one prompt):
+each turn a group's active samples go to their environment together, once the last of them is
+generated, so an environment that scores a group as a whole (the pairwise judge) sees all of it
+however the generation workers split the batch.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -92,6 +99,7 @@ def _rollout_turns(
     weight_version: int = 0,
     params: Optional[dict[str, Any]] = None,
     deadline: Optional[float] = None,
+    group_size: int = 1,
 ) -> RolloutResult:
     """The turns of `run_multi_turn_rollout`.
 
@@ -106,6 +114,8 @@ def _rollout_turns(
         deadline: `time.monotonic()` after which environment steps are not waited for: samples
             whose environment has not answered end there, flagged in `timed_out` (default None:
             wait for every environment).
+        group_size: consecutive samples that form one prompt group, stepped together (module
+            docstring; default 1: every sample on its own).
     """
     n = len(samples)
     rewards = torch.zeros(n)
@@ -122,6 +132,7 @@ def _rollout_turns(
     answers: list[Optional[str]] = [None] * n
     env_counts: dict[str, float] = {}  # environments' own counts (EnvironmentReturn.metrics), summed
     waits: list[float] = []  # per sample and turn: seconds from its generation's return to its environment step
+    generated_at = [0.0] * n  # when each sample's generation of this turn came back
     shard_spread = 0.0  # per turn, first to last engine shard back: what early shards no longer wait for
 
     for turn in range(max_rollout_turns):
@@ -134,8 +145,11 @@ def _rollout_turns(
         if seeds is not None:
             batch["seeds"] = seeds[active] + turn * 1_000_003
         # Engines return their shards as they finish: each shard's samples are appended and their
-        # environments start stepping at once, while the other shards still generate.
+        # environments start stepping at once (with the rest of their group once it is generated),
+        # while the other shards still generate.
         pending, ready_at, launch_seconds = [], [], 0.0
+        group_left = Counter(i // group_size for i in active)  # each group's samples not generated yet
+        waiting: dict[int, list[int]] = {}  # group -> its samples generated, waiting for the rest
         for rows, out in generation.generate_shards(batch, greedy=greedy, params=params):
             ready_at.append(time.perf_counter())
             members = [active[row] for row in rows]
@@ -155,8 +169,12 @@ def _rollout_turns(
                 gen_tokens[i] += length
                 turns[i] += 1
                 hit_max_new_tokens[i] = bool(out["truncated"][k])
+                generated_at[i] = ready_at[-1]
+            members = _whole_groups(members, group_size, group_left, waiting)
+            if not members:
+                continue
             t0 = time.perf_counter()
-            waits.extend([t0 - ready_at[-1]] * len(members))
+            waits.extend(t0 - generated_at[i] for i in members)
             pending.append((members, launch_step(
                 envs,
                 [text_only(samples[i].message_log) for i in members],
@@ -171,8 +189,7 @@ def _rollout_turns(
         for members, step in pending:
             env_out = step.result(None if deadline is None else deadline - time.monotonic())
             timed_out[[members[row] for row in step.timed_out]] = True
-            for key, value in (env_out.metrics or {}).items():
-                env_counts[key] = env_counts.get(key, 0.0) + value
+            _add_counts(env_counts, env_out.metrics)
             stepped.update({i: (env_out, row) for row, i in enumerate(members)})
         # Environment time the rollout waited for (beyond what overlapped generation).
         env_seconds += launch_seconds + time.perf_counter() - t0
@@ -205,6 +222,21 @@ def _rollout_turns(
 
     max_turns_reached = torch.zeros(n, dtype=torch.bool)
     max_turns_reached[active] = True
+    # Episodes stopped before their environment ended them are scored by its `finish`.
+    unfinished = [i for i in range(n) if not terminated[i] and not timed_out[i]]
+    if unfinished:
+        t0 = time.perf_counter()
+        step = launch_step(envs, [text_only(samples[i].message_log) for i in unfinished],
+                           [samples[i].extra_env_info or {} for i in unfinished],
+                           [samples[i].task_name for i in unfinished], method="finish")
+        env_out = step.result(None if deadline is None else deadline - time.monotonic())
+        timed_out[[unfinished[row] for row in step.timed_out]] = True
+        _add_counts(env_counts, env_out.metrics)
+        for row, i in enumerate(unfinished):
+            if not timed_out[i]:
+                rewards[i] += float(env_out.rewards[row])
+                answers[i] = env_out.answers[row] if env_out.answers[row] is not None else answers[i]
+        env_seconds += time.perf_counter() - t0
     metrics = {
         "mean_gen_tokens_per_sample": gen_tokens.float().mean().item(),
         "mean_env_tokens_per_sample": env_tokens.float().mean().item(),
@@ -213,10 +245,42 @@ def _rollout_turns(
         "truncation_rate": truncated.float().mean().item(),
         "max_turns_reached_rate": max_turns_reached.float().mean().item(),
         "max_new_tokens_hit_rate": hit_max_new_tokens.float().mean().item(),
-        **{f"env/{key}": value for key, value in env_counts.items()},
+        **{f"env/{key}": value for key, value in per_episode_components(env_counts, samples).items()},
     }
     timings = {"env_step_wait": sum(waits) / len(waits) if waits else 0.0, "generation_shard_spread": shard_spread}
     for sample, reward in zip(samples, rewards.tolist()):
         sample.reward = reward
     return RolloutResult(samples, rewards, truncated, truncated | hit_max_new_tokens, answers, metrics, env_seconds,
                          timings, timed_out)
+
+
+def _whole_groups(members: list[int], group_size: int, group_left: Counter, waiting: dict[int, list[int]]) -> list[int]:
+    """Of the samples just generated (`members`), those whose whole group (its samples active this
+    turn) is now generated, with their group-mates generated earlier, in sample order; the others
+    wait in `waiting`. `group_left` counts each group's samples still being generated."""
+    ready = []
+    for i in members:
+        group = i // group_size
+        group_left[group] -= 1
+        waiting.setdefault(group, []).append(i)
+        if group_left[group] == 0:
+            ready.extend(waiting.pop(group))
+    return sorted(ready)
+
+
+def _add_counts(totals: dict[str, float], metrics: Optional[dict[str, float]]) -> None:
+    for key, value in (metrics or {}).items():
+        totals[key] = totals.get(key, 0.0) + value
+
+
+def per_episode_components(env_counts: dict[str, float], samples: list[Sample]) -> dict[str, float]:
+    """Environments' counts (`<task>/<key>`, summed over the rollout) with reward components
+    (`<task>/reward/<name>`, summed over episodes) turned into their mean per episode of the task,
+    so they read on the scale of `train/reward`."""
+    episodes = Counter(s.task_name for s in samples)
+    out = dict(env_counts)
+    for key in env_counts:
+        task = next((t for t in episodes if key.startswith(f"{t}/reward/")), None)
+        if task is not None:
+            out[key] = env_counts[key] / episodes[task]
+    return out

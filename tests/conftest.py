@@ -22,6 +22,8 @@ import sys
 
 import pytest
 
+import posttrain  # noqa: F401 - before any test module imports torch: its OpenMP threads then wait passively
+
 RAY_TEST_CPUS = 8
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -51,6 +53,35 @@ def ray_cluster():
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Bring the session Ray back (lazily) for a test that wants it after a module stopped it."""
+    """Stop before the first functional test when a unit test failed; bring the session Ray back
+    (lazily) for a test that wants it after a module stopped it."""
+    if (not is_unit(item) and getattr(item.session, "unit_failed", False)
+            and not item.config.getoption("--keep-going-after-unit-failures")):
+        pytest.exit("unit tests failed, so the functional tests were not run (pass "
+                    "--keep-going-after-unit-failures to run them anyway)", returncode=1)
     if "ray_cluster" in item.fixturenames:
         start_test_ray()  # no-op while Ray is up
+
+
+# ------------------------------------------------------------------ unit tests first, fail fast
+def is_unit(item: pytest.Item) -> bool:
+    return "/tests/unit/" in str(item.path).replace("\\", "/")
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Unit tests run before functional ones (a stable sort: each group keeps its file order), so a
+    broken pure function is reported in a minute or two, not after the functional tests."""
+    items.sort(key=lambda item: not is_unit(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.failed and is_unit(item):
+        item.session.unit_failed = True
+    return report
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--keep-going-after-unit-failures", action="store_true",
+                     help="run the functional tests even when a unit test failed")

@@ -224,6 +224,7 @@ def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Bat
     result = run_multi_turn_rollout(
         ctx.generation, samples, ctx.tokenizer, ctx.envs, max_seq_len=cfg.policy.max_total_sequence_length,
         max_rollout_turns=d.max_rollout_turns, seeds=sample_seeds(d.seed, step, len(samples)), weight_version=ctx.step,
+        group_size=d.num_generations_per_prompt,
     )
     result.add_timings(timer, time.perf_counter() - t0)
     train_data = flatten_message_logs([s.message_log for s in samples], pad_token_id=ctx.tokenizer.pad_token_id)

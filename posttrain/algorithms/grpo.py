@@ -202,7 +202,7 @@ def roll_out_groups(
     result = run_multi_turn_rollout(
         generation or ctx.generation, samples, ctx.tokenizer, ctx.envs,
         max_seq_len=cfg.policy.max_total_sequence_length, max_rollout_turns=g.max_rollout_turns,
-        seeds=sample_seeds(g.seed, seed_key, len(samples)), weight_version=version, deadline=deadline,
+        seeds=sample_seeds(g.seed, seed_key, len(samples)), weight_version=version, deadline=deadline, group_size=n_gen,
     )
     result.add_timings(timer, time.perf_counter() - t0)
 

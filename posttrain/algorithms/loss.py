@@ -14,7 +14,8 @@ Contract (docs/internals.md): every loss is called as
   micro-batches, all data-parallel ranks), so per-micro-batch values **sum** to the full-batch
   value. Metric names ending in ``_min`` / ``_max`` are reduced by min / max instead.
 
-Formulas follow NeMo-RL's ``loss_functions.py`` (see ``shared/reference/nemo-rl.md`` sections 4-5).
+Formulas follow NeMo-RL's losses (its ``ClippedPGLossFn``, ``NLLLossFn``, ``PreferenceLossFn`` and
+``DPOLossFn``); the options are in docs/algorithms.md.
 """
 
 from __future__ import annotations

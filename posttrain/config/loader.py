@@ -259,8 +259,9 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
 def all_keys(schema_cls: type[BaseModel], prefix: str = "") -> list[str]:
     """Every valid dotted key of a schema, sections included, in declaration order.
 
-    >>> all_keys(SFTMasterConfig)[:3]
-    ['policy', 'policy.model_name', 'policy.tokenizer_name']
+    Examples:
+        >>> all_keys(SFTMasterConfig)[:3]
+        ['policy', 'policy.model_name', 'policy.tokenizer_name']
     """
     keys = []
     for name, field in schema_cls.model_fields.items():

@@ -1,5 +1,15 @@
-"""A process group apart from the default one, for refit broadcasts between worker groups.
+"""Every torch.distributed collective posttrain calls, in one module that knows the devices.
 
+A worker group's default process group carries two kinds of traffic: model tensors (FSDP's
+all-gathers, DTensor's reductions; on the accelerator) and control-plane counts (micro-batch
+counts, valid-token counts, flags, metric sums; small CPU tensors). NCCL refuses CPU tensors ("No
+backend type associated with device type cpu"), so on GPUs the group is created with one backend
+per device type, `cpu:gloo,cuda:nccl` (`process_group_backend`), and the collectives here run a
+tensor on a device the group has a backend for (`collective_device`). Calling
+`torch.distributed`'s collectives anywhere else is refused by `tests/unit/test_collectives.py`, so
+a CPU-only test suite catches the class of bug that otherwise shows only on a multi-GPU step.
+
+Also here: a process group apart from the default one, for refit broadcasts between worker groups.
 Policy workers (FSDP) and vLLM workers (tensor parallel) each already own a default
 torch.distributed group, so a broadcast from policy rank 0 to every vLLM worker needs a second,
 standalone group: a `TCPStore` rendezvous and a backend object built on it (nccl on GPU, gloo on
@@ -10,9 +20,79 @@ vLLM (`models/generation/vllm_extension.py`).
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+# Reduction names the callers use (torch's ReduceOp objects are not hashable on every version).
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def process_group_backend(device_type: str, accelerator_backend: str = "nccl") -> str:
+    """The backend string of a worker group's default process group: gloo alone on CPU; on an
+    accelerator, gloo for CPU tensors beside `accelerator_backend` for the device's."""
+    if device_type == "cpu":
+        return "gloo"
+    return f"cpu:gloo,{device_type}:{accelerator_backend}"
+
+
+def init_worker_process_group(device_type: str, rank: int, size: int, timeout_s: float,
+                              accelerator_backend: str = "nccl") -> None:
+    """Join the worker group's default process group (rendezvous from the environment that
+    `WorkerGroup` sets: MASTER_ADDR, MASTER_PORT) with `process_group_backend(device_type)`."""
+    dist.init_process_group(backend=process_group_backend(device_type, accelerator_backend), init_method="env://",
+                            rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
+
+
+def backend_devices(group: Optional[Any] = None) -> list[str]:
+    """The device types the group has a backend for (`cpu:gloo,cuda:nccl` -> ['cpu', 'cuda'])."""
+    config = dist.get_backend_config(group)
+    return [entry.split(":")[0] for entry in config.split(",")]
+
+
+def collective_device(tensor_device: torch.device, devices: list[str]) -> torch.device:
+    """Where a collective on a tensor living on `tensor_device` runs, for a group with backends for
+    `devices`: on the tensor's own device when the group has a backend for it, else on the group's
+    first device (the current CUDA device for 'cuda')."""
+    if tensor_device.type in devices:
+        return tensor_device
+    if devices[0] == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(devices[0])
+
+
+def world_size(group: Optional[Any] = None) -> int:
+    """Ranks in the group; 1 without a process group (a local-backend worker has none)."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group: Optional[Any] = None) -> torch.Tensor:
+    """Reduce `tensor` over the group's ranks in place (`op`: sum, max or min) and return it; a
+    tensor on a device the group has no backend for travels to one and back."""
+    if world_size(group) == 1:
+        return tensor
+    device = collective_device(tensor.device, backend_devices(group))
+    moved = tensor if device == tensor.device else tensor.to(device)
+    dist.all_reduce(moved, op=REDUCE_OPS[op], group=group)
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
+def all_gather_object(obj: Any, group: Optional[Any] = None) -> list[Any]:
+    """Every rank's `obj`, in rank order (a one-element list without a process group)."""
+    if world_size(group) == 1:
+        return [obj]
+    gathered: list[Any] = [None] * world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
+def barrier(group: Optional[Any] = None) -> None:
+    """Wait for every rank of the group (nothing to wait for without a process group)."""
+    if world_size(group) > 1:
+        dist.barrier(group=group)
 
 
 class StandaloneGroup:
@@ -41,7 +121,7 @@ def new_standalone_group(
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     prefixed = dist.PrefixStore("posttrain-refit", store)
-    if device.type == "cuda":  # not run here: no GPU in this task
+    if device.type == "cuda":  # GPU only: docs/scaling.md, "GPU-only paths"
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, dist.ProcessGroupNCCL.Options())
     else:
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)

@@ -16,13 +16,12 @@ import logging
 import os
 import sys
 import time
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from posttrain.distributed import actors
+from posttrain.distributed import actors, collective
 from posttrain.distributed.actors import LocalCluster
 from posttrain.distributed.batch import Batch
 
@@ -55,8 +54,8 @@ class DistributedWorker:
     """Base class of worker actors: joins the process group of its WorkerGroup on construction.
 
     Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` from the environment
-    (WorkerGroup sets them) and calls `torch.distributed.init_process_group` with nccl when the
-    actor was given a GPU, gloo otherwise. Subclasses call `super().__init__()` first, then build models.
+    (WorkerGroup sets them) and joins the group's process group (`collective.init_worker_process_group`:
+    gloo on CPU; gloo for CPU tensors beside nccl when the actor was given a GPU). Subclasses call `super().__init__()` first, then build models.
     """
 
     is_local = False  # set in __init__; a subclass that builds itself without it (vLLM's) runs under Ray
@@ -81,19 +80,15 @@ class DistributedWorker:
             # Ray shows each actor only its own GPU, so this is device 0; the modulo covers the rest.
             torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
-            backend = "nccl"
         else:
             self.device = torch.device("cpu")
-            backend = "gloo"
         if self.is_local:
             # A local group has one worker, which needs no process group (every collective in the
             # workers is skipped at world size 1); the process-wide default group could not be
             # initialised once per local group anyway.
             return
-        timeout = timedelta(seconds=float(env.get(COLLECTIVE_TIMEOUT_ENV, 1800.0)))
-        dist.init_process_group(
-            backend=backend, init_method="env://", rank=self.rank, world_size=self.world_size, timeout=timeout
-        )
+        collective.init_worker_process_group(self.device.type, self.rank, self.world_size,
+                                             float(env.get(COLLECTIVE_TIMEOUT_ENV, 1800.0)))
 
     def ping(self) -> bool:
         """True once the worker is constructed (a liveness check)."""
@@ -117,9 +112,7 @@ class DistributedWorker:
 
     def all_reduce_sum(self, value: torch.Tensor | float) -> torch.Tensor | float:
         """Sum `value` over all ranks; returns the same kind (CPU tensor or Python number)."""
-        tensor = torch.as_tensor(value).to(self.device).clone()
-        if dist.is_initialized():  # a local-backend worker (world size 1) has no process group
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        tensor = collective.all_reduce(torch.as_tensor(value).to(self.device).clone())
         return tensor.cpu() if isinstance(value, torch.Tensor) else tensor.item()
 
     def shutdown(self) -> bool:

@@ -4,7 +4,7 @@ Reward: the fraction of tests passed (`reward: fraction`) or 1.0 only when all p
 the default: partial credit for trivial tests invites reward hacking). A test passes only when its
 process exits normally within every limit and its output matches: a program that prints the right
 answer and then misbehaves (forks, loops, allocates) still fails that test. Every run happens in a
-fresh OS-level sandbox (`posttrain.environments.sandbox`, README "Code sandbox"); expected outputs
+fresh OS-level sandbox (`posttrain.environments.sandbox`, docs/sandbox.md); expected outputs
 never enter it.
 
 Data fields (per row, reaching the environment as metadata):

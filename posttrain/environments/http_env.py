@@ -8,13 +8,18 @@ Per episode (one sample) the environment opens an HTTP session (its own cookie j
   calls and HTTP failures become error messages; at most `max_tool_calls` calls per episode;
 - at the turn without tool calls (the final answer): `POST /verify` with `{**row, "response":
   <Responses API object of the whole episode>}`; the reward is the answer's `reward`, and its
-  `reward_components` are summed into `train/env/<task>/reward/<name>`.
+  `reward_components` are logged as `train/env/<task>/reward/<name>`, their mean per episode;
+- an episode the rollout stops first (token limit, `grpo.max_rollout_turns`) is verified too, as
+  it stands (`finish`; counted as `unfinished_episodes`): as in NeMo-Gym every episode is
+  verified, and the server may give partial credit. Its session is closed after its verify.
 
 Timeouts and failures: each request waits at most `timeout_s`; connection errors, timeouts and
 HTTP 5xx are retried `retries` times (`retry_backoff_s` apart). A verify that still fails scores 0
-and ends the episode. A failed `/seed_session` ends the episode with reward 0 at once. Counts per
-rollout (`train/env/<task>/<key>`): `http_errors`, `timeouts`, `seed_failures`, `verify_failures`,
-`tool_calls`, `tool_errors`, `over_budget`.
+and ends the episode. A failed `/seed_session` ends the episode with reward 0 at once and prints a
+warning; `max_consecutive_seed_failures` failures in a row on one server (it is down) stop the run
+with an error naming its URL. Counts per rollout (`train/env/<task>/<key>`): `http_errors`,
+`timeouts`, `seed_failures`, `verify_failures`, `tool_calls`, `tool_errors`, `over_budget`,
+`unfinished_episodes`.
 
 Servers: `servers` maps names to base URLs; a row's `agent_ref.name` (NeMo-Gym's routing key)
 or `resources_server` picks one; rows naming none use `default_server`. NeMo-Gym rows come to this
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,9 +42,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from posttrain.data.chat import tool_names
-from posttrain.environments.interface import Environment, EnvironmentReturn, MessageLog
+from posttrain.environments.interface import Environment, EnvironmentReturn, MessageLog, ended
 from posttrain.environments.registry import register_env
 from posttrain.environments.tools.parsing import DEFAULT_TOOL_CALL_PATTERN, compile_pattern, parse_tool_calls
+from posttrain.errors import UserError
+
+log = logging.getLogger(__name__)
 
 # Metadata keys this environment adds (not sent to the server).
 _EPISODE_KEY = "_http_episode"
@@ -60,6 +69,8 @@ class HttpEnvConfig(BaseModel):
     max_result_chars: int = Field(4000, ge=50, description="Longest tool result sent back (cut at the end). Default 4000.")
     max_live_sessions: int = Field(4096, ge=1, description="Open episode sessions kept; older abandoned ones are dropped.")
     max_parallel_requests: int = Field(32, ge=1, description="Episodes whose requests run at once (threads). Default 32.")
+    max_consecutive_seed_failures: int = Field(
+        16, ge=1, description="Failed /seed_session requests in a row to one server that stop the run (it is down). Default 16.")
 
     @field_validator("servers")
     @classmethod
@@ -120,6 +131,10 @@ def responses_object(message_log: MessageLog, pattern) -> dict:
             "object": "response", "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
 
 
+class ServerDown(UserError):
+    """`max_consecutive_seed_failures` episodes in a row could not start on a resources server."""
+
+
 class _Failed(Exception):
     def __init__(self, message: str, timed_out: bool = False):
         super().__init__(message)
@@ -143,6 +158,7 @@ class HttpEnvironment(Environment):
         self.sessions: OrderedDict[str, Any] = OrderedDict()
         self._ids = itertools.count()
         self._lock = threading.Lock()
+        self._seed_failures_in_a_row: dict[str, int] = {}  # server URL -> failed seeds since its last success
 
     @classmethod
     def metadata_problem(cls, metadata: dict) -> Optional[str]:
@@ -202,17 +218,29 @@ class HttpEnvironment(Environment):
                 raise ValueError(f"http environment: row names server {name!r} but env.http.servers has {sorted(self.cfg.servers)}")
         with self._lock:  # episode keys and the session table are shared
             episodes = [self._episode_key(meta) for meta in metadata]
-        with ThreadPoolExecutor(max_workers=max(1, min(n, self.cfg.max_parallel_requests))) as pool:
-            results = list(pool.map(self._step_one, message_logs, metadata, episodes))
-        counts: dict[str, float] = {}
-        for *_, sample_counts in results:
-            for key, value in sample_counts.items():
-                counts[key] = counts.get(key, 0.0) + value
+        results = self._each_episode(self._step_one, message_logs, metadata, episodes)
+        counts = _summed([r[4] for r in results])
+        if counts["seed_failures"]:  # on the console, not only in the metrics
+            errors = sorted({r[0]["content"] for r in results if r[4]["seed_failures"]})
+            log.warning("http environment: %d of %d episodes score 0: %s", counts["seed_failures"], n, " ".join(errors))
         return EnvironmentReturn(
             observations=[r[0] for r in results], metadata=[r[1] for r in results], next_stop_strings=[None] * n,
             rewards=torch.tensor([r[2] for r in results], dtype=torch.float32),
             terminateds=torch.tensor([r[3] for r in results], dtype=torch.bool), answers=[None] * n, metrics=counts,
         )
+
+    def finish(self, message_logs: list[MessageLog], metadata: list[dict]) -> EnvironmentReturn:
+        """Verify episodes the rollout stopped (module docstring) and close their sessions."""
+        with self._lock:
+            episodes = [self._episode_key(meta) for meta in metadata]
+        results = self._each_episode(self._finish_one, message_logs, metadata, episodes)
+        return ended(len(message_logs), metadata, rewards=[r[0] for r in results], metrics=_summed([r[1] for r in results]))
+
+    def _each_episode(self, work, message_logs: list[MessageLog], metadata: list[dict], episodes: list) -> list:
+        """`work(log, meta, episode)` of every episode; they are independent, so their requests run
+        in parallel (`max_parallel_requests`)."""
+        with ThreadPoolExecutor(max_workers=max(1, min(len(message_logs), self.cfg.max_parallel_requests))) as pool:
+            return list(pool.map(work, message_logs, metadata, episodes))
 
     def _episode_key(self, meta: dict) -> tuple[str, bool]:
         """`(key, new)`: the episode's session key, registering a new session at its first step."""
@@ -229,18 +257,20 @@ class HttpEnvironment(Environment):
 
     def _step_one(self, log_: MessageLog, meta: dict, episode: tuple[str, bool]):
         """`(observation, metadata, reward, done, counts)` of one sample's turn."""
-        counts = dict.fromkeys(("tool_calls", "tool_errors", "http_errors", "timeouts", "seed_failures",
-                                "verify_failures", "over_budget"), 0.0)
+        counts = _new_counts()
         key, new = episode
         state = self.sessions[key]
         meta = {**meta, _EPISODE_KEY: key}
         if new:
             try:
                 self._post(state["session"], state["url"] + "/seed_session", self.row(meta), counts)
+                self._seeded(state["url"], None)
             except _Failed as e:
                 counts["seed_failures"] += 1
                 self._end(key)
-                return {"role": "environment", "content": f"Error: could not start the episode ({e})."}, meta, 0.0, True, counts
+                self._seeded(state["url"], e)
+                text = f"Error: could not start the episode on {state['url']} ({e})."
+                return {"role": "environment", "content": text}, meta, 0.0, True, counts
         last = next((m for m in reversed(log_) if m.get("role") == "assistant"), {"content": ""})
         calls = parse_tool_calls(str(last.get("content", "")), self.pattern)
         if calls:
@@ -271,6 +301,21 @@ class HttpEnvironment(Environment):
             meta["tool_calls_used"] = min(used + len(calls), self.cfg.max_tool_calls)
             return {"role": "tool", "content": "\n".join(results), "chat_template": True}, meta, 0.0, False, counts
         # The final answer: verify the whole episode.
+        reward, text = self._verify(key, log_, meta, counts)
+        return {"role": "environment", "content": text}, meta, reward, True, counts
+
+    def _finish_one(self, log_: MessageLog, meta: dict, episode: tuple[str, bool]) -> tuple[float, dict]:
+        """`(reward, counts)` of an episode the rollout stopped: verified as it stands."""
+        counts = _new_counts()
+        counts["unfinished_episodes"] += 1
+        key, _ = episode
+        reward, _ = self._verify(key, log_, {**meta, _EPISODE_KEY: key}, counts)
+        return reward, counts
+
+    def _verify(self, key: str, log_: MessageLog, meta: dict, counts: dict) -> tuple[float, str]:
+        """`(reward, text)`: `POST /verify` of the episode in its session, which is then closed; a
+        failed verify scores 0 (counted). Reward components are added to `counts` (`reward/<name>`)."""
+        state = self.sessions[key]
         body = {**self.row(meta), "response": responses_object(log_, self.pattern)}
         try:
             verdict = json.loads(self._post(state["session"], state["url"] + "/verify", body, counts))
@@ -282,8 +327,35 @@ class HttpEnvironment(Environment):
             counts["verify_failures"] += 1
             reward, text = 0.0, f"Error: verify failed ({e})"
         self._end(key)
-        return {"role": "environment", "content": text}, meta, reward, True, counts
+        return reward, text
+
+    def _seeded(self, url: str, error: Optional[_Failed]) -> None:
+        """Record a `/seed_session` outcome on `url`; raise `ServerDown` at the
+        `max_consecutive_seed_failures`-th failure in a row."""
+        with self._lock:
+            failures = 0 if error is None else self._seed_failures_in_a_row.get(url, 0) + 1
+            self._seed_failures_in_a_row[url] = failures
+        if failures >= self.cfg.max_consecutive_seed_failures:
+            raise ServerDown(f"http environment: the last {failures} /seed_session requests to {url} failed "
+                             f"(last: {error}); is the resources server running there? (env.http.servers; "
+                             f"env.http.max_consecutive_seed_failures={self.cfg.max_consecutive_seed_failures})")
 
     def shutdown(self) -> None:
         for key in list(self.sessions):
             self._end(key)
+
+
+_COUNTS = ("tool_calls", "tool_errors", "http_errors", "timeouts", "seed_failures", "verify_failures", "over_budget",
+           "unfinished_episodes")
+
+
+def _new_counts() -> dict[str, float]:
+    return dict.fromkeys(_COUNTS, 0.0)
+
+
+def _summed(per_episode: list[dict[str, float]]) -> dict[str, float]:
+    totals = _new_counts()
+    for counts in per_episode:
+        for key, value in counts.items():
+            totals[key] = totals.get(key, 0.0) + value
+    return totals

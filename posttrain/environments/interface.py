@@ -9,6 +9,9 @@ Rules every environment follows:
 - `step` is batched: every field of the return has one entry per input conversation, in order.
 - `step` never raises because of what the model wrote: a malformed, missing or pathological
   answer scores 0. It may raise for caller errors (e.g. metadata without a required key).
+- Every episode ends in exactly one of two calls: a `step` that returns it terminated, or
+  `finish` when the rollout stops it first (token limit, `grpo.max_rollout_turns`): an
+  environment with a verifier scores the unfinished episode there (and releases its state).
 - Environments usually run as Ray actors (`posttrain.environments.registry.create_env`), so
   everything they return must be picklable.
 """
@@ -38,7 +41,9 @@ class EnvironmentReturn(NamedTuple):
         answers: B extracted answers (str) or None where nothing could be extracted; used for
             logging and for majority voting (cons@k) in evaluation.
         metrics: optional counts of this call (e.g. `{"tool_errors": 2}`), summed over the calls
-            of a rollout and logged as `train/env/<task>/<key>` (default None).
+            of a rollout and logged as `train/env/<task>/<key>` (default None). Keys starting
+            with `reward/` (`reward/<component>`) are per-episode values summed over the call's
+            episodes instead; they are logged as their mean per episode of the task.
     """
 
     observations: list[dict[str, str]]
@@ -87,8 +92,28 @@ class Environment(abc.ABC):
     def step(self, message_logs: list[MessageLog], metadata: list[dict]) -> EnvironmentReturn:
         """Score one turn of `len(message_logs)` conversations. Never raises on bad model output."""
 
+    def finish(self, message_logs: list[MessageLog], metadata: list[dict]) -> EnvironmentReturn:
+        """End episodes the rollout stopped before `step` terminated them (token limit, max turns):
+        their final reward (added to what `step` gave) and answers, one per conversation; the
+        returned observations and stop strings are ignored. Default: reward 0, nothing released.
+        Environments with a verifier or per-episode state override it."""
+        return ended(len(message_logs), metadata)
+
     def shutdown(self) -> None:
         """Release processes or other resources the environment holds. Safe to call twice."""
+
+
+def ended(n: int, metadata: list[Any], rewards: Optional[list[float]] = None,
+          answers: Optional[list[Optional[str]]] = None, metrics: Optional[dict[str, float]] = None) -> EnvironmentReturn:
+    """The `EnvironmentReturn` of `n` episodes that are over: empty observations, `rewards`
+    (default 0) and `answers` (default None)."""
+    return EnvironmentReturn(
+        observations=[{"role": "environment", "content": ""} for _ in range(n)], metadata=list(metadata),
+        next_stop_strings=[None] * n,
+        rewards=torch.tensor(rewards if rewards is not None else [0.0] * n, dtype=torch.float32),
+        terminateds=torch.ones(n, dtype=torch.bool), answers=list(answers) if answers is not None else [None] * n,
+        metrics=metrics,
+    )
 
 
 def last_assistant_text(message_log: MessageLog) -> str:

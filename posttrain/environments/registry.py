@@ -201,9 +201,11 @@ def launch_step(
     message_logs: Sequence[MessageLog],
     metadata: Sequence[dict],
     task_names: Sequence[str],
+    method: str = "step",
 ) -> PendingStep:
     """Start stepping each sample in the environment of its task, without waiting: every actor call
-    is launched at once (environments work in parallel, and beside whatever the caller does next)."""
+    is launched at once (environments work in parallel, and beside whatever the caller does next).
+    `method` is the environment method called: "step" (default) or "finish" (`Environment.finish`)."""
     batch_size = len(message_logs)
     if not (len(metadata) == len(task_names) == batch_size):
         raise ValueError(
@@ -219,9 +221,8 @@ def launch_step(
         env = envs[task]
         group_logs = [message_logs[i] for i in indices]
         group_meta = [metadata[i] for i in indices]
-        launched[task] = (
-            env.step(group_logs, group_meta) if _is_plain_instance(env) else env.step.remote(group_logs, group_meta)
-        )
+        call = getattr(env, method)
+        launched[task] = call(group_logs, group_meta) if _is_plain_instance(env) else call.remote(group_logs, group_meta)
     return PendingStep(envs, groups, launched, batch_size)
 
 

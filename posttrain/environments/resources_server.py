@@ -8,7 +8,7 @@ Endpoints (FastAPI; the session is a signed cookie, as NeMo-Gym's Starlette Sess
   `reward` (1.0 when the last number of the final message equals the row's `expected_answer`) and
   `reward_components` (`correct`, `used_tool`); `reward` is their weighted sum.
 
-For tests, `delay_s` slows every answer and `fail_status` makes `/verify` and the tools answer
+`app.state.verify_calls` counts the verifies answered. For tests, `delay_s` slows every answer and `fail_status` makes `/verify` and the tools answer
 that HTTP status (e.g. 500). Run it (optional extra `posttrain[http]`):
 
     python -m posttrain.environments.resources_server --port 8765
@@ -48,6 +48,7 @@ def make_app(delay_s: float = 0.0, fail_status: Optional[int] = None, tool_weigh
     app.add_middleware(SessionMiddleware, secret_key=secrets.token_hex(16))
     sessions: dict[str, dict[str, Any]] = {}  # session id -> episode state (kept server side)
     app.state.sessions = sessions
+    app.state.verify_calls = 0
 
     async def slow_or_fail() -> Optional[Response]:
         if delay_s:
@@ -91,6 +92,7 @@ def make_app(delay_s: float = 0.0, fail_status: Optional[int] = None, tool_weigh
         if failed is not None:
             return failed
         body = await request.json()
+        app.state.verify_calls += 1
         numbers = NUMBER.findall(final_text(body.get("response") or {}))
         expected = str(body.get("expected_answer", "")).strip()
         correct = float(bool(numbers) and numbers[-1] == expected)

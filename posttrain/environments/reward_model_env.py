@@ -72,7 +72,8 @@ class RewardModelEnvironment(Environment):
         self.cfg = cfg if isinstance(cfg, RewardModelEnvConfig) else RewardModelEnvConfig.model_validate(cfg)
         device = self.cfg.device
         if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"  # cuda: not run here (no GPU in this task)
+            # cuda: a GPU-only path (docs/scaling.md, "GPU-only paths")
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model_path)
         if self.tokenizer.pad_token_id is None:

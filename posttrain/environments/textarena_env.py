@@ -14,7 +14,8 @@ give partial credit, which `win_only` turns into 0).
 
 textarena's `reset` seeds the global `random`; episodes of one actor interleave, so a game whose
 later moves draw random numbers is reproducible only per actor call order (the board itself is).
-Episodes the rollout abandons (token limit, max turns) are dropped oldest first beyond `max_live_games`.
+Episodes the rollout stops (token limit, max turns) end in `finish`: their games are dropped, reward
+0 (an unfinished game is not won); abandoned ones are dropped oldest first beyond `max_live_games`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from posttrain.environments.interface import Environment, EnvironmentReturn, MessageLog, last_assistant_text
+from posttrain.environments.interface import Environment, EnvironmentReturn, MessageLog, ended, last_assistant_text
 from posttrain.environments.registry import register_env
 
 # Single-player games that need no download and run in textarena 0.7.4 (variants such as
@@ -170,6 +171,11 @@ class TextArenaEnvironment(Environment):
             rewards=torch.tensor(rewards, dtype=torch.float32), terminateds=torch.tensor(done, dtype=torch.bool),
             answers=[None] * n,
         )
+
+    def finish(self, message_logs: list[MessageLog], metadata: list[dict]) -> EnvironmentReturn:
+        for meta in metadata:
+            self.games.pop(meta.get("_game_key"), None)
+        return ended(len(message_logs), metadata)
 
     def shutdown(self) -> None:
         self.games.clear()

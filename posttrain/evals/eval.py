@@ -84,7 +84,7 @@ def evaluate(
             generation, chunk, tokenizer, envs, max_seq_len=max_seq_len,
             max_rollout_turns=max_rollout_turns, greedy=greedy,
             seeds=sample_seeds(seed, start, len(chunk)), weight_version=weight_version,
-            params={"temperature": temperature} if temperature is not None and not greedy else None,
+            params={"temperature": temperature} if temperature is not None and not greedy else None, group_size=k,
         )
         rewards.append(result.rewards)
         answers.extend(result.answers)

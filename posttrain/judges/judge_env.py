@@ -10,19 +10,25 @@ Modes (`mode`):
   match of `score_regex` in the judgement is the score, mapped from `[score_min, score_max]` to
   `[0, 1]` (clipped). A judgement without a score gives reward 0 (`unparsed` count).
 - `pairwise` (GenRM, as NeMo-Gym's `genrm_compare`): the responses of one prompt (the samples
-  of a GRPO group, recognised by an identical prompt) are compared in pairs: `circular` compares
-  (i, i+1 mod N), N comparisons; `all_pairs` N(N-1)/2. `pairwise_template` (fields `{prompt}`,
-  `{response_1}`, `{response_2}`) asks for `score_1`, `score_2` (1-5) and a `ranking` (1-6, 1 =
-  response 1 much better); on equal scores `3.5 - ranking` is added to score_1 and subtracted from
-  score_2. A response's reward is the mean of its scores over its comparisons, divided by 5; an
-  unparsable comparison adds nothing (and is counted). With `length_bonus_alpha` > 0, each
-  response with at least one parsed comparison also gets `alpha * (mean_length - length) /
-  max_length` over those of its group (ours: shorter than average gains, longer loses, zero-sum;
-  after the Nemotron recipe's length-normalised bonus, whose exact form is not given here).
+  of a GRPO group, recognised by an identical prompt; the rollout always steps a group whole) are
+  compared in pairs: `circular` compares (i, i+1 mod N), N comparisons; `all_pairs` N(N-1)/2.
+  `pairwise_template` (fields `{prompt}`, `{response_1}`, `{response_2}`) asks for `score_1`,
+  `score_2` (1-5) and a `ranking` (1-6, 1 = response 1 much better), answered as JSON
+  (`{"score_1": 4, "score_2": 2, "ranking": 2}`, NeMo-Gym's GenRM format; the last such object,
+  also nested under "overall") or as `score_1: 4, score_2: 2, ranking: 2`. On equal scores
+  `3.5 - ranking` is added to score_1 and subtracted from score_2, each kept within [0, 5]. A
+  response's reward is the mean of its scores over its comparisons, divided by 5. A comparison
+  whose answer cannot be parsed gives both responses the neutral `default_score` (3, as NeMo-Gym;
+  counted as `unparsed`), and so does a response without any comparison (alone in its group;
+  counted as `uncompared`). With `length_bonus_alpha` > 0, each response with at least one parsed
+  comparison also gets `alpha * (mean_length - length) / max_length` over those of its group
+  (ours: shorter than average gains, longer loses, zero-sum; after the Nemotron recipe's
+  length-normalised bonus, whose exact form is not given here). Rewards are clipped to [0, 1].
 """
 
 from __future__ import annotations
 
+import json
 import re
 from itertools import combinations
 from typing import Literal, Optional
@@ -58,6 +64,8 @@ class JudgeEnvConfig(BaseModel):
     pairwise_template: str = Field(PAIRWISE_TEMPLATE, description="Pairwise judge prompt ({prompt}, {response_1}, {response_2}).")
     comparison_strategy: Literal["circular", "all_pairs"] = Field("circular", description="Pairs compared per group.")
     length_bonus_alpha: float = Field(0.0, ge=0, description="Pairwise length bonus weight (0: off; Nemotron used 0.5).")
+    default_score: float = Field(3.0, ge=1, le=5, description="Pairwise: both scores of an unparsable comparison, and "
+                                 "the score of a response compared with none. Default 3 (neutral, as NeMo-Gym).")
     max_new_tokens: int = Field(64, ge=1, description="Judgement length. Default 64.")
     greedy: bool = Field(True, description="Greedy judgements (deterministic). Default True.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature when not greedy.")
@@ -72,24 +80,57 @@ class JudgeEnvConfig(BaseModel):
         return pattern
 
 
-_PAIR_FIELDS = {name: re.compile(rf"{name}\s*[:=]\s*(\d+(?:\.\d+)?)", re.IGNORECASE) for name in ("score_1", "score_2", "ranking")}
+_FIELDS = ("score_1", "score_2", "ranking")
+_PAIR_FIELDS = {name: re.compile(rf"{name}\s*[:=]\s*(\d+(?:\.\d+)?)", re.IGNORECASE) for name in _FIELDS}
+MAX_SCORE = 5.0  # a pairwise score's top; reward = mean score / MAX_SCORE
 
 
-def parse_pairwise(judgement: str) -> Optional[tuple[float, float]]:
-    """`(score_1, score_2)` after the tie-break, or None when a field is missing or out of range."""
-    values = {}
-    for name, pattern in _PAIR_FIELDS.items():
+def _json_fields(judgement: str) -> Optional[tuple[float, float, float]]:
+    """`(score_1, score_2, ranking)` of the last JSON object in the text that has all three
+    (NeMo-Gym's GenRM answer; also nested under "overall"), or None."""
+    decoder, found = json.JSONDecoder(), None
+    start = judgement.find("{")
+    while start != -1:
+        try:
+            value, end = decoder.raw_decode(judgement, start)
+        except ValueError:
+            start = judgement.find("{", start + 1)
+            continue
+        if isinstance(value, dict) and isinstance(value.get("overall"), dict):
+            value = value["overall"]
+        if isinstance(value, dict) and all(name in value for name in _FIELDS):
+            try:
+                found = tuple(float(value[name]) for name in _FIELDS)
+            except (TypeError, ValueError):
+                pass
+        start = judgement.find("{", end)
+    return found
+
+
+def _text_fields(judgement: str) -> Optional[tuple[float, float, float]]:
+    """`(score_1, score_2, ranking)` from `score_1: 4, score_2: 2, ranking: 2` (last of each), or None."""
+    values = []
+    for pattern in _PAIR_FIELDS.values():
         found = pattern.findall(judgement)
         if not found:
             return None
-        values[name] = float(found[-1])
-    s1, s2, rank = values["score_1"], values["score_2"], values["ranking"]
-    if not (1 <= s1 <= 5 and 1 <= s2 <= 5 and 1 <= rank <= 6):
+        values.append(float(found[-1]))
+    return values[0], values[1], values[2]
+
+
+def parse_pairwise(judgement: str) -> Optional[tuple[float, float]]:
+    """`(score_1, score_2)` after the tie-break, each within [0, 5], or None when the answer has
+    no JSON or text form with all three fields in range."""
+    values = _json_fields(judgement) or _text_fields(judgement)
+    if values is None:
+        return None
+    s1, s2, rank = values
+    if not (1 <= s1 <= MAX_SCORE and 1 <= s2 <= MAX_SCORE and 1 <= rank <= 6):
         return None
     if s1 == s2:
         adjust = 3.5 - rank
         s1, s2 = s1 + adjust, s2 - adjust
-    return s1, s2
+    return min(max(s1, 0.0), MAX_SCORE), min(max(s2, 0.0), MAX_SCORE)
 
 
 def comparison_pairs(n: int, strategy: str) -> list[tuple[int, int]]:
@@ -116,7 +157,8 @@ class JudgeEnvironment(Environment):
         from posttrain.models.hf import load_causal_lm, load_tokenizer
 
         self.cfg = cfg if isinstance(cfg, JudgeEnvConfig) else JudgeEnvConfig.model_validate(cfg)
-        device = "cuda" if torch.cuda.is_available() else "cpu"  # cuda: not run here (no GPU in this task)
+        # cuda: a GPU-only path (docs/scaling.md, "GPU-only paths")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
         self.tokenizer = load_tokenizer(self.cfg.judge_model)
         self.model = load_causal_lm(self.cfg.judge_model, device=device)
         self.engine = NativeGenerationEngine(self.model, self.tokenizer, pad_token_id=self.tokenizer.pad_token_id,
@@ -168,7 +210,8 @@ class JudgeEnvironment(Environment):
             answers.append(str(score))
         return rewards, answers, unparsed
 
-    def pairwise(self, message_logs: list[MessageLog]) -> tuple[list[float], int, int]:
+    def pairwise(self, message_logs: list[MessageLog]) -> tuple[list[float], dict[str, float]]:
+        """Rewards of the responses, and the counts `judgements`, `unparsed`, `uncompared`."""
         groups: dict[str, list[int]] = {}
         for i, log_ in enumerate(message_logs):
             groups.setdefault(prompt_of(log_), []).append(i)
@@ -185,16 +228,18 @@ class JudgeEnvironment(Environment):
         unparsed = 0
         for (i, j, _), judgement in zip(jobs, judgements):
             scores = parse_pairwise(judgement)
-            counts[i] += 1
-            counts[j] += 1
             if scores is None:
                 unparsed += 1
-                continue
+                scores = (self.cfg.default_score, self.cfg.default_score)
+            else:
+                parsed[i] += 1
+                parsed[j] += 1
             totals[i] += scores[0]
             totals[j] += scores[1]
-            parsed[i] += 1
-            parsed[j] += 1
-        rewards = [totals[i] / counts[i] / 5.0 if counts[i] else 0.0 for i in range(len(message_logs))]
+            counts[i] += 1
+            counts[j] += 1
+        rewards = [(totals[i] / counts[i] if counts[i] else self.cfg.default_score) / MAX_SCORE
+                   for i in range(len(message_logs))]
         if self.cfg.length_bonus_alpha:
             for members in groups.values():
                 members = [i for i in members if parsed[i]]  # no bonus without a judgement
@@ -205,7 +250,9 @@ class JudgeEnvironment(Environment):
                 mean = sum(lengths) / len(lengths)
                 for i, length in zip(members, lengths):
                     rewards[i] += self.cfg.length_bonus_alpha * (mean - length) / longest
-        return rewards, unparsed, len(jobs)
+        rewards = [min(max(r, 0.0), 1.0) for r in rewards]
+        return rewards, {"judgements": float(len(jobs)), "unparsed": float(unparsed),
+                         "uncompared": float(counts.count(0))}
 
     def step(self, message_logs: list[MessageLog], metadata: list[dict]) -> EnvironmentReturn:
         n = len(message_logs)
@@ -213,9 +260,8 @@ class JudgeEnvironment(Environment):
             rewards, answers, unparsed = self.pointwise(message_logs)
             metrics = {"judgements": float(n), "unparsed": float(unparsed)}
         else:
-            rewards, unparsed, comparisons = self.pairwise(message_logs)
+            rewards, metrics = self.pairwise(message_logs)
             answers = [None] * n
-            metrics = {"judgements": float(comparisons), "unparsed": float(unparsed)}
         return EnvironmentReturn(
             observations=[{"role": "environment", "content": f"Judge reward: {r:.3f}"} for r in rewards],
             metadata=list(metadata), next_stop_strings=[None] * n, rewards=torch.tensor(rewards, dtype=torch.float32),

@@ -1,8 +1,8 @@
 """Metrics logging: JSONL (always), TensorBoard, W&B and MLflow (when enabled), and a progress bar.
 
 Every `Logger.log_metrics(metrics, step)` call appends one JSON object to
-`<logger.log_dir>/metrics.jsonl`: `{"step": N, "train/reward": 0.4, ...}` with the flat metric
-names of DESIGN.md (`train/...`, `validation/...`, `timing/train/...`). Several calls may share a
+`<logger.log_dir>/metrics.jsonl`: `{"step": N, "train/reward": 0.4, ...}` with flat metric names
+(`train/...`, `validation/...`, `timing/train/...`; docs/getting-started.md, "Outputs"). Several calls may share a
 step (train, timing and validation metrics are logged separately); readers merge lines by step
 (`read_metrics_jsonl`). A resumed run passes `resume_step` (the step of the checkpoint it loaded) so
 lines and TensorBoard points logged after that checkpoint by the crashed run are dropped first.

@@ -35,14 +35,18 @@ class StuckEnv(MathEnvironment):
 
 
 class StragglerEnv(MathEnvironment):
-    """Every fourth call takes `STRAGGLER_SECONDS` (default 4) longer: a straggler, not a hang."""
+    """The third call takes `STRAGGLER_SECONDS` (default 26) longer: a straggler, not a hang.
+
+    With `grpo.async_grpo.rollout_timeout_s=20` its batch is dropped; the next batch's call, queued
+    behind it, still answers about 14 s before its own deadline, however busy the machine (a normal
+    batch of the tiny model takes well under a second)."""
 
     calls = 0
 
     def step(self, message_logs, metadata):
         StragglerEnv.calls += 1
-        if StragglerEnv.calls % 4 == 3:
-            time.sleep(float(os.environ.get("STRAGGLER_SECONDS", "4")))
+        if StragglerEnv.calls == 3:
+            time.sleep(float(os.environ.get("STRAGGLER_SECONDS", "26")))
         return super().step(message_logs, metadata)
 
 

@@ -122,7 +122,8 @@ def test_staleness_eviction_with_a_real_collector(ray_cluster, tmp_path):
 def test_a_failing_environment_stops_the_run_with_its_reason(ray_cluster, tmp_path, fault, extra, expected):
     seconds, error = run_async(async_cfg(tmp_path, "grpo.max_num_steps=50", faulty(fault), *extra))
     assert error is not None and expected in str(error), error
-    assert seconds < 30, seconds
+    # Not a hang: a wedged run would wait for buffer_timeout_s (600 s by default) or forever.
+    assert seconds < 300, seconds
 
 
 def test_a_killed_environment_or_generation_worker_stops_the_run(ray_cluster, tmp_path):
@@ -153,12 +154,14 @@ def test_a_killed_environment_or_generation_worker_stops_the_run(ray_cluster, tm
             assert "trajectory collector stopped" in message and "ActorDiedError" in message, message
         else:  # seen by whichever of the collector (generating) or the trainer (refitting) calls it first
             assert "WorkerGroup 'generation'" in message and "Actor" in message, message
-        assert time.monotonic() - t0 < 60, victim
+        assert time.monotonic() - t0 < 300, victim  # not a hang (buffer_timeout_s is 600 s)
 
 
-def test_a_straggler_is_dropped_and_counted_and_the_run_finishes(ray_cluster, tmp_path, monkeypatch):
+def test_a_straggler_is_dropped_and_counted_and_the_run_finishes(ray_cluster, tmp_path):
+    # The deadline is far from a normal batch's time (under a second here, a few on a busy machine)
+    # and the straggler far beyond it, so the test does not depend on the machine's speed.
     seconds, error = run_async(async_cfg(
-        tmp_path, "grpo.max_num_steps=4", faulty("StragglerEnv"), "grpo.async_grpo.rollout_timeout_s=1.5",
+        tmp_path, "grpo.max_num_steps=4", faulty("StragglerEnv"), "grpo.async_grpo.rollout_timeout_s=20",
     ))
     assert error is None, error
     steps = read_metrics(tmp_path / "logs")

@@ -1,16 +1,22 @@
 """The `http` environment against our own NeMo-Gym-compatible resources server on loopback: a whole
 episode (seed_session cookie, a tool call, verify with reward components), unknown tools, routing
-by the row's agent_ref, and a server that times out or answers 500 (reward 0, counted)."""
+by the row's agent_ref, a server that times out or answers 500 (reward 0, counted), episodes stopped by
+the rollout verified all the same (partial credit), and a server that is down (a warning, then an
+error naming its URL)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from posttrain.environments.http_env import HttpEnvConfig, HttpEnvironment, responses_object  # noqa: E402
-from posttrain.environments.resources_server import ServerThread, make_app  # noqa: E402
+from posttrain.distributed.batch import Batch  # noqa: E402
+from posttrain.environments.http_env import HttpEnvConfig, HttpEnvironment, ServerDown, responses_object  # noqa: E402
+from posttrain.environments.resources_server import ServerThread, free_port, make_app  # noqa: E402
 
 pytestmark = pytest.mark.functional
 
@@ -91,3 +97,74 @@ def test_config_and_responses_object():
     assert [item["type"] for item in obj["output"]] == ["function_call", "function_call_output", "message"]
     assert obj["output"][0]["call_id"] == obj["output"][1]["call_id"] and obj["object"] == "response"
     assert obj["output"][2]["content"][0]["text"] == "42"
+
+
+class AlwaysCallsTheTool:
+    """A generation stand-in whose every turn is the same calculator call."""
+
+    def __init__(self, tokenizer):
+        self.reply = tokenizer(CALL + "<|end|>", add_special_tokens=False)["input_ids"]
+
+    def prepare_for_generation(self):
+        return True
+
+    def finish_generation(self):
+        return True
+
+    def generate_shards(self, batch, greedy=False, params=None):
+        b, n = batch.size, len(self.reply)
+        out = torch.cat([batch["input_ids"], torch.zeros(b, n, dtype=torch.long)], dim=1)
+        for row, length in enumerate(batch["input_lengths"].tolist()):
+            out[row, length: length + n] = torch.tensor(self.reply)
+        yield list(range(b)), Batch(output_ids=out, generation_lengths=torch.full((b,), n), logprobs=torch.zeros(out.shape),
+                                    truncated=torch.zeros(b, dtype=torch.bool))
+
+
+def test_episodes_the_rollout_stops_are_verified_with_partial_credit():
+    """NeMo-Gym verifies every episode: one cut by max_rollout_turns (or the token limit) goes to
+    /verify as it stands, the server's partial credit (here 0.5 for having used the tool) is its
+    reward, the components are a mean per episode, and its session is closed."""
+    from posttrain.data.processors import build_prompt_message_log
+    from posttrain.models.tiny import build_tokenizer
+    from posttrain.rollouts import run_multi_turn_rollout
+
+    app = make_app(tool_weight=0.5)
+    tokenizer = build_tokenizer()
+    with ServerThread(app) as url:
+        env = HttpEnvironment({"servers": {"calc": url}, "retries": 0})
+        rows = [build_prompt_message_log({"prompt": "What is 6*7?", "expected_answer": "42", "tools": TOOLS,
+                                          "task_name": "gym"}, tokenizer, 2048, idx=i) for i in range(2)]
+        result = run_multi_turn_rollout(AlwaysCallsTheTool(tokenizer), rows, tokenizer, {"gym": env},
+                                        max_seq_len=2048, max_rollout_turns=2)
+        assert result.metrics["max_turns_reached_rate"] == 1.0
+        assert app.state.verify_calls == 2 and result.rewards.tolist() == [0.5, 0.5]
+        assert result.metrics["env/gym/unfinished_episodes"] == 2 and result.metrics["env/gym/tool_calls"] == 4
+        assert result.metrics["env/gym/reward/used_tool"] == 1.0 and result.metrics["env/gym/reward/correct"] == 0.0
+        assert env.sessions == {}
+        # The token limit: the second turn's tool result no longer fits; verified the same way.
+        rows = [build_prompt_message_log({"prompt": "What is 6*7?", "expected_answer": "42", "tools": TOOLS,
+                                          "task_name": "gym"}, tokenizer, 2048, idx=0)]
+        limit = len(rows[0].message_log[0]["token_ids"]) + len(AlwaysCallsTheTool(tokenizer).reply) + 3
+        result = run_multi_turn_rollout(AlwaysCallsTheTool(tokenizer), rows, tokenizer, {"gym": env},
+                                        max_seq_len=limit, max_rollout_turns=4)
+        assert result.truncated.tolist() == [True] and app.state.verify_calls == 3 and result.rewards.tolist() == [0.5]
+        assert env.sessions == {}
+
+
+def test_a_server_that_is_down_warns_then_stops_the_run_naming_its_url(servers, caplog):
+    port = free_port()
+    down = f"http://127.0.0.1:{port}"  # nothing listens there (until the server below starts)
+    env = HttpEnvironment({"servers": {"calc": servers["good"], "gone": down}, "default_server": "calc", "retries": 0,
+                           "max_consecutive_seed_failures": 3})
+    rows = [{"expected_answer": "42"}, {"expected_answer": "42", "agent_ref": {"name": "gone"}}]
+    with caplog.at_level(logging.WARNING, logger="posttrain.environments.http_env"):
+        out = env.step([log(("assistant", "42"))] * 2, rows)
+    assert out.rewards.tolist() == [1.0, 0.0] and out.metrics["seed_failures"] == 1
+    assert "1 of 2 episodes score 0" in caplog.text and down in caplog.text  # on the console, not only in metrics
+    env.step([log(("assistant", "42"))], rows[1:])  # 2 failures in a row: still going
+    with ServerThread(make_app(), port=port):  # back up: a success resets the count
+        assert env.step([log(("assistant", "42"))], rows[1:]).rewards.tolist() == [1.0]
+    for _ in range(2):
+        assert env.step([log(("assistant", "42"))], rows[1:]).metrics["seed_failures"] == 1
+    with pytest.raises(ServerDown, match=f"the last 3 /seed_session requests to {down} failed"):
+        env.step([log(("assistant", "42"))], rows[1:])

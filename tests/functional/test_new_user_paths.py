@@ -93,7 +93,7 @@ def test_run_sh_keeps_the_callers_directory(tmp_path):
 
 
 def test_custom_environment_loss_and_estimator_from_the_users_directory(tmp_path):
-    """examples/custom (the README's example), run from a copy in the user's own directory."""
+    """examples/custom (the README's example, docs/extending.md), run from a copy in the user's own directory."""
     import shutil
 
     shutil.copy(REPO / "examples/custom/my_task.py", tmp_path / "my_task.py")

@@ -4,44 +4,55 @@
 from __future__ import annotations
 
 import re
-import typing
 
 import pytest
-from pydantic import BaseModel
 
-from posttrain.config import config_to_yaml, load_config
+from posttrain.config import all_keys, config_to_yaml, load_config
+from posttrain.config.reference import config_reference_markdown, walk_schemas
 from posttrain.config.schema import SCHEMAS
 
 
-def sections_and_keys():
-    seen, sections, keys = set(), [], []
-
-    def models(annotation):
-        return [u for t in (annotation, *typing.get_args(annotation)) for u in (t, *typing.get_args(t))
-                if isinstance(u, type) and issubclass(u, BaseModel)]
-
-    def walk(cls):
-        if cls in seen:
-            return
-        seen.add(cls)
-        sections.append(cls)
-        for name, field in cls.model_fields.items():
-            nested = models(field.annotation)
-            for model in nested:
-                walk(model)
-            if not nested:
-                keys.append((cls, name, field))
-
-    for schema in SCHEMAS.values():
-        walk(schema)
-    return sections, keys
-
-
 def test_every_key_and_section_is_described():
-    sections, keys = sections_and_keys()
+    sections, keys = walk_schemas()
     assert len(keys) > 150
     assert [f"{cls.__name__}.{name}" for cls, name, field in keys if not (field.description or "").strip()] == []
-    assert [cls.__name__ for cls in sections if not (cls.__doc__ or "").strip()] == []
+    assert [doc.cls.__name__ for doc in sections if not (doc.cls.__doc__ or "").strip()] == []
+
+
+def reference_tables() -> dict[str, set[str]]:
+    """Heading id -> the keys in that section's table, read back from the generated page."""
+    tables, current = {}, None
+    for line in config_reference_markdown().splitlines():
+        heading = re.match(r"## .*\{#([\w-]+)\}$", line)
+        if heading:
+            current = tables.setdefault(heading.group(1), set())
+        elif current is not None and (row := re.match(r"\| `(\w+)` \|", line)):
+            current.add(row.group(1))
+    return tables
+
+
+def test_the_reference_page_lists_every_key_of_every_command_in_its_section():
+    sections, _ = walk_schemas()
+    tables = reference_tables()
+    anchor_at = {}
+    for doc in sections:
+        for command in doc.commands:
+            for path in doc.paths:
+                anchor_at.setdefault((command, path), doc.anchor)
+    missing = []
+    for command, schema in SCHEMAS.items():
+        for key in all_keys(schema):
+            if key.split(".")[0] in ("sft_warmup", "teacher_warmup"):
+                continue  # a whole `posttrain sft` config: its own command's keys
+            parent, _, name = key.rpartition(".")
+            anchor = anchor_at.get((command, parent)) if parent else None
+            table = tables.get(anchor) if anchor else {n for n in schema.model_fields}
+            if table is None or name not in table:
+                missing.append(f"{command}: {key}")
+    assert missing == []
+    # Two classes at one path, GRPO's and distillation's `loss_fn`, get a table each.
+    assert "ratio_clip_max" in tables["cfg-loss-fn"] and "ratio_clip_max" not in tables["cfg-loss-fn-distill"]
+    assert "kl_type" in tables["cfg-loss-fn-distill"]
 
 
 @pytest.mark.parametrize("algo", sorted(SCHEMAS))

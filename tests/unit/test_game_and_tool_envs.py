@@ -122,6 +122,10 @@ def test_textarena_guess_the_number_episode_ends_with_the_game_reward():
             high = guess - 1
     assert out.terminateds.tolist() == [True] and out.rewards.tolist() == [1.0]
     assert env.games == {}  # the finished game is closed
+    # A game the rollout stops (turn or token limit) is released by finish, unwon: reward 0
+    out = env.step([user_log("My guess: [1]")], [{"game": row["game"], "game_seed": 4}])
+    assert len(env.games) == 1 and not out.terminateds[0]
+    assert env.finish([user_log("My guess: [1]")], out.metadata).rewards.tolist() == [0.0] and env.games == {}
 
 
 def test_every_allow_listed_textarena_game_runs_offline():

@@ -25,6 +25,12 @@ class Counter:
         self.value += amount
         return self.value
 
+    def hold(self, started, release):
+        """Stay in this call until `release` is set (a call in progress, for as long as a test needs)."""
+        started.set()
+        release.wait(600)
+        return "held"
+
     def explode(self):
         raise KeyError("boom")
 
@@ -59,11 +65,13 @@ def test_a_failed_constructor_fails_every_call_with_its_error():
 
 def test_kill_fails_queued_and_later_calls():
     actor = actors.LocalActor(Counter)
-    running = actor.add.remote(1, delay=0.3)
+    started, release = threading.Event(), threading.Event()
+    running = actor.hold.remote(started, release)
     queued = actor.add.remote(1)
-    time.sleep(0.05)
-    actor.kill()
-    assert actors.get(running) == 1  # a call in progress cannot be interrupted
+    assert started.wait(60)
+    actor.kill(wait_s=0)
+    release.set()
+    assert actors.get(running) == "held"  # a call in progress cannot be interrupted
     for ref in (queued, actor.add.remote(1)):
         with pytest.raises(actors.LocalActorDiedError, match="was killed"):
             actors.get(ref)
@@ -78,7 +86,7 @@ def test_wait_and_get_time_out_like_rays():
         actors.get(slow, timeout=0.05)
     assert actors.is_get_timeout(caught.value)
     fast = actor.add.remote(1)
-    ready, waiting = actors.wait([fast, slow], num_returns=2, timeout=5)
+    ready, waiting = actors.wait([fast, slow], num_returns=2, timeout=120)
     assert ready == [fast, slow] and waiting == [] and actors.get(fast) == 2
     actor.kill()
 

@@ -153,7 +153,7 @@ def test_pathological_answer_times_out_to_zero(env):
     result = env.step([conversation(r) for r in responses], [{"ground_truth": "3"}, {"ground_truth": "2"}])
     elapsed = time.monotonic() - start
     assert result.rewards.tolist() == [0.0, 1.0]
-    assert elapsed < 2.0 + 30.0  # timeout plus a generous allowance for restarting the worker
+    assert elapsed < 300  # not a hang: the timeout plus a generous allowance for restarting the worker
     # The replacement worker still grades.
     assert env.step([conversation("\\boxed{5}")], [{"ground_truth": "5"}]).rewards.tolist() == [1.0]
 

@@ -35,7 +35,7 @@ def test_take_waits_for_a_producer_and_times_out_with_the_count():
     t0 = time.monotonic()
     with pytest.raises(AsyncRolloutError, match=r"only 1 of 2 prompt groups ready after 0s"):
         buffer.take(2, current_version=0, timeout=0.3)
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 60  # the timeout, not a hang
 
 
 def test_take_stops_at_once_when_the_producer_died():
@@ -45,7 +45,7 @@ def test_take_stops_at_once_when_the_producer_died():
     t0 = time.monotonic()
     with pytest.raises(AsyncRolloutError, match="collector stopped: RuntimeError: boom"):
         buffer.take(1, current_version=0, timeout=600, producer_error=lambda: reason[0] if reason else None)
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 60  # long before the 600 s timeout
 
 
 def test_put_waits_for_room_and_gives_up_on_stop_or_close():

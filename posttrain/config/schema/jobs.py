@@ -19,12 +19,31 @@ from posttrain.config.schema.outputs import CheckpointingConfig, LoggerConfig
 from posttrain.config.schema.policy import PolicyConfig
 
 
+# Jobs run inside a job (warm starts, a teacher's warm start), each a whole config of its own.
+NESTED_JOBS = ("sft_warmup", "teacher_warmup")
+
+
 class MasterConfig(Section):
     policy: PolicyConfig = PolicyConfig()
     data: DataConfig = DataConfig()
     logger: LoggerConfig = LoggerConfig()
     checkpointing: CheckpointingConfig = CheckpointingConfig()
     cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _cluster_reaches_nested_jobs(self):
+        """The top level's `cluster.*` keys apply to every nested job (`sft_warmup`, `teacher_warmup`)
+        under the keys that job's own `cluster` section sets: `cluster.cpus_per_worker=1` on the
+        command line must also reach the warm start that runs first."""
+        for key in NESTED_JOBS:
+            nested = getattr(self, key, None)
+            if nested is None:
+                continue
+            inherited = self.cluster.model_fields_set - nested.cluster.model_fields_set
+            if inherited:
+                nested.cluster = nested.cluster.model_copy(
+                    update={name: getattr(self.cluster, name) for name in inherited})
+        return self
 
     @model_validator(mode="after")
     def _check_backend(self):

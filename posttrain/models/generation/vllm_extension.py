@@ -10,9 +10,10 @@ Three ways the bytes arrive (after NeMo-RL's vLLM refit):
 - in-process (CPU, and any engine running in the actor's process): the packed numpy buffers, read
   zero-copy from Ray's object store;
 - CUDA IPC (colocated on GPU): a handle to a packed buffer the policy worker on the same GPU
-  filled; not run here: no GPU in this task;
+  filled;
 - a collective broadcast (split placement on GPU): policy rank 0 broadcasts the packed buffers
-  over a process group it shares with every vLLM worker; not run here: no GPU in this task.
+  over a process group it shares with every vLLM worker.
+The two GPU ways have not run yet (docs/scaling.md, "GPU-only paths").
 
 This module is imported by vLLM inside the isolated environment; it must not import vllm at
 module level (the driver imports it to name it).
@@ -63,7 +64,7 @@ class VllmWeightLoader:
 
         `handles_by_device` maps a GPU's UUID to the handles (`torch.multiprocessing.reductions
         .reduce_tensor` output) of the buffers packed on that GPU; each vLLM worker opens those of
-        its own GPU, so no byte crosses PCIe. Not run here: no GPU in this task.
+        its own GPU, so no byte crosses PCIe.
         """
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)
         if uuid not in handles_by_device:
@@ -82,7 +83,7 @@ class VllmWeightLoader:
 
     def posttrain_init_broadcast_group(self, host: str, port: int, world_size: int, rank_offset: int) -> bool:
         """Split GPU refit: join the process group in which policy rank 0 (rank 0) broadcasts
-        weights to every vLLM worker (ranks `rank_offset + vLLM rank`). Not run here: no GPU in this task."""
+        weights to every vLLM worker (ranks `rank_offset + vLLM rank`)."""
         from posttrain.distributed.collective import new_standalone_group
 
         rank = rank_offset + self.rank
@@ -91,8 +92,7 @@ class VllmWeightLoader:
 
     @torch.no_grad()
     def posttrain_load_broadcast(self) -> int:
-        """Receive every packed buffer from the broadcast group's rank 0 and load it. Not run here:
-        no GPU in this task."""
+        """Receive every packed buffer from the broadcast group's rank 0 and load it."""
         group = getattr(self, "_posttrain_broadcast_group", None)
         if group is None:
             raise RuntimeError("broadcast refit before the broadcast group was set up")

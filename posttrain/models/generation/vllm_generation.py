@@ -11,7 +11,8 @@ Refit (`refit_from_policy`), after NeMo-RL's vLLM refit:
   handles; the engine on the same GPU loads from them without a copy through the host.
 - GPU, split: policy rank 0 broadcasts the packed buffers (nccl) to every vLLM worker over a
   process group set up once.
-The two GPU paths are written and reviewed; not run here: no GPU in this task.
+The two GPU paths are written and reviewed but have not run yet (docs/scaling.md, "GPU-only
+paths").
 
 Verification (`verify_refit`, on by default for vLLM): a probe sequence's logprobs from every
 engine must match the policy's; an engine that did not take the weights fails with
@@ -103,7 +104,7 @@ class VllmGeneration(WorkerGroupGeneration):
             use_gpu=self.use_gpu,
         )
         actor_resources = None
-        if tp > 1:  # not run here: no GPU in this task
+        if tp > 1:  # GPU only: docs/scaling.md, "GPU-only paths"
             init_kwargs["gpu_share"] = cluster.actor_resources()["num_gpus"]
             init_kwargs["tp_bundle_groups"] = _tp_bundle_groups(cluster, bundles, tp)
             actor_resources = {"num_gpus": 0}  # vLLM's own Ray workers hold the GPUs
@@ -141,13 +142,13 @@ class VllmGeneration(WorkerGroupGeneration):
     def refit_from_policy(self, policy: Any, metadata: RefitMetadata, version: int) -> None:
         if not self.use_gpu:
             self.update_weights(policy.pack_for_refit(metadata), version)
-        elif self.config.colocated.enabled:  # not run here: no GPU in this task
+        elif self.config.colocated.enabled:
             handles = policy.pack_for_refit_ipc(metadata)
             try:
                 self.worker_group.run_all("update_weights_ipc", handles, version)
             finally:
                 policy.release_refit_buffers()
-        else:  # not run here: no GPU in this task
+        else:
             if not self._broadcast_ready:
                 self._init_broadcast(policy)
             sends = policy.broadcast_for_refit(metadata)
@@ -158,7 +159,7 @@ class VllmGeneration(WorkerGroupGeneration):
 
     def _init_broadcast(self, policy: Any) -> None:
         """Split GPU refit: one process group of policy rank 0 (rank 0) and every vLLM worker
-        (rank 1 + engine * tp + tp rank). Not run here: no GPU in this task."""
+        (rank 1 + engine * tp + tp rank)."""
         host, port = policy.worker_group.cluster.master_address_and_port(0)
         tp = self.tensor_parallel_size
         world_size = 1 + self.worker_group.world_size * tp
@@ -206,7 +207,7 @@ class VllmGeneration(WorkerGroupGeneration):
 
 def _tp_bundle_groups(cluster: VirtualCluster, bundles: list[int], tp: int) -> list[list[int]]:
     """Per engine, the placement-group bundle indices of its `tp` consecutive bundles, which
-    must lie in one placement group (one node). Not run here: no GPU in this task."""
+    must lie in one placement group (one node)."""
     locations = cluster.bundle_locations()
     groups = []
     for start in range(0, len(bundles), tp):

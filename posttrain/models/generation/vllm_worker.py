@@ -5,7 +5,7 @@ environment (`vllm_env.py`). Created by `VllmGeneration` (vllm_generation.py) th
 The engine core runs inside the actor's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so
 `collective_rpc` hands refit buffers to vLLM's worker without copying or serialising them. With
 `tensor_parallel_size > 1` (GPU) vLLM starts its tensor-parallel workers with its Ray executor
-on the placement-group bundles this actor names; not run here: no GPU in this task.
+on the placement-group bundles this actor names. GPU paths: docs/scaling.md, "GPU-only paths".
 
 Output contract as the native engine (docs/internals.md, "Generation"). Logprobs are vLLM's
 `processed_logprobs`: those of the distribution tokens are drawn from, after temperature (and
@@ -103,7 +103,7 @@ class VllmGenerationWorker(DistributedWorker):
             worker_extension_cls=EXTENSION_QUALNAME,
             tensor_parallel_size=vcfg.tensor_parallel_size,
         )
-        if on_gpu:  # not run here: no GPU in this task
+        if on_gpu:  # GPU only: docs/scaling.md, "GPU-only paths"
             engine_args.update(
                 gpu_memory_utilization=vcfg.gpu_memory_utilization,
                 enable_sleep_mode=self.config.colocated.enabled,  # release memory for training
@@ -220,7 +220,7 @@ class VllmGenerationWorker(DistributedWorker):
     # ------------------------------------------------------------------ memory
     def prepare_for_generation(self) -> bool:
         """Wake the engine after `finish_generation(offload=True)` (GPU, colocated)."""
-        if self._asleep:  # not run here: no GPU in this task
+        if self._asleep:
             self.llm.wake_up()
             self._asleep = False
         return True
@@ -228,7 +228,7 @@ class VllmGenerationWorker(DistributedWorker):
     def finish_generation(self, offload: bool = False) -> bool:
         """With `offload` on a GPU (colocated with training): vLLM's sleep mode drops the KV cache
         and moves the weights to CPU so training gets the memory back. A no-op on CPU."""
-        if offload and self.device.type == "cuda" and not self._asleep:  # not run here: no GPU in this task
+        if offload and self.device.type == "cuda" and not self._asleep:
             self.llm.sleep(level=1)
             self._asleep = True
         return True
@@ -261,17 +261,17 @@ class VllmGenerationWorker(DistributedWorker):
         return self._after_load(self.llm.collective_rpc("posttrain_load_packed", args=(buffers,)), version)
 
     def update_weights_ipc(self, handles_by_device: dict[str, list], version: int) -> bool:
-        """Colocated GPU refit from CUDA IPC handles. Not run here: no GPU in this task."""
+        """Colocated GPU refit from CUDA IPC handles."""
         self.prepare_for_generation()
         return self._after_load(self.llm.collective_rpc("posttrain_load_ipc", args=(handles_by_device,)), version)
 
     def init_broadcast_group(self, host: str, port: int, world_size: int, rank_offset: int) -> bool:
-        """Split GPU refit: vLLM's workers join policy rank 0's broadcast group. Not run here: no GPU in this task."""
+        """Split GPU refit: vLLM's workers join policy rank 0's broadcast group."""
         self.llm.collective_rpc("posttrain_init_broadcast_group", args=(host, port, world_size, rank_offset))
         return True
 
     def update_weights_broadcast(self, version: int) -> bool:
-        """Split GPU refit: receive the broadcast buffers. Not run here: no GPU in this task."""
+        """Split GPU refit: receive the broadcast buffers."""
         return self._after_load(self.llm.collective_rpc("posttrain_load_broadcast"), version)
 
     def get_weights_version(self) -> int:

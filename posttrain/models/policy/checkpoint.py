@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from posttrain.distributed import collective
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.utils.checkpoint import publish_dir
 
@@ -106,16 +107,11 @@ def save_sharded(
         torch.save(trainer_state, tmp / TRAINER_STATE_FILE)
         hf_config.save_pretrained(tmp / HF_DIR)
         tokenizer.save_pretrained(tmp / HF_DIR)
-    _barrier()  # every rank's shards are on disk before the rename publishes them
+    collective.barrier()  # every rank's shards are on disk before the rename publishes them
     if rank == 0:
         publish_dir(tmp, final)
-    _barrier()
+    collective.barrier()
     return final
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def check_checkpoint_dir(path: str | os.PathLike) -> Path:

@@ -166,7 +166,7 @@ class Policy:
 
     def pack_for_refit_ipc(self, metadata) -> dict[str, list]:
         """Colocated GPU refit: `{gpu uuid: CUDA IPC handles}` of the full weights packed on every
-        policy GPU (kept until `release_refit_buffers`). Not run here: no GPU in this task."""
+        policy GPU (kept until `release_refit_buffers`)."""
         handles: dict[str, list] = {}
         for per_rank in self.worker_group.run_all("pack_for_refit_ipc", metadata):
             handles.update(per_rank)
@@ -177,7 +177,7 @@ class Policy:
 
     def init_refit_broadcast(self, host: str, port: int, world_size: int) -> Any:
         """Split GPU refit: rank 0 joins the broadcast group (returns the futures: the vLLM workers
-        join concurrently). Not run here: no GPU in this task."""
+        join concurrently)."""
         return self.worker_group.run_all_async("init_refit_broadcast", host, port, world_size)
 
     def broadcast_for_refit(self, metadata) -> Any:

@@ -52,8 +52,8 @@ class WeightExport:
     def pack_for_refit_ipc(self, metadata: refit.RefitMetadata) -> dict[str, list]:
         """Collective, colocated GPU refit: every rank packs the full weights into buffers on its
         own GPU and returns `{gpu uuid: [CUDA IPC handle per buffer]}` for the generation worker
-        sharing that GPU. The buffers live until `release_refit_buffers`. Not run here: no GPU in
-        this task."""
+        sharing that GPU. The buffers live until `release_refit_buffers`.
+        GPU only: docs/scaling.md, "GPU-only paths"."""
         from torch.multiprocessing.reductions import reduce_tensor
 
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
@@ -72,7 +72,7 @@ class WeightExport:
 
     def init_refit_broadcast(self, host: str, port: int, world_size: int) -> bool:
         """Split GPU refit: rank 0 joins the standalone broadcast group with the vLLM workers
-        (as its rank 0); other ranks do nothing. Not run here: no GPU in this task."""
+        (as its rank 0); other ranks do nothing."""
         if self.rank == 0:
             from posttrain.distributed.collective import new_standalone_group
 
@@ -81,7 +81,8 @@ class WeightExport:
 
     def broadcast_for_refit(self, metadata: refit.RefitMetadata) -> bool:
         """Collective, split GPU refit: gather the full weights, then rank 0 packs them on its
-        GPU and broadcasts each buffer to the vLLM workers. Not run here: no GPU in this task."""
+        GPU and broadcasts each buffer to the vLLM workers.
+        GPU only: docs/scaling.md, "GPU-only paths"."""
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
         if self.rank != 0:
             return True
