@@ -144,18 +144,27 @@ def _run_job(args: argparse.Namespace) -> int:
             sys.stdout.write(config_to_yaml(cfg, comments=True))
             return 0
         startup.mark("config")
-        from posttrain.preflight import preflight
-
-        preflight(cfg)  # model paths, hub ids and data: seconds, before Ray or any worker starts
-        startup.mark("preflight")
-        module_name, attr = JOBS[args.command]
-        run = load_target(module_name, attr, args.command)
-        startup.mark("imports")
-        run(cfg)
+        run_job(args.command, cfg)
     except UserError as e:  # config, data or model problem: the message names it; a traceback adds nothing
         print(f"posttrain {args.command}: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     return 0
+
+
+def run_job(command: str, cfg: Any) -> Any:
+    """Run the job `command` (a key of `JOBS`) on the validated config `cfg`, as `posttrain
+    <command>` does (the Python API, `posttrain.api`, calls it too): the preflight checks (model
+    paths, hub ids, data: seconds, before Ray or any worker starts), then the job. Returns what the
+    job returns; problems with the inputs raise `UserError`."""
+    from posttrain.preflight import preflight
+    from posttrain.utils import startup
+
+    preflight(cfg)
+    startup.mark("preflight")
+    module_name, attr = JOBS[command]
+    run = load_target(module_name, attr, command)
+    startup.mark("imports")
+    return run(cfg)
 
 
 def _init_model(args: argparse.Namespace) -> int:

@@ -228,7 +228,7 @@ def build_datums(
 
     records = limit_per_source(load(cfg.data, split), limit)
     if hasattr(cfg, "env"):
-        add_env_tools(cfg, records)
+        add_env_fields(cfg, records)
 
     def build(record: dict, index: int) -> Any:
         return builder(record, tokenizer, cfg.policy.max_total_sequence_length,
@@ -241,25 +241,29 @@ def build_datums(
     return [build(r, i) for i, r in enumerate(records)]
 
 
-def add_env_tools(cfg: MasterConfig, records: list[dict]) -> None:
-    """Give records without `tools` of their own the tools their environment offers
-    (`Environment.prompt_tools`), so the prompt describes them."""
+def add_env_fields(cfg: MasterConfig, records: list[dict]) -> None:
+    """What a record's environment asks for beyond the row's fields: the tools it offers
+    (`Environment.prompt_tools`, for records without `tools` of their own), so the prompt
+    describes them; and, for an environment class with `receives_prompt` (reward functions), the
+    prompt as the data gave it (text, or chat messages) under `reward_fn_env.PROMPT_KEY`."""
     from posttrain.environments.registry import resolve_env
+    from posttrain.environments.reward_fn_env import PROMPT_KEY
 
-    tools_of_env: dict[str, Any] = {}
+    env_of_name: dict[str, Any] = {}
     for record in records:
-        if record.get("tools"):
-            continue
         name = record.get("env_name") or record.get("task_name") or cfg.data.env_name
-        if name not in tools_of_env:
+        if name not in env_of_name:
             try:
                 cls, env_cfg = resolve_env(name, cfg.env.section(name))
             except (KeyError, ValueError):  # preflight names the problem
-                tools_of_env[name] = None
+                env_of_name[name] = (None, False)
             else:
-                tools_of_env[name] = cls.prompt_tools(env_cfg)
-        if tools_of_env[name]:
-            record["tools"] = tools_of_env[name]
+                env_of_name[name] = (cls.prompt_tools(env_cfg), getattr(cls, "receives_prompt", False))
+        tools, receives_prompt = env_of_name[name]
+        if tools and not record.get("tools"):
+            record["tools"] = tools
+        if receives_prompt:
+            record[PROMPT_KEY] = record.get("messages") or record["prompt"]
 
 
 def build_splits(

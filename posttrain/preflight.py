@@ -82,9 +82,12 @@ def check_envs(cfg: Any, records: list) -> None:
             rows_of_env.setdefault(record, [])
         else:
             rows_of_env.setdefault(record.get("env_name") or record["task_name"], []).append(record)
+    from posttrain.config.schema import resolve_backend
+
+    on_ray = resolve_backend(cfg) == "ray"
     for name in sorted(set(rows_of_env) | set(cfg.env.names())):
         try:
-            cls, _ = resolve_env(name, cfg.env.section(name))
+            cls, env_cfg = resolve_env(name, cfg.env.section(name))
         except KeyError:
             if name not in rows_of_env:
                 raise UserError(
@@ -98,6 +101,12 @@ def check_envs(cfg: Any, records: list) -> None:
         except (ImportPathError, ValueError) as e:
             message = str(e.args[0]) if e.args else str(e)
             raise UserError(message if message.startswith("env.") else f"env.{name}.class_path: {message}") from None
+        # Ray sends an environment's config to its actor by cloudpickle: a reward function that
+        # cannot travel (e.g. it holds a lock) fails here, in one line, rather than in Ray.
+        problem = env_cfg.pickling_problem() if on_ray and hasattr(env_cfg, "pickling_problem") else None
+        if problem:
+            raise UserError(f"env.{name}: {problem}; define it at module level of an importable file, or use "
+                            "cluster.backend=local (one process, where any function works)")
         check = getattr(cls, "metadata_problem", None)
         for i, record in enumerate(rows_of_env.get(name, [])):
             problem = check(env_metadata(record)) if check is not None else None

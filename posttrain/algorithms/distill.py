@@ -241,15 +241,17 @@ def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Bat
 
 
 # ------------------------------------------------------------------------------- validation
-def _evaluate(ctx: DistillContext, generation, weight_version: int) -> dict[str, float]:
-    """GRPO's validation protocol (`grpo.validate`) with the `distillation.*` sizes."""
+def _evaluate(ctx: DistillContext, generation, weight_version: int, show_samples: bool = True) -> dict[str, float]:
+    """GRPO's validation protocol (`grpo.validate`) with the `distillation.*` sizes; `show_samples`
+    logs a few completions (`logger.num_val_samples_to_print`; the student's, not the teacher's)."""
     cfg, d = ctx.cfg, ctx.cfg.distillation
     greedy, temperature = validation_sampling(cfg.policy.generation, 1)
     return evaluate(
         generation, ctx.val_samples, ctx.tokenizer, ctx.envs, k=1, greedy=greedy, temperature=temperature,
         batch_size=d.val_batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
         max_rollout_turns=d.max_rollout_turns, seed=d.seed + 7919, weight_version=weight_version,
-        num_samples_to_print=cfg.logger.num_val_samples_to_print,
+        num_samples_to_print=cfg.logger.num_val_samples_to_print if show_samples else 0,
+        log_samples=ctx.loop.log_samples,
     )
 
 
@@ -278,7 +280,7 @@ def measure_teacher_accuracy(ctx: DistillContext) -> Optional[float]:
         worker_timeout_s=cfg.cluster.worker_timeout_s,
     )
     try:
-        return _evaluate(ctx, engine, 0)["validation/accuracy"]
+        return _evaluate(ctx, engine, 0, show_samples=False)["validation/accuracy"]
     finally:
         engine.shutdown()
 

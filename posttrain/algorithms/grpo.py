@@ -343,7 +343,7 @@ def validate(ctx: GRPOContext) -> dict[str, float]:
         ctx.generation, ctx.val_samples, ctx.tokenizer, ctx.envs, k=k, greedy=greedy, temperature=temperature,
         batch_size=g.val_batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
         max_rollout_turns=g.max_rollout_turns, seed=g.seed + 7919, weight_version=ctx.step,
-        num_samples_to_print=cfg.logger.num_val_samples_to_print,
+        num_samples_to_print=cfg.logger.num_val_samples_to_print, log_samples=ctx.loop.log_samples,
     )
 
 

@@ -158,6 +158,11 @@ class TrainingLoop:
         self.history.append((self.step, {k: v for k, v in metrics.items() if k.startswith("validation/")}))
         return metrics
 
+    def log_samples(self, samples: list[dict]) -> None:
+        """A validation's sample completions (`{"prompt", "response", "reward"}`), at the current
+        step: on the console and as a TensorBoard text table (`Logger.log_samples`)."""
+        self.logger.log_samples(samples, self.step)
+
     def save(self) -> Path:
         """Write `step_N/` atomically: policy (weights, optimizer, RNG), loader position (and the
         files of `checkpoint_extras`), validation history and `state`; ranked for `keep_top_k` by the most recent validation."""

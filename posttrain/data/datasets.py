@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Callable, Literal, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 from posttrain.config.schema import DataConfig
 from posttrain.data.arithmetic import generate_arithmetic
@@ -151,18 +151,24 @@ def nemo_gym_task(row: dict) -> Optional[str]:
     return None
 
 
+def chat_messages(messages: Any, at: str) -> list[dict]:
+    """`messages` checked as a non-empty list of `{role, content}` chat messages (a `developer`
+    message becomes `system`); `at` names where they are from in the `DataError`."""
+    if not isinstance(messages, list) or not messages or not all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ("system", "developer", "user", "assistant")
+        for m in messages
+    ):
+        raise DataError(f"{at} must be a non-empty list of {{role, content}} messages")
+    return [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in messages]
+
+
 def _nemo_gym_fields(row: dict, at: str) -> dict:
     """`messages`, `prompt` (the last user message) and `answer` of a row in NeMo-Gym's shape."""
     params = row["responses_create_params"]
     messages = params.get("input") if isinstance(params, dict) else None
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
-    if not isinstance(messages, list) or not messages or not all(
-        isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ("system", "developer", "user", "assistant")
-        for m in messages
-    ):
-        raise DataError(f"{at}: responses_create_params.input must be a non-empty list of {{role, content}} messages")
-    messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]} for m in messages]
+    messages = chat_messages(messages, f"{at}: responses_create_params.input")
     users = [m["content"] for m in messages if m["role"] == "user"]
     fields = {"messages": messages, "prompt": users[-1] if users else messages[-1]["content"],
               "answer": row.get("expected_answer", row.get("answer"))}
@@ -213,7 +219,12 @@ def _finish(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConfig
         if answer_key not in fields and task_name == "math":  # other environments read other fields
             raise DataError(f"{at}: missing key {answer_key!r} (data.answer_key); record has {sorted(row)}")
         answer = fields.get(answer_key)
-        prompt = format_prompt(data_cfg, {**fields, "prompt": fields[prompt_key]}, at)
+        prompt_value = fields[prompt_key]
+        if isinstance(prompt_value, list):  # chat messages (TRL's conversational format): the conversation
+            fields["messages"] = chat_messages(prompt_value, f"{at}: {prompt_key}")
+            users = [m["content"] for m in fields["messages"] if m["role"] == "user"]
+            prompt_value = users[-1] if users else fields["messages"][-1]["content"]
+        prompt = format_prompt(data_cfg, {**fields, "prompt": prompt_value}, at)
         # Numbers become strings: verifiers compare text, and JSON may hold 46 or "46".
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = str(answer)

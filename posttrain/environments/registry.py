@@ -58,8 +58,8 @@ def get_env_class(name: str) -> type[Environment]:
 def resolve_env(name: str, section: Any) -> tuple[type[Environment], Any]:
     """`(class, config)` of the environment serving task `name`, from its `env.<name>` section.
 
-    A section with `class_path` loads the user's class (`import_object`); otherwise `name` must be
-    registered. When the class declares `config_class` (a pydantic model), the section's other
+    A section with `class_path` loads the user's class (`import_object`), one with `reward_fn` serves
+    reward functions (`reward_fn_env.RewardFunctionEnv`); otherwise `name` must be registered. When the class declares `config_class` (a pydantic model), the section's other
     fields are validated into it; errors name the key `env.<name>.<field>` (a ValueError).
     """
     from posttrain.utils.registry import import_object
@@ -72,6 +72,10 @@ def resolve_env(name: str, section: Any) -> tuple[type[Environment], Any]:
         cls = import_object(section["class_path"])
         if not (isinstance(cls, type) and issubclass(cls, Environment)):
             raise ValueError(f"env.{name}.class_path={section['class_path']!r} is not an Environment subclass")
+    elif isinstance(section, dict) and "reward_fn" in section:  # TRL-style reward functions
+        from posttrain.environments.reward_fn_env import RewardFunctionEnv
+
+        cls = RewardFunctionEnv
     else:
         cls = get_env_class(name)
     config_class = getattr(cls, "config_class", None)
@@ -82,8 +86,9 @@ def resolve_env(name: str, section: Any) -> tuple[type[Environment], Any]:
             fields = config_class.model_validate(fields or {})
         except ValidationError as e:
             first = e.errors()[0]
-            key = ".".join(str(part) for part in first["loc"])
-            raise ValueError(f"env.{name}.{key}: {first['msg']} (got {first.get('input')!r})") from None
+            key = "".join(f".{part}" for part in first["loc"])
+            message = first["msg"].removeprefix("Value error, ")
+            raise ValueError(f"env.{name}{key}: {message} (got {first.get('input')!r})") from None
     return cls, fields
 
 

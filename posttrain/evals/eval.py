@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -65,10 +65,13 @@ def evaluate(
     seed: int = 0,
     weight_version: int = 0,
     num_samples_to_print: int = 0,
+    log_samples: Optional[Callable[[list[dict]], None]] = None,
 ) -> dict[str, float]:
     """Roll out every prompt `k` times; accuracy is the mean reward of the first sample.
 
     Sampling (not `greedy`) uses `temperature` when given, else the engine's configured one.
+    The first sample of the first `num_samples_to_print` prompts goes to `log_samples` as
+    `{"prompt", "response", "reward"}` dicts (`completion_rows`; default None: printed, short).
 
     Returns `validation/accuracy`, `validation/avg_length` and, for k > 1, `validation/pass@k`
     (the unbiased estimator of Chen et al. 2021), `validation/cons@k` (majority vote) and
@@ -86,9 +89,14 @@ def evaluate(
         rewards.append(result.rewards)
         answers.extend(result.answers)
         lengths.append(response_lengths(chunk))
-        if start == 0:
-            for s in chunk[:num_samples_to_print]:
-                print(f"[reward {s.reward:.2f}] " + "".join(m["content"] for m in s.message_log), flush=True)
+        if start == 0 and num_samples_to_print > 0:
+            rows = completion_rows(chunk[::k][:num_samples_to_print], tokenizer)
+            if log_samples is not None:
+                log_samples(rows)
+            else:
+                from posttrain.utils.logger import format_samples, write_line
+
+                write_line(format_samples(rows, "validation samples"))
     r = torch.cat(rewards).view(-1, k)
     metrics = {
         "validation/accuracy": r[:, 0].mean().item(),
@@ -101,6 +109,20 @@ def evaluate(
         metrics[f"validation/cons@{k}"] = consensus_accuracy(answers, r.flatten(), k)
         metrics["validation/mean_reward"] = r.mean().item()
     return metrics
+
+
+def completion_rows(samples: Sequence[Sample], tokenizer) -> list[dict]:
+    """`{"prompt", "response", "reward"}` of rolled-out samples, for people to read: the prompt's
+    text without the chat template's special tokens, everything after it (the generated turns and
+    any environment observations), and the reward."""
+    rows = []
+    for sample in samples:
+        prompt = sample.message_log[0]
+        ids = prompt.get("token_ids")
+        text = tokenizer.decode(ids.tolist(), skip_special_tokens=True) if ids is not None else prompt["content"]
+        rows.append({"prompt": text.strip(), "response": "".join(m["content"] for m in sample.message_log[1:]),
+                     "reward": float(sample.reward)})
+    return rows
 
 
 def per_task_means(values: torch.Tensor, task_names: list[str], name: str, tasks: Sequence[str]) -> dict[str, float]:

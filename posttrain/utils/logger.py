@@ -19,7 +19,7 @@ import numbers
 import os
 import sys
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from posttrain.config.schema import LoggerConfig
 
@@ -199,6 +199,17 @@ class Logger:
             # MLflow metric keys may not contain some characters used elsewhere; '/' is allowed.
             self._mlflow.log_metrics(finite, step=step)
 
+    def log_samples(self, samples: Sequence[Mapping[str, Any]], step: int, tag: str = "validation/samples") -> None:
+        """Show a few completions: on the console (`format_samples`, short) and, with TensorBoard,
+        as a markdown table under `tag` at `step` (TEXT tab; the full texts, up to
+        `TABLE_TEXT_CHARS` each). `samples` are `{"prompt", "response", "reward"}` dicts."""
+        if not samples:
+            return
+        write_line(format_samples(samples, f"{tag} at step {step}"))
+        if self._tensorboard is not None:
+            self._tensorboard.add_text(tag, samples_table(samples), global_step=step)
+            self._tensorboard.flush()
+
     def log_hyperparams(self, config: Mapping[str, Any]) -> None:
         """Record the run config (nested dict, e.g. `cfg.model_dump()`) with each backend."""
         if self._tensorboard is not None:
@@ -230,6 +241,56 @@ class Logger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# ------------------------------------------------------------------------------ sample completions
+CONSOLE_PROMPT_CHARS = 60  # the end of a prompt (where the question usually is) on the console
+CONSOLE_RESPONSE_CHARS = 120  # the start of a response on the console
+TABLE_TEXT_CHARS = 2000  # per cell of the TensorBoard table
+
+
+def _clip(text: str, limit: int, keep_end: bool = False) -> str:
+    if len(text) <= limit:
+        return text
+    return "…" + text[-limit + 1:] if keep_end else text[: limit - 1] + "…"
+
+
+def format_samples(samples: Sequence[Mapping[str, Any]], title: str) -> str:
+    """Console lines: a title, then one line per sample, `reward 1.00 | prompt '…' -> 'response'`
+    (texts as Python literals, so newlines stay on one line; long ones clipped)."""
+    lines = [f"[posttrain] {title}:"]
+    for sample in samples:
+        prompt = _clip(str(sample["prompt"]), CONSOLE_PROMPT_CHARS, keep_end=True)
+        response = _clip(str(sample["response"]), CONSOLE_RESPONSE_CHARS)
+        lines.append(f"  reward {float(sample['reward']):.2f} | {prompt!r} -> {response!r}")
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    """Text as one markdown table cell: HTML (`<|end|>`) and pipes escaped, newlines as <br>."""
+    import html
+
+    text = html.escape(_clip(str(text), TABLE_TEXT_CHARS), quote=False).replace("\\", "\\\\").replace("|", "\\|")
+    return text.replace("\r\n", "\n").replace("\n", "<br>")
+
+
+def samples_table(samples: Sequence[Mapping[str, Any]]) -> str:
+    """A markdown table of `{"prompt", "response", "reward"}` rows (TensorBoard renders it)."""
+    rows = ["| prompt | response | reward |", "|---|---|---|"]
+    rows += [f"| {_cell(s['prompt'])} | {_cell(s['response'])} | {float(s['reward']):.4g} |" for s in samples]
+    return "\n".join(rows)
+
+
+def write_line(text: str) -> None:
+    """Print `text` on stdout; above a drawn progress bar when there is one (tqdm clears and redraws
+    it), so the bar does not swallow the lines."""
+    if "tqdm" in sys.modules:
+        from tqdm import tqdm
+
+        tqdm.write(text, file=sys.stdout)
+        sys.stdout.flush()
+    else:
+        print(text, flush=True)
 
 
 # Postfix label -> metric name, in display order.

@@ -194,3 +194,34 @@ def test_resume_purges_tensorboard_points_after_the_checkpoint(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("x")] == [(1, 1.0), (2, 2.0)]
+
+
+def test_validation_samples_go_to_the_console_and_a_tensorboard_table(tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    samples = [{"prompt": "12+34=", "response": "46<|end|>", "reward": 1.0},
+               {"prompt": "line one\nwhat | now?", "response": "x" * 300, "reward": 0.0}]
+    with Logger(LoggerConfig(log_dir=str(tmp_path))) as logger:
+        logger.log_samples(samples, step=25)
+
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "[posttrain] validation/samples at step 25:"
+    assert out[1] == "  reward 1.00 | '12+34=' -> '46<|end|>'"
+    assert out[2].startswith("  reward 0.00 | 'line one\\nwhat | now?' -> 'xxx") and out[2].endswith("x…'")
+    assert len(out) == 3 and len(out[2]) < 200  # short: one line per sample, long responses clipped
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    (event,) = events.Tensors("validation/samples/text_summary")  # add_text names the tag so
+    table = event.tensor_proto.string_val[0].decode()
+    assert event.step == 25
+    assert table.splitlines() == [
+        "| prompt | response | reward |",
+        "|---|---|---|",
+        "| 12+34= | 46&lt;\\|end\\|&gt; | 1 |",
+        "| line one<br>what \\| now? | " + "x" * 300 + " | 0 |",
+    ]
+
+
+def test_samples_are_shown_by_default():
+    assert LoggerConfig().num_val_samples_to_print == 3

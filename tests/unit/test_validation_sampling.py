@@ -137,3 +137,21 @@ def test_environments_step_each_shard_as_soon_as_it_is_generated():
     assert result.rewards.tolist() == [2.0] * 4  # rewards of both turns, every sample back in its place
     assert all(len(d.message_log) == 4 and d.reward == 2.0 for d in datums)
     assert 0.0 <= result.timings["env_step_wait"] < 1.0 and result.timings["generation_shard_spread"] >= 0.0
+
+
+def test_evaluate_shows_the_first_prompts_completions(capsys):
+    tokenizer = build_tokenizer()
+    datums = [build_prompt_message_log({"prompt": f"{i}+1=", "answer": "2", "task_name": "t"}, tokenizer, 64, idx=i)
+              for i in range(4)]
+    logged = []
+    evaluate(RecordingGeneration(), datums, tokenizer, {"t": AlwaysRight()}, k=2, greedy=False,
+             num_samples_to_print=3, log_samples=logged.append)
+    response = tokenizer.decode([20])
+    # One row per prompt (the first of its k samples), the prompt without the chat template's tokens.
+    assert logged == [[{"prompt": f"{i}+1=", "response": response, "reward": 1.0} for i in range(3)]]
+    assert capsys.readouterr().out == ""
+
+    evaluate(RecordingGeneration(), datums, tokenizer, {"t": AlwaysRight()}, k=1, num_samples_to_print=2)
+    out = capsys.readouterr().out.splitlines()  # without a logger: printed, one short line each
+    assert out == ["[posttrain] validation samples:", f"  reward 1.00 | '0+1=' -> {response!r}",
+                   f"  reward 1.00 | '1+1=' -> {response!r}"]

@@ -152,7 +152,8 @@ class EnvConfig(Section):
     """`env.<name>` configures the environment serving task `<name>` (rows carry a task name:
     `data.env_name`, or a JSONL row's own `task_name`). A built-in environment (math, code, mcqa,
     structured, instructions, reasoning_gym) or one registered with `@register_env` takes just its
-    fields; a user's environment is `{class_path: "module:Class" or "file.py:Class", <fields>}`. The
+    fields; a user's environment is `{class_path: "module:Class" or "file.py:Class", <fields>}`, and
+    reward functions (TRL's signature) are `{reward_fn: "module:function" or a list, weights: [...]}`. The
     fields are validated against the class's `config_class` (a pydantic model, kept beside the
     environment) by `posttrain.preflight` before any worker starts; this schema does not import
     the environments, so loading a config stays fast."""
@@ -168,6 +169,16 @@ class EnvConfig(Section):
             if class_path is not None and (not isinstance(class_path, str) or ":" not in class_path):
                 raise ValueError(f"env.{name}.class_path={class_path!r} must be 'module:Class' or 'file.py:Class'")
             check_component_name(class_path or name, f"env.{name}.class_path")
+            if "reward_fn" in section:
+                if class_path is not None:
+                    raise ValueError(f"env.{name}: give class_path (an Environment) or reward_fn (functions), not both")
+                functions = section["reward_fn"]
+                names = [functions] if isinstance(functions, str) else functions
+                if not isinstance(names, list) or not names or not all(isinstance(f, str) and ":" in f for f in names):
+                    raise ValueError(f"env.{name}.reward_fn={functions!r} must be 'module:function' or "
+                                     "'file.py:function', or a list of them")
+                for i, function in enumerate(names):
+                    check_component_name(function, f"env.{name}.reward_fn" + (f"[{i}]" if len(names) > 1 else ""))
         return self
 
     def section(self, name: str) -> Any:

@@ -71,8 +71,11 @@ class LoggerConfig(Section):
     progress_bar: bool = Field(True, description="Show a progress bar with the latest reward / loss and step time.")
     report: bool = Field(True, description="Write report.png (curves, step-time breakdown) at the end.")
     num_val_samples_to_print: int = Field(
-        0, ge=0,
-        description="Print this many validation prompts with their responses and rewards at each validation.",
+        3, ge=0,
+        description=(
+            "At each validation, show this many prompts with their responses and rewards: short lines on the "
+            "console and a table in TensorBoard's TEXT tab (validation/samples); 0 shows none."
+        ),
     )
 
 
