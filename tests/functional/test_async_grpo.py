@@ -120,10 +120,10 @@ def test_staleness_eviction_with_a_real_collector(ray_cluster, tmp_path):
      "ready after 4s (grpo.async_grpo.buffer_timeout_s)"),
 ])
 def test_a_failing_environment_stops_the_run_with_its_reason(ray_cluster, tmp_path, fault, extra, expected):
-    seconds, error = run_async(async_cfg(tmp_path, "grpo.max_num_steps=50", faulty(fault), *extra))
+    _, error = run_async(async_cfg(tmp_path, "grpo.max_num_steps=50", faulty(fault), *extra))
+    # The reason itself shows the failure was seen where it happened: a run that missed it would
+    # end, 600 s later, with the buffer timeout's message instead (no clock raced here).
     assert error is not None and expected in str(error), error
-    # Not a hang: a wedged run would wait for buffer_timeout_s (600 s by default) or forever.
-    assert seconds < 300, seconds
 
 
 def test_a_killed_environment_or_generation_worker_stops_the_run(ray_cluster, tmp_path):
@@ -143,7 +143,6 @@ def test_a_killed_environment_or_generation_worker_stops_the_run(ray_cluster, tm
                 ray.kill(actor)
 
         ctx.loop.logger.log_metrics = log_then_kill
-        t0 = time.monotonic()
         try:
             with pytest.raises(Exception) as caught:
                 grpo.grpo_train(ctx)
@@ -154,7 +153,8 @@ def test_a_killed_environment_or_generation_worker_stops_the_run(ray_cluster, tm
             assert "trajectory collector stopped" in message and "ActorDiedError" in message, message
         else:  # seen by whichever of the collector (generating) or the trainer (refitting) calls it first
             assert "WorkerGroup 'generation'" in message and "Actor" in message, message
-        assert time.monotonic() - t0 < 300, victim  # not a hang (buffer_timeout_s is 600 s)
+        # Seen where it happened, not by the buffer timeout (600 s, whose message differs).
+        assert "grpo.async_grpo.buffer_timeout_s" not in message, message
 
 
 def test_a_straggler_is_dropped_and_counted_and_the_run_finishes(ray_cluster, tmp_path):
