@@ -178,7 +178,7 @@ def test_autoscaling_waits_for_nodes_then_says_so(ray_cluster):
 
 
 def test_colocated_groups_share_bundles(ray_cluster):
-    cluster = VirtualCluster([2], max_colocated_worker_groups=2, placement_timeout_s=2.0, name="coloc")
+    cluster = VirtualCluster([2], max_colocated_worker_groups=2, placement_timeout_s=300.0, name="coloc")
     assert cluster.actor_resources() == {"num_cpus": 0.5}
     first = WorkerGroup(cluster, EchoWorker, name="policy")
     second = WorkerGroup(cluster, EchoWorker, init_kwargs={"offset": 10}, name="generation")

@@ -30,7 +30,7 @@ def test_take_returns_the_oldest_fresh_groups_and_evicts_the_stale():
 def test_take_waits_for_a_producer_and_times_out_with_the_count():
     buffer = ReplayBuffer(capacity=4, max_age=1)
     threading.Timer(0.2, lambda: [buffer.put(Group(str(i), 0)) for i in range(2)]).start()
-    assert len(buffer.take(2, current_version=0, timeout=5)) == 2
+    assert len(buffer.take(2, current_version=0, timeout=120)) == 2
     buffer.put(Group("x", 0))
     t0 = time.monotonic()
     with pytest.raises(AsyncRolloutError, match=r"only 1 of 2 prompt groups ready after 0s"):
@@ -54,7 +54,7 @@ def test_put_waits_for_room_and_gives_up_on_stop_or_close():
     stop = threading.Event()
     threading.Timer(0.2, stop.set).start()
     assert buffer.put(Group("b", 0), stop, poll_s=0.05) is False and len(buffer) == 1
-    threading.Timer(0.2, lambda: buffer.take(1, current_version=0, timeout=1)).start()
+    threading.Timer(0.2, lambda: buffer.take(1, current_version=0, timeout=120)).start()
     assert buffer.put(Group("c", 0), threading.Event(), poll_s=0.05) is True
     buffer.close()
     assert buffer.put(Group("d", 0)) is False
