@@ -23,7 +23,7 @@ class FakeGroup:
 
 def test_results_in_order_and_started_in_parallel():
     # Each maker waits for the other at a barrier: run one after the other, they would break it.
-    both_started = threading.Barrier(2, timeout=10)
+    both_started = threading.Barrier(2, timeout=120)
 
     def make(name):
         both_started.wait()
