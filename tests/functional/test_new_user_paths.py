@@ -76,7 +76,7 @@ def test_sft_export_summary_report_and_no_fake_validation(tmp_path):
               "policy.train_micro_batch_size=8", "logger.progress_bar=false", "checkpointing.enabled=false"]
     result = posttrain("sft", *common, "sft.export_dir=out", "logger.log_dir=logs/sft", cwd=tmp_path)
     assert "[posttrain] SFT finished at step 2" in result.stdout
-    assert "validation accuracy" in result.stdout and "at the end: loss" in result.stdout
+    assert "validation accuracy (greedy)" in result.stdout and "validation at step 2: loss" in result.stdout
     assert (tmp_path / "out/config.json").is_file() and (tmp_path / "logs/sft/report.png").is_file()
     last = metrics(tmp_path / "logs/sft/metrics.jsonl")[-1]
     assert 0.0 <= last["validation/accuracy_greedy"] <= 1.0 and last["validation/loss"] > 0
