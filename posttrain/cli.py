@@ -249,8 +249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Unavailable as e:
         print(str(e), file=sys.stderr)
         return EXIT_UNAVAILABLE
-    except KeyboardInterrupt:
-        print("posttrain: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:
+        # A training loop adds where a rerun resumes (`TrainingLoop.resume_point`).
+        where = f": {interrupt.args[0]}" if interrupt.args and isinstance(interrupt.args[0], str) else ""
+        print(f"posttrain: interrupted{where}", file=sys.stderr)
         return 130
 
 

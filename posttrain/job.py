@@ -112,15 +112,17 @@ def with_checkpoint_model(cfg):
 
 
 def prepare_run_dirs(cfg: MasterConfig) -> None:
-    """Lock the log and checkpoint dirs for this run, check a resume's config against the saved
-    one (`posttrain.utils.run_dirs`) and save the resolved config beside the run's logs."""
+    """Lock the log and checkpoint dirs for this run and check a resume's config against the saved
+    one (`posttrain.utils.run_dirs`). A training job saves its resolved config once it has trained
+    a step (`TrainingLoop`); `posttrain eval`, which trains nothing, saves it now."""
     from posttrain.utils.run_dirs import lock_run_dirs, prepare_checkpoint_dir
 
     lock_run_dirs(cfg)
     prepare_checkpoint_dir(cfg)
     log_dir = Path(cfg.logger.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, log_dir / "config.yaml")
+    if hasattr(cfg, "eval"):
+        save_config(cfg, log_dir / "config.yaml")
 
 
 def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int = 1, name: str = "policy"):

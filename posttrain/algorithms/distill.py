@@ -29,6 +29,7 @@ from posttrain.algorithms.grpo import (
     _refit_if_stale,
     apply_sft_warm_start,
     sft_warm_start_dir,
+    warm_start_dirs,
 )
 from posttrain.algorithms.loop import TrainingLoop, prefixed
 from posttrain.config.schema import DistillMasterConfig
@@ -49,6 +50,7 @@ from posttrain.job import (
 )
 from posttrain.models.refit import build_refit_metadata
 from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
+from posttrain.utils.metric_names import find_accuracy
 from posttrain.utils.timer import Timer
 
 
@@ -113,7 +115,7 @@ def apply_warm_starts(cfg: DistillMasterConfig) -> DistillMasterConfig:
         cfg = apply_sft_warm_start(cfg)
     teacher_dir = None
     if cfg.teacher_warmup is not None:
-        teacher_dir = sft_warm_start_dir(cfg.teacher_warmup, Path(cfg.logger.log_dir) / "teacher_warmup")
+        teacher_dir = sft_warm_start_dir(cfg.teacher_warmup, *warm_start_dirs(cfg, "teacher_warmup"))
     else:
         checkpoint = checkpoint_policy_dir(Path(cfg.teacher.model_name).expanduser())
         if checkpoint is not None:
@@ -263,7 +265,20 @@ def _validate(ctx: DistillContext) -> dict[str, float]:
     metrics = _evaluate(ctx, ctx.generation, ctx.step)
     if ctx.step == 0 and ctx.teacher_accuracy is not None:
         metrics["validation/teacher_accuracy"] = ctx.teacher_accuracy
+        warning = weak_teacher_warning(ctx.teacher_accuracy, metrics[find_accuracy(metrics)])
+        if warning:
+            print(warning, flush=True)
     return metrics
+
+
+def weak_teacher_warning(teacher: float, student: float) -> Optional[str]:
+    """The warning for a teacher that scores below its student before distillation (the student
+    would learn to be worse), or None."""
+    if teacher >= student:
+        return None
+    return (f"[posttrain] WARNING: the teacher's validation accuracy {teacher:.1%} is below the student's "
+            f"{student:.1%}: distilling would pull the student towards a worse model; check teacher.model_name "
+            f"and its warm start (teacher_warmup)")
 
 
 def measure_teacher_accuracy(ctx: DistillContext) -> Optional[float]:
@@ -280,7 +295,8 @@ def measure_teacher_accuracy(ctx: DistillContext) -> Optional[float]:
         worker_timeout_s=cfg.cluster.worker_timeout_s,
     )
     try:
-        return _evaluate(ctx, engine, 0, show_samples=False)["validation/accuracy"]
+        metrics = _evaluate(ctx, engine, 0, show_samples=False)
+        return metrics[find_accuracy(metrics)]
     finally:
         engine.shutdown()
 

@@ -9,10 +9,10 @@ Batch size: each step trains on `policy.train_global_batch_size` **rows**, i.e. 
 preference pairs (rows interleave chosen and rejected, `[c0, r0, c1, r1, ...]`).
 
 Metrics: `train/loss`, `train/preference_loss`, `train/sft_loss`, `train/accuracy` (implicit
-reward of chosen > rejected), `train/reward_margin`, `train/rewards_chosen_mean`,
+reward of chosen > rejected; a tie counts half), `train/reward_margin`, `train/rewards_chosen_mean`,
 `train/rewards_rejected_mean` (log-ratio sums, no beta), and the same under `validation/`,
 computed with the same loss on validation pairs without a training step. At step 0 the policy
-is the reference, so every implicit reward is 0: the loss is log 2 and the accuracy 0 (ties).
+is the reference, so every implicit reward is 0: the loss is log 2 and the accuracy 0.5 (all ties).
 """
 
 from __future__ import annotations

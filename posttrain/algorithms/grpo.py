@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from posttrain.algorithms import advantages as adv
-from posttrain.algorithms.loop import TrainingLoop, prefixed
+from posttrain.algorithms.loop import SIGNAL_METRIC, TrainingLoop, prefixed
 from posttrain.algorithms.loss import LossFunction, build_loss
 from posttrain.config.schema import GRPOMasterConfig
 from posttrain.data.dataloader import ResumableLoader, make_loader, routes
@@ -298,6 +298,7 @@ def training_batch(
         "train/reward": all_rewards.mean().item(),
         **per_task_means(all_rewards, [s.task_name for group in generated for s in group.samples], "train/reward",
                          list(ctx.envs)),
+        SIGNAL_METRIC: sum(group.has_signal for group in generated) / max(len(generated), 1),
         "train/advantages/mean": stats.mean().item(),
         "train/advantages/max": stats.max().item(),
         "train/advantages/min": stats.min().item(),
@@ -369,21 +370,32 @@ def run(cfg: GRPOMasterConfig) -> dict[str, Optional[float]]:
 
 def apply_sft_warm_start(cfg: GRPOMasterConfig) -> GRPOMasterConfig:
     """Run (or reuse) the SFT warm start and point the GRPO policy at its exported weights
-    (`sft_warm_start_dir`; the warm start logs under `<logger.log_dir>/sft_warmup`)."""
-    warm_dir = sft_warm_start_dir(cfg.sft_warmup, Path(cfg.logger.log_dir) / "sft_warmup")
+    (`sft_warm_start_dir`; the warm start logs under `<logger.log_dir>/sft_warmup` and checkpoints
+    under `<checkpointing.checkpoint_dir>/sft_warmup`)."""
+    warm_dir = sft_warm_start_dir(cfg.sft_warmup, *warm_start_dirs(cfg, "sft_warmup"))
     cfg = cfg.model_copy(deep=True)
     cfg.policy.tokenizer_name = cfg.policy.tokenizer_name or str(warm_dir)
     cfg.policy.model_name = str(warm_dir)
     return cfg
 
 
-def sft_warm_start_dir(warm: Any, log_dir: Path) -> Path:
+def warm_start_dirs(cfg: Any, key: str) -> tuple[Path, Optional[Path]]:
+    """Where the warm start `cfg.<key>` logs and checkpoints: `<logger.log_dir>/<key>` and
+    `<checkpointing.checkpoint_dir>/<key>` (None, no checkpoints, when the run does not checkpoint)."""
+    checkpoints = Path(cfg.checkpointing.checkpoint_dir) / key if cfg.checkpointing.enabled else None
+    return Path(cfg.logger.log_dir) / key, checkpoints
+
+
+def sft_warm_start_dir(warm: Any, log_dir: Path, checkpoint_dir: Optional[Path] = None) -> Path:
     """Run (or reuse) the SFT job `warm` (an `SFTMasterConfig`) and return its HF export.
 
     The export is cached under `$POSTTRAIN_CACHE/sft_warmup/<hash of the config>` (without its
     `logger`, `checkpointing` and `cluster` sections, which do not change what is trained, only
     where and how it is logged), so reruns, resumed runs and the presets that share a warm start
-    share one export. The run logs under `log_dir`.
+    share one export. The run logs under `log_dir` and, like any run, checkpoints under
+    `checkpoint_dir` (its own `checkpointing.save_period`, ...; default None: no checkpoints, as
+    when `warm.checkpointing.enabled` is false), so an interrupted warm start resumes from its last
+    checkpoint on the next run instead of starting again.
     """
     import hashlib
 
@@ -401,6 +413,10 @@ def sft_warm_start_dir(warm: Any, log_dir: Path) -> Path:
         warm_dir.parent.mkdir(parents=True, exist_ok=True)
         warm_cfg = warm.model_copy(deep=True)
         warm_cfg.logger.log_dir = str(log_dir)
+        if checkpoint_dir is None:
+            warm_cfg.checkpointing.enabled = False
+        else:
+            warm_cfg.checkpointing.checkpoint_dir = str(checkpoint_dir)
         with startup.CLOCK.nested():
             sft.run(warm_cfg, export_dir=warm_dir)
     startup.mark("warm_start")

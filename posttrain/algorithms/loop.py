@@ -23,11 +23,17 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from posttrain.utils import startup
-from posttrain.utils.checkpoint import CheckpointManager
+from posttrain.utils.checkpoint import CheckpointManager, complete_checkpoints
 from posttrain.utils.logger import Logger, ProgressBar
+from posttrain.utils.metric_names import find_accuracy
 from posttrain.utils.timer import Timer
 
 LOADER_STATE_FILE = "dataloader.json"
+# The share of a step's prompt groups whose rewards differ (GRPO): a group whose rewards all agree
+# has zero advantages and teaches nothing. After this many steps in a row without any, the loop
+# warns that the run has no learning signal.
+SIGNAL_METRIC = "train/groups_with_reward_variance"
+NO_SIGNAL_STEPS = 10
 
 StepFn = Callable[[int, Timer], dict[str, float]]
 ValidateFn = Callable[[], dict[str, float]]
@@ -48,11 +54,13 @@ class TrainingLoop:
         section: the section's key, named by messages (`<section>.max_num_steps`).
         policy: the `Policy` being trained (checkpointed with the loader position).
         loader: the `ResumableLoader` the steps draw from.
-        headline: the validation metric the summary reports from the first to the last validation.
+        headline: the validation metric the summary reports from the first to the last validation
+            (default None: the run's accuracy, `validation/accuracy_greedy`, `_sampled` or DPO's and
+            RM's `validation/accuracy`, see `posttrain.utils.metric_names`).
     """
 
     def __init__(self, cfg: Any, schedule: Any, *, name: str, section: str, policy: Any, loader: Any,
-                 headline: str = "validation/accuracy"):
+                 headline: Optional[str] = None):
         self.cfg, self.schedule, self.name, self.section = cfg, schedule, name, section
         self.policy, self.loader, self.headline = policy, loader, headline
         self.logger = Logger(cfg.logger)
@@ -66,6 +74,8 @@ class TrainingLoop:
         # loader position and replay buffer must come from one snapshot.
         self.checkpoint_extras: Callable[[], tuple[dict, dict[str, Any]]] = lambda: (self.loader.state_dict(), {})
         self.started = time.perf_counter()
+        self.config_saved = False  # the run's config is saved once it has trained a step
+        self.steps_without_signal = 0  # consecutive steps whose groups all had uniform rewards
 
     @property
     def last_step(self) -> int:
@@ -123,30 +133,73 @@ class TrainingLoop:
         bar = ProgressBar(total=self.last_step, initial=self.step, enabled=self.cfg.logger.progress_bar,
                           desc=self.name)
         metrics: dict[str, float] = {}
-        while self.step < self.last_step:
-            step, timer = self.step + 1, Timer()
-            with timer.time("total_step_time"):
-                metrics = dict(step_fn(step, timer))
-            self.step = step
-            metrics.update(prefixed(timer.get_timing_metrics(), "timing/train"))
-            metrics.update(self._startup_metrics(metrics["timing/train/total_step_time"]))
-            if (s.val_period > 0 and step % s.val_period == 0) or (s.val_at_end and step == self.last_step):
-                metrics.update(self.validate(validate_fn))
-            self.logger.log_metrics(metrics, step)
-            if self.checkpointer.should_save(step, is_last_step=step == self.last_step):
-                self.save()
-            bar.update(metrics)
+        try:
+            while self.step < self.last_step:
+                step, timer = self.step + 1, Timer()
+                with timer.time("total_step_time"):
+                    metrics = dict(step_fn(step, timer))
+                self.step = step
+                if not self.config_saved:
+                    self._save_config()
+                metrics.update(prefixed(timer.get_timing_metrics(), "timing/train"))
+                metrics.update(self._startup_metrics(metrics["timing/train/total_step_time"], bar))
+                self._watch_learning_signal(metrics, bar)
+                if (s.val_period > 0 and step % s.val_period == 0) or (s.val_at_end and step == self.last_step):
+                    metrics.update(self.validate(validate_fn))
+                self.logger.log_metrics(metrics, step)
+                if self.checkpointer.should_save(step, is_last_step=step == self.last_step):
+                    self.save()
+                bar.update(metrics)
+        except KeyboardInterrupt as interrupt:
+            bar.close()
+            if not interrupt.args:  # the innermost loop (a warm start's) says where its rerun resumes
+                interrupt.args = (self.resume_point(),)
+            raise
         bar.close()
         return metrics
 
-    def _startup_metrics(self, step_seconds: float) -> dict[str, float]:
+    def _save_config(self) -> None:
+        from posttrain.utils.run_dirs import save_run_config
+
+        save_run_config(self.cfg)
+        self.config_saved = True
+
+    def resume_point(self) -> str:
+        """Where a rerun of the same command resumes this run, in words (for an interrupt)."""
+        where = f"{self.name} stopped after step {self.step}"
+        if not self.cfg.checkpointing.enabled:
+            return f"{where}; checkpointing.enabled=false: a rerun starts again at step 1"
+        found = complete_checkpoints(self.checkpointer.checkpoint_dir)
+        if not found:
+            return (f"{where}, before its first checkpoint (checkpointing.save_period="
+                    f"{self.cfg.checkpointing.save_period}): a rerun starts again at step 1")
+        step, path = found[-1]
+        return f"{where}; a rerun of the same command resumes from step {step} ({path})"
+
+    def _startup_metrics(self, step_seconds: float, bar: Optional[ProgressBar] = None) -> dict[str, float]:
         """After this process's first training step: where the start-up went (`timing/startup/*`),
-        printed as one line as well."""
+        printed as one line as well (above the progress bar)."""
         phases = startup.CLOCK.report(step_seconds)
         if phases is None:
             return {}
-        print(startup.summary_line(phases), flush=True)
+        (bar.write if bar is not None else print)(startup.summary_line(phases))
         return prefixed(phases, "timing/startup")
+
+    def _watch_learning_signal(self, metrics: dict[str, float], bar: Optional[ProgressBar] = None) -> None:
+        """Warn once `NO_SIGNAL_STEPS` steps in a row had no prompt group with differing rewards
+        (`SIGNAL_METRIC`): every advantage is then zero and the policy does not learn."""
+        share = metrics.get(SIGNAL_METRIC)
+        if share is None:
+            return
+        self.steps_without_signal = 0 if share > 0 else self.steps_without_signal + 1
+        if self.steps_without_signal == NO_SIGNAL_STEPS:
+            reward = metrics.get("train/reward")
+            rewards = f" (train/reward {reward:.4g})" if reward is not None else ""
+            (bar.write if bar is not None else print)(
+                f"[posttrain] WARNING: no learning signal: for {NO_SIGNAL_STEPS} steps (to step {self.step}) every "
+                f"prompt's samples got the same reward{rewards}, so every advantage is 0 and the policy does not "
+                f"change; check that the environment can reward this model's answers (answer format, "
+                f"max_new_tokens), warm-start it (sft_warmup) or raise grpo.num_generations_per_prompt")
 
     def validate(self, validate_fn: ValidateFn) -> dict[str, float]:
         """Run `validate_fn` at the current step, time it and record it in the history."""
@@ -176,12 +229,21 @@ class TrainingLoop:
 
             torch.save(obj, tmp / name)
         info = {"val_history": self.history, "state": self.state}
+        if not self.config_saved:  # a step was trained; the config the checkpoint was made with
+            self._save_config()
         return self.checkpointer.finalize(self.step, tmp, ranking, info)
 
     # ------------------------------------------------------------------------------ the end
+    def headline_name(self) -> Optional[str]:
+        """The `headline` given, else the accuracy the validations reported (None without one)."""
+        if self.headline is not None:
+            return self.headline
+        return next((name for _, m in self.history for name in [find_accuracy(m)] if name is not None), None)
+
     def headline_change(self) -> tuple[Optional[float], Optional[float]]:
         """The headline metric at the first and at the last validation that reported it."""
-        values = [m[self.headline] for _, m in self.history if self.headline in m]
+        headline = self.headline_name()
+        values = [m[headline] for _, m in self.history if headline in m]
         return (values[0], values[-1]) if values else (None, None)
 
     def finish(self, details: str = "") -> None:
@@ -202,28 +264,36 @@ class TrainingLoop:
         if not self.history:
             return "no validation"
         (first_step, first), (last_step, last) = self.history[0], self.history[-1]
+        headline = self.headline_name()
         parts = []
-        if self.headline in last and self.headline in first and first_step != last_step:
-            before, after = first[self.headline], last[self.headline]
-            label = self.headline.partition("/")[2].replace("_", " ")
-            as_fraction = _is_fraction(self.headline, before) and _is_fraction(self.headline, after)
+        if headline in last and headline in first and first_step != last_step:
+            before, after = first[headline], last[headline]
+            as_fraction = _is_fraction(headline, before) and _is_fraction(headline, after)
             change = f"{100 * (after - before):+.1f} percentage points" if as_fraction else f"{after - before:+.4f}"
-            parts.append(f"validation {label} {_fmt(self.headline, before, as_fraction)} (step {first_step}) -> "
-                         f"{_fmt(self.headline, after, as_fraction)} (step {last_step}), {change}")
-        others = ", ".join(f"{k.partition('/')[2].replace('_', ' ')} {_fmt(k, v)}" for k, v in last.items()
-                           if not (parts and k == self.headline) and "/" not in k.partition("/")[2])
-        if others:
-            parts.append(("at the end: " if parts else f"validation (step {last_step}): ") + others)
+            parts.append(f"validation {_label(headline)} {_fmt(headline, before, as_fraction)} (step {first_step}) "
+                         f"-> {_fmt(headline, after, as_fraction)} (step {last_step}), {change}")
+        others = ", ".join(f"{_label(k)} {_fmt(k, v)}" for k, v in last.items()
+                           if not (parts and k == headline) and "/" not in k.partition("/")[2])
+        if others:  # the validation's, not the training steps' (the progress lines show train/loss)
+            parts.append(f"validation at step {last_step}: {others}")
         return "; ".join(parts)
 
     def close(self) -> None:
         self.logger.close()
 
 
+def _label(name: str) -> str:
+    """A metric's name in words: `validation/accuracy_greedy` -> `accuracy (greedy)`."""
+    label = name.partition("/")[2]
+    for kind in ("greedy", "sampled"):
+        label = label.replace(f"accuracy_{kind}", f"accuracy ({kind})")
+    return label.replace("_", " ")
+
+
 def _is_fraction(name: str, value: float) -> bool:
     """Accuracies are fractions, unless an environment's reward is not 0/1 (a reward model's score:
     its mean is then no percentage)."""
-    return (name.endswith("accuracy") or "pass@" in name) and 0.0 <= value <= 1.0
+    return ("accuracy" in name or "pass@" in name) and 0.0 <= value <= 1.0
 
 
 def _fmt(name: str, value: float, as_fraction: Optional[bool] = None) -> str:

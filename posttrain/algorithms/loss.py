@@ -467,7 +467,9 @@ def _pair_metrics(
 ) -> Metrics:
     chosen, rejected = chosen.detach(), rejected.detach()
     return {
-        "accuracy": masked_mean((chosen > rejected).float(), pair_mask, global_normalization_factor=pairs).item(),
+        # A tie (e.g. every pair at step 0 of DPO, where the policy is its reference) is a coin flip: half right.
+        "accuracy": masked_mean((chosen > rejected).float() + 0.5 * (chosen == rejected).float(), pair_mask,
+                                global_normalization_factor=pairs).item(),
         "rewards_chosen_mean": masked_mean(chosen, pair_mask, global_normalization_factor=pairs).item(),
         "rewards_rejected_mean": masked_mean(rejected, pair_mask, global_normalization_factor=pairs).item(),
         "reward_margin": masked_mean(chosen - rejected, pair_mask, global_normalization_factor=pairs).item(),

@@ -10,7 +10,7 @@ a learned reward.
 Batch size: each step trains on `policy.train_global_batch_size` **rows**, i.e. half as many
 preference pairs (rows interleave chosen and rejected, `[c0, r0, c1, r1, ...]`).
 
-Metrics: `train/loss`, `train/accuracy` (s_chosen > s_rejected), `train/reward_margin`,
+Metrics: `train/loss`, `train/accuracy` (s_chosen > s_rejected, a tie counting half), `train/reward_margin`,
 `train/rewards_chosen_mean`, `train/rewards_rejected_mean`, and the same under `validation/`
 (scores from `get_scores` on the validation pairs, no training step).
 """

@@ -19,6 +19,7 @@ from posttrain.data.dataloader import make_loader
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.distributed.batch import Batch
 from posttrain.job import build_splits, make_cluster, make_policy, start_run
+from posttrain.utils.metric_names import ACCURACY_GREEDY
 from posttrain.utils.timer import Timer
 
 log = logging.getLogger("posttrain.sft")
@@ -32,7 +33,8 @@ def to_train_batch(datums: list[dict], pad_token_id: int) -> Batch:
 
 
 def validation_metrics(policy, datums: list[dict], pad_token_id: int, batch_size: int) -> dict[str, float]:
-    """Token-mean NLL of the answers and the fraction answered exactly by greedy decoding.
+    """Token-mean NLL of the answers (`validation/loss`) and the fraction answered exactly by
+    greedy decoding (`validation/accuracy_greedy`).
 
     Accuracy needs no generation: greedy decoding reproduces an answer exactly iff every answer
     token is the argmax given the true prefix (by induction over the answer's tokens). The
@@ -52,7 +54,7 @@ def validation_metrics(policy, datums: list[dict], pad_token_id: int, batch_size
         near_greedy = policy.get_logprobs(batch, temperature=GREEDY_TEMPERATURE)["logprobs"][:, 1:]
         missed = ((near_greedy <= -math.log(2)).float() * mask).sum(dim=-1)
         exact += ((missed == 0) & (mask.sum(dim=-1) > 0)).sum().item()
-    return {"validation/loss": nll / max(tokens, 1.0), "validation/accuracy": exact / len(datums)}
+    return {"validation/loss": nll / max(tokens, 1.0), ACCURACY_GREEDY: exact / len(datums)}
 
 
 # Dividing logits by this makes the argmax token's probability ~1 unless another logit is within

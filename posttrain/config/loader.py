@@ -137,6 +137,7 @@ def _load_file(path: Path, stack: tuple[Path, ...] = ()) -> tuple[dict, dict[Key
     if not isinstance(data, dict):
         raise ConfigError(f"Config file {source} must hold a mapping of keys, got {type(data).__name__}")
 
+    data = _beside_the_file(data, path.parent)
     includes = data.pop("defaults", None)
     sources.pop(("defaults",), None)
     if includes is None:
@@ -153,6 +154,28 @@ def _load_file(path: Path, stack: tuple[Path, ...] = ()) -> tuple[dict, dict[Key
         _merge(merged, merged_sources, sub, sub_sources)
     _merge(merged, merged_sources, data, sources)
     return merged, merged_sources
+
+
+# An import path (`class_path`, `loss_fn.name`, `adv_estimator.name`, ...): `module:attr` with a
+# plain module name, or `file.py:attr`.
+_IMPORT_PATH = re.compile(r"^(?P<module>[A-Za-z_]\w*|[^:\s]+\.py):(?P<attr>[A-Za-z_][\w.]*)$")
+
+
+def _beside_the_file(value: Any, directory: Path) -> Any:
+    """`value` with every import path that names a Python file in `directory` (the config file's
+    folder: `my_task:ParityEnv` for `my_task.py`, or `my_task.py:ParityEnv`) made absolute, so a
+    config finds the user's module beside it from any working directory. Other values, and
+    import paths of modules that are not there (installed packages), are left as they are."""
+    if isinstance(value, dict):
+        return {key: _beside_the_file(item, directory) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_beside_the_file(item, directory) for item in value]
+    match = _IMPORT_PATH.match(value) if isinstance(value, str) else None
+    if match is None or Path(match["module"]).is_absolute():
+        return value
+    module = match["module"]
+    file = directory / (module if module.endswith(".py") else module + ".py")
+    return f"{file}:{match['attr']}" if file.is_file() else value
 
 
 def _merge(base: dict, base_sources: dict[KeyPath, str], upper: dict, upper_sources: dict[KeyPath, str], path: KeyPath = ()):

@@ -14,6 +14,7 @@ import torch
 
 from posttrain.data.sample import Sample
 from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
+from posttrain.utils.metric_names import accuracy_name
 
 
 def pass_at_k(n: int, c: Union[int, torch.Tensor], k: int) -> torch.Tensor:
@@ -67,15 +68,18 @@ def evaluate(
     num_samples_to_print: int = 0,
     log_samples: Optional[Callable[[list[dict]], None]] = None,
 ) -> dict[str, float]:
-    """Roll out every prompt `k` times; accuracy is the mean reward of the first sample.
+    """Roll out every prompt `k` times and score the answers.
 
     Sampling (not `greedy`) uses `temperature` when given, else the engine's configured one.
     The first sample of the first `num_samples_to_print` prompts goes to `log_samples` as
     `{"prompt", "response", "reward"}` dicts (`completion_rows`; default None: printed, short).
 
-    Returns `validation/accuracy`, `validation/avg_length` and, for k > 1, `validation/pass@k`
-    (the unbiased estimator of Chen et al. 2021), `validation/cons@k` (majority vote) and
-    `validation/mean_reward`.
+    Returns the accuracy under a name that says how it was decoded
+    (`posttrain.utils.metric_names`): `validation/accuracy_greedy` (greedy: the mean reward of the
+    one sample per prompt) or `validation/accuracy_sampled` (the mean reward of all `k` samples,
+    i.e. pass@1), per task too with several environments; `validation/avg_length`; and for k > 1
+    `validation/pass@k` (the unbiased estimator of Chen et al. 2021), `validation/cons@k` (majority
+    vote) and `validation/mean_reward`.
     """
     rewards, lengths, answers = [], [], []
     for start in range(0, len(samples), batch_size):
@@ -98,11 +102,13 @@ def evaluate(
 
                 write_line(format_samples(rows, "validation samples"))
     r = torch.cat(rewards).view(-1, k)
+    accuracy = accuracy_name(greedy)
+    per_prompt = r.mean(dim=1)  # greedy: k == 1 (the config check), so this is the one sample
     metrics = {
-        "validation/accuracy": r[:, 0].mean().item(),
+        accuracy: per_prompt.mean().item(),
         "validation/avg_length": torch.cat(lengths).mean().item(),
     }
-    metrics.update(per_task_means(r[:, 0], [s.task_name for s in samples], "validation/accuracy", list(envs)))
+    metrics.update(per_task_means(per_prompt, [s.task_name for s in samples], accuracy, list(envs)))
     if k > 1:
         correct = (r > 0.5).sum(dim=1)
         metrics[f"validation/pass@{k}"] = pass_at_k(k, correct, k).float().mean().item()

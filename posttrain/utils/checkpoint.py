@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from posttrain.config.schema import CheckpointingConfig
+from posttrain.utils.metric_names import metric_value
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +85,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def complete_checkpoints(checkpoint_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """The complete checkpoints (`step_N` with its training info) of `checkpoint_dir` as
+    `(step, path)`, oldest first; reads only (no clean-up of crash leftovers)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        return []
+    found = []
+    for path in checkpoint_dir.iterdir():
+        match = _STEP_DIR_RE.match(path.name)
+        if match and (path / TRAINING_INFO_FILE).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
 class CheckpointManager:
     """Create, finalize, prune and find checkpoints under `cfg.checkpoint_dir`.
 
     Args:
         cfg: `CheckpointingConfig`: `checkpoint_dir` (default `checkpoints/run`), `save_period`
             (default 50), `keep_top_k` (default 3; None keeps all), `metric_name` (default
-            `validation/accuracy`; None ranks by recency), `higher_is_better` (default True).
+            `validation/accuracy`, which stands for the run's accuracy, greedy or sampled: see
+            `posttrain.utils.metric_names`; None ranks by recency), `higher_is_better` (default True).
             Retention: the best `keep_top_k` by `metric_name` (ties favour the newer
             checkpoint; checkpoints without the metric rank last), plus always the latest.
     """
@@ -171,14 +187,7 @@ class CheckpointManager:
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """Complete checkpoints as `(step, path)`, oldest first."""
-        if not self.checkpoint_dir.is_dir():
-            return []
-        found = []
-        for path in self.checkpoint_dir.iterdir():
-            match = _STEP_DIR_RE.match(path.name)
-            if match and (path / TRAINING_INFO_FILE).is_file():
-                found.append((int(match.group(1)), path))
-        return sorted(found)
+        return complete_checkpoints(self.checkpoint_dir)
 
     def latest(self) -> Optional[Path]:
         """The complete checkpoint with the highest step, or None. Cleans crash leftovers first."""
@@ -190,8 +199,7 @@ class CheckpointManager:
         if self.cfg.metric_name is None:
             return None
         try:
-            value = load_training_info(path).get("metrics", {}).get(self.cfg.metric_name)
-            value = float(value)
+            value = float(metric_value(load_training_info(path).get("metrics", {}), self.cfg.metric_name))
         except (FileNotFoundError, ValueError, TypeError, AttributeError):
             return None
         return value if math.isfinite(value) else None

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 from posttrain.config.schema import LoggerConfig
+from posttrain.utils.metric_names import ACCURACY_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -293,12 +294,12 @@ def write_line(text: str) -> None:
         print(text, flush=True)
 
 
-# Postfix label -> metric name, in display order.
+# Postfix label -> metric names (the first one a step reports is shown), in display order.
 PROGRESS_METRICS = {
-    "reward": "train/reward",
-    "val_acc": "validation/accuracy",
-    "loss": "train/loss",
-    "step_s": "timing/train/total_step_time",
+    "reward": ("train/reward",),
+    "val_acc": ACCURACY_NAMES,
+    "loss": ("train/loss",),
+    "step_s": ("timing/train/total_step_time",),
 }
 
 
@@ -330,14 +331,14 @@ class ProgressBar:
 
     def postfix(self) -> dict[str, str]:
         """The labels and formatted values currently shown."""
-        return {label: f"{self._latest[name]:.4g}" for label, name in PROGRESS_METRICS.items() if name in self._latest}
+        return {label: f"{self._latest[label]:.4g}" for label in PROGRESS_METRICS if label in self._latest}
 
     def update(self, metrics: Optional[Mapping[str, Any]] = None, n: int = 1) -> None:
         """Advance by `n` steps and show the known metrics among `metrics`."""
-        for name in PROGRESS_METRICS.values():
-            value = (metrics or {}).get(name)
+        for label, names in PROGRESS_METRICS.items():
+            value = next(((metrics or {})[name] for name in names if (metrics or {}).get(name) is not None), None)
             if value is not None:
-                self._latest[name] = float(value)
+                self._latest[label] = float(value)
         self.step += n
         if not self.enabled:
             return
@@ -347,6 +348,16 @@ class ProgressBar:
         else:
             shown = " ".join(f"{label}={value}" for label, value in self.postfix().items())
             print(f"{self.desc} step {self.step}/{self.total} {shown}".rstrip(), file=sys.stderr, flush=True)
+
+    def write(self, line: str) -> None:
+        """Print `line` on stdout above the bar (a plain print would land inside the drawn bar)."""
+        if self._bar is not None:
+            from tqdm import tqdm
+
+            tqdm.write(line, file=sys.stdout)
+            sys.stdout.flush()
+        else:
+            print(line, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -92,7 +92,10 @@ def import_object(path: str) -> object:
         try:
             module = importlib.import_module(module_part)
         except ModuleNotFoundError as exc:
-            raise ImportPathError(f"{path!r}: no module named {exc.name!r} (searched the current directory and sys.path)") from exc
+            hint = (f"; for a file of your own, give its path: 'path/to/{module_part}.py:{attr_part}' (in a config "
+                    f"file, a module beside the file is found from any directory)") if exc.name == module_part else ""
+            raise ImportPathError(f"{path!r}: no module named {exc.name!r} (searched the current directory and "
+                                  f"sys.path){hint}") from exc
         except Exception as exc:
             raise ImportPathError(f"{path!r}: importing {module_part} failed: {type(exc).__name__}: {exc}") from exc
     obj: object = module

@@ -1,9 +1,12 @@
 """One-page PNG summary of a run from its `metrics.jsonl`.
 
 Panels (each drawn only when its metric was logged): training reward (`train/reward`),
-validation accuracy (`validation/accuracy`), loss (`train/loss`), and a stacked bar chart of where
-each step's time went (`timing/train/{generation,refit,logprobs,policy_training,reward}`, the rest
-of `timing/train/total_step_time` as "other", and the total as a reference line).
+validation accuracy (`validation/accuracy_greedy`, `validation/accuracy_sampled`, or DPO's and RM's
+preference accuracy `validation/accuracy`), training loss (`train/loss`), validation loss
+(`validation/loss`: SFT, DPO, RM), and a stacked bar chart of where each step's time went
+(`timing/train/{generation,refit,logprobs,policy_training,reward}`, the rest of
+`timing/train/total_step_time` as "other", and the total as a reference line). Steps are whole
+numbers on every axis; an odd last panel spans the page's width rather than leave a blank cell.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ from posttrain.utils.logger import read_metrics_jsonl
 # (metric, title, y label) of the line panels, in display order.
 CURVES = [
     ("train/reward", "Training reward", "mean reward"),
+    ("validation/accuracy_greedy", "Validation accuracy, greedy", "accuracy"),
+    ("validation/accuracy_sampled", "Validation accuracy, sampled", "accuracy"),
     ("validation/accuracy", "Validation accuracy", "accuracy"),
     ("train/loss", "Training loss", "loss"),
+    ("validation/loss", "Validation loss", "loss"),
 ]
 TIMING_PREFIX = "timing/train/"
 TIMING_PARTS = ["generation", "refit", "logprobs", "policy_training", "reward"]
@@ -60,6 +66,7 @@ def build_report_figure(metrics_jsonl_path: str | os.PathLike, title: str | None
 
     matplotlib.use("Agg")  # no display needed; also safe inside Ray workers
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     metrics_jsonl_path = Path(metrics_jsonl_path)
     records = read_metrics_jsonl(metrics_jsonl_path)
@@ -72,10 +79,12 @@ def build_report_figure(metrics_jsonl_path: str | os.PathLike, title: str | None
     num_panels = len(curves) + (1 if timing or total else 0)
     ncols = 1 if num_panels <= 1 else 2
     nrows = max(1, math.ceil(num_panels / ncols))
-    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 4.0 * nrows), squeeze=False)
-    flat_axes = list(axes.flat)
-    for ax in flat_axes[num_panels:]:
-        ax.remove()
+    fig = plt.figure(figsize=(6.5 * ncols, 4.0 * nrows))
+    grid = fig.add_gridspec(nrows, ncols)
+    flat_axes = [fig.add_subplot(grid[i // ncols, :] if i == num_panels - 1 and num_panels % ncols
+                                 else grid[i // ncols, i % ncols]) for i in range(num_panels)]
+    for ax in flat_axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 0.5 on short runs
 
     for ax, (name, panel_title, ylabel, steps, values) in zip(flat_axes, curves):
         ax.plot(steps, values, marker="o" if len(steps) <= 30 else None, markersize=3, linewidth=1.5)

@@ -8,7 +8,8 @@ process is gone (same host, pid dead or reused by another process) is stale and 
 run killed with `kill -9` never blocks its own rerun. A lock from another host cannot be checked
 and is refused, with the file to delete named.
 
-Resuming checks the saved config (`<checkpoint_dir>/config.yaml`) against the new one: changes
+Resuming checks the saved config (`<checkpoint_dir>/config.yaml`, written once a run has trained
+a step, so runs that train nothing or fail at start-up leave it alone) against the new one: changes
 that would corrupt the run (another model, other data, other batch shapes, see
 `CORRUPTING_KEYS`) are refused listing the differing keys; anything else (more steps, logging,
 learning rate, ...) is allowed and listed in the log.
@@ -308,14 +309,13 @@ def compare_configs(saved: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[l
 
 
 def check_resume_config(cfg, checkpoint_dir: Path, has_checkpoint: bool) -> None:
-    """Compare `cfg` with the config saved beside the checkpoints, then save `cfg` there.
+    """Compare `cfg` with the config saved beside the checkpoints; saves nothing (the run saves
+    its config once it has trained a step: `save_run_config`).
 
     Raises `ResumeConfigError` when a corrupting key differs and a checkpoint would be resumed
     (unless `checkpointing.allow_resume_config_changes`); prints the harmless differences.
     """
     import yaml
-
-    from posttrain.config.loader import save_config
 
     saved_path = checkpoint_dir / SAVED_CONFIG_FILE
     if has_checkpoint and saved_path.is_file():
@@ -336,16 +336,30 @@ def check_resume_config(cfg, checkpoint_dir: Path, has_checkpoint: bool) -> None
                   f"checkpointing.allow_resume_config_changes): {line}", flush=True)
         if harmless:
             print("[posttrain] resuming with config changes: " + "; ".join(harmless), flush=True)
-    save_config(cfg, saved_path)
+
+
+def save_run_config(cfg) -> None:
+    """Save `cfg` as `<logger.log_dir>/config.yaml` and, when the job checkpoints, as
+    `<checkpointing.checkpoint_dir>/config.yaml` (what the next resume is checked against).
+
+    A training job calls this once it has trained its first step, so a run that trains nothing
+    (already complete) or fails before its first step (a backend that would not start) leaves the
+    config of the run that wrote the checkpoints in place."""
+    from posttrain.config.loader import save_config
+
+    for directory in run_directories(cfg):
+        save_config(cfg, Path(directory) / SAVED_CONFIG_FILE)
 
 
 def already_done_message(resumed_step: int, last_step: int, steps_key: str) -> Optional[str]:
     """What to say when the checkpoint is already at or past the run's last step (else None)."""
     if resumed_step < last_step:
         return None
+    fresh = "or set another logger.log_dir and checkpointing.checkpoint_dir to train a new run"
     if resumed_step == last_step:
         return (f"[posttrain] the checkpoint is at step {resumed_step}, the last step ({steps_key}={last_step} or "
-                f"the epoch limit): this run is complete, nothing to train; raise {steps_key} to train further")
+                f"the epoch limit): this run is complete, nothing to train; raise {steps_key} to train further, "
+                f"{fresh}")
     return (f"[posttrain] the checkpoint is at step {resumed_step}, past this run's last step {last_step} "
             f"({steps_key} or the epoch limit): nothing to train, and the checkpoint is kept as it is; raise "
-            f"{steps_key} above {resumed_step} to train further")
+            f"{steps_key} above {resumed_step} to train further, {fresh}")

@@ -78,7 +78,7 @@ def test_async_grpo_trains_on_one_step_old_groups_with_importance_weights(ray_cl
                 "timing/train/idle/refit_bubble", "timing/collector/generation", "async/buffer_size"):
         assert all(key in steps[s] for s in (1, 2, 3, 4)), key
     assert 0 <= steps[4]["timing/train/exposed_generation"] <= steps[4]["timing/train/idle/buffer_starvation"] + 1e-6
-    assert "validation/accuracy" in steps[4]
+    assert "validation/accuracy_greedy" in steps[4]
     # The checkpoint holds the buffer: what a resumed run trains next.
     saved = torch.load(tmp_path / "ckpt" / "step_2" / "replay_buffer.pt", weights_only=False)
     assert saved["batches"] >= 2 and all(g.weight_version <= 2 for g in saved["buffer"]["groups"])

@@ -58,8 +58,8 @@ def test_distillation_lowers_the_kl_to_the_teacher(ray_cluster, tmp_path, capsys
     for key in ("train/reward", "timing/train/generation", "timing/train/logprobs", "timing/train/policy_training"):
         assert key in step
     # Validation at the start (with the teacher's accuracy) and at the end; a final summary line.
-    assert "validation/accuracy" in metrics[0] and "validation/teacher_accuracy" in metrics[0]
-    assert "validation/accuracy" in metrics[6]
+    assert "validation/accuracy_greedy" in metrics[0] and "validation/teacher_accuracy" in metrics[0]
+    assert "validation/accuracy_greedy" in metrics[6]
     assert summary["teacher_accuracy"] == metrics[0]["validation/teacher_accuracy"]
     assert "[posttrain] distillation finished at step 6" in capsys.readouterr().out
     assert (tmp_path / "ckpt" / "step_6").is_dir()

@@ -41,9 +41,9 @@ def test_dpo_learns_checkpoints_and_resumes(ray_cluster, tmp_path):
     dpo.run(config("dpo", tmp_path))
     metrics = read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl")
     # Step 0 / step 1: the policy is its reference, every implicit reward is 0 -> loss log 2,
-    # accuracy 0 (ties are not wins).
+    # accuracy 0.5 (every pair a tie, and a tie counts half).
     assert metrics[0]["validation/loss"] == pytest.approx(math.log(2), abs=1e-5)
-    assert metrics[0]["validation/accuracy"] == 0.0
+    assert metrics[0]["validation/accuracy"] == 0.5
     assert metrics[1]["train/loss"] == pytest.approx(math.log(2), abs=1e-5)
     assert metrics[1]["train/reward_margin"] == pytest.approx(0.0, abs=1e-5)
     assert metrics[1]["train/num_valid_samples"] == 32  # 64 rows = 32 pairs per step

@@ -83,17 +83,17 @@ def test_blend_of_three_environments_logs_per_task_metrics(tmp_path):
             if counts[task]:
                 assert 0.0 <= row[f"train/reward/{task}"] <= 1.0
     assert drawn["math"] > 0 and drawn["mcqa"] + drawn["chain_sum"] > 0
-    [val] = [row for row in rows if "validation/accuracy" in row]
+    [val] = [row for row in rows if "validation/accuracy_greedy" in row]
     for task in tasks:  # max_val_samples applies per blend component: 4 rows of each
-        assert val[f"validation/accuracy_count/{task}"] == 4
-        assert 0.0 <= val[f"validation/accuracy/{task}"] <= 1.0
+        assert val[f"validation/accuracy_greedy_count/{task}"] == 4
+        assert 0.0 <= val[f"validation/accuracy_greedy/{task}"] <= 1.0
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(tmp_path / "logs/blend/tensorboard"))
     events.Reload()
     scalars = set(events.Tags()["scalars"])
-    assert {"train/reward_count/math", "validation/accuracy/mcqa", "validation/accuracy/chain_sum"} <= scalars
+    assert {"train/reward_count/math", "validation/accuracy_greedy/mcqa", "validation/accuracy_greedy/chain_sum"} <= scalars
 
 
 def test_rows_naming_an_unconfigured_environment_fail_before_workers_start(tmp_path):

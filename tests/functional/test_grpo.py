@@ -118,7 +118,7 @@ def test_grpo_steps_report_metrics_and_logprobs_agree(grpo_context, tmp_path, ba
     grpo.grpo_train(ctx)
     metrics = read_metrics(tmp_path / "logs")
     assert sorted(metrics) == [0, 1, 2, 3]
-    assert 0.0 <= metrics[0]["validation/accuracy"] <= 1.0
+    assert 0.0 <= metrics[0]["validation/accuracy_greedy"] <= 1.0
     for step in (1, 2, 3):
         row = metrics[step]
         missing = [k for k in REQUIRED if k not in row]
@@ -130,7 +130,7 @@ def test_grpo_steps_report_metrics_and_logprobs_agree(grpo_context, tmp_path, ba
         parts = ["generation", "refit", "logprobs", "policy_training", "reward"]
         # The breakdown's parts are disjoint sections of the step: they add up to at most the total.
         assert sum(row[f"timing/train/{p}"] for p in parts) <= row["timing/train/total_step_time"] + 1e-6
-    assert "validation/accuracy" in metrics[3]
+    assert "validation/accuracy_greedy" in metrics[3]
     assert (tmp_path / "logs" / "config.yaml").exists()
     assert (tmp_path / "ckpt" / "step_3" / "training_info.json").exists()
 

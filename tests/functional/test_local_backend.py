@@ -38,7 +38,7 @@ def test_a_local_job_imports_no_ray_and_starts_no_process(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "NO RAY {'LocalActor'} []"
     metrics = read_metrics(tmp_path / "logs")
-    assert sorted(metrics) == [1, 2] and 0.0 <= metrics[2]["validation/accuracy"] <= 1.0
+    assert sorted(metrics) == [1, 2] and 0.0 <= metrics[2]["validation/accuracy_greedy"] <= 1.0
     assert (tmp_path / "ckpt" / "step_2" / "policy" / "model" / ".metadata").is_file()
     assert metrics[1]["timing/startup/to_first_step"] > 0  # the start-up is timed
 

@@ -240,4 +240,4 @@ def test_grpo_with_vllm_backend(ray_cluster, vllm_python, tmp_path):
         assert 1.0 <= row["train/token_mult_prob_error"] < 1.001, row["train/token_mult_prob_error"]
         assert row["train/num_samples"] == 16
     assert steps[2]["timing/train/refit"] > 0
-    assert any("validation/accuracy" in row for row in rows)
+    assert any("validation/accuracy_greedy" in row for row in rows)

@@ -136,3 +136,13 @@ def test_training_info_is_json(tmp_path):
     manager = make_manager(tmp_path)
     final = save(manager, 2, 0.25)
     assert json.loads((final / "training_info.json").read_text())["consumed_samples"] == 32
+
+
+def test_validation_accuracy_ranks_by_the_accuracy_the_run_logs(tmp_path):
+    """metric_name `validation/accuracy` (the default) stands for `validation/accuracy_greedy` or
+    `_sampled` in runs that log those names."""
+    manager = make_manager(tmp_path, keep_top_k=1)
+    for step, accuracy in [(1, 0.2), (2, 0.9), (3, 0.4)]:
+        path = manager.begin(step)
+        manager.finalize(step, path, metrics={"validation/accuracy_sampled": accuracy})
+    assert steps_on_disk(manager) == [2, 3] and manager.best().name == "step_2"

@@ -80,3 +80,22 @@ def test_cli_refuses_a_teacher_of_another_vocabulary_before_any_worker_starts(tm
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "has a vocabulary of 32000 tokens but policy.model_name='tiny' has 103" in lines[0]
     assert not (tmp_path / "logs").exists()  # refused before the run started
+
+
+def test_a_teacher_below_its_student_is_warned_about(monkeypatch, capsys):
+    """At step 0 the student's validation and the teacher's accuracy are compared: a teacher that
+    scores lower (e.g. 1.2% against 43.8%) gets a warning naming both."""
+    from types import SimpleNamespace
+
+    from posttrain.algorithms import distill
+
+    monkeypatch.setattr(distill, "_refit_if_stale", lambda ctx: None)
+    monkeypatch.setattr(distill, "_evaluate", lambda ctx, generation, version: {"validation/accuracy_greedy": 0.438})
+    ctx = SimpleNamespace(val_samples=[object()], step=0, generation=None, teacher_accuracy=0.012)
+    metrics = distill._validate(ctx)
+    assert metrics == {"validation/accuracy_greedy": 0.438, "validation/teacher_accuracy": 0.012}
+    out = capsys.readouterr().out
+    assert "WARNING: the teacher's validation accuracy 1.2% is below the student's 43.8%" in out
+    ctx.teacher_accuracy = 0.9
+    distill._validate(ctx)
+    assert "WARNING" not in capsys.readouterr().out

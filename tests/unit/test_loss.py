@@ -337,6 +337,20 @@ def test_bradley_terry_loss_and_accuracy():
         PreferenceLoss()(scores[:3], {"sample_mask": torch.ones(3)}, 3.0, 0.0)
 
 
+def test_preference_ties_count_half():
+    """A tie is a coin flip, not a loss: DPO at step 0 (policy == reference, every pair tied) and a
+    reward model scoring a pair equally get accuracy 0.5 for it."""
+    logprobs, batch = dpo_batch()
+    batch["reference_policy_logprobs"] = logprobs.clone()  # step 0: every implicit reward is 0
+    _, metrics = call(DPOLoss(beta=0.1), logprobs, batch)
+    assert metrics["accuracy"] == 0.5 and metrics["reward_margin"] == 0.0
+    scores = torch.tensor([2.0, 1.0, 1.0, 1.0, 0.0, 3.0])  # a win, a tie, a loss
+    _, metrics = PreferenceLoss()(scores, {"sample_mask": torch.ones(6)}, 6.0, 0.0)
+    assert metrics["accuracy"] == pytest.approx(0.5)
+    _, metrics = PreferenceLoss()(scores[:4], {"sample_mask": torch.ones(4)}, 4.0, 0.0)  # a win and a tie
+    assert metrics["accuracy"] == pytest.approx(0.75)
+
+
 # ------------------------------------------------------------------------------- registry, errors
 def test_registry_and_config_errors():
     assert isinstance(make_loss("clipped_pg", ratio_clip_max=0.28), ClippedPGLoss)

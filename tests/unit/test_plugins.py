@@ -120,3 +120,34 @@ def test_jsonl_rows_keep_their_task_name(tmp_path):
     (tmp_path / "t.jsonl").write_text('{"prompt": "a", "answer": 1, "task_name": "mine"}\n{"prompt": "b", "answer": 2}\n')
     cfg = load_config("sft", overrides=["data.dataset=jsonl", f"data.train_path={tmp_path / 't.jsonl'}"])
     assert [r["task_name"] for r in load_records(cfg.data, "train")] == ["mine", "math"]
+
+
+def test_a_config_finds_the_module_beside_it_from_any_directory(tmp_path, monkeypatch):
+    """examples/custom/grpo_custom.yaml names `my_task:ParityEnv` (my_task.py beside it): it loads
+    from the repository root, or anywhere, not only from examples/custom."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config("grpo", repo / "examples/custom/grpo_custom.yaml")
+    my_task = repo / "examples/custom/my_task.py"
+    assert cfg.env.section("parity")["class_path"] == f"{my_task}:ParityEnv"
+    assert cfg.loss_fn.name == f"{my_task}:ScaledPGLoss"
+    assert cfg.grpo.adv_estimator.name == f"{my_task}:shifted_group_mean"
+    assert resolve_env("parity", cfg.env.section("parity"))[0].__name__ == "ParityEnv"
+    sys.modules.pop("my_task", None)
+    # Only import paths of files that are there change: an installed module's path stays as it is.
+    (tmp_path / "c.yaml").write_text("loss_fn:\n  name: posttrain.algorithms.loss:ClippedPGLoss\n"
+                                     "env:\n  math:\n    class_path: nowhere:Env\n")
+    cfg = load_config("grpo", tmp_path / "c.yaml", ["sft_warmup=null"])
+    assert cfg.loss_fn.name == "posttrain.algorithms.loss:ClippedPGLoss"
+    assert cfg.env.section("math")["class_path"] == "nowhere:Env"
+
+
+def test_a_missing_module_suggests_its_file_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ImportPathError) as info:
+        import_object("their_task:ParityEnv")
+    assert "give its path: 'path/to/their_task.py:ParityEnv'" in str(info.value)

@@ -64,3 +64,31 @@ def test_empty_metrics_still_write_a_png(tmp_path):
     fig = build_report_figure(metrics)
     assert len(fig.axes) == 1 and "no reward" in fig.axes[0].texts[0].get_text()
     assert write_report(metrics, tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_short_runs_get_whole_step_ticks_and_no_blank_cell(tmp_path):
+    """A 4-step DPO run: whole-number steps on every axis, its validation loss drawn, and three
+    panels fill the page (the last one spans both columns) rather than leave an empty cell."""
+    with Logger(LoggerConfig(log_dir=str(tmp_path / "dpo"), tensorboard_enabled=False)) as logger:
+        for step in range(0, 5):
+            if step:
+                logger.log_metrics({"train/loss": 0.69 - step / 100}, step)
+            if step % 2 == 0:
+                logger.log_metrics({"validation/accuracy": 0.5 + step / 10, "validation/loss": 0.7 - step / 50}, step)
+    fig = build_report_figure(tmp_path / "dpo" / "metrics.jsonl")
+    assert [ax.get_title() for ax in fig.axes] == [
+        "Validation accuracy (validation/accuracy)", "Training loss (train/loss)", "Validation loss (validation/loss)",
+    ]
+    fig.canvas.draw()
+    for ax in fig.axes:
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks and all(float(t).is_integer() for t in ticks), (ax.get_title(), ticks)
+    first, last = fig.axes[0].get_position(), fig.axes[2].get_position()
+    assert last.width > 1.8 * first.width  # spans the row
+
+    # A GRPO-style run: the greedy accuracy under its own name.
+    with Logger(LoggerConfig(log_dir=str(tmp_path / "grpo"), tensorboard_enabled=False)) as logger:
+        for step in (0, 2):
+            logger.log_metrics({"validation/accuracy_greedy": 0.4 + step / 10}, step)
+    fig = build_report_figure(tmp_path / "grpo" / "metrics.jsonl")
+    assert [ax.get_title() for ax in fig.axes] == ["Validation accuracy, greedy (validation/accuracy_greedy)"]

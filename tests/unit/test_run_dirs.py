@@ -123,8 +123,9 @@ def _cfg(tmp_path: Path, *extra: str):
 
 
 def test_resume_refuses_corrupting_changes_before_anything_starts(tmp_path, capsys):
-    prepare_run_dirs(_cfg(tmp_path))  # first run: saves its config beside the checkpoints
-    assert (tmp_path / "ckpt" / "config.yaml").is_file() and (tmp_path / "logs" / LOCK_FILE).is_file()
+    prepare_run_dirs(_cfg(tmp_path))  # first run: checks, locks
+    assert (tmp_path / "logs" / LOCK_FILE).is_file() and not (tmp_path / "ckpt" / "config.yaml").exists()
+    run_dirs.save_run_config(_cfg(tmp_path))  # ... and, having trained a step, saves its config
     _fake_checkpoint(tmp_path / "ckpt")
     with pytest.raises(ResumeConfigError) as info:
         prepare_run_dirs(_cfg(tmp_path, "data.num_digits=3", "policy.max_total_sequence_length=128"))
@@ -135,6 +136,7 @@ def test_resume_refuses_corrupting_changes_before_anything_starts(tmp_path, caps
     prepare_run_dirs(_cfg(tmp_path, "sft.max_num_steps=900", "logger.progress_bar=false"))
     out = capsys.readouterr().out
     assert "resuming with config changes: logger.progress_bar: True -> False; sft.max_num_steps: 200 -> 900" in out
+    run_dirs.save_run_config(_cfg(tmp_path, "sft.max_num_steps=900", "logger.progress_bar=false"))
     assert "max_num_steps: 900" in (tmp_path / "ckpt" / "config.yaml").read_text()
     # The escape hatch resumes anyway, with a warning per key.
     prepare_run_dirs(_cfg(tmp_path, "sft.max_num_steps=900", "logger.progress_bar=false",
@@ -147,6 +149,10 @@ def test_already_done_messages():
     assert "this run is complete" in already_done_message(5, 5, "grpo.max_num_steps")
     message = already_done_message(8, 5, "grpo.max_num_steps")
     assert "at step 8, past this run's last step 5" in message and "raise grpo.max_num_steps above 8" in message
+    # ... or start a new run elsewhere, in the same line.
+    for message in (already_done_message(8, 5, "grpo.max_num_steps"), already_done_message(5, 5, "sft.max_num_steps")):
+        assert "\n" not in message
+        assert message.endswith("or set another logger.log_dir and checkpointing.checkpoint_dir to train a new run")
 
 
 class _Loader:
@@ -194,3 +200,49 @@ def test_grpo_resumed_past_its_last_step_says_so(monkeypatch, capsys):
     monkeypatch.setattr(grpo, "grpo_train", lambda ctx: pytest.fail("nothing should train"))
     assert grpo.run(load_config("grpo", overrides=["sft_warmup=null"])) == {"before": None, "after": None}
     assert "at step 7, past this run's last step 4" in capsys.readouterr().out and Ctx.shut
+
+
+class _SteppingLoader(_Loader):
+    def next_batch(self):
+        return []
+
+    def state_dict(self):
+        return {}
+
+
+class _SavingPolicy(_Policy):
+    def save_checkpoint(self, path):
+        path.mkdir(parents=True)
+
+
+def test_runs_that_train_nothing_or_fail_at_start_leave_the_saved_config(tmp_path, capsys):
+    """The config beside a checkpoint is the config that trained it: a run already past its last
+    step, or one that fails before its first step (a backend that would not start), does not
+    overwrite it, and the next resume compares against the config that trained."""
+    quiet = ("logger.tensorboard_enabled=false", "logger.progress_bar=false", "logger.report=false",
+             "checkpointing.save_period=2")
+
+    def train(cfg, step=lambda datums, timer: {"loss": 1.0}):
+        prepare_run_dirs(cfg)
+        return train_offline(cfg, cfg.sft, name="SFT", section="sft", policy=_SavingPolicy(), loader=_SteppingLoader(),
+                             train_step=step, validate=dict)
+
+    train(_cfg(tmp_path, "sft.max_num_steps=4", *quiet))
+    saved = {d: (tmp_path / d / "config.yaml").read_text() for d in ("logs", "ckpt")}
+    assert "max_num_steps: 4" in saved["ckpt"] and "backend: auto" in saved["ckpt"]
+
+    # Past its last step: nothing trained.
+    assert train(_cfg(tmp_path, "sft.max_num_steps=3", "cluster.backend=ray", *quiet)) == {}
+
+    def fails(datums, timer):
+        raise RuntimeError("the backend did not start")
+
+    with pytest.raises(RuntimeError):  # fails in its first step
+        train(_cfg(tmp_path, "sft.max_num_steps=6", "cluster.backend=ray", *quiet), fails)
+    assert {d: (tmp_path / d / "config.yaml").read_text() for d in ("logs", "ckpt")} == saved
+
+    capsys.readouterr()
+    train(_cfg(tmp_path, "sft.max_num_steps=6", *quiet))
+    out = capsys.readouterr().out
+    assert "resuming with config changes: sft.max_num_steps: 4 -> 6" in out and "cluster.backend" not in out
+    assert "max_num_steps: 6" in (tmp_path / "ckpt" / "config.yaml").read_text()

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 
-from posttrain.algorithms.loop import TrainingLoop, train_offline
+import pytest
+
+from posttrain.algorithms import loop as loop_module
+from posttrain.algorithms.loop import NO_SIGNAL_STEPS, SIGNAL_METRIC, TrainingLoop, train_offline
 from posttrain.config import load_config
 from posttrain.utils.logger import read_metrics_jsonl
 
@@ -75,7 +78,7 @@ def test_schedule_checkpoints_and_resume(tmp_path, capsys):
     loop.close()
     out = capsys.readouterr().out
     assert ("SFT finished at step 5" in out and "validation accuracy 10.0% (step 0) -> 50.0% (step 5), "
-            "+40.0 percentage points" in out and "at the end: loss 0.5000" in out)
+            "+40.0 percentage points" in out and "validation at step 5: loss 0.5000" in out)
 
     rows = read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl")
     assert [s for s in sorted(rows) if "validation/accuracy" in rows[s]] == [0, 2, 4, 5]
@@ -144,3 +147,113 @@ def test_summary_of_a_reward_that_is_not_a_fraction(tmp_path):
     loop.history = [(0, {"validation/accuracy": 0.25}), (40, {"validation/accuracy": 0.5})]
     assert loop.summary() == "validation accuracy 25.0% (step 0) -> 50.0% (step 40), +25.0 percentage points"
     loop.close()
+
+
+def test_a_generation_accuracy_is_the_headline_under_its_own_name(tmp_path, capsys):
+    """GRPO, SFT and distillation log `validation/accuracy_greedy` (or `_sampled`); the summary and
+    the ranking of checkpoints (metric_name `validation/accuracy`) follow it."""
+    cfg = cfg_for(tmp_path, "sft.max_num_steps=4", "checkpointing.keep_top_k=1",
+                  "checkpointing.metric_name=validation/accuracy", "checkpointing.higher_is_better=true")
+    loop = make_loop(cfg, FakePolicy(), FakeLoader())
+    accuracy = {0: 0.25, 2: 0.75, 4: 0.5}
+    loop.run(lambda step, timer: {}, lambda: {"validation/accuracy_greedy": accuracy[loop.step]})
+    loop.finish()
+    loop.close()
+    assert loop.headline_change() == (0.25, 0.5)
+    assert "validation accuracy (greedy) 25.0% (step 0) -> 50.0% (step 4), +25.0 percentage points" in (
+        capsys.readouterr().out)
+    # keep_top_k=1 keeps the best by the greedy accuracy (step 2) and the latest.
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_2", "step_4"]
+
+
+def test_the_summary_names_the_validation_loss(tmp_path):
+    """DPO's and RM's closing line shows the validation loss, not the training loss of the step lines."""
+    loop = make_loop(cfg_for(tmp_path), FakePolicy(), FakeLoader())
+    loop.history = [(0, {"validation/accuracy": 0.5, "validation/loss": 0.69}),
+                    (60, {"validation/accuracy": 0.9, "validation/loss": 0.2})]
+    assert loop.summary() == ("validation accuracy 50.0% (step 0) -> 90.0% (step 60), +40.0 percentage points; "
+                              "validation at step 60: loss 0.2000")
+    loop.close()
+
+
+def test_config_is_saved_once_a_step_is_trained(tmp_path):
+    cfg = cfg_for(tmp_path, "sft.max_num_steps=2", "sft.val_at_start=false")
+    loop = make_loop(cfg, FakePolicy(), FakeLoader())
+
+    def step_fn(step, timer):
+        saved = [(tmp_path / d / "config.yaml").exists() for d in ("logs", "ckpt")]
+        assert saved == ([False, False] if step == 1 else [True, True])  # saved after the first step
+        return {}
+
+    loop.run(step_fn, dict)
+    loop.close()
+    for directory in ("logs", "ckpt"):
+        assert "max_num_steps: 2" in (tmp_path / directory / "config.yaml").read_text()
+
+
+def test_an_interrupt_says_where_a_rerun_resumes(tmp_path):
+    cfg = cfg_for(tmp_path, "sft.val_at_start=false", "sft.max_num_steps=9")
+
+    def step_fn(step, timer):
+        if step == 4:
+            raise KeyboardInterrupt
+        return {}
+
+    loop = make_loop(cfg, FakePolicy(), FakeLoader())
+    with pytest.raises(KeyboardInterrupt) as info:
+        loop.run(step_fn, dict)
+    loop.close()
+    assert info.value.args == (f"SFT stopped after step 3; a rerun of the same command resumes from step 2 "
+                               f"({tmp_path / 'ckpt' / 'step_2'})",)
+
+    # Before the first checkpoint, and without checkpoints: a rerun starts again.
+    for extra, expected in (("checkpointing.save_period=5", "before its first checkpoint (checkpointing.save_period=5)"),
+                            ("checkpointing.enabled=false", "checkpointing.enabled=false: a rerun starts again")):
+        loop = make_loop(cfg_for(tmp_path / extra, "sft.val_at_start=false", "sft.max_num_steps=9", extra),
+                         FakePolicy(), FakeLoader())
+        with pytest.raises(KeyboardInterrupt) as info:
+            loop.run(step_fn, dict)
+        loop.close()
+        assert expected in info.value.args[0] and "at step 1" in info.value.args[0]
+
+
+def test_cli_prints_where_a_rerun_resumes(monkeypatch, capsys):
+    from posttrain import cli
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt("SFT stopped after step 3; a rerun of the same command resumes from step 2 (c/step_2)")
+
+    monkeypatch.setattr("posttrain.algorithms.sft.run", interrupted)
+    monkeypatch.setattr("posttrain.preflight.preflight", lambda cfg: None)
+    assert cli.main(["sft", "sft.max_num_steps=3"]) == 130
+    assert capsys.readouterr().err.strip().endswith(
+        "posttrain: interrupted: SFT stopped after step 3; a rerun of the same command resumes from step 2 (c/step_2)")
+
+
+def test_no_learning_signal_is_warned_once(tmp_path, capsys):
+    """GRPO logs the share of prompt groups whose rewards differ; NO_SIGNAL_STEPS steps in a row
+    without any warn once (a step with signal starts the count again)."""
+    steps = 2 * NO_SIGNAL_STEPS + 5
+    shares = {NO_SIGNAL_STEPS // 2: 0.25}  # one step with signal early on; every other step has none
+    cfg = cfg_for(tmp_path, f"sft.max_num_steps={steps}", "sft.val_at_start=false", "sft.val_period=0",
+                  "checkpointing.enabled=false")
+    loop = make_loop(cfg, FakePolicy(), FakeLoader())
+    loop.run(lambda step, timer: {SIGNAL_METRIC: shares.get(step, 0.0), "train/reward": 0.0}, dict)
+    loop.close()
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "no learning signal" in line]
+    assert len(warnings) == 1
+    assert f"for {NO_SIGNAL_STEPS} steps (to step {NO_SIGNAL_STEPS // 2 + NO_SIGNAL_STEPS})" in warnings[0]
+    assert "train/reward 0" in warnings[0]
+
+
+def test_the_startup_line_is_written_above_the_progress_bar(tmp_path, monkeypatch):
+    """A plain print would land inside a drawn tqdm bar: the loop writes through the bar."""
+    written = []
+    monkeypatch.setattr(loop_module.ProgressBar, "write", lambda self, line: written.append(line), raising=False)
+    monkeypatch.setattr(loop_module.startup.CLOCK, "report", lambda seconds: {"config": 0.5, "first_step": seconds})
+    monkeypatch.setattr(loop_module.startup, "summary_line", lambda phases: "[posttrain] started in 0.5s")
+    cfg = cfg_for(tmp_path, "sft.max_num_steps=1", "sft.val_at_start=false", "logger.progress_bar=true")
+    loop = make_loop(cfg, FakePolicy(), FakeLoader())
+    loop.run(lambda step, timer: {}, dict)
+    loop.close()
+    assert written == ["[posttrain] started in 0.5s"]

@@ -63,9 +63,11 @@ def test_evaluate_samples_at_the_validation_temperature():
     metrics = evaluate(generation, datums, tokenizer, {"t": AlwaysRight()}, k=2, greedy=greedy,
                        temperature=temperature)
     assert generation.calls == [(False, {"temperature": 0.6})]
-    assert metrics["validation/accuracy"] == 1.0 and metrics["validation/pass@2"] == 1.0
-    evaluate(generation, datums, tokenizer, {"t": AlwaysRight()}, k=1, greedy=True)
+    assert metrics["validation/accuracy_sampled"] == 1.0 and metrics["validation/pass@2"] == 1.0
+    assert "validation/accuracy" not in metrics and "validation/accuracy_greedy" not in metrics
+    metrics = evaluate(generation, datums, tokenizer, {"t": AlwaysRight()}, k=1, greedy=True)
     assert generation.calls[-1] == (True, None)
+    assert metrics["validation/accuracy_greedy"] == 1.0 and "validation/accuracy_sampled" not in metrics
 
 
 def test_per_task_accuracy_and_counts():
@@ -155,3 +157,22 @@ def test_evaluate_shows_the_first_prompts_completions(capsys):
     out = capsys.readouterr().out.splitlines()  # without a logger: printed, one short line each
     assert out == ["[posttrain] validation samples:", f"  reward 1.00 | '0+1=' -> {response!r}",
                    f"  reward 1.00 | '1+1=' -> {response!r}"]
+
+class RightEveryOtherTime(Environment):
+    """Rewards 1, 0, 1, 0, ... in the order of the rows it scores."""
+
+    def step(self, message_logs, metadata):
+        n = len(message_logs)
+        return EnvironmentReturn([{"role": "environment", "content": ""}] * n, list(metadata), [None] * n,
+                                 torch.tensor([float(i % 2 == 0) for i in range(n)]), torch.ones(n, dtype=torch.bool),
+                                 ["1"] * n)
+
+
+def test_sampled_accuracy_is_the_mean_over_every_sample():
+    """pass@1 over all k samples of a prompt (not the first sample's reward alone)."""
+    tokenizer = build_tokenizer()
+    datums = [build_prompt_message_log({"prompt": "1+1=", "answer": "2", "task_name": "t"}, tokenizer, 64, idx=i)
+              for i in range(3)]
+    metrics = evaluate(RecordingGeneration(), datums, tokenizer, {"t": RightEveryOtherTime()}, k=2, greedy=False)
+    # Rows [p0 s0, p0 s1, p1 s0, ...] get rewards 1, 0, 1, 0, ...: the first samples all 1, half overall.
+    assert metrics["validation/accuracy_sampled"] == 0.5 and metrics["validation/mean_reward"] == 0.5

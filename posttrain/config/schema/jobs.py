@@ -83,7 +83,8 @@ class GRPOMasterConfig(MasterConfig):
         None,
         description=(
             "Optional SFT warm start run before GRPO (the embedded default uses it); cached by its config, "
-            "it logs under <logger.log_dir>/sft_warmup (its own logger.log_dir is not used)."
+            "it logs under <logger.log_dir>/sft_warmup and checkpoints under <checkpointing.checkpoint_dir>/sft_warmup "
+            "(its own logger.log_dir and checkpointing.checkpoint_dir are not used), so an interrupted warm start resumes."
         ),
     )
 
@@ -262,12 +263,14 @@ class DistillMasterConfig(MasterConfig):
     )
     env: EnvConfig = EnvConfig()
     sft_warmup: Optional["SFTMasterConfig"] = Field(
-        None, description="Optional SFT warm start of the student (cached like GRPO's; logs under <logger.log_dir>/sft_warmup)."
+        None, description="Optional SFT warm start of the student (cached and checkpointed like GRPO's; logs under "
+        "<logger.log_dir>/sft_warmup).",
     )
     teacher_warmup: Optional["SFTMasterConfig"] = Field(
         None,
         description="Optional SFT warm start of the teacher, cached by its config (logs under "
-        "<logger.log_dir>/teacher_warmup); the embedded default trains a larger tiny model this way.",
+        "<logger.log_dir>/teacher_warmup, checkpoints under <checkpointing.checkpoint_dir>/teacher_warmup); the "
+        "embedded default trains a larger tiny model this way.",
     )
 
     @model_validator(mode="after")

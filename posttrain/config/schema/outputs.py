@@ -97,7 +97,9 @@ class CheckpointingConfig(Section):
     )
     metric_name: Optional[str] = Field(
         "validation/accuracy",
-        description="Metric that ranks checkpoints (the most recent validation's); None keeps the newest.",
+        description="Metric that ranks checkpoints (the most recent validation's); None keeps the newest. "
+        "'validation/accuracy' stands for the run's accuracy, validation/accuracy_greedy or _sampled, when it "
+        "logs no validation/accuracy of its own (DPO's and RM's preference accuracy).",
     )
     higher_is_better: bool = Field(True, description="Whether a larger metric_name is better.")
     save_optimizer: bool = Field(
