@@ -20,7 +20,8 @@ import importlib
 import sys
 from typing import Any, Callable, Sequence
 
-# Subcommand -> (module, function) that runs the job; imported only when the job starts.
+# Subcommand -> (module, function) that runs the job; imported only when the job starts
+# (`job_target` picks async GRPO's module for a config that asks for it).
 JOBS: dict[str, tuple[str, str]] = {
     "grpo": ("posttrain.algorithms.grpo", "run"),
     "sft": ("posttrain.algorithms.sft", "run"),
@@ -45,6 +46,14 @@ EXIT_UNAVAILABLE = 1
 
 class Unavailable(Exception):
     """The code a subcommand needs is not there (yet); shown as one line, no traceback."""
+
+
+def job_target(command: str, cfg: Any) -> tuple[str, str]:
+    """(module, function) that runs `command` for `cfg`: the asynchronous GRPO loop lives in its
+    own module, which builds on `grpo` (so `grpo` does not import it back)."""
+    if command == "grpo" and cfg.grpo.async_grpo.enabled:
+        return "posttrain.algorithms.async_grpo", "run"
+    return JOBS[command]
 
 
 def load_target(module_name: str, attr: str, command: str) -> Callable[..., Any]:
@@ -148,7 +157,7 @@ def _run_job(args: argparse.Namespace) -> int:
 
         preflight(cfg)  # model paths, hub ids and data: seconds, before Ray or any worker starts
         startup.mark("preflight")
-        module_name, attr = JOBS[args.command]
+        module_name, attr = job_target(args.command, cfg)
         run = load_target(module_name, attr, args.command)
         startup.mark("imports")
         run(cfg)

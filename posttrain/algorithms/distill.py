@@ -25,11 +25,8 @@ from typing import Any, Optional
 
 import torch
 
-from posttrain.algorithms.grpo import (
-    _refit_if_stale,
-    apply_sft_warm_start,
-    sft_warm_start_dir,
-)
+from posttrain.algorithms.experience import refit_if_stale
+from posttrain.algorithms.grpo import apply_sft_warm_start, sft_warm_start_dir
 from posttrain.algorithms.loop import TrainingLoop, prefixed
 from posttrain.config.schema import DistillMasterConfig
 from posttrain.data.dataloader import ResumableLoader, routes
@@ -55,7 +52,7 @@ from posttrain.utils.timer import Timer
 @dataclass
 class DistillContext:
     """Everything the loop needs, built once by `setup` (field names shared with GRPO's context,
-    so GRPO's lazy refit serves both)."""
+    so the lazy refit of `experience.refit_if_stale` serves both)."""
 
     cfg: DistillMasterConfig
     policy: Any  # the student
@@ -219,7 +216,7 @@ def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Bat
     cfg, d = ctx.cfg, ctx.cfg.distillation
     prompts = ctx.train_loader.next_batch()
     samples = [prompt.fresh_copy() for prompt in prompts for _ in range(d.num_generations_per_prompt)]
-    _refit_if_stale(ctx, timer)
+    refit_if_stale(ctx, timer)
     t0 = time.perf_counter()
     result = run_multi_turn_rollout(
         ctx.generation, samples, ctx.tokenizer, ctx.envs, max_seq_len=cfg.policy.max_total_sequence_length,
@@ -256,7 +253,7 @@ def _validate(ctx: DistillContext) -> dict[str, float]:
     """The student's validation accuracy; at step 0 also the teacher's (measured once)."""
     if not ctx.val_samples:
         return {}
-    _refit_if_stale(ctx)
+    refit_if_stale(ctx)
     metrics = _evaluate(ctx, ctx.generation, ctx.step)
     if ctx.step == 0 and ctx.teacher_accuracy is not None:
         metrics["validation/teacher_accuracy"] = ctx.teacher_accuracy
