@@ -103,6 +103,7 @@ def chat_turn_ids(tokenizer, message: dict, generated_ids: Sequence[int]) -> tup
 
 
 def after_assistant_closing(tokenizer) -> str:
+    """The text the chat template puts after an assistant turn's content (its closing tokens)."""
     convo = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
     full = tokenizer.apply_chat_template(convo, tokenize=False)
     return full[full.rindex(_MARK) + len(_MARK):]
