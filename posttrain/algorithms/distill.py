@@ -263,16 +263,9 @@ def _validate(ctx: DistillContext) -> dict[str, float]:
 def measure_teacher_accuracy(ctx: DistillContext) -> Optional[float]:
     """The teacher's validation accuracy, with the students' protocol, by a generation engine
     started on the teacher's bundles for this once (then shut down)."""
-    from posttrain.models.generation.interface import Generation
-
     if not ctx.val_samples:
         return None
-    cfg, t = ctx.cfg, ctx.cfg.teacher
-    engine = Generation(
-        ctx.teacher_cluster, cfg.policy.generation, t.model_name, tokenizer_name=t.tokenizer_name,
-        tiny_arch=t.tiny_arch, precision=t.precision, name="teacher_generation",
-        worker_timeout_s=cfg.cluster.worker_timeout_s,
-    )
+    engine = make_generation(ctx.cfg, ctx.teacher_cluster, model=ctx.cfg.teacher, name="teacher_generation")
     try:
         return _evaluate(ctx, engine, 0)["validation/accuracy"]
     finally:
