@@ -7,7 +7,10 @@ Every import counts, including the lazy ones inside functions: importing inside 
 posttrain keeps torch, transformers and Ray out of `posttrain --help` and config errors, and it
 defers the cost of a dependency, but it is a dependency all the same (two files that reach into
 each other, lazily or not, are one piece of code cut in two). A lazy import that only avoids a
-heavy library never closes a circle, so the rule costs nothing there.
+heavy library never closes a circle, so the rule costs nothing there. Loading a module by name at
+run time (`importlib.import_module` in the registries, which load the built-in plug-ins that
+register themselves on first lookup) is not an import here: a registry does not depend on what
+registers in it.
 """
 
 from __future__ import annotations
