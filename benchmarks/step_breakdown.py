@@ -121,7 +121,7 @@ def measure_machine(shapes: list[tuple[int, int, int]], copy_bytes: int, linear_
 
 def run_grpo(config: Path | None, steps: int, log_dir: Path) -> tuple[object, dict[int, dict]]:
     """Run `steps` GRPO steps of `config` (None: the embedded default); (config, metrics per step)."""
-    from posttrain.algorithms import grpo
+    from posttrain.cli import job_target, load_target
     from posttrain.config.loader import load_config
     from posttrain.preflight import preflight
     from posttrain.utils.logger import METRICS_FILE, read_metrics_jsonl
@@ -129,7 +129,7 @@ def run_grpo(config: Path | None, steps: int, log_dir: Path) -> tuple[object, di
     run_overrides = [*COMMON, f"grpo.max_num_steps={steps}", f"logger.log_dir={log_dir}"]
     cfg = load_config("grpo", config, overrides=run_overrides)
     preflight(cfg)  # converts a pretrained preset into the cache on first use
-    grpo.run(cfg)
+    load_target(*job_target("grpo", cfg), "grpo")(cfg)  # the synchronous or the asynchronous loop
     return cfg, read_metrics_jsonl(log_dir / METRICS_FILE)
 
 

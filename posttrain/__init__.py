@@ -7,7 +7,7 @@ second, so torch, transformers and ray are imported only inside the modules that
 import os as _os
 import sys as _sys
 
-__version__ = "0.1.0"
+from posttrain.version import __version__
 
 # OpenMP threads that spin while they wait for work make every parallel region wait for a thread
 # the OS has not scheduled when other processes hold the cores: a 2-thread training step went from

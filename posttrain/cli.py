@@ -20,7 +20,8 @@ import importlib
 import sys
 from typing import Any, Callable, Sequence
 
-# Subcommand -> (module, function) that runs the job; imported only when the job starts.
+# Subcommand -> (module, function) that runs the job; imported only when the job starts
+# (`job_target` picks async GRPO's module for a config that asks for it).
 JOBS: dict[str, tuple[str, str]] = {
     "grpo": ("posttrain.algorithms.grpo", "run"),
     "sft": ("posttrain.algorithms.sft", "run"),
@@ -45,6 +46,14 @@ EXIT_UNAVAILABLE = 1
 
 class Unavailable(Exception):
     """The code a subcommand needs is not there (yet); shown as one line, no traceback."""
+
+
+def job_target(command: str, cfg: Any) -> tuple[str, str]:
+    """(module, function) that runs `command` for `cfg`: the asynchronous GRPO loop lives in its
+    own module, which builds on `grpo` (so `grpo` does not import it back)."""
+    if command == "grpo" and cfg.grpo.async_grpo.enabled:
+        return "posttrain.algorithms.async_grpo", "run"
+    return JOBS[command]
 
 
 def load_target(module_name: str, attr: str, command: str) -> Callable[..., Any]:
@@ -126,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from posttrain import __version__
+    from posttrain.version import __version__
 
     return __version__
 
@@ -161,7 +170,7 @@ def run_job(command: str, cfg: Any) -> Any:
 
     preflight(cfg)
     startup.mark("preflight")
-    module_name, attr = JOBS[command]
+    module_name, attr = job_target(command, cfg)
     run = load_target(module_name, attr, command)
     startup.mark("imports")
     return run(cfg)

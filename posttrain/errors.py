@@ -8,3 +8,7 @@ names the key, file and line or value, and a traceback would only bury it. Every
 
 class UserError(ValueError):
     """Bad input: the message alone tells the user what to fix."""
+
+
+class DataError(UserError):
+    """Bad data: the message names the file (or data set) and the line or row."""

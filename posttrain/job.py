@@ -159,24 +159,18 @@ def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int =
     )
 
 
-def make_generation(cfg: MasterConfig, cluster, *, seed: int = 0):
-    """Generation workers for `policy.model_name` with `policy.generation` settings, on the
-    backend it names (`native`, or `vllm` in its isolated environment)."""
-    p = cfg.policy
-    if p.generation.backend == "vllm":
-        from posttrain.models.generation.vllm_generation import VllmGeneration
+def make_generation(cfg: MasterConfig, cluster, *, seed: int = 0, model: Any = None, **placement):
+    """Generation workers on `cluster` with `policy.generation` settings, of the backend
+    `policy.generation.backend` names (`native`, `vllm` or a user's class; see
+    `posttrain.models.generation.backends`), built from one `GenerationSpec`.
 
-        return VllmGeneration(
-            cluster, p.generation, p.model_name, tokenizer_name=p.tokenizer_name, tiny_arch=p.tiny_arch,
-            precision=p.precision, max_model_len=p.max_total_sequence_length, seed=seed,
-            worker_timeout_s=cfg.cluster.worker_timeout_s,
-        )
-    from posttrain.models.generation.interface import Generation
+    `model` (default None: `cfg.policy`) is what the engines load (distillation passes its
+    `teacher`); `placement` (`bundle_indices`, `name`) goes to the backend class."""
+    from posttrain.models.generation.backends import generation_backend_class
+    from posttrain.models.generation.interface import GenerationSpec
 
-    return Generation(
-        cluster, p.generation, p.model_name, tokenizer_name=p.tokenizer_name, tiny_arch=p.tiny_arch,
-        precision=p.precision, seed=seed, worker_timeout_s=cfg.cluster.worker_timeout_s,
-    )
+    backend = generation_backend_class(cfg.policy.generation.backend)
+    return backend(cluster, GenerationSpec.from_config(cfg, model=model, seed=seed), **placement)
 
 
 def make_policy(cfg: MasterConfig, cluster, policy_cfg: Optional[PolicyConfig] = None, **options):

@@ -44,8 +44,8 @@ def preflight(cfg: Any) -> None:
 
 
 def check_components(cfg: Any) -> None:
-    """Import what `policy.scheduler.name` and GRPO's `loss_fn.name` and `grpo.adv_estimator.name`
-    name (a user's module is imported here, in the controller, before Ray passes its path on to
+    """Import what `policy.scheduler.name`, `policy.generation.backend` (an import path) and GRPO's
+    `loss_fn.name` and `grpo.adv_estimator.name` name (a user's module is imported here, in the controller, before Ray passes its path on to
     the workers)."""
     from posttrain.utils.lr_schedule import DECAYS
     from posttrain.utils.registry import ImportPathError, resolve
@@ -66,6 +66,14 @@ def check_components(cfg: Any) -> None:
             raise UserError(f"{key}: {e.args[0]}") from None
         if not callable(obj):
             raise UserError(f"{key}={name!r} is not callable (a {kind} class or function is expected)")
+    backend = cfg.policy.generation.backend
+    if ":" in backend:  # the built-in names were checked by the schema; they import Ray
+        from posttrain.models.generation.backends import generation_backend_class
+
+        try:
+            generation_backend_class(backend)
+        except (ImportPathError, TypeError) as e:
+            raise UserError(f"policy.generation.backend: {e.args[0]}") from None
 
 
 def check_envs(cfg: Any, records: list) -> None:

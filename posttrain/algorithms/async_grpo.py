@@ -37,16 +37,12 @@ import threading
 import time
 from typing import Any, Optional
 
-from posttrain.algorithms.grpo import (
-    GRPOContext,
-    PromptGroup,
-    refit_generation,
-    roll_out_groups,
-    training_batch,
-    validate,
-)
+from posttrain.algorithms.experience import PromptGroup, refit_generation, roll_out_groups, training_batch
+from posttrain.algorithms import grpo
+from posttrain.algorithms.grpo import GRPOContext, validate
 from posttrain.algorithms.loop import prefixed
 from posttrain.algorithms.replay_buffer import AsyncRolloutError, ReplayBuffer
+from posttrain.config.schema import GRPOMasterConfig
 from posttrain.utils.timer import Timer
 
 log = logging.getLogger("posttrain.async_grpo")
@@ -218,6 +214,14 @@ class TrajectoryCollector:
 
 
 # ------------------------------------------------------------------------------------ the loop
+def run(cfg: GRPOMasterConfig) -> dict[str, Optional[float]]:
+    """`posttrain grpo` with `grpo.async_grpo.enabled`: GRPO's `run` (warm start, set-up, summary)
+    with the asynchronous loop."""
+    if not cfg.grpo.async_grpo.enabled:
+        raise ValueError("async_grpo.run needs grpo.async_grpo.enabled=true; grpo.run trains synchronously")
+    return grpo.run(cfg, train=async_grpo_train)
+
+
 def async_grpo_train(ctx: GRPOContext) -> dict[str, float]:
     """Train from the context's step to its last step with a trajectory collector running beside."""
     a, g = ctx.cfg.grpo.async_grpo, ctx.cfg.grpo

@@ -25,12 +25,8 @@ from typing import Any, Optional
 
 import torch
 
-from posttrain.algorithms.grpo import (
-    _refit_if_stale,
-    apply_sft_warm_start,
-    sft_warm_start_dir,
-    warm_start_dirs,
-)
+from posttrain.algorithms.experience import refit_if_stale
+from posttrain.algorithms.grpo import apply_sft_warm_start, sft_warm_start_dir, warm_start_dirs
 from posttrain.algorithms.loop import TrainingLoop, prefixed
 from posttrain.config.schema import DistillMasterConfig
 from posttrain.data.dataloader import ResumableLoader, routes
@@ -57,7 +53,7 @@ from posttrain.utils.timer import Timer
 @dataclass
 class DistillContext:
     """Everything the loop needs, built once by `setup` (field names shared with GRPO's context,
-    so GRPO's lazy refit serves both)."""
+    so the lazy refit of `experience.refit_if_stale` serves both)."""
 
     cfg: DistillMasterConfig
     policy: Any  # the student
@@ -221,7 +217,7 @@ def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Bat
     cfg, d = ctx.cfg, ctx.cfg.distillation
     prompts = ctx.train_loader.next_batch()
     samples = [prompt.fresh_copy() for prompt in prompts for _ in range(d.num_generations_per_prompt)]
-    _refit_if_stale(ctx, timer)
+    refit_if_stale(ctx, timer)
     t0 = time.perf_counter()
     result = run_multi_turn_rollout(
         ctx.generation, samples, ctx.tokenizer, ctx.envs, max_seq_len=cfg.policy.max_total_sequence_length,
@@ -261,7 +257,7 @@ def _validate(ctx: DistillContext) -> dict[str, float]:
     """The student's validation accuracy; at step 0 also the teacher's (measured once)."""
     if not ctx.val_samples:
         return {}
-    _refit_if_stale(ctx)
+    refit_if_stale(ctx)
     metrics = _evaluate(ctx, ctx.generation, ctx.step)
     if ctx.step == 0 and ctx.teacher_accuracy is not None:
         metrics["validation/teacher_accuracy"] = ctx.teacher_accuracy
@@ -284,16 +280,9 @@ def weak_teacher_warning(teacher: float, student: float) -> Optional[str]:
 def measure_teacher_accuracy(ctx: DistillContext) -> Optional[float]:
     """The teacher's validation accuracy, with the students' protocol, by a generation engine
     started on the teacher's bundles for this once (then shut down)."""
-    from posttrain.models.generation.interface import Generation
-
     if not ctx.val_samples:
         return None
-    cfg, t = ctx.cfg, ctx.cfg.teacher
-    engine = Generation(
-        ctx.teacher_cluster, cfg.policy.generation, t.model_name, tokenizer_name=t.tokenizer_name,
-        tiny_arch=t.tiny_arch, precision=t.precision, name="teacher_generation",
-        worker_timeout_s=cfg.cluster.worker_timeout_s,
-    )
+    engine = make_generation(ctx.cfg, ctx.teacher_cluster, model=ctx.cfg.teacher, name="teacher_generation")
     try:
         metrics = _evaluate(ctx, engine, 0, show_samples=False)
         return metrics[find_accuracy(metrics)]

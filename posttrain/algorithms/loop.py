@@ -103,6 +103,11 @@ class TrainingLoop:
         self.state = dict(info.get("state", {}))
         self.logger.truncate_after(self.step)
         print(f"[posttrain] resumed from {latest} (step {self.step})", flush=True)
+        from posttrain.models.policy.checkpoint import has_optimizer_state
+
+        if not has_optimizer_state(latest / "policy"):
+            print("[posttrain] the checkpoint has no optimizer state (saved with checkpointing.save_optimizer=false): "
+                  "the optimizer starts afresh, the learning-rate schedule goes on", flush=True)
         return True
 
     def done_message(self) -> Optional[str]:
@@ -217,11 +222,12 @@ class TrainingLoop:
         self.logger.log_samples(samples, self.step)
 
     def save(self) -> Path:
-        """Write `step_N/` atomically: policy (weights, optimizer, RNG), loader position (and the
+        """Write `step_N/` atomically: policy (weights, optimizer unless
+        `checkpointing.save_optimizer=false`, RNG), loader position (and the
         files of `checkpoint_extras`), validation history and `state`; ranked for `keep_top_k` by the most recent validation."""
         ranking = self.history[-1][1] if self.history else {}
         tmp = self.checkpointer.begin(self.step)
-        self.policy.save_checkpoint(tmp / "policy")
+        self.policy.save_checkpoint(tmp / "policy", save_optimizer=self.cfg.checkpointing.save_optimizer)
         loader_state, files = self.checkpoint_extras()
         (tmp / LOADER_STATE_FILE).write_text(json.dumps(loader_state))
         for name, obj in files.items():

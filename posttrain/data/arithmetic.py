@@ -9,11 +9,8 @@ decimal, negative for some subtractions.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 # operation name -> (symbol written in the prompt, exact result)
 OPERATIONS: dict[str, tuple[str, Callable[[int, int], int]]] = {
@@ -82,13 +79,3 @@ def generate_arithmetic(
         # problem for a pretrained model: "What is {a} {op} {b}?".
         records.append({"prompt": f"{a}{symbol}{b}=", "answer": str(fn(a, b)), "a": a, "b": b, "op": symbol})
     return records[:n_train], records[n_train:]
-
-
-def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> Path:
-    """Write one JSON object per line (parent directories are created); returns the path."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    return out

@@ -89,7 +89,7 @@ def chat_turn_ids(tokenizer, message: dict, generated_ids: Sequence[int]) -> tup
         text = _after_assistant(tokenizer, {"role": "user",
                                             "content": f"<tool_response>\n{message['content']}\n</tool_response>"})
     # What the template writes to close an assistant turn, to skip the part generation produced.
-    closing_text = _after_assistant_closing(tokenizer)
+    closing_text = after_assistant_closing(tokenizer)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     closing = tokenizer(closing_text, add_special_tokens=False)["input_ids"] if closing_text else []
     generated = list(generated_ids)
@@ -102,7 +102,8 @@ def chat_turn_ids(tokenizer, message: dict, generated_ids: Sequence[int]) -> tup
     return tokenizer.decode(ids), ids
 
 
-def _after_assistant_closing(tokenizer) -> str:
+def after_assistant_closing(tokenizer) -> str:
+    """The text the chat template puts after an assistant turn's content (its closing tokens)."""
     convo = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
     full = tokenizer.apply_chat_template(convo, tokenize=False)
     return full[full.rindex(_MARK) + len(_MARK):]

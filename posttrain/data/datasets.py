@@ -33,15 +33,12 @@ from typing import Any, Callable, Literal, Optional, Sequence
 
 from posttrain.config.schema import DataConfig
 from posttrain.data.arithmetic import generate_arithmetic
-from posttrain.errors import UserError
+from posttrain.data.prompt_template import format_prompt
+from posttrain.errors import DataError
 
 Split = Literal["train", "validation"]
 # Makes the rows of data.dataset=env: (data section, split) -> (rows, where each comes from).
 EnvRows = Callable[[DataConfig, Split], tuple[list[dict], list[str]]]
-
-
-class DataError(UserError):
-    """Bad data: the message names the file (or data set) and the line or row."""
 
 
 def load_jsonl(path: str | os.PathLike, required_keys: Sequence[str] = ()) -> list[dict]:
@@ -122,17 +119,6 @@ def read_source_rows(data_cfg: DataConfig, split: Split) -> tuple[list[dict], li
     if split == "train" and not rows:
         raise DataError(f"{source}: the training data (data.train_path) has no records")
     return rows, locations
-
-
-def format_prompt(data_cfg: DataConfig, fields: dict, at: str) -> str:
-    """`data.prompt_template` filled with `fields`; a failure is a `DataError` naming `at` (where the row is from)."""
-    try:
-        return data_cfg.prompt_template.format(**fields)
-    except (KeyError, IndexError, ValueError) as e:
-        raise DataError(
-            f"{at}: data.prompt_template {data_cfg.prompt_template!r} failed: {type(e).__name__}: {e} "
-            f"(fields available: {sorted(fields)})"
-        ) from None
 
 
 def nemo_gym_task(row: dict) -> Optional[str]:

@@ -31,7 +31,8 @@ from transformers import PreTrainedTokenizerBase
 
 from posttrain.config.schema import DataConfig
 from posttrain.data.arithmetic import generate_arithmetic
-from posttrain.data.datasets import DataError, Split, format_prompt, read_source_rows
+from posttrain.data.datasets import DataError, Split, read_source_rows
+from posttrain.data.prompt_template import format_prompt
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.data.processors import build_sft_example
 from posttrain.distributed.batch import Batch

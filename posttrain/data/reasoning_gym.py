@@ -15,6 +15,7 @@ import difflib
 from typing import Optional
 
 from posttrain.config.schema import DataConfig
+from posttrain.data.prompt_template import format_prompt
 from posttrain.errors import UserError
 
 
@@ -67,8 +68,6 @@ def load_reasoning_gym(data_cfg: DataConfig, split: str, env_name: Optional[str]
     """Records of every task in `data.reasoning_gym`: `{"prompt", "answer", "task_name": <task>,
     "env_name": env_name or "reasoning_gym", "reasoning_gym": {task, config, seed, size, index},
     "source": <task>, "source_weight": <task weight>}`."""
-    from posttrain.data.datasets import format_prompt
-
     records = []
     for t, task in enumerate(data_cfg.reasoning_gym):
         key = f"data.reasoning_gym[{t}]"

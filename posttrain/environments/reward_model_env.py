@@ -54,9 +54,9 @@ def end_of_assistant_turn(tokenizer) -> str:
     """What the chat template writes after an assistant message's content (e.g. `<|end|>`), or
     the eos token without a template."""
     if getattr(tokenizer, "chat_template", None):
-        from posttrain.data.chat import _after_assistant_closing
+        from posttrain.data.chat import after_assistant_closing
 
-        return _after_assistant_closing(tokenizer)
+        return after_assistant_closing(tokenizer)
     return tokenizer.eos_token or ""
 
 

@@ -212,22 +212,6 @@ def load_packed(model: torch.nn.Module, buffers: Sequence[np.ndarray], metadata:
         torch.cuda.synchronize()
 
 
-def verify_equal(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Raise AssertionError naming every tensor of `state_dict` that differs from the model's.
-
-    Compared bit for bit after casting the reference to the model's dtype.
-    """
-    own = model.state_dict()
-    bad = []
-    for name, reference in state_dict.items():
-        if name not in own:
-            bad.append(f"{name} (missing in model)")
-        elif not torch.equal(own[name].detach().cpu(), reference.detach().cpu().to(own[name].dtype)):
-            bad.append(name)
-    if bad:
-        raise AssertionError(f"refit verification failed: {len(bad)} tensors differ, e.g. {bad[:5]}")
-
-
 def state_dict_checksum(
     state_dict: Mapping[str, torch.Tensor], dtypes: Optional[Mapping[str, torch.dtype] | torch.dtype] = None
 ) -> str:

@@ -43,12 +43,12 @@ def faulty(name: str) -> str:
 
 def run_async(cfg) -> tuple[float, BaseException | None]:
     """Run GRPO to the end or to its error; (seconds, error)."""
-    from posttrain.algorithms import grpo
+    from posttrain.algorithms import async_grpo, grpo
 
     ctx = grpo.setup(cfg)
     t0 = time.monotonic()
     try:
-        grpo.grpo_train(ctx)
+        async_grpo.async_grpo_train(ctx)
         return time.monotonic() - t0, None
     except Exception as e:  # noqa: BLE001 - the tests assert on it
         return time.monotonic() - t0, e
@@ -129,7 +129,7 @@ def test_a_failing_environment_stops_the_run_with_its_reason(ray_cluster, tmp_pa
 def test_a_killed_environment_or_generation_worker_stops_the_run(ray_cluster, tmp_path):
     import ray
 
-    from posttrain.algorithms import grpo
+    from posttrain.algorithms import async_grpo, grpo
 
     for victim in ("environment", "generation worker"):
         ctx = grpo.setup(async_cfg(tmp_path / victim.replace(" ", "_"), "grpo.max_num_steps=200"))
@@ -145,7 +145,7 @@ def test_a_killed_environment_or_generation_worker_stops_the_run(ray_cluster, tm
         ctx.loop.logger.log_metrics = log_then_kill
         try:
             with pytest.raises(Exception) as caught:
-                grpo.grpo_train(ctx)
+                async_grpo.async_grpo_train(ctx)
         finally:
             ctx.shutdown()
         message = str(caught.value)

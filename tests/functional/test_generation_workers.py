@@ -16,10 +16,11 @@ GEN_CONFIG = {"max_new_tokens": 8, "temperature": 1.0, "batch_size": 2, "colocat
 @pytest.fixture(scope="module")
 def generation(ray_cluster):
     from posttrain.distributed.cluster import VirtualCluster
-    from posttrain.models.generation.interface import Generation
+    from posttrain.models.generation.interface import GenerationSpec
+    from posttrain.models.generation.native import NativeGeneration
 
     cluster = VirtualCluster([2], cpus_per_bundle=1.0, name="gen-test")
-    generation = Generation(cluster, GEN_CONFIG, "tiny", precision="float32")
+    generation = NativeGeneration(cluster, GenerationSpec("tiny", GEN_CONFIG, precision="float32"))
     yield generation
     generation.shutdown()
     cluster.shutdown()
@@ -105,3 +106,34 @@ def test_packed_refit_updates_every_worker(generation):
     out = generation.generate(batch, greedy=True)
     reference = engine.generate(batch["input_ids"], batch["input_lengths"], max_new_tokens=8, greedy=True)
     assert_same_generation(out, reference)
+
+
+def test_a_users_backend_from_a_file_is_picked_by_config_and_generates(tmp_path):
+    """`policy.generation.backend: file.py:Class` builds the user's class from the run's
+    `GenerationSpec` and GRPO generates with it (the local backend: one process, no Ray)."""
+    from pathlib import Path
+
+    from test_grpo import read_metrics, small_cfg
+
+    from posttrain.algorithms import grpo
+    from posttrain.errors import UserError
+    from posttrain.preflight import check_components
+
+    plugin = Path(__file__).with_name("plugin_generation.py")
+    cfg = small_cfg(tmp_path, f"policy.generation.backend={plugin}:RecordingGeneration", "cluster.backend=local",
+                    "grpo.max_num_steps=1")
+    check_components(cfg)
+    ctx = grpo.setup(cfg)
+    try:
+        assert type(ctx.generation).__name__ == "RecordingGeneration"
+        assert ctx.generation.spec.model_name == "tiny" and ctx.generation.spec.max_model_len == 32
+        grpo.grpo_train(ctx)
+        requests = ctx.generation.requests
+    finally:
+        ctx.shutdown()
+    assert requests == [(16, False)]  # one step: 4 prompts x 4 generations, sampled
+    assert "train/reward" in read_metrics(tmp_path / "logs")[1]
+
+    wrong = small_cfg(tmp_path / "wrong", f"policy.generation.backend={plugin}:NotABackend")
+    with pytest.raises(UserError, match="policy.generation.backend: .*NotABackend' is not a GenerationInterface subclass"):
+        check_components(wrong)

@@ -10,7 +10,8 @@ from posttrain.algorithms.loss import NLLLoss
 from posttrain.config.schema import PolicyConfig
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.cluster import VirtualCluster
-from posttrain.models.generation.interface import Generation
+from posttrain.models.generation.interface import GenerationSpec
+from posttrain.models.generation.native import NativeGeneration
 from posttrain.models.hf import load_causal_lm
 from posttrain.models.policy.checkpoint import convert_to_hf
 from posttrain.models.policy.policy import Policy
@@ -95,7 +96,7 @@ def test_lora_trains_adapters_only_and_exports_the_merged_model(cluster, tmp_pat
         assert [name for name, _, _ in one.refit_info()] == list(after)
 
         # Refit sends the merged weights to a plain (non-LoRA) generation engine.
-        generation = Generation(cluster, {"max_new_tokens": 4}, "tiny", name="lora-gen")
+        generation = NativeGeneration(cluster, GenerationSpec("tiny", {"max_new_tokens": 4}), name="lora-gen")
         try:
             metadata = build_refit_metadata(one.refit_info(), dtypes=generation.weight_dtypes())
             generation.prepare_refit_info(metadata)

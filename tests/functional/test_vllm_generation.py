@@ -69,10 +69,11 @@ def generated_mask(out: Batch, prompt_lengths: torch.Tensor) -> torch.Tensor:
 def split_generation(ray_cluster, vllm_python):
     """One vLLM engine on a cluster of its own (split placement)."""
     from posttrain.distributed.cluster import VirtualCluster
+    from posttrain.models.generation.interface import GenerationSpec
     from posttrain.models.generation.vllm_generation import VllmGeneration
 
     cluster = VirtualCluster([1], cpus_per_bundle=1.0, name="vllm-split")
-    generation = VllmGeneration(cluster, GEN_CONFIG, "tiny", precision="float32", max_model_len=64)
+    generation = VllmGeneration(cluster, GenerationSpec("tiny", GEN_CONFIG, precision="float32", max_model_len=64))
     yield generation
     generation.shutdown()
     cluster.shutdown()

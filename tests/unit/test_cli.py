@@ -60,6 +60,24 @@ def test_job_gets_the_validated_config(monkeypatch):
     assert received == [load_config("dpo", overrides=["dpo.max_num_steps=3"])]
 
 
+def test_async_grpo_is_run_by_its_own_module():
+    """The CLI picks the loop (grpo does not import async_grpo, which builds on it), and each
+    module's entry point refuses the other's config instead of training the wrong way."""
+    from posttrain.algorithms import async_grpo, grpo
+
+    sync = load_config("grpo")
+    asynchronous = load_config("grpo", overrides=[
+        "grpo.async_grpo.enabled=true", "loss_fn.use_importance_sampling_correction=true",
+        "policy.generation.colocated.enabled=false",
+    ])
+    assert cli.job_target("grpo", sync) == ("posttrain.algorithms.grpo", "run")
+    assert cli.job_target("grpo", asynchronous) == ("posttrain.algorithms.async_grpo", "run")
+    with pytest.raises(ValueError, match="async_grpo.run needs grpo.async_grpo.enabled=true"):
+        async_grpo.run(sync)
+    with pytest.raises(ValueError, match="grpo.async_grpo.enabled=true: train with posttrain.algorithms.async_grpo"):
+        grpo.grpo_train(types.SimpleNamespace(cfg=asynchronous))
+
+
 def test_missing_target_module_is_one_line(monkeypatch, capsys):
     monkeypatch.setitem(cli.JOBS, "rm", ("posttrain.algorithms.no_such_module", "run"))
     assert cli.main(["rm"]) == 1

@@ -334,7 +334,7 @@ def test_unbuilt_features_are_refused_not_ignored():
     with pytest.raises(ConfigError, match=r"LoRA is supported for language models, not reward models"):
         load_config("rm", overrides=["policy.lora.enabled=true"])
     assert load_config("grpo", overrides=["policy.lora.enabled=true"]).policy.lora.enabled
-    with pytest.raises(ConfigError, match=r"policy.generation.backend' expects one of 'native' or 'vllm', got 'vlm'"):
+    with pytest.raises(ConfigError, match=r"policy.generation.backend': 'vlm' is not a generation backend: one of 'native', 'vllm'"):
         load_config("grpo", overrides=["policy.generation.backend=vlm"])
 
 

@@ -3,17 +3,31 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import warnings
+from pathlib import Path
+from typing import Iterable
 
 import pytest
 
 from posttrain.config.schema import DataConfig
-from posttrain.data.arithmetic import generate_arithmetic, write_jsonl
+from posttrain.data.arithmetic import generate_arithmetic
 from posttrain.data.datasets import DataError, load_jsonl, load_records
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.data.processors import PROCESSORS, build_prompt_message_log, build_sft_example
 from posttrain.models.tiny import build_tokenizer
+
+
+def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> Path:
+    """Write one JSON object per line (parent directories are created); returns the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return out
+
 
 PROBLEM = re.compile(r"^(\d+)([+*-])(\d+)=$")
 

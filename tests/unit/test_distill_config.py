@@ -89,7 +89,7 @@ def test_a_teacher_below_its_student_is_warned_about(monkeypatch, capsys):
 
     from posttrain.algorithms import distill
 
-    monkeypatch.setattr(distill, "_refit_if_stale", lambda ctx: None)
+    monkeypatch.setattr(distill, "refit_if_stale", lambda ctx: None)
     monkeypatch.setattr(distill, "_evaluate", lambda ctx, generation, version: {"validation/accuracy_greedy": 0.438})
     ctx = SimpleNamespace(val_samples=[object()], step=0, generation=None, teacher_accuracy=0.012)
     metrics = distill._validate(ctx)

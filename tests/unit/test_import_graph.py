@@ -1,12 +1,22 @@
-"""Imports run one way: no part of posttrain imports a part that imports it back.
+"""Imports run one way: no part of posttrain imports a part that imports it back, no file
+imports a file that imports it back, and no private name crosses files.
 
-A part is a subpackage (`posttrain.models`) or a top-level module (`posttrain.rollouts`); every
-import counts, including the lazy ones inside functions (they are dependencies all the same).
+A part is a subpackage (`posttrain.models`) or a top-level module (`posttrain.rollouts`); a file
+is one module (`posttrain.data.datasets`; a package's `__init__.py` is the package's module).
+Every import counts, including the lazy ones inside functions: importing inside a function is how
+posttrain keeps torch, transformers and Ray out of `posttrain --help` and config errors, and it
+defers the cost of a dependency, but it is a dependency all the same (two files that reach into
+each other, lazily or not, are one piece of code cut in two). A lazy import that only avoids a
+heavy library never closes a circle, so the rule costs nothing there. Loading a module by name at
+run time (`importlib.import_module` in the registries, which load the built-in plug-ins that
+register themselves on first lookup) is not an import here: a registry does not depend on what
+registers in it.
 """
 
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 import posttrain
@@ -15,7 +25,7 @@ ROOT = Path(posttrain.__file__).parent
 
 # The intended layering, lowest first: a part may import only parts listed before it.
 LAYERS = [
-    "errors", "config", "utils", "distributed", "data", "environments", "models", "judges", "rollouts", "job",
+    "version", "errors", "config", "utils", "distributed", "data", "environments", "models", "judges", "rollouts", "job",
     "evals", "algorithms", "preflight", "cli", "api", "__main__", "__init__",
 ]
 
@@ -81,3 +91,117 @@ def test_no_cycles_between_parts():
 
     cycles = sorted({tuple(sorted((a, b))) for a, targets in graph.items() for b in targets if reaches(b, a)})
     assert not cycles, f"parts importing each other: {cycles}"
+
+
+# ------------------------------------------------------------------------------------- files
+# Private names that still cross files, each with the change that removes it.
+PRIVATE_IMPORTS_PENDING = {
+    # `loss.py` is being split into one metric contract (issue 27, item 3); `_loss_mask` becomes
+    # public there.
+    ("posttrain.algorithms.distill_loss", "posttrain.algorithms.loss", "_loss_mask"),
+}
+
+
+@cache
+def modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every file of the package (`__init__.py` as the package)."""
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        names = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if names[-1] == "__init__":
+            names.pop()
+        found[".".join(names)] = path
+    return found
+
+
+def imports_of(path: Path):
+    """`(line, imported module, imported names)` of every absolute import of posttrain in a file,
+    wherever it stands (module level, function, `if TYPE_CHECKING`)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("posttrain"):
+                    yield node.lineno, alias.name, []
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("posttrain"):
+            yield node.lineno, node.module, [alias.name for alias in node.names]
+
+
+def module_graph() -> dict[str, dict[str, list[int]]]:
+    """module -> module it imports -> the lines that import it. `from package import name` counts
+    as importing the submodule `package.name` when there is one, else the package."""
+    known = modules()
+    graph: dict[str, dict[str, list[int]]] = {}
+    for module, path in known.items():
+        targets = graph.setdefault(module, {})
+        for line, imported, names in imports_of(path):
+            submodules = [f"{imported}.{name}" for name in names if f"{imported}.{name}" in known]
+            for target in submodules or [imported]:
+                while target not in known:  # `import posttrain.x.y` of a name inside a module
+                    target = target.rpartition(".")[0]
+                if target != module:
+                    targets.setdefault(target, []).append(line)
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, list[int]]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph.get(node, {}):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_cycles_finds_a_circle_of_three_and_ignores_a_diamond():
+    graph = {"a": {"b": [1]}, "b": {"c": [1]}, "c": {"a": [1]}, "d": {"e": [1], "f": [1]}, "e": {"g": [1]},
+             "f": {"g": [1]}, "g": {}}
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_cycles_between_files():
+    graph = module_graph()
+    problems = []
+    for component in cycles(graph):
+        edges = [f"{a} imports {b} (line {', '.join(map(str, graph[a][b]))})"
+                 for a in component for b in component if b in graph[a]]
+        problems.append("; ".join(edges))
+    assert not problems, "files importing each other (directly or through others):\n" + "\n".join(problems)
+
+
+def test_no_private_name_crosses_files():
+    """A name with a leading underscore is its file's own: a helper that another file needs is
+    public, in the file both can import."""
+    known = modules()
+    crossing = set()
+    for module, path in known.items():
+        for line, imported, names in imports_of(path):
+            for name in names:
+                if name.startswith("_") and not name.startswith("__") and imported != module:
+                    crossing.add((module, imported, name, line))
+    unexpected = sorted(c for c in crossing if c[:3] not in PRIVATE_IMPORTS_PENDING)
+    assert not unexpected, "\n".join(f"{m}:{line} imports {name} from {src}" for m, src, name, line in unexpected)
+    stale = PRIVATE_IMPORTS_PENDING - {c[:3] for c in crossing}
+    assert not stale, f"no longer imported: remove {sorted(stale)} from PRIVATE_IMPORTS_PENDING"

@@ -151,3 +151,56 @@ def test_a_missing_module_suggests_its_file_path(tmp_path, monkeypatch):
     with pytest.raises(ImportPathError) as info:
         import_object("their_task:ParityEnv")
     assert "give its path: 'path/to/their_task.py:ParityEnv'" in str(info.value)
+
+
+def test_generation_backends_are_registered_and_named_by_config(plugin_dir):
+    from posttrain.config.schema.policy import BUILTIN_GENERATION_BACKENDS
+    from posttrain.models.generation.backends import GENERATION_BACKENDS, generation_backend_class
+    from posttrain.models.generation.interface import GenerationInterface
+    from posttrain.models.generation.native import NativeGeneration
+    from posttrain.models.generation.vllm_generation import VllmGeneration
+
+    assert generation_backend_class("native") is NativeGeneration
+    assert generation_backend_class("vllm") is VllmGeneration
+    # The names the schema accepts are exactly the registered built-ins.
+    assert set(BUILTIN_GENERATION_BACKENDS) == set(GENERATION_BACKENDS) == {"native", "vllm"}
+    (plugin_dir / "user_backend.py").write_text(
+        "from posttrain.models.generation.native import NativeGeneration\n"
+        "class MyGeneration(NativeGeneration):\n    pass\n"
+    )
+    try:
+        cls = generation_backend_class("user_backend:MyGeneration")
+        assert cls.__name__ == "MyGeneration" and issubclass(cls, GenerationInterface)
+        cfg = load_config("grpo", overrides=["policy.generation.backend=user_backend:MyGeneration"])
+        check_components(cfg)  # the import path resolves to a GenerationInterface
+    finally:
+        sys.modules.pop("user_backend", None)
+    with pytest.raises(TypeError, match="'user_plugin:MyLoss' is not a GenerationInterface subclass"):
+        generation_backend_class("user_plugin:MyLoss")
+
+
+def test_an_unknown_generation_backend_fails_at_config_load():
+    with pytest.raises(ConfigError, match=r"policy.generation.backend.*'vlm' is not a generation backend: one of "
+                                          r"'native', 'vllm', or a class of your own as 'module:Class'"):
+        load_config("grpo", overrides=["policy.generation.backend=vlm"])
+    with pytest.raises(ConfigError, match=r"policy.generation.backend='a:b:c' is not a registered name"):
+        load_config("grpo", overrides=["policy.generation.backend=a:b:c"])
+    cfg = load_config("grpo", overrides=["policy.generation.backend=nope:Missing"])
+    with pytest.raises(UserError, match="policy.generation.backend: 'nope:Missing': no module named 'nope'"):
+        check_components(cfg)
+
+
+def test_generation_spec_of_a_job():
+    """One spec carries what every backend's controller and workers are built from."""
+    from posttrain.models.generation.interface import GenerationSpec
+
+    cfg = load_config("distill", overrides=["policy.max_total_sequence_length=48", "cluster.worker_timeout_s=60",
+                                            "policy.generation.max_new_tokens=5"])
+    spec = GenerationSpec.from_config(cfg, seed=3)
+    assert (spec.model_name, spec.tokenizer_name, spec.max_model_len, spec.seed, spec.worker_timeout_s) == (
+        cfg.policy.model_name, cfg.policy.tokenizer_name, 48, 3, 60.0)
+    assert spec.config.max_new_tokens == 5 and spec.generation["max_new_tokens"] == 5
+    teacher = GenerationSpec.from_config(cfg, model=cfg.teacher)
+    assert (teacher.model_name, teacher.precision) == (cfg.teacher.model_name, cfg.teacher.precision)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        GenerationSpec("tiny", {"max_new_tokens": 0})

@@ -1,3 +1,5 @@
+from typing import Mapping
+
 import numpy as np
 import pytest
 import torch
@@ -11,8 +13,23 @@ from posttrain.models.refit import (
     refit_metadata_from_state_dict,
     state_dict_checksum,
     unpack,
-    verify_equal,
 )
+
+
+def verify_equal(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Raise AssertionError naming every tensor of `state_dict` that differs from the model's.
+
+    Compared bit for bit after casting the reference to the model's dtype.
+    """
+    own = model.state_dict()
+    bad = []
+    for name, reference in state_dict.items():
+        if name not in own:
+            bad.append(f"{name} (missing in model)")
+        elif not torch.equal(own[name].detach().cpu(), reference.detach().cpu().to(own[name].dtype)):
+            bad.append(name)
+    if bad:
+        raise AssertionError(f"refit verification failed: {len(bad)} tensors differ, e.g. {bad[:5]}")
 
 
 def mixed_state_dict() -> dict[str, torch.Tensor]:

@@ -211,7 +211,7 @@ class _SteppingLoader(_Loader):
 
 
 class _SavingPolicy(_Policy):
-    def save_checkpoint(self, path):
+    def save_checkpoint(self, path, save_optimizer=True):
         path.mkdir(parents=True)
 
 

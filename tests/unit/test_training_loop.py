@@ -33,12 +33,17 @@ class FakeLoader:
 
 
 class FakePolicy:
+    """Saves its weights, and an optimizer directory as `PolicyWorker.save_checkpoint` does."""
+
     def __init__(self):
         self.weights = 0
 
-    def save_checkpoint(self, path):
+    def save_checkpoint(self, path, save_optimizer=True):
         path.mkdir(parents=True)
         (path / "weights.json").write_text(json.dumps(self.weights))
+        if save_optimizer:
+            (path / "optim").mkdir()
+            (path / "optim" / ".metadata").write_text("")
 
     def load_checkpoint(self, path):
         self.weights = json.loads((path / "weights.json").read_text())
@@ -137,6 +142,25 @@ def test_resumed_at_the_last_step_trains_nothing(tmp_path, capsys):
     loop.close()
     loop = make_loop(cfg, FakePolicy(), FakeLoader())
     assert loop.resume() and "this run is complete" in loop.done_message()
+
+
+def test_save_optimizer_false_checkpoints_without_optimizer_state(tmp_path, capsys):
+    """`checkpointing.save_optimizer` reaches the policy's save (it was never read before), and a
+    resume from such a checkpoint says its optimizer starts afresh."""
+    for save_optimizer in ("true", "false"):
+        cfg = cfg_for(tmp_path / save_optimizer, "sft.max_num_steps=2", "sft.val_at_start=false",
+                      f"checkpointing.save_optimizer={save_optimizer}")
+        loop = make_loop(cfg, FakePolicy(), FakeLoader())
+        loop.run(lambda step, timer: {}, dict)
+        loop.close()
+        policy_dir = tmp_path / save_optimizer / "ckpt" / "step_2" / "policy"
+        assert (policy_dir / "optim").exists() == (save_optimizer == "true")
+        capsys.readouterr()
+        resumed = make_loop(cfg, FakePolicy(), FakeLoader())
+        assert resumed.resume()
+        resumed.close()
+        notice = "the checkpoint has no optimizer state (saved with checkpointing.save_optimizer=false)"
+        assert (notice in capsys.readouterr().out) == (save_optimizer == "false")
 
 
 def test_summary_of_a_reward_that_is_not_a_fraction(tmp_path):

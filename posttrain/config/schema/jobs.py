@@ -140,7 +140,7 @@ def local_backend_problem(cfg: MasterConfig) -> Optional[str]:
         (policy.num_workers > 1, f"policy.num_workers={policy.num_workers}: a local worker group has one worker"),
         (not gen.colocated.enabled and (gen.colocated.num_workers or 1) > 1,
          f"policy.generation.colocated.num_workers={gen.colocated.num_workers}: a local worker group has one worker"),
-        (gen.backend != "native", f"policy.generation.backend={gen.backend!r} runs in its own Python environment"),
+        (gen.backend == "vllm", "policy.generation.backend='vllm' runs in its own Python environment"),
         # Generation and training would share (and fight over) this process's one pool of math threads.
         (async_grpo is not None and async_grpo.enabled, "grpo.async_grpo.enabled overlaps generation and training"),
         (teacher is not None and teacher.num_workers > 1,

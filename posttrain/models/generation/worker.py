@@ -1,6 +1,6 @@
 """`GenerationWorker`: a Ray actor holding a model and a `NativeGenerationEngine`.
 
-Created through `WorkerGroup` by the controller-side `Generation` (interface.py). Each worker
+Created through `WorkerGroup` by the controller-side `NativeGeneration` (native.py). Each worker
 generates for its data-parallel shard and receives packed refits (`posttrain.models.refit`).
 """
 
@@ -11,11 +11,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from posttrain.config.schema import GenerationConfig
 from posttrain.distributed import actors
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
 from posttrain.models.generation.engine import NativeGenerationEngine
+from posttrain.models.generation.interface import GenerationSpec
 from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype
 from posttrain.models.refit import RefitMetadata, check_metadata_matches, load_packed, state_dict_checksum
 
@@ -34,31 +34,18 @@ class GenerationWorker(DistributedWorker):
     """One data-parallel generation replica.
 
     Args:
-        model_name: `policy.model_name` (preset, local directory or hub id).
-        generation_config: `policy.generation` as a dict (validated into `GenerationConfig`).
-        tokenizer_name: default None: `model_name`.
-        tiny_arch: arch of a built-in preset (default "llama").
-        precision: `policy.precision` (default "auto": bfloat16 on a capable GPU, else float32).
-        seed: base of the torch RNG (default 0); rank r uses `seed + r`. Only used for rows that
-            arrive without a `seeds` entry.
+        spec: the model to load, `policy.generation` settings and `seed` (`GenerationSpec`); the
+            torch RNG of rank r is seeded with `spec.seed + r`, used only by rows that arrive
+            without a `seeds` entry.
     """
 
-    def __init__(
-        self,
-        model_name: str,
-        generation_config: dict[str, Any],
-        *,
-        tokenizer_name: Optional[str] = None,
-        tiny_arch: str = "llama",
-        precision: str = "auto",
-        seed: int = 0,
-    ) -> None:
+    def __init__(self, spec: GenerationSpec) -> None:
         super().__init__()
-        torch.manual_seed(seed + self.rank)
-        self.config = GenerationConfig(**generation_config)
-        self.tokenizer = load_tokenizer(tokenizer_name or model_name, tiny_arch)
-        dtype = pick_dtype(precision, self.device)
-        self.model = load_causal_lm(model_name, dtype=dtype, device=self.device, tiny_arch=tiny_arch)
+        torch.manual_seed(spec.seed + self.rank)
+        self.config = spec.config
+        self.tokenizer = load_tokenizer(spec.tokenizer_name or spec.model_name, spec.tiny_arch)
+        dtype = pick_dtype(spec.precision, self.device)
+        self.model = load_causal_lm(spec.model_name, dtype=dtype, device=self.device, tiny_arch=spec.tiny_arch)
         self.engine = NativeGenerationEngine(
             self.model, self.tokenizer,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
@@ -125,7 +112,7 @@ class GenerationWorker(DistributedWorker):
         """Copy packed weights into the model; `buffers` are arrays (zero-copy from Ray's object
         store) or refs to them. Records `version` as the held weights version."""
         if self.refit_metadata is None:
-            raise RuntimeError("update_weights before prepare_refit_info: call Generation.prepare_refit_info first")
+            raise RuntimeError("update_weights before prepare_refit_info: call prepare_refit_info first")
         buffers = [actors.get(b) if actors.is_ref(b) else b for b in buffers]
         load_packed(self.model, buffers, self.refit_metadata)
         self.weights_version = version

@@ -114,6 +114,12 @@ def save_sharded(
     return final
 
 
+def has_optimizer_state(path: str | os.PathLike) -> bool:
+    """Whether the policy checkpoint at `path` holds optimizer state (not when saved with
+    `save_optimizer=False`, i.e. `checkpointing.save_optimizer=false`)."""
+    return (Path(path) / OPTIM_DIR / ".metadata").is_file()
+
+
 def check_checkpoint_dir(path: str | os.PathLike) -> Path:
     path = Path(path)
     if not (path / MODEL_DIR / ".metadata").is_file():

@@ -504,7 +504,7 @@ class PolicyWorker(WeightExport, DistributedWorker):
         """Collective: restore what `save_checkpoint` wrote (any number of saving workers)."""
         path = ckpt.check_checkpoint_dir(path)
         self._reshard()
-        has_optim = (path / ckpt.OPTIM_DIR / ".metadata").is_file()
+        has_optim = ckpt.has_optimizer_state(path)
         if load_optimizer and self.optimizer is not None and has_optim:
             model_state, optim_state = get_state_dict(self.model, (self.optimizer,))
             ckpt.load_sharded_into(path, model_state, ckpt.MODEL_DIR)

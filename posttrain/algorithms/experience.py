@@ -1,0 +1,162 @@
+"""GRPO's experience, shared by the synchronous loop (`grpo.py`) and the asynchronous one
+(`async_grpo.py`), and the lazy refit before a rollout that distillation uses too: prompt groups
+rolled out and scored (rewards, shaping, advantages), groups turned into a training batch with
+the step's metrics, and the copy of the policy's weights into the generation workers.
+
+`ctx` is the algorithm's context (`GRPOContext`, `DistillContext`): the functions read its `cfg`,
+`policy`, `generation`, `tokenizer`, `envs`, `refit_metadata`, `step` and `generation_stale`.
+This module imports neither loop, so neither loop imports the other (tests/unit/test_import_graph.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import torch
+
+from posttrain.algorithms import advantages as adv
+from posttrain.algorithms.loop import SIGNAL_METRIC
+from posttrain.data.message_log import flatten_message_logs
+from posttrain.data.sample import Sample
+from posttrain.distributed.batch import Batch
+from posttrain.evals.eval import per_task_means, response_lengths
+from posttrain.models.refit import refit_policy_generation
+from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
+from posttrain.utils.timer import Timer
+
+
+@dataclass
+class PromptGroup:
+    """One prompt's `num_generations_per_prompt` rolled-out samples (each with its reward,
+    advantage and sample mask): the unit that the replay buffer of async GRPO holds and that
+    dynamic sampling keeps or drops."""
+
+    samples: list[Sample]
+    has_signal: bool  # rewards differ within the group (DAPO's dynamic sampling keeps only these)
+    weight_version: int  # policy step of the generation weights the rollout started from
+    timed_out: bool = False  # an environment did not answer before the rollout's deadline
+    rollout_metrics: dict[str, float] = field(default_factory=dict)  # of the rollout batch it came from
+
+    @property
+    def rewards(self) -> torch.Tensor:
+        """[n] environment rewards before shaping (logged as train/reward)."""
+        return torch.tensor([s.reward for s in self.samples])
+
+
+def roll_out_groups(
+    ctx: Any, prompts: list[Sample], seed_key: int, timer: Timer, *, generation: Any = None,
+    weight_version: Optional[int] = None, deadline: Optional[float] = None,
+) -> tuple[list[PromptGroup], dict[str, float]]:
+    """Roll out `num_generations_per_prompt` samples of each prompt and score them: one group per
+    prompt, and the rollout's metrics.
+
+    `seed_key` fixes the samples' seeds (sync GRPO: step x 1000 + generation batch). `generation`
+    defaults to `ctx.generation`; `weight_version` (default `ctx.step`) tags the groups;
+    `deadline` (a `time.monotonic()`) ends environment waits (see `run_multi_turn_rollout`).
+    """
+    cfg, g = ctx.cfg, ctx.cfg.grpo
+    n_gen = g.num_generations_per_prompt
+    version = ctx.step if weight_version is None else weight_version
+    samples = [prompt.fresh_copy() for prompt in prompts for _ in range(n_gen)]
+    group_ids = torch.arange(len(prompts)).repeat_interleave(n_gen)
+
+    t0 = time.perf_counter()
+    result = run_multi_turn_rollout(
+        generation or ctx.generation, samples, ctx.tokenizer, ctx.envs,
+        max_seq_len=cfg.policy.max_total_sequence_length, max_rollout_turns=g.max_rollout_turns,
+        seeds=sample_seeds(g.seed, seed_key, len(samples)), weight_version=version, deadline=deadline,
+        group_size=n_gen,
+    )
+    result.add_timings(timer, time.perf_counter() - t0)
+
+    rewards = result.rewards
+    if cfg.reward_shaping.enabled:  # DAPO overlong penalty
+        rs = cfg.reward_shaping
+        rewards = adv.apply_overlong_penalty(
+            rewards, response_lengths(samples),
+            max_response_length=rs.max_response_length or cfg.policy.generation.max_new_tokens,
+            buffer_length=rs.overlong_buffer_length, penalty=rs.overlong_buffer_penalty,
+        )
+    sample_mask = torch.tensor([s.loss_multiplier for s in samples])
+    if g.overlong_filtering:
+        sample_mask = sample_mask * (~result.overlong).float()
+    advantages = adv.compute_advantages(
+        g.adv_estimator.name, rewards, group_ids, sample_mask, **advantage_options(g),
+    )
+    # DAPO: a group whose (unshaped) rewards all agree teaches nothing.
+    signal = adv.filter_zero_variance_groups(result.rewards, group_ids, num_groups=len(prompts))
+    for sample, advantage, mask in zip(samples, advantages.tolist(), sample_mask.tolist()):
+        sample.advantage, sample.sample_mask = advantage, mask
+    groups = [
+        PromptGroup(samples[p * n_gen:(p + 1) * n_gen], bool(signal[p]), version,
+                    bool(result.timed_out[p * n_gen:(p + 1) * n_gen].any()))
+        for p in range(len(prompts))
+    ]
+    return groups, result.metrics
+
+
+def advantage_options(g) -> dict[str, Any]:
+    """Keyword options of the configured estimator: the `grpo.*` keys of the built-in one, plus
+    `grpo.adv_estimator.kwargs`."""
+    options: dict[str, Any] = {}
+    if g.adv_estimator.name == "grpo":
+        options = dict(normalize_rewards=g.normalize_rewards, leave_one_out=g.use_leave_one_out_baseline,
+                       group_std=g.group_std)
+    return {**options, **g.adv_estimator.kwargs}
+
+
+def training_batch(
+    ctx: Any, kept: list[PromptGroup], generated: list[PromptGroup], rollout_metrics: list[dict[str, float]],
+) -> tuple[Batch, dict[str, float]]:
+    """The training batch of the `kept` groups (advantages broadcast to tokens, sample masks) and
+    the step's metrics over every `generated` group (`rollout_metrics`: one dict per rollout)."""
+    rows = [sample for group in kept for sample in group.samples]
+    if not rows:  # every group was filtered: train on a fully masked batch rather than crash
+        rows = [replace(sample, advantage=0.0, sample_mask=0.0) for sample in generated[-1].samples]
+    while len(rows) % ctx.cfg.policy.train_global_batch_size:  # whole optimizer steps (a short dynamic-sampling batch)
+        rows.append(replace(rows[-1], advantage=0.0, sample_mask=0.0))
+
+    seq_adv = torch.tensor([s.advantage for s in rows], dtype=torch.float32)
+    train_data = flatten_message_logs([s.message_log for s in rows], pad_token_id=ctx.tokenizer.pad_token_id)
+    train_data["sample_mask"] = torch.tensor([s.sample_mask for s in rows], dtype=torch.float32)
+    train_data["advantages"] = adv.broadcast_to_tokens(seq_adv, train_data["token_mask"])
+
+    valid = train_data["sample_mask"] > 0
+    stats = seq_adv[valid] if valid.any() else torch.zeros(1)
+    all_rewards = torch.cat([group.rewards for group in generated])
+    metrics = {
+        "train/reward": all_rewards.mean().item(),
+        **per_task_means(all_rewards, [s.task_name for group in generated for s in group.samples], "train/reward",
+                         list(ctx.envs)),
+        SIGNAL_METRIC: sum(group.has_signal for group in generated) / max(len(generated), 1),
+        "train/advantages/mean": stats.mean().item(),
+        "train/advantages/max": stats.max().item(),
+        "train/advantages/min": stats.min().item(),
+        "train/num_samples": float(train_data.size),
+        "train/mean_prompt_length": sum(s.prompt_length for s in rows) / len(rows),
+    }
+    for key in {key for m in rollout_metrics for key in m}:  # environments' counts may differ per rollout
+        metrics[f"train/{key}"] = sum(m.get(key, 0.0) for m in rollout_metrics) / len(rollout_metrics)
+    return train_data, metrics
+
+
+def refit_if_stale(ctx: Any, timer: Optional[Timer] = None) -> None:
+    """Copy policy weights into the generation workers, lazily (only when they are stale)."""
+    if not ctx.generation_stale:
+        if timer is not None:
+            timer.add("refit", 0.0)  # always reported, so step-time breakdowns line up
+        return
+    t0 = time.perf_counter()
+    refit_generation(ctx, ctx.step)
+    if timer is not None:
+        timer.add("refit", time.perf_counter() - t0)
+
+
+def refit_generation(ctx: Any, version: int) -> None:
+    """Copy the policy's weights (policy step `version`) into the generation workers, verified
+    when `policy.generation.verify_refit` asks."""
+    refit_policy_generation(ctx.policy, ctx.generation, ctx.refit_metadata, version=version,
+                            verify=ctx.cfg.policy.generation.verify_refit_enabled)
+    ctx.generation_stale = False

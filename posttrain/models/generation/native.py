@@ -1,0 +1,76 @@
+"""`NativeGeneration`: `policy.generation.backend=native`, the controller side of posttrain's own
+PyTorch engines (`GenerationWorker`, worker.py), registered as the backend "native"."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from posttrain.distributed import actors
+from posttrain.distributed.worker_group import WorkerGroup
+from posttrain.models.generation.backends import register_generation_backend
+from posttrain.models.generation.interface import GenerationSpec
+from posttrain.models.generation.worker import GenerationWorker
+from posttrain.models.generation.worker_group_generation import WorkerGroupGeneration
+from posttrain.models.refit import RefitMetadata
+
+
+@register_generation_backend("native")
+class NativeGeneration(WorkerGroupGeneration):
+    """Data-parallel native generation on a WorkerGroup of `GenerationWorker`s.
+
+    Args:
+        cluster: the VirtualCluster (or the local backend's LocalCluster) to place workers on.
+        spec: the model, `policy.generation` settings, seed and worker timeout (`GenerationSpec`).
+        bundle_indices: bundles of `cluster` to use (default None: all; one worker per bundle).
+        name: worker group name in errors and logs (default "generation").
+    """
+
+    def __init__(
+        self, cluster: Any, spec: GenerationSpec, *, bundle_indices: Optional[Sequence[int]] = None,
+        name: str = "generation",
+    ) -> None:
+        worker_group = WorkerGroup(
+            cluster, GenerationWorker, init_kwargs=dict(spec=spec), name=name, bundle_indices=bundle_indices,
+            worker_timeout_s=spec.worker_timeout_s,
+        )
+        self._attach(worker_group, spec)
+
+    def prepare_refit_info(self, metadata: RefitMetadata) -> None:
+        self.worker_group.run_all("prepare_refit_info", metadata)
+
+    def update_weights(self, buffers: Sequence[np.ndarray] | Any, version: int) -> None:
+        """Send packed buffers to every worker through the object store, once.
+
+        Args:
+            buffers: `refit.pack` output, or an ObjectRef to it (e.g. what the policy's rank 0
+                returned), which is passed on without fetching it here.
+            version: the policy's weights version these buffers hold.
+        """
+        ref = buffers if actors.is_ref(buffers) else actors.put(list(buffers), self.worker_group.is_local)
+        # A top-level ObjectRef argument is resolved by Ray in each worker: the arrays are read
+        # zero-copy from the node's shared memory.
+        self.worker_group.run_all("update_weights", ref, version)
+        self.weights_version = version
+
+    def refit_from_policy(self, policy: Any, metadata: RefitMetadata, version: int) -> None:
+        """With the policy in this process too (the local backend), the engine reads the policy's
+        weights in place (`GenerationWorker.share_weights`): no packing, no copy once shared.
+        Otherwise packed buffers through the object store (`update_weights`)."""
+        if self.worker_group.is_local and policy.worker_group.is_local:
+            weights = policy.worker_group.run_rank0("live_weights")
+            if weights is not None:
+                self.worker_group.run_all("share_weights", weights, version)
+                self.weights_version = version
+                return
+        super().refit_from_policy(policy, metadata, version)
+
+    def weight_dtypes(self) -> dict[str, torch.dtype]:
+        """dtype of every weight the engine holds (all workers load the same model and precision)."""
+        return self.worker_group.run_rank0("get_weight_dtypes")
+
+    def get_weights_checksums(self) -> list[str]:
+        """`refit.state_dict_checksum` of every worker's weights, in rank order."""
+        return self.worker_group.run_all("get_weights_checksum")
