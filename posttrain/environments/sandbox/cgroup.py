@@ -3,8 +3,8 @@
 `SandboxCgroup.create(memory_bytes, processes)` makes a child of this process's own cgroup (cgroup
 v2, or the v1 `memory` and `pids` hierarchies) with `memory.max` / `memory.limit_in_bytes` (swap
 included where it can be set) and `pids.max`; the sandbox is started inside it (`wrap`), so every
-process of it counts against one budget. Its counters (`memory.events` oom_kill / max, v1
-`memory.failcnt`, `pids.events` max) tell the sandbox that a test hit a limit even when the program
+process of it counts against one budget. Its counters (`oom_kill` of `memory.events`, v1
+`memory.oom_control`; `max` of `pids.events`) tell the sandbox that a test hit a limit even when the program
 caught the failure and exited 0. `available()` says once per process which enforcement applies.
 """
 
@@ -62,7 +62,8 @@ class SandboxCgroup:
     """One sandbox's cgroup directories (one for v2; memory and pids for v1) and its counter files."""
 
     dirs: list[str]
-    counter_files: dict[str, str] = field(default_factory=dict)  # "memory" | "pids" -> file to read
+    # "memory" | "pids" -> (file, the key of its "limit hit" count)
+    counter_files: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     @classmethod
     def create(cls, memory_bytes: int, processes: int) -> "SandboxCgroup":
@@ -77,10 +78,10 @@ class SandboxCgroup:
                 made.append(path)
                 _write(os.path.join(path, "memory.max"), str(memory_bytes))
                 _try_write(os.path.join(path, "memory.swap.max"), "0")
-                counters = {"memory": os.path.join(path, "memory.events")}
+                counters = {"memory": (os.path.join(path, "memory.events"), "oom_kill")}
                 if os.path.exists(os.path.join(path, "pids.max")):
                     _write(os.path.join(path, "pids.max"), str(processes))
-                    counters["pids"] = os.path.join(path, "pids.events")
+                    counters["pids"] = (os.path.join(path, "pids.events"), "max")
                 return cls(made, counters)
             if "memory" not in own:
                 raise OSError("no memory cgroup controller this process may use")
@@ -89,14 +90,14 @@ class SandboxCgroup:
             made.append(path)
             _write(os.path.join(path, "memory.limit_in_bytes"), str(memory_bytes))
             _try_write(os.path.join(path, "memory.memsw.limit_in_bytes"), str(memory_bytes))
-            counters = {"memory": os.path.join(path, "memory.failcnt")}
+            counters = {"memory": (os.path.join(path, "memory.oom_control"), "oom_kill")}
             if "pids" in own:
                 try:
                     pids_path = os.path.join(own["pids"], name)
                     os.mkdir(pids_path)
                     made.append(pids_path)
                     _write(os.path.join(pids_path, "pids.max"), str(processes))
-                    counters["pids"] = os.path.join(pids_path, "pids.events")
+                    counters["pids"] = (os.path.join(pids_path, "pids.events"), "max")
                 except OSError:
                     pass  # the memory cap still applies; RLIMIT_NPROC caps processes
             return cls(made, counters)
@@ -111,9 +112,9 @@ class SandboxCgroup:
         script = f"{joins} && {{ echo -1000 > /proc/self/oom_score_adj; }} 2>/dev/null; exec \"$@\""
         return ["/bin/sh", "-c", script, "sh", *command]
 
-    def open_counters(self) -> dict[str, int]:
-        """Read-only fds of the counter files, to pass into the sandbox ({"memory": fd, "pids": fd})."""
-        return {name: os.open(path, os.O_RDONLY) for name, path in self.counter_files.items()}
+    def open_counters(self) -> dict[str, list]:
+        """Read-only fds of the counter files, to pass into the sandbox ({"memory": [fd, key], ...})."""
+        return {name: [os.open(path, os.O_RDONLY), key] for name, (path, key) in self.counter_files.items()}
 
     def remove(self) -> None:
         """Delete the cgroup once its processes are gone (they are killed with the sandbox; wait a moment)."""
@@ -165,7 +166,7 @@ def available() -> Optional[str]:
                 probe.remove()
                 if not joined:
                     raise OSError("a process cannot join the cgroup")
-                _available = "cgroup v2" if probe.counter_files["memory"].endswith("memory.events") else "cgroup v1"
+                _available = "cgroup v2" if probe.counter_files["memory"][0].endswith("memory.events") else "cgroup v1"
             except OSError as e:
                 log.debug("code sandbox: no cgroup: %s", e)
                 _available = ""

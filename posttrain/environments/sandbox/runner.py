@@ -386,7 +386,7 @@ def run_tests(
     try:
         if cgroup is not None:
             job["counter_fds"] = cgroup.open_counters()
-            passed_fds += job["counter_fds"].values()
+            passed_fds += [fd for fd, _ in job["counter_fds"].values()]
         init_fd = _pipe_holding(_INSIDE.read_bytes())
         passed_fds.append(init_fd)
         cmd = cmd + [str(init_fd)]
