@@ -306,3 +306,18 @@ def test_environment_scores_attacks_zero_with_reasons(mode):
     for (text, (reward, reason)), got, obs in zip(responses.items(), out.rewards.tolist(), out.observations):
         assert got == reward, text
         assert (reason in obs["content"]) if reason else "first failure" not in obs["content"]
+
+
+def test_the_reason_does_not_depend_on_which_limit_fired_first():
+    from posttrain.environments.sandbox._inside import failure_reason
+
+    fork_errors = "BlockingIOError: [Errno 11] Resource temporarily unavailable"
+    # a fork bomb stopped by the wall clock (a busy machine) or by its output cap is still a fork bomb
+    assert failure_reason([], "timeout", -9, fork_errors) == "process_limit"
+    assert failure_reason([], "output_limit", -9, fork_errors) == "process_limit"
+    # a limit the test hit comes before the cap that stopped it, and before its exit status
+    assert failure_reason(["process_limit", "cpu_limit"], "timeout", -9, "") == "process_limit"
+    assert failure_reason(["cpu_limit"], "", 0, "") == "cpu_limit"
+    assert failure_reason([], "timeout", -9, "") == "timeout"
+    assert failure_reason([], "", 1, "MemoryError") == "memory"
+    assert failure_reason([], "", 0, "") == ""
