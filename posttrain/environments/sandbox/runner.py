@@ -23,7 +23,12 @@ when that is not `bwrap`:
   trainer's user can read and can open network connections.
 
 Every mode: rlimits on address space (memory), processes, file size, open files, CPU seconds, no
-core dumps; no_new_privs; a scrubbed environment (PATH, HOME, LANG only: no trainer variables);
+core dumps; no_new_privs; a seccomp filter against new namespaces; where this machine lets us make
+one, a cgroup per sandbox run capping the memory and processes of all its processes together
+(`cgroup.py`; `memory_enforcement()` says which applies); the host's site-packages covered by an
+empty tmpfs; `_inside.py` read from a pipe (and bwrap's options from `--args`), so the sandbox's
+/proc does not name the project's directory; a test that hit a limit fails whatever its exit
+code; a scrubbed environment (PATH, HOME, LANG only: no trainer variables);
 `python -I -S` (no site-packages: posttrain, ray, torch cannot be imported); output capped; a
 wall-clock deadline per test. As root (bwrap and unshare modes) the programs run as an
 unprivileged uid (RLIMIT_NPROC does not apply to root), so a fork bomb stops at
@@ -301,8 +306,8 @@ def memory_enforcement() -> str:
                 "of a cgroup per sandbox run); a test that hits a cap fails even if it exits 0")
     else:
         text = ("no cgroup can be made here: each process gets memory_mb / max_processes of address space "
-                f"(at least {FALLBACK_MIN_PROCESS_MEMORY >> 20} MiB), so a sandbox holds at most about memory_mb; "
-                "processes are capped by RLIMIT_NPROC")
+                f"(at least {FALLBACK_MIN_PROCESS_MEMORY >> 20} MiB), so a sandbox holds at most about "
+                f"max(memory_mb, {FALLBACK_MIN_PROCESS_MEMORY >> 20} MiB x max_processes); processes are capped by RLIMIT_NPROC")
     if not _memory_announced:
         _memory_announced = True
         (log.info if kind else log.warning)("code sandbox memory: %s", text)
