@@ -43,8 +43,10 @@ class CodeEnvConfig(BaseModel):
     code_format: Literal["auto", "fenced", "tags", "raw"] = Field(
         "auto", description="auto: last ```python block, else last ``` block, else <code>...</code>; raw: the whole response.")
     timeout_s: float = Field(5.0, gt=0, description="Wall-clock seconds per test.")
-    cpu_s: int = Field(4, ge=1, description="CPU seconds per test.")
-    memory_mb: int = Field(512, ge=32, description="Address space per process (MiB).")
+    cpu_s: int = Field(4, ge=1, description="CPU seconds per test (each process is killed at it; all of them together fail the test at it).")
+    memory_mb: int = Field(512, ge=32, description=(
+        "Memory of the whole sandbox (MiB): where a cgroup can be made, all its processes together and each one's "
+        "address space; else each process's address space is memory_mb / max_processes, at least 64 MiB."))
     max_processes: int = Field(32, ge=2, description="Processes and threads of the sandboxed program.")
     max_file_size_mb: float = Field(4, gt=0, description="Largest file the program may write (MiB).")
     disk_mb: int = Field(16, ge=1, description="Size of its private /tmp and working directory (MiB each).")

@@ -9,6 +9,7 @@ and, as root, unshare; the rlimits mode as root refuses to run, see runner.py).
 from __future__ import annotations
 
 import os
+import site
 import socket
 import subprocess
 import sys
@@ -20,15 +21,18 @@ from pathlib import Path
 import pytest
 
 from posttrain.environments.code_env import CodeEnvConfig, CodeEnvironment
-from posttrain.environments.sandbox import Limits, mode_problem, run_tests
+from posttrain.environments.sandbox import Limits, cgroup, memory_enforcement, mode_problem, run_tests
 from posttrain.environments.sandbox.runner import _SANDBOX_UID_BASE
 
 MODES = [m for m in ("bwrap", "unshare") if mode_problem(m) is None]
 if not MODES:
     pytest.skip("no namespace sandbox (bwrap or unshare as root) works here", allow_module_level=True)
 
-FAST = Limits(wall_s=3.0, cpu_s=1, memory_bytes=256 * 2**20, processes=16, file_size_bytes=2**20,
+# Generous wall time: these attacks are not about time, and a busy machine may take seconds to start
+# a sandbox; the tests that are about time set their own. No test asserts how long anything took.
+FAST = Limits(wall_s=20.0, cpu_s=1, memory_bytes=256 * 2**20, processes=16, file_size_bytes=2**20,
               disk_bytes=4 * 2**20, output_bytes=4096)
+PATIENT = Limits(wall_s=60.0)  # the default limits, with a wall clock a loaded machine cannot run out of
 
 
 def sandbox_processes() -> list[int]:
@@ -45,11 +49,9 @@ def sandbox_processes() -> list[int]:
 
 
 def attack(program: str, mode: str, limits: Limits = FAST) -> dict:
-    started = time.monotonic()
     [result] = run_tests(program, [""], limits=limits, mode=mode)
-    assert time.monotonic() - started < limits.wall_s + 15
     assert os.getpid() and subprocess.run(["true"]).returncode == 0  # the host can still fork
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while sandbox_processes() and time.monotonic() < deadline:  # killed processes may take a moment
         time.sleep(0.05)
     assert not sandbox_processes(), "sandbox processes outlived the run"
@@ -69,7 +71,85 @@ def test_benign_program_passes(mode):
 
 def test_fork_bomb(mode):
     r = attack("print(42, flush=True)\nimport os\nwhile True:\n    os.fork()", mode)
-    assert r["reason"] in ("process_limit", "timeout", "cpu_limit")
+    assert r["reason"] == "process_limit"
+    # also when the wall clock runs out first (a busy machine): the refused forks tell
+    short = Limits(**{**FAST.__dict__, "wall_s": 1.0})
+    assert attack("print(42, flush=True)\nimport os\nwhile True:\n    os.fork()", mode, short)["reason"] == "process_limit"
+
+
+def test_a_caught_cpu_limit_still_fails(mode):
+    # SIGXCPU could be caught: the program prints the answer and exits 0 in its handler
+    program = ("import os, signal\ndef handler(*_):\n    print(42, flush=True)\n    os._exit(0)\n"
+               "signal.signal(signal.SIGXCPU, handler)\nwhile True: pass\n")
+    r = attack(program, mode)
+    assert r["reason"] == "cpu_limit", r
+    # the CPU of a test's children counts too, even when the parent exits 0 without waiting for them
+    program = ("import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        t = time.process_time()\n"
+               "        while time.process_time() - t < 0.6: pass\n        os._exit(0)\n"
+               "while True:\n    try:\n        os.wait()\n    except ChildProcessError:\n        break\nprint(42)\n")
+    r = attack(program, mode)
+    assert r["reason"] == "cpu_limit", r
+
+
+def test_no_nested_namespaces(mode):
+    program = (
+        "import ctypes, os, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "for name, flag in [('user', 0x10000000), ('net', 0x40000000), ('mount', 0x20000)]:\n"
+        "    print(name, libc.unshare(flag), ctypes.get_errno())\n"
+        "t = threading.Thread(target=print, args=('thread',)); t.start(); t.join()\n"
+        "pid = os.fork()\nif pid == 0:\n    os._exit(7)\nprint('child', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+    )
+    [r] = run_tests(program, [""], limits=FAST, mode=mode)
+    assert r["status"] == "ok", r
+    assert r["stdout"].split("\n") == ["user -1 1", "net -1 1", "mount -1 1", "thread", "child 7", ""]  # EPERM
+
+
+def test_many_children_share_one_memory_budget(mode):
+    # 8 children of 300 MiB each (touched): under the default limits they cannot all succeed
+    program = (
+        "import os, time\nkids = []\nfor _ in range(8):\n    pid = os.fork()\n    if pid == 0:\n"
+        "        try:\n            x = b'x' * (300 * 2**20)\n            time.sleep(1)\n        except MemoryError:\n"
+        "            os._exit(3)\n        os._exit(0)\n    kids.append(pid)\n"
+        "print(sum(os.waitpid(pid, 0)[1] == 0 for pid in kids))\n"
+    )
+    [r] = run_tests(program, [""], limits=PATIENT, mode=mode)
+    assert r.get("stdout", "").strip() != "8", r
+    if cgroup.available():  # children killed at the sandbox's cap fail the test, though the parent exits 0
+        assert r["status"] != "ok" and r["reason"] == "memory", r
+
+
+def test_without_a_cgroup_each_process_gets_a_share(mode, monkeypatch):
+    monkeypatch.setattr(cgroup, "available", lambda: None)
+    assert "no cgroup" in memory_enforcement()
+    test_many_children_share_one_memory_budget(mode)
+    [r] = run_tests("x = b'x' * (100 * 2**20)\nprint(len(x))", [""], limits=PATIENT, mode=mode)
+    assert r["reason"] == "memory"  # 512 MiB / 32 processes -> 64 MiB each
+    [r] = run_tests("x = b'x' * (40 * 2**20)\nprint(len(x))", [""], limits=PATIENT, mode=mode)
+    assert r["status"] == "ok" and r["stdout"].strip() == str(40 * 2**20)
+    test_fork_bomb(mode)
+
+
+def test_host_packages_and_paths_are_hidden(mode):
+    repo = str(Path(__file__).resolve().parents[2])
+    host_dirs = sorted({*site.getsitepackages(), *(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))),
+                        "/usr/lib/python3/dist-packages",
+                        f"/usr/local/lib/python{sys.version_info[0]}.{sys.version_info[1]}/dist-packages",
+                        f"{sys.base_prefix}/lib/python{sys.version_info[0]}.{sys.version_info[1]}/site-packages"})
+    program = (
+        f"import sys\nsys.path[:0] = {host_dirs!r}\n"
+        "for name in ('numpy', 'yaml', 'pydantic', 'torch'):\n"
+        "    try:\n        __import__(name)\n        print('imported', name)\n    except ImportError:\n        pass\n"
+        "print(open('/proc/1/cmdline').read().replace('\\0', ' '))\n"
+        "print(open('/proc/self/cmdline').read().replace('\\0', ' '))\n"
+        "print(open('/proc/self/mountinfo').read())\n"
+    )
+    [r] = run_tests(program, [""], limits=FAST, mode=mode)
+    assert r["status"] == "ok", r
+    assert "imported" not in r["stdout"], r["stdout"]
+    init_cmdline, own_cmdline, mountinfo = r["stdout"].split("\n", 2)
+    assert repo not in init_cmdline and repo not in own_cmdline
+    if mode == "bwrap":  # the unshare mode's mountinfo names the directories it covers (README)
+        assert repo not in mountinfo
 
 
 def test_infinite_loop_and_sleep(mode):
@@ -208,7 +288,8 @@ def test_a_mix_of_attacks(mode):
 
 
 def test_environment_scores_attacks_zero_with_reasons(mode):
-    env = CodeEnvironment(CodeEnvConfig(sandbox=mode, timeout_s=1.0, cpu_s=1, memory_mb=256, reward="fraction"))
+    # a wall clock a busy machine cannot run out of before the honest program ends: the sleep runs it out
+    env = CodeEnvironment(CodeEnvConfig(sandbox=mode, timeout_s=10.0, cpu_s=1, memory_mb=256, reward="fraction"))
     tests = {"tests": [{"input": "2 3", "output": "5"}]}
     responses = {
         "```python\nprint(sum(map(int, input().split())))\n```": (1.0, ""),
@@ -225,3 +306,18 @@ def test_environment_scores_attacks_zero_with_reasons(mode):
     for (text, (reward, reason)), got, obs in zip(responses.items(), out.rewards.tolist(), out.observations):
         assert got == reward, text
         assert (reason in obs["content"]) if reason else "first failure" not in obs["content"]
+
+
+def test_the_reason_does_not_depend_on_which_limit_fired_first():
+    from posttrain.environments.sandbox._inside import failure_reason
+
+    fork_errors = "BlockingIOError: [Errno 11] Resource temporarily unavailable"
+    # a fork bomb stopped by the wall clock (a busy machine) or by its output cap is still a fork bomb
+    assert failure_reason([], "timeout", -9, fork_errors) == "process_limit"
+    assert failure_reason([], "output_limit", -9, fork_errors) == "process_limit"
+    # a limit the test hit comes before the cap that stopped it, and before its exit status
+    assert failure_reason(["process_limit", "cpu_limit"], "timeout", -9, "") == "process_limit"
+    assert failure_reason(["cpu_limit"], "", 0, "") == "cpu_limit"
+    assert failure_reason([], "timeout", -9, "") == "timeout"
+    assert failure_reason([], "", 1, "MemoryError") == "memory"
+    assert failure_reason([], "", 0, "") == ""

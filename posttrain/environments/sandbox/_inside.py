@@ -7,7 +7,7 @@ runs as root (the job never touches the file system, so the program cannot read 
 
     {"mode": "stdio" | "function", "program": str, "inputs": [...], "fn_name": str | None,
      "limits": {...}, "uid": int | null, "python": str, "workdir": str,
-     "setup_mounts": {...} | null, "kill_all": bool}
+     "setup_mounts": {...} | null, "kill_all": bool, "counter_fds": {"memory"?: [fd, key], "pids"?: [fd, key]}}
 
 then, in this order: makes the mounts of the `unshare` mode (tmpfs over /tmp and every hidden
 directory, a read-only copy of the Python installation), sets the resource limits (they are
@@ -23,6 +23,14 @@ One JSON line per test goes to stdout: `{"test", "status", "reason", "stdout" | 
 The host compares outputs with the expected ones (which never enter the sandbox). Each test child
 is its own session; after it, every other process of the sandbox user is killed (`kill(-1)`,
 which in a PID namespace reaches only the sandbox), so a fork bomb cannot outlive its test.
+
+A test fails when it hit a limit, whatever its exit code (a program may catch SIGXCPU or
+MemoryError, print the answer and exit 0): after it and its leftovers are gone (this process is
+their subreaper, so it collects them all), its CPU seconds (rusage) are compared with the limit,
+and the sandbox cgroup's counters (a process killed at the memory cap, a fork refused at
+pids.max; fds in `counter_fds`, where the host made a cgroup) are compared with their values before the test.
+A seccomp filter refuses new namespaces (unshare, setns, clone with namespace flags, clone3), so
+the program cannot build a user namespace of its own inside the sandbox.
 """
 
 import ctypes
@@ -36,7 +44,10 @@ import sys
 import time
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
-PR_SET_NO_NEW_PRIVS = 38
+PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 36, 22, 2
+CLONE_NAMESPACE_FLAGS = 0x7E020080  # NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
+# arch -> (AUDIT_ARCH value, syscall numbers of clone, unshare, setns, clone3)
+SECCOMP_ARCHES = {"x86_64": (0xC000003E, 56, 272, 308, 435), "aarch64": (0xC00000B7, 220, 97, 268, 435)}
 
 # Run inside the function-mode child: import the program as module "solution" (so its
 # `if __name__ == "__main__":` block does not run), call the function once per input and write
@@ -85,12 +96,102 @@ def setup_mounts(spec, workdir):
     os.mkdir(python_home, 0o755)
     mount(spec["python_prefix"], python_home, None, MS_BIND | MS_REC)
     mount("none", python_home, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID)
+    for relative in spec.get("python_hide", []):  # its site-packages: no host package is importable
+        mount("tmpfs", os.path.join(python_home, relative), "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=755")
     for path in spec["hide"]:  # empty read-only tmpfs over every directory that may hold secrets
         try:
             mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=755")
         except OSError:
             pass  # absent, or inside a directory hidden already
     os.mkdir(workdir, 0o755)
+
+
+def deny_namespaces():
+    """A seccomp filter (needs no_new_privs): no unshare or setns, no clone with a namespace flag;
+    clone3 (flags in memory, out of the filter's reach) answers ENOSYS so that libc falls back to
+    clone. Syscalls of a foreign ABI (x32, i386 on x86_64) are refused. Skipped on other arches."""
+    arch = SECCOMP_ARCHES.get(os.uname().machine)
+    if arch is None:
+        return False
+    audit_arch, nr_clone, nr_unshare, nr_setns, nr_clone3 = arch
+    ld, jeq, jset, jge, ret = 0x20, 0x15, 0x45, 0x35, 0x06
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    program = [
+        (ld, 0, 0, 4),  # arch
+        (jeq, 1, 0, audit_arch),
+        (ret, 0, 0, eperm),
+        (ld, 0, 0, 0),  # syscall number
+        (jge, 9, 0, 0x40000000),  # x32 ABI -> refuse
+        (jeq, 8, 0, nr_unshare),
+        (jeq, 7, 0, nr_setns),
+        (jeq, 4, 0, nr_clone3),
+        (jeq, 1, 0, nr_clone),
+        (ret, 0, 0, allow),
+        (ld, 0, 0, 16),  # clone's flags (args[0], low half)
+        (jset, 2, 1, CLONE_NAMESPACE_FLAGS),
+        (ret, 0, 0, enosys),
+        (ret, 0, 0, allow),
+        (ret, 0, 0, eperm),
+    ]
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint32)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    filters = (SockFilter * len(program))(*[SockFilter(*op) for op in program])
+    fprog = SockFprog(len(program), filters)
+    libc_call("prctl", PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.c_void_p(ctypes.addressof(fprog)), 0, 0)
+    return True
+
+
+def read_counter(counter):
+    """The value of `key` in a cgroup file of `key value` lines (`counter` = [fd, key] or None):
+    `oom_kill` of memory.events / memory.oom_control, `max` of pids.events."""
+    if not counter:
+        return 0
+    fd, key = counter
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        text = os.read(fd, 4096).decode()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        words = line.split()
+        if len(words) == 2 and words[0] == key and words[1].isdigit():
+            return int(words[1])
+    return 0
+
+
+class LimitWatch:
+    """What a test used: CPU seconds of all its processes (reaped by this subreaper) and the cgroup's
+    limit counters, from `start()` to `hit(cpu_limit)` (after the test's processes are all reaped)."""
+
+    def __init__(self, job):
+        fds = job.get("counter_fds") or {}
+        self.memory, self.pids = fds.get("memory"), fds.get("pids")
+
+    def start(self):
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.cpu0 = usage.ru_utime + usage.ru_stime
+        self.memory0, self.pids0 = read_counter(self.memory), read_counter(self.pids)
+
+    def hit(self, cpu_limit_s, returncode):
+        """The limits hit since `start()`, most telling first (a fork bomb also runs out of time)."""
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.cpu_s = usage.ru_utime + usage.ru_stime - self.cpu0
+        hits = []
+        if read_counter(self.pids) > self.pids0:
+            hits.append("process_limit")
+        if read_counter(self.memory) > self.memory0:
+            hits.append("memory")
+        # RLIMIT_CPU kills each process at the limit (SIGKILL: no handler can dodge it). rusage may
+        # read a few percent below the clock the kernel enforces with, hence the margin for a killed
+        # test; a tree of processes that used the whole budget between them also fails.
+        if self.cpu_s >= cpu_limit_s or (returncode == -signal.SIGKILL and self.cpu_s >= 0.8 * cpu_limit_s):
+            hits.append("cpu_limit")
+        return hits
 
 
 def set_limits(limits):
@@ -117,10 +218,27 @@ def drop_privileges(uid):
 
 def limit_cpu(seconds):
     def preexec():
-        # Soft limit: SIGXCPU (reported as cpu_limit); one second later the hard limit kills.
-        resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 1))
+        # SIGKILL at the limit: a SIGXCPU (soft limit) could be caught and the answer printed
+        resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds))
+        try:  # the test's processes, not the sandbox's own, are the first the cgroup's OOM killer takes
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
+        except OSError:
+            pass
 
     return preexec
+
+
+def wait_until(process, deadline):
+    """The exit status of `process`; killed (its session) at the deadline: (returncode, "timeout"|"")."""
+    try:
+        return process.wait(timeout=max(deadline - time.monotonic(), 0.01)), ""
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        return process.wait(), "timeout"
 
 
 def read_capped(process, streams, cap, deadline):
@@ -153,12 +271,18 @@ def read_capped(process, streams, cap, deadline):
     return data, why
 
 
-def capped_reason(why, stderr):
-    """`read_capped`'s reason, except that output flooded by the tracebacks of failed forks is the
-    process limit at work (a fork bomb), not a program that prints too much."""
-    if why == "output_limit" and ("BlockingIOError" in stderr or "Resource temporarily unavailable" in stderr):
+def failure_reason(hits, why, returncode, stderr):
+    """The reason a test failed, or "" when it passed. A limit the test hit comes first (`hits`, most
+    telling first), then the cap that stopped it (`why`: output_limit, timeout), then its exit. A
+    stopped test whose stderr is full of failed forks was a fork bomb at the process limit, whichever
+    cap happened to stop it first on a busy machine."""
+    if hits:
+        return hits[0]
+    if why and ("BlockingIOError" in stderr or "Resource temporarily unavailable" in stderr):
         return "process_limit"
-    return why
+    if why:
+        return why
+    return classify(returncode, stderr) if returncode != 0 else ""
 
 
 def classify(returncode, stderr):
@@ -194,9 +318,9 @@ def kill_leftovers(job):
             os.kill(-1, signal.SIGKILL)
         except OSError:
             pass
-    while True:  # reap what we can
+    while True:  # reap them all (all are dead or dying in a PID namespace), so their CPU time counts
         try:
-            if os.waitpid(-1, os.WNOHANG) == (0, 0):
+            if os.waitpid(-1, 0 if job["kill_all"] else os.WNOHANG) == (0, 0):
                 break
         except ChildProcessError:
             break
@@ -214,7 +338,9 @@ def child_env(workdir):
 
 def run_stdio(job, workdir):
     limits = job["limits"]
+    watch = LimitWatch(job)
     for i, test_input in enumerate(job["inputs"]):
+        watch.start()
         process = subprocess.Popen(
             [job["python"], "-I", "-S", "solution.py"], cwd=workdir, env=child_env(workdir),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -229,18 +355,13 @@ def run_stdio(job, workdir):
         data, why = read_capped(
             process, {process.stdout.fileno(): "out", process.stderr.fileno(): "err"}, limits["output_bytes"], deadline,
         )
-        returncode = process.wait()
-        stderr = data["err"].decode(errors="replace")
-        why = capped_reason(why, stderr)
-        if why:
-            status, reason = why, why
-        elif returncode != 0:
-            status, reason = "error", classify(returncode, stderr)
-        else:
-            status, reason = "ok", ""
-        emit({"test": i, "status": status, "reason": reason, "returncode": returncode,
-              "stdout": data["out"][: limits["output_bytes"]].decode(errors="replace"), "stderr": stderr[-500:]})
+        returncode, waited_out = wait_until(process, deadline)
         kill_leftovers(job)
+        stderr = data["err"].decode(errors="replace")
+        reason = failure_reason(watch.hit(limits["cpu_s"], returncode), why or waited_out, returncode, stderr)
+        status = "ok" if not reason else reason if reason in ("timeout", "output_limit") else "error"
+        emit({"test": i, "status": status, "reason": reason, "returncode": returncode, "cpu_s": round(watch.cpu_s, 3),
+              "stdout": data["out"][: limits["output_bytes"]].decode(errors="replace"), "stderr": stderr[-500:]})
 
 
 def run_function(job, workdir):
@@ -255,6 +376,8 @@ def run_function(job, workdir):
         pass_fds=(write_end,), start_new_session=True, preexec_fn=limit_cpu(limits["cpu_s"] * num_tests),
     )
     os.close(write_end)
+    watch = LimitWatch(job)
+    watch.start()
     try:
         process.stdin.write(json.dumps(job["inputs"]).encode())
         process.stdin.close()
@@ -265,7 +388,8 @@ def run_function(job, workdir):
         process, {read_end: "results", process.stdout.fileno(): "out", process.stderr.fileno(): "err"},
         limits["output_bytes"] * max(num_tests, 1), deadline,
     )
-    returncode = process.wait()
+    returncode, waited_out = wait_until(process, deadline)
+    kill_leftovers(job)
     stderr = data["err"].decode(errors="replace")
     results = {}
     load_error = None
@@ -278,7 +402,7 @@ def run_function(job, workdir):
             load_error = record["load_error"]
         elif isinstance(record, dict) and isinstance(record.get("test"), int):
             results.setdefault(record["test"], record)
-    failure = capped_reason(why, stderr) or ("" if returncode == 0 else classify(returncode, stderr))
+    failure = failure_reason(watch.hit(limits["cpu_s"] * num_tests, returncode), why or waited_out, returncode, stderr)
     for i in range(num_tests):
         record = results.get(i)
         if record is not None and "value" in record:
@@ -295,7 +419,6 @@ def run_function(job, workdir):
                 reason = classify(1, record["error"])
             emit({"test": i, "status": "error", "reason": reason, "returncode": returncode,
                   "stderr": (load_error or (record or {}).get("error") or stderr)[-500:]})
-    kill_leftovers(job)
 
 
 def main():
@@ -305,6 +428,8 @@ def main():
         setup_mounts(job["setup_mounts"], workdir)
     set_limits(job["limits"])
     libc_call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    libc_call("prctl", PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of a test come back here
+    deny_namespaces()
     if job.get("uid") is not None and os.getuid() == 0:
         try:
             os.chown(workdir, job["uid"], job["uid"])
@@ -320,6 +445,5 @@ def main():
         run_stdio(job, workdir)
 
 
-if __name__ == "__main__":
-    sys.path.pop(0)  # this script's folder: its module names must not shadow the standard library
+if __name__ == "__main__":  # run as `python -I -S -c <bootstrap>`: no script folder on sys.path
     main()

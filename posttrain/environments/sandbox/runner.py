@@ -23,7 +23,12 @@ when that is not `bwrap`:
   trainer's user can read and can open network connections.
 
 Every mode: rlimits on address space (memory), processes, file size, open files, CPU seconds, no
-core dumps; no_new_privs; a scrubbed environment (PATH, HOME, LANG only: no trainer variables);
+core dumps; no_new_privs; a seccomp filter against new namespaces; where this machine lets us make
+one, a cgroup per sandbox run capping the memory and processes of all its processes together
+(`cgroup.py`; `memory_enforcement()` says which applies); the host's site-packages covered by an
+empty tmpfs; `_inside.py` read from a pipe (and bwrap's options from `--args`), so the sandbox's
+/proc does not name the project's directory; a test that hit a limit fails whatever its exit
+code; a scrubbed environment (PATH, HOME, LANG only: no trainer variables);
 `python -I -S` (no site-packages: posttrain, ray, torch cannot be imported); output capped; a
 wall-clock deadline per test. As root (bwrap and unshare modes) the programs run as an
 unprivileged uid (RLIMIT_NPROC does not apply to root), so a fork bomb stops at
@@ -33,6 +38,7 @@ the PID namespace) and the namespace dies with the sandbox.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -56,14 +62,25 @@ _INSIDE = Path(__file__).with_name("_inside.py")
 _SANDBOX_UID_BASE = 1_200_000  # unprivileged uids no real account uses; one per sandbox run
 WORKDIR_BWRAP = "/sandbox"
 WORKDIR_UNSHARE = "/tmp/work"
+# The sandbox's own init (bwrap, the Python of _inside.py) and its tmpfs files count against the
+# cgroup too: the program's processes get `memory_bytes`, the cgroup this much more.
+SANDBOX_OWN_MEMORY = 32 * 2**20
+FALLBACK_MIN_PROCESS_MEMORY = 64 * 2**20  # without a cgroup, no process gets less address space than this
+# `python -I -S -c BOOTSTRAP FD`: _inside.py's source comes through a pipe, so neither its host path
+# (the project's directory) nor a bind mount of it shows in the sandbox's /proc.
+BOOTSTRAP = ("import os, sys; f = os.fdopen(int(sys.argv[1]), 'rb'); source = f.read(); f.close(); "
+             "del sys.argv[1:]; exec(compile(source, 'sandbox_init.py', 'exec'))")
 
 
 @dataclass(frozen=True)
 class Limits:
     """Per-test limits of a sandboxed program (defaults in brackets).
 
-    wall_s: wall-clock seconds per test [5.0]; cpu_s: CPU seconds per test [4]; memory_bytes:
-    address space per process [512 MiB]; processes: processes and threads of the sandbox user
+    wall_s: wall-clock seconds per test [5.0]; cpu_s: CPU seconds per test, all its processes
+    together [4]; memory_bytes: memory of the whole sandbox [512 MiB]: where a cgroup can be made
+    (`memory_enforcement()`), all its processes together (plus its tmpfs files and 32 MiB for the
+    sandbox's own init), and each process's address space; else each process's address space is
+    memory_bytes / processes (at least 64 MiB); processes: processes and threads of the sandbox user
     [32]; file_size_bytes: largest file it may write [4 MiB]; disk_bytes: size of its private
     tmpfs (/tmp and the working directory, each) [16 MiB]; open_files: file descriptors per
     process [64]; output_bytes: stdout kept per test; more is an `output_limit` failure [64 KiB].
@@ -108,10 +125,35 @@ def _user_process_count() -> int:
     return count
 
 
+def _site_package_dirs(prefix: str) -> list[str]:
+    """Every site-packages / dist-packages folder under /usr, /usr/local and the Python installation:
+    the sandbox covers them with an empty tmpfs (no host package is importable, even by path)."""
+    found = []
+    for root in ("/usr", "/usr/local", prefix):
+        for pattern in ("lib*/python3*/site-packages", "lib*/python3*/dist-packages", "lib/python3/dist-packages"):
+            for path in sorted(glob.glob(os.path.join(root, pattern))):
+                if os.path.isdir(path) and not os.path.islink(path) and path not in found:
+                    found.append(path)
+    return found
+
+
+_bwrap_help: Optional[str] = None
+
+
+def _bwrap_supports(option: str) -> bool:
+    global _bwrap_help
+    if _bwrap_help is None:
+        try:
+            _bwrap_help = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            _bwrap_help = ""
+    return option in _bwrap_help
+
+
 def _bwrap_command(limits: Limits) -> list[str]:
     python, prefix = _python()
     cmd = [
-        "bwrap", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
         "--die-with-parent", "--new-session", "--ro-bind", "/usr", "/usr",
     ]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
@@ -127,17 +169,21 @@ def _bwrap_command(limits: Limits) -> list[str]:
         for parent in reversed(parents):
             cmd += ["--perms", "0755", "--dir", str(parent)]
         cmd += ["--ro-bind", prefix, prefix]
+    for packages in _site_package_dirs(prefix):
+        cmd += ["--tmpfs", packages, "--remount-ro", packages]
     cmd += [
         "--proc", "/proc", "--dev", "/dev",
         "--size", str(limits.disk_bytes), "--perms", "1777", "--tmpfs", "/tmp",
         "--size", str(limits.disk_bytes), "--perms", "1777", "--tmpfs", WORKDIR_BWRAP,
-        "--ro-bind", str(_INSIDE), "/.sandbox_init.py", "--chdir", "/", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
+        "--chdir", "/", "--clearenv", "--setenv", "PATH", "/usr/bin:/bin",
     ]
     if _is_root():  # to drop to the sandbox uid; setuid() clears both again
         cmd += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         cmd += ["--unshare-user"]
-    return cmd + [python, "-I", "-S", "/.sandbox_init.py"]
+        if _bwrap_supports("--disable-userns"):  # bubblewrap >= 0.8; the seccomp filter of _inside.py also
+            cmd += ["--disable-userns"]
+    return cmd + ["--", python, "-I", "-S", "-c", BOOTSTRAP]
 
 
 def _hidden_dirs() -> list[str]:
@@ -167,11 +213,16 @@ def _command(mode: Mode, limits: Limits) -> tuple[list[str], dict]:
         if not _is_root():
             raise SandboxUnavailable("the unshare sandbox needs root (run as root or install bubblewrap)")
         cmd = ["unshare", "--pid", "--fork", "--kill-child", "--net", "--ipc", "--uts", "--mount", "--mount-proc",
-               "--propagation", "private", python, "-I", "-S", str(_INSIDE)]
+               "--propagation", "private", python, "-I", "-S", "-c", BOOTSTRAP]
         inner_python = "/tmp/.python/" + os.path.relpath(python, prefix)
+        site_dirs = _site_package_dirs(prefix)
         return cmd, {
             "python": inner_python, "workdir": WORKDIR_UNSHARE, "uid": uid, "kill_all": True, "nproc_extra": 0,
-            "setup_mounts": {"python_prefix": prefix, "hide": _hidden_dirs(), "limits": asdict(limits)},
+            "setup_mounts": {
+                "python_prefix": prefix, "hide": _hidden_dirs() + [d for d in site_dirs if not d.startswith(prefix + os.sep)],
+                "python_hide": [os.path.relpath(d, prefix) for d in site_dirs if d.startswith(prefix + os.sep)],
+                "limits": asdict(limits),
+            },
         }
     if _is_root() and not _world_accessible(python, prefix):
         # Root is exempt from RLIMIT_NPROC, and this Python cannot be run as another user.
@@ -179,7 +230,7 @@ def _command(mode: Mode, limits: Limits) -> tuple[list[str], dict]:
             f"the rlimits mode as root needs a Python that an unprivileged user can run ({prefix} is not "
             "world-readable), or a fork bomb could not be contained; install bubblewrap"
         )
-    return [python, "-I", "-S", str(_INSIDE)], {
+    return [python, "-I", "-S", "-c", BOOTSTRAP], {
         "python": python, "workdir": None, "uid": uid if _is_root() else None, "kill_all": False,
         "nproc_extra": 0 if _is_root() else _user_process_count(),
     }
@@ -224,6 +275,60 @@ def _read_capped(process: subprocess.Popen, cap: int, deadline: float) -> tuple[
     return bytes(buffers[process.stdout.fileno()]), bytes(buffers[process.stderr.fileno()]), why
 
 
+def _pipe_holding(data: bytes) -> int:
+    """The read end of a pipe that holds `data` and is closed for writing (the child reads to EOF)."""
+    read_end, write_end = os.pipe()
+    try:
+        if len(data) > 65536:  # the default pipe buffer: more would block this write
+            import fcntl
+
+            fcntl.fcntl(write_end, getattr(fcntl, "F_SETPIPE_SZ", 1031), len(data))
+        os.write(write_end, data)
+    except OSError:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)
+    return read_end
+
+
+_memory_announced = False
+
+
+def memory_enforcement() -> str:
+    """How `Limits.memory_bytes` and `Limits.processes` are enforced here (logged once per process)."""
+    from posttrain.environments.sandbox import cgroup
+
+    global _memory_announced
+    kind = cgroup.available()
+    if kind:
+        text = (f"{kind}: memory and processes of the whole sandbox capped together (memory.max / pids.max "
+                "of a cgroup per sandbox run); a test that hits a cap fails even if it exits 0")
+    else:
+        text = ("no cgroup can be made here: each process gets memory_mb / max_processes of address space "
+                f"(at least {FALLBACK_MIN_PROCESS_MEMORY >> 20} MiB), so a sandbox holds at most about "
+                f"max(memory_mb, {FALLBACK_MIN_PROCESS_MEMORY >> 20} MiB x max_processes); processes are capped by RLIMIT_NPROC")
+    if not _memory_announced:
+        _memory_announced = True
+        (log.info if kind else log.warning)("code sandbox memory: %s", text)
+    return text
+
+
+def _sandbox_cgroup(limits: Limits):
+    """A fresh cgroup for one sandbox run, or None where none can be made (see `memory_enforcement`)."""
+    from posttrain.environments.sandbox import cgroup
+
+    memory_enforcement()
+    if not cgroup.available():
+        return None
+    try:
+        return cgroup.SandboxCgroup.create(limits.memory_bytes + 2 * limits.disk_bytes + SANDBOX_OWN_MEMORY,
+                                           limits.processes + 3)  # + bwrap, its init and _inside.py
+    except OSError as e:
+        log.warning("code sandbox: could not make a cgroup (%s); this run has per-process limits only", e)
+        return None
+
+
 def _kill(process: subprocess.Popen) -> None:
     try:
         os.killpg(process.pid, signal.SIGKILL)  # the sandbox is its own session
@@ -266,6 +371,12 @@ def run_tests(
     limit_fields = asdict(limits)
     limit_fields["processes"] = limits.processes + job.pop("nproc_extra")
     limit_fields["cpu_s"] = max(1, int(limits.cpu_s))
+    cgroup = _sandbox_cgroup(limits)
+    if cgroup is None:
+        limit_fields["memory_bytes"] = max(limits.memory_bytes // limits.processes, FALLBACK_MIN_PROCESS_MEMORY)
+    elif "pids" in cgroup.counter_files:
+        # the cgroup's pids.max stops a fork bomb first and counts it; RLIMIT_NPROC stays as a backstop
+        limit_fields["processes"] += 8
     job.update({"mode": style, "program": program, "inputs": inputs, "fn_name": fn_name, "limits": limit_fields})
     owned_workdir = None
     if job["workdir"] is None:  # rlimits mode: a private directory on the host
@@ -276,11 +387,28 @@ def run_tests(
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
     n = len(inputs)
     deadline = time.monotonic() + n * (limits.wall_s + 1.0) + 10.0
+    passed_fds: list[int] = []
     try:
+        if cgroup is not None:
+            job["counter_fds"] = cgroup.open_counters()
+            passed_fds += [fd for fd, _ in job["counter_fds"].values()]
+        init_fd = _pipe_holding(_INSIDE.read_bytes())
+        passed_fds.append(init_fd)
+        cmd = cmd + [str(init_fd)]
+        if mode == "bwrap":  # its options (host paths) through a pipe: /proc/1/cmdline inside is `bwrap --args N python ...`
+            split = cmd.index("--")
+            args_fd = _pipe_holding(b"".join(arg.encode() + b"\0" for arg in cmd[:split]))
+            passed_fds.append(args_fd)
+            cmd = ["bwrap", "--args", str(args_fd), *cmd[split:]]
+        if cgroup is not None:
+            cmd = cgroup.wrap(cmd)
         process = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-            start_new_session=True, close_fds=True, cwd="/",
+            start_new_session=True, close_fds=True, pass_fds=passed_fds, cwd="/",
         )
+        for fd in passed_fds:
+            os.close(fd)
+        passed_fds = []
         try:
             process.stdin.write(json.dumps(job).encode())
             process.stdin.close()
@@ -289,6 +417,10 @@ def run_tests(
         stdout, stderr, why = _read_capped(process, n * (limits.output_bytes * 2 + 4096) + 65536, deadline)
         process.wait()
     finally:
+        for fd in passed_fds:
+            os.close(fd)
+        if cgroup is not None:
+            cgroup.remove()
         if owned_workdir:
             shutil.rmtree(owned_workdir, ignore_errors=True)
     results: dict[int, dict] = {}
