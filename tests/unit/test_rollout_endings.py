@@ -7,29 +7,11 @@ from __future__ import annotations
 import torch
 
 from posttrain.data.processors import build_prompt_message_log
-from posttrain.distributed.batch import Batch
 from posttrain.environments.interface import Environment, EnvironmentReturn, ended
 from posttrain.models.tiny import build_tokenizer
 from posttrain.rollouts import run_multi_turn_rollout
 
-
-class OneToken:
-    """Appends one token to every row."""
-
-    def prepare_for_generation(self):
-        return True
-
-    def finish_generation(self):
-        return True
-
-    def generate_shards(self, batch, greedy=False, params=None):
-        ids, lengths = batch["input_ids"], batch["input_lengths"]
-        out = torch.cat([ids, torch.zeros(ids.shape[0], 1, dtype=torch.long)], dim=1)
-        for row, n in enumerate(lengths.tolist()):
-            out[row, n] = 20
-        b = ids.shape[0]
-        yield list(range(b)), Batch(output_ids=out, generation_lengths=torch.ones(b, dtype=torch.long),
-                                    logprobs=torch.zeros(out.shape), truncated=torch.zeros(b, dtype=torch.bool))
+from fake_generation import OneTokenGeneration
 
 
 class NeverDone(Environment):
@@ -60,7 +42,7 @@ def samples(tokenizer, *rows: str):
 def test_episodes_stopped_by_the_turn_or_token_limit_end_in_finish():
     tokenizer = build_tokenizer()
     env = NeverDone()
-    result = run_multi_turn_rollout(OneToken(), samples(tokenizer, "short", "long"), tokenizer, {"t": env},
+    result = run_multi_turn_rollout(OneTokenGeneration(), samples(tokenizer, "short", "long"), tokenizer, {"t": env},
                                     max_seq_len=256, max_rollout_turns=3)
     assert env.finished == [["short", "long"]]  # once each, both ways of being stopped
     assert result.truncated.tolist() == [False, True] and result.metrics["max_turns_reached_rate"] == 0.5
@@ -73,14 +55,14 @@ def test_environments_without_a_verifier_score_unfinished_episodes_zero():
         finish = Environment.finish
 
     tokenizer = build_tokenizer()
-    result = run_multi_turn_rollout(OneToken(), samples(tokenizer, "short"), tokenizer, {"t": Plain()},
+    result = run_multi_turn_rollout(OneTokenGeneration(), samples(tokenizer, "short"), tokenizer, {"t": Plain()},
                                     max_seq_len=256, max_rollout_turns=2)
     assert result.rewards.tolist() == [2 * 0.125] and result.answers == [None]
 
 
 def test_reward_components_are_a_mean_per_episode_and_counts_stay_sums():
     tokenizer = build_tokenizer()
-    result = run_multi_turn_rollout(OneToken(), samples(tokenizer, "a", "b", "c", "d"), tokenizer, {"t": NeverDone()},
+    result = run_multi_turn_rollout(OneTokenGeneration(), samples(tokenizer, "a", "b", "c", "d"), tokenizer, {"t": NeverDone()},
                                     max_seq_len=256, max_rollout_turns=2)
     # each episode got component "correct" 1 per turn (2 turns): 2 per episode, not 8 for the step
     assert result.metrics["env/t/reward/correct"] == 2.0 and result.metrics["env/t/reward/format"] == 0.0
