@@ -203,7 +203,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def config_algorithm(config_file: str | None) -> str:
-    """The algorithm a config file is for: its first top-level key naming one (grpo, sft, ...), else grpo."""
+    """The algorithm a config file is for: its first top-level section naming one (grpo, sft, ...,
+    distillation), else grpo."""
     if config_file is None:
         return "grpo"
     import yaml
@@ -212,7 +213,8 @@ def config_algorithm(config_file: str | None) -> str:
         data = yaml.safe_load(open(config_file))
     except (OSError, yaml.YAMLError):
         return "grpo"  # load_config reports the problem with its file and line
-    return next((key for key in (data or {}) if key in JOBS), "grpo")
+    sections = {**{name: name for name in JOBS}, "distillation": "distill"}
+    return next((sections[key] for key in (data or {}) if key in sections), "grpo")
 
 
 def _init_model(args: argparse.Namespace) -> int:

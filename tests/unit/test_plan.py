@@ -165,3 +165,9 @@ def test_preflight_refuses_a_job_that_cannot_fit():
     with pytest.raises(UserError, match=r"training needs .* policy\.train_micro_batch_size=64"):
         check_memory_plan(grpo("cluster.host_memory_gb=0.6"))
     check_memory_plan(grpo())  # the default fits
+
+
+def test_config_algorithm_reads_the_section_names():
+    assert cli.config_algorithm("examples/configs/distill_tiny.yaml") == "distill"
+    assert cli.config_algorithm("examples/configs/dpo_tiny.yaml") == "dpo"
+    assert cli.config_algorithm(None) == "grpo"
