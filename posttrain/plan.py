@@ -159,19 +159,22 @@ def optimizer_state_bytes(trainable: int, name: str, shards: int) -> float:
 
 def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int) -> float:
     """Saved activations of one decoder layer per token, for backward (Korthikanti et al. 2022,
-    "Reducing Activation Recomputation in Large Transformer Models", section 4.1, adapted to a
-    pre-norm RMSNorm / SwiGLU / grouped-query decoder without dropout and with a fused (SDPA /
-    flash) attention kernel, so no sequence x sequence score matrix is kept):
+    "Reducing Activation Recomputation in Large Transformer Models", section 4.1, redone for a
+    pre-norm RMSNorm / RoPE / SwiGLU / grouped-query decoder as transformers runs it, without
+    dropout and with a fused (SDPA / flash) attention kernel, so no sequence x sequence scores):
 
-    - attention: the norm's input and output (2h), queries (heads x head_dim), keys and values
-      (2 kv_heads x head_dim) and the attention output that o_proj reads (heads x head_dim);
+    - attention (q = heads x head_dim, kv = kv_heads x head_dim): the norm's input and output
+      (2h); RoPE keeps q and k and their rotate_half copies (2q + 2kv); the kernel's inputs, the
+      rotated queries and keys and values expanded to the query heads (3q: transformers' repeat_kv
+      copies them when a mask is passed; without grouping they are k and v themselves), its output
+      and o_proj's contiguous input (2q): 2h + 7q + 2kv;
     - MLP: the norm's input and output (2h), gate and up projections, the activation and the
       product that down_proj reads (4 x intermediate); a mixture of experts keeps that for each of
       the top-k experts of a token, plus the router logits (experts, float32).
 
     Below float32 the RMSNorm upcasts its input to float32 (2 x 4h bytes more)."""
     h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    attention = 2 * h + 2 * q + 2 * kv
+    attention = 2 * h + 7 * q + 2 * kv
     if shape.num_experts:
         mlp = 2 * h + shape.experts_per_token * (h + 4 * shape.intermediate_size)
         router = 4 * shape.num_experts

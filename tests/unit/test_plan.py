@@ -28,15 +28,15 @@ def test_optimizer_state_is_two_fp32_moments_for_adam_and_none_for_sgd():
 
 
 def test_activation_and_kv_formulas_by_hand():
-    # attention 2*64 + 2*64 + 2*32 = 320, MLP 2*64 + 4*256 = 1152 elements per token and layer.
-    assert mp.activation_bytes_per_token_layer(SHAPE, 4) == 4 * 1472
-    assert mp.activation_bytes_per_token_layer(SHAPE, 2) == 2 * 1472 + 8 * 64  # fp32 norm upcast
+    # attention 2*64 + 7*64 + 2*32 = 640, MLP 2*64 + 4*256 = 1152 elements per token and layer.
+    assert mp.activation_bytes_per_token_layer(SHAPE, 4) == 4 * 1792
+    assert mp.activation_bytes_per_token_layer(SHAPE, 2) == 2 * 1792 + 8 * 64  # fp32 norm upcast
     full = mp.training_activation_bytes(SHAPE, 1000, 4, checkpointing=False, fused_logprobs=False)
-    assert full == 1000 * 5 * 4 * 1472 + 3 * 4 * 1000 * 100
+    assert full == 1000 * 5 * 4 * 1792 + 3 * 4 * 1000 * 100
     ckpt = mp.training_activation_bytes(SHAPE, 1000, 4, checkpointing=True, fused_logprobs=False)
-    assert ckpt == 1000 * (4 * 4 * 64 + 2 * 4 * 1472) + 3 * 4 * 1000 * 100
+    assert ckpt == 1000 * (4 * 4 * 64 + 2 * 4 * 1792) + 3 * 4 * 1000 * 100
     fused = mp.training_activation_bytes(SHAPE, 1000, 4, checkpointing=False, fused_logprobs=True)
-    assert fused == 1000 * 5 * 4 * 1472 + 16 * MiB + 1000 * 4 * 64
+    assert fused == 1000 * 5 * 4 * 1792 + 16 * MiB + 1000 * 4 * 64
     assert mp.kv_cache_bytes(SHAPE, sequences=8, seq_len=100, dtype_bytes=2) == 2 * 4 * 2 * 16 * 2 * 8 * 100
 
 
