@@ -106,6 +106,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     from posttrain.models.presets import ARCHS, PRESETS, PRETRAINED_PRESETS
 
+    plan = commands.add_parser(
+        "plan",
+        help="print the memory plan of a config per GPU (or CPU worker) and phase; exit 2 if it cannot fit",
+        description="Print what each GPU (or CPU worker process) holds in each phase (generation, refit, "
+        "logprobs, training) for a config, from the model's config alone (no weights loaded), and refuse "
+        "(exit 2) a config that cannot fit, naming the keys that would make it fit. GPU memory: "
+        "cluster.gpu_memory_gb or torch.cuda; CPU: cluster.host_memory_gb or this machine's RAM.",
+    )
+    plan.add_argument("--config", metavar="FILE", help="YAML config (default: the embedded example of the algorithm)")
+    plan.add_argument("--algorithm", choices=list(JOBS), default=None,
+                      help="the config's algorithm (default: the config's top-level section among these, else grpo)")
+    plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, applied last")
+    plan.set_defaults(handler=_plan)
+
     init = commands.add_parser(
         "init-model",
         help="build a small local model and tokenizer, or convert a pretrained one (no download)",
@@ -174,6 +188,42 @@ def run_job(command: str, cfg: Any) -> Any:
     run = load_target(module_name, attr, command)
     startup.mark("imports")
     return run(cfg)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from posttrain.config import load_config
+    from posttrain.errors import UserError
+
+    algorithm = args.algorithm or config_algorithm(args.config)
+    try:
+        cfg = load_config(algorithm, args.config, args.overrides)
+        from posttrain.plan import check_memory, format_plan
+
+        plan, problem = check_memory(cfg)
+    except UserError as e:
+        print(f"posttrain plan: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    print(f"Memory plan of posttrain {algorithm} ({cfg.policy.model_name}, {cfg.policy.num_workers} policy worker(s)):")
+    print(format_plan(plan))
+    if problem:
+        print(f"posttrain plan: {problem}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    return 0
+
+
+def config_algorithm(config_file: str | None) -> str:
+    """The algorithm a config file is for: its first top-level section naming one (grpo, sft, ...,
+    distillation), else grpo."""
+    if config_file is None:
+        return "grpo"
+    import yaml
+
+    try:
+        data = yaml.safe_load(open(config_file))
+    except (OSError, yaml.YAMLError):
+        return "grpo"  # load_config reports the problem with its file and line
+    sections = {**{name: name for name in JOBS}, "distillation": "distill"}
+    return next((sections[key] for key in (data or {}) if key in sections), "grpo")
 
 
 def _init_model(args: argparse.Namespace) -> int:

@@ -41,6 +41,17 @@ def preflight(cfg: Any) -> None:
     check_components(cfg)
     if hasattr(cfg, "env"):
         check_envs(cfg, [r for split in records.values() for r in split if "task_name" in r])
+    check_memory_plan(cfg)
+
+
+def check_memory_plan(cfg: Any) -> None:
+    """Refuse a job whose memory plan (`posttrain/plan.py`, `posttrain plan`) cannot fit the
+    devices, naming the keys that would make it fit."""
+    from posttrain.plan import check_memory
+
+    _, problem = check_memory(cfg)
+    if problem:
+        raise UserError(f"{problem} (posttrain plan prints the whole plan)")
 
 
 def check_components(cfg: Any) -> None:

@@ -24,6 +24,17 @@ class ClusterConfig(Section):
     )
     num_nodes: int = Field(1, ge=1, description="Nodes in the Ray cluster to use.")
     gpus_per_node: int = Field(0, ge=0, description="GPUs per node; 0 runs on CPU.")
+    gpu_memory_gb: Optional[float] = Field(
+        None, gt=0,
+        description=(
+            "Memory of one GPU in GiB, for the memory plan (`posttrain plan`, checked before launch); None: "
+            "torch.cuda's first device where the controller has one, else the plan is printed but not checked."
+        ),
+    )
+    host_memory_gb: Optional[float] = Field(
+        None, gt=0,
+        description="RAM of one node in GiB, for the memory plan of a CPU job; None: this machine's RAM.",
+    )
     cpus_per_worker: Optional[float] = Field(
         None, gt=0,
         description=(

@@ -94,6 +94,13 @@ class ColocationConfig(Section):
     num_workers: Optional[int] = Field(None, ge=1, description="Generation workers when not colocated.")
 
 
+# vLLM's share of a GPU when `gpu_memory_utilization` is None: half when the policy trains on the
+# same GPU (NeMo-RL's GRPO base config uses 0.6 colocated; TRL dropped its colocated default from
+# 0.9 to 0.3 after OOM reports), and vLLM's own default, 0.9, on GPUs that only generate.
+COLOCATED_GPU_MEMORY_UTILIZATION = 0.5
+DEDICATED_GPU_MEMORY_UTILIZATION = 0.9
+
+
 class VllmConfig(Section):
     """Settings of `policy.generation.backend=vllm` (NeMo-RL's `vllm_cfg` names). vLLM runs in an
     isolated environment built once by posttrain (`posttrain/distributed/isolated_env.py`)."""
@@ -101,8 +108,13 @@ class VllmConfig(Section):
     tensor_parallel_size: int = Field(
         1, ge=1, description="GPUs per vLLM engine (tensor parallel); generation workers / this = data-parallel engines. 1 on CPU.",
     )
-    gpu_memory_utilization: float = Field(
-        0.5, gt=0, le=1, description="Fraction of each GPU vLLM may take (weights + KV cache); GPU only.",
+    gpu_memory_utilization: Optional[float] = Field(
+        None, gt=0, le=1,
+        description=(
+            "Fraction of each GPU vLLM may take (weights + KV cache); GPU only. None (default): set when the "
+            "config loads from the placement, 0.5 when colocated (training shares the GPU) and 0.9 on "
+            "generation GPUs of its own (policy.generation.colocated.enabled=false)."
+        ),
     )
     cpu_kv_cache_gb: int = Field(1, ge=1, description="KV cache per engine on CPU, in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE).")
     max_model_len: Optional[int] = Field(
@@ -198,6 +210,13 @@ class GenerationConfig(Section):
                 "'module:Class' / 'file.py:Class'"
             )
         return backend
+
+    @model_validator(mode="after")
+    def _resolve_gpu_memory_utilization(self):
+        if self.vllm_cfg.gpu_memory_utilization is None:
+            self.vllm_cfg.gpu_memory_utilization = (
+                COLOCATED_GPU_MEMORY_UTILIZATION if self.colocated.enabled else DEDICATED_GPU_MEMORY_UTILIZATION)
+        return self
 
     @property
     def verify_refit_enabled(self) -> bool:

@@ -1,0 +1,26 @@
+"""The GPU smoke suite (tests/gpu) is collected everywhere and skipped cleanly without CUDA."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the suite runs instead")
+def test_gpu_suite_is_collected_and_skipped_without_cuda():
+    result = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = result.stdout.strip().splitlines()[-1]
+    assert summary.startswith("5 skipped") and "error" not in summary and "passed" not in summary, result.stdout
+    assert re.search(r"SKIPPED \[4\] tests/gpu/test_gpu_smoke.py:\d+: needs 2 CUDA GPU\(s\), found 0", result.stdout)
+    assert re.search(r"SKIPPED \[1\] tests/gpu/test_gpu_smoke.py:\d+: needs 1 CUDA GPU\(s\), found 0", result.stdout)

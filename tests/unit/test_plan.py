@@ -1,0 +1,173 @@
+"""The memory plan (`posttrain/plan.py`, `posttrain plan`): formula values, the plan's rows for
+each placement, the refusal naming keys, the CLI, preflight, and vLLM's placement-dependent share."""
+
+from __future__ import annotations
+
+import pytest
+
+from posttrain import cli
+from posttrain.config import load_config
+from posttrain.errors import UserError
+from posttrain import plan as mp
+
+GiB, MiB = mp.GiB, mp.MiB
+
+# A made-up llama-like shape, small enough to check by hand.
+SHAPE = mp.ModelShape(num_params=1_000_000, hidden_size=64, num_layers=4, vocab_size=100, num_heads=4,
+                      num_kv_heads=2, head_dim=16, intermediate_size=256, largest_tensor=100_000)
+
+
+def grpo(*overrides):
+    return load_config("grpo", None, list(overrides))
+
+
+def test_optimizer_state_is_two_fp32_moments_for_adam_and_none_for_sgd():
+    assert mp.optimizer_state_bytes(1000, "adamw", 1) == 8000
+    assert mp.optimizer_state_bytes(1000, "adam", 4) == 2000
+    assert mp.optimizer_state_bytes(1000, "sgd", 1) == 0
+
+
+def test_activation_and_kv_formulas_by_hand():
+    # attention 2*64 + 7*64 + 2*32 = 640, MLP 2*64 + 4*256 = 1152 elements per token and layer.
+    assert mp.activation_bytes_per_token_layer(SHAPE, 4) == 4 * 1792
+    assert mp.activation_bytes_per_token_layer(SHAPE, 2) == 2 * 1792 + 8 * 64  # fp32 norm upcast
+    full = mp.training_activation_bytes(SHAPE, 1000, 4, checkpointing=False, fused_logprobs=False)
+    assert full == 1000 * 5 * 4 * 1792 + 3 * 4 * 1000 * 100
+    ckpt = mp.training_activation_bytes(SHAPE, 1000, 4, checkpointing=True, fused_logprobs=False)
+    assert ckpt == 1000 * (4 * 4 * 64 + 2 * 4 * 1792) + 3 * 4 * 1000 * 100
+    fused = mp.training_activation_bytes(SHAPE, 1000, 4, checkpointing=False, fused_logprobs=True)
+    assert fused == 1000 * 5 * 4 * 1792 + 16 * MiB + 1000 * 4 * 64
+    assert mp.kv_cache_bytes(SHAPE, sequences=8, seq_len=100, dtype_bytes=2) == 2 * 4 * 2 * 16 * 2 * 8 * 100
+
+
+def test_micro_batch_tokens_follow_the_batching_mode():
+    assert mp.micro_batch_tokens(grpo().policy, training=True) == 128 * 64
+    assert mp.micro_batch_tokens(grpo().policy, training=False) == 128 * 64
+    dyn = grpo("policy.dynamic_batching.enabled=true", "policy.dynamic_batching.train_mb_tokens=777").policy
+    assert mp.micro_batch_tokens(dyn, training=True) == 777 and mp.micro_batch_tokens(dyn, training=False) == 8192
+    packed = grpo("policy.sequence_packing.enabled=true", "policy.sequence_packing.logprob_mb_tokens=999").policy
+    assert mp.micro_batch_tokens(packed, training=False) == 999
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_moe"])
+def test_model_shape_counts_the_real_parameters_without_weights(arch):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.models.tiny import tiny_config
+
+    shape = mp.model_shape(grpo(f"policy.tiny_arch={arch}").policy)
+    model = AutoModelForCausalLM.from_config(tiny_config("tiny", arch))
+    assert shape.num_params == sum(p.numel() for p in model.parameters())
+    assert shape.largest_tensor == max(p.numel() for p in model.parameters())
+    assert (shape.hidden_size, shape.num_layers, shape.vocab_size) == (128, 2, 103)
+    assert (shape.num_experts > 0) == (arch == "qwen3_moe")
+    lora = mp.model_shape(grpo("policy.lora.enabled=true").policy)
+    # q, k, v, o of 2 layers, rank 8: q/o are 128x128, k/v 128x64 (2 kv heads of 32).
+    assert lora.lora_params == 2 * 8 * ((128 + 128) * 2 + (128 + 64) * 2)
+    assert not any(p.is_meta for p in model.parameters()) and torch.is_tensor(next(model.parameters()))
+
+
+def test_plan_rows_for_sharding_reference_and_colocated_vllm_on_gpu():
+    cfg = grpo("cluster.gpus_per_node=8", "policy.num_workers=8", "policy.precision=bfloat16",
+               "policy.generation.backend=vllm", "loss_fn.reference_policy_kl_penalty=0.01")
+    plan = mp.memory_plan(cfg, SHAPE, device_bytes=80 * GiB)
+    (gpu,) = plan.devices
+    rows = gpu.rows
+    assert rows["policy parameters (fp32)"]["training"] == 4 * 1_000_000 // 8
+    assert rows["gradients (fp32)"] == {"training": 4 * 1_000_000 // 8}
+    assert rows["optimizer state (adamw)"]["generation"] == 8 * 1_000_000 // 8
+    assert rows["vLLM weights + KV cache (0.5 of the GPU)"] == {"generation": 40 * GiB, "refit": 40 * GiB}
+    # On GPUs the reference copy is host memory (policy worker keeps it on the CPU).
+    assert not any(item.startswith("reference") for item in rows)
+    assert rows["refit bucket (send)"]["refit"] == 2 * 1_000_000 + 2 * 100_000  # whole model < 512 MiB bucket
+    assert "runtime (python, torch)" not in rows
+    assert plan.node_peak() == gpu.peak()[1] and gpu.peak()[0] == "refit"  # vLLM awake and the buckets
+
+
+def test_split_placement_gives_generation_gpus_their_own_plan():
+    cfg = grpo("cluster.gpus_per_node=8", "policy.num_workers=4", "policy.generation.backend=vllm",
+               "policy.generation.colocated.enabled=false", "policy.generation.colocated.num_workers=4")
+    trainer, engine = mp.memory_plan(cfg, SHAPE, device_bytes=80 * GiB).devices
+    assert engine.name == "generation worker" and trainer.name == "policy worker"
+    assert engine.rows["vLLM weights + KV cache (0.9 of the GPU)"]["training"] == int(0.9 * 80 * GiB)
+    assert not any(item.startswith("vLLM") for item in trainer.rows)
+
+
+def test_cpu_reference_model_is_counted_in_the_worker_process():
+    plan = mp.memory_plan(grpo("loss_fn.reference_policy_kl_penalty=0.01"), SHAPE, device_bytes=16 * GiB)
+    assert plan.devices[0].rows["reference model (fp32, host)"]["logprobs"] == 4 * 1_000_000
+    # The local backend's native engine reads the policy's weights in place: no copy, no refit bucket.
+    assert "generation weights" not in plan.devices[0].rows and "refit bucket (send)" not in plan.devices[0].rows
+
+
+def test_a_plan_that_cannot_fit_names_the_keys_that_would():
+    cfg = grpo("cluster.gpus_per_node=8", "policy.num_workers=8", "policy.generation.backend=vllm",
+               "policy.precision=float32", "policy.train_micro_batch_size=4", "policy.logprob_batch_size=4",
+               "policy.max_total_sequence_length=4096")
+    big = mp.ModelShape(num_params=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000,
+                        num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+                        largest_tensor=131_072_000)
+    plan = mp.memory_plan(cfg, big, device_bytes=80 * GiB)
+    problem = mp.fit_problem(cfg, big, plan)
+    assert problem.startswith("memory plan: training needs")
+    assert "policy.activation_checkpointing=true" in problem
+    assert "policy.train_micro_batch_size=1" in problem  # 2 rows of 4096 tokens do not fit
+    assert "policy.num_workers" not in problem  # sharding does not shrink activations
+    assert "policy.generation.vllm_cfg.gpu_memory_utilization" not in problem  # vLLM sleeps in training
+    assert mp.fit_problem(cfg, SHAPE, mp.memory_plan(cfg, SHAPE, device_bytes=80 * GiB)) is None
+
+
+def test_unknown_gpu_memory_is_printed_not_checked():
+    cfg = grpo("cluster.gpus_per_node=8", "policy.num_workers=8")
+    plan = mp.memory_plan(cfg, SHAPE, device_bytes=None)
+    assert mp.fits(plan) and "unknown (set cluster.gpu_memory_gb)" in mp.format_plan(plan)
+
+
+def test_vllm_gpu_share_defaults_by_placement():
+    assert grpo().policy.generation.vllm_cfg.gpu_memory_utilization == 0.5
+    split = grpo("policy.generation.colocated.enabled=false")
+    assert split.policy.generation.vllm_cfg.gpu_memory_utilization == 0.9
+    chosen = grpo("policy.generation.colocated.enabled=false", "policy.generation.vllm_cfg.gpu_memory_utilization=0.7")
+    assert chosen.policy.generation.vllm_cfg.gpu_memory_utilization == 0.7
+
+
+def test_cli_prints_the_plan_per_phase(capsys):
+    assert cli.main(["plan"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "Memory plan of posttrain grpo (tiny, 1 policy worker(s)):"
+    assert out[2].split() == list(mp.PHASES)
+    items = [line[:36].strip() for line in out[3:]]
+    assert {"policy parameters (fp32)", "gradients (fp32)", "optimizer state (adamw)", "activations",
+            "logprob forward", "KV cache", "total"} <= set(items)
+    assert out[-1].startswith("peak on the node (all processes): ") and out[-1].endswith("fits (keeping 10% free)")
+
+
+def test_cli_refuses_a_plan_that_cannot_fit_naming_keys(capsys):
+    assert cli.main(["plan", "cluster.host_memory_gb=0.6"]) == cli.EXIT_CONFIG_ERROR
+    captured = capsys.readouterr()
+    assert "does not fit" in captured.out
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("posttrain plan: memory plan: training needs ")
+    assert "0.54 GiB is usable (90% of 0.60 GiB)" in line and "policy.train_micro_batch_size=64" in line
+
+
+def test_cli_reads_the_algorithm_from_the_config(tmp_path, capsys):
+    config = tmp_path / "sft.yaml"
+    config.write_text("sft:\n  max_num_steps: 3\npolicy:\n  model_name: tiny\n")
+    assert cli.main(["plan", "--config", str(config)]) == 0
+    assert capsys.readouterr().out.startswith("Memory plan of posttrain sft (tiny")
+
+
+def test_preflight_refuses_a_job_that_cannot_fit():
+    from posttrain.preflight import check_memory_plan
+
+    with pytest.raises(UserError, match=r"training needs .* policy\.train_micro_batch_size=64"):
+        check_memory_plan(grpo("cluster.host_memory_gb=0.6"))
+    check_memory_plan(grpo())  # the default fits
+
+
+def test_config_algorithm_reads_the_section_names():
+    assert cli.config_algorithm("examples/configs/distill_tiny.yaml") == "distill"
+    assert cli.config_algorithm("examples/configs/dpo_tiny.yaml") == "dpo"
+    assert cli.config_algorithm(None) == "grpo"
