@@ -7,7 +7,7 @@ Typical use from an algorithm loop:
     generation.prepare_refit_info(build_refit_metadata(policy_param_info, bucket_bytes, dtypes=generation.weight_dtypes()))
     ...
     if generation.weights_version != policy_version:  # lazy refit
-        generation.update_weights(policy_buffers, policy_version)
+        refit_policy_generation(policy, generation, metadata, version=policy_version)  # bucket by bucket
     generation.prepare_for_generation()
     out = generation.generate(batch, greedy=False)
     generation.finish_generation()
@@ -73,13 +73,27 @@ class GenerationInterface(abc.ABC):
         """Load packed weights (`posttrain.models.refit.pack` output) and record `version`."""
 
     @abc.abstractmethod
+    def load_bucket(self, buffer: Any, bucket: int) -> None:
+        """Load one packed bucket (`refit.pack_bucket` output, or an ObjectRef to it) into every worker."""
+
+    @abc.abstractmethod
+    def finish_refit(self, version: int) -> None:
+        """Every bucket is in: record `version` as the weights the engine holds."""
+
+    @abc.abstractmethod
     def shutdown(self) -> bool:
         """Stop the workers."""
 
     def refit_from_policy(self, policy: Any, metadata: RefitMetadata, version: int) -> None:
-        """Copy `policy`'s current weights in (default: its rank 0's packed buffers through the
-        object store, `update_weights`). Backends with a faster path on GPU override this."""
-        self.update_weights(policy.pack_for_refit(metadata), version)
+        """Copy `policy`'s current weights in, one bucket at a time (default: rank 0 packs a bucket
+        into the object store, every worker loads it, and it is freed before the next is packed,
+        so the store, the sender and each receiver hold one bucket at a time). Backends with a
+        faster path on GPU override this."""
+        for bucket in range(len(metadata.bucket_sizes)):
+            ref = policy.pack_for_refit(metadata, bucket)
+            self.load_bucket(ref, bucket)
+            del ref  # frees the bucket in the object store before the next one is packed
+        self.finish_refit(version)
 
     def verify_refit(self, policy: Any, version: int) -> None:
         """Raise `RefitVerificationError` unless the engine now holds `policy`'s weights (default:
@@ -135,6 +149,48 @@ class WorkerGroupGeneration(GenerationInterface):
         for ref, result in self.worker_group.as_completed(refs):
             if rows[ref]:
                 yield rows[ref], result
+
+    # ------------------------------------------------------------------ refit
+    def update_weights(self, buffers: Sequence[np.ndarray] | Any, version: int) -> None:
+        """Load every packed buffer (`refit.pack` output, or an ObjectRef to it), bucket by bucket."""
+        if actors.is_ref(buffers):
+            buffers = actors.get(buffers)
+        for bucket, buffer in enumerate(buffers):
+            self.load_bucket(buffer, bucket)
+        self.finish_refit(version)
+
+    def load_bucket(self, buffer: np.ndarray | Any, bucket: int) -> None:
+        """Send one packed bucket to every worker through the object store, once (an ObjectRef,
+        e.g. what the policy's rank 0 returned, is passed on without fetching it here: Ray
+        resolves a top-level ObjectRef argument in each worker, zero-copy from shared memory)."""
+        ref = buffer if actors.is_ref(buffer) else actors.put(buffer, self.worker_group.is_local)
+        self.worker_group.run_all("load_bucket", ref, bucket)
+
+    def finish_refit(self, version: int) -> None:
+        self.worker_group.run_all("finish_refit", version)
+        self.weights_version = version
+
+    def _refit_by_broadcast(self, policy: Any, metadata: RefitMetadata, version: int, ranks_per_worker: int) -> None:
+        """Split placement: policy rank 0 broadcasts bucket after bucket to every engine process
+        (`ranks_per_worker` per worker: vLLM's tensor-parallel ranks), which loads each before
+        receiving the next."""
+        if not getattr(self, "_broadcast_ready", False):
+            host, port = policy.worker_group.cluster.master_address_and_port(0)
+            world_size = 1 + self.worker_group.world_size * ranks_per_worker
+            joins = policy.init_refit_broadcast(host, port, world_size)
+            receivers = [
+                self.worker_group.run_single_async(worker, "init_broadcast_group", host, port, world_size,
+                                                   1 + worker * ranks_per_worker)
+                for worker in range(self.worker_group.world_size)
+            ]
+            self.worker_group.get(receivers)
+            policy.worker_group.get(joins)
+            self._broadcast_ready = True
+        sends = policy.broadcast_for_refit(metadata)
+        receives = self.worker_group.run_all_async("load_broadcast")
+        self.worker_group.get(receives)
+        policy.worker_group.get(sends)
+        self.finish_refit(version)
 
     def prepare_for_generation(self) -> bool:
         return all(self.worker_group.run_all("prepare_for_generation"))
@@ -201,30 +257,25 @@ class Generation(WorkerGroupGeneration):
     def prepare_refit_info(self, metadata: RefitMetadata) -> None:
         self.worker_group.run_all("prepare_refit_info", metadata)
 
-    def update_weights(self, buffers: Sequence[np.ndarray] | Any, version: int) -> None:
-        """Send packed buffers to every worker through the object store, once.
-
-        Args:
-            buffers: `refit.pack` output, or an ObjectRef to it (e.g. what the policy's rank 0
-                returned), which is passed on without fetching it here.
-            version: the policy's weights version these buffers hold.
-        """
-        ref = buffers if actors.is_ref(buffers) else actors.put(list(buffers), self.worker_group.is_local)
-        # A top-level ObjectRef argument is resolved by Ray in each worker: the arrays are read
-        # zero-copy from the node's shared memory.
-        self.worker_group.run_all("update_weights", ref, version)
-        self.weights_version = version
-
     def refit_from_policy(self, policy: Any, metadata: RefitMetadata, version: int) -> None:
         """With the policy in this process too (the local backend), the engine reads the policy's
         weights in place (`GenerationWorker.share_weights`): no packing, no copy once shared.
-        Otherwise packed buffers through the object store (`update_weights`)."""
+        Otherwise bucket by bucket over a broadcast group from policy rank 0 (gloo on CPU, either
+        placement; nccl on GPUs, split placement), or through the object store (colocated on
+        GPUs, where two ranks of one nccl group cannot share a GPU). On CPU the broadcast, not
+        the object store: each bucket Ray stores touches new shared-memory pages, so a streamed
+        refit through it still left every process about one model's worth larger (measured:
+        ~790 MiB for a 397 MiB model, tests/functional/test_refit_memory.py)."""
         if self.worker_group.is_local and policy.worker_group.is_local:
             weights = policy.worker_group.run_rank0("live_weights")
             if weights is not None:
                 self.worker_group.run_all("share_weights", weights, version)
                 self.weights_version = version
                 return
+        on_gpus = getattr(self.worker_group.cluster, "use_gpus", False)
+        if not self.worker_group.is_local and (not self.config.colocated.enabled or not on_gpus):
+            self._refit_by_broadcast(policy, metadata, version, ranks_per_worker=1)
+            return
         super().refit_from_policy(policy, metadata, version)
 
     def weight_dtypes(self) -> dict[str, torch.dtype]:
