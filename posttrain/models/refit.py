@@ -1,27 +1,22 @@
-"""Refit: copy the policy's weights into the generation workers, packed into a few byte buffers.
+"""Refit: copy the policy's weights into the generation workers, one packed bucket at a time.
 
 Flow (after NeMo-RL's packed refit, `reference/nemo-rl.md` section 6):
 
 1. Once at set-up, the controller builds `RefitMetadata` from the policy's ordered list of
-   `(name, shape, dtype)` with `build_refit_metadata`, and hands it to the generation workers
-   (`GenerationWorker.prepare_refit_info`), which check that every name is one of their
+   `(name, shape, dtype)` with `build_refit_metadata`, cut into buckets of
+   `policy.refit_buffer_size_gb` (`default_bucket_bytes` when unset), and hands it to the
+   generation workers (`prepare_refit_info`), which check that every name is one of their
    parameters. From then on no per-tensor metadata travels.
-2. Each refit, the policy's rank 0 (holding a full `{name: tensor}` state dict, gathered from
-   FSDP shards by the policy) calls `pack(state_dict, metadata)`: every tensor is copied into
-   one of a few contiguous `numpy.uint8` buffers at a 512-byte aligned offset.
-3. The buffers go to Ray's object store once (`ray.put`); every generation worker gets the same
-   object refs and `ray.get`s them. numpy arrays are read **zero-copy** from the shared-memory
-   object store on the same node, so each worker only runs `load_packed`: views
-   `buf[offset:offset+nbytes].view(dtype).view(shape)` copied into its parameters.
-
-Copies of each byte on one node: (1) tensor -> packed buffer in `pack` (device-to-host when the
-policy is on GPU), (2) buffer -> object store in `ray.put`, (3) object store -> parameter in
-`load_packed` (host-to-device on GPU). The receive side sends no per-tensor messages.
+2. Each refit streams the buckets: for each, the policy ranks gather its tensors one at a time
+   from their shards and the packing rank copies each into one `uint8` buffer at a 512-byte
+   aligned offset, cast to the engine's dtype (`pack_bucket`); the bucket is sent (a broadcast
+   group, CUDA IPC, or Ray's object store: `GenerationInterface.refit_from_policy`), every
+   generation worker copies it into its parameters (`load_bucket`: views
+   `buf[offset:offset+nbytes].view(dtype).view(shape)`), and it is freed before the next. A
+   sender holds one bucket plus one gathered tensor beyond the model, a receiver one bucket.
 
 Refit is lazy: generation tracks the `weights_version` it holds, the controller refits only when
 the policy's version differs.
-
-"""
 
 from __future__ import annotations
 
