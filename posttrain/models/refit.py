@@ -17,6 +17,7 @@ Flow (after NeMo-RL's packed refit, `reference/nemo-rl.md` section 6):
 
 Refit is lazy: generation tracks the `weights_version` it holds, the controller refits only when
 the policy's version differs.
+"""
 
 from __future__ import annotations
 
