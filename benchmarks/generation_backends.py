@@ -54,7 +54,7 @@ def measure(model: str, backend: str, args) -> dict[str, float]:
         started = time.perf_counter()
         generation = make_generation(cfg, gen_cluster)
         startup = time.perf_counter() - started
-        metadata = build_refit_metadata(policy.refit_info(), cfg.policy.generation.refit_buffer_size_mb * 2**20,
+        metadata = build_refit_metadata(policy.refit_info(), policy.refit_bucket_bytes(),
                                         dtypes=generation.weight_dtypes())
         generation.prepare_refit_info(metadata)
         batch = prompts(args.batch, args.prompt_len, args.vocab)

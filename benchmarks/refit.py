@@ -105,7 +105,7 @@ def bench(preset: str, bucket_bytes: int, repeats: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["tiny", "100m"], help="posttrain.models.tiny presets")
-    parser.add_argument("--bucket-mb", type=int, default=512, help="refit buffer size (policy.generation.refit_buffer_size_mb)")
+    parser.add_argument("--bucket-mb", type=int, default=512, help="refit bucket size (policy.refit_buffer_size_gb)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)

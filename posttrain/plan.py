@@ -12,7 +12,7 @@ against the device memory and names the config keys that would make it fit.
 Phases, as a colocated GRPO step runs them (NeMo-RL's step, reference notes "Refit" and
 "Inside policy.train"): generation (the engine decodes; the policy's weights and optimizer state
 stay resident unless offloaded), refit (the policy's weights go to the engine in
-`policy.generation.refit_buffer_size_mb` buckets), logprobs (forward passes without gradients)
+`policy.refit_buffer_size_gb` buckets, one at a time), logprobs (forward passes without gradients)
 and training (forward and backward, then the optimizer step). With split placement the
 generation engine has devices of its own (`policy.generation.colocated.enabled=false`).
 
@@ -235,6 +235,7 @@ def micro_batch_tokens(policy: Any, training: bool) -> int:
 def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None) -> Plan:
     """What each device holds in each phase for `cfg` (a validated master config) and `shape`."""
     from posttrain.config.schema import resolve_backend
+    from posttrain.models.refit import MAX_BUCKET_BYTES
 
     policy, gen = cfg.policy, cfg.policy.generation
     on_gpu = cfg.cluster.gpus_per_node > 0
@@ -272,7 +273,9 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None)
             counts.append(gen.colocated.num_workers or 1)
             if not on_gpu:
                 engine.add("runtime (python, torch)", CPU_RUNTIME_BYTES)
-        refit_bucket = min(gen.refit_buffer_size_mb * MiB, c * shape.num_params) + c * shape.largest_tensor
+        # Unset, the bucket is a share of free memory at run time, at most MAX_BUCKET_BYTES: plan for that most.
+        bucket = policy.refit_buffer_size_gb * GiB if policy.refit_buffer_size_gb else MAX_BUCKET_BYTES
+        refit_bucket = min(bucket, c * shape.num_params) + c * shape.largest_tensor
         engine_phases = ("generation", "refit") if colocated else PHASES
         if gen.backend == "vllm" and on_gpu:
             util = gen.vllm_cfg.gpu_memory_utilization

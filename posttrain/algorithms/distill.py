@@ -171,7 +171,7 @@ def setup(cfg: DistillMasterConfig) -> DistillContext:
         lambda: make_policy(cfg, teacher_cluster, cfg.teacher, init_optimizer=False, name="teacher"),
     )
     refit_metadata = build_refit_metadata(
-        policy.refit_info(), cfg.policy.generation.refit_buffer_size_mb * 2**20, dtypes=generation.weight_dtypes()
+        policy.refit_info(), policy.refit_bucket_bytes(), dtypes=generation.weight_dtypes()
     )
     generation.prepare_refit_info(refit_metadata)
     envs = make_envs(cfg, routes(train_samples) + routes(val_samples))

@@ -105,7 +105,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
         lambda: make_generation(cfg, gen_cluster),
     )
     refit_metadata = build_refit_metadata(
-        policy.refit_info(), cfg.policy.generation.refit_buffer_size_mb * 2**20, dtypes=generation.weight_dtypes()
+        policy.refit_info(), policy.refit_bucket_bytes(), dtypes=generation.weight_dtypes()
     )
     generation.prepare_refit_info(refit_metadata)
 

@@ -94,6 +94,15 @@ class DistributedWorker:
         """True once the worker is constructed (a liveness check)."""
         return True
 
+    def host_memory(self, reset_peak: bool = False) -> dict[str, int]:
+        """`{"rss": bytes resident now, "peak_rss": highest since the last reset}` of this worker's
+        process (`posttrain.utils.memory`); `reset_peak` first starts a new high-water mark."""
+        from posttrain.utils import memory
+
+        if reset_peak:
+            memory.reset_peak_rss()
+        return {"rss": memory.rss_bytes(), "peak_rss": memory.peak_rss_bytes()}
+
     def get_node_ip(self) -> str:
         """IP address of the node this worker runs on."""
         if self.is_local:

@@ -9,7 +9,7 @@ Face exports, `posttrain convert`) sees *merged* weights under the base model's 
 from __future__ import annotations
 
 import warnings
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 
@@ -72,19 +72,25 @@ def base_name(name: str) -> str:
     return name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
 
 
+def merged_tensor(
+    state: Mapping[str, torch.Tensor], name: str, lora_scaling: float,
+    materialize: Callable[[torch.Tensor], torch.Tensor] = lambda tensor: tensor,
+) -> torch.Tensor:
+    """The weight `name` (a peft name, not an adapter) with its adapter folded in
+    (`W + scaling * B @ A`); `materialize` turns each stored tensor into a full one (e.g.
+    `DTensor.full_tensor`), so a streamed refit gathers one weight and its adapter at a time."""
+    tensor = materialize(state[name])
+    if name.endswith(".base_layer.weight"):
+        prefix = name[: -len("base_layer.weight")]
+        a = materialize(state[f"{prefix}lora_A.{ADAPTER}.weight"])
+        b = materialize(state[f"{prefix}lora_B.{ADAPTER}.weight"])
+        tensor = tensor + lora_scaling * (b.to(tensor.dtype) @ a.to(tensor.dtype))
+    return tensor
+
+
 def merged_state_dict(state: Mapping[str, torch.Tensor], lora_scaling: float) -> dict[str, torch.Tensor]:
     """Base-model names -> weights with every adapter folded in (`W + scaling * B @ A`)."""
-    merged = {}
-    for name, tensor in state.items():
-        if is_adapter(name):
-            continue
-        if name.endswith(".base_layer.weight"):
-            prefix = name[: -len("base_layer.weight")]
-            a = state[f"{prefix}lora_A.{ADAPTER}.weight"]
-            b = state[f"{prefix}lora_B.{ADAPTER}.weight"]
-            tensor = tensor + lora_scaling * (b.to(tensor.dtype) @ a.to(tensor.dtype))
-        merged[base_name(name)] = tensor
-    return merged
+    return {base_name(name): merged_tensor(state, name, lora_scaling) for name in state if not is_adapter(name)}
 
 
 def export_layout(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

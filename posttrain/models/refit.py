@@ -1,26 +1,22 @@
-"""Refit: copy the policy's weights into the generation workers, packed into a few byte buffers.
+"""Refit: copy the policy's weights into the generation workers, one packed bucket at a time.
 
 Flow (after NeMo-RL's packed refit, `reference/nemo-rl.md` section 6):
 
 1. Once at set-up, the controller builds `RefitMetadata` from the policy's ordered list of
-   `(name, shape, dtype)` with `build_refit_metadata`, and hands it to the generation workers
-   (`GenerationWorker.prepare_refit_info`), which check that every name is one of their
+   `(name, shape, dtype)` with `build_refit_metadata`, cut into buckets of
+   `policy.refit_buffer_size_gb` (`default_bucket_bytes` when unset), and hands it to the
+   generation workers (`prepare_refit_info`), which check that every name is one of their
    parameters. From then on no per-tensor metadata travels.
-2. Each refit, the policy's rank 0 (holding a full `{name: tensor}` state dict, gathered from
-   FSDP shards by the policy) calls `pack(state_dict, metadata)`: every tensor is copied into
-   one of a few contiguous `numpy.uint8` buffers at a 512-byte aligned offset.
-3. The buffers go to Ray's object store once (`ray.put`); every generation worker gets the same
-   object refs and `ray.get`s them. numpy arrays are read **zero-copy** from the shared-memory
-   object store on the same node, so each worker only runs `load_packed`: views
-   `buf[offset:offset+nbytes].view(dtype).view(shape)` copied into its parameters.
-
-Copies of each byte on one node: (1) tensor -> packed buffer in `pack` (device-to-host when the
-policy is on GPU), (2) buffer -> object store in `ray.put`, (3) object store -> parameter in
-`load_packed` (host-to-device on GPU). The receive side sends no per-tensor messages.
+2. Each refit streams the buckets: for each, the policy ranks gather its tensors one at a time
+   from their shards and the packing rank copies each into one `uint8` buffer at a 512-byte
+   aligned offset, cast to the engine's dtype (`pack_bucket`); the bucket is sent (a broadcast
+   group, CUDA IPC, or Ray's object store: `GenerationInterface.refit_from_policy`), every
+   generation worker copies it into its parameters (`load_bucket`: views
+   `buf[offset:offset+nbytes].view(dtype).view(shape)`), and it is freed before the next. A
+   sender holds one bucket plus one gathered tensor beyond the model, a receiver one bucket.
 
 Refit is lazy: generation tracks the `weights_version` it holds, the controller refits only when
 the policy's version differs.
-
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -60,8 +56,33 @@ class RefitMetadata:
         return sum(self.bucket_sizes)
 
     @property
+    def max_bucket_bytes(self) -> int:
+        return max(self.bucket_sizes, default=0)
+
+    @property
     def names(self) -> list[str]:
         return [slot.name for slot in self.slots]
+
+
+# Default refit bucket: this share of the free memory where the buckets are packed (host RAM on
+# CPU, the GPU's free memory on GPU), within the bounds below. A refit holds at most one bucket
+# plus one gathered tensor beside the model on the sender, one bucket on each receiver.
+REFIT_FREE_MEMORY_FRACTION = 0.2
+MIN_BUCKET_BYTES = 1 << 20
+MAX_BUCKET_BYTES = 2 << 30
+
+
+def default_bucket_bytes(device: torch.device) -> int:
+    """The refit bucket size `policy.refit_buffer_size_gb` stands for when unset, on `device`:
+    `REFIT_FREE_MEMORY_FRACTION` of its free memory (`torch.cuda.mem_get_info` on a GPU, available
+    host RAM on CPU), between 1 MiB and 2 GiB."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    return int(min(max(free * REFIT_FREE_MEMORY_FRACTION, MIN_BUCKET_BYTES), MAX_BUCKET_BYTES))
 
 
 def _aligned(nbytes: int, alignment: int) -> int:
@@ -82,8 +103,9 @@ def build_refit_metadata(
             vLLM holds all its weights in one dtype), which the buffers then carry (default None:
             the sender's). float32 masters sent to a bfloat16 engine are cast while packing, so the
             transfer moves half the bytes and the receiver copies without casting.
-        bucket_bytes: target buffer size (default 512 MiB, `policy.generation.refit_buffer_size_mb`).
-            A tensor larger than this gets a buffer of its own; buffers hold whole tensors.
+        bucket_bytes: target buffer size (default 512 MiB; jobs pass `policy.refit_buffer_size_gb`,
+            see `Policy.refit_bucket_bytes`). A tensor larger than this gets a buffer of its own;
+            buffers hold whole tensors.
         alignment: every tensor starts at a multiple of this many bytes (default 512, as NeMo-RL's
             IPC refit) so dtype views of the buffer are always legal and aligned.
     """
@@ -132,54 +154,74 @@ def _byte_view(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
 
 
-def pack(state_dict: Mapping[str, torch.Tensor], metadata: RefitMetadata) -> list[np.ndarray]:
-    """Copy every tensor of `metadata` from `state_dict` into fresh uint8 buffers (one copy).
+def bucket_slots(metadata: RefitMetadata, bucket: int) -> list[ParamSlot]:
+    """The slots of buffer `bucket`, in packing order."""
+    if not 0 <= bucket < len(metadata.bucket_sizes):
+        raise IndexError(f"refit: bucket {bucket} does not exist; the metadata has {len(metadata.bucket_sizes)}")
+    return [slot for slot in metadata.slots if slot.bucket == bucket]
 
-    Tensors are cast to the metadata dtype when they differ (e.g. float32 master weights sent as
-    bfloat16). Raises KeyError naming missing tensors and ValueError on a shape mismatch.
+
+def pack_bucket(
+    tensor_of: Callable[[str], torch.Tensor], metadata: RefitMetadata, bucket: int, device: torch.device | str = "cpu",
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """One uint8 buffer on `device` holding the tensors of `bucket`, cast to the metadata dtypes.
+
+    `tensor_of(name)` is asked for one tensor at a time, just before it is copied, and the
+    reference is dropped right after: with a `tensor_of` that gathers a sharded parameter
+    (`DTensor.full_tensor()`), the memory a bucket costs is the buffer plus one full tensor.
+    `out` (default None: a new buffer): a uint8 tensor of at least `max_bucket_bytes` to pack
+    into (its leading bytes are returned), so a refit that sends bucket after bucket reuses one
+    buffer. Raises ValueError on a shape mismatch.
     """
+    size = metadata.bucket_sizes[bucket]
+    if out is None:
+        buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+    else:
+        buffer = out[:size]
+        buffer.zero_()
+    for slot in bucket_slots(metadata, bucket):
+        tensor = tensor_of(slot.name)
+        if tuple(tensor.shape) != slot.shape:
+            raise ValueError(f"refit pack: {slot.name!r} has shape {tuple(tensor.shape)}, metadata says {slot.shape}")
+        buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(tensor.detach())
+        del tensor
+    return buffer
+
+
+def unpack_bucket(buffer: np.ndarray | torch.Tensor, metadata: RefitMetadata, bucket: int) -> dict[str, torch.Tensor]:
+    """Views (no copies) of the tensors of `bucket` in its buffer (a numpy array or a torch
+    uint8 tensor on any device)."""
+    size = metadata.bucket_sizes[bucket]
+    if isinstance(buffer, np.ndarray):
+        if buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer.shape[0] != size:
+            raise ValueError(f"refit: buffer {bucket} is {buffer.dtype}[{buffer.shape}], expected uint8[{size}]")
+        buffer = _byte_view(buffer)
+    elif buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.shape[0] != size:
+        raise ValueError(f"refit: buffer {bucket} is {buffer.dtype}[{tuple(buffer.shape)}], expected uint8[{size}]")
+    return {
+        slot.name: buffer[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+        for slot in bucket_slots(metadata, bucket)
+    }
+
+
+def pack(state_dict: Mapping[str, torch.Tensor], metadata: RefitMetadata) -> list[np.ndarray]:
+    """Every bucket of `metadata` packed from a full `state_dict` (tests and benchmarks; refits
+    stream one bucket at a time with `pack_bucket`). Raises KeyError naming missing tensors."""
     missing = [slot.name for slot in metadata.slots if slot.name not in state_dict]
     if missing:
         raise KeyError(f"refit pack: state dict lacks {len(missing)} tensors of the metadata, e.g. {missing[:5]}")
-    buffers = [np.zeros(size, dtype=np.uint8) for size in metadata.bucket_sizes]
-    byte_views = [_byte_view(buf) for buf in buffers]
-    for slot in metadata.slots:
-        tensor = state_dict[slot.name]
-        if tuple(tensor.shape) != slot.shape:
-            raise ValueError(f"refit pack: {slot.name!r} has shape {tuple(tensor.shape)}, metadata says {slot.shape}")
-        target = byte_views[slot.bucket][slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-        target.copy_(tensor.detach())
-    return buffers
-
-
-def pack_on_device(state_dict: Mapping[str, torch.Tensor], metadata: RefitMetadata, device: torch.device) -> list[torch.Tensor]:
-    """`pack` into uint8 torch buffers on `device` (GPU refits: CUDA IPC and broadcast)."""
-    missing = [slot.name for slot in metadata.slots if slot.name not in state_dict]
-    if missing:
-        raise KeyError(f"refit pack: state dict lacks {len(missing)} tensors of the metadata, e.g. {missing[:5]}")
-    buffers = [torch.zeros(size, dtype=torch.uint8, device=device) for size in metadata.bucket_sizes]
-    for slot in metadata.slots:
-        tensor = state_dict[slot.name]
-        if hasattr(tensor, "full_tensor"):  # a DTensor left sharded
-            tensor = tensor.full_tensor()
-        if tuple(tensor.shape) != slot.shape:
-            raise ValueError(f"refit pack: {slot.name!r} has shape {tuple(tensor.shape)}, metadata says {slot.shape}")
-        buffers[slot.bucket][slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape).copy_(tensor.detach())
-    return buffers
+    return [pack_bucket(state_dict.__getitem__, metadata, bucket).numpy() for bucket in range(len(metadata.bucket_sizes))]
 
 
 def unpack(buffers: Sequence[np.ndarray], metadata: RefitMetadata) -> dict[str, torch.Tensor]:
     """Views (no copies) of every tensor in the packed buffers, on CPU."""
     if len(buffers) != len(metadata.bucket_sizes):
         raise ValueError(f"refit: got {len(buffers)} buffers, metadata describes {len(metadata.bucket_sizes)}")
-    for i, (buf, size) in enumerate(zip(buffers, metadata.bucket_sizes)):
-        if buf.dtype != np.uint8 or buf.ndim != 1 or buf.shape[0] != size:
-            raise ValueError(f"refit: buffer {i} is {buf.dtype}[{buf.shape}], expected uint8[{size}]")
-    byte_views = [_byte_view(buf) for buf in buffers]
-    return {
-        slot.name: byte_views[slot.bucket][slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-        for slot in metadata.slots
-    }
+    views: dict[str, torch.Tensor] = {}
+    for bucket, buffer in enumerate(buffers):
+        views.update(unpack_bucket(buffer, metadata, bucket))
+    return {slot.name: views[slot.name] for slot in metadata.slots}
 
 
 def check_metadata_matches(model: torch.nn.Module, metadata: RefitMetadata) -> None:
@@ -201,15 +243,23 @@ def check_metadata_matches(model: torch.nn.Module, metadata: RefitMetadata) -> N
 
 
 @torch.no_grad()
-def load_packed(model: torch.nn.Module, buffers: Sequence[np.ndarray], metadata: RefitMetadata) -> None:
-    """Copy the packed tensors into the model's parameters and buffers in place (one copy each)."""
+def load_bucket(model: torch.nn.Module, buffer: np.ndarray | torch.Tensor, metadata: RefitMetadata, bucket: int) -> None:
+    """Copy the tensors of one packed bucket into the model's parameters and buffers in place."""
     own = model.state_dict()  # tensors share storage with the model's parameters
-    for name, view in unpack(buffers, metadata).items():
+    for name, view in unpack_bucket(buffer, metadata, bucket).items():
         if name not in own:
             raise KeyError(f"refit: model has no tensor named {name!r}")
         own[name].copy_(view, non_blocking=True)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    if own and next(iter(own.values())).is_cuda:
+        torch.cuda.synchronize()  # the buffer may be freed as soon as this returns
+
+
+def load_packed(model: torch.nn.Module, buffers: Sequence[np.ndarray], metadata: RefitMetadata) -> None:
+    """`load_bucket` for every bucket of `metadata`."""
+    if len(buffers) != len(metadata.bucket_sizes):
+        raise ValueError(f"refit: got {len(buffers)} buffers, metadata describes {len(metadata.bucket_sizes)}")
+    for bucket, buffer in enumerate(buffers):
+        load_bucket(model, buffer, metadata, bucket)
 
 
 def state_dict_checksum(

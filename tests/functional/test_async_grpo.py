@@ -102,7 +102,7 @@ def test_staleness_eviction_with_a_real_collector(ray_cluster, tmp_path):
             assert collector.problem() is None and time.monotonic() < deadline
             time.sleep(0.05)
         # The policy moved on three steps without them (version 3): step-0 groups are too old.
-        ctx.generation.update_weights(ctx.policy.pack_for_refit(ctx.refit_metadata), 3)
+        ctx.generation.refit_from_policy(ctx.policy, ctx.refit_metadata, 3)
         collector.consumed_steps = 3
         fresh = buffer.take(4, current_version=3, timeout=60, producer_error=collector.problem)
         assert buffer.evicted == 8

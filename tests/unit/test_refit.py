@@ -6,9 +6,13 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from posttrain.models.refit import (
+    bucket_slots,
     build_refit_metadata,
     check_metadata_matches,
+    default_bucket_bytes,
+    load_bucket,
     load_packed,
+    pack_bucket,
     pack,
     refit_metadata_from_state_dict,
     state_dict_checksum,
@@ -123,3 +127,88 @@ def test_check_metadata_rejects_foreign_names():
     meta = build_refit_metadata([("not.a.param", (2,), torch.float32)])
     with pytest.raises(ValueError, match="not.a.param"):
         check_metadata_matches(target, meta)
+
+
+def test_pack_bucket_holds_one_gathered_tensor_at_a_time():
+    """A streamed refit asks for each tensor just before copying it and drops it right after:
+    never two gathered tensors alive at once, and only the bucket's own tensors are asked for."""
+    import weakref
+
+    state = mixed_state_dict()
+    meta = refit_metadata_from_state_dict(state, bucket_bytes=1024)
+    alive: set[int] = set()
+    peak, asked = 0, []
+
+    def gather(name: str) -> torch.Tensor:  # stands in for DTensor.full_tensor(): a fresh copy
+        nonlocal peak
+        full = state[name].clone()
+        alive.add(id(full))
+        weakref.finalize(full, alive.discard, id(full))
+        peak = max(peak, len(alive))
+        asked.append(name)
+        return full
+
+    buffers = []
+    for bucket in range(len(meta.bucket_sizes)):
+        buffer = pack_bucket(gather, meta, bucket)
+        assert [s.name for s in bucket_slots(meta, bucket)] == asked[-len(bucket_slots(meta, bucket)):]
+        buffers.append(buffer.numpy())
+    assert peak == 1 and not alive
+    assert asked == list(state)
+    assert len(buffers) > 1 and [b.nbytes for b in buffers] == list(meta.bucket_sizes)
+    # Bit-exact, and the same bytes as packing from the whole state dict.
+    assert all(np.array_equal(a, b) for a, b in zip(buffers, pack(state, meta)))
+    # One reused buffer (`out`) gives the same bytes.
+    out = torch.full((meta.max_bucket_bytes,), 255, dtype=torch.uint8)
+    for bucket, expected in enumerate(buffers):
+        assert np.array_equal(pack_bucket(state.__getitem__, meta, bucket, out=out).numpy(), expected)
+
+
+def test_load_bucket_loads_only_that_bucket_and_checks_its_size():
+    source, target = tiny_llama(1), tiny_llama(2)
+    meta = refit_metadata_from_state_dict(source.state_dict(), bucket_bytes=4096)
+    first = {s.name for s in bucket_slots(meta, 0)}
+    differing = {n for n, t in target.state_dict().items() if not torch.equal(t, source.state_dict()[n])}
+    assert first & differing and differing - first
+    load_bucket(target, pack_bucket(source.state_dict().__getitem__, meta, 0), meta, 0)
+    for name in differing:
+        assert torch.equal(target.state_dict()[name], source.state_dict()[name]) == (name in first), name
+    with pytest.raises(ValueError, match="expected uint8"):
+        load_bucket(target, torch.zeros(3, dtype=torch.uint8), meta, 0)
+    with pytest.raises(IndexError, match="bucket 99"):
+        bucket_slots(meta, 99)
+
+
+def test_default_bucket_is_a_share_of_free_host_memory(monkeypatch):
+    import psutil
+
+    class Free:
+        def __init__(self, available):
+            self.available = available
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Free(10 << 30))
+    assert default_bucket_bytes(torch.device("cpu")) == 2 << 30  # capped
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Free(1 << 30))
+    assert default_bucket_bytes(torch.device("cpu")) == int(0.2 * (1 << 30))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Free(1 << 20))
+    assert default_bucket_bytes(torch.device("cpu")) == 1 << 20  # floor
+
+
+def test_lora_merged_tensor_matches_the_merged_state_dict():
+    from posttrain.models import lora
+
+    torch.manual_seed(0)
+    prefix = "base_model.model.layers.0.q_proj."
+    state = {
+        prefix + "base_layer.weight": torch.randn(4, 6),
+        prefix + f"lora_A.{lora.ADAPTER}.weight": torch.randn(2, 6),
+        prefix + f"lora_B.{lora.ADAPTER}.weight": torch.randn(4, 2),
+        "base_model.model.norm.weight": torch.randn(6),
+    }
+    merged = lora.merged_state_dict(state, 0.5)
+    calls = []
+    for name in state:
+        if not lora.is_adapter(name):
+            one = lora.merged_tensor(state, name, 0.5, lambda t: calls.append(t) or t)
+            assert torch.equal(one, merged[lora.base_name(name)])
+    assert len(calls) == 4  # the base weight, its two adapters, the norm

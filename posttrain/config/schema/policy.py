@@ -195,7 +195,6 @@ class GenerationConfig(Section):
             "logprob probe against the policy (vllm). None: on for vllm, off for native."
         ),
     )
-    refit_buffer_size_mb: int = Field(512, ge=1, description="Size of each packed refit buffer.")
     vllm_cfg: VllmConfig = VllmConfig()
 
     @field_validator("backend")
@@ -298,6 +297,15 @@ class PolicyConfig(Section):
         ),
     )
     num_workers: int = Field(1, ge=1, description="Data-parallel training workers.")
+    refit_buffer_size_gb: Optional[float] = Field(
+        None, gt=0,
+        description=(
+            "Size of one refit bucket: weights leave the trainer one bucket at a time (gathered tensor by tensor, "
+            "cast to the engine's dtype, sent, loaded, freed). None: a fifth of the free memory where buckets are "
+            "packed (the GPU's on GPU, available host RAM on CPU), between 1 MiB and 2 GiB, the smallest over the "
+            "policy workers."
+        ),
+    )
     optimizer: OptimizerConfig = OptimizerConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     sequence_packing: SequencePackingConfig = SequencePackingConfig()

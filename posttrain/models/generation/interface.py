@@ -12,7 +12,7 @@ Typical use from an algorithm loop:
     generation.prepare_refit_info(build_refit_metadata(policy_param_info, bucket_bytes, dtypes=generation.weight_dtypes()))
     ...
     if generation.weights_version != policy_version:  # lazy refit
-        generation.update_weights(policy_buffers, policy_version)
+        refit_policy_generation(policy, generation, metadata, version=policy_version)  # bucket by bucket
     generation.prepare_for_generation()
     out = generation.generate(batch, greedy=False)
     generation.finish_generation()
@@ -130,13 +130,27 @@ class GenerationInterface(abc.ABC):
         """Load packed weights (`posttrain.models.refit.pack` output) and record `version`."""
 
     @abc.abstractmethod
+    def load_bucket(self, buffer: Any, bucket: int) -> None:
+        """Load one packed bucket (`refit.pack_bucket` output, or an ObjectRef to it) into every worker."""
+
+    @abc.abstractmethod
+    def finish_refit(self, version: int) -> None:
+        """Every bucket is in: record `version` as the weights the engine holds."""
+
+    @abc.abstractmethod
     def shutdown(self) -> bool:
         """Stop the workers."""
 
     def refit_from_policy(self, policy: Any, metadata: RefitMetadata, version: int) -> None:
-        """Copy `policy`'s current weights in (default: its rank 0's packed buffers through the
-        object store, `update_weights`). Backends with a faster path on GPU override this."""
-        self.update_weights(policy.pack_for_refit(metadata), version)
+        """Copy `policy`'s current weights in, one bucket at a time (default: rank 0 packs a bucket
+        into the object store, every worker loads it, and it is freed before the next is packed,
+        so the store, the sender and each receiver hold one bucket at a time). Backends with a
+        faster path on GPU override this."""
+        for bucket in range(len(metadata.bucket_sizes)):
+            ref = policy.pack_for_refit(metadata, bucket)
+            self.load_bucket(ref, bucket)
+            del ref  # frees the bucket in the object store before the next one is packed
+        self.finish_refit(version)
 
     def verify_refit(self, policy: Any, version: int) -> None:
         """Raise `RefitVerificationError` unless the engine now holds `policy`'s weights (default:

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-import numpy as np
+
 import torch
 
-from posttrain.distributed import actors
 from posttrain.distributed.worker_group import WorkerGroup
 from posttrain.models.generation.backends import register_generation_backend
 from posttrain.models.generation.interface import GenerationSpec
@@ -41,30 +40,25 @@ class NativeGeneration(WorkerGroupGeneration):
     def prepare_refit_info(self, metadata: RefitMetadata) -> None:
         self.worker_group.run_all("prepare_refit_info", metadata)
 
-    def update_weights(self, buffers: Sequence[np.ndarray] | Any, version: int) -> None:
-        """Send packed buffers to every worker through the object store, once.
-
-        Args:
-            buffers: `refit.pack` output, or an ObjectRef to it (e.g. what the policy's rank 0
-                returned), which is passed on without fetching it here.
-            version: the policy's weights version these buffers hold.
-        """
-        ref = buffers if actors.is_ref(buffers) else actors.put(list(buffers), self.worker_group.is_local)
-        # A top-level ObjectRef argument is resolved by Ray in each worker: the arrays are read
-        # zero-copy from the node's shared memory.
-        self.worker_group.run_all("update_weights", ref, version)
-        self.weights_version = version
-
     def refit_from_policy(self, policy: Any, metadata: RefitMetadata, version: int) -> None:
         """With the policy in this process too (the local backend), the engine reads the policy's
         weights in place (`GenerationWorker.share_weights`): no packing, no copy once shared.
-        Otherwise packed buffers through the object store (`update_weights`)."""
+        Otherwise bucket by bucket over a broadcast group from policy rank 0 (gloo on CPU, either
+        placement; nccl on GPUs, split placement), or through the object store (colocated on
+        GPUs, where two ranks of one nccl group cannot share a GPU). On CPU the broadcast, not
+        the object store: each bucket Ray stores touches new shared-memory pages, so a streamed
+        refit through it still left every process about one model's worth larger (measured:
+        ~790 MiB for a 397 MiB model, tests/functional/test_refit_memory.py)."""
         if self.worker_group.is_local and policy.worker_group.is_local:
             weights = policy.worker_group.run_rank0("live_weights")
             if weights is not None:
                 self.worker_group.run_all("share_weights", weights, version)
                 self.weights_version = version
                 return
+        on_gpus = getattr(self.worker_group.cluster, "use_gpus", False)
+        if not self.worker_group.is_local and (not self.config.colocated.enabled or not on_gpus):
+            self._refit_by_broadcast(policy, metadata, version, ranks_per_worker=1)
+            return
         super().refit_from_policy(policy, metadata, version)
 
     def weight_dtypes(self) -> dict[str, torch.dtype]:

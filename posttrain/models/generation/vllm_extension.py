@@ -7,12 +7,13 @@ model's own `load_weights` maps Hugging Face names onto vLLM's fused, tensor-par
 (`q/k/v_proj` -> `qkv_proj`, `gate/up_proj` -> `gate_up_proj`, shards per rank).
 
 Three ways the bytes arrive (after NeMo-RL's vLLM refit):
-- in-process (CPU, and any engine running in the actor's process): the packed numpy buffers, read
+- in-process (CPU, and any engine running in the actor's process): a packed numpy bucket, read
   zero-copy from Ray's object store;
-- CUDA IPC (colocated on GPU): a handle to a packed buffer the policy worker on the same GPU
+- CUDA IPC (colocated on GPU): a handle to a packed bucket the policy worker on the same GPU
   filled;
-- a collective broadcast (split placement on GPU): policy rank 0 broadcasts the packed buffers
+- a collective broadcast (split placement on GPU): policy rank 0 broadcasts the packed buckets
   over a process group it shares with every vLLM worker.
+Every way carries one bucket at a time (`refit.pack_bucket`), loaded before the next arrives.
 The two GPU ways have not run yet (docs/scaling.md, "GPU-only paths").
 
 This module is imported by vLLM inside the isolated environment; it must not import vllm at
@@ -21,11 +22,11 @@ module level (the driver imports it to name it).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
-from posttrain.models.refit import RefitMetadata, unpack
+from posttrain.models.refit import RefitMetadata, unpack_bucket
 
 EXTENSION_QUALNAME = "posttrain.models.generation.vllm_extension.VllmWeightLoader"
 
@@ -53,17 +54,17 @@ class VllmWeightLoader:
         return metadata
 
     @torch.no_grad()
-    def posttrain_load_packed(self, buffers: Sequence[Any]) -> int:
-        """Load packed CPU buffers (numpy uint8 arrays from `refit.pack`); returns the tensors loaded."""
-        views = unpack(list(buffers), self._posttrain_metadata())
-        return self._posttrain_load(views)
+    def posttrain_load_bucket(self, buffer: Any, bucket: int) -> int:
+        """Load one packed CPU bucket (a numpy uint8 array from `refit.pack_bucket`); returns the
+        tensors loaded."""
+        return self._posttrain_load(unpack_bucket(buffer, self._posttrain_metadata(), bucket))
 
     @torch.no_grad()
-    def posttrain_load_ipc(self, handles_by_device: dict[str, list[Any]]) -> int:
-        """Colocated GPU refit: rebuild the policy's packed GPU buffers from CUDA IPC handles.
+    def posttrain_load_ipc(self, handles_by_device: dict[str, list[Any]], bucket: int) -> int:
+        """Colocated GPU refit: rebuild the policy's packed GPU bucket from CUDA IPC handles.
 
-        `handles_by_device` maps a GPU's UUID to the handles (`torch.multiprocessing.reductions
-        .reduce_tensor` output) of the buffers packed on that GPU; each vLLM worker opens those of
+        `handles_by_device` maps a GPU's UUID to the handle (`torch.multiprocessing.reductions
+        .reduce_tensor` output) of the bucket packed on that GPU; each vLLM worker opens the one of
         its own GPU, so no byte crosses PCIe.
         """
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)
@@ -71,13 +72,11 @@ class VllmWeightLoader:
             raise RuntimeError(
                 f"colocated refit: no packed buffers on this worker's GPU {uuid}; policy GPUs: {sorted(handles_by_device)}"
             )
-        buffers = []
-        for rebuild, args in handles_by_device[uuid]:
-            args = list(args)
-            args[6] = self.device.index  # the handle names the sender's device ordinal; use ours (same GPU)
-            buffers.append(rebuild(*args))
-        views = _unpack_tensors(buffers, self._posttrain_metadata())
-        loaded = self._posttrain_load(views)
+        (rebuild, args), = handles_by_device[uuid]
+        args = list(args)
+        args[6] = self.device.index  # the handle names the sender's device ordinal; use ours (same GPU)
+        buffer = rebuild(*args)
+        loaded = self._posttrain_load(unpack_bucket(buffer, self._posttrain_metadata(), bucket))
         torch.cuda.synchronize()
         return loaded
 
@@ -92,16 +91,19 @@ class VllmWeightLoader:
 
     @torch.no_grad()
     def posttrain_load_broadcast(self) -> int:
-        """Receive every packed buffer from the broadcast group's rank 0 and load it."""
+        """Receive the buckets from the broadcast group's rank 0 one at a time, loading each
+        before the next arrives (every tensor-parallel rank holds one bucket at a time)."""
         group = getattr(self, "_posttrain_broadcast_group", None)
         if group is None:
             raise RuntimeError("broadcast refit before the broadcast group was set up")
         metadata = self._posttrain_metadata()
-        buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for size in metadata.bucket_sizes]
-        for buffer in buffers:
+        loaded = 0
+        receive = torch.empty(metadata.max_bucket_bytes, dtype=torch.uint8, device=self.device)
+        for bucket, size in enumerate(metadata.bucket_sizes):
+            buffer = receive[:size]
             group.broadcast(buffer, src=0)
-        loaded = self._posttrain_load(_unpack_tensors(buffers, metadata))
-        torch.cuda.synchronize()
+            loaded += self._posttrain_load(unpack_bucket(buffer, metadata, bucket))
+            torch.cuda.synchronize()  # loaded before the next bucket overwrites the buffer
         return loaded
 
     def posttrain_weights_fingerprint(self) -> float:
@@ -116,14 +118,6 @@ class VllmWeightLoader:
         # restores the checkpoint layout layer by layer, loads, and processes again.
         self.model_runner.reload_weights(weights_iterator=iter(views.items()), is_checkpoint_format=True)
         return len(views)
-
-
-def _unpack_tensors(buffers: Sequence[torch.Tensor], metadata: RefitMetadata) -> dict[str, torch.Tensor]:
-    """`refit.unpack` for torch uint8 buffers (on any device): views, no copies."""
-    return {
-        slot.name: buffers[slot.bucket][slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
-        for slot in metadata.slots
-    }
 
 
 # vLLM fuses these Hugging Face projections into one parameter per layer (every decoder-only

@@ -4,13 +4,15 @@ Same interface and output contract as the native backend (`native.NativeGenerati
 cannot tell them apart. Registered as the backend "vllm" (backends.py). Each data-parallel engine is one `VllmGenerationWorker` actor started with the
 interpreter of vLLM's isolated environment (`vllm_env.py`, built on first use and cached).
 
-Refit (`refit_from_policy`), after NeMo-RL's vLLM refit:
-- CPU, either placement: the policy's rank 0 packs its weights into a few byte buffers in Ray's
-  object store; each engine reads them zero-copy and vLLM's `load_weights` takes them.
-- GPU, colocated: each policy rank packs the full weights on its own GPU and sends CUDA IPC
-  handles; the engine on the same GPU loads from them without a copy through the host.
-- GPU, split: policy rank 0 broadcasts the packed buffers (nccl) to every vLLM worker over a
-  process group set up once.
+Refit (`refit_from_policy`), after NeMo-RL's vLLM refit, streamed one bucket at a time
+(`policy.refit_buffer_size_gb`; each bucket gathered tensor by tensor from the shards, loaded and
+freed before the next):
+- CPU, either placement: the policy's rank 0 packs a bucket into Ray's object store; each engine
+  reads it zero-copy and vLLM's `load_weights` takes it.
+- GPU, colocated: each policy rank packs the bucket on its own GPU and sends a CUDA IPC handle;
+  the engine on the same GPU loads from it without a copy through the host.
+- GPU, split: policy rank 0 broadcasts each bucket (nccl) to every vLLM worker over a process
+  group set up once.
 The two GPU paths are written and reviewed but have not run yet (docs/scaling.md, "GPU-only
 paths").
 
@@ -24,8 +26,6 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-import numpy as np
-import ray
 import torch
 
 from posttrain.distributed.batch import Batch
@@ -97,7 +97,6 @@ class VllmGeneration(WorkerGroupGeneration):
         )
         self._attach(worker_group, spec)
         self._engine_dtype: torch.dtype = self.worker_group.run_rank0("get_weight_dtypes")
-        self._broadcast_ready = False
 
     # ------------------------------------------------------------------ refit
     def weight_dtypes(self) -> torch.dtype:
@@ -108,44 +107,22 @@ class VllmGeneration(WorkerGroupGeneration):
         self.metadata = metadata
         self.worker_group.run_all("prepare_refit_info", metadata)
 
-    def update_weights(self, buffers: Sequence[np.ndarray] | ray.ObjectRef, version: int) -> None:
-        """Load packed buffers (`refit.pack` output, or an ObjectRef to it) into every engine."""
-        ref = buffers if isinstance(buffers, ray.ObjectRef) else ray.put(list(buffers))
-        self.worker_group.run_all("update_weights", ref, version)
-        self.weights_version = version
-
     def refit_from_policy(self, policy: Any, metadata: RefitMetadata, version: int) -> None:
+        """Bucket by bucket: through the object store on CPU, CUDA IPC handles when colocated on
+        GPUs (each bucket packed on every policy GPU, loaded by the vLLM worker on that GPU, then
+        freed), a broadcast from policy rank 0 to every tensor-parallel rank when split."""
         if not self.use_gpu:
-            self.update_weights(policy.pack_for_refit(metadata), version)
+            super().refit_from_policy(policy, metadata, version)
         elif self.config.colocated.enabled:
-            handles = policy.pack_for_refit_ipc(metadata)
-            try:
-                self.worker_group.run_all("update_weights_ipc", handles, version)
-            finally:
-                policy.release_refit_buffers()
+            for bucket in range(len(metadata.bucket_sizes)):
+                handles = policy.pack_for_refit_ipc(metadata, bucket)
+                try:
+                    self.worker_group.run_all("load_bucket_ipc", handles, bucket)
+                finally:
+                    policy.release_refit_buffers()
+            self.finish_refit(version)
         else:
-            if not self._broadcast_ready:
-                self._init_broadcast(policy)
-            sends = policy.broadcast_for_refit(metadata)
-            receives = self.worker_group.run_all_async("update_weights_broadcast", version)
-            self.worker_group.get(receives)
-            policy.worker_group.get(sends)
-        self.weights_version = version
-
-    def _init_broadcast(self, policy: Any) -> None:
-        """Split GPU refit: one process group of policy rank 0 (rank 0) and every vLLM worker
-        (rank 1 + engine * tp + tp rank)."""
-        host, port = policy.worker_group.cluster.master_address_and_port(0)
-        tp = self.tensor_parallel_size
-        world_size = 1 + self.worker_group.world_size * tp
-        joins = policy.init_refit_broadcast(host, port, world_size)
-        receivers = [
-            self.worker_group.run_single_async(engine, "init_broadcast_group", host, port, world_size, 1 + engine * tp)
-            for engine in range(self.worker_group.world_size)
-        ]
-        self.worker_group.get(receivers)
-        policy.worker_group.get(joins)
-        self._broadcast_ready = True
+            self._refit_by_broadcast(policy, metadata, version, ranks_per_worker=self.tensor_parallel_size)
 
     def verify_refit(self, policy: Any, version: int) -> None:
         """Every engine's logprobs of a fixed probe sequence must match the policy's (mean

@@ -234,35 +234,44 @@ class VllmGenerationWorker(DistributedWorker):
         self.refit_metadata = metadata
         return True
 
-    def _after_load(self, loaded: list[int], version: int) -> bool:
-        expected = len(self.refit_metadata.slots)
+    def _metadata(self) -> RefitMetadata:
+        if self.refit_metadata is None:
+            raise RuntimeError("refit before prepare_refit_info: call Generation.prepare_refit_info first")
+        return self.refit_metadata
+
+    def _check_loaded(self, loaded: list[int], what: str) -> bool:
         if any(n < 1 for n in loaded):
-            raise RuntimeError(f"refit to version {version}: vLLM loaded no tensors (expected {expected})")
-        # Cached prefixes hold keys and values computed with the old weights.
-        self.llm.reset_prefix_cache()
-        self.weights_version = version
+            raise RuntimeError(f"refit: vLLM loaded no tensors from {what}")
         return True
 
-    def update_weights(self, buffers: Sequence[np.ndarray] | Sequence[ray.ObjectRef], version: int) -> bool:
-        """Load packed buffers (numpy arrays read zero-copy from the object store, or refs to them)."""
-        if self.refit_metadata is None:
-            raise RuntimeError("update_weights before prepare_refit_info: call Generation.prepare_refit_info first")
-        buffers = [ray.get(b) if isinstance(b, ray.ObjectRef) else b for b in buffers]
-        return self._after_load(self.llm.collective_rpc("posttrain_load_packed", args=(buffers,)), version)
+    def load_bucket(self, buffer: np.ndarray | ray.ObjectRef, bucket: int) -> bool:
+        """Load one packed CPU bucket (a numpy array read zero-copy from the object store, or a ref)."""
+        self._metadata()
+        buffer = ray.get(buffer) if isinstance(buffer, ray.ObjectRef) else buffer
+        return self._check_loaded(self.llm.collective_rpc("posttrain_load_bucket", args=(buffer, bucket)), f"bucket {bucket}")
 
-    def update_weights_ipc(self, handles_by_device: dict[str, list], version: int) -> bool:
-        """Colocated GPU refit from CUDA IPC handles."""
+    def load_bucket_ipc(self, handles_by_device: dict[str, list], bucket: int) -> bool:
+        """Colocated GPU refit: one bucket from CUDA IPC handles."""
+        self._metadata()
         self.prepare_for_generation()
-        return self._after_load(self.llm.collective_rpc("posttrain_load_ipc", args=(handles_by_device,)), version)
+        return self._check_loaded(self.llm.collective_rpc("posttrain_load_ipc", args=(handles_by_device, bucket)),
+                                  f"bucket {bucket}")
 
     def init_broadcast_group(self, host: str, port: int, world_size: int, rank_offset: int) -> bool:
         """Split GPU refit: vLLM's workers join policy rank 0's broadcast group."""
         self.llm.collective_rpc("posttrain_init_broadcast_group", args=(host, port, world_size, rank_offset))
         return True
 
-    def update_weights_broadcast(self, version: int) -> bool:
-        """Split GPU refit: receive the broadcast buffers."""
-        return self._after_load(self.llm.collective_rpc("posttrain_load_broadcast"), version)
+    def load_broadcast(self) -> bool:
+        """Split GPU refit: receive and load the broadcast buckets, one at a time."""
+        self._metadata()
+        return self._check_loaded(self.llm.collective_rpc("posttrain_load_broadcast"), "the broadcast")
+
+    def finish_refit(self, version: int) -> bool:
+        """Every bucket is in: cached prefixes hold keys and values computed with the old weights."""
+        self.llm.reset_prefix_cache()
+        self.weights_version = version
+        return True
 
     def get_weights_version(self) -> int:
         return self.weights_version

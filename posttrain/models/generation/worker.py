@@ -17,7 +17,7 @@ from posttrain.distributed.worker_group import DistributedWorker
 from posttrain.models.generation.engine import NativeGenerationEngine
 from posttrain.models.generation.interface import GenerationSpec
 from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype
-from posttrain.models.refit import RefitMetadata, check_metadata_matches, load_packed, state_dict_checksum
+from posttrain.models.refit import RefitMetadata, check_metadata_matches, load_bucket, state_dict_checksum
 
 # Keys of `params` that may override the generation config for one `generate` call.
 SAMPLING_PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "stop_strings")
@@ -108,14 +108,38 @@ class GenerationWorker(DistributedWorker):
         self.refit_metadata = metadata
         return True
 
-    def update_weights(self, buffers: Sequence[np.ndarray] | Sequence[Any], version: int) -> bool:
-        """Copy packed weights into the model; `buffers` are arrays (zero-copy from Ray's object
-        store) or refs to them. Records `version` as the held weights version."""
+    def _metadata(self) -> RefitMetadata:
         if self.refit_metadata is None:
-            raise RuntimeError("update_weights before prepare_refit_info: call prepare_refit_info first")
-        buffers = [actors.get(b) if actors.is_ref(b) else b for b in buffers]
-        load_packed(self.model, buffers, self.refit_metadata)
+            raise RuntimeError("refit before prepare_refit_info: call Generation.prepare_refit_info first")
+        return self.refit_metadata
+
+    def load_bucket(self, buffer: np.ndarray | Any, bucket: int) -> bool:
+        """Copy one packed bucket into the model; `buffer` is an array (zero-copy from Ray's object
+        store) or a ref to one."""
+        load_bucket(self.model, actors.get(buffer) if actors.is_ref(buffer) else buffer, self._metadata(), bucket)
+        return True
+
+    def finish_refit(self, version: int) -> bool:
+        """Every bucket is in: record `version` as the held weights version."""
         self.weights_version = version
+        return True
+
+    def init_broadcast_group(self, host: str, port: int, world_size: int, rank: int) -> bool:
+        """Split refit: join policy rank 0's broadcast group as `rank`."""
+        from posttrain.distributed.collective import new_standalone_group
+
+        self._broadcast_group = new_standalone_group(host, port, rank, world_size, self.device)
+        return True
+
+    def load_broadcast(self) -> bool:
+        """Broadcast refit: receive every bucket from the broadcast group's rank 0 into one buffer,
+        loading each before the next arrives (one bucket held at a time)."""
+        metadata = self._metadata()
+        receive = torch.empty(metadata.max_bucket_bytes, dtype=torch.uint8, device=self.device)
+        for bucket, size in enumerate(metadata.bucket_sizes):
+            buffer = receive[:size]
+            self._broadcast_group.broadcast(buffer, src=0)
+            load_bucket(self.model, buffer, metadata, bucket)
         return True
 
     @torch.no_grad()

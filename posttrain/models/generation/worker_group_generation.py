@@ -3,13 +3,17 @@ engines shares (the native and the vLLM backend both build on it)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
 
 import torch
 
+from posttrain.distributed import actors
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import WorkerGroup
 from posttrain.models.generation.interface import GenerationInterface, GenerationSpec
+from posttrain.models.refit import RefitMetadata
 
 
 class WorkerGroupGeneration(GenerationInterface):
@@ -51,6 +55,48 @@ class WorkerGroupGeneration(GenerationInterface):
         for ref, result in self.worker_group.as_completed(refs):
             if rows[ref]:
                 yield rows[ref], result
+
+    # ------------------------------------------------------------------ refit
+    def update_weights(self, buffers: Sequence[np.ndarray] | Any, version: int) -> None:
+        """Load every packed buffer (`refit.pack` output, or an ObjectRef to it), bucket by bucket."""
+        if actors.is_ref(buffers):
+            buffers = actors.get(buffers)
+        for bucket, buffer in enumerate(buffers):
+            self.load_bucket(buffer, bucket)
+        self.finish_refit(version)
+
+    def load_bucket(self, buffer: np.ndarray | Any, bucket: int) -> None:
+        """Send one packed bucket to every worker through the object store, once (an ObjectRef,
+        e.g. what the policy's rank 0 returned, is passed on without fetching it here: Ray
+        resolves a top-level ObjectRef argument in each worker, zero-copy from shared memory)."""
+        ref = buffer if actors.is_ref(buffer) else actors.put(buffer, self.worker_group.is_local)
+        self.worker_group.run_all("load_bucket", ref, bucket)
+
+    def finish_refit(self, version: int) -> None:
+        self.worker_group.run_all("finish_refit", version)
+        self.weights_version = version
+
+    def _refit_by_broadcast(self, policy: Any, metadata: RefitMetadata, version: int, ranks_per_worker: int) -> None:
+        """Split placement: policy rank 0 broadcasts bucket after bucket to every engine process
+        (`ranks_per_worker` per worker: vLLM's tensor-parallel ranks), which loads each before
+        receiving the next."""
+        if not getattr(self, "_broadcast_ready", False):
+            host, port = policy.worker_group.cluster.master_address_and_port(0)
+            world_size = 1 + self.worker_group.world_size * ranks_per_worker
+            joins = policy.init_refit_broadcast(host, port, world_size)
+            receivers = [
+                self.worker_group.run_single_async(worker, "init_broadcast_group", host, port, world_size,
+                                                   1 + worker * ranks_per_worker)
+                for worker in range(self.worker_group.world_size)
+            ]
+            self.worker_group.get(receivers)
+            policy.worker_group.get(joins)
+            self._broadcast_ready = True
+        sends = policy.broadcast_for_refit(metadata)
+        receives = self.worker_group.run_all_async("load_broadcast")
+        self.worker_group.get(receives)
+        policy.worker_group.get(sends)
+        self.finish_refit(version)
 
     def prepare_for_generation(self) -> bool:
         return all(self.worker_group.run_all("prepare_for_generation"))

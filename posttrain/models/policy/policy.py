@@ -157,18 +157,23 @@ class Policy:
         """Full weights in HF names (gathered on rank 0; every worker takes part)."""
         return self.worker_group.run_all("state_dict_for_export")[0]
 
-    def pack_for_refit(self, metadata) -> Any:
-        """Rank 0's packed refit buffers as an ObjectRef (not fetched: the generation workers read
-        it straight from the object store). Every worker takes part in gathering the shards."""
-        refs = self.worker_group.run_all_async("pack_for_refit", metadata)
+    def refit_bucket_bytes(self) -> int:
+        """Bytes per refit bucket: `policy.refit_buffer_size_gb`, or by default the smallest of
+        the workers' shares of their free memory (`refit.default_bucket_bytes`)."""
+        return min(self.worker_group.run_all("refit_bucket_bytes"))
+
+    def pack_for_refit(self, metadata, bucket: int) -> Any:
+        """Rank 0's packed refit bucket `bucket` as an ObjectRef (not fetched: the generation
+        workers read it straight from the object store). Every worker takes part in gathering."""
+        refs = self.worker_group.run_all_async("pack_for_refit", metadata, bucket)
         self.worker_group.get(refs[1:])
         return refs[0]
 
-    def pack_for_refit_ipc(self, metadata) -> dict[str, list]:
-        """Colocated GPU refit: `{gpu uuid: CUDA IPC handles}` of the full weights packed on every
+    def pack_for_refit_ipc(self, metadata, bucket: int) -> dict[str, list]:
+        """Colocated GPU refit: `{gpu uuid: CUDA IPC handles}` of bucket `bucket` packed on every
         policy GPU (kept until `release_refit_buffers`)."""
         handles: dict[str, list] = {}
-        for per_rank in self.worker_group.run_all("pack_for_refit_ipc", metadata):
+        for per_rank in self.worker_group.run_all("pack_for_refit_ipc", metadata, bucket):
             handles.update(per_rank)
         return handles
 
@@ -176,12 +181,12 @@ class Policy:
         self.worker_group.run_all("release_refit_buffers")
 
     def init_refit_broadcast(self, host: str, port: int, world_size: int) -> Any:
-        """Split GPU refit: rank 0 joins the broadcast group (returns the futures: the vLLM workers
-        join concurrently)."""
+        """Split refit: rank 0 joins the broadcast group (returns the futures: the generation
+        workers join concurrently)."""
         return self.worker_group.run_all_async("init_refit_broadcast", host, port, world_size)
 
     def broadcast_for_refit(self, metadata) -> Any:
-        """Split GPU refit: gather and broadcast from rank 0 (returns the futures)."""
+        """Split refit: gather and broadcast bucket by bucket from rank 0 (returns the futures)."""
         return self.worker_group.run_all_async("broadcast_for_refit", metadata)
 
     def weights_checksum(self, dtypes: Optional[dict[str, torch.dtype]] = None) -> str:

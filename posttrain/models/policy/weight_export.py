@@ -1,16 +1,20 @@
 """`WeightExport`: how a `PolicyWorker`'s weights leave the trainer, for export and for refit.
 
 Every route hands out a plain model of the base architecture (LoRA adapters merged in), in HF
-names: unsharded float32 tensors on rank 0 (export, CPU refit, checksums), the model's own tensors
-when the engine shares this process (local backend), or device buffers packed for a GPU engine
-(CUDA IPC when colocated, a broadcast group when not).
+names: unsharded float32 tensors on rank 0 (export, checksums), the model's own tensors when the
+engine shares this process (local backend), or refit buckets: one bucket at a time, gathered
+tensor by tensor from the shards (`DTensor.full_tensor()`, FSDP and tensor-parallel shards alike)
+and packed in the engine's dtypes, for the object store (CPU), CUDA IPC (colocated GPUs) or a
+broadcast group (split placement; gloo on CPU, nccl on GPU).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
+import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from posttrain.models import lora, refit
@@ -44,34 +48,64 @@ class WeightExport:
             return None
         return dict(self.model.state_dict())  # detached tensors sharing the parameters' storage
 
-    def pack_for_refit(self, metadata: refit.RefitMetadata) -> Optional[list]:
-        """Collective: rank 0 packs the full weights into `metadata`'s refit buffers; None elsewhere."""
-        state = self._full_state_dict()
-        return refit.pack(state, metadata) if self.rank == 0 else None
+    def _exported_tensor_getter(self) -> Callable[[str], torch.Tensor]:
+        """`name -> full tensor` in export names, gathered on call (collective under FSDP or
+        tensor parallelism: every rank asks for the same names in the same order). Nothing is
+        gathered up front, so a refit holds one full tensor (and its LoRA adapter) at a time."""
+        sharded = self.model.state_dict()  # DTensor shards under FSDP/TP; no gather
 
-    def pack_for_refit_ipc(self, metadata: refit.RefitMetadata) -> dict[str, list]:
-        """Collective, colocated GPU refit: every rank packs the full weights into buffers on its
-        own GPU and returns `{gpu uuid: [CUDA IPC handle per buffer]}` for the generation worker
-        sharing that GPU. The buffers live until `release_refit_buffers`.
+        def full(tensor: torch.Tensor) -> torch.Tensor:
+            return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+        if self.lora_scaling is None:
+            return lambda name: full(sharded[name])
+        peft_names = {lora.base_name(name): name for name in sharded if not lora.is_adapter(name)}
+        return lambda name: lora.merged_tensor(sharded, peft_names[name], self.lora_scaling, full)
+
+    def _pack_refit_bucket(self, metadata: refit.RefitMetadata, bucket: int, device: torch.device,
+                           keep: bool, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Collective: bucket `bucket` packed on `device` (into `out` if given) where `keep`, else
+        only take part in the gathers (ranks whose bucket nobody reads)."""
+        tensor_of = self._exported_tensor_getter()
+        if keep:
+            return refit.pack_bucket(tensor_of, metadata, bucket, device, out=out)
+        for slot in refit.bucket_slots(metadata, bucket):
+            tensor_of(slot.name)
+        return None
+
+    def refit_bucket_bytes(self) -> int:
+        """`policy.refit_buffer_size_gb` in bytes, or its default from this rank's free memory
+        (`refit.default_bucket_bytes`)."""
+        if self.cfg.refit_buffer_size_gb is not None:
+            return max(1, int(self.cfg.refit_buffer_size_gb * 2**30))
+        return refit.default_bucket_bytes(self.device)
+
+    def pack_for_refit(self, metadata: refit.RefitMetadata, bucket: int) -> Optional[np.ndarray]:
+        """Collective: rank 0 packs bucket `bucket` on the CPU (returned through the object store);
+        None elsewhere."""
+        buffer = self._pack_refit_bucket(metadata, bucket, torch.device("cpu"), keep=self.rank == 0)
+        return None if buffer is None else buffer.numpy()
+
+    def pack_for_refit_ipc(self, metadata: refit.RefitMetadata, bucket: int) -> dict[str, list]:
+        """Collective, colocated GPU refit: every rank packs bucket `bucket` on its own GPU and
+        returns `{gpu uuid: [its CUDA IPC handle]}` for the generation worker sharing that GPU.
+        The buffer lives until `release_refit_buffers`.
         GPU only: docs/scaling.md, "GPU-only paths"."""
         from torch.multiprocessing.reductions import reduce_tensor
 
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
-        if self.lora_scaling is not None:
-            state = lora.merged_state_dict(state, self.lora_scaling)
-        self._refit_buffers = refit.pack_on_device(state, metadata, self.device)
+        self._refit_buffers = [self._pack_refit_bucket(metadata, bucket, self.device, keep=True)]
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)
         return {uuid: [reduce_tensor(buffer) for buffer in self._refit_buffers]}
 
     def release_refit_buffers(self) -> bool:
-        """Free the buffers of the last `pack_for_refit_ipc` (after the generation side loaded them)."""
+        """Free the buffer of the last `pack_for_refit_ipc` (after the generation side loaded it)."""
         self._refit_buffers = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return True
 
     def init_refit_broadcast(self, host: str, port: int, world_size: int) -> bool:
-        """Split GPU refit: rank 0 joins the standalone broadcast group with the vLLM workers
+        """Split refit: rank 0 joins the standalone broadcast group with the generation workers
         (as its rank 0); other ranks do nothing."""
         if self.rank == 0:
             from posttrain.distributed.collective import new_standalone_group
@@ -80,16 +114,14 @@ class WeightExport:
         return True
 
     def broadcast_for_refit(self, metadata: refit.RefitMetadata) -> bool:
-        """Collective, split GPU refit: gather the full weights, then rank 0 packs them on its
-        GPU and broadcasts each buffer to the vLLM workers.
-        GPU only: docs/scaling.md, "GPU-only paths"."""
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        if self.rank != 0:
-            return True
-        if self.lora_scaling is not None:
-            state = lora.merged_state_dict(state, self.lora_scaling)
-        for buffer in refit.pack_on_device(state, metadata, self.device):
-            self._refit_group.broadcast(buffer, src=0)
+        """Collective, split refit: bucket after bucket, gather it (every rank), pack it on rank
+        0's device and broadcast it to the generation workers, who load it before the next one."""
+        # One buffer of the largest bucket's size serves every bucket.
+        send = torch.empty(metadata.max_bucket_bytes, dtype=torch.uint8, device=self.device) if self.rank == 0 else None
+        for bucket in range(len(metadata.bucket_sizes)):
+            buffer = self._pack_refit_bucket(metadata, bucket, self.device, keep=self.rank == 0, out=send)
+            if buffer is not None:
+                self._refit_group.broadcast(buffer, src=0)
         return True
 
     def weights_checksum(self, dtypes: Optional[dict[str, torch.dtype]] = None) -> Optional[str]:

@@ -40,6 +40,7 @@ from posttrain.models import lora, moe
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype, resolve_model_path
 from posttrain.models.policy import checkpoint as ckpt
+from posttrain.models.policy import sharded_load
 from posttrain.models.policy.forward import (
     MicroBatch,
     dynamic_microbatches,
@@ -120,7 +121,10 @@ class PolicyWorker(WeightExport, DistributedWorker):
         self.fused_logprobs = model_type == "lm" and use_fused_logprobs(self.model, self.cfg.fused_logprobs, self.rank == 0)
         self.is_fsdp = self.world_size > 1
         if self.is_fsdp:
+            rank0_weights = sharded_load.rank0_weights(self.model, self.rank)
             self._shard_model()
+            sharded_load.fill_shards_from_rank0(self.model, rank0_weights)  # other ranks built on meta
+            del rank0_weights
         else:
             self.model.to(self.device)
 
@@ -145,8 +149,11 @@ class PolicyWorker(WeightExport, DistributedWorker):
 
     # ------------------------------------------------------------------------------- set-up
     def _load_model(self, model_path: str) -> torch.nn.Module:
-        # Loaded on the CPU in float32: FSDP moves only this rank's shard to the device.
+        # Loaded on the CPU in float32: FSDP moves only this rank's shard to the device. Under
+        # FSDP only rank 0 reads the weights; the others receive their shards (sharded_load.py).
         if self.model_type == "lm":
+            if self.world_size > 1 and self.rank != 0 and not self.cfg.lora.enabled:
+                return sharded_load.empty_causal_lm(model_path, self.cfg.tiny_arch, self.cfg.attn_implementation)
             return load_causal_lm(model_path, dtype=torch.float32, device="cpu", tiny_arch=self.cfg.tiny_arch,
                                   attn_implementation=self.cfg.attn_implementation)
         config = AutoConfig.from_pretrained(model_path, num_labels=1)
