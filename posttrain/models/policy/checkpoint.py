@@ -97,7 +97,7 @@ def save_sharded(
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save
         tmp.mkdir(parents=True)
-    _barrier()
+    collective.barrier()
     dcp.save(model_state, checkpoint_id=str(tmp / MODEL_DIR))
     if optim_state is not None:
         dcp.save(optim_state, checkpoint_id=str(tmp / OPTIM_DIR))
