@@ -308,10 +308,11 @@ class PolicyConfig(Section):
                 f"policy.tensor_parallel_size={self.tensor_parallel_size}"
             )
         if self.train_global_batch_size % self.dp_size:
+            ranks = (f"policy.num_workers={self.num_workers}" if self.tensor_parallel_size == 1 else
+                     f"the {self.dp_size} data-parallel ranks (policy.num_workers / policy.tensor_parallel_size)")
             raise ValueError(
-                f"policy.train_global_batch_size={self.train_global_batch_size} must be a multiple of the "
-                f"{self.dp_size} data-parallel ranks (policy.num_workers / policy.tensor_parallel_size; each gets an "
-                "equal share)"
+                f"policy.train_global_batch_size={self.train_global_batch_size} must be a multiple of {ranks} "
+                "(each data-parallel rank gets an equal share)"
             )
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise ValueError("policy.sequence_parallel needs policy.tensor_parallel_size > 1")
