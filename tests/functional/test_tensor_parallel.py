@@ -150,3 +150,39 @@ def test_dp2_tp2_equals_dp2(cluster):
     dp2 = run(cluster, policy_cfg(num_workers=2), "dp2")
     dp2_tp2 = run(cluster, policy_cfg(num_workers=4, tensor_parallel_size=2), "dp2_tp2")
     assert_same_run(dp2_tp2, dp2)
+
+
+def test_hf_export_from_tp_shards_writes_full_tensors(cluster, tmp_path):
+    """`export_hf` of a TP policy: full (not per-rank) tensors that transformers loads and that
+    equal the trainer's weights."""
+    from transformers import AutoModelForCausalLM
+
+    policy = Policy(cluster, policy_cfg(num_workers=2, tensor_parallel_size=2), init_reference_model=False, name="tp2_hf")
+    try:
+        policy.train(make_batch(), ClippedPGLoss(LossConfig()))
+        weights = policy.state_dict_for_export()
+        out = policy.export_hf(tmp_path / "hf")
+    finally:
+        policy.shutdown()
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert exported["model.layers.0.self_attn.q_proj.weight"].shape == (128, 128)  # all 4 heads
+    for name, value in weights.items():
+        assert torch.equal(exported[name], value), name
+
+
+def test_grpo_with_tp2_refits_the_native_engine_exactly(ray_cluster, tmp_path):
+    """GRPO with 2 workers in one TP group: the native engine gets the full weights at every
+    refit (checksum verified), so its logprobs are the trainer's (token_mult_prob_error ~ 1)."""
+    from posttrain.algorithms import grpo
+    from tests.functional.test_grpo import read_metrics, small_cfg
+
+    ctx = grpo.setup(small_cfg(tmp_path, "policy.num_workers=2", "policy.tensor_parallel_size=2",
+                               "cluster.backend=ray", "grpo.max_num_steps=2"))
+    try:
+        grpo.grpo_train(ctx)
+    finally:
+        ctx.shutdown()
+    metrics = read_metrics(tmp_path / "logs")
+    for step in (1, 2):
+        assert 1.0 <= metrics[step]["train/token_mult_prob_error"] < 1.001, metrics[step]
+        assert metrics[step]["train/num_samples"] == 16
