@@ -279,7 +279,8 @@ class PolicyConfig(Section):
         False,
         description=(
             "FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer state live in host memory and move "
-            "to the GPU per layer (less GPU memory, slower steps). Needs num_workers > 1; meant for GPUs."
+            "to the GPU per layer (less GPU memory, slower steps). Needs num_workers > 1; GPU only (CPU workers note and "
+            "ignore it)."
         ),
     )
     optimizer: OptimizerConfig = OptimizerConfig()

@@ -190,8 +190,12 @@ class PolicyWorker(WeightExport, DistributedWorker):
         parallel.shard_model(
             self.model, dp_mesh, tp_mesh,
             mixed_precision=parallel.mixed_precision_policy(self.compute_dtype),
-            cpu_offload=self.cfg.fsdp_cpu_offload,
+            cpu_offload=self.cfg.fsdp_cpu_offload and self.device.type != "cpu",
         )
+        if self.cfg.fsdp_cpu_offload and self.device.type == "cpu" and self.rank == 0:
+            # FSDP2's CPUOffloadPolicy needs an accelerator to offload from.
+            print("[posttrain] policy.fsdp_cpu_offload: nothing to offload on CPU workers (weights already live in "
+                  "host memory)", flush=True)
 
     def _reshard(self) -> None:
         """Drop FSDP's gathered copies so the next forward re-gathers from the sharded weights.
