@@ -145,6 +145,15 @@ def test_tp2_packed_equals_one_worker(cluster, one_worker):
     assert_same_run(run(cluster, cfg, "tp2_packed"), one_worker)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["micro_batches", "packed"])
+def test_sequence_parallel_tp2_equals_one_worker(cluster, one_worker, packed):
+    """SP: norms and residual stream split by sequence; rows of odd lengths (and packed bins of odd
+    totals) are padded to a multiple of 2 tokens, which must not change any value."""
+    packing = dict(enabled=True, train_mb_tokens=20, logprob_mb_tokens=20) if packed else dict(enabled=False)
+    cfg = policy_cfg(num_workers=2, tensor_parallel_size=2, sequence_parallel=True, sequence_packing=packing)
+    assert_same_run(run(cluster, cfg, f"sp2_{'packed' if packed else 'rows'}"), one_worker)
+
+
 def test_dp2_tp2_equals_dp2(cluster):
     """Four workers as 2 data-parallel ranks x 2 tensor-parallel ranks against 2 data-parallel ones."""
     dp2 = run(cluster, policy_cfg(num_workers=2), "dp2")

@@ -97,3 +97,29 @@ def test_bfloat16_gathers_bf16_parameters_and_reduces_in_fp32():
     policy = parallel.mixed_precision_policy(torch.bfloat16)
     assert policy == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     assert parallel.mixed_precision_policy(torch.float32) is None
+
+
+def test_sequence_parallel_plan_splits_norms_and_gathers_before_the_head():
+    model, _ = make_tiny_model("tiny", "llama")
+    plan = parallel.tp_plan(model, sequence_parallel=True)
+    assert type(plan["model.layers.*.input_layernorm"]) is SequenceParallel
+    assert type(plan["model.layers.*.post_attention_layernorm"]) is SequenceParallel
+    assert {"model.layers.0", "model.norm"} <= set(plan)  # slice the sequence in, gather it out
+    moe_model, _ = make_tiny_model("tiny", "mixtral")
+    with pytest.raises(ValueError, match=r"policy.sequence_parallel: mixture-of-experts models are not supported"):
+        parallel.tp_plan(moe_model, sequence_parallel=True)
+
+
+def test_padding_for_sequence_parallel_keeps_every_value_in_place():
+    from posttrain.distributed.batch import Batch
+    from posttrain.models.policy.forward import MicroBatch
+
+    rows = Batch(input_ids=torch.arange(1, 8)[None], input_lengths=torch.tensor([7]), token_mask=torch.ones(1, 7))
+    packed = dict(input_ids=torch.arange(1, 8)[None], position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]),
+                  cu_seqlens=torch.tensor([0, 3, 7]))
+    padded = parallel.pad_for_sequence_parallel(MicroBatch(rows, torch.tensor([0]), packed), 4)
+    assert padded.rows["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 0]]
+    assert padded.rows["token_mask"].tolist() == [[1.0] * 7 + [0.0]]
+    assert padded.rows["input_lengths"].tolist() == [7]
+    assert padded.packed["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 0]]  # the pad starts its own sequence
+    assert padded.packed["cu_seqlens"].tolist() == [0, 3, 7]

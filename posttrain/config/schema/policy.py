@@ -273,7 +273,11 @@ class PolicyConfig(Section):
     )
     sequence_parallel: bool = Field(
         False,
-        description="With tensor_parallel_size > 1: also split the norms' and residual stream's activations by sequence.",
+        description=(
+            "With tensor_parallel_size > 1: also split the residual stream and the layer norms by sequence between "
+            "the blocks (Megatron-LM sequence parallelism; dense models only; micro-batches padded to a multiple of "
+            "tensor_parallel_size tokens)."
+        ),
     )
     fsdp_cpu_offload: bool = Field(
         False,

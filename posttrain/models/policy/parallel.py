@@ -19,6 +19,15 @@ experts and routers (every TP rank runs all experts on the same tokens). Per-hea
 (Qwen3) run on the local heads with their weight replicated and its gradient summed over the TP
 group (`SequenceParallel` over the head dimension does exactly that).
 
+Sequence parallelism (`policy.sequence_parallel`, with TP): between the attention and MLP blocks
+the residual stream and the layer norms hold `1/tp` of the sequence on each TP rank (Megatron-LM's
+SP, Korthikanti et al. 2022): the first decoder layer takes its rank's slice of the embeddings, the
+column-wise projections all-gather the sequence, the row-wise ones reduce-scatter it instead of
+all-reducing, the norms' weights are replicated with their gradients summed over the TP group, and
+the final norm gathers the whole sequence again for the LM head. Masks, positions and rotary
+embeddings are computed before the first layer on the whole sequence, so they need no change;
+micro-batches are right-padded to a multiple of `tp` tokens (`pad_for_sequence_parallel`).
+
 Gradients: a TP rank's replicated parameters get the same gradient on every TP rank, the sharded
 ones their shard's; FSDP reduces over `dp` only. So with the loss normalised by the global token
 count (counted over `dp` only: TP ranks see the same rows) and multiplied by the dp size, the
@@ -30,17 +39,23 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+import torch.nn.functional as F
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
+
+from posttrain.distributed.batch import Batch
+from posttrain.models.policy.forward import MicroBatch
 
 # posttrain's plan for llama-like decoders whose config carries no `base_model_tp_plan`
 # (the same as transformers 5.23's llama plan), relative to the decoder (`model.model`).
@@ -67,9 +82,10 @@ def build_mesh(device_type: str, world_size: int, tp_size: int) -> tuple[DeviceM
     return mesh["dp"], mesh["tp"]
 
 
-def tp_plan(model: torch.nn.Module) -> dict[str, ParallelStyle]:
+def tp_plan(model: torch.nn.Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan of `model` (module path pattern -> style), from its config's
-    `base_model_tp_plan` or `LLAMA_LIKE_PLAN`; experts stay replicated.
+    `base_model_tp_plan` or `LLAMA_LIKE_PLAN`; experts stay replicated. `sequence_parallel`: the
+    residual stream and the layer norms between the blocks are split by sequence (module doc).
 
     Raises ValueError naming the model type when there is no plan, or the entries whose style
     posttrain does not apply."""
@@ -83,6 +99,8 @@ def tp_plan(model: torch.nn.Module) -> dict[str, ParallelStyle]:
             )
         base_plan = LLAMA_LIKE_PLAN
     prefix = model.base_model_prefix  # "model": the decoder inside XForCausalLM
+    # Under SP the blocks' inputs arrive split by sequence (dim 1) and their outputs leave so.
+    sequence = dict(input_layouts=Shard(1)) if sequence_parallel else {}
     plan: dict[str, ParallelStyle] = {}
     unsupported = []
     for pattern, style in base_plan.items():
@@ -90,9 +108,9 @@ def tp_plan(model: torch.nn.Module) -> dict[str, ParallelStyle]:
             continue  # experts replicated on every TP rank
         leaf = pattern.rsplit(".", 1)[-1]
         if style == "colwise":
-            plan[f"{prefix}.{pattern}"] = ColwiseParallel()
+            plan[f"{prefix}.{pattern}"] = ColwiseParallel(**sequence)
         elif style == "rowwise":
-            plan[f"{prefix}.{pattern}"] = RowwiseParallel()
+            plan[f"{prefix}.{pattern}"] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
         elif style == "replicated_with_grad_allreduce" and leaf in HEAD_NORMS:
             # Input [batch, seq, local heads, head_dim]: a shard of the heads (dim 2).
             plan[f"{prefix}.{pattern}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -103,7 +121,58 @@ def tp_plan(model: torch.nn.Module) -> dict[str, ParallelStyle]:
             f"policy.tensor_parallel_size: {config.model_type}'s base_model_tp_plan has entries posttrain does not "
             f"apply: {unsupported}"
         )
+    if sequence_parallel:
+        plan.update(_sequence_parallel_plan(model, prefix))
     return plan
+
+
+def _sequence_parallel_plan(model: torch.nn.Module, prefix: str) -> dict[str, ParallelStyle]:
+    """The SP entries around the TP ones: the first layer takes its slice of the sequence, the
+    layers' own norms run on their slice, the final norm gathers the sequence back."""
+    from posttrain.models import moe
+
+    if moe.is_moe(model):
+        raise ValueError("policy.sequence_parallel: mixture-of-experts models are not supported (their experts are "
+                         "replicated over the TP group, not split by sequence); use tensor parallelism without it")
+    decoder = getattr(model, prefix)
+    layers = getattr(decoder, "layers", None)
+    if layers is None or not isinstance(getattr(decoder, "norm", None), torch.nn.Module):
+        raise ValueError(f"policy.sequence_parallel: {type(model).__name__} has no decoder layers and final norm "
+                         "where posttrain looks for them (model.layers, model.norm)")
+    norms = sorted(name for name, child in layers[0].named_children() if name.endswith("layernorm"))
+    if not norms:
+        raise ValueError(f"policy.sequence_parallel: no *layernorm modules in {type(layers[0]).__name__}")
+    plan: dict[str, ParallelStyle] = {
+        f"{prefix}.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                 use_local_output=True),
+        f"{prefix}.norm": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                             use_local_output=True),
+    }
+    for name in norms:
+        plan[f"{prefix}.layers.*.{name}"] = SequenceParallel()
+    return plan
+
+
+def pad_for_sequence_parallel(mb: MicroBatch, multiple: int) -> MicroBatch:
+    """`mb` with its sequence dimension right-padded (zeros) to a multiple of `multiple` tokens, so
+    that SP splits it evenly. Padding is never read: rows keep their `input_lengths`, a packed row
+    its `cu_seqlens` (the padding's positions start a sequence of their own)."""
+    def pad(value: Any, width: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == width and width % multiple:
+            extra = [0, 0] * (value.ndim - 2) + [0, -width % multiple]
+            return F.pad(value, extra)
+        return value
+
+    width = mb.rows["input_ids"].shape[1]
+    rows = Batch({key: pad(value, width) for key, value in mb.rows.items()})
+    packed = mb.packed
+    if packed is not None:
+        total = packed["input_ids"].shape[1]
+        packed = dict(packed, input_ids=pad(packed["input_ids"], total))
+        if total % multiple:
+            tail = torch.arange(-total % multiple, dtype=packed["position_ids"].dtype)[None, :]
+            packed["position_ids"] = torch.cat([packed["position_ids"], tail], dim=1)
+    return MicroBatch(rows, mb.index, packed, mb.dummy)
 
 
 def tensor_parallel_size_problem(config: Any, tp_size: int) -> Optional[str]:
@@ -119,6 +188,7 @@ def shard_model(
     dp_mesh: DeviceMesh,
     tp_mesh: Optional[DeviceMesh],
     *,
+    sequence_parallel: bool = False,
     mixed_precision: Optional[MixedPrecisionPolicy] = None,
     cpu_offload: bool = False,
 ) -> None:
@@ -128,7 +198,7 @@ def shard_model(
         problem = tensor_parallel_size_problem(model.config, tp_mesh.size())
         if problem:
             raise ValueError(problem)
-        parallelize_module(model, tp_mesh, tp_plan(model))
+        parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel))
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:

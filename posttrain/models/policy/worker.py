@@ -188,7 +188,7 @@ class PolicyWorker(WeightExport, DistributedWorker):
         if tp_mesh is not None:
             self.dp_group = dp_mesh.get_group()
         parallel.shard_model(
-            self.model, dp_mesh, tp_mesh,
+            self.model, dp_mesh, tp_mesh, sequence_parallel=self.cfg.sequence_parallel,
             mixed_precision=parallel.mixed_precision_policy(self.compute_dtype),
             cpu_offload=self.cfg.fsdp_cpu_offload and self.device.type != "cpu",
         )
@@ -230,6 +230,8 @@ class PolicyWorker(WeightExport, DistributedWorker):
                 pad = Batch(input_ids=torch.zeros(1, 1, dtype=torch.long), input_lengths=torch.ones(1, dtype=torch.long))
                 mbs = [fixed_size_microbatches(pad, 1)[0].as_dummy()]
             mbs += [mbs[-1].as_dummy() for _ in range(int(count) - len(mbs))]
+        if self.cfg.sequence_parallel:
+            mbs = [parallel.pad_for_sequence_parallel(mb, self.tp_size) for mb in mbs]
         return mbs
 
     def _forward(
@@ -275,7 +277,7 @@ class PolicyWorker(WeightExport, DistributedWorker):
             if scores:
                 out[mb.index] = values
             else:
-                out[mb.index, : values.shape[1]] = values
+                out[mb.index, : values.shape[1]] = values[:, :seq_len]  # sequence parallel pads the width
         return out
 
     @torch.no_grad()
@@ -296,7 +298,7 @@ class PolicyWorker(WeightExport, DistributedWorker):
         values = torch.zeros(batch_size, seq_len, k)
         indices = torch.zeros(batch_size, seq_len, k, dtype=torch.long)
         for mb in self._microbatches(batch, for_training=False, rows_per_mb=self.cfg.logprob_batch_size):
-            logits = self._forward(mb, temperature, input_type="logits")
+            logits = self._forward(mb, temperature, input_type="logits")[:, :seq_len]  # SP pads the width
             if mb.dummy:
                 continue
             top = logits.topk(k, dim=-1)
