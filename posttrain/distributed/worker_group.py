@@ -115,6 +115,12 @@ class DistributedWorker:
         tensor = collective.all_reduce(torch.as_tensor(value).to(self.device).clone())
         return tensor.cpu() if isinstance(value, torch.Tensor) else tensor.item()
 
+    def peak_rss_mb(self) -> float:
+        """This worker process's peak resident memory so far, in MiB (Linux `ru_maxrss`)."""
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
     def shutdown(self) -> bool:
         """Leave the process group; called by `WorkerGroup.shutdown` before the actor is killed."""
         if dist.is_initialized():
