@@ -41,6 +41,8 @@ def test_fp16_and_lonely_options_are_refused_in_one_line():
         PolicyConfig(sequence_parallel=True)
     with pytest.raises(ValueError, match=r"policy.fsdp_cpu_offload needs policy.num_workers > 1"):
         PolicyConfig(fsdp_cpu_offload=True)
+    with pytest.raises(ValueError, match=r"policy.lora.enabled with policy.tensor_parallel_size > 1 is not supported"):
+        PolicyConfig(num_workers=2, tensor_parallel_size=2, lora=dict(enabled=True))
 
 
 def test_preset_whose_heads_tp_cannot_split_is_refused_naming_the_numbers():

@@ -319,6 +319,9 @@ class PolicyConfig(Section):
                 f"policy.train_global_batch_size={self.train_global_batch_size} must be a multiple of {ranks} "
                 "(each data-parallel rank gets an equal share)"
             )
+        if self.lora.enabled and self.tensor_parallel_size > 1:
+            raise ValueError("policy.lora.enabled with policy.tensor_parallel_size > 1 is not supported (the adapters "
+                             "wrap the layers tensor parallelism splits); use data parallelism for LoRA")
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise ValueError("policy.sequence_parallel needs policy.tensor_parallel_size > 1")
         if self.fsdp_cpu_offload and self.num_workers == 1:
