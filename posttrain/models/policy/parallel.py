@@ -36,6 +36,7 @@ gradient equals one worker's.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Optional
 
@@ -55,6 +56,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from posttrain.distributed.batch import Batch
+from posttrain.models.parallel_sizes import tensor_parallel_problem
 from posttrain.models.policy.forward import MicroBatch
 
 # posttrain's plan for llama-like decoders whose config carries no `base_model_tp_plan`
@@ -177,8 +179,6 @@ def pad_for_sequence_parallel(mb: MicroBatch, multiple: int) -> MicroBatch:
 
 def tensor_parallel_size_problem(config: Any, tp_size: int) -> Optional[str]:
     """Why the model of `config` cannot be split over `tp_size` ranks (None when it can)."""
-    from posttrain.models.parallel_sizes import tensor_parallel_problem
-
     sizes = {key: getattr(config, key, None) for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size")}
     return tensor_parallel_problem(sizes, tp_size, "policy.model_name")
 
@@ -195,6 +195,10 @@ def shard_model(
     """Tensor-parallelise `model` over `tp_mesh` (if any), then FSDP2 over `dp_mesh`: one unit per
     decoder layer (HF's `_no_split_modules`), then the root."""
     if tp_mesh is not None:
+        # DTensor warns, once per process, that gathering a 2-D (dp, tp) sharded tensor (state
+        # dicts, the gradient norm) takes two collectives instead of one: expected, and noise in a
+        # job's console.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         problem = tensor_parallel_size_problem(model.config, tp_mesh.size())
         if problem:
             raise ValueError(problem)
