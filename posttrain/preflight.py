@@ -30,6 +30,7 @@ def preflight(cfg: Any) -> None:
             preflight(getattr(cfg, warm_start))
     policy = cfg.policy
     check_model_name(policy.model_name, "policy.model_name", policy.tiny_arch)
+    check_tensor_parallel(policy, "policy.model_name")
     if policy.tokenizer_name is not None:
         check_model_name(policy.tokenizer_name, "policy.tokenizer_name", policy.tiny_arch)
     if isinstance(cfg, DistillMasterConfig):
@@ -52,6 +53,21 @@ def check_memory_plan(cfg: Any) -> None:
     _, problem = check_memory(cfg)
     if problem:
         raise UserError(f"{problem} (posttrain plan prints the whole plan)")
+
+
+def check_tensor_parallel(policy: Any, key: str) -> None:
+    """Refuse a `policy.tensor_parallel_size` that does not divide the model's heads, key/value
+    heads or MLP width (read from the preset or `config.json`; a hub id not cached yet is checked
+    by the workers when they load it)."""
+    from posttrain.models.parallel_sizes import tensor_parallel_problem
+    from posttrain.models.paths import model_split_sizes
+
+    if policy.tensor_parallel_size == 1:
+        return
+    sizes = model_split_sizes(policy.model_name)
+    problem = tensor_parallel_problem(sizes, policy.tensor_parallel_size, f"{key}={policy.model_name!r}") if sizes else None
+    if problem:
+        raise UserError(problem)
 
 
 def check_components(cfg: Any) -> None:

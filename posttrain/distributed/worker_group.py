@@ -124,6 +124,12 @@ class DistributedWorker:
         tensor = collective.all_reduce(torch.as_tensor(value).to(self.device).clone())
         return tensor.cpu() if isinstance(value, torch.Tensor) else tensor.item()
 
+    def peak_rss_mb(self) -> float:
+        """This worker process's peak resident memory so far, in MiB (Linux `ru_maxrss`)."""
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
     def shutdown(self) -> bool:
         """Leave the process group; called by `WorkerGroup.shutdown` before the actor is killed."""
         if dist.is_initialized():
@@ -337,37 +343,49 @@ class WorkerGroup:
         return self.get([self.run_single_async(0, method, *args, **kwargs)])[0]
 
     def run_sharded_async(
-        self, method: str, batch: Batch, *, common_kwargs: Mapping[str, Any] | None = None, **kwargs: Any
+        self, method: str, batch: Batch, *, replicas: int = 1, common_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any
     ) -> list[Any]:
-        """Call `method(shard_r, **common)` on each rank r, with `batch.shard(world_size)`.
+        """Call `method(shard, **common)` on every rank: `batch.shard(world_size / replicas)`, shard s
+        to the `replicas` consecutive ranks `s * replicas ...` (default 1: one shard per rank; a
+        tensor-parallel group's ranks must all see the same rows).
 
         Every rank is called, even with an empty shard (when B < world_size), because the method
-        may run collectives. Gather the results with `gather`.
+        may run collectives. Gather the results with `gather` (same `replicas`).
         """
+        if self.world_size % replicas:
+            raise ValueError(f"WorkerGroup {self.name!r}: replicas={replicas} does not divide {self.world_size} ranks")
         common = {**(common_kwargs or {}), **kwargs}
         if self.world_size > 1:
             common = {k: self._shared(v) for k, v in common.items()}
-        shards = batch.shard(self.world_size)
-        return [self._submit(rank, method, (shard,), common) for rank, shard in enumerate(shards)]
+        shards = batch.shard(self.world_size // replicas)
+        if replicas > 1 and self.world_size > 1:
+            shards = [self._shared(shard) for shard in shards]  # one object-store copy per shard, not per rank
+        return [self._submit(rank, method, (shards[rank // replicas],), common) for rank in range(self.world_size)]
 
     def run_sharded(
-        self, method: str, batch: Batch, *, common_kwargs: Mapping[str, Any] | None = None, **kwargs: Any
+        self, method: str, batch: Batch, *, replicas: int = 1, common_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any
     ) -> Batch:
-        """Split `batch` across ranks, call `method` on each shard, concatenate results in order.
+        """Split `batch` across ranks (`replicas` ranks per shard, see `run_sharded_async`), call
+        `method` on each shard, concatenate results in order.
 
         Results are padded with 0 on dim 1; for another pad value use `run_sharded_async` and
         `gather(refs, pad_values=...)`.
         """
-        return self.gather(self.run_sharded_async(method, batch, common_kwargs=common_kwargs, **kwargs))
+        refs = self.run_sharded_async(method, batch, replicas=replicas, common_kwargs=common_kwargs, **kwargs)
+        return self.gather(refs, replicas=replicas)
 
     def gather(
-        self, refs: Sequence[Any], pad_values: Mapping[str, Any] | None = None, timeout: float | None = None
+        self, refs: Sequence[Any], pad_values: Mapping[str, Any] | None = None, timeout: float | None = None,
+        replicas: int = 1,
     ) -> Batch:
-        """Wait for per-rank Batches and concatenate them in rank order (`Batch.cat`)."""
-        results = self.get(refs, timeout=timeout)
+        """Wait for per-rank Batches and concatenate them in rank order (`Batch.cat`), one result
+        per `replicas` ranks (the first of each group; default 1: every rank's)."""
+        results = self.get(refs, timeout=timeout)[::replicas]
         for rank, result in enumerate(results):
             if not isinstance(result, Batch):
-                raise TypeError(f"WorkerGroup {self.name!r}: rank {rank} returned {type(result).__name__}, not a Batch")
+                raise TypeError(f"WorkerGroup {self.name!r}: rank {rank * replicas} returned {type(result).__name__}, not a Batch")
         return Batch.cat(results, pad_values)
 
     def get(self, refs: Sequence[Any], timeout: float | None = None) -> list[Any]:

@@ -16,8 +16,6 @@ def model_vocab_size(name: str, tiny_arch: str = "llama") -> Optional[int]:
     """The vocabulary size (width of the logits) of `name` from its `config.json`, without loading
     weights: a preset's, a local directory's or checkpoint's, or a hub id's cached config; None
     when it cannot be known yet (a hub id not in the cache)."""
-    import json
-
     from posttrain.models.presets import ARCHS, PRESETS
 
     preset, _, arch = name.partition("-")
@@ -25,6 +23,32 @@ def model_vocab_size(name: str, tiny_arch: str = "llama") -> Optional[int]:
         from posttrain.models.tiny import build_tokenizer
 
         return len(build_tokenizer())  # every preset shares the character-level tokenizer
+    config = model_config_dict(name)
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") if config else None
+    return int(size) if size else None
+
+
+def model_split_sizes(name: str) -> Optional[dict[str, Optional[int]]]:
+    """The sizes tensor parallelism divides (`parallel_sizes.TP_SPLIT_KEYS`) of `name`, from its
+    preset or its `config.json` (see `model_vocab_size`); None when they cannot be known yet."""
+    from posttrain.models.parallel_sizes import TP_SPLIT_KEYS
+    from posttrain.models.presets import ARCHS, PRESETS
+
+    preset, _, arch = name.partition("-")
+    if preset in PRESETS and (not arch or arch in ARCHS):
+        config: Optional[dict] = PRESETS[preset]
+    else:
+        config = model_config_dict(name)
+        if config is not None:
+            config = config.get("text_config") or config
+    return None if config is None else {key: config.get(key) for key in TP_SPLIT_KEYS}
+
+
+def model_config_dict(name: str) -> Optional[dict]:
+    """The `config.json` of a local directory or checkpoint, or a hub id's cached one (None when
+    there is none to read)."""
+    import json
+
     path = Path(name).expanduser()
     candidates: list[Path] = []
     if path.is_dir():
@@ -40,10 +64,7 @@ def model_vocab_size(name: str, tiny_arch: str = "llama") -> Optional[int]:
             candidates.append(Path(cached))
     for candidate in candidates:
         if candidate.is_file():
-            config = json.loads(candidate.read_text())
-            size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-            if size:
-                return int(size)
+            return json.loads(candidate.read_text())
     return None
 
 

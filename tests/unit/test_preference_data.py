@@ -134,7 +134,10 @@ def test_pair_batching_problems_fail_the_config_before_any_work():
     (problem,) = pair_batching_problems(PolicyConfig(train_global_batch_size=8, train_micro_batch_size=3))
     assert "train_micro_batch_size=3 must be even" in problem
     (problem,) = pair_batching_problems(PolicyConfig(train_global_batch_size=6, train_micro_batch_size=2, num_workers=2))
-    assert "multiple of 2 x policy.num_workers=4" in problem
+    assert "(policy.num_workers / policy.tensor_parallel_size) = 4" in problem
+    # Tensor-parallel ranks share rows: 4 workers in TP pairs are 2 data-parallel ranks.
+    assert pair_batching_problems(PolicyConfig(train_global_batch_size=4, train_micro_batch_size=2, num_workers=4,
+                                               tensor_parallel_size=2)) == []
     for algo in ("dpo", "rm"):
         with pytest.raises(ConfigError, match=r"preference training: policy.sequence_packing.enabled must be false"):
             load_config(algo, overrides=["policy.sequence_packing.enabled=true"])

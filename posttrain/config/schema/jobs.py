@@ -187,7 +187,7 @@ def pair_batching_problems(policy: PolicyConfig) -> list[str]:
 
     Preference losses see one micro-batch at a time and pair its rows `(0,1), (2,3), ...`, so
     every micro-batch (and every worker's share of a step) must hold whole pairs in order: even
-    `train_global_batch_size / num_workers` and `train_micro_batch_size`, and neither sequence
+    `train_global_batch_size / dp_size` and `train_micro_batch_size`, and neither sequence
     packing nor dynamic batching (both regroup rows by length).
     """
     p, problems = policy, []
@@ -195,10 +195,11 @@ def pair_batching_problems(policy: PolicyConfig) -> list[str]:
         problems.append("policy.sequence_packing.enabled must be false (packing regroups the rows of a pair)")
     if p.dynamic_batching.enabled:
         problems.append("policy.dynamic_batching.enabled must be false (it regroups the rows of a pair)")
-    if p.train_global_batch_size % (2 * p.num_workers):
+    if p.train_global_batch_size % (2 * p.dp_size):
         problems.append(
-            f"policy.train_global_batch_size={p.train_global_batch_size} must be a multiple of 2 x policy.num_workers"
-            f"={2 * p.num_workers} (rows per step; each worker takes whole chosen/rejected pairs)"
+            f"policy.train_global_batch_size={p.train_global_batch_size} must be a multiple of 2 x the data-parallel "
+            f"ranks (policy.num_workers / policy.tensor_parallel_size) = {2 * p.dp_size} (rows per step; each "
+            "data-parallel rank takes whole chosen/rejected pairs)"
         )
     if p.train_micro_batch_size % 2:
         problems.append(f"policy.train_micro_batch_size={p.train_micro_batch_size} must be even (whole pairs)")

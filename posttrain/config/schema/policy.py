@@ -256,8 +256,9 @@ class PolicyConfig(Section):
     precision: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "auto",
         description=(
-            "Compute dtype: 'auto' (bfloat16 on a GPU that supports it, float32 elsewhere), 'float32', 'bfloat16' or "
-            "'float16'."
+            "Compute dtype: 'auto' (bfloat16 on a GPU that supports it, float32 elsewhere), 'float32' or 'bfloat16' "
+            "(with FSDP2, bfloat16 parameters are all-gathered in bfloat16 and gradients reduced in float32; master "
+            "weights stay float32). 'float16' is refused (no gradient scaler)."
         ),
     )
     train_global_batch_size: int = Field(
@@ -296,7 +297,34 @@ class PolicyConfig(Section):
             "full logits."
         ),
     )
-    num_workers: int = Field(1, ge=1, description="Data-parallel training workers.")
+    num_workers: int = Field(
+        1, ge=1,
+        description="Training workers: num_workers / tensor_parallel_size data-parallel ranks of tensor_parallel_size each.",
+    )
+    tensor_parallel_size: int = Field(
+        1, ge=1,
+        description=(
+            "Workers that split each layer between them (DTensor tensor parallelism: attention by heads, the MLP by "
+            "its width; embeddings, LM head and MoE experts stay whole); must divide num_workers, the model's "
+            "attention and key/value heads and intermediate_size. 1: data parallelism (FSDP2) only."
+        ),
+    )
+    sequence_parallel: bool = Field(
+        False,
+        description=(
+            "With tensor_parallel_size > 1: also split the residual stream and the layer norms by sequence between "
+            "the blocks (Megatron-LM sequence parallelism; dense models only; micro-batches padded to a multiple of "
+            "tensor_parallel_size tokens)."
+        ),
+    )
+    fsdp_cpu_offload: bool = Field(
+        False,
+        description=(
+            "FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer state live in host memory and move "
+            "to the GPU per layer (less GPU memory, slower steps). Needs num_workers > 1; GPU only (CPU workers note and "
+            "ignore it)."
+        ),
+    )
     refit_buffer_size_gb: Optional[float] = Field(
         None, gt=0,
         description=(
@@ -326,9 +354,33 @@ class PolicyConfig(Section):
     def _check(self):
         if self.sequence_packing.enabled and self.dynamic_batching.enabled:
             raise ValueError("policy.sequence_packing.enabled and policy.dynamic_batching.enabled are exclusive")
-        if self.train_global_batch_size % self.num_workers:
+        if self.num_workers % self.tensor_parallel_size:
             raise ValueError(
-                f"policy.train_global_batch_size={self.train_global_batch_size} must be a multiple of "
-                f"policy.num_workers={self.num_workers} (each data-parallel worker gets an equal share)"
+                f"policy.num_workers={self.num_workers} must be a multiple of "
+                f"policy.tensor_parallel_size={self.tensor_parallel_size}"
+            )
+        if self.train_global_batch_size % self.dp_size:
+            ranks = (f"policy.num_workers={self.num_workers}" if self.tensor_parallel_size == 1 else
+                     f"the {self.dp_size} data-parallel ranks (policy.num_workers / policy.tensor_parallel_size)")
+            raise ValueError(
+                f"policy.train_global_batch_size={self.train_global_batch_size} must be a multiple of {ranks} "
+                "(each data-parallel rank gets an equal share)"
+            )
+        if self.lora.enabled and self.tensor_parallel_size > 1:
+            raise ValueError("policy.lora.enabled with policy.tensor_parallel_size > 1 is not supported (the adapters "
+                             "wrap the layers tensor parallelism splits); use data parallelism for LoRA")
+        if self.sequence_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("policy.sequence_parallel needs policy.tensor_parallel_size > 1")
+        if self.fsdp_cpu_offload and self.num_workers == 1:
+            raise ValueError("policy.fsdp_cpu_offload needs policy.num_workers > 1 (FSDP2 shards only then)")
+        if self.precision == "float16":
+            raise ValueError(
+                "policy.precision=float16 is refused: training in fp16 needs a gradient scaler, which posttrain "
+                "does not wire; use bfloat16 (or float32)"
             )
         return self
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: `num_workers / tensor_parallel_size`."""
+        return self.num_workers // self.tensor_parallel_size

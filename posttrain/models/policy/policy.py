@@ -1,7 +1,9 @@
-"""`Policy`: the controller-side handle on a group of `PolicyWorker`s (data parallel).
+"""`Policy`: the controller-side handle on a group of `PolicyWorker`s (data and tensor parallel).
 
-The algorithm loops call it with whole batches; it shards rows across the workers, calls them
-together (they run collectives among themselves) and returns results in the caller's row order.
+The algorithm loops call it with whole batches; it shards rows across the data-parallel ranks
+(the `tensor_parallel_size` workers of one tensor-parallel group get the same rows), calls the
+workers together (they run collectives among themselves) and returns results in the caller's
+row order.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ if TYPE_CHECKING:
 
 
 class Policy:
-    """A data-parallel policy (or reward model) on `cfg.num_workers` bundles of `cluster`.
+    """A policy (or reward model) on `cfg.num_workers` bundles of `cluster`: `cfg.dp_size`
+    data-parallel ranks of `cfg.tensor_parallel_size` workers each (see `parallel.py`).
 
     Args:
         cluster: where the workers run; uses its first `cfg.num_workers` bundles.
@@ -51,7 +54,8 @@ class Policy:
             raise ValueError(
                 f"policy.num_workers={self.cfg.num_workers} but the cluster has only {cluster.world_size()} bundles"
             )
-        self.dp_size = self.cfg.num_workers
+        self.dp_size = self.cfg.dp_size
+        self.tp_size = self.cfg.tensor_parallel_size
         self.worker_group = WorkerGroup(
             cluster,
             PolicyWorker,
@@ -63,27 +67,27 @@ class Policy:
                 model_type=model_type,
             ),
             name=name,
-            bundle_indices=list(range(self.dp_size)),
+            bundle_indices=list(range(self.cfg.num_workers)),
             worker_timeout_s=worker_timeout_s,
         )
 
     # ------------------------------------------------------------------------------ logprobs
     def get_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
         """`Batch({"logprobs": [B, S]})` in the caller's row order (see `PolicyWorker.get_logprobs`)."""
-        return self.worker_group.run_sharded("get_logprobs", batch, temperature=temperature)
+        return self.worker_group.run_sharded("get_logprobs", batch, replicas=self.tp_size, temperature=temperature)
 
     def get_reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
         """Like `get_logprobs`, from the initial weights (needs `init_reference_model=True`)."""
-        return self.worker_group.run_sharded("get_reference_logprobs", batch, temperature=temperature)
+        return self.worker_group.run_sharded("get_reference_logprobs", batch, replicas=self.tp_size, temperature=temperature)
 
     def get_topk_logits(self, batch: Batch, k: int, temperature: float = 1.0) -> Batch:
         """`Batch(topk_logits, topk_indices)`, each `[B, S, k]`, in the caller's row order (see
         `PolicyWorker.get_topk_logits`): what a distillation teacher gives the student."""
-        return self.worker_group.run_sharded("get_topk_logits", batch, k=k, temperature=temperature)
+        return self.worker_group.run_sharded("get_topk_logits", batch, replicas=self.tp_size, k=k, temperature=temperature)
 
     def get_scores(self, batch: Batch) -> Batch:
         """`Batch({"scores": [B]})` from a reward model (`model_type="reward"`)."""
-        return self.worker_group.run_sharded("get_scores", batch)
+        return self.worker_group.run_sharded("get_scores", batch, replicas=self.tp_size)
 
     # --------------------------------------------------------------------------------- train
     def train(
@@ -106,7 +110,8 @@ class Policy:
         if gbs % self.dp_size:
             raise ValueError(
                 f"global batch size {gbs} (policy.train_global_batch_size or the global_batch_size argument) "
-                f"is not divisible by policy.num_workers={self.dp_size}"
+                f"is not divisible by the {self.dp_size} data-parallel ranks (policy.num_workers / "
+                "policy.tensor_parallel_size)"
             )
         if batch.size == 0 or batch.size % gbs:
             raise ValueError(
@@ -124,6 +129,7 @@ class Policy:
         refs = self.worker_group.run_sharded_async(
             "train",
             batch.select(order),
+            replicas=self.tp_size,
             loss_fn=loss_fn,
             global_batch_size=gbs,
             micro_batch_size=micro_batch_size,

@@ -1,17 +1,20 @@
-"""`PolicyWorker`: one data-parallel training rank (a Ray actor created by `Policy`).
+"""`PolicyWorker`: one training rank (a Ray actor created by `Policy`).
 
 Each worker holds the model, the optimizer and the LR scheduler. With more than one worker the
-model is sharded with FSDP2 (`torch.distributed.fsdp.fully_shard` on every decoder layer and on
-the root), which works over gloo on CPU as well as nccl on GPU; with one worker it is a plain
-module. Master weights and optimizer state are float32; `policy.precision` picks the compute
-dtype (autocast), so a bf16 run keeps exact fp32 updates.
+model is sharded (`parallel.py`): DTensor tensor parallelism within groups of
+`policy.tensor_parallel_size` workers, FSDP2 (`fully_shard` on every decoder layer and on the
+root) over the data-parallel ranks; both work over gloo on CPU as well as nccl on GPU. With one
+worker it is a plain module. Master weights and optimizer state are float32; `policy.precision`
+picks the compute dtype (autocast; with FSDP2 also the dtype parameters are all-gathered in,
+gradients being reduced in float32), so a bf16 run keeps exact fp32 updates.
 
 Exact loss normalisation (NeMo-RL, `nemo-rl.md` section 3, "Inside policy.train"): for every
 optimizer step the worker all-reduces the valid token / sequence counts of its rows, so each
 micro-batch's loss is already divided by the *global* counts. FSDP averages gradients over
 ranks, so the loss is multiplied by the data-parallel size before `backward`; the accumulated
 gradient then equals the gradient of one big batch, whatever the split into ranks, micro-batches
-or packed bins.
+or packed bins. The ranks of a tensor-parallel group see the same rows, so counts and metrics
+are reduced over the data-parallel ranks only (`self.dp_group`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-import torch.distributed as dist
 import transformers
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -29,18 +31,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from posttrain.config.schema import PolicyConfig
+from posttrain.distributed import collective
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
 from posttrain.models import lora, moe
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype, resolve_model_path
 from posttrain.models.policy import checkpoint as ckpt
-from posttrain.models.policy import sharded_load
+from posttrain.models.policy import parallel, sharded_load
 from posttrain.models.policy.forward import (
     MicroBatch,
     dynamic_microbatches,
@@ -67,7 +70,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class PolicyWorker(WeightExport, DistributedWorker):
-    """Training, logprob inference, checkpoints and weight export for one data-parallel rank.
+    """Training, logprob inference, checkpoints and weight export for one rank (see `parallel.py`).
 
     Args:
         cfg: the `policy` config section (a `PolicyConfig` or a dict validated into one).
@@ -99,7 +102,11 @@ class PolicyWorker(WeightExport, DistributedWorker):
             raise ValueError(f"model_type={model_type!r}; choose one of {sorted(ckpt.MODEL_CLASSES)}")
         self.model_type = model_type
         # DistributedWorker set self.rank, self.world_size and self.device (cuda when present).
-        self.dp_size = self.world_size  # only data parallelism for now
+        self.tp_size = self.cfg.tensor_parallel_size
+        if self.world_size % self.tp_size:
+            raise ValueError(f"policy.tensor_parallel_size={self.tp_size} does not divide the {self.world_size} workers")
+        self.dp_size = self.world_size // self.tp_size
+        self.dp_group: Any = None  # the data-parallel ranks' process group (None: all ranks, the default group)
         self.compute_dtype = pick_dtype(self.cfg.precision, self.device)
         self.step = 0  # number of `train` calls (= scheduler steps) so far
 
@@ -119,6 +126,10 @@ class PolicyWorker(WeightExport, DistributedWorker):
         if self.cfg.activation_checkpointing:
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.fused_logprobs = model_type == "lm" and use_fused_logprobs(self.model, self.cfg.fused_logprobs, self.rank == 0)
+        if self.tp_size > 1 and self.rank == 0:
+            print(f"[posttrain] tensor parallel x{self.tp_size}: embeddings, LM head and MoE experts stay whole on "
+                  "every tensor-parallel rank (the fused chunked lm_head + logprob path needs the whole vocabulary)",
+                  flush=True)
         self.is_fsdp = self.world_size > 1
         if self.is_fsdp:
             rank0_weights = sharded_load.rank0_weights(self.model, self.rank)
@@ -178,20 +189,19 @@ class PolicyWorker(WeightExport, DistributedWorker):
         return model
 
     def _shard_model(self) -> None:
-        """FSDP2: one unit per decoder layer (HF's `_no_split_modules`), then the root."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
-        layer_classes = set(getattr(self.model, "_no_split_modules", None) or ())
-        layers = [m for m in self.model.modules() if type(m).__name__ in layer_classes]
-        if not layers:
-            raise ValueError(
-                f"cannot find decoder layers to shard in {type(self.model).__name__}: "
-                f"_no_split_modules={sorted(layer_classes)}"
-            )
-        for layer in layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+        """Tensor parallel over each TP group, FSDP2 over the data-parallel ranks (`parallel.py`)."""
+        dp_mesh, tp_mesh = parallel.build_mesh(self.device.type, self.world_size, self.tp_size)
+        if tp_mesh is not None:
+            self.dp_group = dp_mesh.get_group()
+        parallel.shard_model(
+            self.model, dp_mesh, tp_mesh, sequence_parallel=self.cfg.sequence_parallel,
+            mixed_precision=parallel.mixed_precision_policy(self.compute_dtype),
+            cpu_offload=self.cfg.fsdp_cpu_offload and self.device.type != "cpu",
+        )
+        if self.cfg.fsdp_cpu_offload and self.device.type == "cpu" and self.rank == 0:
+            # FSDP2's CPUOffloadPolicy needs an accelerator to offload from.
+            print("[posttrain] policy.fsdp_cpu_offload: nothing to offload on CPU workers (weights already live in "
+                  "host memory)", flush=True)
 
     def _reshard(self) -> None:
         """Drop FSDP's gathered copies so the next forward re-gathers from the sharded weights.
@@ -219,14 +229,15 @@ class PolicyWorker(WeightExport, DistributedWorker):
         else:
             mbs = fixed_size_microbatches(batch, rows_per_mb)
         if self.world_size > 1:
-            count = torch.tensor([len(mbs)], dtype=torch.long)
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            count = collective.all_reduce(torch.tensor([len(mbs)], dtype=torch.long), op="max")
             if int(count) == 0:
                 return []
             if not mbs:  # this rank has no rows: a one-token stand-in keeps the collectives in step
                 pad = Batch(input_ids=torch.zeros(1, 1, dtype=torch.long), input_lengths=torch.ones(1, dtype=torch.long))
                 mbs = [fixed_size_microbatches(pad, 1)[0].as_dummy()]
             mbs += [mbs[-1].as_dummy() for _ in range(int(count) - len(mbs))]
+        if self.cfg.sequence_parallel:
+            mbs = [parallel.pad_for_sequence_parallel(mb, self.tp_size) for mb in mbs]
         return mbs
 
     def _forward(
@@ -272,7 +283,7 @@ class PolicyWorker(WeightExport, DistributedWorker):
             if scores:
                 out[mb.index] = values
             else:
-                out[mb.index, : values.shape[1]] = values
+                out[mb.index, : values.shape[1]] = values[:, :seq_len]  # sequence parallel pads the width
         return out
 
     @torch.no_grad()
@@ -293,7 +304,7 @@ class PolicyWorker(WeightExport, DistributedWorker):
         values = torch.zeros(batch_size, seq_len, k)
         indices = torch.zeros(batch_size, seq_len, k, dtype=torch.long)
         for mb in self._microbatches(batch, for_training=False, rows_per_mb=self.cfg.logprob_batch_size):
-            logits = self._forward(mb, temperature, input_type="logits")
+            logits = self._forward(mb, temperature, input_type="logits")[:, :seq_len]  # SP pads the width
             if mb.dummy:
                 continue
             top = logits.topk(k, dim=-1)
@@ -416,20 +427,17 @@ class PolicyWorker(WeightExport, DistributedWorker):
         return result
 
     def _global_counts(self, rows: Batch, scores: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(global_valid_seqs, global_valid_toks)` of one optimizer step, summed over ranks."""
+        """`(global_valid_seqs, global_valid_toks)` of one optimizer step, summed over data-parallel ranks."""
         sample_mask = rows["sample_mask"].double()
         toks = 0.0 if scores else (rows["token_mask"][:, 1:].double() * sample_mask[:, None]).sum()
         counts = torch.stack([sample_mask.sum(), torch.as_tensor(toks, dtype=torch.float64)])
-        if self.world_size > 1:
-            dist.all_reduce(counts)
+        collective.all_reduce(counts, group=self.dp_group)  # TP ranks hold the same rows: count them once
         counts = counts.float().to(self.device)
         return counts[0], counts[1]
 
     def _global_input_tokens(self, rows: Batch) -> torch.Tensor:
-        """Tokens (prompt and response, no padding) of one optimizer step's rows, over all ranks."""
-        count = rows["input_lengths"].sum().double().reshape(1)
-        if self.world_size > 1:
-            dist.all_reduce(count)
+        """Tokens (prompt and response, no padding) of one optimizer step's rows, over data-parallel ranks."""
+        count = collective.all_reduce(rows["input_lengths"].sum().double().reshape(1), group=self.dp_group)
         return count.float().to(self.device)[0]
 
     def _router_loss(self, mb: MicroBatch, routers: moe.RouterLogits, step_tokens: torch.Tensor) -> torch.Tensor:
@@ -446,16 +454,11 @@ class PolicyWorker(WeightExport, DistributedWorker):
     def _clip_grad_norm(self) -> float:
         """Total grad norm over all ranks before clipping; clips when `policy.max_grad_norm` is set."""
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)  # DTensor-aware
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return float(norm)
+        return parallel.clip_grad_norm(list(self.model.parameters()), max_norm)
 
     def _raise_if_not_finite(self, bad_microbatches: list[int], grad_norm: float, step_index: int) -> None:
         """Raise on every rank, before the optimizer step, if any rank saw a NaN/inf."""
-        flag = torch.tensor([float(bool(bad_microbatches))])
-        if self.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = collective.all_reduce(torch.tensor([float(bool(bad_microbatches))]), op="max")
         if flag.item() == 0 and math.isfinite(grad_norm):
             return
         self.optimizer.zero_grad(set_to_none=True)
@@ -469,20 +472,19 @@ class PolicyWorker(WeightExport, DistributedWorker):
         )
 
     def _all_reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        """Sum (or min/max for `_min`/`_max` names) per-rank metric totals over all ranks."""
+        """Sum (or min/max for `_min`/`_max` names) per-rank metric totals over the data-parallel
+        ranks (a tensor-parallel group's ranks computed the same ones)."""
         if self.world_size == 1:
             return dict(sums)
-        names: list[list[str]] = [[] for _ in range(self.world_size)]
-        dist.all_gather_object(names, sorted(sums))
-        keys = sorted(set().union(*names))
+        keys = sorted(set().union(*collective.all_gather_object(sorted(sums), group=self.dp_group)))
         out = {}
-        for op, suffix_test in ((dist.ReduceOp.MIN, "_min"), (dist.ReduceOp.MAX, "_max"), (dist.ReduceOp.SUM, None)):
+        for op, suffix_test in (("min", "_min"), ("max", "_max"), ("sum", None)):
             group = [k for k in keys if (k.endswith(suffix_test) if suffix_test else not _is_extreme(k))]
             if not group:
                 continue
-            neutral = {dist.ReduceOp.MIN: math.inf, dist.ReduceOp.MAX: -math.inf, dist.ReduceOp.SUM: 0.0}[op]
+            neutral = {"min": math.inf, "max": -math.inf, "sum": 0.0}[op]
             values = torch.tensor([sums.get(k, neutral) for k in group], dtype=torch.float64)
-            dist.all_reduce(values, op=op)
+            collective.all_reduce(values, op=op, group=self.dp_group)
             out.update(zip(group, values.tolist()))
         return out
 
@@ -536,8 +538,7 @@ class PolicyWorker(WeightExport, DistributedWorker):
         out = None
         if self.rank == 0:
             out = str(ckpt.save_hf(state, self.hf_config, self.tokenizer, out_dir, self.model_type))
-        if self.world_size > 1:
-            dist.barrier()
+        collective.barrier()
         return out
 
     # --------------------------------------------------------------------------------- misc

@@ -1,0 +1,254 @@
+"""How a `PolicyWorker`'s model is split over its worker group: FSDP2 over data parallel ranks,
+DTensor tensor parallelism (TP) within a tensor-parallel group.
+
+The group's `num_workers` ranks form a 2-D device mesh `("dp", "tp")` of shape
+`(num_workers / tensor_parallel_size, tensor_parallel_size)`; rank r is data-parallel rank
+`r // tp` and tensor-parallel rank `r % tp` (the ranks of one TP group are neighbours, so on GPUs
+they share a node). Every decoder layer is parallelised by a plan: attention q/k/v column-wise
+(each TP rank holds `heads / tp` query heads and `kv_heads / tp` key/value heads; transformers'
+attention reshapes with `-1` heads, so it runs on the local heads unchanged), o row-wise (an
+all-reduce gives every TP rank the full output), MLP gate/up column-wise and down row-wise. The
+plan is the model's own `base_model_tp_plan` (transformers) where its config has one, else
+`LLAMA_LIKE_PLAN` for llama-like model types. Then FSDP2 (`fully_shard`) shards every decoder
+layer and the root over the `dp` sub-mesh, which also shards the TP shards further.
+
+Kept whole on every TP rank (sharded over `dp` by FSDP only): embeddings, norms, the LM head
+(the fused chunked lm_head + logprob path, `linear_logprobs.py`, needs the whole vocabulary;
+a vocabulary-parallel head would need a logsumexp over the shards) and mixture-of-experts
+experts and routers (every TP rank runs all experts on the same tokens). Per-head q/k norms
+(Qwen3) run on the local heads with their weight replicated and its gradient summed over the TP
+group (`SequenceParallel` over the head dimension does exactly that).
+
+Sequence parallelism (`policy.sequence_parallel`, with TP): between the attention and MLP blocks
+the residual stream and the layer norms hold `1/tp` of the sequence on each TP rank (Megatron-LM's
+SP, Korthikanti et al. 2022): the first decoder layer takes its rank's slice of the embeddings, the
+column-wise projections all-gather the sequence, the row-wise ones reduce-scatter it instead of
+all-reducing, the norms' weights are replicated with their gradients summed over the TP group, and
+the final norm gathers the whole sequence again for the LM head. Masks, positions and rotary
+embeddings are computed before the first layer on the whole sequence, so they need no change;
+micro-batches are right-padded to a multiple of `tp` tokens (`pad_for_sequence_parallel`).
+
+Gradients: a TP rank's replicated parameters get the same gradient on every TP rank, the sharded
+ones their shard's; FSDP reduces over `dp` only. So with the loss normalised by the global token
+count (counted over `dp` only: TP ranks see the same rows) and multiplied by the dp size, the
+gradient equals one worker's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Optional
+
+import torch.nn.functional as F
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from posttrain.distributed.batch import Batch
+from posttrain.models.parallel_sizes import tensor_parallel_problem
+from posttrain.models.policy.forward import MicroBatch
+
+# posttrain's plan for llama-like decoders whose config carries no `base_model_tp_plan`
+# (the same as transformers 5.23's llama plan), relative to the decoder (`model.model`).
+LLAMA_LIKE_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+LLAMA_LIKE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral"})
+# Per-head norms applied to `[batch, seq, heads, head_dim]` (Qwen3's q_norm / k_norm).
+HEAD_NORMS = ("q_norm", "k_norm")
+
+
+def build_mesh(device_type: str, world_size: int, tp_size: int) -> tuple[DeviceMesh, Optional[DeviceMesh]]:
+    """`(dp mesh, tp mesh)` of the group; the tp mesh is None without tensor parallelism (then the
+    dp mesh is the 1-D mesh of all ranks, as before TP existed)."""
+    if tp_size == 1:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",)), None
+    mesh = init_device_mesh(device_type, (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    return mesh["dp"], mesh["tp"]
+
+
+def tp_plan(model: torch.nn.Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The `parallelize_module` plan of `model` (module path pattern -> style), from its config's
+    `base_model_tp_plan` or `LLAMA_LIKE_PLAN`; experts stay replicated. `sequence_parallel`: the
+    residual stream and the layer norms between the blocks are split by sequence (module doc).
+
+    Raises ValueError naming the model type when there is no plan, or the entries whose style
+    posttrain does not apply."""
+    config = model.config
+    base_plan = getattr(config, "base_model_tp_plan", None)
+    if not base_plan:
+        if config.model_type not in LLAMA_LIKE_MODEL_TYPES:
+            raise ValueError(
+                f"policy.tensor_parallel_size: model_type {config.model_type!r} has no base_model_tp_plan in its "
+                f"config and is not one posttrain has a plan for ({sorted(LLAMA_LIKE_MODEL_TYPES)})"
+            )
+        base_plan = LLAMA_LIKE_PLAN
+    prefix = model.base_model_prefix  # "model": the decoder inside XForCausalLM
+    # Under SP the blocks' inputs arrive split by sequence (dim 1) and their outputs leave so.
+    sequence = dict(input_layouts=Shard(1)) if sequence_parallel else {}
+    plan: dict[str, ParallelStyle] = {}
+    unsupported = []
+    for pattern, style in base_plan.items():
+        if ".experts" in pattern:
+            continue  # experts replicated on every TP rank
+        leaf = pattern.rsplit(".", 1)[-1]
+        if style == "colwise":
+            plan[f"{prefix}.{pattern}"] = ColwiseParallel(**sequence)
+        elif style == "rowwise":
+            plan[f"{prefix}.{pattern}"] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
+        elif style == "replicated_with_grad_allreduce" and leaf in HEAD_NORMS:
+            # Input [batch, seq, local heads, head_dim]: a shard of the heads (dim 2).
+            plan[f"{prefix}.{pattern}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        else:
+            unsupported.append(f"{pattern}: {style}")
+    if unsupported:
+        raise ValueError(
+            f"policy.tensor_parallel_size: {config.model_type}'s base_model_tp_plan has entries posttrain does not "
+            f"apply: {unsupported}"
+        )
+    if sequence_parallel:
+        plan.update(_sequence_parallel_plan(model, prefix))
+    return plan
+
+
+def _sequence_parallel_plan(model: torch.nn.Module, prefix: str) -> dict[str, ParallelStyle]:
+    """The SP entries around the TP ones: the first layer takes its slice of the sequence, the
+    layers' own norms run on their slice, the final norm gathers the sequence back."""
+    from posttrain.models import moe
+
+    if moe.is_moe(model):
+        raise ValueError("policy.sequence_parallel: mixture-of-experts models are not supported (their experts are "
+                         "replicated over the TP group, not split by sequence); use tensor parallelism without it")
+    decoder = getattr(model, prefix)
+    layers = getattr(decoder, "layers", None)
+    if layers is None or not isinstance(getattr(decoder, "norm", None), torch.nn.Module):
+        raise ValueError(f"policy.sequence_parallel: {type(model).__name__} has no decoder layers and final norm "
+                         "where posttrain looks for them (model.layers, model.norm)")
+    norms = sorted(name for name, child in layers[0].named_children() if name.endswith("layernorm"))
+    if not norms:
+        raise ValueError(f"policy.sequence_parallel: no *layernorm modules in {type(layers[0]).__name__}")
+    plan: dict[str, ParallelStyle] = {
+        f"{prefix}.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                 use_local_output=True),
+        f"{prefix}.norm": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                             use_local_output=True),
+    }
+    for name in norms:
+        plan[f"{prefix}.layers.*.{name}"] = SequenceParallel()
+    return plan
+
+
+def pad_for_sequence_parallel(mb: MicroBatch, multiple: int) -> MicroBatch:
+    """`mb` with its sequence dimension right-padded (zeros) to a multiple of `multiple` tokens, so
+    that SP splits it evenly. Padding is never read: rows keep their `input_lengths`, a packed row
+    its `cu_seqlens` (the padding's positions start a sequence of their own)."""
+    def pad(value: Any, width: int) -> Any:
+        if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == width and width % multiple:
+            extra = [0, 0] * (value.ndim - 2) + [0, -width % multiple]
+            return F.pad(value, extra)
+        return value
+
+    width = mb.rows["input_ids"].shape[1]
+    rows = Batch({key: pad(value, width) for key, value in mb.rows.items()})
+    packed = mb.packed
+    if packed is not None:
+        total = packed["input_ids"].shape[1]
+        packed = dict(packed, input_ids=pad(packed["input_ids"], total))
+        if total % multiple:
+            tail = torch.arange(-total % multiple, dtype=packed["position_ids"].dtype)[None, :]
+            packed["position_ids"] = torch.cat([packed["position_ids"], tail], dim=1)
+    return MicroBatch(rows, mb.index, packed, mb.dummy)
+
+
+def tensor_parallel_size_problem(config: Any, tp_size: int) -> Optional[str]:
+    """Why the model of `config` cannot be split over `tp_size` ranks (None when it can)."""
+    sizes = {key: getattr(config, key, None) for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size")}
+    return tensor_parallel_problem(sizes, tp_size, "policy.model_name")
+
+
+def shard_model(
+    model: torch.nn.Module,
+    dp_mesh: DeviceMesh,
+    tp_mesh: Optional[DeviceMesh],
+    *,
+    sequence_parallel: bool = False,
+    mixed_precision: Optional[MixedPrecisionPolicy] = None,
+    cpu_offload: bool = False,
+) -> None:
+    """Tensor-parallelise `model` over `tp_mesh` (if any), then FSDP2 over `dp_mesh`: one unit per
+    decoder layer (HF's `_no_split_modules`), then the root."""
+    if tp_mesh is not None:
+        # DTensor warns, once per process, that gathering a 2-D (dp, tp) sharded tensor (state
+        # dicts, the gradient norm) takes two collectives instead of one: expected, and noise in a
+        # job's console.
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+        problem = tensor_parallel_size_problem(model.config, tp_mesh.size())
+        if problem:
+            raise ValueError(problem)
+        parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel))
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(
+            f"cannot find decoder layers to shard in {type(model).__name__}: _no_split_modules={sorted(layer_classes)}"
+        )
+    kwargs: dict[str, Any] = {"mesh": dp_mesh}
+    if mixed_precision is not None:
+        kwargs["mp_policy"] = mixed_precision
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for layer in layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def mixed_precision_policy(compute_dtype: torch.dtype) -> Optional[MixedPrecisionPolicy]:
+    """FSDP2's mixed precision for `policy.precision`: parameters all-gathered in the compute dtype
+    (bf16: half the all-gather traffic and unsharded memory) and gradients reduced in float32;
+    None for float32 (nothing to cast). The sharded master weights and the optimizer stay float32."""
+    if compute_dtype == torch.float32:
+        return None
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Total gradient norm over every rank before clipping (clipped to `max_norm` when finite).
+
+    Under TP + FSDP the gradients are DTensors on two meshes (`(dp, tp)` for TP-sharded
+    parameters, `dp` for the rest); torch's `clip_grad_norm_` stacks them and refuses mixed meshes,
+    so the norm is taken per mesh and combined here."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
+    if len(groups) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    squares = 0.0
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        squares += float(norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+    total = math.sqrt(squares)
+    if math.isfinite(max_norm) and math.isfinite(total):
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for grad in grads:
+                grad.mul_(coef)
+    return total
