@@ -188,6 +188,9 @@ def test_colocated_groups_share_bundles(ray_cluster):
         assert first.run_all("env")[0]["MASTER_PORT"] != second.run_all("env")[0]["MASTER_PORT"]
         out = second.run_sharded("tag_shard", Batch(x=torch.zeros(2, dtype=torch.long)))
         assert out["x"].tolist() == [10, 110]
+        # A full bundle is polled for room up to placement_timeout_s (resource views lag behind actor
+        # deaths); generous above for placing the bundles on a busy machine, short here.
+        cluster.placement_timeout_s = 2.0
         with pytest.raises(ClusterError, match="no room.*max_colocated_worker_groups=2"):
             WorkerGroup(cluster, EchoWorker, name="third")
     finally:
