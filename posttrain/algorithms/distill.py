@@ -28,8 +28,9 @@ import torch
 from posttrain.algorithms.experience import refit_if_stale
 from posttrain.algorithms.grpo import apply_sft_warm_start, sft_warm_start_dir, warm_start_dirs
 from posttrain.algorithms.loop import TrainingLoop, prefixed
+from posttrain.algorithms.on_policy import shutdown_run, train_loader
 from posttrain.config.schema import DistillMasterConfig
-from posttrain.data.dataloader import ResumableLoader, routes
+from posttrain.data.dataloader import routes
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.data.sample import Sample
 from posttrain.distributed.batch import Batch
@@ -61,7 +62,7 @@ class DistillContext:
     teacher: Any  # forward-only Policy
     envs: dict[str, Any]
     tokenizer: Any
-    train_loader: ResumableLoader
+    train_loader: Any  # ResumableLoader, or BlendedLoader for a blend
     val_samples: list[Sample]
     loop: TrainingLoop  # resume, validation schedule, logging, checkpoints, report
     loss_fn: Any
@@ -89,14 +90,7 @@ class DistillContext:
         return self.loop.state.get("teacher_accuracy")
 
     def shutdown(self) -> None:
-        from posttrain.environments.registry import EnvRouter
-
-        for part in (EnvRouter(self.envs), self.generation, self.teacher, self.policy, *self.clusters):
-            try:
-                part.shutdown()
-            except Exception as e:  # shutting down must not mask the real error
-                print(f"[posttrain] WARNING: shutdown failed: {e}", flush=True)
-        self.loop.close()
+        shutdown_run(self.cfg, self.loop, self.envs, (self.generation, self.teacher, self.policy, *self.clusters))
 
 
 # ------------------------------------------------------------------------------------- set-up
@@ -157,7 +151,8 @@ def setup(cfg: DistillMasterConfig) -> DistillContext:
     d = cfg.distillation
     cfg, tokenizer = start_run(cfg, seed=d.seed, max_num_steps=d.max_num_steps)
     train_samples, val_samples = build_splits(cfg, build_prompt_message_log, tokenizer, d.max_val_samples)
-    loader = ResumableLoader(train_samples, d.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=d.seed)
+    # A blend (or several reasoning-gym tasks) is sampled by its components' weights, as in GRPO.
+    loader = train_loader(train_samples, d.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=d.seed)
 
     colocated = cfg.policy.generation.colocated.enabled
     policy_cluster = make_cluster(cfg, cfg.policy.num_workers, colocated_groups=2 if colocated else 1)

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from posttrain.algorithms.experience import PromptGroup, refit_if_stale, roll_out_groups, training_batch
+from posttrain.algorithms.on_policy import shutdown_run, train_loader
 from posttrain.algorithms.loop import TrainingLoop, prefixed
 from posttrain.algorithms.loss import LossFunction, build_loss
 from posttrain.config.schema import GRPOMasterConfig
-from posttrain.data.dataloader import ResumableLoader, make_loader, routes
+from posttrain.data.dataloader import ResumableLoader, routes
 from posttrain.data.sample import Sample
 from posttrain.distributed.batch import Batch
 from posttrain.evals.eval import evaluate, validation_sampling
@@ -72,16 +73,7 @@ class GRPOContext:
         return self.loop.last_step
 
     def shutdown(self) -> None:
-        from posttrain.environments.registry import EnvRouter
-        from posttrain.utils.run_dirs import release_run_dirs
-
-        for part in (EnvRouter(self.envs), self.generation, self.policy, *self.clusters):
-            try:
-                part.shutdown()
-            except Exception as e:  # shutting down must not mask the real error
-                log.warning("shutdown failed: %s", e)
-        self.loop.close()
-        release_run_dirs(self.cfg)
+        shutdown_run(self.cfg, self.loop, self.envs, (self.generation, self.policy, *self.clusters))
 
 
 # ------------------------------------------------------------------------------------- set-up
@@ -91,7 +83,7 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
     cfg, tokenizer = start_run(cfg, seed=cfg.grpo.seed, max_num_steps=cfg.grpo.max_num_steps)
     train_samples, val_samples = build_splits(cfg, build_prompt_message_log, tokenizer, cfg.grpo.max_val_samples)
     # A blend (or several reasoning-gym tasks) is sampled by its components' weights.
-    loader = make_loader(train_samples, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.grpo.seed)
+    loader = train_loader(train_samples, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.grpo.seed)
 
     colocated = cfg.policy.generation.colocated.enabled
     policy_cluster = make_cluster(cfg, cfg.policy.num_workers, colocated_groups=2 if colocated else 1)
