@@ -22,6 +22,9 @@ class _Part:
     def refit_info(self):
         return {}
 
+    def refit_bucket_bytes(self):
+        return 2**20
+
     def weight_dtypes(self):
         return None
 
