@@ -109,6 +109,11 @@ class PolicyWorker(WeightExport, DistributedWorker):
         self.dp_group: Any = None  # the data-parallel ranks' process group (None: all ranks, the default group)
         self.compute_dtype = pick_dtype(self.cfg.precision, self.device)
         self.step = 0  # number of `train` calls (= scheduler steps) so far
+        # Only rank 0 reads the weights and the others receive their FSDP shards (sharded_load.py).
+        # Not under TP: parallelize_module scatters each weight from the ranks' real tensors, which
+        # a rank built on the meta device does not have (the two ranks deadlocked).
+        self.loads_sharded = (model_type == "lm" and self.world_size > 1 and self.tp_size == 1
+                              and not self.cfg.lora.enabled)
 
         model_path = resolve_model_path(self.cfg.model_name, self.cfg.tiny_arch)
         self.tokenizer = load_tokenizer(self.cfg.tokenizer_name or model_path, self.cfg.tiny_arch)
@@ -131,11 +136,13 @@ class PolicyWorker(WeightExport, DistributedWorker):
                   "every tensor-parallel rank (the fused chunked lm_head + logprob path needs the whole vocabulary)",
                   flush=True)
         self.is_fsdp = self.world_size > 1
-        if self.is_fsdp:
+        if self.is_fsdp and self.loads_sharded:
             rank0_weights = sharded_load.rank0_weights(self.model, self.rank)
             self._shard_model()
             sharded_load.fill_shards_from_rank0(self.model, rank0_weights)  # other ranks built on meta
             del rank0_weights
+        elif self.is_fsdp:
+            self._shard_model()
         else:
             self.model.to(self.device)
 
@@ -163,7 +170,7 @@ class PolicyWorker(WeightExport, DistributedWorker):
         # Loaded on the CPU in float32: FSDP moves only this rank's shard to the device. Under
         # FSDP only rank 0 reads the weights; the others receive their shards (sharded_load.py).
         if self.model_type == "lm":
-            if self.world_size > 1 and self.rank != 0 and not self.cfg.lora.enabled:
+            if self.loads_sharded and self.rank != 0:
                 return sharded_load.empty_causal_lm(model_path, self.cfg.tiny_arch, self.cfg.attn_implementation)
             return load_causal_lm(model_path, dtype=torch.float32, device="cpu", tiny_arch=self.cfg.tiny_arch,
                                   attn_implementation=self.cfg.attn_implementation)
