@@ -96,10 +96,11 @@ def group_std(
     group_ids: torch.Tensor,
     sample_mask: Optional[torch.Tensor] = None,
     num_groups: Optional[int] = None,
-    unbiased: bool = False,
+    unbiased: bool = True,
 ) -> torch.Tensor:
-    """Standard deviation per group over valid samples, ``[num_groups]``; population std (divide
-    by n) unless ``unbiased`` (divide by n - 1). 0 for groups with too few samples."""
+    """Standard deviation per group over valid samples, ``[num_groups]``: the sample std (divide by
+    n - 1; default, as the advantage's ``group_std="sample"``, NeMo-RL and TRL), or the population
+    std (divide by n) with ``unbiased=False``. 0 for groups with too few samples."""
     v, m, n = _check_inputs(values, group_ids, sample_mask, num_groups)
     count = _group_sums(m, group_ids, n)
     mean = _group_sums(v * m, group_ids, n) / count.clamp(min=1)

@@ -81,8 +81,9 @@ def test_sample_mask_excluded_from_group_statistics():
     adv = compute_advantages("grpo", rewards, groups, mask, group_std="population")
     assert adv[:3].tolist() == pytest.approx([2 / 3 / std, -1 / 3 / std, -1 / 3 / std], rel=1e-5)
     assert group_mean(rewards, groups, mask).tolist() == pytest.approx([0, 2.0, 0, 1 / 3])
-    assert group_std(rewards, groups, mask)[3].item() == pytest.approx(std)
-    assert group_std(rewards, groups, mask, unbiased=True)[3].item() == pytest.approx(math.sqrt(1 / 3))
+    # group_std's default agrees with the advantage's (the sample std, divide by n - 1).
+    assert group_std(rewards, groups, mask)[3].item() == pytest.approx(math.sqrt(1 / 3))
+    assert group_std(rewards, groups, mask, unbiased=False)[3].item() == pytest.approx(std)
 
 
 def test_reinforce_pp_global_whitening():
