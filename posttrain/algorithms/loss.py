@@ -386,6 +386,12 @@ class ClippedPGLoss:
                 logprobs, reference, cfg.reference_policy_kl_type, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value
             )
             return kl * _finite_or_zero(log_weight.detach().exp())
+        if cfg.kl_input_clamp_value is not None:
+            # Where the input clamp binds the estimate is a constant, and NeMo-RL detaches the
+            # weight there too: no gradient at all from those tokens (its case: k3, clamp 2, logp
+            # [-3, -1], reference 0 gives the gradient [0, -1], not [4.389, -1]).
+            bound = (reference - logprobs).abs() > cfg.kl_input_clamp_value
+            log_weight = torch.where(bound, log_weight.detach(), log_weight)
         kl = per_token_kl(logprobs, reference, cfg.reference_policy_kl_type, cfg.kl_input_clamp_value)
         kl = kl * _finite_or_zero(log_weight.exp())
         if cfg.kl_output_clamp_value is not None:

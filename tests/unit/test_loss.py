@@ -483,3 +483,16 @@ def test_truncation_bounds_refused_when_empty():
         LossConfig(**bad)
     with pytest.raises(ValueError, match="is greater than"):
         ClippedPGLoss(LossConfig().model_copy(update=bad))
+
+
+def test_score_function_weight_is_detached_where_the_kl_input_clamp_binds():
+    """NeMo-RL's case: k3, input clamp 2, logp [-3, -1], reference 0. Token 0's log-ratio 3 is
+    clamped to 2, so its estimate is a constant and (NeMo-RL) its weight is detached too: gradient
+    0 there, not k3(2) = e^2 - 3 = 4.389; token 1 keeps -(e - 1) + (e - 2) = -1."""
+    logprobs = torch.tensor([-3.0, -1.0], requires_grad=True)
+    loss_fn = ClippedPGLoss(reference_policy_kl_penalty=1.0, reference_policy_kl_type="k3",
+                            reference_policy_kl_gradient="score_function", kl_input_clamp_value=2.0)
+    kl = loss_fn._kl_penalty(logprobs, torch.zeros(2), logprobs.detach())
+    kl.sum().backward()
+    assert logprobs.grad.tolist() == pytest.approx([0.0, -1.0])
+    assert kl.tolist() == pytest.approx([math.exp(2) - 3, math.e - 2])
