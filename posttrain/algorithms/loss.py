@@ -315,9 +315,12 @@ class ClippedPGLoss:
         seqs, toks = global_valid_seqs, global_valid_toks
         advantages = _shifted(batch, "advantages", logprobs, who)
         gen = _shifted(batch, "generation_logprobs", logprobs, who)
-        if "prev_logprobs" in batch:
+        if "prev_logprobs" in batch and not cfg.force_on_policy_ratio:
             prev = _shifted(batch, "prev_logprobs", logprobs, who)
-        else:  # one optimizer step per batch (see check_train_batch): current == previous policy
+        else:
+            # One optimizer step per batch (see check_train_batch), or the ratio forced to 1: the
+            # current policy is the previous one, also for the importance weights pi_prev / pi_gen
+            # (NeMo-RL replaces prev_logprobs by the current ones under force_on_policy_ratio).
             prev = logprobs.detach()
 
         # Ratio r and its clamped version r_hat.

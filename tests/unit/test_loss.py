@@ -496,3 +496,16 @@ def test_score_function_weight_is_detached_where_the_kl_input_clamp_binds():
     kl.sum().backward()
     assert logprobs.grad.tolist() == pytest.approx([0.0, -1.0])
     assert kl.tolist() == pytest.approx([math.exp(2) - 3, math.e - 2])
+
+
+def test_force_on_policy_ratio_ignores_prev_logprobs_in_the_importance_weights():
+    """With the ratio forced to 1 the current policy is the previous one: the importance weights
+    are pi / pi_gen, whatever prev_logprobs the batch carries (NeMo-RL)."""
+    logprobs, batch = one_row_batch([-0.5, -1.0], [2.0, -1.0])  # prev = gen = 0: pi_prev / pi_gen = 1
+    loss_fn = ClippedPGLoss(force_on_policy_ratio=True, use_importance_sampling_correction=True,
+                            truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=2.0,
+                            truncated_importance_sampling_ratio_min=0.5)
+    loss, metrics = call(loss_fn, logprobs, batch)
+    w = [math.exp(-0.5), math.exp(-1.0)]  # pi / pi_gen; the second is below 0.5, dropped by icepop
+    assert loss.item() == pytest.approx((-2.0 * w[0]) / 2)
+    assert metrics["is_oob_ratio"] == pytest.approx(1 / 2)
