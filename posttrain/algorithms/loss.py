@@ -353,7 +353,7 @@ class ClippedPGLoss:
 
         if cfg.reference_policy_kl_penalty > 0:
             reference = _shifted(batch, "reference_policy_logprobs", logprobs, who)
-            kl_term = self._reduce(self._kl_penalty(logprobs, reference, gen), mask, sample_mask, seqs, toks)
+            kl_term = self._reduce(self._kl_penalty(logprobs, reference, gen, mask), mask, sample_mask, seqs, toks)
         else:
             kl_term = torch.zeros((), device=logprobs.device)
         loss = actor_loss + cfg.reference_policy_kl_penalty * kl_term
@@ -366,7 +366,9 @@ class ClippedPGLoss:
         metrics.update(loss=loss.item(), actor_loss=actor_loss.item(), kl_penalty=kl_term.item(), **is_metrics)
         return loss, metrics
 
-    def _kl_penalty(self, logprobs: torch.Tensor, reference: torch.Tensor, gen: torch.Tensor) -> torch.Tensor:
+    def _kl_penalty(
+        self, logprobs: torch.Tensor, reference: torch.Tensor, gen: torch.Tensor, mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Per-token KL penalty, differentiated as `loss_fn.reference_policy_kl_gradient` says.
 
         The estimators are estimates of KL(pi || ref) from samples of pi. Differentiating the
@@ -376,7 +378,10 @@ class ClippedPGLoss:
         estimate by exp(logp - sg(logp)), which is 1 in value and adds `kl * dlogp`, giving the
         gradient of KL(pi || ref); the output clamp then applies after weighting, as in NeMo-RL.
         With `use_on_policy_kl_approximation` the weight also carries pi / pi_gen (the tokens
-        came from the generator, not from pi).
+        came from the generator, not from pi). Under GSPO (`sequence_level_importance_ratios`) the
+        weight is the sequence's (the geometric mean over its tokens in `mask`), as TRL weights the
+        KL by the sequence ratio with `use_bias_correction_kl`: the same value (1), and each token's
+        KL then pulls on every token of its sequence, 1/|y| each.
         """
         cfg = self.cfg
         if cfg.use_on_policy_kl_approximation:
@@ -395,6 +400,8 @@ class ClippedPGLoss:
             # [-3, -1], reference 0 gives the gradient [0, -1], not [4.389, -1]).
             bound = (reference - logprobs).abs() > cfg.kl_input_clamp_value
             log_weight = torch.where(bound, log_weight.detach(), log_weight)
+        if cfg.sequence_level_importance_ratios and mask is not None:
+            log_weight = masked_mean(log_weight, mask, dim=-1)[..., None].expand_as(logprobs)
         kl = per_token_kl(logprobs, reference, cfg.reference_policy_kl_type, cfg.kl_input_clamp_value)
         kl = kl * _finite_or_zero(log_weight.exp())
         if cfg.kl_output_clamp_value is not None:

@@ -509,3 +509,21 @@ def test_force_on_policy_ratio_ignores_prev_logprobs_in_the_importance_weights()
     w = [math.exp(-0.5), math.exp(-1.0)]  # pi / pi_gen; the second is below 0.5, dropped by icepop
     assert loss.item() == pytest.approx((-2.0 * w[0]) / 2)
     assert metrics["is_oob_ratio"] == pytest.approx(1 / 2)
+
+
+def test_gspo_weights_the_kl_by_the_sequence_ratio():
+    """Under GSPO the score-function weight is the sequence's geometric-mean ratio (TRL's
+    use_bias_correction_kl with sequence-level importance sampling): d/dlogp_t of sum_s k_s w =
+    dk_t + mean_s k_s, where the per-token form gives dk_t + k_t."""
+    logp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -1.0]])
+    k3 = (ref - logp).exp() - 1 - (ref - logp)
+    dk3 = 1 - (ref - logp).exp()
+    for gspo, expected in ((False, dk3 + k3), (True, dk3 + k3.mean())):
+        logprobs = logp.clone().requires_grad_()
+        loss_fn = ClippedPGLoss(reference_policy_kl_penalty=1.0, reference_policy_kl_type="k3",
+                                reference_policy_kl_gradient="score_function", sequence_level_importance_ratios=gspo,
+                                token_level_loss=not gspo)
+        kl = loss_fn._kl_penalty(logprobs, ref, logprobs.detach(), torch.ones(1, 2))
+        kl.sum().backward()
+        assert kl[0].tolist() == pytest.approx(k3[0].tolist())  # the same value either way
+        assert logprobs.grad[0].tolist() == pytest.approx(expected[0].tolist())
