@@ -55,10 +55,12 @@ def load_jsonl(path: str | os.PathLike, required_keys: Sequence[str] = ()) -> li
 def _read_jsonl(path: str | os.PathLike, required_keys: Sequence[str] = ()) -> list[tuple[int, dict]]:
     """`(line number, record)` pairs of a JSONL file; see `load_jsonl`."""
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, not a JSONL file")
     if not path.is_file():
         raise DataError(f"{path}: no such JSONL file")
     records = []
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:  # a byte-order mark (editors on Windows write one) is skipped
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -205,6 +207,8 @@ def _finish(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConfig
         if answer_key not in fields and task_name == "math":  # other environments read other fields
             raise DataError(f"{at}: missing key {answer_key!r} (data.answer_key); record has {sorted(row)}")
         answer = fields.get(answer_key)
+        if answer is None and task_name == "math":  # caught here, not by the verifier mid-training
+            raise DataError(f"{at}: {answer_key!r} (data.answer_key) is null; a math row needs its answer")
         prompt_value = fields[prompt_key]
         if isinstance(prompt_value, list):  # chat messages (TRL's conversational format): the conversation
             fields["messages"] = chat_messages(prompt_value, f"{at}: {prompt_key}")

@@ -88,6 +88,17 @@ def test_load_jsonl_errors_name_file_and_line(tmp_path):
         load_jsonl(path)
     with pytest.raises(DataError, match="no such JSONL file"):
         load_jsonl(tmp_path / "missing.jsonl")
+    with pytest.raises(DataError, match=rf"^{re.escape(str(tmp_path))}: is a directory, not a JSONL file$"):
+        load_jsonl(tmp_path)
+
+
+def test_a_byte_order_mark_is_accepted_and_a_null_answer_is_refused_at_its_line(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n'.encode("utf-8-sig"))
+    assert [r["answer"] for r in load_records(DataConfig(dataset="jsonl", train_path=str(path)), "train")] == ["2", "4"]
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": null}\n')
+    with pytest.raises(DataError, match=r"data.jsonl:2: 'answer' \(data.answer_key\) is null"):
+        load_records(DataConfig(dataset="jsonl", train_path=str(path)), "train")
 
 
 def test_load_records_jsonl_maps_keys_and_applies_template(tmp_path):
