@@ -38,10 +38,11 @@ def preflight(cfg: Any) -> None:
     records = load_split_records(cfg)
     if isinstance(cfg, DistillMasterConfig):
         check_distill_vocabularies(cfg)  # a preset's size needs the tokenizer (imports torch)
-    # Last: these import torch (and the user's modules), seconds that the checks above never need.
-    check_components(cfg)
+    # Last: these import torch (and the user's modules), seconds that the checks above never need;
+    # the environments first, the most common mistakes (a task no environment serves, a typo in env.*).
     if hasattr(cfg, "env"):
         check_envs(cfg, [r for split in records.values() for r in split if "task_name" in r])
+    check_components(cfg)
     check_memory_plan(cfg)
 
 

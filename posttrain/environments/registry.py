@@ -88,6 +88,12 @@ def resolve_env(name: str, section: Any) -> tuple[type[Environment], Any]:
             first = e.errors()[0]
             key = "".join(f".{part}" for part in first["loc"])
             message = first["msg"].removeprefix("Value error, ")
+            if first["type"] == "extra_forbidden" and len(first["loc"]) == 1:  # a mistyped field
+                import difflib
+
+                close = difflib.get_close_matches(str(first["loc"][0]), list(config_class.model_fields), n=1)
+                message = f"unknown field of env.{name}" + (f"; did you mean env.{name}.{close[0]}?" if close else
+                                                           f" (fields: {', '.join(config_class.model_fields)})")
             raise ValueError(f"env.{name}{key}: {message} (got {first.get('input')!r})") from None
     return cls, fields
 

@@ -183,7 +183,7 @@ def test_grpo_with_tp2_refits_the_native_engine_exactly(ray_cluster, tmp_path):
     """GRPO with 2 workers in one TP group: the native engine gets the full weights at every
     refit (checksum verified), so its logprobs are the trainer's (token_mult_prob_error ~ 1)."""
     from posttrain.algorithms import grpo
-    from tests.functional.test_grpo import read_metrics, small_cfg
+    from test_grpo import read_metrics, small_cfg
 
     ctx = grpo.setup(small_cfg(tmp_path, "policy.num_workers=2", "policy.tensor_parallel_size=2",
                                "cluster.backend=ray", "grpo.max_num_steps=2"))

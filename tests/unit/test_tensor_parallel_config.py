@@ -19,7 +19,7 @@ from posttrain.models.policy import parallel
 from posttrain.models.tiny import make_tiny_model
 from posttrain.preflight import check_tensor_parallel
 
-from tests.unit.test_new_user_errors import one_line_error, posttrain
+from test_new_user_errors import one_line_error, posttrain
 
 
 def test_num_workers_must_be_a_multiple_of_tensor_parallel_size():
