@@ -104,6 +104,19 @@ def check_components(cfg: Any) -> None:
             raise UserError(f"policy.generation.backend: {e.args[0]}") from None
 
 
+def data_key_naming(data: Any, env: str) -> str:
+    """The config key that sends rows to environment `env`: `data.blend[i].env` (or `.name`),
+    `data.env_name`, else the rows' own task_name."""
+    for i, component in enumerate(data.blend):
+        if component.get("env") == env:
+            return f"data.blend[{i}].env"
+        if not component.get("env") and component.get("name") == env:
+            return f"data.blend[{i}].name"
+    if not data.blend and data.env_name == env:
+        return "data.env_name"
+    return "a row's task_name"
+
+
 def check_envs(cfg: Any, records: list) -> None:
     """Every environment the data names (by a record's `env_name`, else its `task_name`; plain task
     names are accepted too) and every configured `env.<name>` section loads with a valid config,
@@ -130,9 +143,15 @@ def check_envs(cfg: Any, records: list) -> None:
                     f"env.{name}: no built-in or registered environment is called {name!r}; set env.{name}.class_path "
                     "to your Environment class ('module:Class' or 'file.py:Class')"
                 ) from None
+            import difflib
+
+            from posttrain.environments.registry import ENV_REGISTRY
+
+            close = difflib.get_close_matches(name, sorted(set(ENV_REGISTRY) | set(cfg.env.names())), n=1)
+            hint = f"did you mean {close[0]!r}, or " if close else ""
             raise UserError(
-                f"the data names task {name!r} (data.env_name, a blend's env or a row's task_name) but no environment "
-                f"serves it: set env.{name}.class_path to your Environment class ('module:Class' or 'file.py:Class')"
+                f"{data_key_naming(cfg.data, name)}={name!r}: no environment serves it: {hint}set env.{name}.class_path "
+                "to your Environment class ('module:Class' or 'file.py:Class')"
             ) from None
         except (ImportPathError, ValueError) as e:
             message = str(e.args[0]) if e.args else str(e)

@@ -57,8 +57,12 @@ def test_blend_config_records_and_errors(tmp_path):
 
 def test_preflight_names_environment_problems(tmp_path):
     cfg = load_config("grpo")
-    with pytest.raises(UserError, match="the data names task 'nope'.*env.nope.class_path"):
+    with pytest.raises(UserError, match="a row's task_name='nope': no environment serves it.*env.nope.class_path"):
         check_envs(cfg, [{"task_name": "nope", "prompt": "p"}])
+    # A blend component's env is named by its key, with the closest environment.
+    blend = load_config("grpo", overrides=["sft_warmup=null", "data.blend=[{name: a}, {name: quiz, env: mcq}]"])
+    with pytest.raises(UserError, match=r"^data.blend\[1\].env='mcq': no environment serves it: did you mean 'mcqa'"):
+        check_envs(blend, [{"task_name": "quiz", "env_name": "mcq", "prompt": "p"}])
     with pytest.raises(UserError, match="env.mcqa.grading_mode"):
         check_envs(load_config("grpo", overrides=["env.mcqa.grading_mode=sloppy"]), [])
     with pytest.raises(UserError, match="env.mcqq: no built-in or registered environment.*did you mean|env.mcqq: no built-in"):

@@ -102,7 +102,7 @@ def test_environment_sections(plugin_dir):
     cls, env_cfg = resolve_env("mine", cfg.env.section("mine"))
     assert cls.__name__ == "MyEnv" and env_cfg.bonus == 0.5
     check_envs(cfg, {"mine", "math"})
-    with pytest.raises(UserError, match="the data names task 'other'.*set env.other.class_path"):
+    with pytest.raises(UserError, match="task_name='other': no environment serves it.*set env.other.class_path"):
         check_envs(cfg, {"other"})
     typo = load_config("grpo", overrides=["env.mine.class_path=user_plugin:MyEnv", "env.mine.bonsu=1"])
     with pytest.raises(UserError, match=r"env.mine.bonsu: unknown field of env.mine; did you mean env.mine.bonus\?"):
