@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 GiB = 2**30
@@ -91,7 +92,14 @@ def model_shape(policy: Any) -> ModelShape:
 
         hf_config = tiny_config(*tiny)
     else:
-        hf_config = AutoConfig.from_pretrained(resolve_model_path(policy.model_name, policy.tiny_arch))
+        from posttrain.models.paths import checkpoint_policy_dir
+
+        # A training checkpoint (`step_N`, which every job accepts as a model) keeps its HF config
+        # beside the sharded weights (`models/policy/checkpoint.py`, HF_DIR).
+        checkpoint = checkpoint_policy_dir(Path(policy.model_name).expanduser())
+        path = str(checkpoint / "hf") if checkpoint is not None else resolve_model_path(policy.model_name,
+                                                                                       policy.tiny_arch)
+        hf_config = AutoConfig.from_pretrained(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     params = list(model.parameters())
