@@ -69,6 +69,19 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def is_mixture_of_experts(policy: PolicyConfig) -> bool:
+    """Whether `policy.model_name` is a mixture of experts, from its name (tiny presets) or config.json."""
+    from posttrain.models.hf import parse_tiny_name
+    from posttrain.models.paths import model_config_dict
+    from posttrain.models.presets import MOE_ARCHS
+
+    tiny = parse_tiny_name(policy.model_name, policy.tiny_arch)
+    if tiny is not None:
+        return tiny[1] in MOE_ARCHS
+    config = model_config_dict(policy.model_name) or {}
+    return bool(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts"))
+
+
 class PolicyWorker(WeightExport, DistributedWorker):
     """Training, logprob inference, checkpoints and weight export for one rank (see `parallel.py`).
 
@@ -112,8 +125,10 @@ class PolicyWorker(WeightExport, DistributedWorker):
         # Only rank 0 reads the weights and the others receive their FSDP shards (sharded_load.py).
         # Not under TP: parallelize_module scatters each weight from the ranks' real tensors, which
         # a rank built on the meta device does not have (the two ranks deadlocked).
+        # Nor for mixtures of experts: their FSDP all-gathers disagreed in size between the rank that
+        # loaded and the meta-built one (a gloo size mismatch killed the pair; tests/functional/test_moe_training.py).
         self.loads_sharded = (model_type == "lm" and self.world_size > 1 and self.tp_size == 1
-                              and not self.cfg.lora.enabled)
+                              and not self.cfg.lora.enabled and not is_mixture_of_experts(self.cfg))
 
         model_path = resolve_model_path(self.cfg.model_name, self.cfg.tiny_arch)
         self.tokenizer = load_tokenizer(self.cfg.tokenizer_name or model_path, self.cfg.tiny_arch)
