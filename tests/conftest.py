@@ -72,6 +72,25 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     """Unit tests run before functional ones (a stable sort: each group keeps its file order), so a
     broken pure function is reported in a minute or two, not after the functional tests."""
     items.sort(key=lambda item: not is_unit(item))
+    skip_gpu_tests_without_enough_gpus(items)
+
+
+def skip_gpu_tests_without_enough_gpus(items: list[pytest.Item]) -> None:
+    """The GPU smoke suite (`tests/gpu`, run on a machine with 2 GPUs as `./run.sh pytest tests/gpu`):
+    each test that wants more GPUs than this machine has (its `gpus` marker; 1 when absent) is
+    skipped with the reason in one line. Here, not in a tests/gpu/conftest.py: a second module
+    named `conftest` would shadow this one for the tests that import it."""
+    gpu_items = [item for item in items if "/tests/gpu/" in str(item.path).replace("\\", "/")]
+    if not gpu_items:
+        return
+    import torch
+
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in gpu_items:
+        marker = item.get_closest_marker("gpus")
+        needed = marker.args[0] if marker else 1
+        if available < needed:
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} CUDA GPU(s), found {available}"))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -22,8 +22,10 @@ pytestmark = pytest.mark.functional
 
 BUCKET_BYTES = 16 << 20
 # Allocations of a refit that are not weights: gloo's buffers, Python objects, and freed memory the
-# allocator has not reused yet (a non-zero rank, which packs no bucket, measured up to 47 MiB).
-SLACK_BYTES = 32 << 20
+# allocator has not reused yet (measured up to 47 MiB on a rank that packs no bucket, and 63 MiB
+# extra on policy rank 0 with 2 workers on a busy machine). Far below what packing everything at
+# once costs (397-953 MiB per process for this model).
+SLACK_BYTES = 64 << 20
 
 
 def _cfg(workers: int, colocated: bool):
@@ -54,7 +56,7 @@ def test_refit_extra_memory_is_one_bucket_plus_the_largest_tensor(ray_cluster, w
         model_bytes = metadata.total_bytes
         largest_tensor = max(math.prod(shape) * dtype.itemsize for _, shape, dtype in info)
         bound = max(metadata.bucket_sizes) + largest_tensor + SLACK_BYTES
-        assert len(metadata.bucket_sizes) > 10 and model_bytes > 5 * bound
+        assert len(metadata.bucket_sizes) > 10 and model_bytes > 4 * bound
 
         # A first refit makes the pages of both models resident and private (the weights are
         # loaded as copy-on-write maps of the checkpoint file) and sets up the broadcast group;
