@@ -13,7 +13,7 @@ import os
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from posttrain.errors import UserError
 from posttrain.models.paths import HUB_ID, checkpoint_policy_dir, latest_step_dir, model_vocab_size, vocabulary_problem
@@ -104,9 +104,9 @@ def check_components(cfg: Any) -> None:
             raise UserError(f"policy.generation.backend: {e.args[0]}") from None
 
 
-def data_key_naming(data: Any, env: str) -> str:
+def data_key_naming(data: Any, env: str, rows: Sequence[dict] = ()) -> str:
     """The config key that sends rows to environment `env`: `data.blend[i].env` (or `.name`),
-    `data.env_name`, else the rows' own task_name."""
+    `data.env_name`, else the first row's own task_name, by where it is (`file:line: task_name`)."""
     for i, component in enumerate(data.blend):
         if component.get("env") == env:
             return f"data.blend[{i}].env"
@@ -114,7 +114,8 @@ def data_key_naming(data: Any, env: str) -> str:
             return f"data.blend[{i}].name"
     if not data.blend and data.env_name == env:
         return "data.env_name"
-    return "a row's task_name"
+    origin = next((row["origin"] for row in rows if row.get("origin")), None)
+    return f"{origin}: task_name" if origin else "a row's task_name"
 
 
 def check_envs(cfg: Any, records: list) -> None:
@@ -150,7 +151,7 @@ def check_envs(cfg: Any, records: list) -> None:
             close = difflib.get_close_matches(name, sorted(set(ENV_REGISTRY) | set(cfg.env.names())), n=1)
             hint = f"did you mean {close[0]!r}, or " if close else ""
             raise UserError(
-                f"{data_key_naming(cfg.data, name)}={name!r}: no environment serves it: {hint}set env.{name}.class_path "
+                f"{data_key_naming(cfg.data, name, rows_of_env[name])}={name!r}: no environment serves it: {hint}set env.{name}.class_path "
                 "to your Environment class ('module:Class' or 'file.py:Class')"
             ) from None
         except (ImportPathError, ValueError) as e:
@@ -166,7 +167,8 @@ def check_envs(cfg: Any, records: list) -> None:
         for i, record in enumerate(rows_of_env.get(name, [])):
             problem = check(env_metadata(record)) if check is not None else None
             if problem:
-                raise UserError(f"task {record['task_name']!r} (env.{name}), row {i} (prompt {str(record.get('prompt'))[:60]!r}): {problem}")
+                where = record.get("origin") or f"row {i}"
+                raise UserError(f"task {record['task_name']!r} (env.{name}), {where} (prompt {str(record.get('prompt'))[:60]!r}): {problem}")
 
 
 def distill_model_keys(cfg: Any) -> tuple[tuple[str, str, str], tuple[str, str, str]]:

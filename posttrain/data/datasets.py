@@ -171,8 +171,9 @@ def _nemo_gym_fields(row: dict, at: str) -> dict:
 HTTP_ENV = "http"  # the environment that sends NeMo-Gym rows to their resources servers (http_env.py)
 
 # Record keys that are not passed to environments as metadata (the prompt is in the message log).
+# `origin` says where a record comes from (`file:line`, `name row i`), for error messages.
 NOT_METADATA = ("prompt", "answer", "task_name", "env_name", "messages", "responses_create_params", "source",
-                "source_weight", "stop_strings")
+                "source_weight", "stop_strings", "origin")
 
 
 def env_metadata(record: dict) -> dict:
@@ -221,7 +222,8 @@ def _finish(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConfig
         env_name = row.get("env_name") or (env if env and "task_name" not in row else None) or task_name
         if env_name == HTTP_ENV and "responses_create_params" in row:
             fields["nemo_gym_row"] = row  # resources servers get the whole row, as NeMo-Gym sends it
-        records.append({**fields, "prompt": prompt, "answer": answer, "task_name": task_name, "env_name": env_name})
+        records.append({**fields, "prompt": prompt, "answer": answer, "task_name": task_name, "env_name": env_name,
+                        "origin": at})
     return records
 
 

@@ -101,7 +101,7 @@ def test_rows_naming_an_unconfigured_environment_fail_before_workers_start(tmp_p
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     result = run(["grpo", "sft_warmup=null", "data.dataset=jsonl", "data.train_path=rows.jsonl"], tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "task 'poetry'" in result.stderr and "env.poetry.class_path" in result.stderr
+    assert "rows.jsonl:2: task_name='poetry'" in result.stderr and "env.poetry.class_path" in result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "logs").exists()  # nothing started
     result = run(["grpo", "sft_warmup=null", "env.mcqa.grading_mode=sloppy"], tmp_path)
     assert result.returncode == 2 and "env.mcqa.grading_mode" in result.stderr

@@ -59,6 +59,9 @@ def test_preflight_names_environment_problems(tmp_path):
     cfg = load_config("grpo")
     with pytest.raises(UserError, match="a row's task_name='nope': no environment serves it.*env.nope.class_path"):
         check_envs(cfg, [{"task_name": "nope", "prompt": "p"}])
+    # A row that names its own task is named by its file and line.
+    with pytest.raises(UserError, match="^rows.jsonl:7: task_name='nope': no environment serves it"):
+        check_envs(cfg, [{"task_name": "nope", "prompt": "p", "origin": "rows.jsonl:7"}])
     # A blend component's env is named by its key, with the closest environment.
     blend = load_config("grpo", overrides=["sft_warmup=null", "data.blend=[{name: a}, {name: quiz, env: mcq}]"])
     with pytest.raises(UserError, match=r"^data.blend\[1\].env='mcq': no environment serves it: did you mean 'mcqa'"):
