@@ -1,5 +1,7 @@
 """`check_request_fits`: the preflight that refuses impossible reservations before Ray waits on them."""
 
+import pytest
+
 from posttrain.distributed.cluster import check_request_fits
 
 ONE_NODE = {"a": {"CPU": 8.0, "GPU": 0.0}}
@@ -34,3 +36,28 @@ def test_equal_groups_that_do_not_pack():
 
 def test_zero_requests_are_ignored():
     assert check_request_fits([{"CPU": 1.0, "GPU": 0.0}], ONE_NODE) == []
+
+
+def test_a_local_ray_cluster_too_small_for_the_workers_is_refused_from_the_config(monkeypatch):
+    """The local cluster's size is known before Ray starts: 64 workers on 2 cores are refused by
+    preflight (issue 26: it took Ray's start and the warm start, 21-45 s, to say so)."""
+    import posttrain.job as job
+    from posttrain.config import load_config
+    from posttrain.errors import UserError
+    from posttrain.preflight import preflight
+
+    monkeypatch.setattr(job, "local_ray_cpus", lambda: 2)
+    split = ["policy.generation.colocated.enabled=false", "policy.generation.colocated.num_workers=1"]
+    cfg = load_config("grpo", overrides=["sft_warmup=null", "policy.num_workers=2", *split])
+    assert job.ray_cpu_request(cfg) == [("policy.num_workers=2", 2.0), ("policy.generation.colocated.num_workers=1", 1.0)]
+    problem = job.local_resources_problem(cfg)
+    assert problem.startswith("policy.num_workers=2 (2) + policy.generation.colocated.num_workers=1 (1) with "
+                              "cluster.cpus_per_worker=1 ask a local Ray cluster for 3 CPUs, but this machine has 2")
+    with pytest.raises(UserError, match="ask a local Ray cluster for 64 CPUs"):
+        preflight(load_config("grpo", overrides=["sft_warmup=null", "policy.num_workers=64"]))
+    # Half a core each fits; a cluster to join, or the local backend, is not this check's business.
+    assert job.local_resources_problem(load_config("grpo", overrides=[
+        "sft_warmup=null", "policy.num_workers=2", "cluster.cpus_per_worker=0.5", *split])) is None
+    assert job.local_resources_problem(load_config("grpo", overrides=[
+        "sft_warmup=null", "policy.num_workers=64", "cluster.ray_address=auto"])) is None
+    assert job.local_resources_problem(load_config("grpo", overrides=["sft_warmup=null"])) is None
