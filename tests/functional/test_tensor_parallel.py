@@ -123,9 +123,12 @@ def test_tp2_equals_one_worker(cluster, one_worker):
     assert tp2["metrics"][0]["grad_norm"] > 0.5  # clipped
 
 
-def test_tp2_resumes_bit_exactly(cluster, tmp_path):
+def test_tp2_resumes_bit_exactly_and_exports_full_tensors(cluster, tmp_path):
     """AdamW with warm-up under TP: the sharded checkpoint (DTensor weights and Adam moments)
-    brings back the next call's metrics and weights bit for bit."""
+    brings back the next call's metrics and weights bit for bit; `export_hf` of the TP policy then
+    writes full (not per-rank) tensors that transformers loads and that equal the trainer's."""
+    from transformers import AutoModelForCausalLM
+
     cfg = policy_cfg(num_workers=2, tensor_parallel_size=2, optimizer=dict(name="adamw", lr=1e-3),
                      scheduler=dict(name="linear", warmup_steps=1, total_steps=4))
     tp2 = run(cluster, cfg, "tp2_adamw", tmp_path)
@@ -134,23 +137,23 @@ def test_tp2_resumes_bit_exactly(cluster, tmp_path):
         assert resumed.train(make_batch(), ClippedPGLoss(LossConfig())) == tp2["metrics"][1]
         weights = resumed.state_dict_for_export()
         assert all(torch.equal(weights[k], v) for k, v in tp2["weights"].items())
+        out = resumed.export_hf(tmp_path / "hf")
     finally:
         resumed.shutdown()
-
-
-def test_tp2_packed_equals_one_worker(cluster, one_worker):
-    """Sequence packing (bins of <= 20 tokens) and activation checkpointing under TP."""
-    cfg = policy_cfg(num_workers=2, tensor_parallel_size=2, activation_checkpointing=True,
-                     sequence_packing=dict(enabled=True, train_mb_tokens=20, logprob_mb_tokens=20))
-    assert_same_run(run(cluster, cfg, "tp2_packed"), one_worker)
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert exported["model.layers.0.self_attn.q_proj.weight"].shape == (128, 128)  # all 4 heads
+    for name, value in weights.items():
+        assert torch.equal(exported[name], value), name
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["micro_batches", "packed"])
 def test_sequence_parallel_tp2_equals_one_worker(cluster, one_worker, packed):
     """SP: norms and residual stream split by sequence; rows of odd lengths (and packed bins of odd
-    totals) are padded to a multiple of 2 tokens, which must not change any value."""
+    totals) are padded to a multiple of 2 tokens, which must not change any value. The packed case
+    (bins of <= 20 tokens) also checkpoints activations: packing under TP, with and without SP."""
     packing = dict(enabled=True, train_mb_tokens=20, logprob_mb_tokens=20) if packed else dict(enabled=False)
-    cfg = policy_cfg(num_workers=2, tensor_parallel_size=2, sequence_parallel=True, sequence_packing=packing)
+    cfg = policy_cfg(num_workers=2, tensor_parallel_size=2, sequence_parallel=True, sequence_packing=packing,
+                     activation_checkpointing=packed)
     assert_same_run(run(cluster, cfg, f"sp2_{'packed' if packed else 'rows'}"), one_worker)
 
 
@@ -159,24 +162,6 @@ def test_dp2_tp2_equals_dp2(cluster):
     dp2 = run(cluster, policy_cfg(num_workers=2), "dp2")
     dp2_tp2 = run(cluster, policy_cfg(num_workers=4, tensor_parallel_size=2), "dp2_tp2")
     assert_same_run(dp2_tp2, dp2)
-
-
-def test_hf_export_from_tp_shards_writes_full_tensors(cluster, tmp_path):
-    """`export_hf` of a TP policy: full (not per-rank) tensors that transformers loads and that
-    equal the trainer's weights."""
-    from transformers import AutoModelForCausalLM
-
-    policy = Policy(cluster, policy_cfg(num_workers=2, tensor_parallel_size=2), init_reference_model=False, name="tp2_hf")
-    try:
-        policy.train(make_batch(), ClippedPGLoss(LossConfig()))
-        weights = policy.state_dict_for_export()
-        out = policy.export_hf(tmp_path / "hf")
-    finally:
-        policy.shutdown()
-    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
-    assert exported["model.layers.0.self_attn.q_proj.weight"].shape == (128, 128)  # all 4 heads
-    for name, value in weights.items():
-        assert torch.equal(exported[name], value), name
 
 
 def test_grpo_with_tp2_refits_the_native_engine_exactly(ray_cluster, tmp_path):
