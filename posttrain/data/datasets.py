@@ -17,6 +17,10 @@ Sources:
 - `reasoning_gym`: procedurally generated tasks of the reasoning-gym package (`data.reasoning_gym`).
 - `env`: episodes made by the environment `data.env_name` itself (games: one board or game seed
   per row; `data.num_train`, `data.num_validation`, `data.seed`).
+- `generated`: rows of a seeded task generator (`data.generator`, `data.generator_options`;
+  `posttrain.data.generators`) for a built-in environment: word problems, multiple choice, JSON
+  output, instruction following, functions to write, calculator use. A single generated source's
+  rows are task `<generator>`, scored by the generator's environment.
 - `data.blend`: several of the above, each with its task name, environment and sampling weight.
 
 Routing: a record's `task_name` names its task (metrics are per task) and `env_name` the
@@ -250,7 +254,22 @@ def load_records(data_cfg: DataConfig, split: Split, env_rows: Optional[EnvRows]
         from posttrain.data.reasoning_gym import load_reasoning_gym
 
         return load_reasoning_gym(data_cfg, split)
+    if data_cfg.dataset == "generated":
+        rows, env = _generated_rows(data_cfg, split)
+        # The rows are task <generator> (an import path: data.env_name), scored by its environment.
+        task = data_cfg.env_name if env is None else data_cfg.generator
+        return _finish(rows, [f"data.generator={data_cfg.generator} {split} row {i}" for i in range(len(rows))],
+                       data_cfg.model_copy(update={"env_name": task, "prompt_key": "prompt", "answer_key": "answer"}),
+                       env)
     return _finish(*read_source_rows(data_cfg, split), data_cfg)
+
+
+def _generated_rows(data_cfg: DataConfig, split: Split, key: str = "data") -> tuple[list[dict], Optional[str]]:
+    """(rows, the generator's environment or None) of `data.dataset=generated`."""
+    # Imported here: only this source needs the generators.
+    from posttrain.data.generators import generated_split
+
+    return generated_split(data_cfg, split, key)
 
 
 # Validation episodes are seeded apart from training ones (seed s, row i uses s + i).
@@ -280,6 +299,11 @@ def _load_blend(data_cfg: DataConfig, split: Split, env_rows: Optional[EnvRows] 
 
             # rows route to env.reasoning_gym unless the component names another environment
             part = load_reasoning_gym(sub, split, env_name=env if "env" in data_cfg.blend[i] else None)
+        elif sub.dataset == "generated":  # scored by the generator's environment unless the component names one
+            rows, generator_env = _generated_rows(sub, split, f"data.blend[{i}]")
+            env = env if "env" in data_cfg.blend[i] else generator_env or env
+            part = _finish(rows, [f"data.blend[{i}] ({name}) {split} row {j}" for j in range(len(rows))],
+                           sub.model_copy(update={"prompt_key": "prompt", "answer_key": "answer"}), env)
         elif sub.dataset == "env":  # rows made by the component's environment (a game)
             rows, _ = _rows_from_env(env_rows, sub.model_copy(update={"env_name": env}), split)
             part = _finish(rows, [f"data.blend[{i}] ({name}) {split} row {j}" for j in range(len(rows))], sub, env)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
+import re
 from typing import Any, Literal, Optional
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from posttrain.config.schema.base import Section, check_component_name
 
@@ -29,15 +31,21 @@ class ReasoningGymTask(Section):
     )
 
 
+# The built-in task generators of `data.dataset=generated` (`posttrain.data.generators`, which this
+# layer does not import; tests/unit/test_task_generators.py keeps the two lists equal).
+TASK_GENERATORS = ("word_problems", "multiple_choice", "json_output", "instructions", "functions", "calculator")
+
+
 class DataConfig(Section):
     """Prompt (or SFT / preference) data and how rows become prompts."""
 
-    dataset: Literal["arithmetic", "jsonl", "hf", "reasoning_gym", "env"] = Field(
+    dataset: Literal["arithmetic", "jsonl", "hf", "reasoning_gym", "env", "generated"] = Field(
         "arithmetic",
         description=(
             "Prompt source: 'arithmetic' (synthetic, seeded), 'jsonl' (train_path / validation_path), 'hf' (a Hugging "
-            "Face data set), 'reasoning_gym' (generated tasks) or 'env' (episodes made by the environment "
-            "data.env_name, e.g. sliding_puzzle boards; data.num_train / num_validation / seed)."
+            "Face data set), 'reasoning_gym' (generated tasks), 'env' (episodes made by the environment "
+            "data.env_name, e.g. sliding_puzzle boards; data.num_train / num_validation / seed) or 'generated' "
+            "(the task generator data.generator, for a built-in environment)."
         ),
     )
     train_path: Optional[str] = Field(None, description="JSONL file or HF dataset name (jsonl / hf).")
@@ -72,12 +80,23 @@ class DataConfig(Section):
         description="Arithmetic data: operations to draw from ('add', 'sub', 'mul').",
     )
     num_digits: int = Field(2, ge=1, le=12, description="Arithmetic data: digits per operand.")
-    num_train: int = Field(8000, ge=1, description="Arithmetic data: training problems generated.")
+    num_train: int = Field(8000, ge=1, description="Synthetic data (arithmetic, generated, env): training rows made.")
     num_validation: int = Field(
         500, ge=1,
-        description="Arithmetic data: validation problems generated (disjoint from training).",
+        description="Synthetic data (arithmetic, generated, env): validation rows made (disjoint from training).",
     )
     seed: int = Field(1234, description="Seed of synthetic data generation.")
+    generator: Optional[str] = Field(
+        None,
+        description=(
+            "Task generator of data.dataset=generated: " + ", ".join(TASK_GENERATORS) + " (rows for the math, mcqa, "
+            "structured, instructions, code and tools environments; docs/environments.md), or 'module:function'. "
+            "A single generated source's rows are task <generator>, scored by its environment."
+        ),
+    )
+    generator_options: dict[str, Any] = Field(
+        {}, description="Keyword options of data.generator (each generator's docstring lists its options and defaults).",
+    )
     shuffle: bool = Field(
         True,
         description="Shuffle training rows each epoch (resumable: the order is a function of seed and epoch).",
@@ -98,8 +117,25 @@ class DataConfig(Section):
         ),
     )
 
+    @field_validator("generator")
+    @classmethod
+    def _known_generator(cls, name: Optional[str]) -> Optional[str]:
+        if name is None or ":" in name:
+            check_component_name(name or "", "data.generator")
+            return name
+        if name not in TASK_GENERATORS:
+            close = difflib.get_close_matches(name, TASK_GENERATORS, n=1, cutoff=0.0)
+            raise ValueError(f"{name!r} is not a task generator; did you mean {close[0]!r}? "
+                             f"(built in: {', '.join(TASK_GENERATORS)}; or 'module:function')")
+        return name
+
     @model_validator(mode="after")
     def _check(self):
+        if self.dataset == "generated" and self.generator is None and not self.blend:
+            raise ValueError(f"data.dataset=generated needs data.generator: one of {', '.join(TASK_GENERATORS)}")
+        if self.dataset != "generated" and (self.generator is not None or self.generator_options):
+            key = "data.generator" if self.generator is not None else "data.generator_options"
+            raise ValueError(f"{key} is read only with data.dataset=generated (got data.dataset={self.dataset!r})")
         if self.dataset == "reasoning_gym" and not self.reasoning_gym and not self.blend:
             raise ValueError("data.dataset=reasoning_gym needs data.reasoning_gym: a list of {name, config, size, val_size}")
         names = [task.name for task in self.reasoning_gym]
@@ -143,6 +179,11 @@ def blend_component(data: "DataConfig", index: int) -> tuple[str, float, str, "D
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
+        if first["type"] == "value_error":  # a validator's own message: it names the value
+            message = first["msg"].removeprefix("Value error, ")
+            if where:
+                raise ValueError(f"{key}.{where}: {message}") from None
+            raise ValueError(re.sub(r"\bdata\.", f"{key}.", message)) from None  # data.<x> is this component's
         raise ValueError(f"{key}.{where}: {first['msg']} (got {first.get('input')!r})") from None
     return name, float(weight), env, sub
 
