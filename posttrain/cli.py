@@ -176,18 +176,31 @@ def _run_job(args: argparse.Namespace) -> int:
 
 def run_job(command: str, cfg: Any) -> Any:
     """Run the job `command` (a key of `JOBS`) on the validated config `cfg`, as `posttrain
-    <command>` does (the Python API, `posttrain.api`, calls it too): the preflight checks (model
-    paths, hub ids, data: seconds, before Ray or any worker starts), then the job. Returns what the
-    job returns; problems with the inputs raise `UserError`."""
-    from posttrain.preflight import preflight
+    <command>` does (the Python API, `posttrain.api`, calls it too): the run-directory checks
+    (`preflight.check_run_dirs`: locks, resume config, a complete run; files only), the preflight
+    checks (model paths, hub ids, data: seconds, before Ray or any worker starts), then the job.
+    Returns what the job returns, or None when its checkpoint is already at its last step (it says
+    so); problems with the inputs raise `UserError`."""
+    from posttrain.preflight import check_run_dirs, preflight
     from posttrain.utils import startup
+    from posttrain.utils.run_dirs import forget_checks_ahead, release_run_dirs
 
-    preflight(cfg)
-    startup.mark("preflight")
-    module_name, attr = job_target(command, cfg)
-    run = load_target(module_name, attr, command)
-    startup.mark("imports")
-    return run(cfg)
+    try:
+        # First, from files alone (a fraction of a second): another run in the directories, a
+        # resume with a config that would corrupt it, a run already complete.
+        done = check_run_dirs(cfg)
+        if done:
+            print(done, flush=True)
+            return None
+        preflight(cfg)
+        startup.mark("preflight")
+        module_name, attr = job_target(command, cfg)
+        run = load_target(module_name, attr, command)
+        startup.mark("imports")
+        return run(cfg)
+    finally:  # the job released its locks if it got that far; a failed preflight releases them here
+        forget_checks_ahead()
+        release_run_dirs(cfg)
 
 
 def _plan(args: argparse.Namespace) -> int:

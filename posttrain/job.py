@@ -25,15 +25,6 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def with_schedule_horizon(cfg, max_num_steps: int):
-    """Fill `policy.scheduler.total_steps` (decay horizon) from the run length when unset."""
-    if cfg.policy.scheduler.total_steps is not None:
-        return cfg
-    cfg = cfg.model_copy(deep=True)
-    cfg.policy.scheduler.total_steps = max_num_steps
-    return cfg
-
-
 def worker_threads(cfg: MasterConfig) -> int:
     """The torch threads each worker of `cfg` computes with: the local backend's workers run in this
     process, taking turns, with `cluster.cpus_per_worker` or every core; a Ray worker gets its
@@ -125,6 +116,7 @@ def start_run(cfg: MasterConfig, *, seed: int, max_num_steps: Optional[int] = No
     Returns the (possibly completed) config and the tokenizer.
     """
     from posttrain.models.hf import load_tokenizer
+    from posttrain.run_config import with_checkpoint_model, with_schedule_horizon
 
     set_seed(seed)
     if max_num_steps is not None:
@@ -134,24 +126,6 @@ def start_run(cfg: MasterConfig, *, seed: int, max_num_steps: Optional[int] = No
     start_backend(cfg)
     startup.mark("backend")
     return cfg, load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
-
-
-def with_checkpoint_model(cfg):
-    """A `policy.model_name` naming a training checkpoint (`step_N`) becomes its cached HF copy
-    (tokenizer too, unless `policy.tokenizer_name` is set), so every job accepts checkpoints."""
-    from posttrain.models.paths import checkpoint_policy_dir
-
-    checkpoint = checkpoint_policy_dir(Path(cfg.policy.model_name).expanduser())
-    if checkpoint is None:
-        return cfg
-    from posttrain.models.policy.checkpoint import converted_checkpoint
-
-    hf_dir = converted_checkpoint(checkpoint)
-    print(f"[posttrain] policy.model_name: checkpoint {cfg.policy.model_name} as Hugging Face model {hf_dir}", flush=True)
-    cfg = cfg.model_copy(deep=True)
-    cfg.policy.tokenizer_name = cfg.policy.tokenizer_name or str(hf_dir)
-    cfg.policy.model_name = str(hf_dir)
-    return cfg
 
 
 def prepare_run_dirs(cfg: MasterConfig) -> None:

@@ -13,12 +13,44 @@ import os
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from posttrain.errors import UserError
 from posttrain.models.paths import HUB_ID, checkpoint_policy_dir, latest_step_dir, model_vocab_size, vocabulary_problem
 
 HUB_PROBE_TIMEOUT_S = 5.0
+# The section holding each training job's `max_num_steps` (an eval job has none).
+STEPS_SECTIONS = ("grpo", "sft", "dpo", "rm", "distillation")
+
+
+def check_run_dirs(cfg: Any) -> Optional[str]:
+    """Lock the job's run directories that exist and check its resume from files alone, before anything
+    else starts (the rest of preflight, a warm start, Ray, workers): the config saved beside the
+    checkpoints against the one the job will run with (`run_dirs.check_resume_config`, for the
+    checkpoints of a warm start that will train too), and whether the checkpoint is already at
+    `<section>.max_num_steps`. Returns the message saying that the run is complete, else None.
+
+    Raises `RunDirLocked` (another run holds a directory) or `ResumeConfigError` (a change that
+    would corrupt the run), each one line naming the directory or the keys and values.
+    """
+    from posttrain.run_config import WARM_STARTS, planned_run_config, warm_start_dirs, warm_start_export_dir, warm_start_job
+    from posttrain.utils.run_dirs import already_done_message, latest_checkpoint_step, lock_run_dirs, prepare_checkpoint_dir
+
+    section = next((name for name in STEPS_SECTIONS if hasattr(cfg, name)), None)
+    max_steps = getattr(cfg, section).max_num_steps if section else None
+    lock_run_dirs(cfg, existing_only=True)  # a run already in them is named now; start_run locks new ones
+    prepare_checkpoint_dir(planned_run_config(cfg, max_steps), ahead=True)
+    step = latest_checkpoint_step(cfg)
+    if step is not None and max_steps is not None:  # the epoch limit needs the data: the loop checks it
+        done = already_done_message(step, max_steps, f"{section}.max_num_steps")
+        if done:
+            return done
+    for key in WARM_STARTS:
+        warm = getattr(cfg, key, None)
+        if warm is not None and not (warm_start_export_dir(warm) / "config.json").exists():  # it will train
+            job = warm_start_job(warm, *warm_start_dirs(cfg, key))
+            prepare_checkpoint_dir(planned_run_config(job, job.sft.max_num_steps), ahead=True)
+    return None
 
 
 def preflight(cfg: Any) -> None:

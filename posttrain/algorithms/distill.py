@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 from posttrain.algorithms.experience import refit_if_stale
-from posttrain.algorithms.grpo import apply_sft_warm_start, sft_warm_start_dir, warm_start_dirs
+from posttrain.algorithms.grpo import sft_warm_start_dir
 from posttrain.algorithms.loop import TrainingLoop, prefixed
 from posttrain.algorithms.on_policy import shutdown_run, train_loader
 from posttrain.config.schema import DistillMasterConfig
@@ -47,6 +47,7 @@ from posttrain.job import (
 )
 from posttrain.models.refit import build_refit_metadata
 from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
+from posttrain.run_config import with_warm_starts
 from posttrain.utils.metric_names import find_accuracy
 from posttrain.utils.timer import Timer
 
@@ -98,25 +99,7 @@ def apply_warm_starts(cfg: DistillMasterConfig) -> DistillMasterConfig:
     """Run (or reuse from the cache) the student's and the teacher's SFT warm starts and point
     `policy` / `teacher` at their exports. A teacher given as a training checkpoint (`step_N`, e.g.
     of a GRPO run) becomes its cached Hugging Face copy, as `policy.model_name` does in every job."""
-    from posttrain.models.paths import checkpoint_policy_dir
-    from posttrain.models.policy.checkpoint import converted_checkpoint
-
-    if cfg.sft_warmup is not None:
-        cfg = apply_sft_warm_start(cfg)
-    teacher_dir = None
-    if cfg.teacher_warmup is not None:
-        teacher_dir = sft_warm_start_dir(cfg.teacher_warmup, *warm_start_dirs(cfg, "teacher_warmup"))
-    else:
-        checkpoint = checkpoint_policy_dir(Path(cfg.teacher.model_name).expanduser())
-        if checkpoint is not None:
-            teacher_dir = converted_checkpoint(checkpoint)
-            print(f"[posttrain] teacher.model_name: checkpoint {cfg.teacher.model_name} as Hugging Face model "
-                  f"{teacher_dir}", flush=True)
-    if teacher_dir is not None:
-        cfg = cfg.model_copy(deep=True)
-        cfg.teacher.tokenizer_name = cfg.teacher.tokenizer_name or str(teacher_dir)
-        cfg.teacher.model_name = str(teacher_dir)
-    return cfg
+    return with_warm_starts(cfg, sft_warm_start_dir)
 
 
 def check_vocabularies(cfg: DistillMasterConfig) -> Optional[int]:

@@ -38,6 +38,7 @@ from posttrain.job import (
     start_run,
 )
 from posttrain.models.refit import build_refit_metadata
+from posttrain.run_config import warm_start_export_dir, warm_start_job, with_warm_starts
 from posttrain.utils import startup
 from posttrain.utils.timer import Timer
 
@@ -224,52 +225,27 @@ def apply_sft_warm_start(cfg: GRPOMasterConfig) -> GRPOMasterConfig:
     """Run (or reuse) the SFT warm start and point the GRPO policy at its exported weights
     (`sft_warm_start_dir`; the warm start logs under `<logger.log_dir>/sft_warmup` and checkpoints
     under `<checkpointing.checkpoint_dir>/sft_warmup`)."""
-    warm_dir = sft_warm_start_dir(cfg.sft_warmup, *warm_start_dirs(cfg, "sft_warmup"))
-    cfg = cfg.model_copy(deep=True)
-    cfg.policy.tokenizer_name = cfg.policy.tokenizer_name or str(warm_dir)
-    cfg.policy.model_name = str(warm_dir)
-    return cfg
-
-
-def warm_start_dirs(cfg: Any, key: str) -> tuple[Path, Optional[Path]]:
-    """Where the warm start `cfg.<key>` logs and checkpoints: `<logger.log_dir>/<key>` and
-    `<checkpointing.checkpoint_dir>/<key>` (None, no checkpoints, when the run does not checkpoint)."""
-    checkpoints = Path(cfg.checkpointing.checkpoint_dir) / key if cfg.checkpointing.enabled else None
-    return Path(cfg.logger.log_dir) / key, checkpoints
+    return with_warm_starts(cfg, sft_warm_start_dir)
 
 
 def sft_warm_start_dir(warm: Any, log_dir: Path, checkpoint_dir: Optional[Path] = None) -> Path:
     """Run (or reuse) the SFT job `warm` (an `SFTMasterConfig`) and return its HF export.
 
-    The export is cached under `$POSTTRAIN_CACHE/sft_warmup/<hash of the config>` (without its
-    `logger`, `checkpointing` and `cluster` sections, which do not change what is trained, only
-    where and how it is logged), so reruns, resumed runs and the presets that share a warm start
-    share one export. The run logs under `log_dir` and, like any run, checkpoints under
-    `checkpoint_dir` (its own `checkpointing.save_period`, ...; default None: no checkpoints, as
-    when `warm.checkpointing.enabled` is false), so an interrupted warm start resumes from its last
-    checkpoint on the next run instead of starting again.
+    The export is cached by the config (`warm_start_export_dir`), so reruns, resumed runs and the
+    presets that share a warm start share one export. The run logs under `log_dir` and, like any
+    run, checkpoints under `checkpoint_dir` (its own `checkpointing.save_period`, ...; default None:
+    no checkpoints, as when `warm.checkpointing.enabled` is false), so an interrupted warm start
+    resumes from its last checkpoint on the next run instead of starting again.
     """
-    import hashlib
-
     from posttrain.algorithms import sft
-    from posttrain.config.loader import config_to_yaml
-    from posttrain.utils.cache import cache_dir
 
-    weights_cfg = warm.model_copy(update={"logger": None, "checkpointing": None, "cluster": None})
-    key = hashlib.sha1(config_to_yaml(weights_cfg).encode()).hexdigest()[:12]
-    warm_dir = cache_dir() / "sft_warmup" / key
+    warm_dir = warm_start_export_dir(warm)
     if (warm_dir / "config.json").exists():
         print(f"[posttrain] reusing SFT warm start {warm_dir}", flush=True)
     else:
         print(f"[posttrain] SFT warm start -> {warm_dir}", flush=True)
         warm_dir.parent.mkdir(parents=True, exist_ok=True)
-        warm_cfg = warm.model_copy(deep=True)
-        warm_cfg.logger.log_dir = str(log_dir)
-        if checkpoint_dir is None:
-            warm_cfg.checkpointing.enabled = False
-        else:
-            warm_cfg.checkpointing.checkpoint_dir = str(checkpoint_dir)
         with startup.CLOCK.nested():
-            sft.run(warm_cfg, export_dir=warm_dir)
+            sft.run(warm_start_job(warm, log_dir, checkpoint_dir), export_dir=warm_dir)
     startup.mark("warm_start")
     return warm_dir

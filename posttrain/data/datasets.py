@@ -234,12 +234,19 @@ def _finish(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConfig
 def load_records(data_cfg: DataConfig, split: Split, env_rows: Optional[EnvRows] = None) -> list[dict]:
     """Records of one split as `{"prompt", "answer", "task_name", "env_name", ...}` dicts.
 
-    For `jsonl` and `hf` without `data.validation_path`, the validation split is empty.
+    For `jsonl` and `hf` without `data.validation_path`, the validation split is empty. The
+    validation split holds each problem once (`distinct_problems`), the training split every row.
     `env_rows(data_cfg, split) -> (rows, locations)` makes the rows of `data.dataset=env` (the
     environments' `make_rows`; `posttrain.environments.registry.env_rows_maker(cfg.env)`).
     """
     if split not in ("train", "validation"):
         raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+    records = _load_split(data_cfg, split, env_rows)
+    # Training repeats are the user's weighting; a repeated validation problem would only count twice.
+    return distinct_problems(records) if split == "validation" else records
+
+
+def _load_split(data_cfg: DataConfig, split: Split, env_rows: Optional[EnvRows]) -> list[dict]:
     if data_cfg.blend:
         return _load_blend(data_cfg, split, env_rows)
     if data_cfg.dataset == "env":
@@ -270,6 +277,40 @@ def _generated_rows(data_cfg: DataConfig, split: Split, key: str = "data") -> tu
     from posttrain.data.generators import generated_split
 
     return generated_split(data_cfg, split, key)
+
+
+def problem_key(record: dict) -> str:
+    """What makes two records the same problem: the task, the prompt as the model sees it (its chat
+    messages and rendered prompt) and the ground truth: the answer, or for a record without one the
+    fields its environment reads (a game's seed, a code task's tests, a preference pair's responses),
+    since those then tell problems with one prompt apart."""
+    truth = record.get("answer")
+    if truth is None:
+        truth = env_metadata(record)
+    parts = [record.get("task_name"), record.get("env_name"), record.get("messages"), record.get("prompt"), truth]
+    return json.dumps(parts, sort_keys=True, default=repr)
+
+
+_said: set[str] = set()  # notices already printed: preflight and the job's set-up both load the data
+
+
+def distinct_problems(records: list[dict], what: str = "problems") -> list[dict]:
+    """The first record of each problem (`problem_key`), in their order; says once how many repeats
+    were dropped. Validation scores each problem once (a repeat would weigh it double in
+    `validation/accuracy_*`)."""
+    seen: set[str] = set()
+    kept = []
+    for record in records:
+        key = problem_key(record)
+        if key not in seen:
+            seen.add(key)
+            kept.append(record)
+    dropped = len(records) - len(kept)
+    message = (f"[posttrain] validation: {dropped} repeated {what} dropped ({len(records)} rows, {len(kept)} distinct)")
+    if dropped and message not in _said:
+        _said.add(message)
+        print(message, flush=True)
+    return kept
 
 
 # Validation episodes are seeded apart from training ones (seed s, row i uses s + i).

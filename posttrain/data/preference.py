@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from posttrain.config.schema import DataConfig
 from posttrain.data.arithmetic import generate_arithmetic
-from posttrain.data.datasets import DataError, Split, read_source_rows
+from posttrain.data.datasets import DataError, Split, distinct_problems, read_source_rows
 from posttrain.data.prompt_template import format_prompt
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.data.processors import build_sft_example
@@ -160,7 +160,9 @@ def load_preference_records(data_cfg: DataConfig, split: Split) -> list[dict]:
             data_cfg.num_train, data_cfg.num_validation, data_cfg.operations, data_cfg.num_digits, data_cfg.seed
         )
         return train if split == "train" else val
-    return _to_pairs(*read_source_rows(data_cfg, split), data_cfg)
+    pairs = _to_pairs(*read_source_rows(data_cfg, split), data_cfg)
+    # As for prompts (`load_records`): a repeated validation pair would count twice in validation/accuracy.
+    return distinct_problems(pairs, "pairs") if split == "validation" else pairs
 
 
 # -------------------------------------------------------------------------------- message logs

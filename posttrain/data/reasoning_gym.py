@@ -4,9 +4,11 @@ reasoning-gym (Apache-2.0, the optional extra `posttrain[reasoning_gym]`) genera
 data set seeded s from `random.Random(s + i)`, so consecutive seeds share entries. Training entries
 use seed `data.seed` (streams s .. s + size - 1) and validation entries `data.seed + 10**7`, so the
 two never share a generator stream (sizes are capped at 10**7); validation questions that still
-occur in training (small task configs repeat questions) are dropped. A record does not carry the entry itself (some
-entries do not survive a JSON round trip), only how to regenerate it (`reasoning_gym` field), which
-the environment does before scoring with the task's own scorer.
+occur in training (small task configs repeat questions) are dropped here; a question repeated within
+validation is dropped by `datasets.load_records`, as for any data (`distinct_problems`). A record
+does not carry the entry itself (some entries do not survive a JSON round trip), only how to
+regenerate it (`reasoning_gym` field), which the environment does before scoring with the task's
+own scorer.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ checkpoint, which `step_N` is the latest, how large is its vocabulary. Kept apar
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Optional
@@ -83,6 +84,19 @@ def checkpoint_policy_dir(path: Path) -> Optional[Path]:
         if (candidate / "model" / ".metadata").is_file():
             return candidate
     return None
+
+
+def converted_checkpoint_dir(checkpoint_dir: str | os.PathLike) -> Path:
+    """Where `converted_checkpoint` keeps the Hugging Face copy of a policy checkpoint (converted or
+    not yet): keyed by its resolved path and modification time, so a re-saved step converts again."""
+    import hashlib
+
+    from posttrain.utils.cache import cache_dir
+
+    path = Path(checkpoint_dir).resolve()
+    weights = path / "model"
+    stamp = f"{path}:{weights.stat().st_mtime_ns if weights.exists() else path.stat().st_mtime_ns}"
+    return cache_dir() / "checkpoint_hf" / hashlib.sha1(stamp.encode()).hexdigest()[:16]
 
 
 def latest_step_dir(run_dir: Path) -> Optional[Path]:

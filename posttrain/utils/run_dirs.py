@@ -244,12 +244,16 @@ def run_directories(cfg) -> list[Path]:
     return unique
 
 
-def lock_run_dirs(cfg) -> list[Path]:
-    """Lock every directory of `run_directories(cfg)`; on a refusal, release the ones taken."""
+def lock_run_dirs(cfg, existing_only: bool = False) -> list[Path]:
+    """Lock every directory of `run_directories(cfg)`; on a refusal, release the ones taken.
+
+    `existing_only`: only those that exist (the check before a job starts, which creates no
+    directory for a job that preflight may still refuse; `start_run` locks the rest)."""
     taken: list[Path] = []
     try:
         for directory in run_directories(cfg):
-            taken.append(acquire_dir_lock(directory))
+            if not existing_only or Path(directory).expanduser().is_dir():
+                taken.append(acquire_dir_lock(directory))
     except BaseException:
         for lock in taken:
             release_dir_lock(lock)
@@ -263,14 +267,48 @@ def release_run_dirs(cfg) -> None:
         release_dir_lock(Path(directory).expanduser().resolve() / LOCK_FILE)
 
 
-def prepare_checkpoint_dir(cfg) -> None:
-    """Check a resume against the saved config (`check_resume_config`) when checkpointing is on."""
+# (checkpoint dir, config) pairs checked before their job started (`prepare_checkpoint_dir(ahead=True)`).
+_checked_ahead: set[tuple[Path, str]] = set()
+
+
+def _resume_key(cfg) -> tuple[Path, str]:
+    return (Path(cfg.checkpointing.checkpoint_dir).expanduser().resolve(),
+            json.dumps(cfg.model_dump(mode="json"), sort_keys=True, default=str))
+
+
+def prepare_checkpoint_dir(cfg, ahead: bool = False) -> None:
+    """Check a resume against the saved config (`check_resume_config`) when checkpointing is on.
+
+    `ahead=True`: the check before the job starts (`posttrain.preflight.check_run_dirs`, on the
+    config the job will run with); the job's own check of that same config (`start_run`) then
+    passes without saying its notes twice. A job run on its own is checked by `start_run`."""
     if not _writes_checkpoints(cfg):
+        return
+    key = _resume_key(cfg)
+    if not ahead and key in _checked_ahead:
+        _checked_ahead.discard(key)
         return
     from posttrain.utils.checkpoint import CheckpointManager
 
     checkpoint_dir = Path(cfg.checkpointing.checkpoint_dir)
     check_resume_config(cfg, checkpoint_dir, CheckpointManager(cfg.checkpointing).latest() is not None)
+    if ahead:
+        _checked_ahead.add(key)
+
+
+def forget_checks_ahead() -> None:
+    """Forget the checks made ahead (when a job ends: a later job in this process is checked anew)."""
+    _checked_ahead.clear()
+
+
+def latest_checkpoint_step(cfg) -> Optional[int]:
+    """The step of the checkpoint a training job of `cfg` resumes from, None when it starts afresh."""
+    if not _writes_checkpoints(cfg):
+        return None
+    from posttrain.utils.checkpoint import CheckpointManager, load_training_info
+
+    latest = CheckpointManager(cfg.checkpointing).latest()
+    return None if latest is None else int(load_training_info(latest)["step"])
 
 
 # ------------------------------------------------------------------------ config on resume

@@ -42,6 +42,28 @@ def metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+# `posttrain` in a subprocess that reports, after it returns, which of the libraries a backend or a
+# worker needs were imported: none, when the command ended before preflight's slow parts.
+REPORT_IMPORTS = """
+import sys
+from posttrain.cli import main
+code = main(sys.argv[1:])
+print("imported:", sorted(m for m in ("torch", "ray", "transformers") if m in sys.modules))
+sys.exit(code)
+"""
+
+
+def posttrain_reporting_imports(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", REPORT_IMPORTS, *args], cwd=cwd, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "POSTTRAIN_CACHE": str(cwd / "cache")},
+    )
+
+
+def files_of(*directories: Path) -> dict[str, int]:
+    return {str(p): p.stat().st_mtime_ns for d in directories for p in sorted(d.rglob("*"))}
+
+
 def test_grpo_without_validation_in_the_users_directory_then_checkpoint_as_model(tmp_path):
     rows = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(6) for b in range(6)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -67,6 +89,36 @@ def test_grpo_without_validation_in_the_users_directory_then_checkpoint_as_model
     (record,) = metrics(tmp_path / "logs/eval/eval_results.jsonl")
     assert record["model"] == "ckpt/a/step_2" and record["num_prompts"] == 4
     assert not (tmp_path / "logs/eval/metrics.jsonl").exists()
+
+
+def test_rerun_with_a_changed_config_is_refused_before_anything_starts(tmp_path):
+    """A checkpointed run rerun with a config that would corrupt it: one line naming the key, exit 2,
+    before the warm start, preflight's slow parts (torch is not even imported), Ray or any worker.
+    The same command rerun says the run is complete, as early."""
+    run = [o for o in SMALL_GRPO if o != "grpo.max_num_steps=2"] + [
+        "grpo.max_num_steps=1", "grpo.max_val_samples=4", "data.num_validation=4", "data.num_train=32",
+        "logger.report=false", "sft_warmup.logger.report=false", "logger.log_dir=logs", "checkpointing.checkpoint_dir=ckpt",
+    ]
+    posttrain("grpo", *run, cwd=tmp_path)
+    before = files_of(tmp_path / "logs", tmp_path / "ckpt")
+    assert (tmp_path / "ckpt/step_1").is_dir() and (tmp_path / "ckpt/sft_warmup/step_2").is_dir()
+
+    for change, named in (("data.num_digits=3", "data.num_digits: 2 -> 3"),  # the warm start is cached
+                          ("sft_warmup=null policy.model_name=tiny-qwen2", "-> 'tiny-qwen2'")):
+        result = posttrain_reporting_imports("grpo", *run, *change.split(), cwd=tmp_path)
+        assert result.returncode == 2, result.stdout + result.stderr
+        (line,) = result.stderr.splitlines()
+        assert line.startswith("posttrain grpo: ckpt holds checkpoints of a run with another config") and named in line
+        assert "Traceback" not in result.stderr
+        # Nothing started: no warm start ("reusing SFT warm start"), no "started in", nothing imported.
+        assert result.stdout == "imported: []\n"
+    assert files_of(tmp_path / "logs", tmp_path / "ckpt") == before  # no new log, lock or checkpoint file
+
+    result = posttrain_reporting_imports("grpo", *run, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    done, imported = result.stdout.splitlines()
+    assert "the checkpoint is at step 1, the last step (grpo.max_num_steps=1" in done and imported == "imported: []"
+    assert files_of(tmp_path / "logs", tmp_path / "ckpt") == before
 
 
 def test_sft_export_summary_report_and_no_fake_validation(tmp_path):

@@ -132,6 +132,30 @@ def test_load_records_hf_local_json_file(tmp_path):
     assert [(r["prompt"], r["answer"]) for r in load_records(cfg, "train")] == [("3+4=", "7")]
 
 
+def test_repeated_validation_problems_are_scored_once_training_repeats_kept(tmp_path, capsys):
+    rows = [
+        {"prompt": "1+1=", "answer": 2},
+        {"prompt": "2+2=", "answer": 4},
+        {"prompt": "1+1=", "answer": "2", "id": 7},  # a repeat (the answer as text, another id)
+        {"prompt": "1+1=", "answer": 3},  # same prompt, another answer: another problem
+        {"prompt": "1+1=", "answer": 2, "task_name": "mcqa"},  # another task
+        {"prompt": "3+3=", "answer": 6},
+        {"prompt": "2+2=", "answer": 4},  # a repeat
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="}], "answer": 2},
+        {"prompt": "Guess the word.", "answer": None, "task_name": "game", "game_seed": 1},
+        {"prompt": "Guess the word.", "answer": None, "task_name": "game", "game_seed": 2},  # no answer: its seed tells
+        {"prompt": "Guess the word.", "answer": None, "task_name": "game", "game_seed": 1},  # a repeat
+    ]
+    write_jsonl(rows, tmp_path / "rows.jsonl")
+    cfg = DataConfig(dataset="jsonl", train_path=str(tmp_path / "rows.jsonl"), validation_path=str(tmp_path / "rows.jsonl"))
+    val = load_records(cfg, "validation")
+    # The first of each problem, in order (the row's origin names its line).
+    assert [r["origin"].rsplit(":", 1)[1] for r in val] == ["1", "2", "4", "5", "6", "8", "9", "10"]
+    assert len(load_records(cfg, "train")) == len(rows)
+    load_records(cfg, "validation")  # loaded again (preflight, then the job's set-up): said once
+    assert capsys.readouterr().out == "[posttrain] validation: 3 repeated problems dropped (11 rows, 8 distinct)\n"
+
+
 # --------------------------------------------------------------------------- processors
 def test_prompt_datum_with_chat_template(tokenizer):
     record = {"prompt": "12+34=", "answer": "46", "task_name": "math"}

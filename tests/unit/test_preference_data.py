@@ -65,6 +65,12 @@ def test_jsonl_keys_template_and_errors(tmp_path):
     path.write_text(json.dumps({"q": "2+2=", "good": 4, "bad": "5"}) + "\n")
     assert load_preference_records(cfg, "train") == [{"prompt": "Q: 2+2=", "chosen": "4", "rejected": "5"}]
     assert load_preference_records(cfg, "validation") == []
+    # A repeated validation pair counts once in validation/accuracy; training keeps both.
+    path.write_text("".join(json.dumps(row) + "\n" for row in (
+        {"q": "2+2=", "good": 4, "bad": "5"}, {"q": "2+2=", "good": 4, "bad": "3"}, {"q": "2+2=", "good": "4", "bad": "5"})))
+    validation = cfg.model_copy(update={"validation_path": str(path)})
+    assert [p["rejected"] for p in load_preference_records(validation, "validation")] == ["5", "3"]
+    assert len(load_preference_records(validation, "train")) == 3
     path.write_text(json.dumps({"q": "2+2=", "good": ["4"], "bad": "5"}) + "\n")
     with pytest.raises(DataError, match=rf"{path}:1: 'good' must be a string"):
         load_preference_records(cfg, "train")

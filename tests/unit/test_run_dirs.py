@@ -15,6 +15,8 @@ import pytest
 from posttrain.algorithms.loop import train_offline
 from posttrain.job import prepare_run_dirs
 from posttrain.config import load_config
+from posttrain.preflight import STEPS_SECTIONS, check_run_dirs
+from posttrain.run_config import planned_run_config, warm_start_dirs, warm_start_export_dir, warm_start_job
 from posttrain.utils import run_dirs
 from posttrain.utils.run_dirs import (
     LOCK_FILE,
@@ -246,3 +248,85 @@ def test_runs_that_train_nothing_or_fail_at_start_leave_the_saved_config(tmp_pat
     out = capsys.readouterr().out
     assert "resuming with config changes: sft.max_num_steps: 4 -> 6" in out and "cluster.backend" not in out
     assert "max_num_steps: 6" in (tmp_path / "ckpt" / "config.yaml").read_text()
+
+
+# ------------------------------------------------- checked before anything starts (`posttrain.preflight`)
+REPO = Path(__file__).resolve().parents[2]
+# Every job that checkpoints: (command, config file, overrides), warm starts off (tested below).
+JOB_KINDS = {
+    "grpo": ("grpo", None, ["sft_warmup=null"]),
+    "async grpo": ("grpo", REPO / "posttrain/configs/grpo_async_tiny.yaml", ["sft_warmup=null"]),
+    "sft": ("sft", None, []),
+    "dpo": ("dpo", None, []),
+    "rm": ("rm", None, []),
+    "distill": ("distill", None, ["sft_warmup=null", "teacher_warmup=null"]),
+}
+
+
+def _job_cfg(tmp_path: Path, kind: str, *extra: str):
+    command, path, overrides = JOB_KINDS[kind]
+    return load_config(command, path, [*overrides, f"logger.log_dir={tmp_path}/logs",
+                                       f"checkpointing.checkpoint_dir={tmp_path}/ckpt", *extra])
+
+
+def _trained(cfg, ckpt: Path, step: int = 3) -> None:
+    """What a run of `cfg` leaves once it has checkpointed `step`: its config (as the job ran it) and a checkpoint."""
+    section = next(name for name in STEPS_SECTIONS if hasattr(cfg, name))
+    run_dirs.save_run_config(planned_run_config(cfg, getattr(cfg, section).max_num_steps))
+    (ckpt / f"step_{step}").mkdir(parents=True)
+    (ckpt / f"step_{step}" / "training_info.json").write_text(json.dumps({"step": step}))
+
+
+@pytest.mark.parametrize("kind", JOB_KINDS)
+def test_every_job_checks_its_resume_before_anything_starts(tmp_path, kind, capsys):
+    cfg = _job_cfg(tmp_path, kind)
+    try:
+        assert check_run_dirs(cfg) is None  # a fresh run: nothing to compare
+        _trained(cfg, tmp_path / "ckpt")
+        assert check_run_dirs(_job_cfg(tmp_path, kind)) is None  # the same command resumes, silently
+        assert capsys.readouterr().out == ""
+        with pytest.raises(ResumeConfigError, match=r"policy.model_name: 'tiny' -> 'tiny-qwen2'\. Use another"):
+            check_run_dirs(_job_cfg(tmp_path, kind, "policy.model_name=tiny-qwen2"))
+        section = next(name for name in STEPS_SECTIONS if hasattr(cfg, name))
+        done = check_run_dirs(_job_cfg(tmp_path, kind, f"{section}.max_num_steps=3"))
+        assert f"checkpoint is at step 3, the last step ({section}.max_num_steps=3" in done
+    finally:
+        run_dirs.release_run_dirs(cfg)
+        run_dirs.forget_checks_ahead()
+
+
+def test_a_resume_is_checked_once_and_a_locked_directory_refused_first(tmp_path, capsys, other_run):
+    cfg = _job_cfg(tmp_path, "grpo")
+    _trained(cfg, tmp_path / "ckpt", step=1)
+    more = _job_cfg(tmp_path, "grpo", "grpo.max_num_steps=400")
+    try:
+        assert check_run_dirs(more) is None
+        assert capsys.readouterr().out.count("resuming with config changes: grpo.max_num_steps: 250 -> 400") == 1
+        prepare_run_dirs(planned_run_config(more, 400))  # the job's own check (start_run): not said again
+        assert capsys.readouterr().out == ""
+    finally:
+        run_dirs.release_run_dirs(more)
+        run_dirs.forget_checks_ahead()
+    _, held = other_run
+    with pytest.raises(RunDirLocked, match="is in use by another run"):
+        check_run_dirs(_job_cfg(tmp_path, "grpo", f"logger.log_dir={held}"))
+
+
+def test_a_warm_start_that_will_train_has_its_checkpoints_checked_too(tmp_path, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))  # no export cached: the warm start will train
+    overrides = [f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt"]
+    cfg = load_config("grpo", overrides=overrides)
+    warm = warm_start_job(cfg.sft_warmup, *warm_start_dirs(cfg, "sft_warmup"))
+    _trained(warm, tmp_path / "ckpt/sft_warmup", step=2)  # interrupted in its warm start
+    try:
+        assert check_run_dirs(cfg) is None
+        with pytest.raises(ResumeConfigError, match=r"ckpt/sft_warmup holds .* data.num_digits: 2 -> 3"):
+            check_run_dirs(load_config("grpo", overrides=[*overrides, "sft_warmup.data.num_digits=3"]))
+        # Once the export exists the warm start does not train again: its checkpoints are not in the way.
+        export = warm_start_export_dir(load_config("grpo", overrides=[*overrides, "sft_warmup.data.num_digits=3"]).sft_warmup)
+        export.mkdir(parents=True)
+        (export / "config.json").write_text("{}")
+        assert check_run_dirs(load_config("grpo", overrides=[*overrides, "sft_warmup.data.num_digits=3"])) is None
+    finally:
+        run_dirs.release_run_dirs(cfg)
+        run_dirs.forget_checks_ahead()

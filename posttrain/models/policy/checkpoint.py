@@ -182,13 +182,10 @@ def converted_checkpoint(checkpoint_dir: str | os.PathLike) -> Path:
     Lets `policy.model_name` name a training checkpoint everywhere a model is accepted. The cache
     key is the checkpoint's resolved path and modification time, so a re-saved step converts again.
     """
-    import hashlib
-
-    from posttrain.utils.cache import cache_dir
+    from posttrain.models.paths import converted_checkpoint_dir
 
     path = Path(checkpoint_dir).resolve()
-    stamp = f"{path}:{(path / MODEL_DIR).stat().st_mtime_ns if (path / MODEL_DIR).exists() else path.stat().st_mtime_ns}"
-    out = cache_dir() / "checkpoint_hf" / hashlib.sha1(stamp.encode()).hexdigest()[:16]
+    out = converted_checkpoint_dir(path)
     if not (out / "config.json").is_file():
         tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
