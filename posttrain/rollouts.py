@@ -11,6 +11,8 @@ tokenizer's template (`posttrain.data.chat.observation_ids`); others are tokenis
 A sample ends when its environment says it terminated, when its conversation reaches the token
 limit (truncated), or after `max_rollout_turns` turns; the last two end in the environment's
 `finish` (`Environment.finish`: a verifier scores the unfinished episode), so every episode is scored.
+Each sample keeps its progress: `Sample.status` (`SampleStatus`: running, then which of these
+endings, or timed out when its environment missed the rollout's deadline) and its counts.
 
 Samples come in prompt groups (`group_size` consecutive samples, GRPO's generations of one prompt):
 each turn a group's active samples go to their environment together, once the last of them is
@@ -29,25 +31,30 @@ import torch
 
 from posttrain.data.chat import observation_ids
 from posttrain.data.message_log import append_message, flatten_message_logs
-from posttrain.data.sample import Sample
+from posttrain.data.sample import Sample, SampleStatus
 from posttrain.distributed.batch import Batch
-from posttrain.environments.registry import launch_step
+from posttrain.environments.interface import EnvironmentReturn
+from posttrain.environments.registry import PendingStep, launch_step
 
 
 @dataclass
 class RolloutResult:
-    samples: list[Sample]  # the input samples: message logs extended, `reward` set, in place
-    rewards: torch.Tensor  # [B] summed over turns (also each sample's `reward`)
-    truncated: torch.Tensor  # [B] bool: stopped by the token limit, not by the environment
-    overlong: torch.Tensor  # [B] bool: truncated, or the last turn hit max_new_tokens (DAPO filter)
-    answers: list[Optional[str]]  # the answer each environment extracted at the sample's last turn
+    """A rollout's samples and what is read from their state at its end (`Sample.status`, `reward`,
+    `answer` and the rollout's counts): per-sample tensors and metrics."""
+
+    samples: list[Sample]  # the input samples: message logs extended, `reward` and the state set, in place
+    rewards: torch.Tensor  # [B] summed over turns: each sample's `reward`
+    truncated: torch.Tensor  # [B] bool: stopped by the token limit, not by the environment (status TRUNCATED)
+    overlong: torch.Tensor  # [B] bool: truncated, or the last turn hit max_new_tokens (`Sample.overlong`)
+    answers: list[Optional[str]]  # the answer each environment extracted at the sample's last turn (`answer`)
     metrics: dict[str, float] = field(default_factory=dict)
     env_seconds: float = 0.0  # wall time spent waiting for environments (the "reward" timing)
     # Per-sample progress, in seconds: `env_step_wait` (mean time from a sample's generation coming
     # back to its environment step starting) and `generation_shard_spread` (first to last engine
     # shard back, summed over turns: what early samples would wait without per-shard stepping).
     timings: dict[str, float] = field(default_factory=dict)
-    # [B] bool: samples whose environment did not answer before the rollout's deadline (dropped).
+    # [B] bool: samples whose environment did not answer before the rollout's deadline (dropped;
+    # `Sample.timed_out`).
     timed_out: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
 
     def add_timings(self, timer, seconds: float) -> None:
@@ -101,14 +108,15 @@ def _rollout_turns(
     deadline: Optional[float] = None,
     group_size: int = 1,
 ) -> RolloutResult:
-    """The turns of `run_multi_turn_rollout`.
+    """The turns of `run_multi_turn_rollout`. Each sample's progress is kept on it (`status`,
+    counts, `reward`, `answer`; `Sample`), and the result is read from the samples at the end.
 
     Args:
         generation: a `GenerationInterface` (`generate(batch, greedy) -> Batch`).
         envs: task name -> environment (actor handle or local instance).
         max_seq_len: total token limit of a conversation (prompt + all turns).
-        seeds: optional per-sample sampling seeds `[B]`; turn t uses `seeds + t`, so a fixed seed
-            reproduces the whole rollout regardless of batching.
+        seeds: optional per-sample sampling seeds `[B]`; turn t uses `seeds + t * 1_000_003`, so
+            a fixed seed reproduces the whole rollout regardless of batching.
         params: per-call sampling overrides passed to `generate` (e.g. `{"temperature": 0.6}` for
             validation at `policy.generation.val_temperature`).
         deadline: `time.monotonic()` after which environment steps are not waited for: samples
@@ -117,141 +125,201 @@ def _rollout_turns(
         group_size: consecutive samples that form one prompt group, stepped together (module
             docstring; default 1: every sample on its own).
     """
-    n = len(samples)
-    rewards = torch.zeros(n)
-    truncated = torch.zeros(n, dtype=torch.bool)
-    active = list(range(n))
-    stop_strings: list[Optional[list[str]]] = [s.stop_strings for s in samples]
-    turns = torch.zeros(n, dtype=torch.long)
-    terminated = torch.zeros(n, dtype=torch.bool)
-    gen_tokens = torch.zeros(n, dtype=torch.long)
-    env_tokens = torch.zeros(n, dtype=torch.long)
-    hit_max_new_tokens = torch.zeros(n, dtype=torch.bool)
-    timed_out = torch.zeros(n, dtype=torch.bool)
-    env_seconds = 0.0
-    answers: list[Optional[str]] = [None] * n
-    env_counts: dict[str, float] = {}  # environments' own counts (EnvironmentReturn.metrics), summed
-    waits: list[float] = []  # per sample and turn: seconds from its generation's return to its environment step
-    generated_at = [0.0] * n  # when each sample's generation of this turn came back
-    shard_spread = 0.0  # per turn, first to last engine shard back: what early shards no longer wait for
-
+    for sample in samples:
+        sample.start_rollout()
+    totals = _Totals()
     for turn in range(max_rollout_turns):
-        if not active:
+        running = [i for i, s in enumerate(samples) if s.status is SampleStatus.RUNNING]
+        if not running:
             break
-        logs = [samples[i].message_log for i in active]
-        batch = flatten_message_logs(logs, pad_token_id=tokenizer.pad_token_id)
-        batch = Batch(input_ids=batch["input_ids"], input_lengths=batch["input_lengths"])
-        batch["stop_strings"] = [stop_strings[i] for i in active]
-        if seeds is not None:
-            batch["seeds"] = seeds[active] + turn * 1_000_003
-        # Engines return their shards as they finish: each shard's samples are appended and their
-        # environments start stepping at once (with the rest of their group once it is generated),
-        # while the other shards still generate.
-        pending, ready_at, launch_seconds = [], [], 0.0
-        group_left = Counter(i // group_size for i in active)  # each group's samples not generated yet
-        waiting: dict[int, list[int]] = {}  # group -> its samples generated, waiting for the rest
-        for rows, out in generation.generate_shards(batch, greedy=greedy, params=params):
-            ready_at.append(time.perf_counter())
-            members = [active[row] for row in rows]
-            for k, (row, i) in enumerate(zip(rows, members)):
-                start = int(batch["input_lengths"][row])
-                length = int(out["generation_lengths"][k])
-                token_ids = out["output_ids"][k, start : start + length].clone()
-                logprobs = out["logprobs"][k, start : start + length].clone()
-                append_message(
-                    samples[i].message_log,
-                    "assistant",
-                    tokenizer.decode(token_ids.tolist(), skip_special_tokens=True),
-                    token_ids,
-                    generation_logprobs=logprobs,
-                    weight_version=weight_version,
-                )
-                gen_tokens[i] += length
-                turns[i] += 1
-                hit_max_new_tokens[i] = bool(out["truncated"][k])
-                generated_at[i] = ready_at[-1]
-            members = _whole_groups(members, group_size, group_left, waiting)
-            if not members:
-                continue
+        batch = _turn_batch(samples, running, tokenizer, seeds, turn)
+        pending = _generate_and_launch(generation, batch, samples, running, tokenizer, envs, totals, greedy=greedy,
+                                       params=params, weight_version=weight_version, group_size=group_size)
+        stepped = _wait(pending, samples, deadline, totals)
+        for i in running:
+            _take_step(samples[i], *stepped[i], tokenizer, max_seq_len)
+    for sample in samples:
+        if sample.status is SampleStatus.RUNNING:
+            sample.status = SampleStatus.TURN_LIMIT
+    _finish(envs, samples, deadline, totals)
+    return _result(samples, totals)
+
+
+@dataclass
+class _Totals:
+    """What the rollout adds up over its turns, beside the samples' own state."""
+
+    env_seconds: float = 0.0  # environment time the rollout waited for (beyond what overlapped generation)
+    env_counts: dict[str, float] = field(default_factory=dict)  # environments' own counts (EnvironmentReturn.metrics)
+    waits: list[float] = field(default_factory=list)  # per sample and turn: from its generation's return to its step
+    shard_spread: float = 0.0  # per turn, first to last engine shard back: what early shards no longer wait for
+
+
+def _turn_batch(samples: list[Sample], running: list[int], tokenizer, seeds: Optional[torch.Tensor],
+                turn: int) -> Batch:
+    """The `running` samples' conversations as one padded batch, with their stop strings and this
+    turn's seeds."""
+    flat = flatten_message_logs([samples[i].message_log for i in running], pad_token_id=tokenizer.pad_token_id)
+    batch = Batch(input_ids=flat["input_ids"], input_lengths=flat["input_lengths"])
+    batch["stop_strings"] = [samples[i].stop_strings for i in running]
+    if seeds is not None:
+        batch["seeds"] = seeds[running] + turn * 1_000_003
+    return batch
+
+
+def _generate_and_launch(generation, batch: Batch, samples: list[Sample], running: list[int], tokenizer,
+                         envs: dict[str, Any], totals: _Totals, *, greedy: bool, params: Optional[dict[str, Any]],
+                         weight_version: int, group_size: int) -> list[tuple[list[int], PendingStep]]:
+    """Generate the turn of the `running` samples (the rows of `batch`) and launch their
+    environment steps: the launched steps, each with its samples.
+
+    Engines return their shards as they finish: each shard's samples are appended and their
+    environments start stepping at once (with the rest of their group once it is generated),
+    while the other shards still generate.
+    """
+    pending, ready_at = [], []
+    group_left = Counter(i // group_size for i in running)  # each group's samples not generated yet
+    waiting: dict[int, list[int]] = {}  # group -> its samples generated, waiting for the rest
+    generated_at: dict[int, float] = {}  # when each sample's generation came back
+    for rows, out in generation.generate_shards(batch, greedy=greedy, params=params):
+        ready_at.append(time.perf_counter())
+        members = [running[row] for row in rows]
+        for k, (row, i) in enumerate(zip(rows, members)):
+            _append_generation(samples[i], out, k, int(batch["input_lengths"][row]), tokenizer, weight_version)
+            generated_at[i] = ready_at[-1]
+        members = _whole_groups(members, group_size, group_left, waiting)
+        if members:
             t0 = time.perf_counter()
-            waits.extend(t0 - generated_at[i] for i in members)
-            pending.append((members, launch_step(
-                envs,
-                [text_only(samples[i].message_log) for i in members],
-                [samples[i].extra_env_info or {} for i in members],
-                [samples[i].task_name for i in members],
-            )))
-            launch_seconds += time.perf_counter() - t0  # local environments step right here
-        shard_spread += ready_at[-1] - ready_at[0] if ready_at else 0.0
+            totals.waits.extend(t0 - generated_at[i] for i in members)
+            pending.append((members, _launch(envs, samples, members)))
+            totals.env_seconds += time.perf_counter() - t0  # local environments step right here
+    totals.shard_spread += ready_at[-1] - ready_at[0] if ready_at else 0.0
+    return pending
 
-        t0 = time.perf_counter()
-        stepped = {}  # sample -> (its shard's environment results, its row there)
-        for members, step in pending:
-            env_out = step.result(None if deadline is None else deadline - time.monotonic())
-            timed_out[[members[row] for row in step.timed_out]] = True
-            _add_counts(env_counts, env_out.metrics)
-            stepped.update({i: (env_out, row) for row, i in enumerate(members)})
-        # Environment time the rollout waited for (beyond what overlapped generation).
-        env_seconds += launch_seconds + time.perf_counter() - t0
 
-        still_active = []
-        for i in active:
-            env_out, row = stepped[i]
-            if timed_out[i]:
-                continue
-            rewards[i] += float(env_out.rewards[row])
-            if env_out.answers is not None:
-                answers[i] = env_out.answers[row]
-            samples[i].extra_env_info = env_out.metadata[row]
-            if bool(env_out.terminateds[row]):
-                terminated[i] = True
-                continue
-            total_len = sum(len(m["token_ids"]) for m in samples[i].message_log)
-            obs = env_out.observations[row]
-            _, obs_ids = observation_ids(tokenizer, obs, samples[i].message_log[-1]["token_ids"].tolist())
-            obs_ids = torch.tensor(obs_ids, dtype=torch.long)
-            if total_len + len(obs_ids) >= max_seq_len:
-                # The observation cannot fit with room left to answer: stop here (truncated).
-                truncated[i] = True
-                continue
-            append_message(samples[i].message_log, obs.get("role", "environment"), obs["content"], obs_ids)
-            env_tokens[i] += len(obs_ids)
-            stop_strings[i] = env_out.next_stop_strings[row]
-            still_active.append(i)
-        active = still_active
+def _append_generation(sample: Sample, out: Batch, k: int, start: int, tokenizer, weight_version: int) -> None:
+    """Append row `k` of a generation shard (its tokens from `start`) as the sample's next turn."""
+    length = int(out["generation_lengths"][k])
+    token_ids = out["output_ids"][k, start : start + length].clone()
+    append_message(
+        sample.message_log,
+        "assistant",
+        tokenizer.decode(token_ids.tolist(), skip_special_tokens=True),
+        token_ids,
+        generation_logprobs=out["logprobs"][k, start : start + length].clone(),
+        weight_version=weight_version,
+    )
+    sample.generated_tokens += length
+    sample.turns += 1
+    sample.hit_max_new_tokens = bool(out["truncated"][k])
 
-    max_turns_reached = torch.zeros(n, dtype=torch.bool)
-    max_turns_reached[active] = True
-    # Episodes stopped before their environment ended them are scored by its `finish`.
-    unfinished = [i for i in range(n) if not terminated[i] and not timed_out[i]]
-    if unfinished:
-        t0 = time.perf_counter()
-        step = launch_step(envs, [text_only(samples[i].message_log) for i in unfinished],
-                           [samples[i].extra_env_info or {} for i in unfinished],
-                           [samples[i].task_name for i in unfinished], method="finish")
-        env_out = step.result(None if deadline is None else deadline - time.monotonic())
-        timed_out[[unfinished[row] for row in step.timed_out]] = True
-        _add_counts(env_counts, env_out.metrics)
-        for row, i in enumerate(unfinished):
-            if not timed_out[i]:
-                rewards[i] += float(env_out.rewards[row])
-                answers[i] = env_out.answers[row] if env_out.answers[row] is not None else answers[i]
-        env_seconds += time.perf_counter() - t0
+
+def _launch(envs: dict[str, Any], samples: list[Sample], members: list[int], method: str = "step") -> PendingStep:
+    """Start the environment call `method` ("step" or "finish") on the samples `members`."""
+    return launch_step(envs, [text_only(samples[i].message_log) for i in members],
+                       [samples[i].extra_env_info or {} for i in members],
+                       [samples[i].task_name for i in members], method=method)
+
+
+def _collect(step: PendingStep, deadline: Optional[float], samples: list[Sample], members: list[int],
+             totals: _Totals) -> EnvironmentReturn:
+    """The launched call's result, waited for until the deadline: samples whose environment missed
+    it are marked timed out (and end TIMED_OUT if still running)."""
+    env_out = step.result(None if deadline is None else deadline - time.monotonic())
+    for row in step.timed_out:
+        sample = samples[members[row]]
+        sample.timed_out = True
+        if sample.status is SampleStatus.RUNNING:
+            sample.status = SampleStatus.TIMED_OUT
+    _add_counts(totals.env_counts, env_out.metrics)
+    return env_out
+
+
+def _wait(pending: list[tuple[list[int], PendingStep]], samples: list[Sample], deadline: Optional[float],
+          totals: _Totals) -> dict[int, tuple[EnvironmentReturn, int]]:
+    """Wait for the turn's environment steps: sample -> (its launch's results, its row there)."""
+    t0 = time.perf_counter()
+    stepped = {}
+    for members, step in pending:
+        env_out = _collect(step, deadline, samples, members, totals)
+        stepped.update({i: (env_out, row) for row, i in enumerate(members)})
+    totals.env_seconds += time.perf_counter() - t0
+    return stepped
+
+
+def _take_step(sample: Sample, env_out: EnvironmentReturn, row: int, tokenizer, max_seq_len: int) -> None:
+    """Record the sample's environment step (row `row` of `env_out`): its reward, answer and
+    metadata, then how it goes on: ended by the environment (COMPLETED), stopped because the
+    observation does not fit (TRUNCATED), or with the observation appended for its next turn."""
+    if sample.status is not SampleStatus.RUNNING:  # timed out: its step has no results
+        return
+    _add_reward(sample, float(env_out.rewards[row]))
+    if env_out.answers is not None:
+        sample.answer = env_out.answers[row]
+    sample.extra_env_info = env_out.metadata[row]
+    if bool(env_out.terminateds[row]):
+        sample.status = SampleStatus.COMPLETED
+        return
+    total_len = sum(len(m["token_ids"]) for m in sample.message_log)
+    obs = env_out.observations[row]
+    _, obs_ids = observation_ids(tokenizer, obs, sample.message_log[-1]["token_ids"].tolist())
+    obs_ids = torch.tensor(obs_ids, dtype=torch.long)
+    if total_len + len(obs_ids) >= max_seq_len:
+        # The observation cannot fit with room left to answer: stop here.
+        sample.status = SampleStatus.TRUNCATED
+        return
+    append_message(sample.message_log, obs.get("role", "environment"), obs["content"], obs_ids)
+    sample.observation_tokens += len(obs_ids)
+    sample.stop_strings = env_out.next_stop_strings[row]
+
+
+def _finish(envs: dict[str, Any], samples: list[Sample], deadline: Optional[float], totals: _Totals) -> None:
+    """Score the episodes the rollout stopped before their environment ended them (TRUNCATED,
+    TURN_LIMIT) with the environment's `finish`, so every episode is scored."""
+    unfinished = [i for i, s in enumerate(samples) if s.status in (SampleStatus.TRUNCATED, SampleStatus.TURN_LIMIT)]
+    if not unfinished:
+        return
+    t0 = time.perf_counter()
+    env_out = _collect(_launch(envs, samples, unfinished, method="finish"), deadline, samples, unfinished, totals)
+    for row, i in enumerate(unfinished):
+        if not samples[i].timed_out:
+            _add_reward(samples[i], float(env_out.rewards[row]))
+            if env_out.answers[row] is not None:
+                samples[i].answer = env_out.answers[row]
+    totals.env_seconds += time.perf_counter() - t0
+
+
+def _add_reward(sample: Sample, reward: float) -> None:
+    # Summed in float32, as a reward tensor would be, so that `reward` is its entry of `rewards`.
+    sample.reward = (torch.tensor(sample.reward, dtype=torch.float32) + reward).item()
+
+
+def _result(samples: list[Sample], totals: _Totals) -> RolloutResult:
+    """The rollout's tensors, metrics and timings, read from the samples' state."""
+    def flags(of) -> torch.Tensor:
+        return torch.tensor([bool(of(s)) for s in samples], dtype=torch.bool)
+
+    def mean(of) -> float:
+        return torch.tensor([float(of(s)) for s in samples], dtype=torch.float32).mean().item()
+
     metrics = {
-        "mean_gen_tokens_per_sample": gen_tokens.float().mean().item(),
-        "mean_env_tokens_per_sample": env_tokens.float().mean().item(),
-        "avg_turns_per_sample": turns.float().mean().item(),
-        "natural_termination_rate": terminated.float().mean().item(),
-        "truncation_rate": truncated.float().mean().item(),
-        "max_turns_reached_rate": max_turns_reached.float().mean().item(),
-        "max_new_tokens_hit_rate": hit_max_new_tokens.float().mean().item(),
-        **{f"env/{key}": value for key, value in per_episode_components(env_counts, samples).items()},
+        "mean_gen_tokens_per_sample": mean(lambda s: s.generated_tokens),
+        "mean_env_tokens_per_sample": mean(lambda s: s.observation_tokens),
+        "avg_turns_per_sample": mean(lambda s: s.turns),
+        "natural_termination_rate": mean(lambda s: s.status is SampleStatus.COMPLETED),
+        "truncation_rate": mean(lambda s: s.status is SampleStatus.TRUNCATED),
+        "max_turns_reached_rate": mean(lambda s: s.status is SampleStatus.TURN_LIMIT),
+        "max_new_tokens_hit_rate": mean(lambda s: s.hit_max_new_tokens),
+        **{f"env/{key}": value for key, value in per_episode_components(totals.env_counts, samples).items()},
     }
-    timings = {"env_step_wait": sum(waits) / len(waits) if waits else 0.0, "generation_shard_spread": shard_spread}
-    for sample, reward in zip(samples, rewards.tolist()):
-        sample.reward = reward
-    return RolloutResult(samples, rewards, truncated, truncated | hit_max_new_tokens, answers, metrics, env_seconds,
-                         timings, timed_out)
+    waits = totals.waits
+    timings = {"env_step_wait": sum(waits) / len(waits) if waits else 0.0,
+               "generation_shard_spread": totals.shard_spread}
+    return RolloutResult(
+        samples, torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        flags(lambda s: s.status is SampleStatus.TRUNCATED), flags(lambda s: s.overlong), [s.answer for s in samples],
+        metrics, totals.env_seconds, timings, flags(lambda s: s.timed_out),
+    )
 
 
 def _whole_groups(members: list[int], group_size: int, group_left: Counter, waiting: dict[int, list[int]]) -> list[int]:
