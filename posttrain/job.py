@@ -53,49 +53,6 @@ def warn_if_threads_spin() -> None:
         )
 
 
-def ray_cpu_request(cfg: MasterConfig) -> list[tuple[str, float]]:
-    """The CPUs each Ray worker group of `cfg` reserves, as `(key that sizes it, CPUs)`: the policy's
-    bundles (which also host colocated generation), generation's own, a distillation teacher's."""
-    per_worker = cfg.cluster.cpus_per_worker or 1.0
-    if hasattr(cfg, "eval"):  # posttrain eval: one generation worker
-        return [("posttrain eval", per_worker)]
-    groups = [(f"policy.num_workers={cfg.policy.num_workers}", cfg.policy.num_workers * per_worker)]
-    gen = cfg.policy.generation
-    if (hasattr(cfg, "grpo") or hasattr(cfg, "distillation")) and not gen.colocated.enabled:
-        workers = gen.colocated.num_workers or 1
-        groups.append((f"policy.generation.colocated.num_workers={workers}", workers * per_worker))
-    teacher = getattr(cfg, "teacher", None)
-    if teacher is not None:
-        groups.append((f"teacher.num_workers={teacher.num_workers}", teacher.num_workers * per_worker))
-    return groups
-
-
-def local_ray_cpus() -> int:
-    """Logical CPUs of a local Ray cluster started by `start_backend`: the cores this process may
-    use. Passed to Ray explicitly, so the preflight (`local_resources_problem`) and Ray agree."""
-    from posttrain.distributed.actors import available_cpus
-
-    return available_cpus()
-
-
-def local_resources_problem(cfg: MasterConfig) -> Optional[str]:
-    """Why a local Ray cluster (no `cluster.ray_address`) cannot hold `cfg`'s worker groups, or None.
-    Known from the config and this machine alone: refused before Ray starts."""
-    from posttrain.config.schema import resolve_backend
-
-    c = cfg.cluster
-    if c.ray_address is not None or c.autoscaling or c.gpus_per_node > 0 or resolve_backend(cfg) != "ray":
-        return None
-    groups = ray_cpu_request(cfg)
-    asked, cores = sum(cpus for _, cpus in groups), local_ray_cpus()
-    if asked <= cores:
-        return None
-    parts = " + ".join(f"{key} ({cpus:g})" for key, cpus in groups)
-    return (f"{parts} with cluster.cpus_per_worker={c.cpus_per_worker or 1:g} ask a local Ray cluster for {asked:g} "
-            f"CPUs, but this machine has {cores} for it: lower the worker counts or cluster.cpus_per_worker, or join "
-            "a bigger cluster with cluster.ray_address")
-
-
 def start_backend(cfg: MasterConfig) -> None:
     """Start Ray (`cluster.backend` resolving to ray), or give this process's math the cores the
     local backend's workers may use."""
@@ -106,6 +63,8 @@ def start_backend(cfg: MasterConfig) -> None:
         torch.set_num_threads(worker_threads(cfg))
         return
     from posttrain.distributed.ray_utils import init_ray
+
+    from posttrain.distributed.local_resources import local_ray_cpus
 
     init_ray(address=cfg.cluster.ray_address, num_cpus=None if cfg.cluster.ray_address else local_ray_cpus())
 

@@ -60,14 +60,14 @@ def preflight(cfg: Any) -> None:
     for warm_start in ("sft_warmup", "teacher_warmup"):  # GRPO's and distillation's SFT warm starts
         if getattr(cfg, warm_start, None) is not None:
             preflight(getattr(cfg, warm_start))
-    from posttrain.job import local_resources_problem
-
-    problem = local_resources_problem(cfg)  # from the config and this machine: before the slower checks
-    if problem:
-        raise UserError(problem)
     policy = cfg.policy
     check_model_name(policy.model_name, "policy.model_name", policy.tiny_arch)
     check_tensor_parallel(policy, "policy.model_name")
+    from posttrain.distributed.local_resources import local_resources_problem
+
+    problem = local_resources_problem(cfg)  # from the config and this machine: before the data's slower checks
+    if problem:
+        raise UserError(problem)
     if policy.tokenizer_name is not None:
         check_model_name(policy.tokenizer_name, "policy.tokenizer_name", policy.tiny_arch)
     if isinstance(cfg, DistillMasterConfig):

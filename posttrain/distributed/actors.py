@@ -285,7 +285,9 @@ def get(refs: Any, timeout: Optional[float] = None) -> Any:
             if refs.future.done():
                 raise  # the call itself raised a TimeoutError
             raise GetTimeoutError(f"{refs}: no result after {timeout}s") from error
-    if isinstance(refs, (list, tuple)) and refs and _all_local(refs):
+    if isinstance(refs, (list, tuple)) and not refs:
+        return []  # nothing to wait for: `ray.get([])` would start a Ray instance under the local backend
+    if isinstance(refs, (list, tuple)) and _all_local(refs):
         deadline = None if timeout is None else time.monotonic() + timeout
         return [get(ref, None if deadline is None else max(0.0, deadline - time.monotonic())) for ref in refs]
     return _ray().get(refs, timeout=timeout)

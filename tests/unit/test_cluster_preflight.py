@@ -41,7 +41,7 @@ def test_zero_requests_are_ignored():
 def test_a_local_ray_cluster_too_small_for_the_workers_is_refused_from_the_config(monkeypatch):
     """The local cluster's size is known before Ray starts: 64 workers on 2 cores are refused by
     preflight (issue 26: it took Ray's start and the warm start, 21-45 s, to say so)."""
-    import posttrain.job as job
+    import posttrain.distributed.local_resources as job
     from posttrain.config import load_config
     from posttrain.errors import UserError
     from posttrain.preflight import preflight
