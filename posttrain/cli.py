@@ -162,6 +162,7 @@ def _run_job(args: argparse.Namespace) -> int:
     from posttrain.utils import startup
 
     try:
+        startup.begin("reading the config")
         cfg = load_config(args.command, args.config, args.overrides)
         if args.print_config:
             sys.stdout.write(config_to_yaml(cfg, comments=True))
@@ -169,8 +170,11 @@ def _run_job(args: argparse.Namespace) -> int:
         startup.mark("config")
         run_job(args.command, cfg)
     except UserError as e:  # config, data or model problem: the message names it; a traceback adds nothing
+        startup.end()  # first: no phase's line may follow the message
         print(f"posttrain {args.command}: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    finally:
+        startup.end()
     return 0
 
 
@@ -192,13 +196,14 @@ def run_job(command: str, cfg: Any) -> Any:
         if done:
             print(done, flush=True)
             return None
-        preflight(cfg)
-        startup.mark("preflight")
+        with startup.phase("preflight", "checking the model, data and environments (preflight)"):
+            preflight(cfg)
         module_name, attr = job_target(command, cfg)
-        run = load_target(module_name, attr, command)
-        startup.mark("imports")
+        with startup.phase("imports", f"importing the {command} job (torch, transformers)"):
+            run = load_target(module_name, attr, command)
         return run(cfg)
     finally:  # the job released its locks if it got that far; a failed preflight releases them here
+        startup.end()  # a failed job leaves no phase to announce
         forget_checks_ahead()
         release_run_dirs(cfg)
 

@@ -74,17 +74,21 @@ def start_run(cfg: MasterConfig, *, seed: int, max_num_steps: Optional[int] = No
 
     Returns the (possibly completed) config and the tokenizer.
     """
+    from posttrain.config.schema import resolve_backend
     from posttrain.models.hf import load_tokenizer
     from posttrain.run_config import with_checkpoint_model, with_schedule_horizon
 
     set_seed(seed)
     if max_num_steps is not None:
         cfg = with_schedule_horizon(cfg, max_num_steps)
-    cfg = with_checkpoint_model(cfg)
-    prepare_run_dirs(cfg)
-    start_backend(cfg)
-    startup.mark("backend")
-    return cfg, load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+    ray = resolve_backend(cfg) == "ray"
+    with startup.phase("backend", "starting Ray" if ray else "preparing the run directories"):
+        cfg = with_checkpoint_model(cfg)
+        prepare_run_dirs(cfg)
+        start_backend(cfg)
+    tokenizer_name = cfg.policy.tokenizer_name or cfg.policy.model_name
+    with startup.doing(f"loading the tokenizer {tokenizer_name}"):  # part of the data phase (build_splits)
+        return cfg, load_tokenizer(tokenizer_name)
 
 
 def prepare_run_dirs(cfg: MasterConfig) -> None:
@@ -159,8 +163,9 @@ def make_policy(cfg: MasterConfig, cluster, policy_cfg: Optional[PolicyConfig] =
     return Policy(cluster, policy_cfg or cfg.policy, worker_timeout_s=cfg.cluster.worker_timeout_s, **options)
 
 
-def start_concurrently(*makers: Callable[[], Any]) -> list[Any]:
+def start_concurrently(*makers: Callable[[], Any], description: str = "starting the workers") -> list[Any]:
     """Call each maker (a worker-group constructor) in its own thread; return their results in order.
+    `description` is the start-up phase's (`workers_description`).
 
     Starting a worker group is mostly its actors importing torch and transformers (~5 s each
     here), so the policy and generation groups start in the time of one. If any maker fails, the
@@ -168,16 +173,41 @@ def start_concurrently(*makers: Callable[[], Any]) -> list[Any]:
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=len(makers), thread_name_prefix="posttrain-start") as pool:
-        futures = [pool.submit(make) for make in makers]
-        errors = [f.exception() for f in futures]  # waits for every maker, failed or not
-    if any(errors):
-        for future, error in zip(futures, errors):
-            if error is None:
-                future.result().shutdown()
-        raise next(e for e in errors if e is not None)
-    startup.mark("workers")
+    with startup.phase("workers", description):
+        with ThreadPoolExecutor(max_workers=len(makers), thread_name_prefix="posttrain-start") as pool:
+            futures = [pool.submit(make) for make in makers]
+            errors = [f.exception() for f in futures]  # waits for every maker, failed or not
+        if any(errors):
+            for future, error in zip(futures, errors):
+                if error is None:
+                    future.result().shutdown()
+            raise next(e for e in errors if e is not None)
     return [f.result() for f in futures]
+
+
+def workers_description(cfg: MasterConfig, *, reference: bool = False, generation: bool = False,
+                        teacher: Optional[PolicyConfig] = None, policy: bool = True) -> str:
+    """How the start-up line names the worker groups a job starts: "starting 2 policy workers
+    (gpt2, with a reference model) and vllm generation workers", or with the local backend, where
+    the models load in this process, "loading the policy model gpt2 and the native generation engine"."""
+    from posttrain.config.schema import resolve_backend
+
+    local = resolve_backend(cfg) == "local"
+
+    def group(role: str, n: int, model: str, with_reference: bool = False) -> str:
+        if local:
+            return f"the {role} model {model}" + (" and its reference copy" if with_reference else "")
+        reference_model = ", with a reference model" if with_reference else ""
+        return f"{n} {role} worker{'s' if n != 1 else ''} ({model}{reference_model})"
+
+    parts = [group("policy", cfg.policy.num_workers, cfg.policy.model_name, reference)] if policy else []
+    if teacher is not None:
+        parts.append(group("teacher", teacher.num_workers, teacher.model_name))
+    if generation:
+        backend, model = cfg.policy.generation.backend, "" if policy else f" ({cfg.policy.model_name})"
+        parts.append(f"the {backend} generation engine{model}" if local else f"{backend} generation workers{model}")
+    listed = ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+    return ("loading " if local else "starting ") + listed
 
 
 def build_datums(
@@ -198,19 +228,19 @@ def build_datums(
         def load(data_cfg, split):  # data.dataset=env: the environments make the rows
             return load_records(data_cfg, split, env_rows_maker(getattr(cfg, "env", None)))
 
-    records = limit_per_source(load(cfg.data, split), limit)
-    if hasattr(cfg, "env"):
-        add_env_fields(cfg, records)
-
     def build(record: dict, index: int) -> Any:
         return builder(record, tokenizer, cfg.policy.max_total_sequence_length,
                        use_chat_template=cfg.data.use_chat_template, system_prompt=cfg.data.system_prompt, idx=index)
 
-    if lazy:
-        from posttrain.data.dataloader import LazyDatums
+    with startup.doing(f"reading the {split} data" if lazy else f"reading and tokenizing the {split} data"):
+        records = limit_per_source(load(cfg.data, split), limit)
+        if hasattr(cfg, "env"):
+            add_env_fields(cfg, records)
+        if lazy:
+            from posttrain.data.dataloader import LazyDatums
 
-        return LazyDatums(records, build)
-    return [build(r, i) for i, r in enumerate(records)]
+            return LazyDatums(records, build)
+        return [build(r, i) for i, r in enumerate(records)]
 
 
 def add_env_fields(cfg: MasterConfig, records: list[dict]) -> None:
@@ -292,9 +322,10 @@ def make_envs(cfg, tasks) -> dict[str, Any]:
         else:
             task, env = item.task_name, item.env_name
         env_of_task[task] = env
+    names = sorted(set(env_of_task.values()))
     actors = {}
-    for env_name in sorted(set(env_of_task.values())):
-        cls, env_cfg = resolve_env(env_name, cfg.env.section(env_name))
-        actors[env_name] = create_env(env_name, env_cfg, cls=cls, backend=resolve_backend(cfg))
-    startup.mark("environments")
+    with startup.phase("environments", f"starting the environments ({', '.join(names)})"):
+        for env_name in names:
+            cls, env_cfg = resolve_env(env_name, cfg.env.section(env_name))
+            actors[env_name] = create_env(env_name, env_cfg, cls=cls, backend=resolve_backend(cfg))
     return {task: actors[env_name] for task, env_name in sorted(env_of_task.items())}

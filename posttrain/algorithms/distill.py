@@ -44,10 +44,12 @@ from posttrain.job import (
     make_policy,
     start_concurrently,
     start_run,
+    workers_description,
 )
 from posttrain.models.refit import build_refit_metadata
 from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
 from posttrain.run_config import with_warm_starts
+from posttrain.utils import startup
 from posttrain.utils.metric_names import find_accuracy
 from posttrain.utils.timer import Timer
 
@@ -147,11 +149,13 @@ def setup(cfg: DistillMasterConfig) -> DistillContext:
         lambda: make_policy(cfg, policy_cluster),
         lambda: make_generation(cfg, gen_cluster),
         lambda: make_policy(cfg, teacher_cluster, cfg.teacher, init_optimizer=False, name="teacher"),
+        description=workers_description(cfg, generation=True, teacher=cfg.teacher),
     )
-    refit_metadata = build_refit_metadata(
-        policy.refit_info(), policy.refit_bucket_bytes(), dtypes=generation.weight_dtypes()
-    )
-    generation.prepare_refit_info(refit_metadata)
+    with startup.doing("preparing the weight transfer to generation"):
+        refit_metadata = build_refit_metadata(
+            policy.refit_info(), policy.refit_bucket_bytes(), dtypes=generation.weight_dtypes()
+        )
+        generation.prepare_refit_info(refit_metadata)
     envs = make_envs(cfg, routes(train_samples) + routes(val_samples))
 
     ctx = DistillContext(

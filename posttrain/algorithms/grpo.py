@@ -36,6 +36,7 @@ from posttrain.job import (
     make_policy,
     start_concurrently,
     start_run,
+    workers_description,
 )
 from posttrain.models.refit import build_refit_metadata
 from posttrain.run_config import warm_start_export_dir, warm_start_job, with_warm_starts
@@ -93,14 +94,17 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
     else:
         n_gen = cfg.policy.generation.colocated.num_workers or 1
         gen_cluster = make_cluster(cfg, n_gen, name="generation")
+    reference = cfg.loss_fn.reference_policy_kl_penalty > 0
     policy, generation = start_concurrently(
-        lambda: make_policy(cfg, policy_cluster, init_reference_model=cfg.loss_fn.reference_policy_kl_penalty > 0),
+        lambda: make_policy(cfg, policy_cluster, init_reference_model=reference),
         lambda: make_generation(cfg, gen_cluster),
+        description=workers_description(cfg, reference=reference, generation=True),
     )
-    refit_metadata = build_refit_metadata(
-        policy.refit_info(), policy.refit_bucket_bytes(), dtypes=generation.weight_dtypes()
-    )
-    generation.prepare_refit_info(refit_metadata)
+    with startup.doing("preparing the weight transfer to generation"):
+        refit_metadata = build_refit_metadata(
+            policy.refit_info(), policy.refit_bucket_bytes(), dtypes=generation.weight_dtypes()
+        )
+        generation.prepare_refit_info(refit_metadata)
 
     envs = make_envs(cfg, routes(train_samples) + routes(val_samples))
 

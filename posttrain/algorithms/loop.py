@@ -63,8 +63,9 @@ class TrainingLoop:
                  headline: Optional[str] = None):
         self.cfg, self.schedule, self.name, self.section = cfg, schedule, name, section
         self.policy, self.loader, self.headline = policy, loader, headline
-        self.logger = Logger(cfg.logger)
-        self.logger.log_hyperparams(cfg.model_dump(mode="json"))
+        with startup.doing("opening the run's logs"):  # TensorBoard and trackers (wandb, mlflow) take seconds
+            self.logger = Logger(cfg.logger)
+            self.logger.log_hyperparams(cfg.model_dump(mode="json"))
         self.checkpointer = CheckpointManager(cfg.checkpointing)
         self.step = 0  # completed training steps
         self.history: list[tuple[int, dict[str, float]]] = []  # (step, validation metrics) of each validation
@@ -93,8 +94,9 @@ class TrainingLoop:
         if latest is None:
             self.logger.truncate_after(-1)  # a fresh start: forget metrics of a run that never checkpointed
             return False
-        info = self.checkpointer.load_training_info(latest)
-        self.policy.load_checkpoint(latest / "policy")
+        with startup.doing(f"loading the checkpoint {latest}"):
+            info = self.checkpointer.load_training_info(latest)
+            self.policy.load_checkpoint(latest / "policy")
         loader_state = latest / LOADER_STATE_FILE
         if loader_state.exists():
             self.loader.load_state_dict(json.loads(loader_state.read_text()))
@@ -131,13 +133,15 @@ class TrainingLoop:
         s = self.schedule
         if self.step == 0 and s.val_at_start:
             startup.mark("other")  # so the start-up line shows validation as its own phase
-            metrics = self.validate(validate_fn)
-            startup.mark("validation")
+            with startup.phase("validation", "validating before the first step"):
+                metrics = self.validate(validate_fn)
             if metrics:
                 self.logger.log_metrics(metrics, 0)
         bar = ProgressBar(total=self.last_step, initial=self.step, enabled=self.cfg.logger.progress_bar,
                           desc=self.name)
         metrics: dict[str, float] = {}
+        if self.step < self.last_step:
+            startup.begin(f"running {self.name} step {self.step + 1}")  # off a terminal there is no bar until it ends
         try:
             while self.step < self.last_step:
                 step, timer = self.step + 1, Timer()
@@ -160,6 +164,8 @@ class TrainingLoop:
             if not interrupt.args:  # the innermost loop (a warm start's) says where its rerun resumes
                 interrupt.args = (self.resume_point(),)
             raise
+        finally:
+            startup.end()  # the first step's, if it failed
         bar.close()
         return metrics
 

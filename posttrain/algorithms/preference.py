@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from posttrain.job import build_splits, make_cluster, make_policy, start_run
+from posttrain.job import build_splits, make_cluster, make_policy, start_run, workers_description
+from posttrain.utils import startup
 
 
 @dataclass
@@ -43,8 +44,9 @@ def start_pair_run(cfg, section, *, model_type: str = "lm", init_reference_model
     loader = ResumableLoader(
         train, cfg.policy.train_global_batch_size // 2, shuffle=cfg.data.shuffle, seed=section.seed
     )
-    cluster = make_cluster(cfg, cfg.policy.num_workers)
-    policy = make_policy(cfg, cluster, init_reference_model=init_reference_model, model_type=model_type)
+    with startup.phase("workers", workers_description(cfg, reference=init_reference_model)):
+        cluster = make_cluster(cfg, cfg.policy.num_workers)
+        policy = make_policy(cfg, cluster, init_reference_model=init_reference_model, model_type=model_type)
     return PairRun(cfg, pad, loader, cluster, policy, pair_batches(val, section.val_batch_size, pad))
 
 

@@ -18,7 +18,8 @@ from posttrain.config.schema import SFTMasterConfig
 from posttrain.data.dataloader import make_loader
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.distributed.batch import Batch
-from posttrain.job import build_splits, make_cluster, make_policy, start_run
+from posttrain.job import build_splits, make_cluster, make_policy, start_run, workers_description
+from posttrain.utils import startup
 from posttrain.utils.metric_names import ACCURACY_GREEDY
 from posttrain.utils.timer import Timer
 
@@ -73,8 +74,9 @@ def run(cfg: SFTMasterConfig, export_dir: Optional[Path] = None) -> dict[str, fl
     cfg, tokenizer = start_run(cfg, seed=s.seed, max_num_steps=s.max_num_steps)
     train, val = build_splits(cfg, build_sft_example, tokenizer, s.max_val_samples)
     loader = make_loader(train, cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle, seed=s.seed)
-    cluster = make_cluster(cfg, cfg.policy.num_workers)
-    policy = make_policy(cfg, cluster)
+    with startup.phase("workers", workers_description(cfg)):
+        cluster = make_cluster(cfg, cfg.policy.num_workers)
+        policy = make_policy(cfg, cluster)
     loss_fn = NLLLoss()
     pad = tokenizer.pad_token_id
 
@@ -90,7 +92,8 @@ def run(cfg: SFTMasterConfig, export_dir: Optional[Path] = None) -> dict[str, fl
         metrics = train_offline(cfg, s, name="SFT", section="sft", policy=policy, loader=loader,
                                 train_step=train_step, validate=validate)
         if export_dir is not None:
-            policy.export_hf(export_dir)
+            with startup.doing(f"exporting the model to {export_dir}"):
+                policy.export_hf(export_dir)
             print(f"[posttrain] SFT model exported to {export_dir}", flush=True)
     finally:
         from posttrain.utils.run_dirs import release_run_dirs

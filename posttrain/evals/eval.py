@@ -180,7 +180,9 @@ def run(cfg) -> dict[str, float]:
         make_envs,
         make_generation,
         start_run,
+        workers_description,
     )
+    from posttrain.utils import startup
 
     e = cfg.eval
     model_name = cfg.policy.model_name
@@ -195,8 +197,9 @@ def run(cfg) -> dict[str, float]:
     sampling = "greedy" if greedy else f"sampled at temperature {temperature or cfg.policy.generation.temperature}"
     print(f"[posttrain] eval: {model_name}, {e.split} split, {len(samples)} prompts x {k} samples ({sampling})", flush=True)
     envs = make_envs(cfg, samples)
-    cluster = make_cluster(cfg, 1, name="eval")
-    generation = make_generation(cfg, cluster, seed=e.seed)
+    with startup.phase("workers", workers_description(cfg, policy=False, generation=True)):
+        cluster = make_cluster(cfg, 1, name="eval")
+        generation = make_generation(cfg, cluster, seed=e.seed)
     try:
         metrics = evaluate(
             generation, samples, tokenizer, envs, k=k, greedy=greedy, temperature=temperature,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,13 +22,14 @@ from posttrain.distributed.isolated_env import (
 pytestmark = pytest.mark.functional
 
 
-def _local_wheel(tmp_path: Path) -> Path:
-    """A minimal wheel built by hand: pip installs it offline, with nothing to build."""
+def _local_wheel(tmp_path: Path, init: str = "VALUE = 42\n") -> Path:
+    """A minimal wheel built by hand (`init`: its module's code): pip installs it offline, with
+    nothing to build."""
     import zipfile
 
     wheel = tmp_path / "hello_isolated-1.0-py3-none-any.whl"
     files = {
-        "hello_isolated/__init__.py": "VALUE = 42\n",
+        "hello_isolated/__init__.py": init,
         "hello_isolated-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: hello-isolated\nVersion: 1.0\n",
         "hello_isolated-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
@@ -83,3 +85,53 @@ def test_a_failed_creation_names_the_package_and_the_log(tmp_path):
     assert str(log_path(spec, root)) in message and log_path(spec, root).is_file()
     assert not env_dir(spec, root).exists()
     assert not [p for p in root.iterdir() if ".tmp-" in p.name]
+
+
+def test_the_build_shows_its_steps_and_pips_lines(tmp_path):
+    """On a terminal (`show_pip`): each step, then pip's lines naming the package; the log keeps all."""
+    spec = _offline_spec(str(_local_wheel(tmp_path)))
+    root = tmp_path / "envs"
+    lines: list[str] = []
+    ensure_isolated_env(spec, root, log=lines.append, show_pip=True, progress_every_s=3600)
+    steps = [line for line in lines if line.startswith("[posttrain]   ") and not line.startswith("[posttrain]     ")]
+    assert steps == ["[posttrain]   creating the virtual environment...",
+                     "[posttrain]   installing 1 pinned requirement..."]
+    pip_lines = [line.removeprefix("[posttrain]     ") for line in lines if line.startswith("[posttrain]     ")]
+    assert pip_lines[0].startswith("Processing ") and pip_lines[0].endswith("hello_isolated-1.0-py3-none-any.whl")
+    assert pip_lines[1:] == ["Installing collected packages: hello-isolated", "Successfully installed hello-isolated-1.0"]
+    assert lines[-1].startswith("[posttrain] isolated environment 'unit-test' ready in ")
+    log = log_path(spec, root).read_text()
+    assert "$ " in log and "Installing collected packages: hello-isolated" in log and "Successfully installed" in log
+
+
+def test_off_a_terminal_a_long_step_says_how_long_and_pips_last_line(tmp_path, monkeypatch):
+    """Without pip's lines (CI logs): a line every `progress_every_s` with the time so far and the
+    package pip named last. The import check lasts until such a line has been written (a file
+    the log makes), so the step is slow however fast the machine is."""
+    marker = tmp_path / "said"
+    wait = (
+        "import os, time\n"
+        "deadline = time.monotonic() + 300\n"
+        "while not os.path.exists(os.environ['HELLO_ISOLATED_WAIT_FOR']) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+    )
+    monkeypatch.setenv("HELLO_ISOLATED_WAIT_FOR", str(marker))
+    spec = IsolatedEnvSpec("unit-test", (str(_local_wheel(tmp_path, wait)),), pip_args=("--no-index",),
+                           check_imports=("hello_isolated",), upgrade_pip=False)
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if line.startswith("[posttrain]   still checking that hello_isolated imports ("):
+            marker.touch()
+
+    ensure_isolated_env(spec, tmp_path / "envs", log=log, show_pip=False, progress_every_s=0.5)
+    assert marker.exists() and lines[-1].startswith("[posttrain] isolated environment 'unit-test' ready in ")
+    assert not [line for line in lines if line.startswith("[posttrain]     ")]  # no pip line of its own
+    still = [line for line in lines if line.startswith("[posttrain]   still ")]
+    assert all(re.fullmatch(r"\[posttrain\]   still [a-z0-9 _]+ \(\d+ s(; .+)?\)", line) for line in still), still
+    assert any(line.startswith("[posttrain]   still checking that hello_isolated imports (") for line in still)
+    # Once pip has named a package, the install step's lines say which (before, the time alone).
+    named = [line for line in still if "installing 1 pinned requirement (" in line and "; " in line]
+    assert all(re.search(r"; (Processing .*hello_isolated-1.0-py3-none-any.whl|Installing collected packages: "
+                         r"hello-isolated|Successfully installed hello-isolated-1.0)\)$", line) for line in named), named

@@ -29,7 +29,8 @@ def posttrain(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Comp
 
 def one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> str:
     assert result.returncode == 2, result.stderr[-2000:]
-    lines = result.stderr.strip().splitlines()
+    # Lines of start-up phases that lasted (`[posttrain] checking ... (preflight)...`) may come first.
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("[posttrain] ")]
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
