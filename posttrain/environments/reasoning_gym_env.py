@@ -21,7 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from posttrain.environments.interface import Environment, EnvironmentReturn, MessageLog, last_assistant_text
-from posttrain.environments.math_env import extract_boxed
+from posttrain.environments.math_env import extract_boxed, extract_last_number
 from posttrain.environments.registry import register_env
 
 log = logging.getLogger(__name__)
@@ -34,12 +34,20 @@ class ReasoningGymEnvConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     strict: bool = Field(True, description="Reward 1 only for a score >= 1 (else 0); false: the scorer's partial credit.")
-    answer_format: Literal["auto", "answer_tag", "boxed", "raw"] = Field(
-        "auto", description="auto: <answer>, else \\boxed{}, else the whole response; or only one of them.")
+    answer_format: Literal["auto", "answer_tag", "boxed", "raw", "last_number"] = Field(
+        "auto",
+        description=(
+            "auto: <answer>, else \\boxed{}, else the whole response; or only one of them; last_number: the "
+            "last number of the response (for tasks whose answer is a number, asked of a model that answers in "
+            "a sentence: 'The letter r appears 3 times.')"
+        ),
+    )
 
 
 def extract_rg_answer(text: str, answer_format: str = "auto") -> Optional[str]:
     """The answer in a response (see the module docstring); None when there is none."""
+    if answer_format == "last_number":
+        return extract_last_number(text)
     if answer_format in ("auto", "answer_tag"):
         tags = _ANSWER_TAG.findall(text)
         if tags and tags[-1].strip():

@@ -132,6 +132,9 @@ def test_reasoning_gym_extraction_strict_and_scorer_errors():
     assert extract_rg_answer("think <answer> 7 </answer>") == "7"
     assert extract_rg_answer("so \\boxed{12}") == "12" and extract_rg_answer("  42 ") == "42"
     assert extract_rg_answer("42", "answer_tag") is None and extract_rg_answer("", "auto") is None
+    # last_number: a number task answered in a sentence (the nemotron_mini recipe's letter counting)
+    assert extract_rg_answer('The letter "l" appears 3 times in the text.', "last_number") == "3"
+    assert extract_rg_answer("none", "last_number") is None
     spec = {"task": "chain_sum", "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
             "seed": 4, "size": 3, "index": 1}
     env = ReasoningGymEnvironment({})
