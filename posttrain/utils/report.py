@@ -2,7 +2,8 @@
 
 Panels (each drawn only when its metric was logged): training reward (`train/reward`),
 validation accuracy (`validation/accuracy_greedy`, `validation/accuracy_sampled`, or DPO's and RM's
-preference accuracy `validation/accuracy`), training loss (`train/loss`), validation loss
+preference accuracy `validation/accuracy`; with several tasks, one thin line per task
+`<metric>/<task>` beside the thick overall one), training loss (`train/loss`), validation loss
 (`validation/loss`: SFT, DPO, RM), and a stacked bar chart of where each step's time went
 (`timing/train/{generation,refit,logprobs,policy_training,reward}`, the rest of
 `timing/train/total_step_time` as "other", and the total as a reference line). Steps are whole
@@ -40,6 +41,13 @@ def _series(records: dict[int, dict[str, Any]], name: str) -> tuple[list[int], l
             steps.append(step)
             values.append(float(value))
     return steps, values
+
+
+def per_task_series(records: dict[int, dict[str, Any]], name: str) -> dict[str, tuple[list[int], list[float]]]:
+    """`task -> (steps, values)` of the per-task metrics `<name>/<task>` (a blend's tasks), by task name."""
+    prefix = name + "/"
+    tasks = sorted({key[len(prefix):] for record in records.values() for key in record if key.startswith(prefix)})
+    return {task: _series(records, prefix + task) for task in tasks}
 
 
 def write_report(metrics_jsonl_path: str | os.PathLike, out_png: str | os.PathLike, title: str | None = None) -> Path:
@@ -87,7 +95,15 @@ def build_report_figure(metrics_jsonl_path: str | os.PathLike, title: str | None
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 0.5 on short runs
 
     for ax, (name, panel_title, ylabel, steps, values) in zip(flat_axes, curves):
-        ax.plot(steps, values, marker="o" if len(steps) <= 30 else None, markersize=3, linewidth=1.5)
+        per_task = per_task_series(records, name)
+        ax.plot(steps, values, marker="o" if len(steps) <= 30 else None, markersize=3,
+                linewidth=2.5 if per_task else 1.5, color="black" if per_task else None,
+                label="all tasks" if per_task else None)
+        for task, (task_steps, task_values) in per_task.items():
+            ax.plot(task_steps, task_values, marker="o" if len(task_steps) <= 30 else None, markersize=2,
+                    linewidth=1.0, label=task)
+        if per_task:
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
         ax.set_title(f"{panel_title} ({name})")
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)

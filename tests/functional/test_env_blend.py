@@ -105,3 +105,24 @@ def test_rows_naming_an_unconfigured_environment_fail_before_workers_start(tmp_p
     assert "Traceback" not in result.stderr and not (tmp_path / "logs").exists()  # nothing started
     result = run(["grpo", "sft_warmup=null", "env.mcqa.grading_mode=sloppy"], tmp_path)
     assert result.returncode == 2 and "env.mcqa.grading_mode" in result.stderr
+
+
+def test_the_nemotron_mini_recipe_runs_two_steps_on_the_tiny_model(tmp_path):
+    """The recipe's own files (examples/recipes/nemotron_mini*.yaml: seven environments, generated
+    tasks, tool use over several turns) with the tiny model in place of SmolLM2: every task is drawn,
+    scored and validated, from the user's directory."""
+    pytest.importorskip("reasoning_gym")
+    recipe = REPO / "examples/recipes/nemotron_mini.yaml"
+    result = run(["grpo", "--config", str(recipe), "policy.model_name=tiny", "grpo.max_num_steps=2",
+                  "grpo.num_prompts_per_step=14", "grpo.num_generations_per_prompt=2", "grpo.max_val_samples=2",
+                  "grpo.val_period=2", "grpo.val_at_start=false", "policy.train_global_batch_size=28",
+                  "policy.generation.max_new_tokens=16", "policy.max_total_sequence_length=1024",
+                  "logger.log_dir=logs/recipe", "logger.progress_bar=false", "checkpointing.enabled=false"], tmp_path)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "logs/recipe/metrics.jsonl").read_text().splitlines()]
+    assert len([row for row in rows if "train/loss" in row]) == 2
+    [val] = [row for row in rows if "validation/accuracy_greedy" in row]
+    tasks = ("math", "quiz", "json", "follow", "code", "calc", "letter_counting")
+    assert {task: val[f"validation/accuracy_greedy_count/{task}"] for task in tasks} == {task: 2 for task in tasks}
+    drawn = {task for row in rows for task in tasks if row.get(f"train/reward_count/{task}")}
+    assert len(drawn) >= 4  # 28 prompts drawn by equal weights from seven tasks

@@ -92,3 +92,17 @@ def test_short_runs_get_whole_step_ticks_and_no_blank_cell(tmp_path):
             logger.log_metrics({"validation/accuracy_greedy": 0.4 + step / 10}, step)
     fig = build_report_figure(tmp_path / "grpo" / "metrics.jsonl")
     assert [ax.get_title() for ax in fig.axes] == ["Validation accuracy, greedy (validation/accuracy_greedy)"]
+
+
+def test_a_blend_gets_one_accuracy_line_per_task(tmp_path):
+    """The recipe's plot: per-environment accuracy over steps beside the overall one (counts not drawn)."""
+    with Logger(LoggerConfig(log_dir=str(tmp_path / "run"), tensorboard_enabled=False)) as logger:
+        for step in (0, 10, 20):
+            logger.log_metrics({"validation/accuracy_greedy": step / 100, "validation/accuracy_greedy/math": step / 50,
+                                "validation/accuracy_greedy/quiz": 0.1, "validation/accuracy_greedy_count/quiz": 30.0},
+                               step)
+    fig = build_report_figure(tmp_path / "run" / "metrics.jsonl")
+    (panel,) = fig.axes
+    assert panel.get_legend_handles_labels()[1] == ["all tasks", "math", "quiz"]
+    lines = {line.get_label(): list(line.get_ydata()) for line in panel.get_lines()}
+    assert lines["math"] == [0.0, 0.2, 0.4] and lines["quiz"] == [0.1, 0.1, 0.1]
