@@ -6,6 +6,7 @@ model), so both report the same numbers the same way.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
@@ -169,7 +170,6 @@ def run(cfg) -> dict[str, float]:
     appends one record per evaluation to `<logger.log_dir>/eval_results.jsonl` (never to a
     training run's metrics.jsonl).
     """
-    import json
     import time
 
     from posttrain.data.processors import build_prompt_message_log
@@ -211,12 +211,37 @@ def run(cfg) -> dict[str, float]:
         EnvRouter(envs).shutdown()
         generation.shutdown()
         cluster.shutdown()
-    for name, value in metrics.items():
-        print(f"{name}: {value:.4f}")
     results = Path(cfg.logger.log_dir) / "eval_results.jsonl"
+    print_metrics(metrics, previous_result(results, e.split))
     record = {"model": model_name, "split": e.split, "num_prompts": len(samples), "samples_per_prompt": k,
               "greedy": greedy, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "metrics": metrics}
     with results.open("a") as f:
         f.write(json.dumps(record) + "\n")
     print(f"[posttrain] results appended to {results}", flush=True)
     return metrics
+
+
+def previous_result(results: Path, split: str) -> Optional[dict]:
+    """The last record of `eval_results.jsonl` for `split` (None if none, or the file is unreadable)."""
+    try:
+        records = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+    records = [r for r in records if isinstance(r, dict) and r.get("split") == split and "metrics" in r]
+    return records[-1] if records else None
+
+
+def print_metrics(metrics: dict[str, float], previous: Optional[dict] = None) -> None:
+    """The overall metrics, one per line; with several tasks, then the per-task table
+    (`posttrain.evals.task_table`), compared with the `previous` evaluation's record."""
+    from posttrain.evals.task_table import format_task_table, task_columns
+
+    names, tasks = task_columns(metrics)
+    per_task = {f"{name}/{task}" for name in names for task in tasks} | {f"{name}_count/{task}" for name in names
+                                                                        for task in tasks}
+    for name, value in metrics.items():
+        if name not in per_task:
+            print(f"{name}: {value:.4f}")
+    table = format_task_table(metrics, previous and previous["metrics"], previous and previous.get("model"))
+    if table:
+        print(table, flush=True)
