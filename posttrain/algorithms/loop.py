@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 from posttrain.utils import startup
 from posttrain.utils.checkpoint import CheckpointManager, complete_checkpoints
 from posttrain.utils.logger import Logger, ProgressBar
+from posttrain.utils.memory import peak_rss_bytes
 from posttrain.utils.metric_names import find_accuracy
 from posttrain.utils.timer import Timer
 
@@ -151,6 +152,8 @@ class TrainingLoop:
                 if not self.config_saved:
                     self._save_config()
                 metrics.update(prefixed(timer.get_timing_metrics(), "timing/train"))
+                # This process's high-water mark: with the local backend the whole job's peak memory.
+                metrics["memory/controller_peak_rss_gib"] = peak_rss_bytes() / 2**30
                 metrics.update(self._startup_metrics(metrics["timing/train/total_step_time"], bar))
                 self._watch_learning_signal(metrics, bar)
                 if (s.val_period > 0 and step % s.val_period == 0) or (s.val_at_end and step == self.last_step):

@@ -215,7 +215,7 @@ def _run_cli(cfg_path: Path, log: Path) -> subprocess.Popen:
 
 
 def _comparable(metrics: dict[int, dict]) -> dict[int, dict]:
-    return {s: {k: v for k, v in row.items() if not k.startswith("timing/")} for s, row in metrics.items()}
+    return {s: {k: v for k, v in row.items() if not k.startswith(("timing/", "memory/"))} for s, row in metrics.items()}
 
 
 @pytest.mark.parametrize("backend", ["local", "ray"])
