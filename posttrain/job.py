@@ -147,7 +147,7 @@ def make_generation(cfg: MasterConfig, cluster, *, seed: int = 0, model: Any = N
     `model` (default None: `cfg.policy`) is what the engines load (distillation passes its
     `teacher`); `placement` (`bundle_indices`, `name`) goes to the backend class."""
     from posttrain.models.generation.backends import generation_backend_class
-    from posttrain.models.generation.interface import GenerationSpec
+    from posttrain.models.generation.spec import GenerationSpec
 
     backend = generation_backend_class(cfg.policy.generation.backend)
     return backend(cluster, GenerationSpec.from_config(cfg, model=model, seed=seed), **placement)

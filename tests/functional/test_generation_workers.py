@@ -16,7 +16,7 @@ GEN_CONFIG = {"max_new_tokens": 8, "temperature": 1.0, "batch_size": 2, "colocat
 @pytest.fixture(scope="module")
 def generation(ray_cluster):
     from posttrain.distributed.cluster import VirtualCluster
-    from posttrain.models.generation.interface import GenerationSpec
+    from posttrain.models.generation.spec import GenerationSpec
     from posttrain.models.generation.native import NativeGeneration
 
     cluster = VirtualCluster([2], cpus_per_bundle=1.0, name="gen-test")

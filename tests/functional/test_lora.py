@@ -10,8 +10,8 @@ from posttrain.algorithms.loss import NLLLoss
 from posttrain.config.schema import PolicyConfig
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.cluster import VirtualCluster
-from posttrain.models.generation.interface import GenerationSpec
 from posttrain.models.generation.native import NativeGeneration
+from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.hf import load_causal_lm
 from posttrain.models.policy.checkpoint import convert_to_hf
 from posttrain.models.policy.policy import Policy

@@ -69,7 +69,7 @@ def generated_mask(out: Batch, prompt_lengths: torch.Tensor) -> torch.Tensor:
 def split_generation(ray_cluster, vllm_python):
     """One vLLM engine on a cluster of its own (split placement)."""
     from posttrain.distributed.cluster import VirtualCluster
-    from posttrain.models.generation.interface import GenerationSpec
+    from posttrain.models.generation.spec import GenerationSpec
     from posttrain.models.generation.vllm_generation import VllmGeneration
 
     cluster = VirtualCluster([1], cpus_per_bundle=1.0, name="vllm-split")

@@ -179,6 +179,85 @@ def test_generation_backends_are_registered_and_named_by_config(plugin_dir):
         generation_backend_class("user_plugin:MyLoss")
 
 
+TOY_BACKEND = '''
+from posttrain.models.generation.interface import GenerationInterface
+
+class ToyGeneration(GenerationInterface):
+    """No workers: records what it was built from."""
+    def __init__(self, cluster, spec, **placement):
+        self.cluster, self.spec, self.placement = cluster, spec, placement
+        self.weights_version = 0
+    def generate(self, batch, greedy=False, params=None): raise NotImplementedError
+    def prepare_for_generation(self): return True
+    def finish_generation(self): return True
+    def weight_dtypes(self): raise NotImplementedError
+    def prepare_refit_info(self, metadata): pass
+    def update_weights(self, buffers, version): pass
+    def load_bucket(self, buffer, bucket): pass
+    def finish_refit(self, version): pass
+    def shutdown(self): return True
+'''
+
+
+def test_the_job_builds_a_backend_named_by_import_path(plugin_dir):
+    """`policy.generation.backend: module:Class` is the class `make_generation` builds, from one
+    `GenerationSpec` of the job (no workers, no Ray)."""
+    from posttrain.job import make_generation
+
+    (plugin_dir / "toy_backend.py").write_text(TOY_BACKEND)
+    try:
+        cfg = load_config("grpo", overrides=["policy.generation.backend=toy_backend:ToyGeneration",
+                                             "policy.generation.max_new_tokens=7", "cluster.worker_timeout_s=30"])
+        check_components(cfg)
+        cluster = object()
+        generation = make_generation(cfg, cluster, seed=11, name="toy")
+        assert type(generation).__name__ == "ToyGeneration" and type(generation).__module__ == "toy_backend"
+        assert generation.cluster is cluster and generation.placement == {"name": "toy"}
+        spec = generation.spec
+        assert (spec.model_name, spec.seed, spec.worker_timeout_s, spec.config.max_new_tokens) == (
+            cfg.policy.model_name, 11, 30.0, 7)
+        assert spec.max_model_len == cfg.policy.max_total_sequence_length
+    finally:
+        sys.modules.pop("toy_backend", None)
+
+
+def test_a_registered_name_resolves_and_an_unknown_one_lists_the_registered(plugin_dir):
+    from posttrain.models.generation.backends import (GENERATION_BACKENDS, generation_backend_class,
+                                                      register_generation_backend)
+
+    (plugin_dir / "toy_backend.py").write_text(TOY_BACKEND)
+    toy = import_object("toy_backend:ToyGeneration")
+    try:
+        assert register_generation_backend("toy")(toy) is toy
+        assert generation_backend_class("toy") is toy
+        with pytest.raises(ValueError, match="generation backend 'native' is already registered"):
+            register_generation_backend("native")(toy)
+        with pytest.raises(KeyError, match=r"unknown generation backend 'vlm' \(registered: \['native', 'toy', "
+                                           r"'vllm'\]; or give 'module:attr'\); did you mean 'vllm'\?"):
+            generation_backend_class("vlm")
+    finally:
+        GENERATION_BACKENDS.pop("toy", None)
+        sys.modules.pop("toy_backend", None)
+    assert "vllm" not in sys.modules  # the vllm backend's module imports vLLM only in its workers
+
+
+def test_the_example_backend_loads_by_config():
+    """examples/custom/my_engine.py, the example of docs/extending.md, names a backend the job accepts."""
+    from pathlib import Path
+
+    from posttrain.models.generation.native import NativeGeneration
+
+    example = Path(__file__).resolve().parents[2] / "examples/custom/my_engine.py"
+    cfg = load_config("grpo", overrides=[f"policy.generation.backend={example}:CountingGeneration"])
+    try:
+        check_components(cfg)
+        from posttrain.models.generation.backends import generation_backend_class
+
+        assert issubclass(generation_backend_class(cfg.policy.generation.backend), NativeGeneration)
+    finally:
+        sys.modules.pop("my_engine", None)
+
+
 def test_an_unknown_generation_backend_fails_at_config_load():
     with pytest.raises(ConfigError, match=r"policy.generation.backend.*'vlm' is not a generation backend: one of "
                                           r"'native', 'vllm', or a class of your own as 'module:Class'"):
@@ -192,7 +271,7 @@ def test_an_unknown_generation_backend_fails_at_config_load():
 
 def test_generation_spec_of_a_job():
     """One spec carries what every backend's controller and workers are built from."""
-    from posttrain.models.generation.interface import GenerationSpec
+    from posttrain.models.generation.spec import GenerationSpec
 
     cfg = load_config("distill", overrides=["policy.max_total_sequence_length=48", "cluster.worker_timeout_s=60",
                                             "policy.generation.max_new_tokens=5"])

@@ -5,8 +5,8 @@
   `LlamaLikeDecoder` (llama-like models, preallocated KV cache).
 - `engine`: `NativeGenerationEngine` (KV-cache batched decoding of any HF causal LM).
 - `worker`: `GenerationWorker`, a Ray actor holding a model and an engine.
-- `interface`: the contract of a backend: `GenerationInterface` (ABC) and `GenerationSpec`, what
-  every backend (controller and workers) is built from.
+- `interface`: the contract of a backend, `GenerationInterface` (abstract) and `RefitVerificationError`.
+- `spec`: `GenerationSpec`, what every backend (controller and workers) is built from.
 - `backends`: the backends by name (`register_generation_backend`; `policy.generation.backend`).
 - `worker_group_generation`: `WorkerGroupGeneration`, seeding and sharding over data-parallel workers.
 - `native`: `NativeGeneration` (backend "native"), the controller-side handle of `GenerationWorker`s.

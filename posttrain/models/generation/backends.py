@@ -1,13 +1,16 @@
 """Generation backends by name: `policy.generation.backend` picks one, like every other plug-in
-point (`posttrain.utils.registry`).
+point (`posttrain.utils.registry`). A built-in registers itself where it is defined:
 
-    @register_generation_backend("my_engine")
-    class MyGeneration(GenerationInterface):
-        def __init__(self, cluster, spec: GenerationSpec, **placement): ...
+    @register_generation_backend("native")
+    class NativeGeneration(WorkerGroupGeneration):
+        def __init__(self, cluster, spec: GenerationSpec, *, bundle_indices=None, name="generation"): ...
 
-The built-ins are `native` (`native.NativeGeneration`) and `vllm` (`vllm_generation.VllmGeneration`);
-a user's class is named by import path instead, `policy.generation.backend: my_module:MyGeneration`
-or `path/to/file.py:MyGeneration` (the config accepts the built-in names and import paths).
+The built-ins are `native` (`native.NativeGeneration`) and `vllm` (`vllm_generation.VllmGeneration`),
+imported on first lookup (they import torch and Ray; vLLM itself only in its workers). A user's
+class needs no registration: it is named by import path, `policy.generation.backend:
+my_module:MyGeneration` or `path/to/file.py:MyGeneration` (docs/extending.md, "A generation backend").
+The config accepts the built-in names (`BUILTIN_GENERATION_BACKENDS` of the schema, which a test
+keeps equal to this registry) and import paths.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The contract of a generation backend: `GenerationInterface` (what the algorithm loops call),
-`GenerationSpec` (what every backend is built from) and `RefitVerificationError`.
+"""The contract of a generation backend: `GenerationInterface` (what the algorithm loops call) and
+`RefitVerificationError`. What every backend is built from, `GenerationSpec`, is in `spec.py`.
 
 Backends (`backends.py` registers them by name; `policy.generation.backend` picks one):
 `native` (`native.NativeGeneration`, posttrain's PyTorch engine) and `vllm`
@@ -21,69 +21,12 @@ Typical use from an algorithm loop:
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
 
-from posttrain.config.schema import GenerationConfig
 from posttrain.distributed.batch import Batch
 from posttrain.models.refit import RefitMetadata
-
-
-@dataclass(frozen=True)
-class GenerationSpec:
-    """What every generation backend is built from; the controller passes it on to its workers.
-
-    Args:
-        model_name: the model the engines load (a preset, local directory or hub id), which is
-            weights version 0.
-        generation: `policy.generation` (`GenerationConfig` or a dict of its keys; kept as a dict,
-            which crosses into vLLM's own environment unchanged).
-        tokenizer_name: default None: `model_name`.
-        tiny_arch: arch of a built-in preset (default "llama").
-        precision: `policy.precision` (default "auto": bfloat16 on a capable GPU, else float32).
-        max_model_len: longest prompt + generation (default None: the backend's own default; the
-            jobs pass `policy.max_total_sequence_length`). vLLM sizes its engine by it.
-        seed: seeds rows that arrive without `seeds` (default 0); drawn by the controller before
-            sharding, so the same batch gives the same samples for any number of workers.
-        worker_timeout_s: longest wait for a worker call, start-up included (default 1800.0).
-    """
-
-    model_name: str
-    generation: dict[str, Any] = field(default_factory=dict)
-    tokenizer_name: Optional[str] = None
-    tiny_arch: str = "llama"
-    precision: str = "auto"
-    max_model_len: Optional[int] = None
-    seed: int = 0
-    worker_timeout_s: float = 1800.0
-
-    def __post_init__(self) -> None:
-        generation = self.generation
-        if isinstance(generation, GenerationConfig):
-            generation = generation.model_dump()
-        # Validated here, in the controller: a bad key fails before any worker starts.
-        object.__setattr__(self, "generation", GenerationConfig(**generation).model_dump())
-
-    @property
-    def config(self) -> GenerationConfig:
-        """`generation` as a `GenerationConfig`."""
-        return GenerationConfig(**self.generation)
-
-    @classmethod
-    def from_config(cls, cfg: Any, *, model: Any = None, seed: int = 0) -> "GenerationSpec":
-        """The spec of a job's generation: `cfg.policy.generation`, the run's
-        `policy.max_total_sequence_length` and `cluster.worker_timeout_s`, and the model of
-        `model` (default None: `cfg.policy`; anything with `model_name`, `tokenizer_name`,
-        `tiny_arch` and `precision`, such as distillation's `teacher`)."""
-        model = cfg.policy if model is None else model
-        return cls(
-            model_name=model.model_name, generation=cfg.policy.generation, tokenizer_name=model.tokenizer_name,
-            tiny_arch=model.tiny_arch, precision=model.precision,
-            max_model_len=cfg.policy.max_total_sequence_length, seed=seed,
-            worker_timeout_s=cfg.cluster.worker_timeout_s,
-        )
 
 
 class RefitVerificationError(RuntimeError):

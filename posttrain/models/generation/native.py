@@ -10,7 +10,7 @@ import torch
 
 from posttrain.distributed.worker_group import WorkerGroup
 from posttrain.models.generation.backends import register_generation_backend
-from posttrain.models.generation.interface import GenerationSpec
+from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.generation.worker import GenerationWorker
 from posttrain.models.generation.worker_group_generation import WorkerGroupGeneration
 from posttrain.models.refit import RefitMetadata

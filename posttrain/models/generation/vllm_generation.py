@@ -32,7 +32,8 @@ from posttrain.distributed.batch import Batch
 from posttrain.distributed.cluster import VirtualCluster
 from posttrain.distributed.worker_group import WorkerGroup
 from posttrain.models.generation.backends import register_generation_backend
-from posttrain.models.generation.interface import GenerationSpec, RefitVerificationError
+from posttrain.models.generation.interface import RefitVerificationError
+from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.generation.vllm_env import ensure_vllm_env
 from posttrain.models.generation.vllm_worker import VLLM_ENV_VARS, VllmGenerationWorker
 from posttrain.models.generation.worker_group_generation import WorkerGroupGeneration

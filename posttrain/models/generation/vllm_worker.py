@@ -25,7 +25,7 @@ import torch
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import RENDEZVOUS_ENV_VARS, DistributedWorker
 from posttrain.models.generation.engine import assemble_outputs, per_row_stop_strings
-from posttrain.models.generation.interface import GenerationSpec
+from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.generation.vllm_extension import EXTENSION_QUALNAME
 from posttrain.models.generation.worker import SAMPLING_PARAMS, merge_stop_strings
 from posttrain.models.hf import load_tokenizer, pick_dtype, resolve_model_path

@@ -15,7 +15,7 @@ from posttrain.distributed import actors
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
 from posttrain.models.generation.engine import NativeGenerationEngine
-from posttrain.models.generation.interface import GenerationSpec
+from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype
 from posttrain.models.refit import RefitMetadata, check_metadata_matches, load_bucket, state_dict_checksum
 

@@ -12,7 +12,8 @@ import torch
 from posttrain.distributed import actors
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import WorkerGroup
-from posttrain.models.generation.interface import GenerationInterface, GenerationSpec
+from posttrain.models.generation.interface import GenerationInterface
+from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.refit import RefitMetadata
 
 
