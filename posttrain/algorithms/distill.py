@@ -35,7 +35,7 @@ from posttrain.data.message_log import flatten_message_logs
 from posttrain.data.sample import Sample
 from posttrain.distributed.batch import Batch
 from posttrain.errors import UserError
-from posttrain.evals.eval import evaluate, per_task_means, validation_sampling
+from posttrain.evals.eval import evaluate, validation_sampling
 from posttrain.job import (
     build_splits,
     make_cluster,
@@ -51,6 +51,7 @@ from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
 from posttrain.run_config import with_warm_starts
 from posttrain.utils import startup
 from posttrain.utils.metric_names import find_accuracy
+from posttrain.utils.metrics import per_task_means
 from posttrain.utils.timer import Timer
 
 

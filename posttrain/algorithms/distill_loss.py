@@ -27,7 +27,7 @@ from typing import Any, Literal, Mapping
 import torch
 import torch.nn.functional as F
 
-from posttrain.algorithms.loss import Count, Metrics, _loss_mask, masked_mean, register_loss
+from posttrain.algorithms.loss import Count, Metrics, loss_mask, masked_mean, register_loss
 
 KL_TYPES = ("forward", "reverse", "mixed")
 # log of the probability the teacher is taken to give tokens outside its top-k under
@@ -103,7 +103,7 @@ class DistillationLoss:
         if indices.numel() and int(indices.max()) >= vocab:
             raise ValueError(f"{who}: teacher top-k index {int(indices.max())} is outside the student's vocabulary "
                              f"of {vocab} tokens: teacher and student vocabularies differ")
-        _, _, sample_mask, mask = _loss_mask(logits[..., 0], batch, who)
+        _, _, sample_mask, mask = loss_mask(logits[..., 0], batch, who)
         student, teacher, student_full = topk_logprobs(
             logits[:, 1:], batch["teacher_topk_logits"][:, 1:].to(logits.device), indices, self.zero_outside_topk
         )

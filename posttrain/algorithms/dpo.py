@@ -20,23 +20,13 @@ from __future__ import annotations
 import logging
 
 from posttrain.algorithms.loop import train_offline
-from posttrain.algorithms.loss import DPOLoss
+from posttrain.algorithms.loss import build_loss
 from posttrain.algorithms.preference import reduce_loss_metrics, start_pair_run
 from posttrain.config.schema import DPOMasterConfig
 from posttrain.distributed.batch import Batch
 from posttrain.utils.timer import Timer
 
 log = logging.getLogger("posttrain.dpo")
-
-
-def make_loss(cfg: DPOMasterConfig) -> DPOLoss:
-    d = cfg.dpo
-    return DPOLoss(
-        beta=d.reference_policy_kl_penalty,
-        preference_average_log_probs=d.preference_average_log_probs,
-        sft_loss_weight=d.sft_loss_weight,
-        preference_loss_weight=d.preference_loss_weight,
-    )
 
 
 def run(cfg: DPOMasterConfig) -> dict[str, float]:
@@ -46,7 +36,10 @@ def run(cfg: DPOMasterConfig) -> dict[str, float]:
     d = cfg.dpo
     job = start_pair_run(cfg, d, init_reference_model=True)
     cfg, policy, pad = job.cfg, job.policy, job.pad_token_id
-    loss_fn = make_loss(cfg)
+    loss_fn = build_loss(
+        "dpo", beta=d.reference_policy_kl_penalty, preference_average_log_probs=d.preference_average_log_probs,
+        sft_loss_weight=d.sft_loss_weight, preference_loss_weight=d.preference_loss_weight,
+    )
 
     def with_reference(batch: Batch) -> Batch:
         batch["reference_policy_logprobs"] = policy.get_reference_logprobs(batch)["logprobs"]

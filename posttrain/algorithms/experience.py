@@ -21,9 +21,9 @@ from posttrain.algorithms.loop import SIGNAL_METRIC
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.data.sample import Sample
 from posttrain.distributed.batch import Batch
-from posttrain.evals.eval import per_task_means, response_lengths
 from posttrain.models.refit import refit_policy_generation
 from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
+from posttrain.utils.metrics import per_task_means, response_lengths
 from posttrain.utils.timer import Timer
 
 

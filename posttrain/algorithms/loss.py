@@ -1,4 +1,6 @@
-"""Loss functions for policy, preference and reward-model training.
+"""Losses: what every loss shares (the call contract, the registry and the one builder, masked
+means), supervised NLL and the clipped policy-gradient loss. The other families live beside it:
+`preference_loss.py` (DPO, Bradley-Terry) and `distill_loss.py` (top-k KL of distillation).
 
 Contract (docs/internals.md): every loss is called as
 
@@ -12,7 +14,8 @@ Contract (docs/internals.md): every loss is called as
   ``policy.fused_logprobs``), so a loss must keep them out of anything that could overflow there.
 - Losses and metrics are divided by the *global* valid counts of the whole optimizer step (all
   micro-batches, all data-parallel ranks), so per-micro-batch values **sum** to the full-batch
-  value. Metric names ending in ``_min`` / ``_max`` are reduced by min / max instead.
+  value. Metric names ending in ``_min`` / ``_max`` are reduced by min / max instead. Both rules,
+  the counts' formula and the reduction, are defined once in `posttrain.utils.metrics`.
 
 Formulas follow NeMo-RL's losses (its ``ClippedPGLossFn``, ``NLLLossFn``, ``PreferenceLossFn`` and
 ``DPOLossFn``); the options are in docs/algorithms.md.
@@ -20,10 +23,10 @@ Formulas follow NeMo-RL's losses (its ``ClippedPGLossFn``, ``NLLLossFn``, ``Pref
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable, Literal, Mapping, Optional, Protocol, Union
 
 import torch
-import torch.nn.functional as F
 
 from posttrain.config.schema import LossConfig, loss_option_problem
 from posttrain.utils.registry import registrar, resolve
@@ -47,29 +50,44 @@ class LossFunction(Protocol):
 # -------------------------------------------------------------------------------------- registry
 LOSS_REGISTRY: dict[str, Callable[..., LossFunction]] = {}
 
-
-# Class decorator: ``@register_loss("clipped_pg")`` makes the class reachable via `make_loss`.
+# Class decorator: ``@register_loss("clipped_pg")`` makes the class reachable via `build_loss`.
 register_loss = registrar(LOSS_REGISTRY, "loss")
 
+# Built-in losses defined beside this file, registered when their module is imported (on first
+# lookup: they import this file, so this file cannot import them).
+_BUILTIN_LOSS_MODULES = {
+    "preference": "posttrain.algorithms.preference_loss",
+    "dpo": "posttrain.algorithms.preference_loss",
+    "distillation": "posttrain.algorithms.distill_loss",
+}
 
-def build_loss(cfg: LossConfig) -> LossFunction:
-    """The loss `loss_fn.name` selects: `ClippedPGLoss(cfg)` for "clipped_pg", otherwise the
-    registered loss or the class at that import path, built with `loss_fn.kwargs`."""
-    if cfg.name == "clipped_pg":
-        return ClippedPGLoss(cfg)
-    return resolve(LOSS_REGISTRY, cfg.name, "loss")(**cfg.kwargs)
 
+def build_loss(spec: Union[LossConfig, str], **options: Any) -> LossFunction:
+    """The one loss builder, for jobs and tests alike.
 
-def make_loss(name: str, **cfg: Any) -> LossFunction:
-    """Build the loss registered under ``name`` with keyword config, e.g.
-    ``make_loss("clipped_pg", **master.loss_fn.model_dump())`` or ``make_loss("dpo", beta=0.1)``."""
-    if name not in LOSS_REGISTRY:
-        raise ValueError(f"unknown loss {name!r}; registered losses: {sorted(LOSS_REGISTRY)}")
-    return LOSS_REGISTRY[name](**cfg)
+    - A `LossConfig` (GRPO's `loss_fn` section): `ClippedPGLoss(cfg)` for "clipped_pg", otherwise
+      the loss `loss_fn.name` names built with `loss_fn.kwargs`.
+    - A name: the loss registered under it (``@register_loss``; "nll", "clipped_pg", "preference",
+      "dpo", "distillation") or the class at an import path ('module:Class', 'file.py:Class'),
+      built with ``options``: ``build_loss("dpo", beta=0.1)``, ``build_loss("clipped_pg",
+      ratio_clip_max=0.28)``.
+
+    An unknown name raises KeyError listing the registered losses and the closest one.
+    """
+    if isinstance(spec, LossConfig):
+        if spec.name == "clipped_pg":
+            return ClippedPGLoss(spec, **options)
+        spec, options = spec.name, {**spec.kwargs, **options}
+    if spec in _BUILTIN_LOSS_MODULES:
+        importlib.import_module(_BUILTIN_LOSS_MODULES[spec])
+    elif ":" not in spec:  # a mistake: the error lists every built-in too
+        for module in sorted(set(_BUILTIN_LOSS_MODULES.values())):
+            importlib.import_module(module)
+    return resolve(LOSS_REGISTRY, spec, "loss")(**options)
 
 
 # --------------------------------------------------------------------------------------- helpers
-def _as_tensor(count: Count, like: torch.Tensor) -> torch.Tensor:
+def as_count(count: Count, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(count, dtype=like.dtype, device=like.device)
 
 
@@ -92,29 +110,20 @@ def masked_mean(
     """
     numerator = masked_sum(values, mask, dim)
     if global_normalization_factor is not None:
-        denominator = _as_tensor(global_normalization_factor, numerator)
+        denominator = as_count(global_normalization_factor, numerator)
     else:
         denominator = mask.sum() if dim is None else mask.sum(dim)
     return numerator / denominator.clamp(min=_EPS)
 
 
-def compute_global_valid_counts(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(valid_seqs, valid_toks)`` of one local batch: ``sum(sample_mask)`` and
-    ``sum(token_mask[:, 1:] * sample_mask[:, None])`` as float tensors. The trainer all-reduces them
-    (SUM) over data-parallel ranks before calling the loss on each micro-batch."""
-    _require(batch, ("token_mask", "sample_mask"), "compute_global_valid_counts")
-    sample_mask = batch["sample_mask"].float()
-    valid_toks = (batch["token_mask"][:, 1:].float() * sample_mask[:, None]).sum()
-    return sample_mask.sum(), valid_toks
-
-
-def _require(batch: Mapping[str, Any], keys: tuple[str, ...], who: str) -> None:
+def require(batch: Mapping[str, Any], keys: tuple[str, ...], who: str) -> None:
+    """A KeyError naming the loss (`who`) when `batch` lacks any of `keys`."""
     missing = [k for k in keys if k not in batch]
     if missing:
         raise KeyError(f"{who}: batch is missing key(s) {missing}; it has {sorted(batch.keys())}")
 
 
-def _shifted(batch: Mapping[str, Any], key: str, like: torch.Tensor, who: str) -> torch.Tensor:
+def shifted(batch: Mapping[str, Any], key: str, like: torch.Tensor, who: str) -> torch.Tensor:
     """``batch[key][:, 1:]`` as float, checked against the shape of ``like`` (already shifted)."""
     value = batch[key]
     if value.ndim != 2 or value[:, 1:].shape != like.shape:
@@ -125,13 +134,15 @@ def _shifted(batch: Mapping[str, Any], key: str, like: torch.Tensor, who: str) -
     return value[:, 1:].float()
 
 
-def _loss_mask(logprobs: torch.Tensor, batch: Mapping[str, Any], who: str) -> tuple[torch.Tensor, ...]:
-    """Shifted ``(logprobs, token_mask, sample_mask, mask)`` with shapes checked."""
-    _require(batch, ("token_mask", "sample_mask"), who)
+def loss_mask(logprobs: torch.Tensor, batch: Mapping[str, Any], who: str) -> tuple[torch.Tensor, ...]:
+    """Shifted ``(logprobs, token_mask, sample_mask, mask)`` with shapes checked: the positions
+    ``1:`` every loss looks at, and ``mask = token_mask[:, 1:] * sample_mask[:, None]``, the mask
+    whose sum over the optimizer step is `posttrain.utils.metrics.valid_counts`'s token count."""
+    require(batch, ("token_mask", "sample_mask"), who)
     if logprobs.ndim != 2:
         raise ValueError(f"{who}: logprobs must be [B, S], got shape {tuple(logprobs.shape)}")
     logprobs = logprobs[:, 1:].float()
-    token_mask = _shifted(batch, "token_mask", logprobs, who)
+    token_mask = shifted(batch, "token_mask", logprobs, who)
     sample_mask = batch["sample_mask"].float()
     if sample_mask.shape != (logprobs.shape[0],):
         raise ValueError(f"{who}: sample_mask has shape {tuple(sample_mask.shape)}, expected [{logprobs.shape[0]}]")
@@ -192,7 +203,7 @@ class NLLLoss:
     def __call__(
         self, logprobs: torch.Tensor, batch: Mapping[str, Any], global_valid_seqs: Count, global_valid_toks: Count
     ) -> tuple[torch.Tensor, Metrics]:
-        logprobs, _, sample_mask, mask = _loss_mask(logprobs, batch, "nll loss")
+        logprobs, _, sample_mask, mask = loss_mask(logprobs, batch, "nll loss")
         loss = -masked_mean(logprobs, mask, global_normalization_factor=global_valid_toks)
         return loss, {
             "loss": loss.item(),
@@ -245,7 +256,7 @@ class ClippedPGLoss:
 
     Args:
         cfg: a `LossConfig` (defaults: clip 0.2/0.2, beta 0, k3, token-level). Keyword arguments
-            instead build one, so ``make_loss("clipped_pg", **cfg.model_dump())`` works.
+            instead build one, so ``build_loss("clipped_pg", **cfg.model_dump())`` works.
     """
 
     input_type: Literal["logprobs", "scores"] = "logprobs"
@@ -310,13 +321,13 @@ class ClippedPGLoss:
         required = ["advantages", "generation_logprobs"]
         if cfg.reference_policy_kl_penalty > 0:
             required.append("reference_policy_logprobs")
-        _require(batch, tuple(required), who)
-        logprobs, _, sample_mask, mask = _loss_mask(logprobs, batch, who)
+        require(batch, tuple(required), who)
+        logprobs, _, sample_mask, mask = loss_mask(logprobs, batch, who)
         seqs, toks = global_valid_seqs, global_valid_toks
-        advantages = _shifted(batch, "advantages", logprobs, who)
-        gen = _shifted(batch, "generation_logprobs", logprobs, who)
+        advantages = shifted(batch, "advantages", logprobs, who)
+        gen = shifted(batch, "generation_logprobs", logprobs, who)
         if "prev_logprobs" in batch and not cfg.force_on_policy_ratio:
-            prev = _shifted(batch, "prev_logprobs", logprobs, who)
+            prev = shifted(batch, "prev_logprobs", logprobs, who)
         else:
             # One optimizer step per batch (see check_train_batch), or the ratio forced to 1: the
             # current policy is the previous one, also for the importance weights pi_prev / pi_gen
@@ -352,7 +363,7 @@ class ClippedPGLoss:
         actor_loss = self._reduce(weights * pg_loss, mask, sample_mask, seqs, toks)
 
         if cfg.reference_policy_kl_penalty > 0:
-            reference = _shifted(batch, "reference_policy_logprobs", logprobs, who)
+            reference = shifted(batch, "reference_policy_logprobs", logprobs, who)
             kl_term = self._reduce(self._kl_penalty(logprobs, reference, gen, mask), mask, sample_mask, seqs, toks)
         else:
             kl_term = torch.zeros((), device=logprobs.device)
@@ -464,122 +475,4 @@ class ClippedPGLoss:
             # Entropy of pi estimated from tokens sampled by pi_gen: -E_gen[(pi / pi_gen) log pi].
             "approx_entropy": token_mean(-_finite_or_zero((logprobs - gen).exp()) * logprobs),
             "num_valid_samples": sample_mask.sum().item(),
-        }
-
-
-# ------------------------------------------------------------------------------------ preference
-def _split_pairs(values: torch.Tensor, sample_mask: torch.Tensor, who: str) -> tuple[torch.Tensor, ...]:
-    """Rows interleave chosen and rejected ``[c0, r0, c1, r1, ...]``: return chosen, rejected and
-    the pair mask (both rows of a pair must carry the same sample_mask)."""
-    if values.shape[0] % 2:
-        raise ValueError(f"{who}: batch rows must interleave chosen/rejected pairs, got an odd size {values.shape[0]}")
-    if not torch.equal(sample_mask[::2], sample_mask[1::2]):
-        raise ValueError(f"{who}: chosen and rejected rows of a pair have different sample_mask values")
-    return values[::2], values[1::2], sample_mask[::2]
-
-
-def _pair_metrics(
-    chosen: torch.Tensor, rejected: torch.Tensor, pair_mask: torch.Tensor, pairs: torch.Tensor
-) -> Metrics:
-    chosen, rejected = chosen.detach(), rejected.detach()
-    return {
-        # A tie (e.g. every pair at step 0 of DPO, where the policy is its reference) is a coin flip: half right.
-        "accuracy": masked_mean((chosen > rejected).float() + 0.5 * (chosen == rejected).float(), pair_mask,
-                                global_normalization_factor=pairs).item(),
-        "rewards_chosen_mean": masked_mean(chosen, pair_mask, global_normalization_factor=pairs).item(),
-        "rewards_rejected_mean": masked_mean(rejected, pair_mask, global_normalization_factor=pairs).item(),
-        "reward_margin": masked_mean(chosen - rejected, pair_mask, global_normalization_factor=pairs).item(),
-        "num_valid_samples": pair_mask.sum().item(),  # pairs
-    }
-
-
-@register_loss("preference")
-class PreferenceLoss:
-    """Bradley-Terry reward-model loss (Bradley & Terry 1952; Ouyang et al. 2022):
-    ``-logsigmoid(s_chosen - s_rejected)`` averaged over pairs (``global_valid_seqs / 2``).
-
-    Input is one score per sequence ``[B]`` (or ``[B, 1]``); rows interleave chosen and rejected.
-    Metrics: ``loss``, ``accuracy`` (s_c > s_r), ``rewards_chosen_mean``, ``rewards_rejected_mean``,
-    ``reward_margin``, ``num_valid_samples`` (pairs).
-    """
-
-    loss_type: Literal["token", "sequence"] = "sequence"
-    input_type: Literal["logprobs", "scores"] = "scores"
-
-    def __call__(
-        self, logprobs: torch.Tensor, batch: Mapping[str, Any], global_valid_seqs: Count, global_valid_toks: Count
-    ) -> tuple[torch.Tensor, Metrics]:
-        who = "preference loss"
-        _require(batch, ("sample_mask",), who)
-        scores = logprobs.float().reshape(-1) if logprobs.ndim == 2 and logprobs.shape[1] == 1 else logprobs.float()
-        if scores.ndim != 1:
-            raise ValueError(f"{who}: expected scores of shape [B] or [B, 1], got {tuple(logprobs.shape)}")
-        chosen, rejected, pair_mask = _split_pairs(scores, batch["sample_mask"].float(), who)
-        pairs = _as_tensor(global_valid_seqs, scores) / 2
-        loss = masked_mean(-F.logsigmoid(chosen - rejected), pair_mask, global_normalization_factor=pairs)
-        return loss, {"loss": loss.item(), **_pair_metrics(chosen, rejected, pair_mask, pairs)}
-
-
-@register_loss("dpo")
-class DPOLoss:
-    """Direct Preference Optimization (Rafailov et al. 2023).
-
-    Implicit reward per sequence ``r = sum_t (logp - logp_ref) * mask`` (divided by the number of
-    tokens when ``preference_average_log_probs``). Per pair
-    ``L = preference_loss_weight * -logsigmoid(beta * (r_c - r_r)) + sft_loss_weight * NLL(chosen)``,
-    averaged over pairs (``global_valid_seqs / 2``). NLL(chosen) is ``-sum_t logp`` of the chosen
-    sequence (a token mean when ``preference_average_log_probs``), as in NeMo-RL. Rows interleave
-    chosen and rejected; the batch needs ``reference_policy_logprobs``. Reported rewards are the
-    unscaled log-ratio sums (no beta), as in NeMo-RL.
-
-    Args:
-        beta: inverse temperature of the preference (default 0.1; config key
-            ``dpo.reference_policy_kl_penalty``).
-        preference_average_log_probs: average instead of sum the log-ratio over tokens (default False;
-            length-normalised variant, cf. SimPO, Meng et al. 2024).
-        sft_loss_weight: weight of the auxiliary NLL on chosen responses (default 0.0; RPO,
-            Pang et al. 2024).
-        preference_loss_weight: weight of the preference term (default 1.0).
-    """
-
-    loss_type: Literal["token", "sequence"] = "sequence"
-    input_type: Literal["logprobs", "scores"] = "logprobs"
-
-    def __init__(
-        self,
-        beta: float = 0.1,
-        preference_average_log_probs: bool = False,
-        sft_loss_weight: float = 0.0,
-        preference_loss_weight: float = 1.0,
-    ):
-        if beta <= 0:
-            raise ValueError(f"dpo: beta must be > 0, got {beta}")
-        self.beta = beta
-        self.preference_average_log_probs = preference_average_log_probs
-        self.sft_loss_weight = sft_loss_weight
-        self.preference_loss_weight = preference_loss_weight
-
-    def __call__(
-        self, logprobs: torch.Tensor, batch: Mapping[str, Any], global_valid_seqs: Count, global_valid_toks: Count
-    ) -> tuple[torch.Tensor, Metrics]:
-        who = "dpo loss"
-        _require(batch, ("reference_policy_logprobs",), who)
-        logprobs, _, sample_mask, mask = _loss_mask(logprobs, batch, who)
-        reference = _shifted(batch, "reference_policy_logprobs", logprobs, who)
-        num_tokens = mask.sum(-1).clamp(min=1) if self.preference_average_log_probs else 1.0
-        rewards = masked_sum(logprobs - reference, mask, dim=-1) / num_tokens
-        sequence_nll = -masked_sum(logprobs, mask, dim=-1) / num_tokens
-
-        chosen, rejected, pair_mask = _split_pairs(rewards, sample_mask, who)
-        pairs = _as_tensor(global_valid_seqs, rewards) / 2
-        preference_loss = masked_mean(
-            -F.logsigmoid(self.beta * (chosen - rejected)), pair_mask, global_normalization_factor=pairs
-        )
-        sft_loss = masked_mean(sequence_nll[::2], pair_mask, global_normalization_factor=pairs)
-        loss = self.preference_loss_weight * preference_loss + self.sft_loss_weight * sft_loss
-        return loss, {
-            "loss": loss.item(),
-            "preference_loss": preference_loss.item(),
-            "sft_loss": sft_loss.item(),
-            **_pair_metrics(chosen, rejected, pair_mask, pairs),
         }

@@ -10,6 +10,7 @@ import torch
 
 from posttrain.job import build_splits, make_cluster, make_policy, start_run, workers_description
 from posttrain.utils import startup
+from posttrain.utils.metrics import accumulate, valid_counts
 
 
 @dataclass
@@ -54,16 +55,15 @@ def reduce_loss_metrics(loss_fn, outputs_and_batches: list[tuple[torch.Tensor, A
     """The loss's metrics over several batches, as one training step over all of them would report.
 
     The loss divides by the global counts it is given, so each batch gets the totals over all
-    batches and the per-batch metrics are summed (`_min` / `_max` names: min / max), exactly
-    as the policy workers reduce micro-batches.
+    batches and the per-batch metrics are reduced by the rule the policy workers apply to
+    micro-batches (both from `posttrain.utils.metrics`: sums, `_min` / `_max` names min / max).
     """
-    seqs = sum(float(b["sample_mask"].sum()) for _, b in outputs_and_batches)
-    toks = sum(float((b["token_mask"][:, 1:] * b["sample_mask"][:, None]).sum()) for _, b in outputs_and_batches
-               if "token_mask" in b)
+    tokens = getattr(loss_fn, "input_type", "logprobs") != "scores"  # as `PolicyWorker.train` counts
+    counts = [valid_counts(batch, tokens=tokens) for _, batch in outputs_and_batches]
+    seqs = sum(float(s) for s, _ in counts)
+    toks = sum(float(t) for _, t in counts)
     totals: dict[str, float] = {}
     for outputs, batch in outputs_and_batches:
         _, metrics = loss_fn(outputs, batch, torch.tensor(seqs), torch.tensor(toks))
-        for name, value in metrics.items():
-            reduce = min if name.endswith("_min") else max if name.endswith("_max") else lambda a, b: a + b
-            totals[name] = reduce(totals[name], value) if name in totals else value
+        accumulate(totals, metrics)
     return totals

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 
 from posttrain.algorithms.loop import train_offline
-from posttrain.algorithms.loss import PreferenceLoss
+from posttrain.algorithms.loss import build_loss
 from posttrain.algorithms.preference import reduce_loss_metrics, start_pair_run
 from posttrain.config.schema import RMMasterConfig
 from posttrain.utils.timer import Timer
@@ -35,7 +35,7 @@ def run(cfg: RMMasterConfig) -> dict[str, float]:
     r = cfg.rm
     job = start_pair_run(cfg, r, model_type="reward")
     cfg, policy, pad, val_batches = job.cfg, job.policy, job.pad_token_id, job.val_batches
-    loss_fn = PreferenceLoss()
+    loss_fn = build_loss("preference")
 
     def train_step(datums: list[dict], timer: Timer) -> dict[str, float]:
         batch = flatten_preference_pairs(datums, pad)

@@ -313,10 +313,6 @@ def distinct_problems(records: list[dict], what: str = "problems") -> list[dict]
     return kept
 
 
-# Validation episodes are seeded apart from training ones (seed s, row i uses s + i).
-VALIDATION_SEED_OFFSET = 10**7
-
-
 def _rows_from_env(env_rows: Optional[EnvRows], data_cfg: DataConfig, split: Split) -> tuple[list[dict], list[str]]:
     if env_rows is None:
         raise DataError("data.dataset=env: this command has no environments to make rows (use it with grpo / eval)")

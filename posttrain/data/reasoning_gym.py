@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 from typing import Optional
 
-from posttrain.config.schema import DataConfig
+from posttrain.config.schema import DataConfig, split_seed
 from posttrain.data.prompt_template import format_prompt
 from posttrain.errors import UserError
 
@@ -31,14 +31,6 @@ def import_reasoning_gym():
             "(or ./run.sh pip install reasoning-gym==0.1.25)"
         ) from None
     return reasoning_gym
-
-
-VALIDATION_SEED_OFFSET = 10**7
-
-
-def split_seed(data_seed: int, split: str) -> int:
-    """The seed of a split's data set (see the module docstring)."""
-    return data_seed + (VALIDATION_SEED_OFFSET if split == "validation" else 0)
 
 
 def make_dataset(name: str, config: dict, seed: int, size: int, key: str = "data.reasoning_gym"):

@@ -265,14 +265,12 @@ class EnvRouter:
                     actors.kill(env)
 
 
-# Validation episodes are seeded apart from training ones (seed s, row i uses s + i).
-VALIDATION_SEED_OFFSET = 10**7
-
-
 def env_rows_maker(env_sections: Any) -> Callable:
     """`env_rows(data_cfg, split) -> (rows, locations)` for `data.dataset=env`: `data.num_train` /
     `data.num_validation` rows made by the environment `data.env_name` (`Environment.make_rows`,
-    configured by `env_sections.section(name)`) from `data.seed` (validation: `+ 10**7`)."""
+    configured by `env_sections.section(name)`) from `split_seed(data.seed, split)` (validation rows:
+    `data.seed + VALIDATION_SEED_OFFSET`, `posttrain.config.schema.data`)."""
+    from posttrain.config.schema import split_seed
     from posttrain.data.datasets import DataError
 
     def env_rows(data_cfg, split):
@@ -282,7 +280,7 @@ def env_rows_maker(env_sections: Any) -> Callable:
         except (KeyError, ValueError) as e:
             raise DataError(f"data.dataset=env: {e.args[0] if e.args else e}") from None
         count = data_cfg.num_train if split == "train" else data_cfg.num_validation
-        seed = data_cfg.seed + (0 if split == "train" else VALIDATION_SEED_OFFSET)
+        seed = split_seed(data_cfg.seed, split)
         try:
             rows = cls.make_rows(env_cfg, count, seed)
         except NotImplementedError:

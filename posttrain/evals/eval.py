@@ -16,6 +16,7 @@ import torch
 from posttrain.data.sample import Sample
 from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
 from posttrain.utils.metric_names import accuracy_name
+from posttrain.utils.metrics import per_task_means, response_lengths
 
 
 def pass_at_k(n: int, c: Union[int, torch.Tensor], k: int) -> torch.Tensor:
@@ -34,14 +35,6 @@ def pass_at_k(n: int, c: Union[int, torch.Tensor], k: int) -> torch.Tensor:
         + torch.lgamma(torch.tensor(n - k + 1.0, dtype=torch.double))
     )
     return torch.where(wrong < k, torch.ones_like(wrong), 1 - log_ratio.exp()).float()
-
-
-def response_lengths(samples: list[Sample]) -> torch.Tensor:
-    """Generated tokens per sample (all assistant turns)."""
-    return torch.tensor(
-        [sum(len(m["token_ids"]) for m in s.message_log if "generation_logprobs" in m) for s in samples],
-        dtype=torch.float,
-    )
 
 
 def validation_sampling(generation_cfg, k: int) -> tuple[bool, Optional[float]]:
@@ -130,21 +123,6 @@ def completion_rows(samples: Sequence[Sample], tokenizer) -> list[dict]:
         rows.append({"prompt": text.strip(), "response": "".join(m["content"] for m in sample.message_log[1:]),
                      "reward": float(sample.reward)})
     return rows
-
-
-def per_task_means(values: torch.Tensor, task_names: list[str], name: str, tasks: Sequence[str]) -> dict[str, float]:
-    """For a run with several `tasks` (environments): `{name}_count/{task}`, the number of samples
-    of each task, and `{name}/{task}`, their mean (absent when a batch has none of that task). A
-    single-task run has only the overall metric."""
-    if len(tasks) < 2:
-        return {}
-    metrics = {}
-    for task in sorted(tasks):
-        index = [i for i, t in enumerate(task_names) if t == task]
-        metrics[f"{name}_count/{task}"] = float(len(index))
-        if index:
-            metrics[f"{name}/{task}"] = values[torch.tensor(index)].float().mean().item()
-    return metrics
 
 
 def consensus_accuracy(answers: list[Optional[str]], rewards: torch.Tensor, k: int) -> float:

@@ -211,7 +211,11 @@ def test_nll_metrics_are_global_and_reference_stays_initial(dp2, hf_model):
 
 
 def test_checkpoint_resume_gives_bit_identical_next_step(cluster, pg_batch, tmp_path):
-    """AdamW with warm-up, so optimizer moments, scheduler position and step all have to come back."""
+    """AdamW with warm-up, so optimizer moments, scheduler position and step all have to come back.
+    A checkpoint saved without optimizer state (`checkpointing.save_optimizer=false`) has none on
+    disk and resumes the weights and the schedule with fresh optimizer moments."""
+    from posttrain.models.policy.checkpoint import has_optimizer_state
+
     cfg = policy_cfg(
         train_micro_batch_size=2,
         max_grad_norm=1.0,
@@ -224,6 +228,8 @@ def test_checkpoint_resume_gives_bit_identical_next_step(cluster, pg_batch, tmp_
         original.train(pg_batch, loss_fn)
         saved = original.save_checkpoint(str(tmp_path / "step_1"))
         assert not (tmp_path / "step_1.tmp").exists()
+        no_optimizer = original.save_checkpoint(str(tmp_path / "no_optimizer"), save_optimizer=False)
+        assert has_optimizer_state(saved) and not has_optimizer_state(no_optimizer)
         expected_metrics = original.train(pg_batch, loss_fn)
         expected_weights = original.state_dict_for_export()
     finally:
@@ -238,6 +244,17 @@ def test_checkpoint_resume_gives_bit_identical_next_step(cluster, pg_batch, tmp_
         assert all(torch.equal(weights[k], v) for k, v in expected_weights.items())
     finally:
         resumed.shutdown()
+
+    fresh = Policy(cluster, cfg, init_reference_model=False, weights_path=no_optimizer, name="fresh_optimizer")
+    try:
+        metrics = fresh.train(pg_batch, loss_fn)
+        # Same weights before the step, so the same loss; the schedule goes on (step 1's lr) while
+        # Adam's moments start from zero, so the update differs.
+        assert metrics["loss"] == expected_metrics["loss"] and metrics["lr"] == pytest.approx(1e-3)
+        weights = fresh.state_dict_for_export()
+        assert not all(torch.equal(weights[k], v) for k, v in expected_weights.items())
+    finally:
+        fresh.shutdown()
 
 
 def test_hf_export_and_convert_reload_with_identical_logits(dp2, hf_model, pg_batch, tmp_path):

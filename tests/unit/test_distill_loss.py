@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from posttrain.algorithms.distill_loss import LOG_EPS_OUTSIDE_TOPK, DistillationLoss
-from posttrain.algorithms.loss import LOSS_REGISTRY, compute_global_valid_counts, make_loss
+from posttrain.algorithms.loss import LOSS_REGISTRY, build_loss
+from posttrain.utils.metrics import valid_counts
 
 LN = math.log
 
@@ -29,7 +30,7 @@ def one_token(student_logits, teacher_topk_logits, teacher_topk_indices):
 
 
 def call(loss_fn, logits, batch):
-    seqs, toks = compute_global_valid_counts(batch)
+    seqs, toks = valid_counts(batch)
     return loss_fn(logits, batch, seqs, toks)
 
 
@@ -141,7 +142,7 @@ def test_micro_batches_with_global_counts_sum_to_the_full_batch(kl_type, zero_ou
     of any split add up to those of the whole batch (how the policy worker accumulates)."""
     loss_fn = DistillationLoss(kl_type, zero_outside_topk=zero_outside_topk)
     logits, batch = batch_of_rows(seed=3)
-    seqs, toks = compute_global_valid_counts(batch)
+    seqs, toks = valid_counts(batch)
     full_logits = logits.clone().requires_grad_(True)
     full_loss, full_metrics = loss_fn(full_logits, batch, seqs, toks)
     full_loss.backward()
@@ -163,7 +164,7 @@ def test_micro_batches_with_global_counts_sum_to_the_full_batch(kl_type, zero_ou
 
 def test_registered_and_bad_options():
     assert LOSS_REGISTRY["distillation"] is DistillationLoss
-    loss_fn = make_loss("distillation", kl_type="reverse", mixed_kl_weight=0.3, zero_outside_topk=True)
+    loss_fn = build_loss("distillation", kl_type="reverse", mixed_kl_weight=0.3, zero_outside_topk=True)
     assert (loss_fn.kl_type, loss_fn.mixed_kl_weight, loss_fn.zero_outside_topk) == ("reverse", 0.3, True)
     assert loss_fn.input_type == "logits" and loss_fn.loss_type == "token"
     with pytest.raises(ValueError, match="kl_type='js'"):

@@ -95,11 +95,7 @@ def test_no_cycles_between_parts():
 
 # ------------------------------------------------------------------------------------- files
 # Private names that still cross files, each with the change that removes it.
-PRIVATE_IMPORTS_PENDING = {
-    # `loss.py` is being split into one metric contract (issue 27, item 3); `_loss_mask` becomes
-    # public there.
-    ("posttrain.algorithms.distill_loss", "posttrain.algorithms.loss", "_loss_mask"),
-}
+PRIVATE_IMPORTS_PENDING: set[tuple[str, str, str]] = set()
 
 
 @cache

@@ -6,16 +6,17 @@ import pytest
 import torch
 
 from posttrain.algorithms.loss import (
+    LOSS_REGISTRY,
     ClippedPGLoss,
-    DPOLoss,
     NLLLoss,
-    PreferenceLoss,
-    compute_global_valid_counts,
-    make_loss,
+    build_loss,
     masked_mean,
     masked_sum,
     per_token_kl,
 )
+from posttrain.algorithms.preference_loss import DPOLoss, PreferenceLoss
+from posttrain.config.schema import LossConfig
+from posttrain.utils.metrics import accumulate, valid_counts
 
 
 def one_row_batch(log_ratio, advantages, gen_minus_prev=None):
@@ -37,7 +38,7 @@ def one_row_batch(log_ratio, advantages, gen_minus_prev=None):
 
 
 def call(loss_fn, logprobs, batch):
-    seqs, toks = compute_global_valid_counts(batch)
+    seqs, toks = valid_counts(batch)
     return loss_fn(logprobs, batch, seqs, toks)
 
 
@@ -52,7 +53,7 @@ def test_masked_helpers_and_counts():
 
     batch = {"token_mask": torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 1.0, 1.0]]),
              "sample_mask": torch.tensor([1.0, 1.0, 0.0])}
-    seqs, toks = compute_global_valid_counts(batch)
+    seqs, toks = valid_counts(batch)
     assert seqs.item() == 2.0 and toks.item() == 3.0  # position 0 never counts
 
 
@@ -271,7 +272,7 @@ def random_pg_batch(generator, batch_size=6, seq_len=7):
 def test_microbatches_sum_to_full_batch(cfg):
     logprobs, batch = random_pg_batch(torch.Generator().manual_seed(0))
     loss_fn = ClippedPGLoss(**cfg)
-    seqs, toks = compute_global_valid_counts(batch)
+    seqs, toks = valid_counts(batch)
 
     full_lp = logprobs.clone().requires_grad_()
     full_loss, full_metrics = loss_fn(full_lp, batch, seqs, toks)
@@ -284,9 +285,7 @@ def test_microbatches_sum_to_full_batch(cfg):
         loss, metrics = loss_fn(split_lp[rows], micro, seqs, toks)
         loss.backward()
         total += loss.item()
-        for name, value in metrics.items():
-            reduce = min if name.endswith("_min") else max if name.endswith("_max") else (lambda a, b: a + b)
-            summed[name] = reduce(summed[name], value) if name in summed else value
+        accumulate(summed, metrics)  # the policy worker's rule: sum, _min / _max by min / max
     assert total == pytest.approx(full_loss.item(), rel=1e-5)
     assert summed.keys() == full_metrics.keys()
     for name, value in full_metrics.items():
@@ -353,12 +352,15 @@ def test_preference_ties_count_half():
 
 # ------------------------------------------------------------------------------- registry, errors
 def test_registry_and_config_errors():
-    assert isinstance(make_loss("clipped_pg", ratio_clip_max=0.28), ClippedPGLoss)
-    assert isinstance(make_loss("nll"), NLLLoss)
-    assert make_loss("dpo", beta=0.2).beta == 0.2
-    assert make_loss("preference").input_type == "scores"
-    with pytest.raises(ValueError, match="registered losses"):
-        make_loss("ppo2")
+    assert isinstance(build_loss("clipped_pg", ratio_clip_max=0.28), ClippedPGLoss)
+    assert build_loss(LossConfig(), ratio_clip_max=0.28).cfg.ratio_clip_max == 0.28
+    assert isinstance(build_loss("nll"), NLLLoss)
+    assert build_loss("dpo", beta=0.2).beta == 0.2
+    assert build_loss("preference").input_type == "scores"
+    assert build_loss("posttrain.algorithms.preference_loss:DPOLoss", beta=0.3).beta == 0.3
+    with pytest.raises(KeyError, match=r"unknown loss 'dpo2'.*'distillation'.*did you mean 'dpo'"):
+        build_loss("dpo2")  # the error lists every built-in loss, also those registered beside loss.py
+    assert {"nll", "clipped_pg", "preference", "dpo", "distillation"} <= set(LOSS_REGISTRY)
     with pytest.raises(ValueError, match="truncated_importance_sampling_ratio"):
         ClippedPGLoss(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis")
     with pytest.raises(ValueError, match="use_importance_sampling_correction"):

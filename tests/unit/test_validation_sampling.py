@@ -71,7 +71,7 @@ def test_evaluate_samples_at_the_validation_temperature():
 
 
 def test_per_task_accuracy_and_counts():
-    from posttrain.evals.eval import per_task_means
+    from posttrain.utils.metrics import per_task_means
 
     values = torch.tensor([1.0, 0.0, 1.0, 1.0])
     assert per_task_means(values, ["a", "b", "a", "b"], "validation/accuracy", ["a", "b"]) == {

@@ -29,10 +29,12 @@ from posttrain.config.schema.loss import (  # noqa: F401
 )
 from posttrain.config.schema.data import (  # noqa: F401
     BLEND_KEYS,
+    VALIDATION_SEED_OFFSET,
     DataConfig,
     EnvConfig,
     ReasoningGymTask,
     blend_component,
+    split_seed,
 )
 from posttrain.config.schema.outputs import (  # noqa: F401
     CheckpointingConfig,

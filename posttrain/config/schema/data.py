@@ -10,15 +10,32 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from posttrain.config.schema.base import Section, check_component_name
 
+# Validation problems made from `data.seed` are seeded apart from training ones: training row i
+# uses seed `data.seed + i`, validation row i `data.seed + VALIDATION_SEED_OFFSET + i` (reasoning
+# gym, `data.dataset=env`), so the two never share a generator stream while a split has fewer
+# rows than the offset (the sizes below are capped at it). Defined here, the lowest layer, for
+# every part that makes rows from a seed.
+VALIDATION_SEED_OFFSET = 10**7
+
+
+def split_seed(data_seed: int, split: str) -> int:
+    """The first seed of a split's rows: `data_seed` for "train", `data_seed +
+    VALIDATION_SEED_OFFSET` for "validation"."""
+    if split not in ("train", "validation"):
+        raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
+    return data_seed + (VALIDATION_SEED_OFFSET if split == "validation" else 0)
+
 
 class ReasoningGymTask(Section):
     """One reasoning-gym task of `data.dataset=reasoning_gym` (`data.reasoning_gym`)."""
 
     name: str = Field(description="reasoning-gym data set name, e.g. 'chain_sum', 'spell_backward'.")
     config: dict[str, Any] = Field({}, description="Keyword arguments of reasoning_gym.create_dataset (the task's own config).")
-    size: int = Field(1000, ge=1, le=10**7, description="Training problems (seeds data.seed + 0 .. size - 1).")
+    size: int = Field(
+        1000, ge=1, le=VALIDATION_SEED_OFFSET, description="Training problems (seeds data.seed + 0 .. size - 1)."
+    )
     val_size: int = Field(
-        100, ge=0, le=10**7,
+        100, ge=0, le=VALIDATION_SEED_OFFSET,
         description="Validation problems (seeds from data.seed + 10**7; questions also in training dropped).",
     )
     weight: float = Field(1.0, gt=0, description="Share of each GRPO batch drawn from this task.")

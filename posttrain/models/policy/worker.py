@@ -56,6 +56,7 @@ from posttrain.models.policy.forward import (
 from posttrain.models.policy.linear_logprobs import use_fused_logprobs
 from posttrain.models.policy.weight_export import WeightExport
 from posttrain.utils.lr_schedule import build_lr_scheduler
+from posttrain.utils.metrics import NEUTRAL, accumulate, average_over_steps, reduction, valid_counts
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
@@ -432,7 +433,7 @@ class PolicyWorker(WeightExport, DistributedWorker):
                     bad_microbatches.append(mb_index)
                 # Keep going even on a bad loss so the other ranks' collectives stay in step.
                 (loss * self.dp_size).backward()
-                _accumulate(sums, metrics)
+                accumulate(sums, metrics)
             grad_norm = self._clip_grad_norm()
             self._raise_if_not_finite(bad_microbatches, grad_norm, step_index)
             self.optimizer.step()
@@ -441,18 +442,16 @@ class PolicyWorker(WeightExport, DistributedWorker):
         self.scheduler.step()
         self.step += 1
 
-        result = self._all_reduce_metrics(sums)
-        result = {k: v / num_steps if not _is_extreme(k) else v for k, v in result.items()}
+        result = average_over_steps(self._all_reduce_metrics(sums), num_steps)
         result.update(
             grad_norm=sum(grad_norms) / num_steps, lr=lr, global_valid_toks=total_toks, global_valid_seqs=total_seqs
         )
         return result
 
     def _global_counts(self, rows: Batch, scores: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(global_valid_seqs, global_valid_toks)` of one optimizer step, summed over data-parallel ranks."""
-        sample_mask = rows["sample_mask"].double()
-        toks = 0.0 if scores else (rows["token_mask"][:, 1:].double() * sample_mask[:, None]).sum()
-        counts = torch.stack([sample_mask.sum(), torch.as_tensor(toks, dtype=torch.float64)])
+        """`(global_valid_seqs, global_valid_toks)` of one optimizer step (`posttrain.utils.metrics.
+        valid_counts`), summed over data-parallel ranks."""
+        counts = torch.stack(valid_counts(rows, tokens=not scores))
         collective.all_reduce(counts, group=self.dp_group)  # TP ranks hold the same rows: count them once
         counts = counts.float().to(self.device)
         return counts[0], counts[1]
@@ -494,18 +493,18 @@ class PolicyWorker(WeightExport, DistributedWorker):
         )
 
     def _all_reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        """Sum (or min/max for `_min`/`_max` names) per-rank metric totals over the data-parallel
-        ranks (a tensor-parallel group's ranks computed the same ones)."""
+        """Per-rank metric totals reduced over the data-parallel ranks by the reduction rule
+        (`posttrain.utils.metrics.reduction`: sum, or min / max for `_min` / `_max` names; a
+        tensor-parallel group's ranks computed the same ones)."""
         if self.world_size == 1:
             return dict(sums)
         keys = sorted(set().union(*collective.all_gather_object(sorted(sums), group=self.dp_group)))
         out = {}
-        for op, suffix_test in (("min", "_min"), ("max", "_max"), ("sum", None)):
-            group = [k for k in keys if (k.endswith(suffix_test) if suffix_test else not _is_extreme(k))]
+        for op in ("min", "max", "sum"):
+            group = [k for k in keys if reduction(k) == op]
             if not group:
                 continue
-            neutral = {"min": math.inf, "max": -math.inf, "sum": 0.0}[op]
-            values = torch.tensor([sums.get(k, neutral) for k in group], dtype=torch.float64)
+            values = torch.tensor([sums.get(k, NEUTRAL[op]) for k in group], dtype=torch.float64)
             collective.all_reduce(values, op=op, group=self.dp_group)
             out.update(zip(group, values.tolist()))
         return out
@@ -569,21 +568,6 @@ class PolicyWorker(WeightExport, DistributedWorker):
         missing = [k for k in keys if k not in batch]
         if missing:
             raise KeyError(f"PolicyWorker.{who}: batch is missing {missing}; it has {sorted(batch)}")
-
-
-def _is_extreme(name: str) -> bool:
-    return name.endswith("_min") or name.endswith("_max")
-
-
-def _accumulate(sums: dict[str, float], metrics: dict[str, Any]) -> None:
-    for name, value in metrics.items():
-        value = float(value)
-        if name.endswith("_min"):
-            sums[name] = min(sums.get(name, math.inf), value)
-        elif name.endswith("_max"):
-            sums[name] = max(sums.get(name, -math.inf), value)
-        else:
-            sums[name] = sums.get(name, 0.0) + value
 
 
 def reward_head_load_note(model_path: str, missing: list[str], unexpected: list[str]) -> str:
