@@ -225,6 +225,7 @@ class PartialRollouts:
 
         metrics = dict(result.metrics)
         metrics.update({
+            "partial_rollouts/trained_groups": float(len(complete)),
             "partial_rollouts/carried_over_groups": float(len(self.carried)),
             "partial_rollouts/carried_over_sequences": float(sum(not p.done for grp in self.carried for p in grp)),
             "partial_rollouts/resumed_sequences": float(resumed),
