@@ -60,7 +60,6 @@ def roll_out_groups(
     n_gen = g.num_generations_per_prompt
     version = ctx.step if weight_version is None else weight_version
     samples = [prompt.fresh_copy() for prompt in prompts for _ in range(n_gen)]
-    group_ids = torch.arange(len(prompts)).repeat_interleave(n_gen)
 
     t0 = time.perf_counter()
     result = run_multi_turn_rollout(
@@ -70,7 +69,17 @@ def roll_out_groups(
         group_size=n_gen,
     )
     result.add_timings(timer, time.perf_counter() - t0)
+    return score_groups(ctx, result, len(prompts), version), result.metrics
 
+
+def score_groups(ctx: Any, result: Any, num_groups: int, version: int) -> list[PromptGroup]:
+    """A rollout's samples (`result`, a `RolloutResult` of `num_groups` consecutive groups of
+    `num_generations_per_prompt`) scored: reward shaping, advantages and sample masks set on the
+    samples, one `PromptGroup` per prompt, tagged with weight version `version`."""
+    cfg, g = ctx.cfg, ctx.cfg.grpo
+    n_gen = g.num_generations_per_prompt
+    samples = result.samples
+    group_ids = torch.arange(num_groups).repeat_interleave(n_gen)
     rewards = result.rewards
     if cfg.reward_shaping.enabled:  # DAPO overlong penalty
         rs = cfg.reward_shaping
@@ -86,15 +95,14 @@ def roll_out_groups(
         g.adv_estimator.name, rewards, group_ids, sample_mask, **advantage_options(g),
     )
     # DAPO: a group whose (unshaped) rewards all agree teaches nothing.
-    signal = adv.filter_zero_variance_groups(result.rewards, group_ids, num_groups=len(prompts))
+    signal = adv.filter_zero_variance_groups(result.rewards, group_ids, num_groups=num_groups)
     for sample, advantage, mask in zip(samples, advantages.tolist(), sample_mask.tolist()):
         sample.advantage, sample.sample_mask = advantage, mask
-    groups = [
+    return [
         PromptGroup(samples[p * n_gen:(p + 1) * n_gen], bool(signal[p]), version,
                     bool(result.timed_out[p * n_gen:(p + 1) * n_gen].any()))
-        for p in range(len(prompts))
+        for p in range(num_groups)
     ]
-    return groups, result.metrics
 
 
 def advantage_options(g) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from posttrain.job import (
     workers_description,
 )
 from posttrain.models.refit import build_refit_metadata
+from posttrain.algorithms.partial_rollouts import PartialRollouts
 from posttrain.run_config import warm_start_export_dir, warm_start_job, with_warm_starts
 from posttrain.utils import startup
 from posttrain.utils.timer import Timer
@@ -62,6 +63,7 @@ class GRPOContext:
     refit_metadata: Any
     clusters: list[Any] = field(default_factory=list)
     generation_stale: bool = False  # generation weights lag the policy's (both start from model_name)
+    partial_rollouts: Optional[PartialRollouts] = None  # grpo.partial_rollouts: the carried-over groups
 
     @property
     def step(self) -> int:
@@ -115,6 +117,8 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
         clusters=[policy_cluster] + ([] if colocated else [gen_cluster]),
     )
     ctx.generation_stale = loop.resume()  # resumed weights are newer than the generation's
+    if cfg.grpo.partial_rollouts.enabled:  # restores its carry-over and checkpoints it from now on
+        ctx.partial_rollouts = PartialRollouts.attach(ctx)
     return ctx
 
 
@@ -156,9 +160,14 @@ def _collect_experience(ctx: GRPOContext, step: int, timer: Timer) -> tuple[Batc
 
     With DAPO dynamic sampling, groups without reward variance are dropped and more prompts are
     generated until `num_prompts_per_step` groups remain (at most
-    `dynamic_sampling_max_gen_batches` generation batches).
+    `dynamic_sampling_max_gen_batches` generation batches). With `grpo.partial_rollouts`, the
+    complete groups of the carried-over and new prompts (`posttrain.algorithms.partial_rollouts`).
     """
     g = ctx.cfg.grpo
+    if ctx.partial_rollouts is not None:
+        refit_if_stale(ctx, timer)
+        groups, metrics = ctx.partial_rollouts.roll_out(ctx, ctx.train_loader.next_batch(), step * 1000 + 1, timer)
+        return training_batch(ctx, groups, groups, [metrics])
     kept: list[PromptGroup] = []
     generated: list[PromptGroup] = []
     rollout_metrics: list[dict[str, float]] = []

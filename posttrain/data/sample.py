@@ -24,7 +24,8 @@ class SampleStatus(enum.Enum):
     """Where a sample is in its rollout (slime's `Sample.Status`): not started, running, or how
     its episode ended. A COMPLETED episode was scored by its environment's last `step`; TRUNCATED
     and TURN_LIMIT ones are then scored by its `finish` (`Environment.finish`); TIMED_OUT ones
-    are dropped."""
+    are dropped. PAUSED ones were stopped mid-generation by a partial rollout and continue in the
+    next step (`posttrain.algorithms.partial_rollouts`)."""
 
     PENDING = "pending"  # not rolled out yet (a prompt)
     RUNNING = "running"  # in a rollout, generating its next turn
@@ -32,6 +33,7 @@ class SampleStatus(enum.Enum):
     TRUNCATED = "truncated"  # the token limit: the last observation did not fit with room to answer
     TURN_LIMIT = "turn_limit"  # still going after `max_rollout_turns` turns
     TIMED_OUT = "timed_out"  # its environment missed the rollout's deadline in a `step`: dropped
+    PAUSED = "paused"  # stopped mid-generation by a partial rollout: its tokens carry over to the next step
 
 
 @dataclass

@@ -307,3 +307,59 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(grpo_context, tmp_
     assert (step1 / "training_info.json").read_text() == info_before
     assert not (tmp_path / "ckpt" / "step_2").exists()
     assert ctx.loop.checkpointer.latest() == step1
+
+
+PARTIAL = [
+    "cluster.backend=local", "grpo.max_num_steps=4", "checkpointing.save_period=2",
+    "loss_fn.use_importance_sampling_correction=true", "grpo.partial_rollouts.enabled=true",
+    "grpo.partial_rollouts.chunk_tokens=2", "grpo.partial_rollouts.min_complete_fraction=0.25",
+    # An untrained tiny model rarely samples eos: a fifth of its vocabulary ends a sequence too,
+    # so lengths vary and groups finish at different chunks.
+    "policy.generation.stop_token_ids=[" + ",".join(str(i) for i in range(40, 60)) + "]",
+]
+
+
+def test_partial_rollouts_carry_sequences_over_and_resume_exactly(tmp_path, monkeypatch):
+    """Four steps with partial rollouts carry unfinished sequences over (their tokens then span two
+    weight versions); a run stopped after its step-2 checkpoint resumes with the carry-over and
+    logs exactly the uninterrupted run's metrics."""
+    from posttrain.algorithms import grpo
+
+    straight = grpo.setup(small_cfg(tmp_path / "straight", *PARTIAL))
+    try:
+        grpo.grpo_train(straight)
+    finally:
+        straight.shutdown()
+    expected = _comparable(read_metrics(tmp_path / "straight" / "logs"))
+    assert sorted(expected) == [1, 2, 3, 4]
+    rows = [expected[step] for step in (1, 2, 3, 4)]
+    assert sum(r["train/partial_rollouts/carried_over_sequences"] for r in rows) > 0
+    assert sum(r["train/partial_rollouts/mixed_version_sequences"] for r in rows) > 0
+    for before, after in zip(rows, rows[1:]):  # what a step carries over, the next resumes (none too old)
+        assert after["train/partial_rollouts/resumed_sequences"] == before["train/partial_rollouts/carried_over_sequences"]
+    assert all(r["train/partial_rollouts/dropped_too_old_sequences"] == 0 for r in rows)
+    assert (tmp_path / "straight" / "ckpt" / "step_2" / "partial_rollouts.pt").exists()
+
+    step_fn = grpo.grpo_step
+
+    def stops_at_step_3(ctx, step, timer):
+        if step == 3:
+            raise KeyboardInterrupt("stopped after the step-2 checkpoint")
+        return step_fn(ctx, step, timer)
+
+    stopped = grpo.setup(small_cfg(tmp_path / "stopped", *PARTIAL))
+    monkeypatch.setattr(grpo, "grpo_step", stops_at_step_3)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            grpo.grpo_train(stopped)
+    finally:
+        stopped.shutdown()
+    monkeypatch.setattr(grpo, "grpo_step", step_fn)
+    resumed = grpo.setup(small_cfg(tmp_path / "stopped", *PARTIAL))
+    try:
+        assert resumed.step == 2
+        assert len(resumed.partial_rollouts.carried) == expected[2]["train/partial_rollouts/carried_over_groups"]
+        grpo.grpo_train(resumed)
+    finally:
+        resumed.shutdown()
+    assert _comparable(read_metrics(tmp_path / "stopped" / "logs")) == expected

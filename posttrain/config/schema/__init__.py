@@ -45,6 +45,7 @@ from posttrain.config.schema.outputs import (  # noqa: F401
 from posttrain.config.schema.algorithms import (  # noqa: F401
     AdvantageEstimatorConfig,
     AsyncGRPOConfig,
+    PartialRolloutsConfig,
     DPOConfig,
     DistillationConfig,
     DistillationLossConfig,
@@ -65,6 +66,7 @@ from posttrain.config.schema.jobs import (  # noqa: F401
     SCHEMAS,
     SFTMasterConfig,
     async_grpo_problem,
+    partial_rollouts_problem,
     local_backend_problem,
     pair_batching_problems,
     resolve_backend,

@@ -71,6 +71,37 @@ class AsyncGRPOConfig(Section):
     )
 
 
+class PartialRolloutsConfig(Section):
+    """Partial rollouts (slime, Kimi k1.5): a step's generation ends once most of its prompt groups
+    are complete; unfinished sequences keep their tokens and continue in the next step under the
+    new weights, each token carrying the weight version and logprob that produced it
+    (`posttrain/algorithms/partial_rollouts.py`)."""
+
+    enabled: bool = Field(
+        False,
+        description=(
+            "Stop a step's generation early and carry unfinished sequences over (default false); needs "
+            "loss_fn.use_importance_sampling_correction=true, policy.generation.backend=native, "
+            "grpo.max_rollout_turns=1, and neither grpo.async_grpo nor grpo.use_dynamic_sampling."
+        ),
+    )
+    min_complete_fraction: float = Field(
+        0.75, gt=0, le=1,
+        description="A step's generation ends when this fraction of its prompt groups are complete (default 0.75).",
+    )
+    chunk_tokens: int = Field(
+        256, ge=1,
+        description="Generation proceeds in chunks of this many new tokens, so it can stop between chunks (default 256).",
+    )
+    max_age_steps: int = Field(
+        1, ge=0,
+        description=(
+            "A carried-over group whose oldest token is more than this many weight versions behind the current "
+            "weights is dropped and counted (train/partial_rollouts/dropped_too_old_sequences) (default 1)."
+        ),
+    )
+
+
 class GRPOConfig(Section):
     """The GRPO loop: group sizes, run length, validation schedule, advantage estimation, DAPO filters."""
 
@@ -108,6 +139,7 @@ class GRPOConfig(Section):
     )
     adv_estimator: AdvantageEstimatorConfig = AdvantageEstimatorConfig()
     async_grpo: AsyncGRPOConfig = AsyncGRPOConfig()
+    partial_rollouts: PartialRolloutsConfig = PartialRolloutsConfig()
     val_period: int = Field(10, ge=0, description="0 disables periodic validation.")
     val_at_start: bool = Field(True, description="Validate before the first step.")
     val_at_end: bool = Field(True, description="Validate after the last step.")

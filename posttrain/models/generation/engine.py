@@ -250,6 +250,7 @@ class NativeGenerationEngine:
         stop_token_ids: Optional[Sequence[int]] = None,
         stop_strings: StopStrings = None,
         seeds: Optional[torch.Tensor] = None,
+        start_steps: Optional[torch.Tensor] = None,
     ) -> dict[str, torch.Tensor]:
         """Generate up to `max_new_tokens` tokens for each right-padded prompt.
 
@@ -268,6 +269,11 @@ class NativeGenerationEngine:
                 row is not marked truncated.
             seeds: `[B]` int64 per-row seeds (default None: drawn from torch's global RNG). The
                 same seed gives the same tokens whatever else is in the batch.
+            start_steps: `[B]` int64, tokens of the row's current turn already generated, at the end of
+                its prompt (default None: all 0). The row continues that generation: its random
+                stream starts at decoding step `start_steps` and its stop strings are looked for
+                across those tokens too, so generating a turn in chunks (partial rollouts) draws
+                the tokens one uninterrupted generation would under the same weights and seed.
 
         Returns:
             dict with `output_ids [B, S+T]` (T = longest generation), `generation_lengths [B]`,
@@ -301,6 +307,14 @@ class NativeGenerationEngine:
         if seeds is None:
             seeds = torch.randint(0, 2**62, (batch_size,), dtype=torch.long)
         seeds = seeds.long().to(device)
+        if start_steps is None:
+            start_steps = torch.zeros(batch_size, dtype=torch.long)
+        start_steps = start_steps.long().to(device)
+        if start_steps.shape != (batch_size,) or bool((start_steps < 0).any()) or bool((start_steps >= input_lengths.to(device)).any()):
+            raise ValueError(f"start_steps must be [{batch_size}] in [0, input_lengths), got {start_steps.tolist()}")
+        # Each row's tokens of the turn generated before this call: stop strings may span them.
+        earlier = [input_ids[row, int(input_lengths[row]) - n : int(input_lengths[row])].tolist() if n else []
+                   for row, n in enumerate(start_steps.tolist())] if has_stop_strings else None
         end_ids = torch.tensor(self.eos_token_ids + list(stop_token_ids or []), dtype=torch.long, device=device)
 
         # Outputs of the whole batch, indexed by original row.
@@ -330,7 +344,7 @@ class NativeGenerationEngine:
                 live_slots, rows, step_logits = None, slot_rows, logits
             processed = process_logits(step_logits, temperature=temperature, top_k=top_k, top_p=top_p, buffers=buffers)
             tokens, token_logprobs = sample(
-                processed, seeds[rows], torch.full_like(rows, step), greedy=greedy, buffers=buffers
+                processed, seeds[rows], start_steps[rows] + step, greedy=greedy, buffers=buffers
             )
             new_tokens[rows, step] = tokens
             new_logprobs[rows, step] = token_logprobs
@@ -338,7 +352,7 @@ class NativeGenerationEngine:
 
             finished = torch.isin(tokens, end_ids)
             if has_stop_strings and any(row_stop_strings[i] for i in rows.tolist()):
-                finished |= self._hits_stop_string(new_tokens, rows, step + 1, row_stop_strings)
+                finished |= self._hits_stop_string(new_tokens, rows, step + 1, row_stop_strings, earlier)
             stopped[rows] = finished
             if step + 1 == max_new_tokens:
                 break
@@ -365,11 +379,13 @@ class NativeGenerationEngine:
         return self._assemble_outputs(input_ids, input_lengths, new_tokens, new_logprobs, generation_lengths, stopped)
 
     def _hits_stop_string(
-        self, new_tokens: torch.Tensor, active: torch.Tensor, num_generated: int, row_stop_strings: list[list[str]]
+        self, new_tokens: torch.Tensor, active: torch.Tensor, num_generated: int, row_stop_strings: list[list[str]],
+        earlier: Optional[list[list[int]]] = None,
     ) -> torch.Tensor:
         """`[len(active)]` bool: the decoded generated tail of the row contains a stop string.
 
-        Only the last few tokens are decoded. A stop string found here ends in the newest token,
+        Only the last few tokens are decoded, `earlier[row]` (the turn's tokens generated before this
+        call) in front of the new ones. A stop string found here ends in the newest token,
         because the check runs after every token and an earlier match would have ended the row.
         """
         rows = active.tolist()
@@ -377,8 +393,12 @@ class NativeGenerationEngine:
         windows = []
         for j in checked:
             longest = max(len(s) for s in row_stop_strings[rows[j]])
-            start = max(0, num_generated - longest - _STOP_STRING_TOKEN_MARGIN)
-            windows.append(new_tokens[rows[j], start:num_generated].tolist())
+            width = longest + _STOP_STRING_TOKEN_MARGIN
+            start = max(0, num_generated - width)
+            window = new_tokens[rows[j], start:num_generated].tolist()
+            if earlier is not None and len(window) < width:
+                window = earlier[rows[j]][max(0, len(earlier[rows[j]]) - (width - len(window))):] + window
+            windows.append(window)
         texts = self.tokenizer.batch_decode(windows, skip_special_tokens=False)
         hits = torch.zeros(len(rows), dtype=torch.bool)
         for j, text in zip(checked, texts):

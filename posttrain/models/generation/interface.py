@@ -40,8 +40,9 @@ class GenerationInterface(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None) -> Batch:
-        """`batch` has `input_ids [B,S]` (right-padded), `input_lengths [B]`, optionally `seeds [B]`
-        and per-row `stop_strings`. Returns `output_ids`, `generation_lengths`,
+        """`batch` has `input_ids [B,S]` (right-padded), `input_lengths [B]`, optionally `seeds [B]`,
+        per-row `stop_strings` and `start_steps [B]` (tokens of the turn already generated at the end
+        of the prompt, to continue exactly: the native backend; partial rollouts). Returns `output_ids`, `generation_lengths`,
         `unpadded_sequence_lengths`, `logprobs`, `truncated` (docs/internals.md)."""
 
     def generate_shards(

@@ -10,7 +10,9 @@ Sampling is counter-based: the random number a row uses at decoding step `t` is 
 of `(seed, t)` (a stateless integer hash, the idea behind Philox / JAX's threefry keys). A row
 therefore draws the same token for the same seed no matter which other rows share its batch,
 in which order they finish, or which worker decodes it, and no per-row `torch.Generator` (one
-kernel launch per row per step) is needed.
+kernel launch per row per step) is needed. A generation continued later (partial rollouts) passes
+its tokens so far as prompt and their count as the engine's `start_steps`, so its counter, and
+with it its random stream, goes on where it stopped.
 """
 
 from __future__ import annotations

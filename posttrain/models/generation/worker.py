@@ -58,8 +58,8 @@ class GenerationWorker(DistributedWorker):
         return {"pad_token_id": self.tokenizer.pad_token_id, "eos_token_id": self.tokenizer.eos_token_id}
 
     def generate(self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None) -> Batch:
-        """Generate for `batch` (`input_ids`, `input_lengths`, optional `seeds [B]` and per-row
-        `stop_strings`), in pieces of `generation.batch_size` rows.
+        """Generate for `batch` (`input_ids`, `input_lengths`, optional `seeds [B]`, `start_steps [B]`
+        (`NativeGenerationEngine.generate`: continue a turn's generation) and per-row `stop_strings`), in pieces of `generation.batch_size` rows.
 
         `params` overrides keys of the generation config for this call (e.g. the validation
         temperature); allowed keys: `SAMPLING_PARAMS`.
@@ -82,6 +82,7 @@ class GenerationWorker(DistributedWorker):
                 greedy=greedy,
                 stop_strings=merge_stop_strings(global_stops, piece.get("stop_strings")),
                 seeds=piece.get("seeds"),
+                start_steps=piece.get("start_steps"),
                 **options,
             )
             outputs.append(Batch({key: value.cpu() for key, value in out.items()}))
