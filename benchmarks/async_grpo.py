@@ -1,6 +1,7 @@
 """Sync vs async GRPO on the embedded default task, side by side in one run on the same cores.
 
     ./run.sh python benchmarks/async_grpo.py [--steps 250] [--runs sync sync2 async]
+    ./run.sh python benchmarks/async_grpo.py --task nemotron_mini --runs sync async partial
 
 Each run is `posttrain grpo` on the embedded default (2-digit additions, the cached SFT warm
 start, 16 prompts x 8 generations, 250 steps, validation on 500 problems every 25 steps), in its
@@ -12,6 +13,14 @@ own process, one after the other, with checkpointing off:
            using both cores in every phase.
 - `async`: `examples/configs/grpo_async_tiny.yaml`: one policy worker and one generation worker,
            each on its own core, overlapping; groups at most one step old.
+
+With `--task nemotron_mini` the same runs use the nemotron_mini recipe
+(`examples/recipes/nemotron_mini.yaml`: SmolLM2-135M-Instruct, seven environments, 8 prompts x 4
+generations; docs/recipes/nemotron-mini.md), validated once at the end (`--steps`, default 10)
+on its 210 held-out problems, and a fourth run is offered:
+
+- `partial`: sync with partial rollouts (`grpo.partial_rollouts.enabled=true`): a step's
+             generation ends once 75% of its groups are complete; the rest continue next step.
 
 Printed per run: steps/s (median step time), training time (sum of step times, validation
 excluded, the same work for all), the wall time of the whole command, validation accuracy at
@@ -38,11 +47,24 @@ RUNS = {
     "sync2": ["policy.num_workers=2"],
     "async": ["--config", str(REPO / "examples/configs/grpo_async_tiny.yaml")],
 }
+RECIPE = ["--config", str(REPO / "examples/recipes/nemotron_mini.yaml")]
+IMPORTANCE_CORRECTION = ["loss_fn.use_importance_sampling_correction=true",
+                         "loss_fn.truncated_importance_sampling_type=tis",
+                         "loss_fn.truncated_importance_sampling_ratio=2.0"]
+RECIPE_RUNS = {  # the same recipe, one change each; validated once, at the end
+    "sync": RECIPE,
+    "sync2": [*RECIPE, "policy.num_workers=2"],
+    "async": [*RECIPE, "grpo.async_grpo.enabled=true", "grpo.async_grpo.max_trajectory_age_steps=1",
+              "policy.generation.colocated.enabled=false", "policy.generation.colocated.num_workers=1",
+              *IMPORTANCE_CORRECTION],
+    "partial": [*RECIPE, "grpo.partial_rollouts.enabled=true", *IMPORTANCE_CORRECTION],
+}
+TASKS = {"default": RUNS, "nemotron_mini": RECIPE_RUNS}
 
 
-def run(name: str, steps: int, workdir: Path) -> dict:
+def run(name: str, args: list[str], steps: int, workdir: Path) -> dict:
     log_dir = workdir / name
-    cmd = [sys.executable, "-m", "posttrain", "grpo", *RUNS[name], f"grpo.max_num_steps={steps}",
+    cmd = [sys.executable, "-m", "posttrain", "grpo", *args, f"grpo.max_num_steps={steps}",
            f"logger.log_dir={log_dir}", "checkpointing.enabled=false", "logger.progress_bar=false",
            "logger.report=false"]
     print(f"[bench] {name}: {' '.join(cmd[2:])}", flush=True)
@@ -62,8 +84,10 @@ def run(name: str, steps: int, workdir: Path) -> dict:
         elapsed[s] = train_time
     # The default validation is greedy (one answer per prompt): posttrain.utils.metric_names.
     accuracy = {s: rows[s]["validation/accuracy_greedy"] for s in sorted(rows) if "validation/accuracy_greedy" in rows[s]}
+    episodes = [rows[s]["train/num_samples"] for s in sorted(rows) if s > 0 and "train/num_samples" in rows[s]]
     return {"wall": wall, "median_step": statistics.median(step_times), "train_time": train_time,
-            "accuracy": accuracy, "elapsed": elapsed}
+            "accuracy": accuracy, "elapsed": elapsed,
+            "samples_per_s": sum(episodes) / train_time if episodes and train_time else float("nan")}
 
 
 def time_to_reach(result: dict, target: float) -> float | None:
@@ -76,23 +100,33 @@ def time_to_reach(result: dict, target: float) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=250)
-    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--task", choices=list(TASKS), default="default")
+    parser.add_argument("--steps", type=int, default=None, help="250 (default task), 10 (nemotron_mini)")
+    parser.add_argument("--runs", nargs="+", default=None, choices=sorted({n for t in TASKS.values() for n in t}),
+                        help="default: sync sync2 async (default task), sync async partial (nemotron_mini)")
     args = parser.parse_args()
+    runs = TASKS[args.task]
+    names = args.runs or (["sync", "async", "partial"] if args.task == "nemotron_mini" else list(RUNS))
+    unknown = [n for n in names if n not in runs]
+    if unknown:
+        sys.exit(f"[bench] --runs {' '.join(unknown)}: not offered for --task {args.task} (offered: {' '.join(runs)})")
+    steps = args.steps or (10 if args.task == "nemotron_mini" else 250)
+    # The recipe validates 210 problems (about two minutes): once, at the end, at equal steps.
+    extra = ([f"grpo.val_period={steps}", "grpo.val_at_start=false"] if args.task == "nemotron_mini" else [])
     with tempfile.TemporaryDirectory(prefix="posttrain-async-bench-") as tmp:
-        results = {name: run(name, args.steps, Path(tmp)) for name in args.runs}
+        results = {name: run(name, [*runs[name], *extra], steps, Path(tmp)) for name in names}
 
     base = results.get("sync") or next(iter(results.values()))
     target = list(base["accuracy"].values())[-1]
-    print(f"\nGRPO on the default task, {args.steps} steps, same machine, one run after the other")
-    print(f"{'run':<6} {'median step':>11} {'steps/s':>8} {'x sync':>7} {'train s':>8} {'wall s':>7} "
-          f"{'final acc':>9} {'to sync final':>13}")
+    print(f"\nGRPO on the {args.task} task, {steps} steps, same machine, one run after the other")
+    print(f"{'run':<7} {'median step':>11} {'steps/s':>8} {'x sync':>7} {'samples/s':>9} {'train s':>8} "
+          f"{'wall s':>7} {'final acc':>9} {'to sync final':>13}")
     for name, r in results.items():
         reach = time_to_reach(r, target)
         final = list(r["accuracy"].values())[-1]
-        print(f"{name:<6} {r['median_step']:>10.3f}s {1 / r['median_step']:>8.2f} "
-              f"{base['median_step'] / r['median_step']:>6.2f}x {r['train_time']:>8.1f} {r['wall']:>7.1f} "
-              f"{final:>9.1%} {('%.1fs' % reach) if reach is not None else 'never':>13}")
+        print(f"{name:<7} {r['median_step']:>10.3f}s {1 / r['median_step']:>8.2f} "
+              f"{base['median_step'] / r['median_step']:>6.2f}x {r['samples_per_s']:>9.2f} {r['train_time']:>8.1f} "
+              f"{r['wall']:>7.1f} {final:>9.1%} {('%.1fs' % reach) if reach is not None else 'never':>13}")
     print("\nvalidation accuracy by step:")
     steps = sorted({s for r in results.values() for s in r["accuracy"]})
     print("step   " + " ".join(f"{name:>7}" for name in results))

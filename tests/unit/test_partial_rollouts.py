@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from posttrain.algorithms.loss import ClippedPGLoss, compute_global_valid_counts
+from posttrain.algorithms.loss import ClippedPGLoss
+from posttrain.utils.metrics import valid_counts
 from posttrain.algorithms.partial_rollouts import PartialRollouts, SequenceProgress, generate_in_chunks
 from posttrain.config.loader import load_config
 from posttrain.data.message_log import append_message, flatten_message_logs
@@ -146,7 +147,7 @@ def test_the_loss_weights_each_token_by_its_own_generation_logprob():
     logprobs = batch["generation_logprobs"].clone()
     logprobs[0, 2:6] += delta
     logprobs.requires_grad_(True)
-    seqs, toks = compute_global_valid_counts(batch)
+    seqs, toks = valid_counts(batch)
     loss, metrics = ClippedPGLoss(use_importance_sampling_correction=True, token_level_loss=True)(
         logprobs, batch, seqs, toks)
     # One optimizer step: ratio 1, so each token's loss is -A x its importance weight exp(delta).
