@@ -1,10 +1,10 @@
-"""GRPO's experience, shared by the synchronous loop (`grpo.py`) and the asynchronous one
-(`async_grpo.py`), and the lazy refit before a rollout that distillation uses too: prompt groups
-rolled out and scored (rewards, shaping, advantages), groups turned into a training batch with
-the step's metrics, and the copy of the policy's weights into the generation workers.
+"""GRPO's experience and run, shared by the synchronous loop (`grpo.py`) and the asynchronous one
+(`async_grpo.py`): prompt groups rolled out and scored (rewards, shaping, advantages), groups turned
+into a training batch with the step's metrics, and GRPO's set-up, validation and run on the
+on-policy runtime (`on_policy.py`, which distillation shares).
 
-`ctx` is the algorithm's context (`GRPOContext`, `DistillContext`): the functions read its `cfg`,
-`policy`, `generation`, `tokenizer`, `envs`, `refit_metadata`, `step` and `generation_stale`.
+`ctx` is the run's `OnPolicyContext`: the functions read its `cfg`, `policy`, `generation`,
+`tokenizer`, `envs`, `refit_metadata` and `step`.
 This module imports neither loop, so neither loop imports the other (tests/unit/test_import_graph.py).
 """
 
@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from posttrain.algorithms import advantages as adv
 from posttrain.algorithms.loop import SIGNAL_METRIC
+from posttrain.algorithms.loss import build_loss
+from posttrain.algorithms.on_policy import OnPolicyContext, apply_warm_starts, build_on_policy_run, run_on_policy, validate
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.data.sample import Sample
 from posttrain.distributed.batch import Batch
 from posttrain.evals.eval import per_task_means, response_lengths
-from posttrain.models.refit import refit_policy_generation
 from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
 from posttrain.utils.timer import Timer
 
@@ -142,21 +143,26 @@ def training_batch(
     return train_data, metrics
 
 
-def refit_if_stale(ctx: Any, timer: Optional[Timer] = None) -> None:
-    """Copy policy weights into the generation workers, lazily (only when they are stale)."""
-    if not ctx.generation_stale:
-        if timer is not None:
-            timer.add("refit", 0.0)  # always reported, so step-time breakdowns line up
-        return
-    t0 = time.perf_counter()
-    refit_generation(ctx, ctx.step)
-    if timer is not None:
-        timer.add("refit", time.perf_counter() - t0)
+# ------------------------------------------------------------------------------------ GRPO's run
+def setup_grpo(cfg: Any) -> OnPolicyContext:
+    """A GRPO run (either loop), started: the on-policy set-up with GRPO's clipped policy-gradient
+    loss and, for a KL penalty (`loss_fn.reference_policy_kl_penalty` > 0), a reference model."""
+    return build_on_policy_run(cfg, section="grpo", name="GRPO", make_loss=lambda c: build_loss(c.loss_fn),
+                               reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
 
 
-def refit_generation(ctx: Any, version: int) -> None:
-    """Copy the policy's weights (policy step `version`) into the generation workers, verified
-    when `policy.generation.verify_refit` asks."""
-    refit_policy_generation(ctx.policy, ctx.generation, ctx.refit_metadata, version=version,
-                            verify=ctx.cfg.policy.generation.verify_refit_enabled)
-    ctx.generation_stale = False
+def validate_grpo(ctx: OnPolicyContext) -> dict[str, float]:
+    """Accuracy, and pass@k for `grpo.val_num_generations_per_prompt` = k > 1, on the held-out
+    prompts with the current weights (`on_policy.validate`)."""
+    return validate(ctx, k=ctx.cfg.grpo.val_num_generations_per_prompt)
+
+
+def run_grpo(cfg: Any, train: Callable[[OnPolicyContext], Any]) -> dict[str, Optional[float]]:
+    """Optional SFT warm start, then GRPO trained by `train(ctx)` (the synchronous or the
+    asynchronous loop); prints before/after accuracy and returns them (`before`, `after`: the first
+    and the last validation accuracy, or None; both None for a run resumed past its last step)."""
+    ctx = setup_grpo(apply_warm_starts(cfg))
+    if not run_on_policy(ctx, train):
+        return {"before": None, "after": None}
+    before, after = ctx.loop.headline_change()
+    return {"before": before, "after": after}
