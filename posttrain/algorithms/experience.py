@@ -19,7 +19,13 @@ import torch
 from posttrain.algorithms import advantages as adv
 from posttrain.algorithms.loop import SIGNAL_METRIC
 from posttrain.algorithms.loss import build_loss
-from posttrain.algorithms.on_policy import OnPolicyContext, apply_warm_starts, build_on_policy_run, run_on_policy, validate
+from posttrain.algorithms.on_policy import (
+    OnPolicyContext,
+    apply_warm_starts,
+    build_on_policy_run,
+    run_on_policy,
+    validate,
+)
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.data.sample import Sample
 from posttrain.distributed.batch import Batch
