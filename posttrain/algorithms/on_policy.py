@@ -147,8 +147,9 @@ def build_on_policy_run(
     algorithm's own fields, which `extra` fills)."""
     from posttrain.data.processors import build_prompt_message_log
 
-    s = getattr(cfg, section)
-    cfg, tokenizer = start_run(cfg, seed=s.seed, max_num_steps=s.max_num_steps)
+    start = getattr(cfg, section)
+    cfg, tokenizer = start_run(cfg, seed=start.seed, max_num_steps=start.max_num_steps)
+    s = getattr(cfg, section)  # the started config's section (the loop reads its schedule)
     train_samples, val_samples = build_splits(cfg, build_prompt_message_log, tokenizer, s.max_val_samples)
     loader = train_loader(train_samples, s.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=s.seed)
 
