@@ -340,10 +340,10 @@ def prepare_model(args: argparse.Namespace) -> str:
         from posttrain.models.gguf_import import ensure_pretrained
 
         return str(ensure_pretrained(SMOLLM2))
-    from posttrain.algorithms.grpo import apply_sft_warm_start
+    from posttrain.algorithms.on_policy import apply_warm_starts
     from posttrain.config.loader import load_config
 
-    return apply_sft_warm_start(load_config("grpo")).policy.model_name
+    return apply_warm_starts(load_config("grpo")).policy.model_name
 
 
 def run_side(side: str, args: argparse.Namespace) -> dict:

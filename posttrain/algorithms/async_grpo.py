@@ -37,10 +37,10 @@ import threading
 import time
 from typing import Any, Optional
 
-from posttrain.algorithms.experience import PromptGroup, refit_generation, roll_out_groups, training_batch
-from posttrain.algorithms import grpo
-from posttrain.algorithms.grpo import GRPOContext, validate
+from posttrain.algorithms.experience import PromptGroup, roll_out_groups, training_batch
+from posttrain.algorithms.grpo_run import run_grpo, validate_grpo
 from posttrain.algorithms.loop import prefixed
+from posttrain.algorithms.on_policy import OnPolicyContext, refit_generation
 from posttrain.algorithms.replay_buffer import AsyncRolloutError, ReplayBuffer
 from posttrain.config.schema import GRPOMasterConfig
 from posttrain.utils.timer import Timer
@@ -100,7 +100,7 @@ class TrajectoryCollector:
     `problem()` says why it stopped, if it did; `snapshot()` is what a checkpoint saves.
     """
 
-    def __init__(self, ctx: GRPOContext, buffer: ReplayBuffer, lock: threading.Lock):
+    def __init__(self, ctx: OnPolicyContext, buffer: ReplayBuffer, lock: threading.Lock):
         self.ctx, self.buffer = ctx, buffer
         self.cfg = ctx.cfg.grpo.async_grpo
         self.generation = GuardedGeneration(ctx.generation, lock)
@@ -215,14 +215,14 @@ class TrajectoryCollector:
 
 # ------------------------------------------------------------------------------------ the loop
 def run(cfg: GRPOMasterConfig) -> dict[str, Optional[float]]:
-    """`posttrain grpo` with `grpo.async_grpo.enabled`: GRPO's `run` (warm start, set-up, summary)
-    with the asynchronous loop."""
+    """`posttrain grpo` with `grpo.async_grpo.enabled`: GRPO's run (`grpo_run.run_grpo`: warm
+    start, set-up, summary) with the asynchronous loop."""
     if not cfg.grpo.async_grpo.enabled:
         raise ValueError("async_grpo.run needs grpo.async_grpo.enabled=true; grpo.run trains synchronously")
-    return grpo.run(cfg, train=async_grpo_train)
+    return run_grpo(cfg, async_grpo_train)
 
 
-def async_grpo_train(ctx: GRPOContext) -> dict[str, float]:
+def async_grpo_train(ctx: OnPolicyContext) -> dict[str, float]:
     """Train from the context's step to its last step with a trajectory collector running beside."""
     a, g = ctx.cfg.grpo.async_grpo, ctx.cfg.grpo
     lock = threading.Lock()
@@ -238,7 +238,7 @@ def async_grpo_train(ctx: GRPOContext) -> dict[str, float]:
 
     def locked_validate() -> dict[str, float]:
         with lock:  # the collector pauses between generation calls
-            return validate(ctx)
+            return validate_grpo(ctx)
 
     collector.start()
     try:
@@ -247,7 +247,7 @@ def async_grpo_train(ctx: GRPOContext) -> dict[str, float]:
         collector.stop()
 
 
-def async_grpo_step(ctx: GRPOContext, collector: TrajectoryCollector, step: int, timer: Timer) -> dict[str, float]:
+def async_grpo_step(ctx: OnPolicyContext, collector: TrajectoryCollector, step: int, timer: Timer) -> dict[str, float]:
     """One step: the oldest ready groups, previous logprobs on the current weights, the
     importance-weighted update, then refit."""
     cfg, a = ctx.cfg, ctx.cfg.grpo.async_grpo
@@ -290,7 +290,7 @@ def async_grpo_step(ctx: GRPOContext, collector: TrajectoryCollector, step: int,
     return {**metrics, **prefixed(train_metrics, "train")}
 
 
-def _refit(ctx: GRPOContext, lock: threading.Lock, version: int) -> float:
+def _refit(ctx: OnPolicyContext, lock: threading.Lock, version: int) -> float:
     """Copy the policy's weights (policy step `version`) into the generation workers, between two
     of the collector's generation calls; returns the seconds generation was held up (the refit
     bubble: the copy itself, not the wait for the call in flight)."""

@@ -19,69 +19,41 @@ The embedded default (`examples/configs/distill_tiny.yaml`) warm-starts both mod
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from posttrain.algorithms.experience import refit_if_stale
-from posttrain.algorithms.grpo import sft_warm_start_dir
-from posttrain.algorithms.loop import TrainingLoop, prefixed
-from posttrain.algorithms.on_policy import shutdown_run, train_loader
+from posttrain.algorithms.loop import prefixed
+from posttrain.algorithms.on_policy import (
+    OnPolicyContext,
+    apply_warm_starts,
+    build_on_policy_run,
+    evaluate_engine,
+    refit_if_stale,
+    run_on_policy,
+    validate,
+)
 from posttrain.config.schema import DistillMasterConfig
-from posttrain.data.dataloader import routes
 from posttrain.data.message_log import flatten_message_logs
-from posttrain.data.sample import Sample
 from posttrain.distributed.batch import Batch
 from posttrain.errors import UserError
-from posttrain.evals.eval import evaluate, validation_sampling
-from posttrain.job import (
-    build_splits,
-    make_cluster,
-    make_envs,
-    make_generation,
-    make_policy,
-    start_concurrently,
-    start_run,
-    workers_description,
-)
-from posttrain.models.refit import build_refit_metadata
+from posttrain.job import make_generation
 from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
-from posttrain.run_config import with_warm_starts
-from posttrain.utils import startup
 from posttrain.utils.metric_names import find_accuracy
 from posttrain.utils.metrics import per_task_means
 from posttrain.utils.timer import Timer
 
 
 @dataclass
-class DistillContext:
-    """Everything the loop needs, built once by `setup` (field names shared with GRPO's context,
-    so the lazy refit of `experience.refit_if_stale` serves both)."""
+class DistillContext(OnPolicyContext):
+    """The on-policy run (`OnPolicyContext`: `policy` is the student, `generation` its engine)
+    with the teacher, built once by `setup`."""
 
-    cfg: DistillMasterConfig
-    policy: Any  # the student
-    generation: Any  # the student's generation engine
-    teacher: Any  # forward-only Policy
-    envs: dict[str, Any]
-    tokenizer: Any
-    train_loader: Any  # ResumableLoader, or BlendedLoader for a blend
-    val_samples: list[Sample]
-    loop: TrainingLoop  # resume, validation schedule, logging, checkpoints, report
-    loss_fn: Any
-    refit_metadata: Any
-    teacher_cluster: Any
-    clusters: list[Any] = field(default_factory=list)
-    generation_stale: bool = False
-
-    @property
-    def step(self) -> int:
-        return self.loop.step
-
-    @property
-    def last_step(self) -> int:
-        return self.loop.last_step
+    section: str = "distillation"
+    teacher: Any = None  # forward-only Policy
+    teacher_cluster: Any = None  # the teacher's bundles (they also host its accuracy's generation engine)
 
     # Resume state of the run besides the loop's own (saved in every checkpoint).
     @property
@@ -93,18 +65,11 @@ class DistillContext:
     def teacher_accuracy(self) -> Optional[float]:
         return self.loop.state.get("teacher_accuracy")
 
-    def shutdown(self) -> None:
-        shutdown_run(self.cfg, self.loop, self.envs, (self.generation, self.teacher, self.policy, *self.clusters))
+    def workers(self) -> tuple[Any, ...]:
+        return (self.generation, self.teacher, self.policy)
 
 
 # ------------------------------------------------------------------------------------- set-up
-def apply_warm_starts(cfg: DistillMasterConfig) -> DistillMasterConfig:
-    """Run (or reuse from the cache) the student's and the teacher's SFT warm starts and point
-    `policy` / `teacher` at their exports. A teacher given as a training checkpoint (`step_N`, e.g.
-    of a GRPO run) becomes its cached Hugging Face copy, as `policy.model_name` does in every job."""
-    return with_warm_starts(cfg, sft_warm_start_dir)
-
-
 def check_vocabularies(cfg: DistillMasterConfig) -> Optional[int]:
     """The shared vocabulary size of student and teacher as they will be loaded (after warm starts,
     hub downloads); raises `UserError` naming both keys and sizes when they differ, before any
@@ -131,50 +96,20 @@ def check_vocabularies(cfg: DistillMasterConfig) -> Optional[int]:
 
 
 def setup(cfg: DistillMasterConfig) -> DistillContext:
+    """Start the distillation run (`on_policy.build_on_policy_run`) with the teacher beside the
+    student and the top-k KL loss."""
     from posttrain.algorithms.distill_loss import DistillationLoss
-    from posttrain.data.processors import build_prompt_message_log
 
-    d = cfg.distillation
-    cfg, tokenizer = start_run(cfg, seed=d.seed, max_num_steps=d.max_num_steps)
-    train_samples, val_samples = build_splits(cfg, build_prompt_message_log, tokenizer, d.max_val_samples)
-    # A blend (or several reasoning-gym tasks) is sampled by its components' weights, as in GRPO.
-    loader = train_loader(train_samples, d.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=d.seed)
-
-    colocated = cfg.policy.generation.colocated.enabled
-    policy_cluster = make_cluster(cfg, cfg.policy.num_workers, colocated_groups=2 if colocated else 1)
-    gen_cluster = policy_cluster if colocated else make_cluster(
-        cfg, cfg.policy.generation.colocated.num_workers or 1, name="generation")
-    # The teacher's bundles also host, once, the generation engine that measures its accuracy.
-    teacher_cluster = make_cluster(cfg, cfg.teacher.num_workers, colocated_groups=2, name="teacher")
-    policy, generation, teacher = start_concurrently(
-        lambda: make_policy(cfg, policy_cluster),
-        lambda: make_generation(cfg, gen_cluster),
-        lambda: make_policy(cfg, teacher_cluster, cfg.teacher, init_optimizer=False, name="teacher"),
-        description=workers_description(cfg, generation=True, teacher=cfg.teacher),
+    return build_on_policy_run(
+        cfg, section="distillation", name="distillation", context=DistillContext, teacher=cfg.teacher,
+        make_loss=lambda c: DistillationLoss(**c.loss_fn.model_dump()),
     )
-    with startup.doing("preparing the weight transfer to generation"):
-        refit_metadata = build_refit_metadata(
-            policy.refit_info(), policy.refit_bucket_bytes(), dtypes=generation.weight_dtypes()
-        )
-        generation.prepare_refit_info(refit_metadata)
-    envs = make_envs(cfg, routes(train_samples) + routes(val_samples))
-
-    ctx = DistillContext(
-        cfg=cfg, policy=policy, generation=generation, teacher=teacher, envs=envs, tokenizer=tokenizer,
-        train_loader=loader, val_samples=val_samples,
-        loop=TrainingLoop(cfg, d, name="distillation", section="distillation", policy=policy, loader=loader),
-        loss_fn=DistillationLoss(**cfg.loss_fn.model_dump()),
-        refit_metadata=refit_metadata, teacher_cluster=teacher_cluster,
-        clusters=[policy_cluster, teacher_cluster] + ([] if colocated else [gen_cluster]),
-    )
-    ctx.generation_stale = ctx.loop.resume()  # resumed weights are newer than the generation's
-    return ctx
 
 
 # --------------------------------------------------------------------------------- the loop
 def distill_train(ctx: DistillContext) -> dict[str, float]:
     """Distil from the context's step to its last step (`TrainingLoop` runs the schedule)."""
-    return ctx.loop.run(lambda step, timer: distill_step(ctx, step, timer), lambda: _validate(ctx))
+    return ctx.loop.run(lambda step, timer: distill_step(ctx, step, timer), lambda: validate_student(ctx))
 
 
 def distill_step(ctx: DistillContext, step: int, timer: Timer) -> dict[str, float]:
@@ -222,27 +157,11 @@ def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Bat
 
 
 # ------------------------------------------------------------------------------- validation
-def _evaluate(ctx: DistillContext, generation, weight_version: int, show_samples: bool = True) -> dict[str, float]:
-    """GRPO's validation protocol (`grpo.validate`) with the `distillation.*` sizes; `show_samples`
-    logs a few completions (`logger.num_val_samples_to_print`; the student's, not the teacher's)."""
-    cfg, d = ctx.cfg, ctx.cfg.distillation
-    greedy, temperature = validation_sampling(cfg.policy.generation, 1)
-    return evaluate(
-        generation, ctx.val_samples, ctx.tokenizer, ctx.envs, k=1, greedy=greedy, temperature=temperature,
-        batch_size=d.val_batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
-        max_rollout_turns=d.max_rollout_turns, seed=d.seed + 7919, weight_version=weight_version,
-        num_samples_to_print=cfg.logger.num_val_samples_to_print if show_samples else 0,
-        log_samples=ctx.loop.log_samples,
-    )
-
-
-def _validate(ctx: DistillContext) -> dict[str, float]:
-    """The student's validation accuracy; at step 0 also the teacher's (measured once)."""
-    if not ctx.val_samples:
-        return {}
-    refit_if_stale(ctx)
-    metrics = _evaluate(ctx, ctx.generation, ctx.step)
-    if ctx.step == 0 and ctx.teacher_accuracy is not None:
+def validate_student(ctx: DistillContext) -> dict[str, float]:
+    """The student's validation accuracy (`on_policy.validate`); at step 0 also the teacher's
+    (measured once), with a warning when it is below the student's."""
+    metrics = validate(ctx)
+    if metrics and ctx.step == 0 and ctx.teacher_accuracy is not None:
         metrics["validation/teacher_accuracy"] = ctx.teacher_accuracy
         warning = weak_teacher_warning(ctx.teacher_accuracy, metrics[find_accuracy(metrics)])
         if warning:
@@ -267,7 +186,7 @@ def measure_teacher_accuracy(ctx: DistillContext) -> Optional[float]:
         return None
     engine = make_generation(ctx.cfg, ctx.teacher_cluster, model=ctx.cfg.teacher, name="teacher_generation")
     try:
-        metrics = _evaluate(ctx, engine, 0, show_samples=False)
+        metrics = evaluate_engine(ctx, engine, 0, show_samples=False)
         return metrics[find_accuracy(metrics)]
     finally:
         engine.shutdown()
@@ -283,19 +202,16 @@ def run(cfg: DistillMasterConfig) -> dict[str, Optional[float]]:
     cfg = apply_warm_starts(cfg)
     check_vocabularies(cfg)
     ctx = setup(cfg)
-    try:
-        done = ctx.loop.done_message()
-        if done:  # resumed at or past the last step: say so rather than reprint the old results
-            print(done, flush=True)
-            return summarize(ctx)
-        if ctx.teacher_accuracy is None and ctx.cfg.distillation.val_at_start:
-            ctx.loop.state["teacher_accuracy"] = measure_teacher_accuracy(ctx)
-        distill_train(ctx)
-        summary = summarize(ctx)
-        ctx.loop.finish(details(ctx, summary))
-    finally:
-        ctx.shutdown()
-    return summary
+    run_on_policy(ctx, train_with_teacher, lambda ctx: details(ctx, summarize(ctx)))
+    return summarize(ctx)
+
+
+def train_with_teacher(ctx: DistillContext) -> None:
+    """Measure the teacher's accuracy once (unless a resumed run has it, or
+    `distillation.val_at_start` is false), then distil."""
+    if ctx.teacher_accuracy is None and ctx.cfg.distillation.val_at_start:
+        ctx.loop.state["teacher_accuracy"] = measure_teacher_accuracy(ctx)
+    distill_train(ctx)
 
 
 def summarize(ctx: DistillContext, window: int = 5) -> dict[str, Optional[float]]:

@@ -1,10 +1,10 @@
 """GRPO's experience, shared by the synchronous loop (`grpo.py`) and the asynchronous one
-(`async_grpo.py`), and the lazy refit before a rollout that distillation uses too: prompt groups
-rolled out and scored (rewards, shaping, advantages), groups turned into a training batch with
-the step's metrics, and the copy of the policy's weights into the generation workers.
+(`async_grpo.py`): prompt groups rolled out and scored (rewards, shaping, advantages) and groups
+turned into a training batch with the step's metrics. GRPO's set-up, validation and run are in
+`grpo_run.py`.
 
-`ctx` is the algorithm's context (`GRPOContext`, `DistillContext`): the functions read its `cfg`,
-`policy`, `generation`, `tokenizer`, `envs`, `refit_metadata`, `step` and `generation_stale`.
+`ctx` is the run's `OnPolicyContext`: the functions read its `cfg`, `policy`, `generation`,
+`tokenizer`, `envs`, `refit_metadata` and `step`.
 This module imports neither loop, so neither loop imports the other (tests/unit/test_import_graph.py).
 """
 
@@ -21,7 +21,6 @@ from posttrain.algorithms.loop import SIGNAL_METRIC
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.data.sample import Sample
 from posttrain.distributed.batch import Batch
-from posttrain.models.refit import refit_policy_generation
 from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
 from posttrain.utils.metrics import per_task_means, response_lengths
 from posttrain.utils.timer import Timer
@@ -148,23 +147,3 @@ def training_batch(
     for key in {key for m in rollout_metrics for key in m}:  # environments' counts may differ per rollout
         metrics[f"train/{key}"] = sum(m.get(key, 0.0) for m in rollout_metrics) / len(rollout_metrics)
     return train_data, metrics
-
-
-def refit_if_stale(ctx: Any, timer: Optional[Timer] = None) -> None:
-    """Copy policy weights into the generation workers, lazily (only when they are stale)."""
-    if not ctx.generation_stale:
-        if timer is not None:
-            timer.add("refit", 0.0)  # always reported, so step-time breakdowns line up
-        return
-    t0 = time.perf_counter()
-    refit_generation(ctx, ctx.step)
-    if timer is not None:
-        timer.add("refit", time.perf_counter() - t0)
-
-
-def refit_generation(ctx: Any, version: int) -> None:
-    """Copy the policy's weights (policy step `version`) into the generation workers, verified
-    when `policy.generation.verify_refit` asks."""
-    refit_policy_generation(ctx.policy, ctx.generation, ctx.refit_metadata, version=version,
-                            verify=ctx.cfg.policy.generation.verify_refit_enabled)
-    ctx.generation_stale = False

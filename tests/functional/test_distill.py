@@ -63,3 +63,37 @@ def test_distillation_lowers_the_kl_to_the_teacher(ray_cluster, tmp_path, capsys
     assert summary["teacher_accuracy"] == metrics[0]["validation/teacher_accuracy"]
     assert "[posttrain] distillation finished at step 6" in capsys.readouterr().out
     assert (tmp_path / "ckpt" / "step_6").is_dir()
+
+
+def test_a_distillation_blend_samples_its_weights_and_releases_its_locks(ray_cluster, tmp_path):
+    """A distillation run of a `data.blend` (0.8 / 0.2 of two equally large arithmetic sources)
+    draws its prompts by the weights, logs each task's reward, checkpoints the blend's position and
+    leaves no run-directory lock behind (tests/unit/test_on_policy.py checks the proportion)."""
+    from posttrain.algorithms import distill
+    from posttrain.utils.run_dirs import LOCK_FILE
+
+    cfg = load_config("distill", overrides=[
+        "sft_warmup=null", "teacher_warmup=null", "policy.model_name=tiny", "teacher.model_name=tiny",
+        "data.blend=[{name: easy, env: math, weight: 0.8, num_train: 32, num_validation: 2}, "
+        "{name: hard, env: math, weight: 0.2, num_train: 32, num_validation: 2}]",
+        "distillation.num_prompts_per_step=8", "distillation.num_generations_per_prompt=2",
+        "distillation.max_num_steps=2", "distillation.topk_logits_k=8", "distillation.val_period=0",
+        "distillation.val_at_start=false", "distillation.val_batch_size=8",
+        "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16",
+        "teacher.logprob_batch_size=16", "policy.max_total_sequence_length=32",
+        "teacher.max_total_sequence_length=32", "policy.generation.max_new_tokens=6",
+        f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
+        "checkpointing.save_period=2", "logger.progress_bar=false", "logger.tensorboard_enabled=false",
+        "logger.report=false",
+    ])
+    distill.run(cfg)
+
+    metrics = read_metrics(tmp_path / "logs")
+    drawn = {task: sum(metrics[step][f"train/reward_count/{task}"] for step in (1, 2)) for task in ("easy", "hard")}
+    # 32 samples (2 steps x 8 prompts x 2); measured 26 easy, 6 hard (a plain loader draws 1:1)
+    assert drawn["easy"] + drawn["hard"] == 2 * 8 * 2 and drawn["easy"] > 2 * drawn["hard"], drawn
+    assert {"train/reward/easy", "validation/accuracy_greedy/easy", "validation/accuracy_greedy/hard"} <= \
+        set(metrics[2])
+    loader_state = json.loads((tmp_path / "ckpt" / "step_2" / "dataloader.json").read_text())
+    assert set(loader_state["sources"]) == {"easy", "hard"}  # the blend's position, per source
+    assert not any((tmp_path / d / LOCK_FILE).exists() for d in ("logs", "ckpt"))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.algorithms import grpo, sft
+from posttrain.algorithms import on_policy, sft
 from posttrain.config.loader import load_config
 
 pytestmark = pytest.mark.functional
@@ -42,14 +42,14 @@ def test_an_interrupted_warm_start_resumes_from_its_checkpoint(tmp_path, monkeyp
 
     monkeypatch.setattr(sft, "train_offline", ctrl_c_in_step_3)
     with pytest.raises(KeyboardInterrupt) as info:
-        grpo.apply_sft_warm_start(cfg)
+        on_policy.apply_warm_starts(cfg)
     checkpoints = tmp_path / "ckpt" / "sft_warmup"
     assert info.value.args == (f"SFT stopped after step 2; a rerun of the same command resumes from step 2 "
                                f"({checkpoints / 'step_2'})",)
     assert sorted(p.name for p in checkpoints.glob("step_*")) == ["step_2"]
 
     capsys.readouterr()
-    warmed = grpo.apply_sft_warm_start(cfg)  # the rerun
+    warmed = on_policy.apply_warm_starts(cfg)  # the rerun
     assert f"resumed from {checkpoints / 'step_2'} (step 2)" in capsys.readouterr().out
     assert trained == [1, 2, 3, 4]  # steps 1 and 2 were not trained again
     rows = [json.loads(line) for line in (tmp_path / "logs/sft_warmup/metrics.jsonl").read_text().splitlines()]

@@ -90,13 +90,12 @@ def test_a_teacher_below_its_student_is_warned_about(monkeypatch, capsys):
 
     from posttrain.algorithms import distill
 
-    monkeypatch.setattr(distill, "refit_if_stale", lambda ctx: None)
-    monkeypatch.setattr(distill, "_evaluate", lambda ctx, generation, version: {"validation/accuracy_greedy": 0.438})
+    monkeypatch.setattr(distill, "validate", lambda ctx: {"validation/accuracy_greedy": 0.438})
     ctx = SimpleNamespace(val_samples=[object()], step=0, generation=None, teacher_accuracy=0.012)
-    metrics = distill._validate(ctx)
+    metrics = distill.validate_student(ctx)
     assert metrics == {"validation/accuracy_greedy": 0.438, "validation/teacher_accuracy": 0.012}
     out = capsys.readouterr().out
     assert "WARNING: the teacher's validation accuracy 1.2% is below the student's 43.8%" in out
     ctx.teacher_accuracy = 0.9
-    distill._validate(ctx)
+    distill.validate_student(ctx)
     assert "WARNING" not in capsys.readouterr().out

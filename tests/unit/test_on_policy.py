@@ -4,11 +4,11 @@ samples a `data.blend` by its weights and releases the run-directory lock when i
 from __future__ import annotations
 
 from collections import Counter
-from types import SimpleNamespace
 
-from posttrain.algorithms import distill
+import pytest
+
+from posttrain.algorithms import distill, grpo, on_policy
 from posttrain.config.loader import load_config
-from posttrain.data.sample import Sample
 from posttrain.utils.run_dirs import LOCK_FILE, lock_run_dirs
 
 
@@ -45,29 +45,39 @@ class _Loop:
         self.closed = True
 
 
-def _cfg(tmp_path):
-    return load_config("distill", overrides=[f"logger.log_dir={tmp_path}/logs",
-                                               f"checkpointing.checkpoint_dir={tmp_path}/ckpt"])
+def _cfg(tmp_path, algorithm="distill", *overrides):
+    return load_config(algorithm, overrides=[f"logger.log_dir={tmp_path}/logs",
+                                             f"checkpointing.checkpoint_dir={tmp_path}/ckpt", *overrides])
 
 
-def test_distillation_blend_samples_its_weights(tmp_path, monkeypatch):
-    rows = [Sample(message_log=[], prompt_length=1, task_name="math", source="math", source_weight=3.0) for _ in range(40)] + \
-           [Sample(message_log=[], prompt_length=1, task_name="mc", source="mc", source_weight=1.0) for _ in range(40)]
-    cfg = _cfg(tmp_path)
-    monkeypatch.setattr(distill, "start_run", lambda c, **kw: (c, SimpleNamespace(pad_token_id=0)))
-    monkeypatch.setattr(distill, "build_splits", lambda *a: (rows, []))
-    monkeypatch.setattr(distill, "make_cluster", lambda *a, **kw: _Part())
-    monkeypatch.setattr(distill, "make_policy", lambda *a, **kw: _Part())
-    monkeypatch.setattr(distill, "make_generation", lambda *a, **kw: _Part())
-    monkeypatch.setattr(distill, "make_envs", lambda *a: {})
-    monkeypatch.setattr(distill, "build_refit_metadata", lambda *a, **kw: None)
-    monkeypatch.setattr(distill, "TrainingLoop", _Loop)
-    monkeypatch.setattr("posttrain.algorithms.distill_loss.DistillationLoss", lambda **kw: None)
-    ctx = distill.setup(cfg)
+@pytest.mark.parametrize("algorithm", ["distill", "grpo"])
+def test_a_distillation_blend_samples_its_weights(algorithm, tmp_path, monkeypatch):
+    """`data.blend` of two equally large sources weighted 0.8 / 0.2: the run's prompts come 4:1 from
+    them (a plain loader over the rows would give 1:1), in distillation as in GRPO, which share
+    `on_policy.build_on_policy_run`. Data and tokenizer are real; no worker starts."""
+    from posttrain.models.tiny import build_tokenizer
+
+    setup = {"distill": distill.setup, "grpo": grpo.setup}[algorithm]
+    blend = ("data.blend=[{name: easy, env: math, weight: 0.8, num_train: 40, num_validation: 2}, "
+             "{name: hard, env: math, weight: 0.2, num_train: 40, num_validation: 2}]")
+    cfg = _cfg(tmp_path, algorithm, blend)
+    tokenizer = build_tokenizer()
+    monkeypatch.setattr(on_policy, "start_run", lambda c, **kw: (c, tokenizer))
+    monkeypatch.setattr(on_policy, "make_cluster", lambda *a, **kw: _Part())
+    monkeypatch.setattr(on_policy, "make_policy", lambda *a, **kw: _Part())
+    monkeypatch.setattr(on_policy, "make_generation", lambda *a, **kw: _Part())
+    monkeypatch.setattr(on_policy, "make_envs", lambda *a: {})
+    monkeypatch.setattr(on_policy, "TrainingLoop", _Loop)
+    ctx = setup(cfg)
+    assert {s.task_name for s in ctx.val_samples} == {"easy", "hard"}
     drawn = Counter(s.task_name for _ in range(100) for s in ctx.train_loader.next_batch())
     total = sum(drawn.values())
-    assert 0.7 < drawn["math"] / total < 0.8  # 3:1, not the rows' 1:1
+    assert total >= 1600
+    assert 0.75 < drawn["easy"] / total < 0.85, drawn  # 4:1, not the rows' 1:1
     assert ctx.loop.loader is ctx.train_loader  # the loop checkpoints the blend's position
+    if algorithm == "distill":
+        assert isinstance(ctx.teacher, _Part) and ctx.workers() == (ctx.generation, ctx.teacher, ctx.policy)
+        assert ctx.teacher_cluster in ctx.clusters
 
 
 def test_distillation_shutdown_releases_the_run_directory_lock(tmp_path):

@@ -186,7 +186,7 @@ def test_offline_run_resumed_past_its_last_step_says_so(tmp_path, capsys):
 
 
 def test_grpo_resumed_past_its_last_step_says_so(monkeypatch, capsys):
-    from posttrain.algorithms import grpo
+    from posttrain.algorithms import grpo, grpo_run
 
     class Loop:
         def done_message(self):
@@ -198,7 +198,7 @@ def test_grpo_resumed_past_its_last_step_says_so(monkeypatch, capsys):
         def shutdown(self):
             Ctx.shut = True
 
-    monkeypatch.setattr(grpo, "setup", lambda cfg: Ctx())
+    monkeypatch.setattr(grpo_run, "setup_grpo", lambda cfg: Ctx())
     monkeypatch.setattr(grpo, "grpo_train", lambda ctx: pytest.fail("nothing should train"))
     assert grpo.run(load_config("grpo", overrides=["sft_warmup=null"])) == {"before": None, "after": None}
     assert "at step 7, past this run's last step 4" in capsys.readouterr().out and Ctx.shut
