@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from posttrain.algorithms.experience import PromptGroup, roll_out_groups, training_batch
+from posttrain.algorithms.experience import PromptGroup, roll_out_groups, training_batch, update_policy
 from posttrain.algorithms.grpo_run import run_grpo, validate_grpo
 from posttrain.algorithms.loop import prefixed
 from posttrain.algorithms.on_policy import OnPolicyContext, refit_generation
@@ -251,7 +251,6 @@ def async_grpo_step(ctx: OnPolicyContext, collector: TrajectoryCollector, step: 
     """One step: the oldest ready groups, previous logprobs on the current weights, the
     importance-weighted update, then refit."""
     cfg, a = ctx.cfg, ctx.cfg.grpo.async_grpo
-    temperature = cfg.policy.generation.temperature
     asked = time.monotonic()
     groups = collector.buffer.take(cfg.grpo.num_prompts_per_step, ctx.step, timeout=a.buffer_timeout_s,
                                    producer_error=collector.problem)
@@ -263,16 +262,7 @@ def async_grpo_step(ctx: OnPolicyContext, collector: TrajectoryCollector, step: 
 
     rollout_metrics = list({id(m): m for m in (getattr(g, "rollout_metrics", {}) for g in groups)}.values())
     train_data, metrics = training_batch(ctx, groups, groups, rollout_metrics)
-    with timer.time("logprobs"):
-        # Always: the generating weights are older than the current ones (the importance weights
-        # compare these logprobs with the generation's).
-        train_data["prev_logprobs"] = ctx.policy.get_logprobs(train_data, temperature)["logprobs"]
-        if cfg.loss_fn.reference_policy_kl_penalty > 0:
-            ref = ctx.policy.get_reference_logprobs(train_data, temperature)
-            train_data["reference_policy_logprobs"] = ref["logprobs"]
-    with timer.time("policy_training"):
-        train_metrics = ctx.policy.train(train_data, ctx.loss_fn, global_batch_size=cfg.policy.train_global_batch_size,
-                                         temperature=temperature)
+    train_metrics = update_policy(ctx, train_data, timer, off_policy=True)
     with timer.time("weight_sync"):  # waiting for the generation call in flight, then the copy
         timer.add("idle/refit_bubble", _refit(ctx, collector.generation.lock, step))
 

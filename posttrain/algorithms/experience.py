@@ -147,3 +147,22 @@ def training_batch(
     for key in {key for m in rollout_metrics for key in m}:  # environments' counts may differ per rollout
         metrics[f"train/{key}"] = sum(m.get(key, 0.0) for m in rollout_metrics) / len(rollout_metrics)
     return train_data, metrics
+
+
+def update_policy(ctx: Any, train_data: Batch, timer: Timer, *, off_policy: bool) -> dict[str, float]:
+    """Previous and reference logprobs, then the policy update, on `train_data`; returns the
+    training metrics. `off_policy`: the generating weights are older than the policy's (async
+    GRPO), so the previous logprobs are always recomputed on the current weights; on-policy they
+    are needed only when the batch spans several optimizer steps (later steps need the old
+    policy's), else the loss takes the training forward's own detached logprobs."""
+    cfg = ctx.cfg
+    temperature = cfg.policy.generation.temperature  # compared with the generation's processed logprobs
+    gbs = cfg.policy.train_global_batch_size
+    with timer.time("logprobs"):
+        if off_policy or train_data.size > gbs:
+            train_data["prev_logprobs"] = ctx.policy.get_logprobs(train_data, temperature)["logprobs"]
+        if cfg.loss_fn.reference_policy_kl_penalty > 0:
+            ref = ctx.policy.get_reference_logprobs(train_data, temperature)
+            train_data["reference_policy_logprobs"] = ref["logprobs"]
+    with timer.time("policy_training"):
+        return ctx.policy.train(train_data, ctx.loss_fn, global_batch_size=gbs, temperature=temperature)

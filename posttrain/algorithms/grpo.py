@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
-from posttrain.algorithms.experience import PromptGroup, roll_out_groups, training_batch
+from posttrain.algorithms.experience import PromptGroup, roll_out_groups, training_batch, update_policy
 from posttrain.algorithms.grpo_run import run_grpo, setup_grpo, validate_grpo
 from posttrain.algorithms.loop import prefixed
 from posttrain.algorithms.on_policy import OnPolicyContext, refit_if_stale
@@ -48,22 +48,8 @@ def grpo_train(ctx: GRPOContext) -> dict[str, float]:
 
 def grpo_step(ctx: GRPOContext, step: int, timer: Timer) -> dict[str, float]:
     """One GRPO step: experience, previous and reference logprobs, policy update."""
-    cfg = ctx.cfg
-    # Logprobs are compared with the generation's processed logprobs: same temperature.
-    temperature = cfg.policy.generation.temperature
-    gbs = cfg.policy.train_global_batch_size
     train_data, metrics = _collect_experience(ctx, step, timer)
-
-    with timer.time("logprobs"):
-        if train_data.size > gbs:  # several optimizer steps: later ones need the old policy's logprobs
-            train_data["prev_logprobs"] = ctx.policy.get_logprobs(train_data, temperature)["logprobs"]
-        # else one step: the loss takes the training forward's own (detached) logprobs
-        if cfg.loss_fn.reference_policy_kl_penalty > 0:
-            ref = ctx.policy.get_reference_logprobs(train_data, temperature)
-            train_data["reference_policy_logprobs"] = ref["logprobs"]
-
-    with timer.time("policy_training"):
-        train_metrics = ctx.policy.train(train_data, ctx.loss_fn, global_batch_size=gbs, temperature=temperature)
+    train_metrics = update_policy(ctx, train_data, timer, off_policy=False)
     ctx.generation_stale = True
     return {**metrics, **prefixed(train_metrics, "train")}
 
