@@ -27,6 +27,7 @@ from posttrain.config.schema import GRPOMasterConfig
 from posttrain.data.dataloader import ResumableLoader, routes
 from posttrain.data.sample import Sample
 from posttrain.distributed.batch import Batch
+from posttrain.errors import UserError
 from posttrain.evals.eval import evaluate, validation_sampling
 from posttrain.job import (
     build_splits,
@@ -39,7 +40,7 @@ from posttrain.job import (
     workers_description,
 )
 from posttrain.models.refit import build_refit_metadata
-from posttrain.algorithms.partial_rollouts import PartialRollouts
+from posttrain.algorithms.partial_rollouts import PartialRollouts, environment_problem
 from posttrain.run_config import warm_start_export_dir, warm_start_job, with_warm_starts
 from posttrain.utils import startup
 from posttrain.utils.timer import Timer
@@ -86,6 +87,9 @@ def setup(cfg: GRPOMasterConfig) -> GRPOContext:
 
     cfg, tokenizer = start_run(cfg, seed=cfg.grpo.seed, max_num_steps=cfg.grpo.max_num_steps)
     train_samples, val_samples = build_splits(cfg, build_prompt_message_log, tokenizer, cfg.grpo.max_val_samples)
+    problem = environment_problem(cfg, [env for _, env in routes(train_samples)])  # before any worker starts
+    if problem:
+        raise UserError(problem)
     # A blend (or several reasoning-gym tasks) is sampled by its components' weights.
     loader = train_loader(train_samples, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.grpo.seed)
 
