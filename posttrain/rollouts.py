@@ -67,6 +67,11 @@ class RolloutResult:
             timer.add(name, value)
 
 
+# A sample's turn t samples with seed `seed + t * TURN_SEED_STRIDE` (`_turn_batch`; partial rollouts
+# continue turns with the same seeds).
+TURN_SEED_STRIDE = 1_000_003
+
+
 def sample_seeds(base_seed: int, step: int, n: int) -> torch.Tensor:
     """Per-sample sampling seeds that depend only on (seed, step, index).
 
@@ -127,7 +132,7 @@ def _rollout_turns(
     """
     for sample in samples:
         sample.start_rollout()
-    totals = _Totals()
+    totals = RolloutTotals()
     for turn in range(max_rollout_turns):
         running = [i for i, s in enumerate(samples) if s.status is SampleStatus.RUNNING]
         if not running:
@@ -137,16 +142,16 @@ def _rollout_turns(
                                        params=params, weight_version=weight_version, group_size=group_size)
         stepped = _wait(pending, samples, deadline, totals)
         for i in running:
-            _take_step(samples[i], *stepped[i], tokenizer, max_seq_len)
+            take_env_step(samples[i], *stepped[i], tokenizer, max_seq_len)
     for sample in samples:
         if sample.status is SampleStatus.RUNNING:
             sample.status = SampleStatus.TURN_LIMIT
-    _finish(envs, samples, deadline, totals)
-    return _result(samples, totals)
+    finish_episodes(envs, samples, deadline, totals)
+    return rollout_result(samples, totals)
 
 
 @dataclass
-class _Totals:
+class RolloutTotals:
     """What the rollout adds up over its turns, beside the samples' own state."""
 
     env_seconds: float = 0.0  # environment time the rollout waited for (beyond what overlapped generation)
@@ -163,12 +168,12 @@ def _turn_batch(samples: list[Sample], running: list[int], tokenizer, seeds: Opt
     batch = Batch(input_ids=flat["input_ids"], input_lengths=flat["input_lengths"])
     batch["stop_strings"] = [samples[i].stop_strings for i in running]
     if seeds is not None:
-        batch["seeds"] = seeds[running] + turn * 1_000_003
+        batch["seeds"] = seeds[running] + turn * TURN_SEED_STRIDE
     return batch
 
 
 def _generate_and_launch(generation, batch: Batch, samples: list[Sample], running: list[int], tokenizer,
-                         envs: dict[str, Any], totals: _Totals, *, greedy: bool, params: Optional[dict[str, Any]],
+                         envs: dict[str, Any], totals: RolloutTotals, *, greedy: bool, params: Optional[dict[str, Any]],
                          weight_version: int, group_size: int) -> list[tuple[list[int], PendingStep]]:
     """Generate the turn of the `running` samples (the rows of `batch`) and launch their
     environment steps: the launched steps, each with its samples.
@@ -191,7 +196,7 @@ def _generate_and_launch(generation, batch: Batch, samples: list[Sample], runnin
         if members:
             t0 = time.perf_counter()
             totals.waits.extend(t0 - generated_at[i] for i in members)
-            pending.append((members, _launch(envs, samples, members)))
+            pending.append((members, launch_env(envs, samples, members)))
             totals.env_seconds += time.perf_counter() - t0  # local environments step right here
     totals.shard_spread += ready_at[-1] - ready_at[0] if ready_at else 0.0
     return pending
@@ -200,29 +205,38 @@ def _generate_and_launch(generation, batch: Batch, samples: list[Sample], runnin
 def _append_generation(sample: Sample, out: Batch, k: int, start: int, tokenizer, weight_version: int) -> None:
     """Append row `k` of a generation shard (its tokens from `start`) as the sample's next turn."""
     length = int(out["generation_lengths"][k])
-    token_ids = out["output_ids"][k, start : start + length].clone()
+    append_turn(sample, out["output_ids"][k, start : start + length].clone(),
+                out["logprobs"][k, start : start + length].clone(), tokenizer, weight_version,
+                hit_max_new_tokens=bool(out["truncated"][k]))
+
+
+def append_turn(sample: Sample, token_ids: torch.Tensor, logprobs: torch.Tensor, tokenizer, weight_version: int, *,
+                hit_max_new_tokens: bool) -> dict:
+    """Append a generated turn (its tokens and their generation logprobs) to the sample's
+    conversation and count it; the new message."""
     append_message(
         sample.message_log,
         "assistant",
         tokenizer.decode(token_ids.tolist(), skip_special_tokens=True),
         token_ids,
-        generation_logprobs=out["logprobs"][k, start : start + length].clone(),
+        generation_logprobs=logprobs,
         weight_version=weight_version,
     )
-    sample.generated_tokens += length
+    sample.generated_tokens += len(token_ids)
     sample.turns += 1
-    sample.hit_max_new_tokens = bool(out["truncated"][k])
+    sample.hit_max_new_tokens = hit_max_new_tokens
+    return sample.message_log[-1]
 
 
-def _launch(envs: dict[str, Any], samples: list[Sample], members: list[int], method: str = "step") -> PendingStep:
+def launch_env(envs: dict[str, Any], samples: list[Sample], members: list[int], method: str = "step") -> PendingStep:
     """Start the environment call `method` ("step" or "finish") on the samples `members`."""
     return launch_step(envs, [text_only(samples[i].message_log) for i in members],
                        [samples[i].extra_env_info or {} for i in members],
                        [samples[i].task_name for i in members], method=method)
 
 
-def _collect(step: PendingStep, deadline: Optional[float], samples: list[Sample], members: list[int],
-             totals: _Totals) -> EnvironmentReturn:
+def collect_env(step: PendingStep, deadline: Optional[float], samples: list[Sample], members: list[int],
+             totals: RolloutTotals) -> EnvironmentReturn:
     """The launched call's result, waited for until the deadline: samples whose environment missed
     it are marked timed out (and end TIMED_OUT if still running)."""
     env_out = step.result(None if deadline is None else deadline - time.monotonic())
@@ -231,23 +245,23 @@ def _collect(step: PendingStep, deadline: Optional[float], samples: list[Sample]
         sample.timed_out = True
         if sample.status is SampleStatus.RUNNING:
             sample.status = SampleStatus.TIMED_OUT
-    _add_counts(totals.env_counts, env_out.metrics)
+    add_counts(totals.env_counts, env_out.metrics)
     return env_out
 
 
 def _wait(pending: list[tuple[list[int], PendingStep]], samples: list[Sample], deadline: Optional[float],
-          totals: _Totals) -> dict[int, tuple[EnvironmentReturn, int]]:
+          totals: RolloutTotals) -> dict[int, tuple[EnvironmentReturn, int]]:
     """Wait for the turn's environment steps: sample -> (its launch's results, its row there)."""
     t0 = time.perf_counter()
     stepped = {}
     for members, step in pending:
-        env_out = _collect(step, deadline, samples, members, totals)
+        env_out = collect_env(step, deadline, samples, members, totals)
         stepped.update({i: (env_out, row) for row, i in enumerate(members)})
     totals.env_seconds += time.perf_counter() - t0
     return stepped
 
 
-def _take_step(sample: Sample, env_out: EnvironmentReturn, row: int, tokenizer, max_seq_len: int) -> None:
+def take_env_step(sample: Sample, env_out: EnvironmentReturn, row: int, tokenizer, max_seq_len: int) -> None:
     """Record the sample's environment step (row `row` of `env_out`): its reward, answer and
     metadata, then how it goes on: ended by the environment (COMPLETED), stopped because the
     observation does not fit (TRUNCATED), or with the observation appended for its next turn."""
@@ -273,14 +287,14 @@ def _take_step(sample: Sample, env_out: EnvironmentReturn, row: int, tokenizer, 
     sample.stop_strings = env_out.next_stop_strings[row]
 
 
-def _finish(envs: dict[str, Any], samples: list[Sample], deadline: Optional[float], totals: _Totals) -> None:
+def finish_episodes(envs: dict[str, Any], samples: list[Sample], deadline: Optional[float], totals: RolloutTotals) -> None:
     """Score the episodes the rollout stopped before their environment ended them (TRUNCATED,
     TURN_LIMIT) with the environment's `finish`, so every episode is scored."""
     unfinished = [i for i, s in enumerate(samples) if s.status in (SampleStatus.TRUNCATED, SampleStatus.TURN_LIMIT)]
     if not unfinished:
         return
     t0 = time.perf_counter()
-    env_out = _collect(_launch(envs, samples, unfinished, method="finish"), deadline, samples, unfinished, totals)
+    env_out = collect_env(launch_env(envs, samples, unfinished, method="finish"), deadline, samples, unfinished, totals)
     for row, i in enumerate(unfinished):
         if not samples[i].timed_out:
             _add_reward(samples[i], float(env_out.rewards[row]))
@@ -294,7 +308,7 @@ def _add_reward(sample: Sample, reward: float) -> None:
     sample.reward = (torch.tensor(sample.reward, dtype=torch.float32) + reward).item()
 
 
-def _result(samples: list[Sample], totals: _Totals) -> RolloutResult:
+def rollout_result(samples: list[Sample], totals: RolloutTotals) -> RolloutResult:
     """The rollout's tensors, metrics and timings, read from the samples' state."""
     def flags(of) -> torch.Tensor:
         return torch.tensor([bool(of(s)) for s in samples], dtype=torch.bool)
@@ -336,7 +350,7 @@ def _whole_groups(members: list[int], group_size: int, group_left: Counter, wait
     return sorted(ready)
 
 
-def _add_counts(totals: dict[str, float], metrics: Optional[dict[str, float]]) -> None:
+def add_counts(totals: dict[str, float], metrics: Optional[dict[str, float]]) -> None:
     for key, value in (metrics or {}).items():
         totals[key] = totals.get(key, 0.0) + value
 

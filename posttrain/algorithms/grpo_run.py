@@ -16,14 +16,14 @@ from posttrain.algorithms.on_policy import (
     run_on_policy,
     validate,
 )
-from posttrain.algorithms.partial_rollouts import PartialRollouts
+from posttrain.algorithms.partial_rollouts import PartialRollouts, environment_problem
 
 
 def setup_grpo(cfg: Any) -> OnPolicyContext:
     """A GRPO run (either loop), started: the on-policy set-up with GRPO's clipped policy-gradient
     loss and, for a KL penalty (`loss_fn.reference_policy_kl_penalty` > 0), a reference model."""
     ctx = build_on_policy_run(cfg, section="grpo", name="GRPO", make_loss=lambda c: build_loss(c.loss_fn),
-                              reference=cfg.loss_fn.reference_policy_kl_penalty > 0)
+                              reference=cfg.loss_fn.reference_policy_kl_penalty > 0, env_problem=environment_problem)
     if cfg.grpo.partial_rollouts.enabled:  # after the resume: restores its carry-over, checkpoints it from now on
         ctx.partial_rollouts = PartialRollouts.attach(ctx)
     return ctx

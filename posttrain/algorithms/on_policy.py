@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Optional, TypeVar
 from posttrain.algorithms.loop import TrainingLoop
 from posttrain.data.dataloader import make_loader, routes
 from posttrain.data.sample import Sample
+from posttrain.errors import UserError
 from posttrain.evals.eval import evaluate, validation_sampling
 from posttrain.job import (
     build_splits,
@@ -133,7 +134,8 @@ def train_loader(train_samples, num_prompts_per_step: int, *, shuffle: bool, see
 
 def build_on_policy_run(
     cfg: Any, *, section: str, name: str, make_loss: Callable[[Any], Any], reference: bool = False,
-    teacher: Any = None, context: type[Context] = OnPolicyContext, **extra: Any,
+    teacher: Any = None, context: type[Context] = OnPolicyContext,
+    env_problem: Optional[Callable[[Any, list[str]], Optional[str]]] = None, **extra: Any,
 ) -> Context:
     """Start an on-policy run of the config `cfg` (after its warm starts): the run's directories,
     seed and tokenizer, the prompts, the policy (with a reference model when `reference`), its
@@ -145,13 +147,18 @@ def build_on_policy_run(
     None) also starts a forward-only teacher policy on a cluster of its own whose bundles can host
     a second generation engine; it and its cluster reach `context` as `teacher` and
     `teacher_cluster`. `context` is the class built (a subclass of `OnPolicyContext` with the
-    algorithm's own fields, which `extra` fills)."""
+    algorithm's own fields, which `extra` fills). `env_problem(cfg, env_names)`, when given, says
+    why the training prompts' environments cannot run with this config (or None); it is asked
+    before any worker starts and its answer raised as a `UserError`."""
     from posttrain.data.processors import build_prompt_message_log
 
     start = getattr(cfg, section)
     cfg, tokenizer = start_run(cfg, seed=start.seed, max_num_steps=start.max_num_steps)
     s = getattr(cfg, section)  # the started config's section (the loop reads its schedule)
     train_samples, val_samples = build_splits(cfg, build_prompt_message_log, tokenizer, s.max_val_samples)
+    problem = env_problem(cfg, [env for _, env in routes(train_samples)]) if env_problem else None
+    if problem:
+        raise UserError(problem)
     loader = train_loader(train_samples, s.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=s.seed)
 
     colocated = cfg.policy.generation.colocated.enabled

@@ -146,6 +146,7 @@ class HttpEnvironment(Environment):
     """Drives NeMo-Gym-compatible resources servers (module docstring). Config: `HttpEnvConfig`."""
 
     config_class = HttpEnvConfig
+    live_episode_state = True  # the HTTP sessions (and the server's episode state) live here
 
     def __init__(self, cfg: HttpEnvConfig | dict | None = None):
         try:

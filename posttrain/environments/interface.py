@@ -68,9 +68,13 @@ class Environment(abc.ABC):
     - `prompt_tools(cfg)`: optional; tool schemas rendered into every prompt of the environment.
     - Observations may carry `"chat_template": True` to be rendered as the next chat turn
       (`{"role": "tool" | "user", ...}`), see `posttrain.data.chat.observation_ids`.
+    - `live_episode_state`: True when an episode's state between turns lives in the environment
+      (a game object, an HTTP session) rather than in the sample's metadata; GRPO's partial
+      rollouts, which checkpoint episodes mid-way, refuse such environments in multi-turn runs.
     """
 
     config_class: Optional[type] = None
+    live_episode_state: bool = False
 
     @classmethod
     def metadata_problem(cls, metadata: dict) -> Optional[str]:

@@ -93,6 +93,7 @@ class TextArenaEnvironment(Environment):
     """One textarena game per episode. Config: `TextArenaConfig`; rows carry `game` and `game_seed`."""
 
     config_class = TextArenaConfig
+    live_episode_state = True  # the games live in this actor (`_game_key`)
 
     def __init__(self, cfg: TextArenaConfig | dict | None = None):
         self.cfg = cfg if isinstance(cfg, TextArenaConfig) else TextArenaConfig.model_validate(cfg or {})

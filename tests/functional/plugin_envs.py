@@ -7,6 +7,9 @@ from __future__ import annotations
 import os
 import time
 
+import torch
+
+from posttrain.environments.interface import EnvironmentReturn
 from posttrain.environments.math_env import MathEnvironment
 
 
@@ -77,3 +80,24 @@ class NaNAfterFirstCallEnv(CoinEnv):
         if NaNAfterFirstCallEnv.calls > 1:
             out = out._replace(rewards=out.rewards.new_full(out.rewards.shape, float("nan")))
         return out
+
+
+class ThreeTurnEnv(MathEnvironment):
+    """Multi-turn, its state in the sample's metadata (`turns_seen`): the first two answers get an
+    observation (never trained on) and the episode goes on; the third ends it, rewarded like
+    `CoinEnv` (its first character in the first half of the alphabet, for odd answers)."""
+
+    OBSERVATION = "<|user|>again<|end|><|assistant|>"
+
+    def step(self, message_logs, metadata):
+        seen = [int(meta.get("turns_seen", 0)) + 1 for meta in metadata]
+        if any(sum(m["role"] == "assistant" for m in log) != k for log, k in zip(message_logs, seen)):
+            raise AssertionError("the conversation and its metadata disagree on the turn")
+        rewards = [float(k >= 3 and int(meta["ground_truth"]) % 2 == 1 and bool(log[-1]["content"])
+                         and log[-1]["content"][0] < "O") for log, meta, k in zip(message_logs, metadata, seen)]
+        n = len(message_logs)
+        return EnvironmentReturn(
+            observations=[{"role": "environment", "content": self.OBSERVATION if k < 3 else ""} for k in seen],
+            metadata=[{**meta, "turns_seen": k} for meta, k in zip(metadata, seen)], next_stop_strings=[None] * n,
+            rewards=torch.tensor(rewards), terminateds=torch.tensor([k >= 3 for k in seen]), answers=[None] * n,
+        )

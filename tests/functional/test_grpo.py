@@ -319,13 +319,13 @@ PARTIAL = [
 ]
 
 
-def test_partial_rollouts_carry_sequences_over_and_resume_exactly(tmp_path, monkeypatch):
-    """Four steps with partial rollouts carry unfinished sequences over (their tokens then span two
-    weight versions); a run stopped after its step-2 checkpoint resumes with the carry-over and
-    logs exactly the uninterrupted run's metrics."""
+def _partial_run_resumes_exactly(tmp_path, monkeypatch, *extra: str) -> list[dict]:
+    """Four steps with partial rollouts (`PARTIAL` and `extra`), then the same run stopped after
+    its step-2 checkpoint and resumed: the resumed run logs exactly the uninterrupted run's
+    metrics. The uninterrupted run's rows."""
     from posttrain.algorithms import grpo
 
-    straight = grpo.setup(small_cfg(tmp_path / "straight", *PARTIAL))
+    straight = grpo.setup(small_cfg(tmp_path / "straight", *PARTIAL, *extra))
     try:
         grpo.grpo_train(straight)
     finally:
@@ -347,7 +347,7 @@ def test_partial_rollouts_carry_sequences_over_and_resume_exactly(tmp_path, monk
             raise KeyboardInterrupt("stopped after the step-2 checkpoint")
         return step_fn(ctx, step, timer)
 
-    stopped = grpo.setup(small_cfg(tmp_path / "stopped", *PARTIAL))
+    stopped = grpo.setup(small_cfg(tmp_path / "stopped", *PARTIAL, *extra))
     monkeypatch.setattr(grpo, "grpo_step", stops_at_step_3)
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -355,7 +355,7 @@ def test_partial_rollouts_carry_sequences_over_and_resume_exactly(tmp_path, monk
     finally:
         stopped.shutdown()
     monkeypatch.setattr(grpo, "grpo_step", step_fn)
-    resumed = grpo.setup(small_cfg(tmp_path / "stopped", *PARTIAL))
+    resumed = grpo.setup(small_cfg(tmp_path / "stopped", *PARTIAL, *extra))
     try:
         assert resumed.step == 2
         assert len(resumed.partial_rollouts.carried) == expected[2]["train/partial_rollouts/carried_over_groups"]
@@ -363,3 +363,21 @@ def test_partial_rollouts_carry_sequences_over_and_resume_exactly(tmp_path, monk
     finally:
         resumed.shutdown()
     assert _comparable(read_metrics(tmp_path / "stopped" / "logs")) == expected
+    return rows
+
+
+def test_partial_rollouts_carry_sequences_over_and_resume_exactly(tmp_path, monkeypatch):
+    """Carried-over sequences' tokens span two weight versions; a resumed run continues exactly."""
+    _partial_run_resumes_exactly(tmp_path, monkeypatch)
+
+
+def test_partial_rollouts_carry_multi_turn_episodes_over_and_resume_exactly(tmp_path, monkeypatch):
+    """Three-turn episodes (`ThreeTurnEnv`, its turn count in the metadata) paused inside their
+    later turns carry over with their conversation so far, continue under the new weights and
+    resume exactly from a checkpoint."""
+    rows = _partial_run_resumes_exactly(tmp_path, monkeypatch, "grpo.max_rollout_turns=3", plugin_env("ThreeTurnEnv"),
+                                        "policy.max_total_sequence_length=96", "grpo.partial_rollouts.max_age_steps=4",
+                                        "grpo.partial_rollouts.min_complete_fraction=0.5")
+    # The step-2 checkpoint holds episodes paused after their first turn (the resume goes through them).
+    assert rows[1]["train/partial_rollouts/carried_over_later_turn_sequences"] > 0
+    assert all(r["train/avg_turns_per_sample"] > 1 for r in rows)

@@ -1,8 +1,10 @@
 """Partial rollouts (`grpo.partial_rollouts`, posttrain/algorithms/partial_rollouts.py): a
 sequence generated in chunks, paused and continued (after a checkpoint round trip too) draws the
-tokens and logprobs of one uninterrupted generation; each token keeps the version and logprob
-that produced it and the loss weights each token by its own; too-old groups are dropped and
-counted; the config refuses what cannot be exact."""
+tokens and logprobs of one uninterrupted generation; a multi-turn episode paused inside a later
+turn continues as one uninterrupted rollout would (same turns, observations, masks, rewards); each
+token keeps the version and logprob that produced it and the loss weights each token by its own;
+too-old groups are dropped and counted; the config refuses what cannot be exact, and multi-turn
+runs refuse environments that keep episode state in their own memory."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import torch
 
 from posttrain.algorithms.loss import ClippedPGLoss
 from posttrain.utils.metrics import valid_counts
-from posttrain.algorithms.partial_rollouts import PartialRollouts, SequenceProgress, generate_in_chunks
+from posttrain.algorithms.partial_rollouts import (PartialRollouts, SequenceProgress, environment_problem,
+                                                   generate_in_chunks)
 from posttrain.config.loader import load_config
 from posttrain.data.message_log import append_message, flatten_message_logs
 from posttrain.data.processors import build_prompt_message_log
@@ -23,6 +26,7 @@ from posttrain.distributed.batch import Batch
 from posttrain.environments.interface import Environment, EnvironmentReturn
 from posttrain.models.generation.engine import NativeGenerationEngine
 from posttrain.models.tiny import build_tokenizer
+from posttrain.rollouts import run_multi_turn_rollout
 
 from test_generation_engine import ListTokenizer, chain_model, random_llama
 
@@ -33,9 +37,9 @@ class EngineGeneration:
     """The native engine behind the `generate(batch, greedy, params)` interface, as a generation
     worker calls it (seeds, start_steps, stop strings from the batch)."""
 
-    def __init__(self, engine, stop_token_ids=STOP_IDS, temperature=1.0):
+    def __init__(self, engine, stop_token_ids=STOP_IDS, temperature=1.0, max_new_tokens=16):
         self.engine, self.stop_token_ids, self.temperature = engine, stop_token_ids, temperature
-        self.calls = 0
+        self.max_new_tokens, self.calls = max_new_tokens, 0
 
     def generate(self, batch, greedy=False, params=None):
         self.calls += 1
@@ -45,6 +49,10 @@ class EngineGeneration:
             seeds=batch["seeds"], start_steps=batch.get("start_steps"),
         )
         return Batch(out)
+
+    def generate_shards(self, batch, greedy=False, params=None):
+        """The ordinary rollout's call: whole turns of `max_new_tokens`."""
+        yield list(range(batch.size)), self.generate(batch, greedy, {"max_new_tokens": self.max_new_tokens, **(params or {})})
 
     def prepare_for_generation(self):
         return True
@@ -233,13 +241,132 @@ def test_the_carry_over_survives_a_checkpoint_round_trip():
     assert runs[0][2]["partial_rollouts/resumed_sequences"] > 0
 
 
+# ------------------------------------------------------------------------------- multi-turn
+class CountingEnv(Environment):
+    """Multi-turn, its state in the sample's metadata: after each assistant turn an observation
+    (never trained on) and the episode goes on, until the `turns`-th turn (metadata `seen` counts
+    them) ends it, rewarded with the length of each answer. It checks that the conversation it
+    is given agrees with the metadata, so a carry-over that lost either would fail here."""
+
+    OBSERVATION = "<|user|>more<|end|><|assistant|>"
+
+    def __init__(self, turns: int = 3):
+        self.turns = turns
+
+    def step(self, message_logs, metadata):
+        seen = [int(meta.get("seen", 0)) + 1 for meta in metadata]
+        for log, n in zip(message_logs, seen):
+            assert sum(m["role"] == "assistant" for m in log) == n
+        n = len(message_logs)
+        return EnvironmentReturn(
+            [{"role": "environment", "content": self.OBSERVATION}] * n, [{**m, "seen": k} for m, k in zip(metadata, seen)],
+            [None] * n, torch.tensor([float(len(log[-1]["content"])) for log in message_logs]),
+            torch.tensor([k >= self.turns for k in seen]), [None] * n)
+
+
+def multi_turn_ctx(*extra: str):
+    engine, tokenizer = engine_and_tokenizer()
+    cfg = grpo_cfg("grpo.max_rollout_turns=3", "policy.max_total_sequence_length=512", *extra)
+    return SimpleNamespace(cfg=cfg, step=0, generation=EngineGeneration(engine), tokenizer=tokenizer,
+                           envs={"t": CountingEnv()})
+
+
+def paused_in_a_later_turn(partial: PartialRollouts) -> list[SequenceProgress]:
+    return [p for g in partial.carried for p in g
+            if p.sample.status is SampleStatus.PAUSED and p.sample.turns >= 1 and len(p.token_ids) > 0]
+
+
+def test_a_multi_turn_episode_paused_in_a_later_turn_continues_as_one_uninterrupted_rollout():
+    ctx = multi_turn_ctx()
+    timer = SimpleNamespace(add=lambda *a: None)
+    partial = PartialRollouts(ctx.cfg)
+    _, m0 = partial.roll_out(ctx, prompts(ctx.tokenizer, 6), seed_key=1, timer=timer)
+    paused = paused_in_a_later_turn(partial)
+    assert paused and m0["partial_rollouts/carried_over_later_turn_sequences"] >= len(paused)
+    # The paused episodes' state so far: earlier turns (version 0) and observations in the log.
+    for p in paused:
+        roles = [m["role"] for m in p.sample.message_log]
+        assert roles == ["user"] + ["assistant", "environment"] * p.sample.turns
+        assert p.sample.extra_env_info["seen"] == p.sample.turns
+
+    # Through a checkpoint, then continued under version 1 (the same weights) until every carried
+    # group is complete; no new prompts.
+    partial = round_trip(partial)
+    seeds = {id(p.sample): p.seed for g in partial.carried for p in g}
+    paused_ids = {id(p.sample) for p in paused_in_a_later_turn(partial)}
+    ctx.step, ctx.cfg = 1, grpo_cfg("grpo.max_rollout_turns=3", "policy.max_total_sequence_length=512",
+                                    "grpo.partial_rollouts.min_complete_fraction=1.0")
+    trained, m1 = partial.roll_out(ctx, [], seed_key=2, timer=timer)
+    assert not partial.carried and m1["partial_rollouts/resumed_sequences"] == m0["partial_rollouts/carried_over_sequences"]
+    continued = [s for g in trained for s in g.samples]
+    assert paused_ids <= {id(s) for s in continued}
+
+    # The same prompts rolled out uninterrupted with the same seeds.
+    fresh = [prompts(ctx.tokenizer, 6)[s.idx].fresh_copy() for s in continued]
+    run_multi_turn_rollout(ctx.generation, fresh, ctx.tokenizer, ctx.envs, max_seq_len=512, max_rollout_turns=3,
+                           seeds=torch.tensor([seeds[id(s)] for s in continued]), group_size=2)
+    batch = flatten_message_logs([s.message_log for s in continued], pad_token_id=ctx.tokenizer.pad_token_id)
+    for row, (s, ref) in enumerate(zip(continued, fresh)):
+        assert [m["role"] for m in s.message_log] == [m["role"] for m in ref.message_log]
+        for m, r in zip(s.message_log, ref.message_log):
+            assert m["token_ids"].tolist() == r["token_ids"].tolist() and m["content"] == r["content"]
+            if m["role"] == "assistant":
+                torch.testing.assert_close(m["generation_logprobs"], r["generation_logprobs"], atol=1e-5, rtol=0)
+                assert len(m["weight_versions"]) == len(m["token_ids"])
+                assert m["weight_version"] == int(m["weight_versions"].min())
+            else:
+                assert "generation_logprobs" not in m
+        assert (s.turns, s.status, s.reward, s.generated_tokens, s.observation_tokens, s.extra_env_info) == (
+            ref.turns, ref.status, ref.reward, ref.generated_tokens, ref.observation_tokens, ref.extra_env_info)
+        # Only the generated tokens are trained on; the observations and the prompt are masked.
+        expected = torch.cat([torch.full((len(m["token_ids"]),), float(m["role"] == "assistant")) for m in s.message_log])
+        assert batch["token_mask"][row, : len(expected)].tolist() == expected.tolist()
+        assert batch["token_mask"][row, len(expected):].sum() == 0
+        if id(s) in paused_ids:  # paused inside a later turn: that turn spans versions 0 and 1
+            assert s.turns == 3 and s.status is SampleStatus.COMPLETED
+            versions = [m["weight_versions"].tolist() for m in s.message_log if m["role"] == "assistant"]
+            assert versions[0] == [0] * len(versions[0])
+            assert any(v[0] == 0 and v[-1] == 1 for v in versions[1:])
+    assert m1["partial_rollouts/mixed_version_sequences"] >= len(paused_ids)
+    assert m1["avg_turns_per_sample"] == 3.0
+
+
+def test_a_multi_turn_carry_over_survives_a_checkpoint_round_trip():
+    timer = SimpleNamespace(add=lambda *a: None)
+    runs = []
+    for restore in (False, True):
+        ctx = multi_turn_ctx()
+        partial = PartialRollouts(ctx.cfg)
+        partial.roll_out(ctx, prompts(ctx.tokenizer, 6), seed_key=1, timer=timer)
+        assert paused_in_a_later_turn(partial)
+        if restore:
+            partial = round_trip(partial)
+        ctx.step = 1
+        trained, metrics = partial.roll_out(ctx, prompts(ctx.tokenizer, 6), seed_key=2, timer=timer)
+        runs.append(([[[m["token_ids"].tolist() for m in s.message_log] for s in g.samples] for g in trained],
+                     [[(s.reward, s.turns, s.status, s.extra_env_info) for s in g.samples] for g in trained],
+                     [g.weight_version for g in trained], metrics,
+                     [[(p.sample.turns, p.token_ids.tolist(), p.sample.extra_env_info) for p in g] for g in partial.carried]))
+    assert runs[0] == runs[1]
+    assert runs[0][3]["partial_rollouts/resumed_sequences"] > 0
+
+
+def test_multi_turn_partial_rollouts_refuse_environments_with_live_episode_state():
+    cfg = grpo_cfg("grpo.max_rollout_turns=3")
+    problem = environment_problem(cfg, ["math", "textarena"])
+    assert problem is not None and "env.textarena" in problem and "\n" not in problem
+    http = grpo_cfg("grpo.max_rollout_turns=3", "env.http.servers.main=http://127.0.0.1:1")
+    assert "env.http" in environment_problem(http, ["http"])
+    assert environment_problem(cfg, ["math", "tools", "sliding_puzzle", "mcqa"]) is None  # state in the metadata
+    assert environment_problem(grpo_cfg(), ["textarena"]) is None  # single-turn: nothing outlives a step
+
+
 # ------------------------------------------------------------------------------------ config
 @pytest.mark.parametrize("extra, message", [
     (["loss_fn.use_importance_sampling_correction=false"], "loss_fn.use_importance_sampling_correction=true"),
     (["grpo.use_dynamic_sampling=true"], "grpo.use_dynamic_sampling"),
     (["grpo.async_grpo.enabled=true", "policy.generation.colocated.enabled=false"], "grpo.async_grpo.enabled"),
     (["policy.generation.backend=vllm"], "policy.generation.backend"),
-    (["grpo.max_rollout_turns=2"], "grpo.max_rollout_turns=1"),
     (["loss_fn.force_on_policy_ratio=true"], "loss_fn.force_on_policy_ratio"),
 ])
 def test_the_config_refuses_what_cannot_be_exact(extra, message):

@@ -80,9 +80,9 @@ class PartialRolloutsConfig(Section):
     enabled: bool = Field(
         False,
         description=(
-            "Stop a step's generation early and carry unfinished sequences over (default false); needs "
-            "loss_fn.use_importance_sampling_correction=true, policy.generation.backend=native, "
-            "grpo.max_rollout_turns=1, and neither grpo.async_grpo nor grpo.use_dynamic_sampling."
+            "Stop a step's generation early and carry unfinished episodes over, multi-turn ones too (default "
+            "false); needs loss_fn.use_importance_sampling_correction=true, policy.generation.backend=native, "
+            "and neither grpo.async_grpo nor grpo.use_dynamic_sampling."
         ),
     )
     min_complete_fraction: float = Field(

@@ -199,8 +199,6 @@ def partial_rollouts_problem(cfg: "GRPOMasterConfig") -> Optional[str]:
     if cfg.policy.generation.backend != "native":
         return (f"{key} needs policy.generation.backend=native (got {cfg.policy.generation.backend!r}): "
                 "continuing a sequence exactly needs the native engine's counter-based sampling (start_steps)")
-    if g.max_rollout_turns > 1:
-        return f"{key} supports single-turn rollouts only: set grpo.max_rollout_turns=1 (got {g.max_rollout_turns})"
     return None
 
 
