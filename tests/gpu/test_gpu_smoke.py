@@ -1,6 +1,7 @@
 """GPU smoke tests: a few GRPO steps on 2 GPUs with each generation engine and placement (FSDP2
 over nccl, refit verification on), and the memory plan (`posttrain/plan.py`) against what
-torch's CUDA allocator measures. See docs/scaling.md, "GPU-only paths": this suite has not run yet.
+torch's CUDA allocator measures. See docs/scaling.md, "GPU-only paths": the one-GPU test has run
+on an H200 (tests/gpu/one_gpu.sh), the 2-GPU tests not yet.
 
     ./run.sh pytest tests/gpu          # skipped without CUDA
 """
