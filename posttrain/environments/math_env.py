@@ -192,16 +192,20 @@ class VerifierPool:
 
     def _await_ready(self, index: int) -> None:
         process, conn = self._workers[index]
+        exit_code = None
         try:
             ready = conn.poll(self.start_timeout_s) and conn.recv() == "ready"
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the child closed its end: it is exiting (an import failed)
             ready = False
+            try:
+                exit_code = process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
         if not ready:
             self._kill(index)
-            raise RuntimeError(
-                f"math-verify worker process did not start within {self.start_timeout_s}s "
-                f"(exit code {process.poll()}); is math-verify installed?"
-            )
+            why = (f"exited with code {exit_code} before it was ready (its error is printed above)"
+                   if exit_code is not None else f"did not start within {self.start_timeout_s}s")
+            raise RuntimeError(f"math-verify worker process {why}; is math-verify installed, with its dependencies?")
 
     def _start_missing(self) -> None:
         missing = [i for i, worker in enumerate(self._workers) if worker is None]

@@ -272,3 +272,16 @@ def test_plain_number_fast_path_is_exact_and_defers_the_rest():
     assert plain_numbers_equal("1/2", "0.5") is None
     assert plain_numbers_equal("1000", "1,000") is None
     assert plain_numbers_equal("\\frac{1}{2}", "0.5") is None
+
+
+def test_a_verifier_child_that_cannot_import_says_so_at_once(tmp_path, monkeypatch):
+    """A child that dies importing (math-verify or one of its dependencies missing) is reported as
+    exited, with its exit code, as soon as it dies: not after the start timeout, not as killed."""
+    from posttrain.environments import math_env
+
+    broken = tmp_path / "worker.py"
+    broken.write_text("import a_module_that_is_not_installed\n")
+    monkeypatch.setattr(math_env, "_WORKER_SCRIPT", broken)
+    pool = math_env.VerifierPool(num_workers=1, start_timeout_s=600)
+    with pytest.raises(RuntimeError, match=r"exited with code 1 before it was ready.*math-verify installed"):
+        pool._start_missing()
