@@ -59,11 +59,17 @@ class ModelShape:
     experts_per_token: int = 0
     largest_tensor: int = 0  # elements of the largest parameter (one refit bucket must hold it)
     lora_params: int = 0  # adapter parameters with the configured policy.lora (0 without LoRA)
+    embedding_params: int = 0  # input embeddings and LM head (once if tied): whole on every TP rank
 
 
-def shape_from_hf_config(config: dict, num_params: int, largest_tensor: int = 0, lora_params: int = 0) -> ModelShape:
-    """`ModelShape` from a Hugging Face config dict (config.json's keys; llama / qwen / mixtral names)."""
+def shape_from_hf_config(config: dict, num_params: int, largest_tensor: int = 0, lora_params: int = 0,
+                         embedding_params: Optional[int] = None) -> ModelShape:
+    """`ModelShape` from a Hugging Face config dict (config.json's keys; llama / qwen / mixtral names).
+    `embedding_params` (default: vocabulary x hidden, twice unless `tie_word_embeddings`) are the
+    embeddings' and LM head's elements, which tensor parallelism leaves whole."""
     hidden = config["hidden_size"]
+    if embedding_params is None:
+        embedding_params = config["vocab_size"] * hidden * (1 if config.get("tie_word_embeddings") else 2)
     heads = config["num_attention_heads"]
     experts = config.get("num_local_experts") or config.get("num_experts") or 0
     return ModelShape(
@@ -74,7 +80,7 @@ def shape_from_hf_config(config: dict, num_params: int, largest_tensor: int = 0,
         intermediate_size=(config.get("moe_intermediate_size") if experts and config.get("moe_intermediate_size")
                            else config["intermediate_size"]),
         num_experts=experts, experts_per_token=config.get("num_experts_per_tok") or 0 if experts else 0,
-        largest_tensor=largest_tensor, lora_params=lora_params,
+        largest_tensor=largest_tensor, lora_params=lora_params, embedding_params=embedding_params,
     )
 
 
@@ -108,8 +114,10 @@ def model_shape(policy: Any) -> ModelShape:
         targets = set(policy.lora.target_modules)
         lora = sum(policy.lora.dim * (m.in_features + m.out_features) for name, m in model.named_modules()
                    if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets)
+    heads = {id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings())
+             if m is not None}  # one entry when tied
     return shape_from_hf_config(json.loads(hf_config.to_json_string()), sum(p.numel() for p in params),
-                                max(p.numel() for p in params), lora)
+                                max(p.numel() for p in params), lora, sum(heads.values()))
 
 
 @dataclass
@@ -165,7 +173,7 @@ def optimizer_state_bytes(trainable: int, name: str, shards: int) -> float:
     return (8 if name in ("adamw", "adam") else 0) * trainable / shards
 
 
-def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int) -> float:
+def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int, tp: int = 1, sp: bool = False) -> float:
     """Saved activations of one decoder layer per token, for backward (Korthikanti et al. 2022,
     "Reducing Activation Recomputation in Large Transformer Models", section 4.1, redone for a
     pre-norm RMSNorm / RoPE / SwiGLU / grouped-query decoder as transformers runs it, without
@@ -180,20 +188,26 @@ def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int) -> flo
       product that down_proj reads (4 x intermediate); a mixture of experts keeps that for each of
       the top-k experts of a token, plus the router logits (experts, float32).
 
-    Below float32 the RMSNorm upcasts its input to float32 (2 x 4h bytes more)."""
+    Below float32 the RMSNorm upcasts its input to float32 (2 x 4h bytes more).
+
+    Per tensor-parallel rank (`tp` > 1, Korthikanti et al. 2022, section 4.2.2): the heads' and the
+    MLP width's activations divide by `tp`; the norms' inputs and outputs (the 2h terms and the
+    upcast) only with sequence parallelism (`sp`), which splits them by sequence. MoE experts stay
+    whole under posttrain's TP, so do their activations."""
     h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    attention = 2 * h + 7 * q + 2 * kv
+    norms = 1 / tp if sp else 1.0
+    attention = 2 * h * norms + (7 * q + 2 * kv) / tp
     if shape.num_experts:
-        mlp = 2 * h + shape.experts_per_token * (h + 4 * shape.intermediate_size)
+        mlp = 2 * h * norms + shape.experts_per_token * (h + 4 * shape.intermediate_size)
         router = 4 * shape.num_experts
     else:
-        mlp, router = 2 * h + 4 * shape.intermediate_size, 0
-    upcast = 8 * h if dtype_bytes < 4 else 0
+        mlp, router = 2 * h * norms + 4 * shape.intermediate_size / tp, 0
+    upcast = 8 * h * norms if dtype_bytes < 4 else 0
     return dtype_bytes * (attention + mlp) + router + upcast
 
 
 def training_activation_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, checkpointing: bool,
-                              fused_logprobs: bool) -> float:
+                              fused_logprobs: bool, tp: int = 1, sp: bool = False) -> float:
     """Activations of one training micro-batch of `tokens` tokens.
 
     Without checkpointing every layer keeps its activations until backward, plus one layer's worth
@@ -202,10 +216,12 @@ def training_activation_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, 
     gradients (Korthikanti et al. 2022, section 4.2: full recomputation keeps 2sbh per layer in 16-bit).
     The head: with fused logprobs a float32 tile of `FUSED_LOGPROB_TILE_BYTES` and the final hidden
     states; otherwise the [tokens, vocab] logits in float32, their log-softmax and its gradient (3 copies).
+    Under tensor parallelism (`tp`, `sp`: see `activation_bytes_per_token_layer`) a checkpointed
+    layer's input is split only with sequence parallelism; the head is whole on every rank.
     """
-    per_layer = activation_bytes_per_token_layer(shape, dtype_bytes)
+    per_layer = activation_bytes_per_token_layer(shape, dtype_bytes, tp, sp)
     if checkpointing:
-        layers = shape.num_layers * dtype_bytes * shape.hidden_size + 2 * per_layer
+        layers = shape.num_layers * dtype_bytes * shape.hidden_size / (tp if sp else 1) + 2 * per_layer
     else:
         layers = (shape.num_layers + 1) * per_layer
     return tokens * layers + head_bytes(shape, tokens, dtype_bytes, fused_logprobs, backward=True)
@@ -218,9 +234,10 @@ def head_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused_logprobs:
     return (3 if backward else 2) * 4 * tokens * shape.vocab_size
 
 
-def logprob_activation_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused_logprobs: bool) -> float:
+def logprob_activation_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused_logprobs: bool,
+                             tp: int = 1, sp: bool = False) -> float:
     """A forward without gradients keeps one layer's activations at a time (nothing is saved for backward)."""
-    return tokens * activation_bytes_per_token_layer(shape, dtype_bytes) + head_bytes(
+    return tokens * activation_bytes_per_token_layer(shape, dtype_bytes, tp, sp) + head_bytes(
         shape, tokens, dtype_bytes, fused_logprobs, backward=False)
 
 
@@ -248,8 +265,9 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None)
     policy, gen = cfg.policy, cfg.policy.generation
     on_gpu = cfg.cluster.gpus_per_node > 0
     c = compute_dtype_bytes(policy.precision, on_gpu)
-    shards = policy.num_workers
-    trainable = shape.lora_params if policy.lora.enabled else shape.num_params
+    shards, tp, sp = policy.num_workers, policy.tensor_parallel_size, policy.sequence_parallel
+    dp = shards // tp
+    trainable = shape.lora_params if policy.lora.enabled else shape.num_params  # LoRA is refused under TP
     colocated = gen.colocated.enabled
     local = not on_gpu and resolve_backend(cfg) == "local"
     has_generation = hasattr(cfg, "grpo") or hasattr(cfg, "teacher")
@@ -258,20 +276,25 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None)
     trainer = DevicePlan("policy worker" + (" (+ generation)" if colocated and has_generation else ""))
     if not on_gpu:
         trainer.add("runtime (python, torch)", CPU_RUNTIME_BYTES)
-    # Master weights are float32 (autocast computes in policy.precision), sharded by FSDP2 over
-    # the workers; FSDP2 all-gathers one layer ahead while it computes one (2 layers in float32).
-    trainer.add("policy parameters (fp32)", 4 * shape.num_params / shards)
-    if shards > 1:
-        trainer.add("FSDP all-gathered layers", 2 * 4 * (shape.num_params / shape.num_layers), ("refit", "logprobs", "training"))
-    trainer.add("gradients (fp32)", 4 * trainable / shards, ("training",))
-    trainer.add(f"optimizer state ({policy.optimizer.name})", optimizer_state_bytes(trainable, policy.optimizer.name, shards))
+    # Master weights are float32 (autocast computes in policy.precision), sharded by FSDP2 over the
+    # data-parallel ranks; tensor parallelism also splits the decoder layers over its `tp` ranks,
+    # not the embeddings and LM head. FSDP2 all-gathers one layer ahead while it computes one (2
+    # layers' TP shards in float32).
+    per_rank = per_rank_params(shape, shards, tp)
+    trainer.add("policy parameters (fp32)", 4 * per_rank)
+    if dp > 1:
+        trainer.add("FSDP all-gathered layers", 2 * 4 * (shape.num_params - shape.embedding_params * (tp > 1))
+                    / shape.num_layers / tp, ("refit", "logprobs", "training"))
+    trainable_per_rank = trainable / shards if policy.lora.enabled else per_rank
+    trainer.add("gradients (fp32)", 4 * trainable_per_rank, ("training",))
+    trainer.add(f"optimizer state ({policy.optimizer.name})", optimizer_state_bytes(trainable_per_rank, policy.optimizer.name, 1))
     trainer.add("activations" + (" (checkpointed)" if policy.activation_checkpointing else ""),
                 training_activation_bytes(shape, micro_batch_tokens(policy, True), c, policy.activation_checkpointing,
-                                          policy.fused_logprobs), ("training",))
+                                          policy.fused_logprobs, tp, sp), ("training",))
     trainer.add("logprob forward", logprob_activation_bytes(shape, micro_batch_tokens(policy, False), c,
-                                                             policy.fused_logprobs), ("logprobs",))
+                                                             policy.fused_logprobs, tp, sp), ("logprobs",))
     if kl and not on_gpu:  # the reference copy is this rank's fp32 shard in host memory (policy worker)
-        trainer.add("reference model (fp32, host)", 4 * shape.num_params / shards)
+        trainer.add("reference model (fp32, host)", 4 * per_rank)
 
     devices, counts = [trainer], [shards]
     if has_generation:
@@ -292,7 +315,8 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None)
             # (colocated, level 1) while the policy trains.
             engine.add(f"vLLM weights + KV cache ({util:g} of the GPU)", share, engine_phases)
         else:
-            in_place = local and colocated and gen.backend == "native"  # reads the policy's weights in place
+            # One unsharded policy worker lends its weights to the engine in its process (no copy).
+            in_place = local and colocated and gen.backend == "native" and shards == 1
             if not in_place:
                 if not on_gpu and gen.backend == "vllm":
                     engine.add("vLLM runtime", CPU_RUNTIME_BYTES, engine_phases)
@@ -326,13 +350,23 @@ def detect_device_bytes(cfg: Any) -> Optional[int]:
     return psutil.virtual_memory().total
 
 
+def per_rank_params(shape: ModelShape, workers: int, tp: int) -> float:
+    """Parameters one policy rank holds: the decoder layers split over all `workers` (FSDP2 over
+    the data-parallel ranks times TP within a layer); under TP (`tp` > 1) the embeddings and LM
+    head only over the `workers / tp` data-parallel ranks (whole on every TP rank)."""
+    if tp == 1:
+        return shape.num_params / workers
+    return (shape.num_params - shape.embedding_params) / workers + shape.embedding_params / (workers // tp)
+
+
 def fits(plan: Plan) -> bool:
     """True when the plan's peak stays under (1 - HEADROOM) of the device memory (or it is unknown)."""
     return plan.device_bytes is None or plan.node_peak() <= (1 - HEADROOM) * plan.device_bytes
 
 
-def candidate_fixes(cfg: Any) -> list[tuple[str, Any]]:
-    """(key=value, changed config) pairs worth trying, one change each."""
+def candidate_fixes(cfg: Any, shape: Optional[ModelShape] = None) -> list[tuple[str, Any]]:
+    """(key=value, changed config) pairs worth trying, one change each; tensor parallel sizes
+    only where they divide `shape`'s heads, key/value heads and MLP width (and the workers)."""
     policy, gen = cfg.policy, cfg.policy.generation
     fixes: list[tuple[str, Any]] = []
 
@@ -365,6 +399,13 @@ def candidate_fixes(cfg: Any) -> list[tuple[str, Any]]:
             variant("policy.num_workers", workers)
         if policy.precision == "float32":
             variant("policy.precision", "bfloat16")
+        if policy.tensor_parallel_size > 1 and not policy.sequence_parallel and not (shape and shape.num_experts):
+            variant("policy.sequence_parallel", True)
+        dims = (shape.num_heads, shape.num_kv_heads, shape.intermediate_size) if shape else ()
+        for tp in (2, 4, 8):
+            if tp > policy.tensor_parallel_size and not policy.lora.enabled and policy.num_workers % tp == 0 \
+                    and all(d % tp == 0 for d in dims) and shape is not None:
+                variant("policy.tensor_parallel_size", tp)
         if gen.backend == "vllm" and gen.colocated.enabled:
             for util in (0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2):
                 if util < gen.vllm_cfg.gpu_memory_utilization:
@@ -388,13 +429,13 @@ def fit_problem(cfg: Any, shape: ModelShape, plan: Plan) -> Optional[str]:
     need = f"needs {plan.node_peak() / GiB:.2f} GiB {where} but {(1 - HEADROOM) * plan.device_bytes / GiB:.2f} GiB " \
            f"is usable ({1 - HEADROOM:.0%} of {plan.device_bytes / GiB:.2f} GiB)"
     found: dict[str, str] = {}
-    for change, changed in candidate_fixes(cfg):
+    for change, changed in candidate_fixes(cfg, shape):
         key = change.split("=", 1)[0]
         if key not in found and fits(memory_plan(changed, shape_for(changed, shape), plan.device_bytes)):
             found[key] = change
     advice = ("it would fit with any one of: " + ", ".join(found.values())) if found else \
         "no single change of policy.activation_checkpointing, micro-batch sizes, policy.num_workers, " \
-        "policy.precision, policy.lora.enabled or generation settings makes it fit"
+        "policy.tensor_parallel_size, policy.precision, policy.lora.enabled or generation settings makes it fit"
     return f"memory plan: {plan.devices[0].peak()[0]} {need}; {advice}"
 
 

@@ -62,6 +62,8 @@ def test_model_shape_counts_the_real_parameters_without_weights(arch):
     assert shape.largest_tensor == max(p.numel() for p in model.parameters())
     assert (shape.hidden_size, shape.num_layers, shape.vocab_size) == (128, 2, 103)
     assert (shape.num_experts > 0) == (arch == "qwen3_moe")
+    heads = {id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings())}
+    assert shape.embedding_params == sum(heads.values())  # once when tied: whole on every TP rank
     lora = mp.model_shape(grpo("policy.lora.enabled=true").policy)
     # q, k, v, o of 2 layers, rank 8: q/o are 128x128, k/v 128x64 (2 kv heads of 32).
     assert lora.lora_params == 2 * 8 * ((128 + 128) * 2 + (128 + 64) * 2)
@@ -116,6 +118,44 @@ def test_a_plan_that_cannot_fit_names_the_keys_that_would():
     assert "policy.num_workers" not in problem  # sharding does not shrink activations
     assert "policy.generation.vllm_cfg.gpu_memory_utilization" not in problem  # vLLM sleeps in training
     assert mp.fit_problem(cfg, SHAPE, mp.memory_plan(cfg, SHAPE, device_bytes=80 * GiB)) is None
+
+
+def test_tensor_and_sequence_parallel_split_what_they_split_by_hand():
+    # Heads' and MLP width's activations divide by tp, the norms' (2h twice) only with SP:
+    # attention 2*64 + (7*64 + 2*32)/2 = 384, MLP 2*64 + 4*256/2 = 640 elements per token and layer.
+    assert mp.activation_bytes_per_token_layer(SHAPE, 4, tp=2) == 4 * 1024
+    assert mp.activation_bytes_per_token_layer(SHAPE, 4, tp=2, sp=True) == 4 * (64 + 256 + 64 + 512)
+    # A checkpointed layer's input splits by sequence only under SP; the head stays whole.
+    assert mp.training_activation_bytes(SHAPE, 1000, 4, checkpointing=True, fused_logprobs=False, tp=2, sp=True) == \
+        1000 * (4 * 4 * 64 / 2 + 2 * 4 * 896) + 3 * 4 * 1000 * 100
+    # Parameters: the layers over all 8 ranks, the embeddings and head (tied or not) over the 4 dp ranks.
+    shape = mp.ModelShape(**{**SHAPE.__dict__, "embedding_params": 2 * 100 * 64})
+    assert mp.per_rank_params(shape, 8, 1) == 1_000_000 / 8
+    assert mp.per_rank_params(shape, 8, 2) == (1_000_000 - 12_800) / 8 + 12_800 / 4
+    cfg = grpo("cluster.gpus_per_node=8", "policy.num_workers=8", "policy.tensor_parallel_size=2")
+    rows = mp.memory_plan(cfg, shape, device_bytes=80 * GiB).devices[0].rows
+    assert rows["policy parameters (fp32)"]["training"] == 4 * ((1_000_000 - 12_800) / 8 + 12_800 / 4)
+    assert rows["optimizer state (adamw)"]["training"] == 8 * ((1_000_000 - 12_800) / 8 + 12_800 / 4)
+    assert rows["FSDP all-gathered layers"]["training"] == 2 * 4 * (1_000_000 - 12_800) / 4 / 2
+
+
+def test_a_sequence_too_long_for_one_gpu_is_told_the_tensor_parallel_size_that_fits():
+    big = mp.ModelShape(num_params=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000,
+                        num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+                        largest_tensor=131_072_000, embedding_params=2 * 32000 * 4096)
+    long = ["cluster.gpus_per_node=8", "policy.num_workers=8", "policy.precision=bfloat16",
+            "policy.generation.backend=vllm", "policy.generation.colocated.enabled=false",
+            "policy.generation.colocated.num_workers=8", "policy.generation.vllm_cfg.gpu_memory_utilization=0.8",
+            "policy.train_micro_batch_size=1", "policy.logprob_batch_size=1", "policy.activation_checkpointing=true",
+            "policy.max_total_sequence_length=131072", "policy.generation.max_new_tokens=128"]
+    cfg = grpo(*long)
+    problem = mp.fit_problem(cfg, big, mp.memory_plan(cfg, big, device_bytes=80 * GiB))
+    # One 131072-token row needs 107 GiB: only splitting every layer 8 ways fits (checkpointing is on).
+    assert problem.startswith("memory plan: training needs 106.68 GiB per GPU")
+    assert problem.endswith("it would fit with any one of: policy.tensor_parallel_size=8")
+    tp2 = grpo(*long, "policy.tensor_parallel_size=2")
+    problem = mp.fit_problem(tp2, big, mp.memory_plan(tp2, big, device_bytes=80 * GiB))
+    assert "policy.sequence_parallel=true" in problem  # then the norms' activations split too
 
 
 def test_unknown_gpu_memory_is_printed_not_checked():
