@@ -101,7 +101,7 @@ def test_extract_unknown_format():
 # ----------------------------------------------------------------------------- verification
 @pytest.fixture(scope="module")
 def env():
-    environment = MathEnvironment(MathEnvConfig(answer_format="auto", verify_timeout_s=2.0))
+    environment = MathEnvironment(MathEnvConfig(answer_format="auto", verify_timeout_s=5.0))
     yield environment
     environment.shutdown()
 
