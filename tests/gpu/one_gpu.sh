@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # The checks one GPU can run (docs/scaling.md, "GPU-only paths"): the embedded default job on the
 # GPU in float32 and with bfloat16 mixed precision (FSDP2's MixedPrecisionPolicy), then the
-# one-GPU test of tests/gpu (the memory plan against torch.cuda.max_memory_allocated).
+# one-GPU test of tests/gpu (the memory plan against torch.cuda.max_memory_allocated), then a
+# resume: 20 GRPO steps in one go against 10 steps, a restart, and 10 more (checkpoints with the
+# CUDA RNG state), compared step by step.
 #   tests/gpu/one_gpu.sh [OUT_DIR]          # logs and metrics under OUT_DIR (default logs/one_gpu)
 #   GPUS=0 STEPS=3 tests/gpu/one_gpu.sh     # the same commands on CPU, shortened (a dry run)
+#   PARTS="resume" tests/gpu/one_gpu.sh     # some of: fp32 bf16 tests resume (default: all)
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${1:-$REPO/logs/one_gpu}"
 PY="${PYTHON:-python3}"
 GPUS="${GPUS:-1}"
 STEPS="${STEPS:-}"          # empty: the default job's own 250 GRPO steps
+PARTS=" ${PARTS:-fp32 bf16 tests resume} "
 mkdir -p "$OUT"
 cd "$REPO" || exit 1
 CKPT="${CKPT:-$OUT}"        # checkpoints (large) may go elsewhere than the logs
@@ -34,11 +38,39 @@ run() {  # run NAME LIMIT_S ARGS...: one command, its output in OUT/NAME.log, it
     [ "$rc" -eq 0 ] || status=1
 }
 
-run default_fp32 240 "$PY" -m posttrain.cli grpo "${common[@]}" "${steps[@]}" \
-    "logger.log_dir=$OUT/default_fp32" "checkpointing.checkpoint_dir=$CKPT/ckpt_fp32"
-run default_bf16 240 "$PY" -m posttrain.cli grpo "${common[@]}" "${steps[@]}" policy.precision=bfloat16 \
-    "logger.log_dir=$OUT/default_bf16" "checkpointing.checkpoint_dir=$CKPT/ckpt_bf16"
-if [ "$GPUS" -ge 1 ]; then
+if [[ "$PARTS" == *" fp32 "* ]]; then
+    run default_fp32 240 "$PY" -m posttrain.cli grpo "${common[@]}" "${steps[@]}" \
+        "logger.log_dir=$OUT/default_fp32" "checkpointing.checkpoint_dir=$CKPT/ckpt_fp32"
+fi
+if [[ "$PARTS" == *" bf16 "* ]]; then
+    run default_bf16 240 "$PY" -m posttrain.cli grpo "${common[@]}" "${steps[@]}" policy.precision=bfloat16 \
+        "logger.log_dir=$OUT/default_bf16" "checkpointing.checkpoint_dir=$CKPT/ckpt_bf16"
+fi
+if [[ "$PARTS" == *" tests "* ]] && [ "$GPUS" -ge 1 ]; then
     run gpu_tests 300 "$PY" -m pytest tests/gpu -q -s -rs -p no:cacheprovider
+fi
+if [[ "$PARTS" == *" resume "* ]]; then
+    short=(grpo.val_period=0 grpo.val_at_start=false grpo.val_at_end=false checkpointing.save_period=10
+           "sft_warmup.sft.max_num_steps=${STEPS:-350}")
+    run resume_whole 240 "$PY" -m posttrain.cli grpo "${common[@]}" "${short[@]}" grpo.max_num_steps=20 \
+        "logger.log_dir=$OUT/resume_whole" "checkpointing.checkpoint_dir=$CKPT/ckpt_whole"
+    run resume_first 240 "$PY" -m posttrain.cli grpo "${common[@]}" "${short[@]}" grpo.max_num_steps=10 \
+        "logger.log_dir=$OUT/resume_parts" "checkpointing.checkpoint_dir=$CKPT/ckpt_parts"
+    run resume_second 240 "$PY" -m posttrain.cli grpo "${common[@]}" "${short[@]}" grpo.max_num_steps=20 \
+        "logger.log_dir=$OUT/resume_parts" "checkpointing.checkpoint_dir=$CKPT/ckpt_parts"
+    "$PY" - "$OUT/resume_whole/metrics.jsonl" "$OUT/resume_parts/metrics.jsonl" <<'PYTHON' || status=1
+import json, sys
+def steps(path):
+    rows = {}
+    for line in open(path):
+        row = json.loads(line)
+        rows.setdefault(row["step"], {}).update(row)
+    return rows
+whole, parts = steps(sys.argv[1]), steps(sys.argv[2])
+keys = ["train/loss", "train/reward", "train/grad_norm", "train/token_mult_prob_error"]
+worst = {k: max(abs(whole[s][k] - parts[s][k]) for s in range(11, 21)) for k in keys}
+print("resumed steps 11-20 against one run, largest difference per metric:", worst)
+print("bit-exact resume:", "yes" if not any(worst.values()) else "no")
+PYTHON
 fi
 exit "$status"
