@@ -38,18 +38,19 @@ class StuckEnv(MathEnvironment):
 
 
 class StragglerEnv(MathEnvironment):
-    """The third call takes `STRAGGLER_SECONDS` (default 26) longer: a straggler, not a hang.
+    """The third call takes `STRAGGLER_SECONDS` (default 66) longer: a straggler, not a hang.
 
-    With `grpo.async_grpo.rollout_timeout_s=20` its batch is dropped; the next batch's call, queued
-    behind it, still answers about 14 s before its own deadline, however busy the machine (a normal
-    batch of the tiny model takes well under a second)."""
+    With `grpo.async_grpo.rollout_timeout_s=60` its batch is dropped; the next batch's call, queued
+    behind it, still answers about 54 s before its own deadline. A normal batch of the tiny model
+    takes well under a second on a quiet machine, but the deadline counts from the batch's start,
+    generation included, and beside CPU hogs the first batches took over 20 s (the old deadline)."""
 
     calls = 0
 
     def step(self, message_logs, metadata):
         StragglerEnv.calls += 1
         if StragglerEnv.calls == 3:
-            time.sleep(float(os.environ.get("STRAGGLER_SECONDS", "26")))
+            time.sleep(float(os.environ.get("STRAGGLER_SECONDS", "66")))
         return super().step(message_logs, metadata)
 
 
