@@ -21,7 +21,8 @@ from posttrain.config.loader import load_config
 from posttrain.distributed.ray_utils import init_ray
 from posttrain.distributed.worker_group import WorkerError
 
-pytestmark = [pytest.mark.functional, pytest.mark.timeout(400)]
+# The timeout is a hang guard, not a speed test: beside two CPU hogs this module ran 4-6x its quiet time.
+pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module")
