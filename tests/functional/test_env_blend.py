@@ -122,7 +122,7 @@ def test_the_nemotron_mini_recipe_runs_two_steps_on_the_tiny_model(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "logs/recipe/metrics.jsonl").read_text().splitlines()]
     assert len([row for row in rows if "train/loss" in row]) == 2
     [val] = [row for row in rows if "validation/accuracy_greedy" in row]
-    tasks = ("math", "quiz", "json", "follow", "code", "calc", "letter_counting")
+    tasks = ("math", "quiz", "json", "follow", "code", "calc", "basic_arithmetic")
     assert {task: val[f"validation/accuracy_greedy_count/{task}"] for task in tasks} == {task: 2 for task in tasks}
     drawn = {task for row in rows for task in tasks if row.get(f"train/reward_count/{task}")}
     assert len(drawn) >= 4  # 28 prompts drawn by equal weights from seven tasks
