@@ -1,6 +1,6 @@
 """Where a GRPO step spends its time, each part beside its compute bound.
 
-    python benchmarks/step_breakdown.py [--settings tiny 135m] [--steps N] [--out benchmarks/step_breakdown.png]
+    python benchmarks/step_breakdown.py [--settings tiny 135m nemotron_mini] [--steps N] [--out benchmarks/step_breakdown.png]
 
 Settings (validation and checkpointing off, logs in a temporary directory):
 - tiny: the embedded default (`examples/configs/grpo_math_tiny.yaml`, its cached SFT warm start),
@@ -9,6 +9,10 @@ Settings (validation and checkpointing off, logs in a temporary directory):
   "A real pretrained model, offline") on additions in words through its chat template, 4 prompts x 8
   generations, up to 128 new tokens ending at eos, one optimizer step per batch, dynamic
   batching; 5 steps by default.
+- nemotron_mini: the recipe (`examples/recipes/nemotron_mini.yaml`, docs/recipes/nemotron-mini.md):
+  SmolLM2-135M-Instruct on seven environments, 8 prompts x 4 generations, up to 3 turns (tool
+  calls) of 128 new tokens; 5 steps by default. Its generation bound counts one forward over each
+  step's mean tokens, as for the others; the turns' separate prefills are not in it.
 
 Each part's median over steps 2..N (step 1 is warm-up) comes from `timing/train/<part>` in the
 run's metrics.jsonl; controller overhead is the total step time minus the parts. The bound of a
@@ -51,6 +55,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "configs"
 SETTINGS = {  # name: (config file, None for the embedded default; default number of steps)
     "tiny": (None, 20),
     "135m": (EXAMPLES / "grpo_smollm2_135m.yaml", 5),
+    "nemotron_mini": (EXAMPLES.parent / "recipes" / "nemotron_mini.yaml", 5),
 }
 
 
