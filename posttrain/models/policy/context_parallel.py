@@ -97,6 +97,15 @@ class ContextParallelGroup:
         return 0 if self.group is None else torch.distributed.get_rank(self.group)
 
 
+def build_mesh(device_type: str, world_size: int, cp_size: int) -> tuple[Any, Any, Any]:
+    """`(fsdp mesh, dp group, cp group)` of the workers as the mesh `("dp", "cp")`: FSDP2 shards
+    over the flattened `dp x cp` mesh (module doc), counts reduce over `dp`, the ring runs in `cp`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (world_size // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
+    return mesh._flatten("dp_cp"), mesh["dp"].get_group(), mesh["cp"].get_group()
+
+
 # ----------------------------------------------------------------------------- ring attention
 def _block_attention(q, k, v, q_pos, k_pos, scaling):
     """Causal attention of queries at `q_pos` to keys at `k_pos` (float32, heads already matched):
