@@ -123,3 +123,23 @@ def test_cp2_equals_one_process_on_the_tiny_model():
         for fused in (False, True):
             torch.testing.assert_close(out[f"logprobs_fused={fused}"], out["reference"], rtol=1e-5, atol=1e-5)
             assert out[f"grads_fused={fused}"] < 1e-5
+
+
+def test_config_refuses_what_context_parallelism_cannot_do_in_one_line():
+    from posttrain.config import ConfigError, load_config
+    from posttrain.config.schema import PolicyConfig
+
+    with pytest.raises(ConfigError, match=r"policy.num_workers=3 must be a multiple of policy.context_parallel_size=2"):
+        load_config("grpo", overrides=["policy.num_workers=3", "policy.context_parallel_size=2"])
+    cases = {
+        "with policy.tensor_parallel_size > 1 is not supported": dict(num_workers=4, tensor_parallel_size=2),
+        "with policy.sequence_packing.enabled is not supported": dict(num_workers=2, sequence_packing=dict(enabled=True)),
+        "with policy.lora.enabled is not supported": dict(num_workers=2, lora=dict(enabled=True)),
+    }
+    for message, options in cases.items():
+        with pytest.raises(ValueError, match=f"policy.context_parallel_size > 1 {message}"):
+            PolicyConfig(context_parallel_size=2, **options)
+    cfg = PolicyConfig(num_workers=4, context_parallel_size=2, train_global_batch_size=2)
+    assert cfg.dp_size == 2  # the CP ranks of a group share rows, like a TP group's
+    with pytest.raises(ValueError, match=r"train_global_batch_size=3 must be a multiple of the 2 data-parallel ranks"):
+        PolicyConfig(num_workers=4, context_parallel_size=2, train_global_batch_size=3)
