@@ -48,7 +48,7 @@ from posttrain.models.policy import checkpoint as ckpt
 from posttrain.models.policy import context_parallel, parallel, sharded_load
 from posttrain.models.policy.forward import (
     MicroBatch,
-    _autocast,
+    compute_autocast,
     dynamic_microbatches,
     fixed_size_microbatches,
     logprob_positions,
@@ -295,7 +295,7 @@ class PolicyWorker(WeightExport, DistributedWorker):
                 raise ValueError("policy.context_parallel_size > 1 does not give full logits (distillation's "
                                  "input_type='logits', get_topk_logits); use context_parallel_size=1 there")
             wanted = logprob_positions(mb.rows, for_loss and self.fused_logprobs)
-            with _autocast(self.device, self.compute_dtype):
+            with compute_autocast(self.device, self.compute_dtype):
                 return context_parallel.microbatch_logprobs(
                     self.model, mb.rows, self.device, self.cp_group, self.cp_size, temperature,
                     fused=self.fused_logprobs, wanted=wanted.to(self.device))
