@@ -37,9 +37,10 @@ ranks' partial gradients (it averages over `dp * cp` ranks, so the loss is multi
 `dp * cp`). Replicating over `cp` with a separate all-reduce would cost the same traffic and more
 memory.
 
-Not supported (refused where the config is read): CP with tensor parallelism, with sequence
-packing (packed rows restart positions per sequence; the ring's mask would need the boundaries),
-with LoRA, for reward models and distillation's logits, with attention dropout or sliding windows.
+Not supported, refused in one line: by the config, CP with tensor parallelism, with sequence
+packing (packed rows restart positions per sequence; the ring's mask would need the boundaries)
+and with LoRA; by the worker, reward models and full logits (distillation, `get_topk_logits`); by
+the attention function, attention dropout in training and sliding windows.
 Tested on CPU over gloo only (tests/unit/test_context_parallel.py,
 tests/functional/test_context_parallel.py): torch 2.13's `context_parallel` refuses CPU
 ("aten._scaled_dot_product_flash_attention_for_cpu does not have a sharding strategy"), hence
