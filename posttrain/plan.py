@@ -241,6 +241,18 @@ def logprob_activation_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, f
         shape, tokens, dtype_bytes, fused_logprobs, backward=False)
 
 
+def ring_attention_block_bytes(shape: ModelShape, tokens: int, seq_len: int, cp: int) -> float:
+    """Context parallelism's working memory in one attention layer: the ring computes each block
+    of attention (local queries x one chunk of keys) with plain float32 matmuls, so the backward
+    holds the block's scores, probabilities and their gradient (3 copies of
+    `rows x heads x (seq_len / cp)^2`), rows = tokens / seq_len (a flash kernel per block would
+    need none of it: models/policy/context_parallel.py). 0 without CP."""
+    if cp == 1:
+        return 0.0
+    seq_len = min(tokens, seq_len)
+    return 3 * 4 * (tokens // seq_len) * shape.num_heads * (seq_len / cp) ** 2
+
+
 def kv_cache_bytes(shape: ModelShape, sequences: int, seq_len: int, dtype_bytes: int) -> float:
     """Keys and values of every layer for `sequences` x `seq_len` tokens: 2 x layers x kv_heads x head_dim x dtype per token."""
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes * sequences * seq_len
@@ -266,6 +278,7 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None)
     on_gpu = cfg.cluster.gpus_per_node > 0
     c = compute_dtype_bytes(policy.precision, on_gpu)
     shards, tp, sp = policy.num_workers, policy.tensor_parallel_size, policy.sequence_parallel
+    cp = policy.context_parallel_size  # CP ranks hold 1/cp of every row's tokens (never with TP)
     dp = shards // tp
     trainable = shape.lora_params if policy.lora.enabled else shape.num_params  # LoRA is refused under TP
     colocated = gen.colocated.enabled
@@ -279,7 +292,7 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None)
     # Master weights are float32 (autocast computes in policy.precision), sharded by FSDP2 over the
     # data-parallel ranks; tensor parallelism also splits the decoder layers over its `tp` ranks,
     # not the embeddings and LM head. FSDP2 all-gathers one layer ahead while it computes one (2
-    # layers' TP shards in float32).
+    # layers' TP shards in float32). Context parallel ranks are FSDP shards too (over dp x cp).
     per_rank = per_rank_params(shape, shards, tp)
     trainer.add("policy parameters (fp32)", 4 * per_rank)
     if dp > 1:
@@ -289,10 +302,13 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None)
     trainer.add("gradients (fp32)", 4 * trainable_per_rank, ("training",))
     trainer.add(f"optimizer state ({policy.optimizer.name})", optimizer_state_bytes(trainable_per_rank, policy.optimizer.name, 1))
     trainer.add("activations" + (" (checkpointed)" if policy.activation_checkpointing else ""),
-                training_activation_bytes(shape, micro_batch_tokens(policy, True), c, policy.activation_checkpointing,
-                                          policy.fused_logprobs, tp, sp), ("training",))
-    trainer.add("logprob forward", logprob_activation_bytes(shape, micro_batch_tokens(policy, False), c,
+                training_activation_bytes(shape, micro_batch_tokens(policy, True) // cp, c,
+                                          policy.activation_checkpointing, policy.fused_logprobs, tp, sp), ("training",))
+    trainer.add("logprob forward", logprob_activation_bytes(shape, micro_batch_tokens(policy, False) // cp, c,
                                                              policy.fused_logprobs, tp, sp), ("logprobs",))
+    if cp > 1:
+        trainer.add("ring attention blocks (fp32)", ring_attention_block_bytes(
+            shape, micro_batch_tokens(policy, True), policy.max_total_sequence_length, cp), ("training",))
     if kl and not on_gpu:  # the reference copy is this rank's fp32 shard in host memory (policy worker)
         trainer.add("reference model (fp32, host)", 4 * per_rank)
 

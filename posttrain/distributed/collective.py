@@ -89,6 +89,35 @@ def all_gather_object(obj: Any, group: Optional[Any] = None) -> list[Any]:
     return gathered
 
 
+def all_gather_tensor(tensor: torch.Tensor, group: Optional[Any] = None) -> list[torch.Tensor]:
+    """Every rank's `tensor` (same shape on every rank), in group rank order; not differentiable
+    (context parallelism wraps it in an autograd function)."""
+    if world_size(group) == 1:
+        return [tensor]
+    device = collective_device(tensor.device, backend_devices(group))
+    moved = tensor.contiguous().to(device)
+    gathered = [torch.empty_like(moved) for _ in range(world_size(group))]
+    dist.all_gather(gathered, moved, group=group)
+    return [t.to(tensor.device) for t in gathered]
+
+
+def ring_shift(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """Send `tensor` to the next rank of `group` (group rank + 1, wrapping) and return the one the
+    previous rank sent (same shape and dtype): one step of a ring (ring attention's K/V pass)."""
+    size = world_size(group)
+    if size == 1:
+        return tensor
+    rank = dist.get_rank(group)
+    device = collective_device(tensor.device, backend_devices(group))
+    outgoing = tensor.contiguous().to(device)
+    incoming = torch.empty_like(outgoing)
+    ops = [dist.P2POp(dist.isend, outgoing, dist.get_global_rank(group, (rank + 1) % size), group),
+           dist.P2POp(dist.irecv, incoming, dist.get_global_rank(group, (rank - 1) % size), group)]
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
+    return incoming.to(tensor.device)
+
+
 def barrier(group: Optional[Any] = None) -> None:
     """Wait for every rank of the group (nothing to wait for without a process group)."""
     if world_size(group) > 1:

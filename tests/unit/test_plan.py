@@ -139,6 +139,23 @@ def test_tensor_and_sequence_parallel_split_what_they_split_by_hand():
     assert rows["FSDP all-gathered layers"]["training"] == 2 * 4 * (1_000_000 - 12_800) / 4 / 2
 
 
+def test_context_parallel_divides_the_sequence_proportional_activations_by_hand():
+    # cp=2 ranks hold half of every row's tokens: activations and the head are those of half the
+    # tokens; parameters shard over all 8 ranks (FSDP over dp x cp); the ring's float32 blocks are
+    # 3 copies of rows x heads x (seq / cp)^2 = 2 rows x 4 heads x 1024^2.
+    common = ["cluster.gpus_per_node=8", "policy.num_workers=8", "policy.train_micro_batch_size=2",
+              "policy.max_total_sequence_length=2048"]
+    cp1 = mp.memory_plan(grpo(*common), SHAPE, device_bytes=80 * GiB).devices[0].rows
+    cp2 = mp.memory_plan(grpo(*common, "policy.context_parallel_size=2"), SHAPE, device_bytes=80 * GiB).devices[0].rows
+    fused_tokens = 2 * 2048 // 2
+    assert cp2["activations"]["training"] == mp.training_activation_bytes(SHAPE, fused_tokens, 4, False, True)
+    assert cp2["logprob forward"]["logprobs"] < cp1["logprob forward"]["logprobs"]
+    assert cp2["policy parameters (fp32)"] == cp1["policy parameters (fp32)"]
+    assert cp2["ring attention blocks (fp32)"]["training"] == 3 * 4 * 2 * 4 * 1024 ** 2
+    assert "ring attention blocks (fp32)" not in cp1
+    assert mp.ring_attention_block_bytes(SHAPE, 4096, 2048, 1) == 0
+
+
 def test_a_sequence_too_long_for_one_gpu_is_told_the_tensor_parallel_size_that_fits():
     big = mp.ModelShape(num_params=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000,
                         num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,

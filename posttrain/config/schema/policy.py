@@ -317,6 +317,15 @@ class PolicyConfig(Section):
             "tensor_parallel_size tokens)."
         ),
     )
+    context_parallel_size: int = Field(
+        1, ge=1,
+        description=(
+            "Workers that split each sequence between them (context parallelism: ring attention, Liu et al. 2023; "
+            "everything else local to each worker's tokens; models/policy/context_parallel.py). Long sequences whose "
+            "activations do not fit one device. num_workers must be a multiple of it; not with "
+            "tensor_parallel_size > 1, sequence packing or LoRA. 1 (default): off. Tested on CPU over gloo only."
+        ),
+    )
     fsdp_cpu_offload: bool = Field(
         False,
         description=(
@@ -359,9 +368,14 @@ class PolicyConfig(Section):
                 f"policy.num_workers={self.num_workers} must be a multiple of "
                 f"policy.tensor_parallel_size={self.tensor_parallel_size}"
             )
+        if self.context_parallel_size > 1:
+            self._check_context_parallel()
         if self.train_global_batch_size % self.dp_size:
             ranks = (f"policy.num_workers={self.num_workers}" if self.tensor_parallel_size == 1 else
                      f"the {self.dp_size} data-parallel ranks (policy.num_workers / policy.tensor_parallel_size)")
+            if self.context_parallel_size > 1:
+                ranks = (f"the {self.dp_size} data-parallel ranks (policy.num_workers / "
+                         "policy.context_parallel_size)")
             raise ValueError(
                 f"policy.train_global_batch_size={self.train_global_batch_size} must be a multiple of {ranks} "
                 "(each data-parallel rank gets an equal share)"
@@ -380,7 +394,22 @@ class PolicyConfig(Section):
             )
         return self
 
+    def _check_context_parallel(self) -> None:
+        """One line per combination context parallelism refuses (context_parallel.py's module doc)."""
+        cp = self.context_parallel_size
+        if self.num_workers % cp:
+            raise ValueError(f"policy.num_workers={self.num_workers} must be a multiple of "
+                             f"policy.context_parallel_size={cp}")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("policy.context_parallel_size > 1 with policy.tensor_parallel_size > 1 is not supported "
+                             "yet; use one of them")
+        if self.sequence_packing.enabled:
+            raise ValueError("policy.context_parallel_size > 1 with policy.sequence_packing.enabled is not supported "
+                             "(ring attention masks by global position, not per packed sequence); use dynamic_batching")
+        if self.lora.enabled:
+            raise ValueError("policy.context_parallel_size > 1 with policy.lora.enabled is not supported")
+
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: `num_workers / tensor_parallel_size`."""
-        return self.num_workers // self.tensor_parallel_size
+        """Data-parallel ranks: `num_workers / (tensor_parallel_size * context_parallel_size)`."""
+        return self.num_workers // (self.tensor_parallel_size * self.context_parallel_size)

@@ -110,7 +110,7 @@ def next_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperatu
     return F.pad(logprobs, (1, 0))
 
 
-def _autocast(device: torch.device, dtype: torch.dtype):
+def compute_autocast(device: torch.device, dtype: torch.dtype):
     """bf16/fp16 compute over fp32 master weights; a no-op in float32."""
     if dtype == torch.float32:
         return nullcontext()
@@ -151,7 +151,7 @@ def microbatch_logprobs(
     input_ids = mb.rows["input_ids"].to(device)
     lengths = mb.rows["input_lengths"].to(device)
     seq_len = input_ids.shape[1]
-    with _autocast(device, compute_dtype):
+    with compute_autocast(device, compute_dtype):
         if mb.packed is not None:
             packed_ids = mb.packed["input_ids"].to(device)
             logits = packed_forward(model, mb, device)
@@ -197,7 +197,7 @@ def _fused_microbatch_logprobs(
     input_ids = mb.rows["input_ids"].to(device)
     n_rows, seq_len = input_ids.shape
     row, pos = logprob_positions(mb.rows, loss_positions_only).to(device).nonzero(as_tuple=True)
-    with _autocast(device, compute_dtype), final_hidden_states(model) as captured:
+    with compute_autocast(device, compute_dtype), final_hidden_states(model) as captured:
         # logits_to_keep=1: transformers runs its head on one position per row; we do the rest.
         if mb.packed is not None:
             model(input_ids=mb.packed["input_ids"].to(device), position_ids=mb.packed["position_ids"].to(device),
@@ -231,7 +231,7 @@ def microbatch_logits(
     input_ids = mb.rows["input_ids"].to(device)
     lengths = mb.rows["input_lengths"].to(device)
     seq_len = input_ids.shape[1]
-    with _autocast(device, compute_dtype):
+    with compute_autocast(device, compute_dtype):
         if mb.packed is not None:
             logits = packed_forward(model, mb, device)
         else:
@@ -261,6 +261,6 @@ def microbatch_scores(
     input_ids = mb.rows["input_ids"].to(device)
     lengths = mb.rows["input_lengths"].to(device)
     mask = (torch.arange(input_ids.shape[1], device=device)[None, :] < lengths[:, None]).long()
-    with _autocast(device, compute_dtype):
+    with compute_autocast(device, compute_dtype):
         scores = model(input_ids=input_ids, attention_mask=mask).logits
     return scores[:, 0].float()

@@ -32,6 +32,9 @@ Gradients: a TP rank's replicated parameters get the same gradient on every TP r
 ones their shard's; FSDP reduces over `dp` only. So with the loss normalised by the global token
 count (counted over `dp` only: TP ranks see the same rows) and multiplied by the dp size, the
 gradient equals one worker's.
+
+Context parallelism (`policy.context_parallel_size`: split each sequence over a `cp` mesh
+dimension, ring attention) lives in `context_parallel.py`; it is not combined with TP yet.
 """
 
 from __future__ import annotations

@@ -56,6 +56,8 @@ class Policy:
             )
         self.dp_size = self.cfg.dp_size
         self.tp_size = self.cfg.tensor_parallel_size
+        # The ranks of a TP group, or a CP group, see the same rows: one shard per data-parallel rank.
+        self.replicas = self.cfg.tensor_parallel_size * self.cfg.context_parallel_size
         self.worker_group = WorkerGroup(
             cluster,
             PolicyWorker,
@@ -74,20 +76,20 @@ class Policy:
     # ------------------------------------------------------------------------------ logprobs
     def get_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
         """`Batch({"logprobs": [B, S]})` in the caller's row order (see `PolicyWorker.get_logprobs`)."""
-        return self.worker_group.run_sharded("get_logprobs", batch, replicas=self.tp_size, temperature=temperature)
+        return self.worker_group.run_sharded("get_logprobs", batch, replicas=self.replicas, temperature=temperature)
 
     def get_reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
         """Like `get_logprobs`, from the initial weights (needs `init_reference_model=True`)."""
-        return self.worker_group.run_sharded("get_reference_logprobs", batch, replicas=self.tp_size, temperature=temperature)
+        return self.worker_group.run_sharded("get_reference_logprobs", batch, replicas=self.replicas, temperature=temperature)
 
     def get_topk_logits(self, batch: Batch, k: int, temperature: float = 1.0) -> Batch:
         """`Batch(topk_logits, topk_indices)`, each `[B, S, k]`, in the caller's row order (see
         `PolicyWorker.get_topk_logits`): what a distillation teacher gives the student."""
-        return self.worker_group.run_sharded("get_topk_logits", batch, replicas=self.tp_size, k=k, temperature=temperature)
+        return self.worker_group.run_sharded("get_topk_logits", batch, replicas=self.replicas, k=k, temperature=temperature)
 
     def get_scores(self, batch: Batch) -> Batch:
         """`Batch({"scores": [B]})` from a reward model (`model_type="reward"`)."""
-        return self.worker_group.run_sharded("get_scores", batch, replicas=self.tp_size)
+        return self.worker_group.run_sharded("get_scores", batch, replicas=self.replicas)
 
     # --------------------------------------------------------------------------------- train
     def train(
@@ -129,7 +131,7 @@ class Policy:
         refs = self.worker_group.run_sharded_async(
             "train",
             batch.select(order),
-            replicas=self.tp_size,
+            replicas=self.replicas,
             loss_fn=loss_fn,
             global_batch_size=gbs,
             micro_batch_size=micro_batch_size,

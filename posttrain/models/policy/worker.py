@@ -14,7 +14,9 @@ micro-batch's loss is already divided by the *global* counts. FSDP averages grad
 ranks, so the loss is multiplied by the data-parallel size before `backward`; the accumulated
 gradient then equals the gradient of one big batch, whatever the split into ranks, micro-batches
 or packed bins. The ranks of a tensor-parallel group see the same rows, so counts and metrics
-are reduced over the data-parallel ranks only (`self.dp_group`).
+are reduced over the data-parallel ranks only (`self.dp_group`). So do the ranks of a
+context-parallel group (`context_parallel.py`): each holds a slice of every row's tokens, FSDP2
+shards over `dp x cp`, and the loss is multiplied by `dp * cp` (`self.fsdp_size`).
 """
 
 from __future__ import annotations
@@ -43,11 +45,13 @@ from posttrain.models import lora, moe
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype, resolve_model_path
 from posttrain.models.policy import checkpoint as ckpt
-from posttrain.models.policy import parallel, sharded_load
+from posttrain.models.policy import context_parallel, parallel, sharded_load
 from posttrain.models.policy.forward import (
     MicroBatch,
+    compute_autocast,
     dynamic_microbatches,
     fixed_size_microbatches,
+    logprob_positions,
     microbatch_logits,
     microbatch_logprobs,
     microbatch_scores,
@@ -117,10 +121,16 @@ class PolicyWorker(WeightExport, DistributedWorker):
         self.model_type = model_type
         # DistributedWorker set self.rank, self.world_size and self.device (cuda when present).
         self.tp_size = self.cfg.tensor_parallel_size
-        if self.world_size % self.tp_size:
-            raise ValueError(f"policy.tensor_parallel_size={self.tp_size} does not divide the {self.world_size} workers")
-        self.dp_size = self.world_size // self.tp_size
+        self.cp_size = self.cfg.context_parallel_size
+        if self.world_size % (self.tp_size * self.cp_size):
+            raise ValueError(f"policy.tensor_parallel_size={self.tp_size} * policy.context_parallel_size="
+                             f"{self.cp_size} does not divide the {self.world_size} workers")
+        if self.cp_size > 1 and model_type != "lm":
+            raise ValueError("policy.context_parallel_size > 1 is supported for language models, not reward models")
+        self.dp_size = self.world_size // (self.tp_size * self.cp_size)
+        self.fsdp_size = self.dp_size * self.cp_size  # ranks FSDP averages gradients over
         self.dp_group: Any = None  # the data-parallel ranks' process group (None: all ranks, the default group)
+        self.cp_group: Any = None  # the context-parallel ranks' process group (None: no CP)
         self.compute_dtype = pick_dtype(self.cfg.precision, self.device)
         self.step = 0  # number of `train` calls (= scheduler steps) so far
         # Only rank 0 reads the weights and the others receive their FSDP shards (sharded_load.py).
@@ -128,7 +138,7 @@ class PolicyWorker(WeightExport, DistributedWorker):
         # a rank built on the meta device does not have (the two ranks deadlocked).
         # Nor for mixtures of experts: their FSDP all-gathers disagreed in size between the rank that
         # loaded and the meta-built one (a gloo size mismatch killed the pair; tests/functional/test_moe_training.py).
-        self.loads_sharded = (model_type == "lm" and self.world_size > 1 and self.tp_size == 1
+        self.loads_sharded = (model_type == "lm" and self.world_size > 1 and self.tp_size == 1 and self.cp_size == 1
                               and not self.cfg.lora.enabled and not is_mixture_of_experts(self.cfg))
 
         model_path = resolve_model_path(self.cfg.model_name, self.cfg.tiny_arch)
@@ -147,6 +157,11 @@ class PolicyWorker(WeightExport, DistributedWorker):
         if self.cfg.activation_checkpointing:
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.fused_logprobs = model_type == "lm" and use_fused_logprobs(self.model, self.cfg.fused_logprobs, self.rank == 0)
+        if self.cp_size > 1:
+            context_parallel.enable_ring_attention(self.model)
+            if self.rank == 0:
+                print(f"[posttrain] context parallel x{self.cp_size}: ring attention over load-balanced sequence "
+                      "chunks; FSDP2 shards over data x context parallel ranks", flush=True)
         if self.tp_size > 1 and self.rank == 0:
             print(f"[posttrain] tensor parallel x{self.tp_size}: embeddings, LM head and MoE experts stay whole on "
                   "every tensor-parallel rank (the fused chunked lm_head + logprob path needs the whole vocabulary)",
@@ -213,7 +228,12 @@ class PolicyWorker(WeightExport, DistributedWorker):
 
     def _shard_model(self) -> None:
         """Tensor parallel over each TP group, FSDP2 over the data-parallel ranks (`parallel.py`)."""
-        dp_mesh, tp_mesh = parallel.build_mesh(self.device.type, self.world_size, self.tp_size)
+        if self.cp_size > 1:  # config validation refuses CP with TP
+            dp_mesh, self.dp_group, self.cp_group = context_parallel.build_mesh(
+                self.device.type, self.world_size, self.cp_size)
+            tp_mesh = None
+        else:
+            dp_mesh, tp_mesh = parallel.build_mesh(self.device.type, self.world_size, self.tp_size)
         if tp_mesh is not None:
             self.dp_group = dp_mesh.get_group()
         parallel.shard_model(
@@ -270,6 +290,15 @@ class PolicyWorker(WeightExport, DistributedWorker):
         the loss reads them (the fused path leaves the other positions 0)."""
         if self.model_type == "reward":
             return microbatch_scores(self.model, mb, self.device, self.compute_dtype)
+        if self.cp_size > 1:
+            if input_type == "logits":
+                raise ValueError("policy.context_parallel_size > 1 does not give full logits (distillation's "
+                                 "input_type='logits', get_topk_logits); use context_parallel_size=1 there")
+            wanted = logprob_positions(mb.rows, for_loss and self.fused_logprobs)
+            with compute_autocast(self.device, self.compute_dtype):
+                return context_parallel.microbatch_logprobs(
+                    self.model, mb.rows, self.device, self.cp_group, self.cp_size, temperature,
+                    fused=self.fused_logprobs, wanted=wanted.to(self.device))
         if input_type == "logits":  # full next-token logits [n, L, V] (distillation)
             return microbatch_logits(self.model, mb, self.device, self.compute_dtype, temperature)
         return microbatch_logprobs(self.model, mb, self.device, self.compute_dtype, temperature,
@@ -432,7 +461,7 @@ class PolicyWorker(WeightExport, DistributedWorker):
                 if not torch.isfinite(loss):
                     bad_microbatches.append(mb_index)
                 # Keep going even on a bad loss so the other ranks' collectives stay in step.
-                (loss * self.dp_size).backward()
+                (loss * self.fsdp_size).backward()
                 accumulate(sums, metrics)
             grad_norm = self._clip_grad_norm()
             self._raise_if_not_finite(bad_microbatches, grad_norm, step_index)
