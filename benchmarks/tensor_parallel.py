@@ -1,10 +1,10 @@
-"""Tensor and sequence parallelism on CPU: training tokens/s and peak memory per worker.
+"""Tensor, sequence and context parallelism on CPU: training tokens/s and peak memory per worker.
 
     python benchmarks/tensor_parallel.py [--model tiny] [--seq-lens 2048 4096] [--rows 2] [--steps 2]
 
 For each sequence length, the same batch (`--rows` rows of that many tokens, NLL loss, AdamW)
-trains on 1 worker, on a TP group of 2, and on a TP group of 2 with sequence parallelism, each in
-fresh worker processes. Prints valid training tokens/s after a warm-up step and each worker's
+trains on 1 worker, on a TP group of 2, on a TP group of 2 with sequence parallelism, and on a
+context-parallel group of 2 (ring attention), each in fresh worker processes. Prints valid training tokens/s after a warm-up step and each worker's
 peak resident memory (which includes the ~0.5-1 GiB of torch and the model; the differences
 between settings are the activations and the sharded weights). On a 2-core CPU shared with other
 work the tokens/s measure contention as much as parallelism; the memory is the point.
@@ -25,7 +25,8 @@ from posttrain.distributed.ray_utils import init_ray, shutdown_ray
 from posttrain.models.policy.policy import Policy
 
 SETTINGS = [("tp=1", dict(num_workers=1)), ("tp=2", dict(num_workers=2, tensor_parallel_size=2)),
-            ("tp=2 + SP", dict(num_workers=2, tensor_parallel_size=2, sequence_parallel=True))]
+            ("tp=2 + SP", dict(num_workers=2, tensor_parallel_size=2, sequence_parallel=True)),
+            ("cp=2", dict(num_workers=2, context_parallel_size=2))]
 
 
 def make_batch(rows: int, seq_len: int, vocab: int = 100, seed: int = 0) -> Batch:
