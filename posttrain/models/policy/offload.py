@@ -32,23 +32,26 @@ HOST = torch.device("cpu")
 
 
 def offloads_during_generation(cfg: Any, on_gpus: bool) -> bool:
-    """Whether `policy.offload_during_generation` (of the `PolicyConfig` `cfg`) moves anything:
-    None means on when generation is colocated with the policy on GPUs; never on CPU workers nor
-    under `policy.fsdp_cpu_offload` (the state is in host memory already)."""
-    if not on_gpus or cfg.fsdp_cpu_offload:
+    """Whether `policy.offload_during_generation` (of the `PolicyConfig` `cfg`) moves anything: only
+    when generation is colocated with the policy on GPUs (None: then on); never on CPU workers nor
+    under `policy.fsdp_cpu_offload` (the state is in host memory already), nor with generation on
+    devices of its own (nothing to make room for)."""
+    if not on_gpus or cfg.fsdp_cpu_offload or not cfg.generation.colocated.enabled:
         return False
-    if cfg.offload_during_generation is None:
-        return cfg.generation.colocated.enabled
-    return cfg.offload_during_generation
+    return cfg.offload_during_generation is not False
 
 
 def offload_note(cfg: Any, on_gpus: bool) -> Optional[str]:
     """The start-up note for an explicit `offload_during_generation=true` that moves nothing."""
-    if cfg.offload_during_generation and not offloads_during_generation(cfg, on_gpus):
-        why = ("policy.fsdp_cpu_offload keeps the training state in host memory already" if on_gpus else
-               "the policy's workers run on CPU, where its state already lives in host memory")
-        return f"[posttrain] policy.offload_during_generation=true: nothing to move ({why})"
-    return None
+    if not cfg.offload_during_generation or offloads_during_generation(cfg, on_gpus):
+        return None
+    if not on_gpus:
+        why = "the policy's workers run on CPU, where its state already lives in host memory"
+    elif cfg.fsdp_cpu_offload:
+        why = "policy.fsdp_cpu_offload keeps the training state in host memory already"
+    else:
+        why = "generation runs on devices of its own (policy.generation.colocated.enabled=false)"
+    return f"[posttrain] policy.offload_during_generation=true: nothing to move ({why})"
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -88,7 +91,15 @@ def _move_model(model: torch.nn.Module, device: torch.device, copy: bool) -> int
     tensors = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
     tensors += list(model.buffers())
     moved = sum(nbytes(t) for t in tensors if copy or _device_of(t) != device)
-    model._apply(lambda t: t.to(device, copy=copy))  # keeps the Parameter objects (FSDP2 re-points its shards)
+    # Swapping keeps every Parameter object whatever the two devices (assigning `.data` cannot
+    # cross to the meta device, and `_apply` would then make new Parameters behind the
+    # optimizer's back); FSDP2's `_apply` then re-points its sharded parameters.
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model._apply(lambda t: t.to(device, copy=copy))
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
     return moved
 
 
