@@ -10,8 +10,9 @@ for any architecture, no memory). Everything else is arithmetic on that shape an
 against the device memory and names the config keys that would make it fit.
 
 Phases, as a colocated GRPO step runs them (NeMo-RL's step, reference notes "Refit" and
-"Inside policy.train"): generation (the engine decodes; the policy's weights and optimizer state
-stay resident unless offloaded), refit (the policy's weights go to the engine in
+"Inside policy.train"): generation (the engine decodes; colocated on GPUs the policy's weights and
+optimizer state are in host memory then, `policy.offload_during_generation`; weights lent in place
+to the engine stay), refit (the policy's weights go to the engine in
 `policy.refit_buffer_size_gb` buckets, one at a time), logprobs (forward passes without gradients)
 and training (forward and backward, then the optimizer step). With split placement the
 generation engine has devices of its own (`policy.generation.colocated.enabled=false`).
@@ -272,6 +273,7 @@ def micro_batch_tokens(policy: Any, training: bool) -> int:
 def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None) -> Plan:
     """What each device holds in each phase for `cfg` (a validated master config) and `shape`."""
     from posttrain.config.schema import resolve_backend
+    from posttrain.models.policy.offload import offloads_during_generation
     from posttrain.models.refit import MAX_BUCKET_BYTES
 
     policy, gen = cfg.policy, cfg.policy.generation
@@ -286,6 +288,13 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None)
     has_generation = hasattr(cfg, "grpo") or hasattr(cfg, "teacher")
     kl = getattr(getattr(cfg, "loss_fn", None), "reference_policy_kl_penalty", 0) > 0
 
+    # Offloaded while the engine generates (models/policy/offload.py): the training state is not on
+    # the device in the generation phase, except weights lent in place to a native engine in the
+    # policy's own process (the local backend with one worker), which are the engine's.
+    offloaded = has_generation and offloads_during_generation(policy, on_gpu)
+    lends_weights = (resolve_backend(cfg) == "local" and colocated and gen.backend == "native" and shards == 1
+                     and not policy.lora.enabled)
+    resident = tuple(p for p in PHASES if p != "generation") if offloaded else PHASES
     trainer = DevicePlan("policy worker" + (" (+ generation)" if colocated and has_generation else ""))
     if not on_gpu:
         trainer.add("runtime (python, torch)", CPU_RUNTIME_BYTES)
@@ -294,13 +303,14 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None)
     # not the embeddings and LM head. FSDP2 all-gathers one layer ahead while it computes one (2
     # layers' TP shards in float32). Context parallel ranks are FSDP shards too (over dp x cp).
     per_rank = per_rank_params(shape, shards, tp)
-    trainer.add("policy parameters (fp32)", 4 * per_rank)
+    trainer.add("policy parameters (fp32)", 4 * per_rank, PHASES if lends_weights else resident)
     if dp > 1:
         trainer.add("FSDP all-gathered layers", 2 * 4 * (shape.num_params - shape.embedding_params * (tp > 1))
                     / shape.num_layers / tp, ("refit", "logprobs", "training"))
     trainable_per_rank = trainable / shards if policy.lora.enabled else per_rank
     trainer.add("gradients (fp32)", 4 * trainable_per_rank, ("training",))
-    trainer.add(f"optimizer state ({policy.optimizer.name})", optimizer_state_bytes(trainable_per_rank, policy.optimizer.name, 1))
+    trainer.add(f"optimizer state ({policy.optimizer.name})",
+                optimizer_state_bytes(trainable_per_rank, policy.optimizer.name, 1), resident)
     trainer.add("activations" + (" (checkpointed)" if policy.activation_checkpointing else ""),
                 training_activation_bytes(shape, micro_batch_tokens(policy, True) // cp, c,
                                           policy.activation_checkpointing, policy.fused_logprobs, tp, sp), ("training",))

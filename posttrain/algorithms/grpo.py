@@ -6,7 +6,8 @@ normalisation, token-level sum) are config presets of the same loop and loss; se
 `examples/configs/grpo_*_tiny.yaml`.
 
 One step, top to bottom:
-    prompts -> repeat per generation -> (lazy) refit -> rollout (generate + environments)
+    prompts -> repeat per generation -> (lazy) refit -> [colocated on GPUs: policy state to host memory]
+    -> rollout (generate + environments)
     -> reward shaping -> group advantages -> [dynamic sampling] -> masks
     -> previous logprobs (only if the batch spans several optimizer steps) and reference logprobs
     -> train (optimizer steps of `policy.train_global_batch_size` rows) -> metrics, validation, checkpoint
@@ -20,7 +21,7 @@ from typing import Any, Callable, Optional
 from posttrain.algorithms.experience import PromptGroup, roll_out_groups, training_batch, update_policy
 from posttrain.algorithms.grpo_run import run_grpo, setup_grpo, validate_grpo
 from posttrain.algorithms.loop import prefixed
-from posttrain.algorithms.on_policy import OnPolicyContext, refit_if_stale
+from posttrain.algorithms.on_policy import OnPolicyContext, phase_memory_metrics, start_generation_phase
 from posttrain.config.schema import GRPOMasterConfig
 from posttrain.distributed.batch import Batch
 from posttrain.utils.timer import Timer
@@ -51,7 +52,7 @@ def grpo_step(ctx: GRPOContext, step: int, timer: Timer) -> dict[str, float]:
     train_data, metrics = _collect_experience(ctx, step, timer)
     train_metrics = update_policy(ctx, train_data, timer, off_policy=False)
     ctx.generation_stale = True
-    return {**metrics, **prefixed(train_metrics, "train")}
+    return {**metrics, **prefixed(train_metrics, "train"), **phase_memory_metrics(ctx)}
 
 
 def _collect_experience(ctx: GRPOContext, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
@@ -64,14 +65,14 @@ def _collect_experience(ctx: GRPOContext, step: int, timer: Timer) -> tuple[Batc
     """
     g = ctx.cfg.grpo
     if ctx.partial_rollouts is not None:
-        refit_if_stale(ctx, timer)
+        start_generation_phase(ctx, timer)
         groups, metrics = ctx.partial_rollouts.roll_out(ctx, ctx.train_loader.next_batch(), step * 1000 + 1, timer)
         return training_batch(ctx, groups, groups, [metrics])
     kept: list[PromptGroup] = []
     generated: list[PromptGroup] = []
     rollout_metrics: list[dict[str, float]] = []
     while True:
-        refit_if_stale(ctx, timer)
+        start_generation_phase(ctx, timer)
         groups, metrics = roll_out_groups(ctx, ctx.train_loader.next_batch(), step * 1000 + len(rollout_metrics) + 1,
                                           timer)
         generated += groups

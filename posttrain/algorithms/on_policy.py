@@ -40,6 +40,7 @@ from posttrain.job import (
 from posttrain.models.refit import build_refit_metadata, refit_policy_generation
 from posttrain.run_config import warm_start_export_dir, warm_start_job, with_warm_starts
 from posttrain.utils import startup
+from posttrain.utils.phase_memory import merge_peaks
 from posttrain.utils.timer import Timer
 
 log = logging.getLogger(__name__)
@@ -165,8 +166,14 @@ def build_on_policy_run(
     policy_cluster = make_cluster(cfg, cfg.policy.num_workers, colocated_groups=2 if colocated else 1)
     gen_cluster = policy_cluster if colocated else make_cluster(
         cfg, cfg.policy.generation.colocated.num_workers or 1, name="generation")
-    makers = [lambda: make_policy(cfg, policy_cluster, init_reference_model=reference),
-              lambda: make_generation(cfg, gen_cluster)]
+    make_the_policy = lambda: make_policy(cfg, policy_cluster, init_reference_model=reference)  # noqa: E731
+    makers = [make_the_policy, lambda: make_generation(cfg, gen_cluster)]
+    if colocated and cfg.cluster.gpus_per_node > 0:
+        # Generation first, alone: vLLM sizes its KV cache from the GPU memory it finds free, as if
+        # the GPU were its own; a policy loading beside it would be counted as free (or take it).
+        generation_first = start_concurrently(makers[1], description=workers_description(cfg, generation=True,
+                                                                                         policy=False))[0]
+        makers[1] = lambda: generation_first
     clusters = [policy_cluster]
     if teacher is not None:
         # The teacher's bundles also host, once, the generation engine that measures its accuracy.
@@ -210,6 +217,21 @@ def refit_if_stale(ctx: OnPolicyContext, timer: Optional[Timer] = None) -> None:
         timer.add("refit", time.perf_counter() - t0)
 
 
+def start_generation_phase(ctx: OnPolicyContext, timer: Optional[Timer] = None) -> None:
+    """Before a rollout: the lazy refit, then, with `policy.offload_during_generation`, the
+    policy's training state leaves the device for the engine (the policy brings it back itself
+    before its next logprobs, training, checkpoint or refit)."""
+    refit_if_stale(ctx, timer)
+    ctx.policy.offload_to_host()
+
+
+def phase_memory_metrics(ctx: OnPolicyContext) -> dict[str, float]:
+    """`memory/<phase>/...` of the policy's and the engine's workers since the last call, the
+    highest over workers (`utils/phase_memory.py`)."""
+    take = getattr(ctx.generation, "take_phase_memory", dict)  # an engine of the user's may measure nothing
+    return merge_peaks([ctx.policy.take_phase_memory(), take()])
+
+
 def refit_generation(ctx: OnPolicyContext, version: int) -> None:
     """Copy the policy's weights (policy step `version`) into the generation workers, verified
     when `policy.generation.verify_refit` asks."""
@@ -224,8 +246,10 @@ def validate(ctx: OnPolicyContext, k: int = 1) -> dict[str, float]:
     current weights; empty without validation data (the run said so at set-up)."""
     if not ctx.val_samples:
         return {}
-    refit_if_stale(ctx)
-    return evaluate_engine(ctx, ctx.generation, ctx.step, k=k)
+    start_generation_phase(ctx)
+    metrics = evaluate_engine(ctx, ctx.generation, ctx.step, k=k)
+    phase_memory_metrics(ctx)  # validation's phases are not the next step's: forget them
+    return metrics
 
 
 def evaluate_engine(ctx: OnPolicyContext, generation: Any, weight_version: int, *, k: int = 1,

@@ -294,6 +294,9 @@ def refit_policy_generation(policy, generation, metadata: RefitMetadata, *, vers
             (`GenerationInterface.verify_refit`: checksums for the native engine, a logprob
             probe for vLLM; config `policy.generation.verify_refit`).
     """
+    reload = getattr(policy, "reload_to_device", None)
+    if reload is not None:  # a policy offloaded for generation: its weights leave from the device
+        reload()
     generation.refit_from_policy(policy, metadata, version)
     if verify:
         generation.verify_refit(policy, version)

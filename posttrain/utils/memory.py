@@ -4,6 +4,10 @@
 the resident set (`VmHWM`) back to the current resident set; `peak_rss_bytes` then reads the
 highest resident set since. The two around a phase measure the most host memory it took beyond
 what was resident before it, whoever allocated it (torch, numpy, Ray's shared memory, gloo).
+
+Per-phase measurements (`posttrain.utils.phase_memory`) restart the kernel's mark many times a step;
+they call `restart_peak_rss`, which remembers the mark it clears, so `peak_rss_bytes` still reports
+the highest resident set since the process started or the last `reset_peak_rss`.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from pathlib import Path
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
+# The highest mark `restart_peak_rss` cleared since the last `reset_peak_rss` (bytes).
+_peak_before_restarts = 0
 
 
 def _status_kib(field: str) -> int:
@@ -31,11 +37,30 @@ def rss_bytes() -> int:
 
 def peak_rss_bytes() -> int:
     """Highest resident set size since the process started or the last `reset_peak_rss`."""
+    return max(_peak_before_restarts, kernel_peak_rss_bytes())
+
+
+def kernel_peak_rss_bytes() -> int:
+    """The kernel's high-water mark: the highest resident set since the last reset or restart."""
     return _status_kib("VmHWM") * 1024
 
 
 def reset_peak_rss() -> bool:
     """Start a new high-water mark at the current resident set; False where the kernel refuses."""
+    global _peak_before_restarts
+    _peak_before_restarts = 0
+    return _clear_high_water_mark()
+
+
+def restart_peak_rss() -> bool:
+    """Start a new kernel high-water mark for a phase (read it with `kernel_peak_rss_bytes`),
+    keeping the cleared one for `peak_rss_bytes`; False where the kernel refuses."""
+    global _peak_before_restarts
+    _peak_before_restarts = max(_peak_before_restarts, kernel_peak_rss_bytes())
+    return _clear_high_water_mark()
+
+
+def _clear_high_water_mark() -> bool:
     try:
         _CLEAR_REFS.write_text("5")
         return True

@@ -3,17 +3,18 @@
 # GPU in float32 and with bfloat16 mixed precision (FSDP2's MixedPrecisionPolicy), then the
 # one-GPU test of tests/gpu (the memory plan against torch.cuda.max_memory_allocated), then a
 # resume: 20 GRPO steps in one go against 10 steps, a restart, and 10 more (checkpoints with the
-# CUDA RNG state), compared step by step.
+# CUDA RNG state), compared step by step; then the default job with policy.offload_during_generation
+# true and false: each phase's peak memory/<phase>/allocated_gb, and whether training is identical.
 #   tests/gpu/one_gpu.sh [OUT_DIR]          # logs and metrics under OUT_DIR (default logs/one_gpu)
 #   GPUS=0 STEPS=3 tests/gpu/one_gpu.sh     # the same commands on CPU, shortened (a dry run)
-#   PARTS="resume" tests/gpu/one_gpu.sh     # some of: fp32 bf16 tests resume (default: all)
+#   PARTS="resume" tests/gpu/one_gpu.sh     # some of: fp32 bf16 tests resume offload (default: all)
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${1:-$REPO/logs/one_gpu}"
 PY="${PYTHON:-python3}"
 GPUS="${GPUS:-1}"
 STEPS="${STEPS:-}"          # empty: the default job's own 250 GRPO steps
-PARTS=" ${PARTS:-fp32 bf16 tests resume} "
+PARTS=" ${PARTS:-fp32 bf16 tests resume offload} "
 mkdir -p "$OUT"
 cd "$REPO" || exit 1
 CKPT="${CKPT:-$OUT}"        # checkpoints (large) may go elsewhere than the logs
@@ -71,6 +72,38 @@ keys = ["train/loss", "train/reward", "train/grad_norm", "train/token_mult_prob_
 worst = {k: max(abs(whole[s][k] - parts[s][k]) for s in range(11, 21)) for k in keys}
 print("resumed steps 11-20 against one run, largest difference per metric:", worst)
 print("bit-exact resume:", "yes" if not any(worst.values()) else "no")
+PYTHON
+fi
+if [[ "$PARTS" == *" offload "* ]]; then
+    # The local backend's native engine borrows the policy's weights, so the parameters stay on the
+    # GPU and gradients and optimizer state move (models/policy/offload.py).
+    short=(grpo.val_period=0 grpo.val_at_start=false grpo.val_at_end=false checkpointing.enabled=false
+           "sft_warmup.sft.max_num_steps=${STEPS:-350}" "grpo.max_num_steps=${STEPS:-10}")
+    for offload in true false; do
+        run "offload_$offload" 240 "$PY" -m posttrain.cli grpo "${common[@]}" "${short[@]}" \
+            "policy.offload_during_generation=$offload" "logger.log_dir=$OUT/offload_$offload"
+    done
+    "$PY" - "$OUT/offload_true/metrics.jsonl" "$OUT/offload_false/metrics.jsonl" <<'PYTHON' || status=1
+import json, sys
+def steps(path):
+    rows = {}
+    for line in open(path):
+        row = json.loads(line)
+        rows.setdefault(row["step"], {}).update(row)
+    return rows
+on, off = steps(sys.argv[1]), steps(sys.argv[2])
+for phase in ("generation", "refit", "logprobs", "training"):
+    for stat in ("allocated_gb", "reserved_gb", "peak_rss_gb"):
+        key = f"memory/{phase}/{stat}"
+        if any(key in row for row in on.values()):
+            print(f"{key:36s} offload on: max {max(r.get(key, 0) for r in on.values()):.3f}"
+                  f"  off: max {max(r.get(key, 0) for r in off.values()):.3f}")
+moved = [r["memory/offload/moved_gb"] for r in on.values() if "memory/offload/moved_gb" in r]
+print("moved to host per step (GiB):", f"{max(moved):.3f}" if moved else "nothing (CPU: a no-op)")
+train = lambda rows, s: {k: v for k, v in rows[s].items() if k.startswith("train/")}
+differ = [s for s in off if train(on, s) != train(off, s)]
+print("training metrics identical with and without offloading:", "yes" if not differ else f"no (steps {differ})")
+sys.exit(1 if differ or sorted(on) != sorted(off) else 0)
 PYTHON
 fi
 exit "$status"

@@ -78,13 +78,31 @@ def test_plan_rows_for_sharding_reference_and_colocated_vllm_on_gpu():
     rows = gpu.rows
     assert rows["policy parameters (fp32)"]["training"] == 4 * 1_000_000 // 8
     assert rows["gradients (fp32)"] == {"training": 4 * 1_000_000 // 8}
-    assert rows["optimizer state (adamw)"]["generation"] == 8 * 1_000_000 // 8
+    # policy.offload_during_generation (auto: on when colocated on GPUs): the training state is in
+    # host memory while vLLM generates.
+    assert rows["optimizer state (adamw)"] == {p: 8 * 1_000_000 // 8 for p in ("refit", "logprobs", "training")}
+    assert "generation" not in rows["policy parameters (fp32)"]
     assert rows["vLLM weights + KV cache (0.5 of the GPU)"] == {"generation": 40 * GiB, "refit": 40 * GiB}
     # On GPUs the reference copy is host memory (policy worker keeps it on the CPU).
     assert not any(item.startswith("reference") for item in rows)
     assert rows["refit bucket (send)"]["refit"] == 2 * 1_000_000 + 2 * 100_000  # whole model < 512 MiB bucket
     assert "runtime (python, torch)" not in rows
     assert plan.node_peak() == gpu.peak()[1] and gpu.peak()[0] == "refit"  # vLLM awake and the buckets
+
+
+def test_without_offloading_the_training_state_stays_through_generation():
+    cfg = grpo("cluster.gpus_per_node=8", "policy.num_workers=8", "policy.generation.backend=vllm",
+               "policy.offload_during_generation=false")
+    rows = mp.memory_plan(cfg, SHAPE, device_bytes=80 * GiB).devices[0].rows
+    assert rows["optimizer state (adamw)"]["generation"] == 8 * 1_000_000 // 8
+    assert rows["policy parameters (fp32)"]["generation"] == 4 * 1_000_000 // 8
+
+
+def test_weights_lent_to_the_engine_stay_on_the_gpu_when_the_rest_is_offloaded():
+    cfg = grpo("cluster.gpus_per_node=1", "cluster.backend=local")
+    rows = mp.memory_plan(cfg, SHAPE, device_bytes=80 * GiB).devices[0].rows
+    assert rows["policy parameters (fp32)"]["generation"] == 4 * 1_000_000
+    assert "generation" not in rows["optimizer state (adamw)"]
 
 
 def test_split_placement_gives_generation_gpus_their_own_plan():

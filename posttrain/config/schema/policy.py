@@ -334,6 +334,17 @@ class PolicyConfig(Section):
             "ignore it)."
         ),
     )
+    offload_during_generation: Optional[bool] = Field(
+        None,
+        description=(
+            "While the colocated engine generates, move the policy's parameters, gradients and optimizer state to host "
+            "memory, in place, and bring them back before logprobs and training (models/policy/offload.py). None "
+            "(default): on when generation is colocated with the policy on GPUs. On CPU workers, under "
+            "fsdp_cpu_offload and with generation on devices of its own there is nothing to move: true is a no-op "
+            "there (one note at start-up). With weights "
+            "lent in place to the engine (local backend, one worker) only gradients and optimizer state move."
+        ),
+    )
     refit_buffer_size_gb: Optional[float] = Field(
         None, gt=0,
         description=(

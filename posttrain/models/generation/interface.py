@@ -61,6 +61,11 @@ class GenerationInterface(abc.ABC):
     def finish_generation(self) -> bool:
         """Release generation memory when colocated with training. Idempotent."""
 
+    def take_phase_memory(self) -> dict[str, float]:
+        """`{"memory/<phase>/<stat>": GiB}`: the engine's peak memory per phase (generation, refit)
+        since the last call (`posttrain.utils.phase_memory`). Default: nothing measured."""
+        return {}
+
     @abc.abstractmethod
     def weight_dtypes(self) -> dict[str, torch.dtype] | torch.dtype:
         """dtype per weight name as the engine holds it, or one dtype for all: refit packs in these dtypes."""

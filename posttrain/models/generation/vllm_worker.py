@@ -11,6 +11,12 @@ Output contract as the native engine (docs/internals.md, "Generation"). Logprobs
 `processed_logprobs`: those of the distribution tokens are drawn from, after temperature (and
 top-k / top-p), as the native engine reports. Greedy requests report the raw distribution's
 logprobs (vLLM skips the temperature for greedy rows), which only validation uses.
+
+Colocated on GPUs the engine sleeps while the policy trains (`sleep(level=1)`: weights to host
+memory, KV cache dropped) and wakes in stages, as NeMo-RL: its weights first, when a refit is about
+to load new ones (`wake_up(tags=["weights"])`), and its KV cache only when generation begins
+(`wake_up(tags=["kv_cache"])`), so a refit never has the KV cache and the incoming weights on the
+GPU at once (tests/unit/test_vllm_sleep.py checks the call order with a fake engine).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from posttrain.models.generation.vllm_extension import EXTENSION_QUALNAME
 from posttrain.models.generation.worker import SAMPLING_PARAMS, merge_stop_strings
 from posttrain.models.hf import load_tokenizer, pick_dtype, resolve_model_path
 from posttrain.models.refit import RefitMetadata
+from posttrain.utils.phase_memory import MeasuresPhases, measured_phase
 
 # Read by vLLM at import time: set for the actor by VllmGeneration and again here for direct use.
 VLLM_ENV_VARS = {
@@ -40,7 +47,7 @@ VLLM_ENV_VARS = {
 }
 
 
-class VllmGenerationWorker(DistributedWorker):
+class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
     """One vLLM engine (a data-parallel generation replica).
 
     Args:
@@ -111,7 +118,7 @@ class VllmGenerationWorker(DistributedWorker):
         self.llm = LLM(**engine_args)
         self.refit_metadata: Optional[RefitMetadata] = None
         self.weights_version = 0  # the checkpoint loaded from model_name
-        self._asleep = False
+        self._asleep: list[str] = []  # what sleep released and is not awake again: "weights", "kv_cache"
 
     def special_token_ids(self) -> dict[str, Optional[int]]:
         return {"pad_token_id": self.tokenizer.pad_token_id, "eos_token_id": self.tokenizer.eos_token_id}
@@ -126,6 +133,7 @@ class VllmGenerationWorker(DistributedWorker):
         return vllm.__version__
 
     # ------------------------------------------------------------------ generation
+    @measured_phase("generation")
     def generate(self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None) -> Batch:
         """Generate for `batch` (`input_ids`, `input_lengths`, optional `seeds [B]` and per-row
         `stop_strings`); vLLM schedules the whole shard itself (continuous batching).
@@ -173,6 +181,7 @@ class VllmGenerationWorker(DistributedWorker):
                 detokenize=bool(stops[i]),  # text is only needed to find stop strings
                 skip_special_tokens=False,
             ))
+        self._wake(*self.SLEEP_TAGS)  # a caller that skipped prepare_for_generation
         results = self.llm.generate(prompts, sampling, use_tqdm=False) if size else []
 
         longest = max((len(r.outputs[0].token_ids) for r in results), default=0)
@@ -203,16 +212,25 @@ class VllmGenerationWorker(DistributedWorker):
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        self._wake(*self.SLEEP_TAGS)  # the probe runs right after a refit, which woke the weights only
         result = self.llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)[0]
         values = [0.0] + [step[token].logprob for step, token in zip(result.prompt_logprobs[1:], token_ids[1:])]
         return torch.tensor(values, dtype=torch.float32)
 
     # ------------------------------------------------------------------ memory
+    SLEEP_TAGS = ("weights", "kv_cache")  # vLLM's tags of its sleeping memory, in the order they wake
+
+    def _wake(self, *tags: str) -> None:
+        """Wake the sleeping parts among `tags`, one `wake_up` per tag, in `SLEEP_TAGS` order."""
+        for tag in self.SLEEP_TAGS:
+            if tag in tags and tag in self._asleep:
+                self.llm.wake_up(tags=[tag])
+                self._asleep.remove(tag)
+
     def prepare_for_generation(self) -> bool:
-        """Wake the engine after `finish_generation(offload=True)` (GPU, colocated)."""
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+        """Wake what still sleeps after `finish_generation(offload=True)` (GPU, colocated): the
+        weights (unless a refit woke them already), then the KV cache."""
+        self._wake(*self.SLEEP_TAGS)
         return True
 
     def finish_generation(self, offload: bool = False) -> bool:
@@ -220,7 +238,7 @@ class VllmGenerationWorker(DistributedWorker):
         and moves the weights to CPU so training gets the memory back. A no-op on CPU."""
         if offload and self.device.type == "cuda" and not self._asleep:
             self.llm.sleep(level=1)
-            self._asleep = True
+            self._asleep = list(self.SLEEP_TAGS)
         return True
 
     # ------------------------------------------------------------------ refit receiver
@@ -244,16 +262,19 @@ class VllmGenerationWorker(DistributedWorker):
             raise RuntimeError(f"refit: vLLM loaded no tensors from {what}")
         return True
 
+    @measured_phase("refit")
     def load_bucket(self, buffer: np.ndarray | ray.ObjectRef, bucket: int) -> bool:
         """Load one packed CPU bucket (a numpy array read zero-copy from the object store, or a ref)."""
         self._metadata()
+        self._wake("weights")  # the refit stage of the wake: the KV cache stays asleep
         buffer = ray.get(buffer) if isinstance(buffer, ray.ObjectRef) else buffer
         return self._check_loaded(self.llm.collective_rpc("posttrain_load_bucket", args=(buffer, bucket)), f"bucket {bucket}")
 
+    @measured_phase("refit")
     def load_bucket_ipc(self, handles_by_device: dict[str, list], bucket: int) -> bool:
         """Colocated GPU refit: one bucket from CUDA IPC handles."""
         self._metadata()
-        self.prepare_for_generation()
+        self._wake("weights")  # the refit stage of the wake: the KV cache stays asleep
         return self._check_loaded(self.llm.collective_rpc("posttrain_load_ipc", args=(handles_by_device, bucket)),
                                   f"bucket {bucket}")
 
@@ -262,9 +283,11 @@ class VllmGenerationWorker(DistributedWorker):
         self.llm.collective_rpc("posttrain_init_broadcast_group", args=(host, port, world_size, rank_offset))
         return True
 
+    @measured_phase("refit")
     def load_broadcast(self) -> bool:
         """Split GPU refit: receive and load the broadcast buckets, one at a time."""
         self._metadata()
+        self._wake("weights")
         return self._check_loaded(self.llm.collective_rpc("posttrain_load_broadcast"), "the broadcast")
 
     def finish_refit(self, version: int) -> bool:

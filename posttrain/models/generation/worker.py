@@ -18,6 +18,7 @@ from posttrain.models.generation.engine import NativeGenerationEngine
 from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype
 from posttrain.models.refit import RefitMetadata, check_metadata_matches, load_bucket, state_dict_checksum
+from posttrain.utils.phase_memory import MeasuresPhases, measured_phase
 
 # Keys of `params` that may override the generation config for one `generate` call.
 SAMPLING_PARAMS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "stop_strings")
@@ -30,7 +31,7 @@ def merge_stop_strings(global_stops: Optional[Sequence[str]], row_stops: Optiona
     return [list(global_stops or []) + list(row or []) for row in row_stops]
 
 
-class GenerationWorker(DistributedWorker):
+class GenerationWorker(MeasuresPhases, DistributedWorker):
     """One data-parallel generation replica.
 
     Args:
@@ -57,6 +58,7 @@ class GenerationWorker(DistributedWorker):
         """`{"pad_token_id": ..., "eos_token_id": ...}` of the worker's tokenizer."""
         return {"pad_token_id": self.tokenizer.pad_token_id, "eos_token_id": self.tokenizer.eos_token_id}
 
+    @measured_phase("generation")
     def generate(self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None) -> Batch:
         """Generate for `batch` (`input_ids`, `input_lengths`, optional `seeds [B]`, `start_steps [B]`
         (`NativeGenerationEngine.generate`: continue a turn's generation) and per-row `stop_strings`), in pieces of `generation.batch_size` rows.
@@ -114,6 +116,7 @@ class GenerationWorker(DistributedWorker):
             raise RuntimeError("refit before prepare_refit_info: call Generation.prepare_refit_info first")
         return self.refit_metadata
 
+    @measured_phase("refit")
     def load_bucket(self, buffer: np.ndarray | Any, bucket: int) -> bool:
         """Copy one packed bucket into the model; `buffer` is an array (zero-copy from Ray's object
         store) or a ref to one."""
@@ -132,6 +135,7 @@ class GenerationWorker(DistributedWorker):
         self._broadcast_group = new_standalone_group(host, port, rank, world_size, self.device)
         return True
 
+    @measured_phase("refit")
     def load_broadcast(self) -> bool:
         """Broadcast refit: receive every bucket from the broadcast group's rank 0 into one buffer,
         loading each before the next arrives (one bucket held at a time)."""
@@ -143,6 +147,7 @@ class GenerationWorker(DistributedWorker):
             load_bucket(self.model, buffer, metadata, bucket)
         return True
 
+    @measured_phase("refit")
     @torch.no_grad()
     def share_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
         """Refit from a policy in this process (the local backend): each tensor of `weights` of

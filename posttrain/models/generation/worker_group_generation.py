@@ -15,6 +15,7 @@ from posttrain.distributed.worker_group import WorkerGroup
 from posttrain.models.generation.interface import GenerationInterface
 from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.refit import RefitMetadata
+from posttrain.utils.phase_memory import merge_peaks
 
 
 class WorkerGroupGeneration(GenerationInterface):
@@ -104,6 +105,11 @@ class WorkerGroupGeneration(GenerationInterface):
 
     def finish_generation(self) -> bool:
         return all(self.worker_group.run_all("finish_generation", offload=self.config.colocated.enabled))
+
+    def take_phase_memory(self) -> dict[str, float]:
+        """The workers' peak memory per phase (generation, refit) since the last call, the highest
+        over workers (`utils/phase_memory.py`)."""
+        return merge_peaks(self.worker_group.run_all("take_phase_memory"))
 
     def shutdown(self) -> bool:
         self.worker_group.shutdown()

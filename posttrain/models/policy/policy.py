@@ -4,6 +4,10 @@ The algorithm loops call it with whole batches; it shards rows across the data-p
 (the `tensor_parallel_size` workers of one tensor-parallel group get the same rows), calls the
 workers together (they run collectives among themselves) and returns results in the caller's
 row order.
+
+Colocated with generation on GPUs, the workers' training state leaves the device while the engine
+generates (`offload_to_host`, `policy.offload_during_generation`, models/policy/offload.py); every
+call that needs it on the device brings it back first (`_on_device`), so no caller can forget.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import torch
 from posttrain.config.schema import PolicyConfig
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import WorkerGroup
+from posttrain.models.policy.offload import offload_note, offloads_during_generation
 from posttrain.models.policy.worker import PolicyWorker
+from posttrain.utils.phase_memory import GIB, merge_peaks
 
 if TYPE_CHECKING:
     from posttrain.distributed.cluster import VirtualCluster
@@ -72,23 +78,64 @@ class Policy:
             bundle_indices=list(range(self.cfg.num_workers)),
             worker_timeout_s=worker_timeout_s,
         )
+        on_gpus = bool(getattr(cluster, "use_gpus", False))
+        self.offloads_during_generation = offloads_during_generation(self.cfg, on_gpus)
+        note = offload_note(self.cfg, on_gpus)
+        if note and name == "policy":
+            print(note, flush=True)
+        self._offloaded = False
+        self._offloaded_bytes = 0  # over the workers, since the last take_phase_memory
+
+    # ------------------------------------------------------------------------ memory phases
+    def offload_to_host(self) -> int:
+        """When `policy.offload_during_generation` applies: move every worker's parameters,
+        gradients and optimizer state to host memory (the generation phase begins). Returns the
+        bytes moved over all workers (0 when off or already offloaded)."""
+        if not self.offloads_during_generation or self._offloaded:
+            return 0
+        moved = sum(self.worker_group.run_all("offload_to_host"))
+        self._offloaded, self._offloaded_bytes = True, self._offloaded_bytes + moved
+        return moved
+
+    def _on_device(self) -> None:
+        """Bring back what `offload_to_host` moved (no call when nothing is away)."""
+        if self._offloaded:
+            self.worker_group.run_all("reload_to_device")
+            self._offloaded = False
+
+    def reload_to_device(self) -> None:
+        """The end of the generation phase: the training state back on the workers' devices."""
+        self._on_device()
+
+    def take_phase_memory(self) -> dict[str, float]:
+        """The workers' peak memory per phase since the last call (`utils/phase_memory.py`: the
+        highest over workers), plus `memory/offload/moved_gb` when the policy was offloaded."""
+        peaks = merge_peaks(self.worker_group.run_all("take_phase_memory"))
+        if self._offloaded_bytes:
+            peaks["memory/offload/moved_gb"] = self._offloaded_bytes / GIB
+            self._offloaded_bytes = 0
+        return peaks
 
     # ------------------------------------------------------------------------------ logprobs
     def get_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
         """`Batch({"logprobs": [B, S]})` in the caller's row order (see `PolicyWorker.get_logprobs`)."""
+        self._on_device()
         return self.worker_group.run_sharded("get_logprobs", batch, replicas=self.replicas, temperature=temperature)
 
     def get_reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
         """Like `get_logprobs`, from the initial weights (needs `init_reference_model=True`)."""
+        self._on_device()
         return self.worker_group.run_sharded("get_reference_logprobs", batch, replicas=self.replicas, temperature=temperature)
 
     def get_topk_logits(self, batch: Batch, k: int, temperature: float = 1.0) -> Batch:
         """`Batch(topk_logits, topk_indices)`, each `[B, S, k]`, in the caller's row order (see
         `PolicyWorker.get_topk_logits`): what a distillation teacher gives the student."""
+        self._on_device()
         return self.worker_group.run_sharded("get_topk_logits", batch, replicas=self.replicas, k=k, temperature=temperature)
 
     def get_scores(self, batch: Batch) -> Batch:
         """`Batch({"scores": [B]})` from a reward model (`model_type="reward"`)."""
+        self._on_device()
         return self.worker_group.run_sharded("get_scores", batch, replicas=self.replicas)
 
     # --------------------------------------------------------------------------------- train
@@ -127,6 +174,7 @@ class Policy:
         check = getattr(loss_fn, "check_train_batch", None)  # a loss may refuse a batch it cannot train on
         if check is not None:
             check(batch, steps)
+        self._on_device()
         order = torch.arange(batch.size).view(steps, self.dp_size, local).transpose(0, 1).flatten()
         refs = self.worker_group.run_sharded_async(
             "train",
@@ -142,9 +190,11 @@ class Policy:
     # ------------------------------------------------------------------ weights & checkpoints
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> str:
         """Sharded checkpoint directory (atomic rename); see `posttrain.models.policy.checkpoint`."""
+        self._on_device()
         return self.worker_group.run_all("save_checkpoint", str(path), save_optimizer=save_optimizer)[0]
 
     def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
+        self._on_device()
         self.worker_group.run_all("load_checkpoint", str(path), load_optimizer=load_optimizer)
 
     def export_hf(self, out_dir: str | Path) -> str:
@@ -158,11 +208,13 @@ class Policy:
         out_dir = Path(out_dir)
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)  # left by an interrupted export
+        self._on_device()
         self.worker_group.run_all("export_hf", str(tmp))
         return str(publish_dir(tmp, out_dir))
 
     def state_dict_for_export(self) -> dict[str, torch.Tensor]:
         """Full weights in HF names (gathered on rank 0; every worker takes part)."""
+        self._on_device()
         return self.worker_group.run_all("state_dict_for_export")[0]
 
     def refit_bucket_bytes(self) -> int:
@@ -173,6 +225,7 @@ class Policy:
     def pack_for_refit(self, metadata, bucket: int) -> Any:
         """Rank 0's packed refit bucket `bucket` as an ObjectRef (not fetched: the generation
         workers read it straight from the object store). Every worker takes part in gathering."""
+        self._on_device()
         refs = self.worker_group.run_all_async("pack_for_refit", metadata, bucket)
         self.worker_group.get(refs[1:])
         return refs[0]
@@ -180,6 +233,7 @@ class Policy:
     def pack_for_refit_ipc(self, metadata, bucket: int) -> dict[str, list]:
         """Colocated GPU refit: `{gpu uuid: CUDA IPC handles}` of bucket `bucket` packed on every
         policy GPU (kept until `release_refit_buffers`)."""
+        self._on_device()
         handles: dict[str, list] = {}
         for per_rank in self.worker_group.run_all("pack_for_refit_ipc", metadata, bucket):
             handles.update(per_rank)
@@ -195,11 +249,13 @@ class Policy:
 
     def broadcast_for_refit(self, metadata) -> Any:
         """Split refit: gather and broadcast bucket by bucket from rank 0 (returns the futures)."""
+        self._on_device()
         return self.worker_group.run_all_async("broadcast_for_refit", metadata)
 
     def weights_checksum(self, dtypes: Optional[dict[str, torch.dtype]] = None) -> str:
         """Checksum of the full weights, cast to `dtypes` (name -> dtype) where given (see
         `refit.state_dict_checksum`)."""
+        self._on_device()
         return self.worker_group.run_all("weights_checksum", dtypes=dtypes)[0]
 
     def refit_info(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from posttrain.models import lora, refit
+from posttrain.utils.phase_memory import measured_phase
 
 
 class WeightExport:
@@ -40,12 +41,15 @@ class WeightExport:
         state = self._full_state_dict()
         return state if self.rank == 0 else None
 
+    @measured_phase("refit")
     def live_weights(self) -> Optional[dict[str, torch.Tensor]]:
         """The model's own weight tensors by name, not copied, for a generation engine in this
         process to read in place (the local backend); None when generation needs something else
-        (LoRA: the merged weights; FSDP: the full tensors, not shards): refit copies them then."""
+        (LoRA: the merged weights; FSDP: the full tensors, not shards): refit copies them then.
+        Lent weights stay on the device when the policy offloads (`offload.py`)."""
         if self.lora_scaling is not None or self.is_fsdp:
             return None
+        self._weights_lent = True
         return dict(self.model.state_dict())  # detached tensors sharing the parameters' storage
 
     def _exported_tensor_getter(self) -> Callable[[str], torch.Tensor]:
@@ -80,12 +84,14 @@ class WeightExport:
             return max(1, int(self.cfg.refit_buffer_size_gb * 2**30))
         return refit.default_bucket_bytes(self.device)
 
+    @measured_phase("refit")
     def pack_for_refit(self, metadata: refit.RefitMetadata, bucket: int) -> Optional[np.ndarray]:
         """Collective: rank 0 packs bucket `bucket` on the CPU (returned through the object store);
         None elsewhere."""
         buffer = self._pack_refit_bucket(metadata, bucket, torch.device("cpu"), keep=self.rank == 0)
         return None if buffer is None else buffer.numpy()
 
+    @measured_phase("refit")
     def pack_for_refit_ipc(self, metadata: refit.RefitMetadata, bucket: int) -> dict[str, list]:
         """Collective, colocated GPU refit: every rank packs bucket `bucket` on its own GPU and
         returns `{gpu uuid: [its CUDA IPC handle]}` for the generation worker sharing that GPU.
@@ -113,6 +119,7 @@ class WeightExport:
             self._refit_group = new_standalone_group(host, port, 0, world_size, self.device)
         return True
 
+    @measured_phase("refit")
     def broadcast_for_refit(self, metadata: refit.RefitMetadata) -> bool:
         """Collective, split refit: bucket after bucket, gather it (every rank), pack it on rank
         0's device and broadcast it to the generation workers, who load it before the next one."""

@@ -58,9 +58,11 @@ from posttrain.models.policy.forward import (
     packed_microbatches,
 )
 from posttrain.models.policy.linear_logprobs import use_fused_logprobs
+from posttrain.models.policy.offload import OffloadsDuringGeneration
 from posttrain.models.policy.weight_export import WeightExport
 from posttrain.utils.lr_schedule import build_lr_scheduler
 from posttrain.utils.metrics import NEUTRAL, accumulate, average_over_steps, reduction, valid_counts
+from posttrain.utils.phase_memory import MeasuresPhases, measured_phase
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
@@ -87,7 +89,7 @@ def is_mixture_of_experts(policy: PolicyConfig) -> bool:
     return bool(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts"))
 
 
-class PolicyWorker(WeightExport, DistributedWorker):
+class PolicyWorker(WeightExport, OffloadsDuringGeneration, MeasuresPhases, DistributedWorker):
     """Training, logprob inference, checkpoints and weight export for one rank (see `parallel.py`).
 
     Args:
@@ -305,6 +307,7 @@ class PolicyWorker(WeightExport, DistributedWorker):
                                   fused=self.fused_logprobs, loss_positions_only=for_loss)
 
     # ------------------------------------------------------------------------------ logprobs
+    @measured_phase("logprobs")
     def get_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
         """`Batch({"logprobs": [B, S]})`: position i = log p(token_i | tokens_<i) (float32), 0 at
         position 0 and in the padding; logits are divided by `temperature` first (default 1.0).
@@ -364,6 +367,7 @@ class PolicyWorker(WeightExport, DistributedWorker):
             indices[mb.index, : logits.shape[1]] = top.indices.cpu()
         return Batch(topk_logits=values, topk_indices=indices)
 
+    @measured_phase("logprobs")
     def get_reference_logprobs(self, batch: Batch, temperature: float = 1.0) -> Batch:
         """Like `get_logprobs`, from the frozen initial weights (needs `init_reference_model`)."""
         if self.reference_params is None:
@@ -390,6 +394,7 @@ class PolicyWorker(WeightExport, DistributedWorker):
                     t.copy_(backup[name])
 
     # --------------------------------------------------------------------------------- train
+    @measured_phase("training")
     def train(
         self,
         batch: Batch,
