@@ -1,6 +1,6 @@
 """GPU smoke tests: a few GRPO steps on 2 GPUs with each generation engine and placement (FSDP2
 over nccl, refit verification on), and the memory plan (`posttrain/plan.py`) against what
-torch's CUDA allocator measures. See docs/scaling.md, "GPU-only paths": the one-GPU test has run
+torch's CUDA allocator measures, and offloading between a GPU and its host. See docs/scaling.md, "GPU-only paths": the one-GPU tests have run
 on an H200 (tests/gpu/one_gpu.sh), the 2-GPU tests not yet.
 
     ./run.sh pytest tests/gpu          # skipped without CUDA
@@ -84,3 +84,53 @@ def test_memory_plan_against_cuda_max_memory_allocated(tmp_path):
     measured = torch.cuda.max_memory_allocated()
     print(f"memory plan {planned / 2**30:.3f} GiB, measured max_memory_allocated {measured / 2**30:.3f} GiB")
     assert abs(measured - planned) <= 0.25 * planned
+
+
+@pytest.mark.gpus(1)
+def test_offloading_frees_the_gpu_and_a_round_trip_is_bit_exact():
+    """models/policy/offload.py between a GPU and its host: parameters, gradients and AdamW's state
+    leave the GPU (torch.cuda.memory_allocated falls by the bytes moved), come back in place, and
+    training goes on exactly as a twin's that never moved."""
+    import torch
+
+    from posttrain.models.policy.offload import offload, reload
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).to(cuda)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(model, optimizer, seed: int) -> None:
+        generator = torch.Generator(device=cuda).manual_seed(seed)
+        x = torch.randn(64, 1024, device=cuda, generator=generator)
+        optimizer.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    model, optimizer = build(0)
+    twin, twin_optimizer = build(0)
+    for seed in (1, 2):
+        step(model, optimizer, seed)
+        step(twin, twin_optimizer, seed)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    params = list(model.parameters())
+
+    done = offload(model, optimizer, cpu)
+    torch.cuda.synchronize()
+    freed = before - torch.cuda.memory_allocated()
+    # AdamW: weights, gradients and two moments, float32 (Adam's step counters stay where they were).
+    weights = sum(p.numel() * 4 for p in params)
+    assert done.bytes_moved >= 4 * weights
+    assert freed >= 4 * weights, (freed, weights)
+    assert all(p.device == cpu for p in model.parameters())
+
+    reload(model, optimizer, done, cuda)
+    assert all(p is q and p.device.type == "cuda" for p, q in zip(model.parameters(), params))
+    for seed in (3, 4):
+        step(model, optimizer, seed)
+        step(twin, twin_optimizer, seed)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
