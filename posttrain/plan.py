@@ -150,6 +150,8 @@ class Plan:
     on_gpu: bool
     process_counts: list[int]  # how many of each device kind the job has
     num_nodes: int = 1
+    row_tokens: Optional[int] = None  # the longest row planned for (`longest_row_tokens`)
+    longest_prompt: Optional[int] = None  # tokens of the longest training prompt, when known
 
     def node_peak(self) -> int:
         """GPU: the largest device peak; CPU: the sum of the peaks of one node's processes (a
@@ -259,19 +261,62 @@ def kv_cache_bytes(shape: ModelShape, sequences: int, seq_len: int, dtype_bytes:
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes * sequences * seq_len
 
 
-def micro_batch_tokens(policy: Any, training: bool) -> int:
+def micro_batch_tokens(policy: Any, training: bool, row_tokens: Optional[int] = None) -> int:
     """Tokens of one micro-batch: the token budget of dynamic batching or packing when on, else
-    rows x `policy.max_total_sequence_length` (an upper bound: rows are padded to the longest)."""
+    rows x `row_tokens` (default `policy.max_total_sequence_length`; an upper bound: a micro-batch
+    is cut to its longest row)."""
     for budgeted in (policy.dynamic_batching, policy.sequence_packing):
         if budgeted.enabled:
             return budgeted.train_mb_tokens if training else budgeted.logprob_mb_tokens
     rows = policy.train_micro_batch_size if training else policy.logprob_batch_size
-    return rows * policy.max_total_sequence_length
+    return rows * (row_tokens or policy.max_total_sequence_length)
+
+
+def longest_row_tokens(cfg: Any, longest_prompt: Optional[int]) -> int:
+    """The longest row a job trains on: `policy.max_total_sequence_length`, or, for single-turn
+    RL, the longest prompt plus `policy.generation.max_new_tokens` when that is shorter (a row is a
+    prompt and one response). The default job's rows are 9 + 16 tokens against a limit of 64:
+    planning every row 64 tokens long put its training activations 2.6x too high."""
+    limit = cfg.policy.max_total_sequence_length
+    grpo = getattr(cfg, "grpo", None)
+    if longest_prompt is None or grpo is None or grpo.max_rollout_turns != 1:
+        return limit
+    return min(limit, longest_prompt + cfg.policy.generation.max_new_tokens)
+
+
+# The longest prompt in tokens is looked for among this many prompts longest in characters.
+PROMPTS_TOKENIZED = 64
+
+
+def longest_prompt_tokens(cfg: Any) -> Optional[int]:
+    """Tokens of the longest training prompt as the job builds it (chat template and system prompt
+    included), found among the `PROMPTS_TOKENIZED` prompts longest in characters; None when the
+    data cannot be read here (the plan then assumes rows of `policy.max_total_sequence_length`)."""
+    if getattr(cfg, "grpo", None) is None:
+        return None
+    try:
+        from posttrain.data.datasets import load_records
+        from posttrain.data.processors import build_prompt_message_log
+        from posttrain.environments.registry import env_rows_maker
+        from posttrain.models.hf import load_tokenizer
+
+        records = load_records(cfg.data, "train", env_rows_maker(getattr(cfg, "env", None)))
+        longest = sorted(records, key=lambda r: len(str(r.get("messages") or r.get("prompt", ""))))[-PROMPTS_TOKENIZED:]
+        tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name, cfg.policy.tiny_arch)
+        return max(
+            sum(len(m["token_ids"]) for m in build_prompt_message_log(
+                record, tokenizer, cfg.policy.max_total_sequence_length, use_chat_template=cfg.data.use_chat_template,
+                system_prompt=cfg.data.system_prompt, idx=index).message_log)
+            for index, record in enumerate(longest))
+    except Exception:  # noqa: BLE001 (unreadable data is preflight's to report, not the plan's)
+        return None
 
 
 # ----------------------------------------------------------------------------------------- plan
-def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None) -> Plan:
-    """What each device holds in each phase for `cfg` (a validated master config) and `shape`."""
+def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
+                longest_prompt: Optional[int] = None) -> Plan:
+    """What each device holds in each phase for `cfg` (a validated master config) and `shape`;
+    `longest_prompt` (tokens, default None: unknown) bounds RL rows (`longest_row_tokens`)."""
     from posttrain.config.schema import resolve_backend
     from posttrain.models.policy.offload import offloads_during_generation
     from posttrain.models.refit import MAX_BUCKET_BYTES
@@ -287,6 +332,7 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None)
     local = not on_gpu and resolve_backend(cfg) == "local"
     has_generation = hasattr(cfg, "grpo") or hasattr(cfg, "teacher")
     kl = getattr(getattr(cfg, "loss_fn", None), "reference_policy_kl_penalty", 0) > 0
+    row_tokens = longest_row_tokens(cfg, longest_prompt)
 
     # Offloaded while the engine generates (models/policy/offload.py): the training state is not on
     # the device in the generation phase, except weights lent in place to a native engine in the
@@ -312,9 +358,9 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None)
     trainer.add(f"optimizer state ({policy.optimizer.name})",
                 optimizer_state_bytes(trainable_per_rank, policy.optimizer.name, 1), resident)
     trainer.add("activations" + (" (checkpointed)" if policy.activation_checkpointing else ""),
-                training_activation_bytes(shape, micro_batch_tokens(policy, True) // cp, c,
+                training_activation_bytes(shape, micro_batch_tokens(policy, True, row_tokens) // cp, c,
                                           policy.activation_checkpointing, policy.fused_logprobs, tp, sp), ("training",))
-    trainer.add("logprob forward", logprob_activation_bytes(shape, micro_batch_tokens(policy, False) // cp, c,
+    trainer.add("logprob forward", logprob_activation_bytes(shape, micro_batch_tokens(policy, False, row_tokens) // cp, c,
                                                              policy.fused_logprobs, tp, sp), ("logprobs",))
     if cp > 1:
         trainer.add("ring attention blocks (fp32)", ring_attention_block_bytes(
@@ -357,7 +403,7 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None)
         if refit_bucket:
             trainer.add("refit bucket (send)", refit_bucket, ("refit",))
             engine.add("refit bucket (receive)", refit_bucket, ("refit",))
-    return Plan(devices, device_bytes, on_gpu, counts, cfg.cluster.num_nodes)
+    return Plan(devices, device_bytes, on_gpu, counts, cfg.cluster.num_nodes, row_tokens, longest_prompt)
 
 
 def detect_device_bytes(cfg: Any) -> Optional[int]:
@@ -457,7 +503,8 @@ def fit_problem(cfg: Any, shape: ModelShape, plan: Plan) -> Optional[str]:
     found: dict[str, str] = {}
     for change, changed in candidate_fixes(cfg, shape):
         key = change.split("=", 1)[0]
-        if key not in found and fits(memory_plan(changed, shape_for(changed, shape), plan.device_bytes)):
+        if key not in found and fits(memory_plan(changed, shape_for(changed, shape), plan.device_bytes,
+                                                            plan.longest_prompt)):
             found[key] = change
     advice = ("it would fit with any one of: " + ", ".join(found.values())) if found else \
         "no single change of policy.activation_checkpointing, micro-batch sizes, policy.num_workers, " \
@@ -487,6 +534,9 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  {'total':34s}" + "".join(f"{device.phase_total(p) / GiB:12.3f}" for p in PHASES))
     memory = "unknown (set cluster.gpu_memory_gb)" if plan.device_bytes is None else f"{plan.device_bytes / GiB:.2f} GiB"
     scope = "per GPU" if plan.on_gpu else "on the node (all processes)"
+    if plan.row_tokens:
+        prompt = f" (longest prompt {plan.longest_prompt} + max_new_tokens)" if plan.longest_prompt else ""
+        lines.append(f"activations planned for rows of {plan.row_tokens} tokens{prompt}")
     lines.append(f"peak {scope}: {plan.node_peak() / GiB:.3f} GiB; memory: {memory}; "
                  f"{'fits' if fits(plan) else 'does not fit'} (keeping {HEADROOM:.0%} free)")
     return "\n".join(lines)
@@ -495,6 +545,6 @@ def format_plan(plan: Plan) -> str:
 def check_memory(cfg: Any, shape: Optional[ModelShape] = None) -> tuple[Plan, Optional[str]]:
     """The plan of `cfg` on the devices it will get, and why it cannot fit (None if it can)."""
     shape = shape or model_shape(cfg.policy)
-    plan = memory_plan(cfg, shape, detect_device_bytes(cfg))
+    plan = memory_plan(cfg, shape, detect_device_bytes(cfg), longest_prompt_tokens(cfg))
     return plan, fit_problem(cfg, shape, plan)
 

@@ -18,7 +18,10 @@ from posttrain.algorithms.loss import ClippedPGLoss
 from posttrain.config.schema import LossConfig, PolicyConfig
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.cluster import VirtualCluster
+from posttrain.models.generation.native import NativeGeneration
+from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.policy.policy import Policy
+from posttrain.models.refit import build_refit_metadata, refit_policy_generation
 
 # The timeout is a hang guard, not a speed test: beside two CPU hogs this module ran 4-6x its quiet time.
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
@@ -60,9 +63,12 @@ def policy_cfg(**overrides) -> PolicyConfig:
     return PolicyConfig.model_validate(base)
 
 
-def run(cluster, cfg: PolicyConfig, name: str, tmp_path=None) -> dict:
+def run(cluster, cfg: PolicyConfig, name: str, tmp_path=None, generation: NativeGeneration = None) -> dict:
     """Logprobs before, metrics of two train calls, logprobs, reference logprobs and weights after;
-    and a checkpoint after the first call when `tmp_path` is given."""
+    and a checkpoint after the first call when `tmp_path` is given. With `generation`, the trained
+    weights are refitted into it at the end (checksums verified, in buckets of 64 KiB: several
+    buckets) and `engine_weights_before` / `engine_weights` hold what each of its workers has
+    before and after."""
     batch, loss_fn = make_batch(), ClippedPGLoss(LossConfig())
     policy = Policy(cluster, cfg, init_reference_model=True, name=name)
     try:
@@ -74,6 +80,12 @@ def run(cluster, cfg: PolicyConfig, name: str, tmp_path=None) -> dict:
         out["logprobs_after"] = policy.get_logprobs(batch)["logprobs"]
         out["reference"] = policy.get_reference_logprobs(batch)["logprobs"]
         out["weights"] = policy.state_dict_for_export()
+        if generation is not None:
+            metadata = build_refit_metadata(policy.refit_info(), 1 << 16, dtypes=generation.weight_dtypes())
+            generation.prepare_refit_info(metadata)
+            out["engine_weights_before"] = generation.worker_group.run_all("get_state_dict")
+            refit_policy_generation(policy, generation, metadata, version=1, verify=True)
+            out["engine_weights"] = generation.worker_group.run_all("get_state_dict")
     finally:
         policy.shutdown()
     return out
@@ -114,14 +126,40 @@ def one_worker(cluster):
     return run(cluster, policy_cfg(), "tp1")
 
 
-def test_tp2_equals_one_worker(cluster, one_worker):
+@pytest.fixture(scope="module")
+def tp2(cluster):
+    """Two workers in one TP group, refitted at the end into a one-worker native engine."""
+    spec = GenerationSpec("tiny", {"max_new_tokens": 4}, precision="float32")
+    generation = NativeGeneration(cluster, spec, bundle_indices=[2], name="tp2_engine")
+    try:
+        return run(cluster, policy_cfg(num_workers=2, tensor_parallel_size=2), "tp2", generation=generation)
+    finally:
+        generation.shutdown()
+
+
+def test_tp2_equals_one_worker(one_worker, tp2):
     """Two workers in one TP group: logprobs, loss, grad norm (clipped SGD steps), weights and the
     reference logprobs of one worker; the counts are not doubled although both ranks see all rows."""
-    tp2 = run(cluster, policy_cfg(num_workers=2, tensor_parallel_size=2), "tp2")
     assert_same_run(tp2, one_worker)
     mask = make_batch()["token_mask"][:, 1:] * make_batch()["sample_mask"][:, None]
     assert tp2["metrics"][0]["global_valid_toks"] == mask.sum().item()
     assert tp2["metrics"][0]["grad_norm"] > 0.5  # clipped
+
+
+def test_refit_from_tp2_gives_the_engine_the_full_weights_of_one_worker(one_worker, tp2):
+    """Refit gathers every tensor from its TP shards (q/k/v/gate/up split by rows, o/down by
+    columns) into full tensors: the engine holds exactly the TP policy's weights (checksums, in
+    `run`) and so, to the TP tolerance, those one worker has after the same two train calls."""
+    [engine] = tp2["engine_weights"]
+    assert set(engine) == set(one_worker["weights"])
+    assert engine["model.layers.0.self_attn.q_proj.weight"].shape == (128, 128)  # all 4 heads, not 2
+    assert engine["model.layers.0.mlp.down_proj.weight"].shape == one_worker["weights"]["model.layers.0.mlp.down_proj.weight"].shape
+    for name, value in one_worker["weights"].items():
+        assert torch.equal(engine[name], tp2["weights"][name]), name
+        torch.testing.assert_close(engine[name], value, rtol=RTOL, atol=WEIGHTS_ATOL, msg=lambda m: f"{name}: {m}")
+    [before] = tp2["engine_weights_before"]  # the initial model: every weight must have been replaced
+    stale = [name for name, value in engine.items() if name.endswith("proj.weight") and torch.equal(value, before[name])]
+    assert not stale, f"the refit left the initial value of {stale}"
 
 
 def test_tp2_resumes_bit_exactly_and_exports_full_tensors(cluster, tmp_path):
@@ -147,11 +185,27 @@ def test_tp2_resumes_bit_exactly_and_exports_full_tensors(cluster, tmp_path):
         assert torch.equal(exported[name], value), name
 
 
+@pytest.mark.parametrize("batching", ["packed", "dynamic"])
+def test_tp2_without_sequence_parallel_packs_and_batches_dynamically_like_one_worker(cluster, one_worker, batching):
+    """Token-budgeted micro-batches under TP alone: packed bins of <= 20 tokens (several rows in one
+    `[1, T]` row, attention kept inside each sequence), or dynamic batching (rows sorted by length,
+    grouped under 24 padded tokens with lengths rounded up to 4: the training steps' rows [14, 5, 9,
+    7] become [14], [9, 7], [5]). Both ranks of the TP group must cut the same micro-batches and the
+    loss must still divide by the global counts, so the run equals one worker's fixed-size one."""
+    budget = dict(enabled=True, train_mb_tokens=20 if batching == "packed" else 24,
+                  logprob_mb_tokens=20 if batching == "packed" else 24)
+    if batching == "dynamic":
+        budget["sequence_length_round"] = 4
+    key = "sequence_packing" if batching == "packed" else "dynamic_batching"
+    cfg = policy_cfg(num_workers=2, tensor_parallel_size=2, **{key: budget})
+    assert_same_run(run(cluster, cfg, f"tp2_{batching}"), one_worker)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["micro_batches", "packed"])
 def test_sequence_parallel_tp2_equals_one_worker(cluster, one_worker, packed):
     """SP: norms and residual stream split by sequence; rows of odd lengths (and packed bins of odd
     totals) are padded to a multiple of 2 tokens, which must not change any value. The packed case
-    (bins of <= 20 tokens) also checkpoints activations: packing under TP, with and without SP."""
+    (bins of <= 20 tokens) also checkpoints activations (packing without SP: the test above)."""
     packing = dict(enabled=True, train_mb_tokens=20, logprob_mb_tokens=20) if packed else dict(enabled=False)
     cfg = policy_cfg(num_workers=2, tensor_parallel_size=2, sequence_parallel=True, sequence_packing=packing,
                      activation_checkpointing=packed)

@@ -157,18 +157,21 @@ def _refit_cfg(*extra: str):
     ])
 
 
-@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "split"])
-def test_vllm_refit_from_policy(ray_cluster, vllm_python, colocated):
+@pytest.mark.parametrize("colocated, tp", [(True, 1), (False, 1), (False, 2)], ids=["colocated", "split", "split_tp2"])
+def test_vllm_refit_from_policy(ray_cluster, vllm_python, colocated, tp):
     """Refit from real policy workers into a running vLLM engine, verified by the logprob probe;
-    afterwards vLLM's processed logprobs match the trainer's (token_mult_prob_error ~ 1)."""
+    afterwards vLLM's processed logprobs match the trainer's (token_mult_prob_error ~ 1). With
+    `tp=2` the policy is one tensor-parallel group of 2 workers: the engine (vLLM tensor parallel
+    size 1) must get full tensors gathered from the TP shards."""
     from posttrain.job import make_cluster, make_generation
     from posttrain.algorithms.loss import NLLLoss
     from posttrain.models.generation.interface import RefitVerificationError
     from posttrain.models.policy.policy import Policy
     from posttrain.models.refit import build_refit_metadata, refit_policy_generation
 
-    cfg = _refit_cfg(f"policy.generation.colocated.enabled={str(colocated).lower()}")
-    policy_cluster = make_cluster(cfg, 1, colocated_groups=2 if colocated else 1, name=f"vllm-policy-{colocated}")
+    cfg = _refit_cfg(f"policy.generation.colocated.enabled={str(colocated).lower()}", f"policy.num_workers={tp}",
+                     f"policy.tensor_parallel_size={tp}")
+    policy_cluster = make_cluster(cfg, tp, colocated_groups=2 if colocated else 1, name=f"vllm-policy-{colocated}-{tp}")
     gen_cluster = policy_cluster if colocated else make_cluster(cfg, 1, name="vllm-generation-split")
     policy = generation = None
     try:
@@ -199,7 +202,7 @@ def test_vllm_refit_from_policy(ray_cluster, vllm_python, colocated):
         train_lp = policy.get_logprobs(full, temperature=0.7)["logprobs"]
         mask = generated_mask(out, prompts["input_lengths"])
         error = torch.exp((out["logprobs"] - train_lp).abs())[mask].mean().item()
-        print(f"\n[vllm refit {'colocated' if colocated else 'split'}] token_mult_prob_error {error:.7f}")
+        print(f"\n[vllm refit {'colocated' if colocated else 'split'}, policy tp={tp}] token_mult_prob_error {error:.7f}")
         assert 1.0 <= error < 1.001
     finally:
         for part in (generation, policy):

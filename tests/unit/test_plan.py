@@ -219,12 +219,12 @@ def test_cli_prints_the_plan_per_phase(capsys):
 
 
 def test_cli_refuses_a_plan_that_cannot_fit_naming_keys(capsys):
-    assert cli.main(["plan", "cluster.host_memory_gb=0.6"]) == cli.EXIT_CONFIG_ERROR
+    assert cli.main(["plan", "cluster.host_memory_gb=0.5"]) == cli.EXIT_CONFIG_ERROR
     captured = capsys.readouterr()
     assert "does not fit" in captured.out
     (line,) = captured.err.strip().splitlines()
     assert line.startswith("posttrain plan: memory plan: training needs ")
-    assert "0.54 GiB is usable (90% of 0.60 GiB)" in line and "policy.train_micro_batch_size=64" in line
+    assert "0.45 GiB is usable (90% of 0.50 GiB)" in line and "policy.train_micro_batch_size=64" in line
 
 
 def test_cli_reads_the_algorithm_from_the_config(tmp_path, capsys):
@@ -238,7 +238,7 @@ def test_preflight_refuses_a_job_that_cannot_fit():
     from posttrain.preflight import check_memory_plan
 
     with pytest.raises(UserError, match=r"training needs .* policy\.train_micro_batch_size=64"):
-        check_memory_plan(grpo("cluster.host_memory_gb=0.6"))
+        check_memory_plan(grpo("cluster.host_memory_gb=0.5"))
     check_memory_plan(grpo())  # the default fits
 
 
@@ -246,3 +246,21 @@ def test_config_algorithm_reads_the_section_names():
     assert cli.config_algorithm("examples/configs/distill_tiny.yaml") == "distill"
     assert cli.config_algorithm("examples/configs/dpo_tiny.yaml") == "dpo"
     assert cli.config_algorithm(None) == "grpo"
+
+
+def test_rl_rows_are_planned_as_long_as_the_longest_prompt_plus_max_new_tokens():
+    """A single-turn RL row is a prompt and one response: the default job's longest prompt (9
+    tokens, chat template included) plus 16 new tokens, not `max_total_sequence_length` (64)."""
+    cfg = grpo()
+    assert mp.longest_prompt_tokens(cfg) == 9
+    assert mp.longest_row_tokens(cfg, 9) == 25
+    assert mp.longest_row_tokens(cfg, None) == 64  # data unreadable: the limit
+    assert mp.longest_row_tokens(grpo("policy.generation.max_new_tokens=60"), 9) == 64  # the limit is shorter
+    assert mp.longest_row_tokens(grpo("grpo.max_rollout_turns=3"), 9) == 64  # turns add up to the limit
+    shape = mp.model_shape(cfg.policy)
+    assert mp.micro_batch_tokens(cfg.policy, True, 25) == 128 * 25
+    bounded, unbounded = mp.memory_plan(cfg, shape, longest_prompt=9), mp.memory_plan(cfg, shape)
+    assert bounded.row_tokens == 25 and unbounded.row_tokens == 64
+    for planned, tokens in ((bounded, 128 * 25), (unbounded, 128 * 64)):
+        expected = mp.training_activation_bytes(shape, tokens, 4, checkpointing=False, fused_logprobs=True)
+        assert planned.devices[0].rows["activations"]["training"] == int(expected)

@@ -192,11 +192,17 @@ def shard_model(
     tp_mesh: Optional[DeviceMesh],
     *,
     sequence_parallel: bool = False,
+    weights_on_rank0_only: bool = False,
     mixed_precision: Optional[MixedPrecisionPolicy] = None,
     cpu_offload: bool = False,
 ) -> None:
     """Tensor-parallelise `model` over `tp_mesh` (if any), then FSDP2 over `dp_mesh`: one unit per
-    decoder layer (HF's `_no_split_modules`), then the root."""
+    decoder layer (HF's `_no_split_modules`), then the root.
+
+    `weights_on_rank0_only` (sharded loading): the other ranks' parameters are on the meta device
+    and their values arrive later (`sharded_load.fill_shards_from_rank0`), so TP takes each rank's
+    shard of its own tensor (`src_data_rank=None`: real on rank 0, meta elsewhere) instead of
+    scattering rank 0's, a collective the meta ranks cannot serve (the pair deadlocked)."""
     if tp_mesh is not None:
         # DTensor warns, once per process, that gathering a 2-D (dp, tp) sharded tensor (state
         # dicts, the gradient norm) takes two collectives instead of one: expected, and noise in a
@@ -205,7 +211,8 @@ def shard_model(
         problem = tensor_parallel_size_problem(model.config, tp_mesh.size())
         if problem:
             raise ValueError(problem)
-        parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel))
+        parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel),
+                           src_data_rank=None if weights_on_rank0_only else 0)
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:

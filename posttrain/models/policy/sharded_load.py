@@ -1,9 +1,10 @@
-"""Sharded loading: under FSDP only rank 0 reads the checkpoint; the other ranks build the model
-with its parameters on the meta device (no memory) and receive their shards from rank 0 after
-`fully_shard`, so a node's host memory holds about one model at start-up, not one per rank.
+"""Sharded loading: under FSDP (and tensor parallelism) only rank 0 reads the checkpoint; the other
+ranks build the model with its parameters on the meta device (no memory) and receive their shards
+from rank 0 after sharding, so a node's host memory holds about one model at start-up, not one per rank.
 
     model = load_causal_lm(...) if rank == 0 else empty_causal_lm(...)
     full = rank0_weights(model, rank)     # rank 0: references to its loaded tensors, no copy
+    parallelize_module(..., src_data_rank=None)  # TP: each rank cuts its own (rank 0 real, others meta)
     fully_shard(...)                      # rank 0 keeps its shard only, once `full` is dropped
     fill_shards_from_rank0(model, full)   # torch's broadcast_from_rank0, tensor by tensor
 

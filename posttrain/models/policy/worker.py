@@ -60,6 +60,7 @@ from posttrain.models.policy.forward import (
 from posttrain.models.policy.linear_logprobs import use_fused_logprobs
 from posttrain.models.policy.offload import OffloadsDuringGeneration
 from posttrain.models.policy.weight_export import WeightExport
+from posttrain.utils import memory
 from posttrain.utils.lr_schedule import build_lr_scheduler
 from posttrain.utils.metrics import NEUTRAL, accumulate, average_over_steps, reduction, valid_counts
 from posttrain.utils.phase_memory import MeasuresPhases, measured_phase
@@ -135,16 +136,16 @@ class PolicyWorker(WeightExport, OffloadsDuringGeneration, MeasuresPhases, Distr
         self.cp_group: Any = None  # the context-parallel ranks' process group (None: no CP)
         self.compute_dtype = pick_dtype(self.cfg.precision, self.device)
         self.step = 0  # number of `train` calls (= scheduler steps) so far
-        # Only rank 0 reads the weights and the others receive their FSDP shards (sharded_load.py).
-        # Not under TP: parallelize_module scatters each weight from the ranks' real tensors, which
-        # a rank built on the meta device does not have (the two ranks deadlocked).
-        # Nor for mixtures of experts: their FSDP all-gathers disagreed in size between the rank that
+        # Only rank 0 reads the weights and the others receive their FSDP / TP shards (sharded_load.py).
+        # Not for mixtures of experts: their FSDP all-gathers disagreed in size between the rank that
         # loaded and the meta-built one (a gloo size mismatch killed the pair; tests/functional/test_moe_training.py).
-        self.loads_sharded = (model_type == "lm" and self.world_size > 1 and self.tp_size == 1 and self.cp_size == 1
+        self.loads_sharded = (model_type == "lm" and self.world_size > 1 and self.cp_size == 1
                               and not self.cfg.lora.enabled and not is_mixture_of_experts(self.cfg))
 
         model_path = resolve_model_path(self.cfg.model_name, self.cfg.tiny_arch)
         self.tokenizer = load_tokenizer(self.cfg.tokenizer_name or model_path, self.cfg.tiny_arch)
+        memory.reset_peak_rss()  # the load's own high-water mark (`load_host_memory`)
+        rss_before_load = memory.rss_bytes()
         self.model = self._load_model(model_path)
         self.lora_scaling: Optional[float] = None
         if self.cfg.lora.enabled:
@@ -178,6 +179,8 @@ class PolicyWorker(WeightExport, OffloadsDuringGeneration, MeasuresPhases, Distr
             self._shard_model()
         else:
             self.model.to(self.device)
+        self.load_host_memory = {"rss_before": rss_before_load, "peak": memory.peak_rss_bytes(),
+                                 "rss_after": memory.rss_bytes()}
 
         self.reference_params: Optional[dict[str, torch.Tensor]] = None
         if init_reference_model:
@@ -200,8 +203,8 @@ class PolicyWorker(WeightExport, OffloadsDuringGeneration, MeasuresPhases, Distr
 
     # ------------------------------------------------------------------------------- set-up
     def _load_model(self, model_path: str) -> torch.nn.Module:
-        # Loaded on the CPU in float32: FSDP moves only this rank's shard to the device. Under
-        # FSDP only rank 0 reads the weights; the others receive their shards (sharded_load.py).
+        # Loaded on the CPU in float32: FSDP moves only this rank's shard to the device. With
+        # several workers only rank 0 reads the weights; the others receive their shards (sharded_load.py).
         if self.model_type == "lm":
             if self.loads_sharded and self.rank != 0:
                 return sharded_load.empty_causal_lm(model_path, self.cfg.tiny_arch, self.cfg.attn_implementation)
@@ -240,6 +243,7 @@ class PolicyWorker(WeightExport, OffloadsDuringGeneration, MeasuresPhases, Distr
             self.dp_group = dp_mesh.get_group()
         parallel.shard_model(
             self.model, dp_mesh, tp_mesh, sequence_parallel=self.cfg.sequence_parallel,
+            weights_on_rank0_only=self.loads_sharded,
             mixed_precision=parallel.mixed_precision_policy(self.compute_dtype),
             cpu_offload=self.cfg.fsdp_cpu_offload and self.device.type != "cpu",
         )
@@ -258,6 +262,11 @@ class PolicyWorker(WeightExport, OffloadsDuringGeneration, MeasuresPhases, Distr
             for module in self.model.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
+
+    def get_load_host_memory(self) -> dict[str, int]:
+        """Resident set of this worker's process (bytes) just before the model load, its peak during
+        the load (reading, sharding, receiving shards) and after it: what loading cost this rank."""
+        return dict(self.load_host_memory)
 
     # ----------------------------------------------------------------------- micro-batching
     def _microbatches(self, batch: Batch, for_training: bool, rows_per_mb: int) -> list[MicroBatch]:
