@@ -14,7 +14,7 @@ import pytest
 from posttrain.config import ConfigError, load_config
 from posttrain.data.datasets import DataError, load_records
 from posttrain.errors import UserError
-from posttrain.models.policy.worker import reward_head_load_note
+from posttrain.models.policy.model_loading import reward_head_load_note
 from posttrain.preflight import check_model_name, load_split_records
 
 REPO = Path(__file__).resolve().parents[2]

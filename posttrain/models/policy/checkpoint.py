@@ -14,6 +14,9 @@ It is written to `<path>.tmp` and renamed to `path` by rank 0 after a barrier, s
 leaves a half-written checkpoint under the final name. DCP reshards on load, so a checkpoint
 saved with N data-parallel workers loads with M.
 
+`Checkpointing` is the worker's side, a mixin of `PolicyWorker`: `save_checkpoint`,
+`load_checkpoint` and `export_hf`, each collective over the policy's ranks.
+
 `convert_to_hf(checkpoint_dir, out_dir)` turns such a directory (or a `step_N` directory holding
 one under `policy/`) into a consolidated `save_pretrained` directory (safetensors) that
 `AutoModelForCausalLM.from_pretrained` loads; the CLI's `posttrain convert` calls it. Like
@@ -28,13 +31,19 @@ import shutil
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from posttrain.distributed import collective
@@ -226,3 +235,66 @@ def convert_to_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike)
 
             state_dict = merged_state_dict(state_dict, trainer_state["lora_scaling"])
         return save_hf(state_dict, hf_config, tokenizer, out_dir, trainer_state.get("model_type", "lm"))
+
+
+# -------------------------------------------------------------------------------- the worker's side
+class Checkpointing:
+    """Mixin of `PolicyWorker`: `save_checkpoint`, `load_checkpoint` and `export_hf` of one rank.
+
+    Reads `self.model`, `self.optimizer`, `self.scheduler` (None without `init_optimizer`),
+    `self.step`, `self.model_type`, `self.lora_scaling`, `self.hf_config`, `self.tokenizer` and
+    `self.rank`, and calls `self._reshard` (`ModelLoading`) and `self._full_state_dict`
+    (`WeightExport`); `load_checkpoint` sets `self.step`.
+    """
+
+    def save_checkpoint(self, path: str, save_optimizer: bool = True) -> str:
+        """Collective: sharded model (+ optimizer), scheduler, step and RNG state (module doc)."""
+        optimizers = (self.optimizer,) if save_optimizer and self.optimizer is not None else ()
+        model_state, optim_state = get_state_dict(self.model, optimizers)
+        trainer_state = {
+            "step": self.step,
+            "model_type": self.model_type,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "lora_scaling": self.lora_scaling,  # `posttrain convert` merges the adapters with it
+        }
+        final = save_sharded(
+            path,
+            model_state=model_state,
+            optim_state=optim_state if optimizers else None,
+            trainer_state=trainer_state,
+            hf_config=self.hf_config,
+            tokenizer=self.tokenizer,
+        )
+        return str(final)
+
+    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
+        """Collective: restore what `save_checkpoint` wrote (any number of saving workers)."""
+        path = check_checkpoint_dir(path)
+        self._reshard()
+        has_optim = has_optimizer_state(path)
+        if load_optimizer and self.optimizer is not None and has_optim:
+            model_state, optim_state = get_state_dict(self.model, (self.optimizer,))
+            load_sharded_into(path, model_state, MODEL_DIR)
+            load_sharded_into(path, optim_state, OPTIM_DIR)
+            set_state_dict(self.model, (self.optimizer,), model_state_dict=model_state, optim_state_dict=optim_state)
+        else:
+            model_state = get_model_state_dict(self.model)
+            load_sharded_into(path, model_state, MODEL_DIR)
+            set_model_state_dict(self.model, model_state)
+        trainer_state, rng = load_trainer_state(path, self.rank)
+        if load_optimizer and self.scheduler is not None and trainer_state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(trainer_state["scheduler"])
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
+        self.step = int(trainer_state["step"])
+        if rng is not None:
+            set_rng_state(rng)
+
+    def export_hf(self, out_dir: str) -> Optional[str]:
+        """Collective: consolidated HF directory (safetensors + config + tokenizer), written by rank 0."""
+        state = self._full_state_dict()
+        out = None
+        if self.rank == 0:
+            out = str(save_hf(state, self.hf_config, self.tokenizer, out_dir, self.model_type))
+        collective.barrier()
+        return out

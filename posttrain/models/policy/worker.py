@@ -17,6 +17,12 @@ or packed bins. The ranks of a tensor-parallel group see the same rows, so count
 are reduced over the data-parallel ranks only (`self.dp_group`). So do the ranks of a
 context-parallel group (`context_parallel.py`): each holds a slice of every row's tokens, FSDP2
 shards over `dp x cp`, and the loss is multiplied by `dp * cp` (`self.fsdp_size`).
+
+Besides training and inference here, a worker is made of mixins: building and sharding the model
+(`ModelLoading`, `model_loading.py`), checkpoints and HF export (`Checkpointing`, `checkpoint.py`),
+weights leaving for export and refit (`WeightExport`, `weight_export.py`), offloading while the
+colocated engine generates (`OffloadsDuringGeneration`, `offload.py`) and per-phase memory
+(`MeasuresPhases`, `utils/phase_memory.py`).
 """
 
 from __future__ import annotations
@@ -27,25 +33,17 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import transformers
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from posttrain.config.schema import PolicyConfig
 from posttrain.distributed import collective
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
 from posttrain.models import lora, moe
-from posttrain.utils.model_build import MODEL_BUILD_LOCK
-from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype, resolve_model_path
+from posttrain.models.hf import load_tokenizer, pick_dtype, resolve_model_path
 from posttrain.models.policy import checkpoint as ckpt
 from posttrain.models.policy import context_parallel, parallel, sharded_load
+from posttrain.models.policy.checkpoint import Checkpointing
 from posttrain.models.policy.forward import (
     MicroBatch,
     compute_autocast,
@@ -58,6 +56,7 @@ from posttrain.models.policy.forward import (
     packed_microbatches,
 )
 from posttrain.models.policy.linear_logprobs import use_fused_logprobs
+from posttrain.models.policy.model_loading import ModelLoading, is_mixture_of_experts
 from posttrain.models.policy.offload import OffloadsDuringGeneration
 from posttrain.models.policy.weight_export import WeightExport
 from posttrain.utils import memory
@@ -77,20 +76,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def is_mixture_of_experts(policy: PolicyConfig) -> bool:
-    """Whether `policy.model_name` is a mixture of experts, from its name (tiny presets) or config.json."""
-    from posttrain.models.hf import parse_tiny_name
-    from posttrain.models.paths import model_config_dict
-    from posttrain.models.presets import MOE_ARCHS
-
-    tiny = parse_tiny_name(policy.model_name, policy.tiny_arch)
-    if tiny is not None:
-        return tiny[1] in MOE_ARCHS
-    config = model_config_dict(policy.model_name) or {}
-    return bool(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts"))
-
-
-class PolicyWorker(WeightExport, OffloadsDuringGeneration, MeasuresPhases, DistributedWorker):
+class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGeneration, MeasuresPhases,
+                   DistributedWorker):
     """Training, logprob inference, checkpoints and weight export for one rank (see `parallel.py`).
 
     Args:
@@ -200,73 +187,6 @@ class PolicyWorker(WeightExport, OffloadsDuringGeneration, MeasuresPhases, Distr
             self.scheduler = build_lr_scheduler(self.optimizer, opt, self.cfg.scheduler)
         if weights_path is not None:
             self.load_checkpoint(weights_path, load_optimizer=init_optimizer)
-
-    # ------------------------------------------------------------------------------- set-up
-    def _load_model(self, model_path: str) -> torch.nn.Module:
-        # Loaded on the CPU in float32: FSDP moves only this rank's shard to the device. With
-        # several workers only rank 0 reads the weights; the others receive their shards (sharded_load.py).
-        if self.model_type == "lm":
-            if self.loads_sharded and self.rank != 0:
-                return sharded_load.empty_causal_lm(model_path, self.cfg.tiny_arch, self.cfg.attn_implementation)
-            return load_causal_lm(model_path, dtype=torch.float32, device="cpu", tiny_arch=self.cfg.tiny_arch,
-                                  attn_implementation=self.cfg.attn_implementation)
-        config = AutoConfig.from_pretrained(model_path, num_labels=1)
-        if config.pad_token_id is None:  # needed to find each row's last token
-            config.pad_token_id = self.tokenizer.pad_token_id
-        from transformers.utils import logging as hf_logging
-
-        # transformers prints a coloured LOAD REPORT table listing lm_head as UNEXPECTED and the
-        # score head as MISSING: expected for a new reward head, alarming to read. Say it plainly.
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
-            with torch.random.fork_rng(devices=[]), MODEL_BUILD_LOCK:
-                torch.manual_seed(0)  # the new score head: same initial values on every rank and run
-                model, info = AutoModelForSequenceClassification.from_pretrained(
-                    model_path, config=config, dtype=torch.float32, output_loading_info=True
-                )
-        finally:
-            hf_logging.set_verbosity(verbosity)
-        if self.rank == 0:
-            print(reward_head_load_note(model_path, info["missing_keys"], info["unexpected_keys"]), flush=True)
-        return model
-
-    def _shard_model(self) -> None:
-        """Tensor parallel over each TP group, FSDP2 over the data-parallel ranks (`parallel.py`)."""
-        if self.cp_size > 1:  # config validation refuses CP with TP
-            dp_mesh, self.dp_group, self.cp_group = context_parallel.build_mesh(
-                self.device.type, self.world_size, self.cp_size)
-            tp_mesh = None
-        else:
-            dp_mesh, tp_mesh = parallel.build_mesh(self.device.type, self.world_size, self.tp_size)
-        if tp_mesh is not None:
-            self.dp_group = dp_mesh.get_group()
-        parallel.shard_model(
-            self.model, dp_mesh, tp_mesh, sequence_parallel=self.cfg.sequence_parallel,
-            weights_on_rank0_only=self.loads_sharded,
-            mixed_precision=parallel.mixed_precision_policy(self.compute_dtype),
-            cpu_offload=self.cfg.fsdp_cpu_offload and self.device.type != "cpu",
-        )
-        if self.cfg.fsdp_cpu_offload and self.device.type == "cpu" and self.rank == 0:
-            # FSDP2's CPUOffloadPolicy needs an accelerator to offload from.
-            print("[posttrain] policy.fsdp_cpu_offload: nothing to offload on CPU workers (weights already live in "
-                  "host memory)", flush=True)
-
-    def _reshard(self) -> None:
-        """Drop FSDP's gathered copies so the next forward re-gathers from the sharded weights.
-
-        Needed before changing weights outside the optimizer (reference swap, checkpoint load):
-        the root unit keeps its gathered parameters after a no-grad forward.
-        """
-        if self.is_fsdp:
-            for module in self.model.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
-
-    def get_load_host_memory(self) -> dict[str, int]:
-        """Resident set of this worker's process (bytes) just before the model load, its peak during
-        the load (reading, sharding, receiving shards) and after it: what loading cost this rank."""
-        return dict(self.load_host_memory)
 
     # ----------------------------------------------------------------------- micro-batching
     def _microbatches(self, batch: Batch, for_training: bool, rows_per_mb: int) -> list[MicroBatch]:
@@ -552,78 +472,9 @@ class PolicyWorker(WeightExport, OffloadsDuringGeneration, MeasuresPhases, Distr
             out.update(zip(group, values.tolist()))
         return out
 
-    # ------------------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, path: str, save_optimizer: bool = True) -> str:
-        """Collective: sharded model (+ optimizer), scheduler, step and RNG state; see `checkpoint.py`."""
-        optimizers = (self.optimizer,) if save_optimizer and self.optimizer is not None else ()
-        model_state, optim_state = get_state_dict(self.model, optimizers)
-        trainer_state = {
-            "step": self.step,
-            "model_type": self.model_type,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "lora_scaling": self.lora_scaling,  # `posttrain convert` merges the adapters with it
-        }
-        final = ckpt.save_sharded(
-            path,
-            model_state=model_state,
-            optim_state=optim_state if optimizers else None,
-            trainer_state=trainer_state,
-            hf_config=self.hf_config,
-            tokenizer=self.tokenizer,
-        )
-        return str(final)
-
-    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> None:
-        """Collective: restore what `save_checkpoint` wrote (any number of saving workers)."""
-        path = ckpt.check_checkpoint_dir(path)
-        self._reshard()
-        has_optim = ckpt.has_optimizer_state(path)
-        if load_optimizer and self.optimizer is not None and has_optim:
-            model_state, optim_state = get_state_dict(self.model, (self.optimizer,))
-            ckpt.load_sharded_into(path, model_state, ckpt.MODEL_DIR)
-            ckpt.load_sharded_into(path, optim_state, ckpt.OPTIM_DIR)
-            set_state_dict(self.model, (self.optimizer,), model_state_dict=model_state, optim_state_dict=optim_state)
-        else:
-            model_state = get_model_state_dict(self.model)
-            ckpt.load_sharded_into(path, model_state, ckpt.MODEL_DIR)
-            set_model_state_dict(self.model, model_state)
-        trainer_state, rng = ckpt.load_trainer_state(path, self.rank)
-        if load_optimizer and self.scheduler is not None and trainer_state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(trainer_state["scheduler"])
-            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-                group["lr"] = lr
-        self.step = int(trainer_state["step"])
-        if rng is not None:
-            ckpt.set_rng_state(rng)
-
-    def export_hf(self, out_dir: str) -> Optional[str]:
-        """Collective: consolidated HF directory (safetensors + config + tokenizer), written by rank 0."""
-        state = self._full_state_dict()
-        out = None
-        if self.rank == 0:
-            out = str(ckpt.save_hf(state, self.hf_config, self.tokenizer, out_dir, self.model_type))
-        collective.barrier()
-        return out
-
     # --------------------------------------------------------------------------------- misc
     @staticmethod
     def _require(batch: Batch, keys: tuple[str, ...], who: str) -> None:
         missing = [k for k in keys if k not in batch]
         if missing:
             raise KeyError(f"PolicyWorker.{who}: batch is missing {missing}; it has {sorted(batch)}")
-
-
-def reward_head_load_note(model_path: str, missing: list[str], unexpected: list[str]) -> str:
-    """One plain line about loading a causal LM as a reward model: a new score head and the
-    language-model head left out are expected; anything else missing or unused is named."""
-    new_head = sorted(k for k in missing if k.startswith("score."))
-    dropped = sorted(k for k in unexpected if k.startswith("lm_head."))
-    other_missing = sorted(set(missing) - set(new_head))
-    other_unused = sorted(set(unexpected) - set(dropped))
-    if not other_missing and not other_unused:
-        if not new_head:
-            return f"[posttrain] reward model loaded from {model_path} (with its trained score head)"
-        return (f"[posttrain] reward model from {model_path}: new score head ({', '.join(new_head)}) initialised; "
-                f"the language-model head is not used")
-    return (f"[posttrain] WARNING: reward model from {model_path}: weights not in the checkpoint: "
-            f"{other_missing[:5] or 'none'}; checkpoint weights not used: {other_unused[:5] or 'none'}")

@@ -1,0 +1,120 @@
+"""`ModelLoading`: how a `PolicyWorker` builds its model and spreads it over the ranks.
+
+The model is read on the CPU in float32 (a causal LM, or a sequence classifier with one label for
+a reward model); with several workers only rank 0 reads the weights and the others build the
+skeleton on the meta device and receive their shards (`sharded_load.py`). It is then sharded:
+tensor parallel within each TP group and FSDP2 over the data-parallel ranks (`parallel.py`), or
+FSDP2 over data x context-parallel ranks (`context_parallel.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from transformers import AutoConfig, AutoModelForSequenceClassification
+
+from posttrain.config.schema import PolicyConfig
+from posttrain.models.hf import load_causal_lm, parse_tiny_name
+from posttrain.models.policy import context_parallel, parallel, sharded_load
+from posttrain.utils.model_build import MODEL_BUILD_LOCK
+
+
+def is_mixture_of_experts(policy: PolicyConfig) -> bool:
+    """Whether `policy.model_name` is a mixture of experts, from its name (tiny presets) or config.json."""
+    from posttrain.models.paths import model_config_dict
+    from posttrain.models.presets import MOE_ARCHS
+
+    tiny = parse_tiny_name(policy.model_name, policy.tiny_arch)
+    if tiny is not None:
+        return tiny[1] in MOE_ARCHS
+    config = model_config_dict(policy.model_name) or {}
+    return bool(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts"))
+
+
+class ModelLoading:
+    """Mixin of `PolicyWorker`: reads `self.cfg`, `self.model_type`, `self.loads_sharded`,
+    `self.tokenizer`, `self.rank`, `self.world_size`, `self.tp_size`, `self.cp_size`,
+    `self.compute_dtype`, `self.device`, `self.is_fsdp`, `self.model` and `self.load_host_memory`;
+    `_shard_model` sets `self.dp_group` and `self.cp_group`."""
+
+    def _load_model(self, model_path: str) -> torch.nn.Module:
+        # Loaded on the CPU in float32: FSDP moves only this rank's shard to the device. With
+        # several workers only rank 0 reads the weights; the others receive their shards (sharded_load.py).
+        if self.model_type == "lm":
+            if self.loads_sharded and self.rank != 0:
+                return sharded_load.empty_causal_lm(model_path, self.cfg.tiny_arch, self.cfg.attn_implementation)
+            return load_causal_lm(model_path, dtype=torch.float32, device="cpu", tiny_arch=self.cfg.tiny_arch,
+                                  attn_implementation=self.cfg.attn_implementation)
+        config = AutoConfig.from_pretrained(model_path, num_labels=1)
+        if config.pad_token_id is None:  # needed to find each row's last token
+            config.pad_token_id = self.tokenizer.pad_token_id
+        from transformers.utils import logging as hf_logging
+
+        # transformers prints a coloured LOAD REPORT table listing lm_head as UNEXPECTED and the
+        # score head as MISSING: expected for a new reward head, alarming to read. Say it plainly.
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            with torch.random.fork_rng(devices=[]), MODEL_BUILD_LOCK:
+                torch.manual_seed(0)  # the new score head: same initial values on every rank and run
+                model, info = AutoModelForSequenceClassification.from_pretrained(
+                    model_path, config=config, dtype=torch.float32, output_loading_info=True
+                )
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        if self.rank == 0:
+            print(reward_head_load_note(model_path, info["missing_keys"], info["unexpected_keys"]), flush=True)
+        return model
+
+    def _shard_model(self) -> None:
+        """Tensor parallel over each TP group, FSDP2 over the data-parallel ranks (`parallel.py`)."""
+        if self.cp_size > 1:  # config validation refuses CP with TP
+            dp_mesh, self.dp_group, self.cp_group = context_parallel.build_mesh(
+                self.device.type, self.world_size, self.cp_size)
+            tp_mesh = None
+        else:
+            dp_mesh, tp_mesh = parallel.build_mesh(self.device.type, self.world_size, self.tp_size)
+        if tp_mesh is not None:
+            self.dp_group = dp_mesh.get_group()
+        parallel.shard_model(
+            self.model, dp_mesh, tp_mesh, sequence_parallel=self.cfg.sequence_parallel,
+            weights_on_rank0_only=self.loads_sharded,
+            mixed_precision=parallel.mixed_precision_policy(self.compute_dtype),
+            cpu_offload=self.cfg.fsdp_cpu_offload and self.device.type != "cpu",
+        )
+        if self.cfg.fsdp_cpu_offload and self.device.type == "cpu" and self.rank == 0:
+            # FSDP2's CPUOffloadPolicy needs an accelerator to offload from.
+            print("[posttrain] policy.fsdp_cpu_offload: nothing to offload on CPU workers (weights already live in "
+                  "host memory)", flush=True)
+
+    def _reshard(self) -> None:
+        """Drop FSDP's gathered copies so the next forward re-gathers from the sharded weights.
+
+        Needed before changing weights outside the optimizer (reference swap, checkpoint load):
+        the root unit keeps its gathered parameters after a no-grad forward.
+        """
+        if self.is_fsdp:
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    def get_load_host_memory(self) -> dict[str, int]:
+        """Resident set of this worker's process (bytes) just before the model load, its peak during
+        the load (reading, sharding, receiving shards) and after it: what loading cost this rank."""
+        return dict(self.load_host_memory)
+
+
+def reward_head_load_note(model_path: str, missing: list[str], unexpected: list[str]) -> str:
+    """One plain line about loading a causal LM as a reward model: a new score head and the
+    language-model head left out are expected; anything else missing or unused is named."""
+    new_head = sorted(k for k in missing if k.startswith("score."))
+    dropped = sorted(k for k in unexpected if k.startswith("lm_head."))
+    other_missing = sorted(set(missing) - set(new_head))
+    other_unused = sorted(set(unexpected) - set(dropped))
+    if not other_missing and not other_unused:
+        if not new_head:
+            return f"[posttrain] reward model loaded from {model_path} (with its trained score head)"
+        return (f"[posttrain] reward model from {model_path}: new score head ({', '.join(new_head)}) initialised; "
+                f"the language-model head is not used")
+    return (f"[posttrain] WARNING: reward model from {model_path}: weights not in the checkpoint: "
+            f"{other_missing[:5] or 'none'}; checkpoint weights not used: {other_unused[:5] or 'none'}")
