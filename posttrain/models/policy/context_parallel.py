@@ -42,7 +42,7 @@ packing (packed rows restart positions per sequence; the ring's mask would need 
 and with LoRA; by the worker, reward models and full logits (distillation, `get_topk_logits`); by
 the attention function, attention dropout in training and sliding windows.
 Tested on CPU over gloo only (tests/unit/test_context_parallel.py,
-tests/functional/test_context_parallel.py): torch 2.13's `context_parallel` refuses CPU
+tests/functional/test_context_parallel_workers.py): torch 2.13's `context_parallel` refuses CPU
 ("aten._scaled_dot_product_flash_attention_for_cpu does not have a sharding strategy"), hence
 this implementation.
 """
