@@ -60,13 +60,8 @@ if [[ "$PARTS" == *" resume "* ]]; then
     run resume_second 240 "$PY" -m posttrain.cli grpo "${common[@]}" "${short[@]}" grpo.max_num_steps=20 \
         "logger.log_dir=$OUT/resume_parts" "checkpointing.checkpoint_dir=$CKPT/ckpt_parts"
     "$PY" - "$OUT/resume_whole/metrics.jsonl" "$OUT/resume_parts/metrics.jsonl" <<'PYTHON' || status=1
-import json, sys
-def steps(path):
-    rows = {}
-    for line in open(path):
-        row = json.loads(line)
-        rows.setdefault(row["step"], {}).update(row)
-    return rows
+import sys
+from posttrain.utils.logger import read_metrics_jsonl as steps
 whole, parts = steps(sys.argv[1]), steps(sys.argv[2])
 keys = ["train/loss", "train/reward", "train/grad_norm", "train/token_mult_prob_error"]
 worst = {k: max(abs(whole[s][k] - parts[s][k]) for s in range(11, 21)) for k in keys}
@@ -84,13 +79,8 @@ if [[ "$PARTS" == *" offload "* ]]; then
             "policy.offload_during_generation=$offload" "logger.log_dir=$OUT/offload_$offload"
     done
     "$PY" - "$OUT/offload_true/metrics.jsonl" "$OUT/offload_false/metrics.jsonl" <<'PYTHON' || status=1
-import json, sys
-def steps(path):
-    rows = {}
-    for line in open(path):
-        row = json.loads(line)
-        rows.setdefault(row["step"], {}).update(row)
-    return rows
+import sys
+from posttrain.utils.logger import read_metrics_jsonl as steps
 on, off = steps(sys.argv[1]), steps(sys.argv[2])
 for phase in ("generation", "refit", "logprobs", "training"):
     for stat in ("allocated_gb", "reserved_gb", "peak_rss_gb"):
