@@ -22,6 +22,12 @@ _RAY_ENV_DEFAULTS = {
     "RAY_DEDUP_LOGS": "1",  # "[repeated Nx across cluster]" instead of N copies of a log line
     # One "Loading weights" bar per worker and model interleaves with the run's own progress bar.
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    # Ray starts its workers at nice 15, to keep its own daemons responsive. posttrain's workers are
+    # the job (training, generation): beside any other work at nice 0 they got a few percent of the
+    # CPU and a run or the test suite crawled (seen: one functional test module 10x slower beside two
+    # busy loops). Workers run at the driver's priority; `nice posttrain ...` still lowers them all.
+    # Only a cluster this process starts: the raylet reads it at start-up.
+    "RAY_worker_niceness": "0",
 }
 
 

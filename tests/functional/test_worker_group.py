@@ -28,6 +28,9 @@ class EchoWorker(DistributedWorker):
         keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "POSTTRAIN_TEST_FLAG")
         return {key: os.environ.get(key, "") for key in keys}
 
+    def niceness(self) -> int:
+        return os.nice(0)
+
     def sum_of_ranks_plus_one(self) -> float:
         return self.all_reduce_sum(float(self.rank + 1))
 
@@ -82,6 +85,12 @@ def test_env_and_all_reduce(pair):
     summed = pair.run_all("all_reduce_sum", torch.tensor([1.0, 2.0]))
     assert all(torch.equal(t, torch.tensor([2.0, 4.0])) for t in summed)
     assert pair.run_rank0("ping") is True
+
+
+def test_workers_run_at_the_drivers_priority(pair):
+    # Ray's default puts workers at nice 15: beside other work at nice 0 they got a few percent of
+    # the CPU (ray_utils._RAY_ENV_DEFAULTS).
+    assert pair.run_all("niceness") == [os.nice(0), os.nice(0)]
 
 
 def test_run_sharded_keeps_order_with_uneven_shards(pair):

@@ -78,6 +78,7 @@ class ModelLoading:
             self.dp_group = dp_mesh.get_group()
         parallel.shard_model(
             self.model, dp_mesh, tp_mesh, sequence_parallel=self.cfg.sequence_parallel,
+            activation_checkpointing=self.cfg.activation_checkpointing,
             weights_on_rank0_only=self.loads_sharded,
             mixed_precision=parallel.mixed_precision_policy(self.compute_dtype),
             cpu_offload=self.cfg.fsdp_cpu_offload and self.device.type != "cpu",

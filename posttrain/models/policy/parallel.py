@@ -22,11 +22,13 @@ group (`SequenceParallel` over the head dimension does exactly that).
 Sequence parallelism (`policy.sequence_parallel`, with TP): between the attention and MLP blocks
 the residual stream and the layer norms hold `1/tp` of the sequence on each TP rank (Megatron-LM's
 SP, Korthikanti et al. 2022): the first decoder layer takes its rank's slice of the embeddings, the
-column-wise projections all-gather the sequence, the row-wise ones reduce-scatter it instead of
-all-reducing, the norms' weights are replicated with their gradients summed over the TP group, and
-the final norm gathers the whole sequence again for the LM head. Masks, positions and rotary
-embeddings are computed before the first layer on the whole sequence, so they need no change;
-micro-batches are right-padded to a multiple of `tp` tokens (`pad_for_sequence_parallel`).
+attention and MLP blocks all-gather the sequence once at their input and keep only their slice of
+it for the backward pass (`sequence_parallel.GatherSequence`), the row-wise projections
+reduce-scatter instead of all-reducing, the norms' weights are replicated with their gradients
+summed over the TP group, and the final norm gathers the whole sequence again for the LM head.
+Masks, positions and rotary embeddings are computed before the first layer on the whole sequence,
+so they need no change; micro-batches are right-padded to a multiple of `tp` tokens
+(`pad_for_sequence_parallel`).
 
 Gradients: a TP rank's replicated parameters get the same gradient on every TP rank, the sharded
 ones their shard's; FSDP reduces over `dp` only. So with the loss normalised by the global token
@@ -61,6 +63,7 @@ from torch.distributed.tensor.parallel import (
 from posttrain.distributed.batch import Batch
 from posttrain.models.parallel_sizes import tensor_parallel_problem
 from posttrain.models.policy.forward import MicroBatch
+from posttrain.models.policy.sequence_parallel import GatherSequence
 
 # posttrain's plan for llama-like decoders whose config carries no `base_model_tp_plan`
 # (the same as transformers 5.23's llama plan), relative to the decoder (`model.model`).
@@ -87,10 +90,12 @@ def build_mesh(device_type: str, world_size: int, tp_size: int) -> tuple[DeviceM
     return mesh["dp"], mesh["tp"]
 
 
-def tp_plan(model: torch.nn.Module, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+def tp_plan(model: torch.nn.Module, sequence_parallel: bool = False,
+            regather_in_backward: bool = True) -> dict[str, ParallelStyle]:
     """The `parallelize_module` plan of `model` (module path pattern -> style), from its config's
     `base_model_tp_plan` or `LLAMA_LIKE_PLAN`; experts stay replicated. `sequence_parallel`: the
-    residual stream and the layer norms between the blocks are split by sequence (module doc).
+    residual stream and the layer norms between the blocks are split by sequence (module doc);
+    `regather_in_backward`: see `GatherSequence` (False under activation checkpointing).
 
     Raises ValueError naming the model type when there is no plan, or the entries whose style
     posttrain does not apply."""
@@ -104,16 +109,16 @@ def tp_plan(model: torch.nn.Module, sequence_parallel: bool = False) -> dict[str
             )
         base_plan = LLAMA_LIKE_PLAN
     prefix = model.base_model_prefix  # "model": the decoder inside XForCausalLM
-    # Under SP the blocks' inputs arrive split by sequence (dim 1) and their outputs leave so.
-    sequence = dict(input_layouts=Shard(1)) if sequence_parallel else {}
     plan: dict[str, ParallelStyle] = {}
     unsupported = []
     for pattern, style in base_plan.items():
         if ".experts" in pattern:
             continue  # experts replicated on every TP rank
-        leaf = pattern.rsplit(".", 1)[-1]
+        block, leaf = pattern.rsplit(".", 1)
         if style == "colwise":
-            plan[f"{prefix}.{pattern}"] = ColwiseParallel(**sequence)
+            plan[f"{prefix}.{pattern}"] = ColwiseParallel()
+            if sequence_parallel:  # the block's input arrives split by sequence: gather it once
+                plan[f"{prefix}.{block}"] = GatherSequence(regather_in_backward)
         elif style == "rowwise":
             plan[f"{prefix}.{pattern}"] = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
         elif style == "replicated_with_grad_allreduce" and leaf in HEAD_NORMS:
@@ -192,6 +197,7 @@ def shard_model(
     tp_mesh: Optional[DeviceMesh],
     *,
     sequence_parallel: bool = False,
+    activation_checkpointing: bool = False,
     weights_on_rank0_only: bool = False,
     mixed_precision: Optional[MixedPrecisionPolicy] = None,
     cpu_offload: bool = False,
@@ -211,7 +217,7 @@ def shard_model(
         problem = tensor_parallel_size_problem(model.config, tp_mesh.size())
         if problem:
             raise ValueError(problem)
-        parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel),
+        parallelize_module(model, tp_mesh, tp_plan(model, sequence_parallel, not activation_checkpointing),
                            src_data_rank=None if weights_on_rank0_only else 0)
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
