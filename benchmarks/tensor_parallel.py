@@ -1,6 +1,7 @@
 """Tensor, sequence and context parallelism on CPU: training tokens/s and peak memory per worker.
 
     python benchmarks/tensor_parallel.py [--model tiny] [--seq-lens 2048 4096] [--rows 2] [--steps 2]
+                                         [--settings tp=1 tp=2 "tp=2 + SP" cp=2]
 
 For each sequence length, the same batch (`--rows` rows of that many tokens, NLL loss, AdamW)
 trains on 1 worker, on a TP group of 2, on a TP group of 2 with sequence parallelism, and on a
@@ -60,13 +61,15 @@ def main() -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 4096], help="tokens per row (default 2048 4096)")
     parser.add_argument("--rows", type=int, default=2, help="rows per optimizer step, one per micro-batch (default 2)")
     parser.add_argument("--steps", type=int, default=2, help="timed optimizer steps per setting (default 2)")
+    parser.add_argument("--settings", nargs="+", choices=[name for name, _ in SETTINGS], default=[name for name, _ in SETTINGS],
+                        help="which settings to run (default all)")
     args = parser.parse_args()
     init_ray(num_cpus=4, env_vars={"OMP_NUM_THREADS": "1"})
     try:
         print(f"{'tokens':>7} {'setting':<10} {'tokens/s':>9}  peak RSS per worker (MiB)")
         for seq_len in args.seq_lens:
             batch = make_batch(args.rows, seq_len)
-            for name, overrides in SETTINGS:
+            for name, overrides in [(n, o) for n, o in SETTINGS if n in args.settings]:
                 speed, rss = measure(name, overrides, args, batch)
                 print(f"{seq_len:>7} {name:<10} {speed:>9.0f}  {', '.join(f'{r:.0f}' for r in rss)}", flush=True)
     finally:
