@@ -17,7 +17,7 @@ own process, one after the other, with checkpointing off:
 With `--task nemotron_mini` the same runs use the nemotron_mini recipe
 (`examples/recipes/nemotron_mini.yaml`: SmolLM2-135M-Instruct, seven environments, 8 prompts x 4
 generations; docs/recipes/nemotron-mini.md), validated once at the end (`--steps`, default 10)
-on its 210 held-out problems, and a fourth run is offered:
+on its 529 held-out problems, and a fourth run is offered:
 
 - `partial`: sync with partial rollouts (`grpo.partial_rollouts.enabled=true`): a step's
              generation ends once 75% of its groups are complete; the rest continue next step.
