@@ -74,7 +74,7 @@ class _Regather:
 
     def __init__(self, state: dict, saved: torch.Tensor):
         self.state = state  # shared by every view of one gather: the slice, and the whole once regathered
-        local = saved._local_tensor if isinstance(saved, DTensor) else saved
+        local = _local(saved)
         self.view = (local.shape, local.stride(), local.storage_offset())
         self.spec = (saved.device_mesh, saved.placements, saved.shape, saved.stride()) if isinstance(saved, DTensor) else None
 
@@ -84,7 +84,7 @@ class _Regather:
 
     def unpack(self) -> torch.Tensor:
         state = self.state
-        if state.get("whole") is None:  # the first projection to need it gathers; the others share it
+        if state["whole"] is None:  # the first projection to need it gathers; the others share it
             pieces = all_gather_tensor(state["shard"], state["mesh"].get_group())
             state["whole"] = torch.cat(pieces, dim=1)  # the sequence is dim 1; contiguous, as gathered
         local = state["whole"].as_strided(*self.view)
@@ -94,13 +94,18 @@ class _Regather:
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor behind a DTensor (or the tensor itself)."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
 def _regather_hooks(shard: torch.Tensor, whole: DTensor, mesh: DeviceMesh):
     """Saved-tensor hooks that keep views of `whole` (the gathered `shard`) as `_Regather`s."""
     state = {"shard": shard, "mesh": mesh, "whole": None}
     storage = whole._local_tensor.untyped_storage().data_ptr()
 
     def pack(saved: torch.Tensor) -> Any:
-        local = saved._local_tensor if isinstance(saved, DTensor) else saved
+        local = _local(saved)
         if local.device == shard.device and local.untyped_storage().data_ptr() == storage:
             return _Regather(state, saved)
         return saved
