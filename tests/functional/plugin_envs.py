@@ -54,6 +54,19 @@ class StragglerEnv(MathEnvironment):
         return super().step(message_logs, metadata)
 
 
+class HoldAfterCheckpointEnv(MathEnvironment):
+    """The math environment, except that once the file `HOLD_AFTER` names exists (a checkpoint's
+    last file), its next call waits for as long as the file `HOLD` exists. A test that kills a run
+    after that checkpoint then knows where the run is, however slow the machine: no later step
+    can finish before the kill. Without the two variables it is the math environment."""
+
+    def step(self, message_logs, metadata):
+        hold, after = os.environ.get("HOLD"), os.environ.get("HOLD_AFTER")
+        if hold and after and os.path.exists(after):
+            while os.path.exists(hold):
+                time.sleep(0.1)
+        return super().step(message_logs, metadata)
+
 
 class CoinEnv(MathEnvironment):
     """Reward 1 when the first generated character is in the first half of the alphabet.

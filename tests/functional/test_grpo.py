@@ -206,8 +206,8 @@ def test_multi_turn_rollout_masks_only_generated_tokens(grpo_context):
             assert (m["generation_logprobs"] <= 0).all()
 
 
-def _run_cli(cfg_path: Path, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _run_cli(cfg_path: Path, log: Path, **env_vars: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **env_vars}
     return subprocess.Popen(
         [sys.executable, "-m", "posttrain", "grpo", "--config", str(cfg_path)],
         cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
@@ -226,14 +226,18 @@ def test_kill_and_resume_reproduces_uninterrupted_metrics(tmp_path, backend):
     runs = {}
     for name in ("straight", "killed"):
         cfg = small_cfg(tmp_path / name, "grpo.max_num_steps=4", "checkpointing.save_period=2",
-                        f"cluster.backend={backend}")
+                        f"cluster.backend={backend}", plugin_env("HoldAfterCheckpointEnv"))
         path = tmp_path / f"{name}.yaml"
         save_config(cfg, path)
         runs[name] = (path, tmp_path / name)
 
     straight = _run_cli(runs["straight"][0], tmp_path / "straight.log")
-    killed = _run_cli(runs["killed"][0], tmp_path / "killed.log")
     step2 = runs["killed"][1] / "ckpt" / "step_2" / "training_info.json"
+    # The killed run's step 3 waits while `hold` exists, so the kill lands between the step-2
+    # checkpoint and step 3 on any machine (a fast run once finished step 4 before the kill).
+    hold = tmp_path / "hold"
+    hold.touch()
+    killed = _run_cli(runs["killed"][0], tmp_path / "killed.log", HOLD=str(hold), HOLD_AFTER=str(step2))
     deadline = time.time() + 400
     while not step2.exists():
         assert killed.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
@@ -247,7 +251,9 @@ def test_kill_and_resume_reproduces_uninterrupted_metrics(tmp_path, backend):
     # agents would linger for about a minute; 40 s leaves a busy machine room and still tells them apart).
     _, alive = psutil.wait_procs(ray_processes, timeout=40)
     assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
+    assert sorted(read_metrics(runs["killed"][1] / "logs")) == [1, 2]  # held at step 3
     assert straight.wait(timeout=400) == 0, (tmp_path / "straight.log").read_text()[-3000:]
+    hold.unlink()
     resumed = _run_cli(runs["killed"][0], tmp_path / "resumed.log")
     assert resumed.wait(timeout=400) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
 
