@@ -4,6 +4,7 @@ a straggler) ending in a clear error or a counted drop within its timeout."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -170,17 +171,23 @@ def test_a_straggler_is_dropped_and_counted_and_the_run_finishes(ray_cluster, tm
 
 
 def test_a_killed_async_run_resumes_and_finishes(tmp_path):
-    cfg = async_cfg(tmp_path, "grpo.max_num_steps=6", "checkpointing.save_period=2")
+    cfg = async_cfg(tmp_path, "grpo.max_num_steps=6", "checkpointing.save_period=2",
+                    faulty("HoldAfterCheckpointEnv"))
     config = tmp_path / "run.yaml"
     save_config(cfg, config)
     log = tmp_path / "run.log"
+    step2 = tmp_path / "ckpt" / "step_2" / "training_info.json"
+    # Rollouts stop once the step-2 checkpoint exists, so the run cannot reach its end before the
+    # kill, however fast it is (at most the already-buffered steps train meanwhile).
+    hold = tmp_path / "hold"
+    hold.touch()
 
     def start() -> subprocess.Popen:
+        env = {**os.environ, "HOLD": str(hold), "HOLD_AFTER": str(step2)}
         return subprocess.Popen([sys.executable, "-m", "posttrain", "grpo", "--config", str(config)], cwd=REPO,
-                                stdout=open(log, "a"), stderr=subprocess.STDOUT)
+                                env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT)
 
     run = start()
-    step2 = tmp_path / "ckpt" / "step_2" / "training_info.json"
     deadline = time.time() + 300
     while not step2.exists():
         assert run.poll() is None, log.read_text()[-3000:]
@@ -189,6 +196,7 @@ def test_a_killed_async_run_resumes_and_finishes(tmp_path):
     run.send_signal(signal.SIGKILL)
     run.wait()
     assert (tmp_path / "ckpt" / "step_2" / "replay_buffer.pt").exists()
+    hold.unlink()
     resumed = start()
     assert resumed.wait(timeout=300) == 0, log.read_text()[-3000:]
     text = log.read_text()
