@@ -1,11 +1,12 @@
 """Tensor, sequence and context parallelism on CPU: training tokens/s and peak memory per worker.
 
     python benchmarks/tensor_parallel.py [--model tiny] [--seq-lens 2048 4096] [--rows 2] [--steps 2]
-                                         [--settings tp=1 tp=2 "tp=2 + SP" cp=2]
+                                         [--settings tp=1 tp=2 "tp=2 + SP" cp=2 "cp=2 x tp=2 + SP"]
 
 For each sequence length, the same batch (`--rows` rows of that many tokens, NLL loss, AdamW)
-trains on 1 worker, on a TP group of 2, on a TP group of 2 with sequence parallelism, and on a
-context-parallel group of 2 (ring attention), each in fresh worker processes. Prints valid training tokens/s after a warm-up step and each worker's
+trains on 1 worker, on a TP group of 2, on a TP group of 2 with sequence parallelism, on a
+context-parallel group of 2 (ring attention), and on 4 workers as 2 CP ranks x 2 TP ranks with SP,
+each in fresh worker processes. Prints valid training tokens/s after a warm-up step and each worker's
 peak resident memory (which includes the ~0.5-1 GiB of torch and the model; the differences
 between settings are the activations and the sharded weights). On a 2-core CPU shared with other
 work the tokens/s measure contention as much as parallelism; the memory is the point.
@@ -27,7 +28,9 @@ from posttrain.models.policy.policy import Policy
 
 SETTINGS = [("tp=1", dict(num_workers=1)), ("tp=2", dict(num_workers=2, tensor_parallel_size=2)),
             ("tp=2 + SP", dict(num_workers=2, tensor_parallel_size=2, sequence_parallel=True)),
-            ("cp=2", dict(num_workers=2, context_parallel_size=2))]
+            ("cp=2", dict(num_workers=2, context_parallel_size=2)),
+            ("cp=2 x tp=2 + SP", dict(num_workers=4, context_parallel_size=2, tensor_parallel_size=2,
+                                      sequence_parallel=True))]
 
 
 def make_batch(rows: int, seq_len: int, vocab: int = 100, seed: int = 0) -> Batch:
@@ -66,12 +69,12 @@ def main() -> None:
     args = parser.parse_args()
     init_ray(num_cpus=4, env_vars={"OMP_NUM_THREADS": "1"})
     try:
-        print(f"{'tokens':>7} {'setting':<10} {'tokens/s':>9}  peak RSS per worker (MiB)")
+        print(f"{'tokens':>7} {'setting':<17} {'tokens/s':>9}  peak RSS per worker (MiB)")
         for seq_len in args.seq_lens:
             batch = make_batch(args.rows, seq_len)
             for name, overrides in [(n, o) for n, o in SETTINGS if n in args.settings]:
                 speed, rss = measure(name, overrides, args, batch)
-                print(f"{seq_len:>7} {name:<10} {speed:>9.0f}  {', '.join(f'{r:.0f}' for r in rss)}", flush=True)
+                print(f"{seq_len:>7} {name:<17} {speed:>9.0f}  {', '.join(f'{r:.0f}' for r in rss)}", flush=True)
     finally:
         shutdown_ray()
 

@@ -245,11 +245,11 @@ def logprob_activation_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, f
 
 
 def ring_attention_block_bytes(shape: ModelShape, tokens: int, seq_len: int, cp: int) -> float:
-    """Context parallelism's working memory in one attention layer: the ring computes each block
-    of attention (local queries x one chunk of keys) with plain float32 matmuls, so the backward
-    holds the block's scores, probabilities and their gradient (3 copies of
-    `rows x heads x (seq_len / cp)^2`), rows = tokens / seq_len (a flash kernel per block would
-    need none of it: models/policy/context_parallel.py). 0 without CP."""
+    """Context parallelism's working memory in one attention layer when the ring computes its
+    blocks with the float32 matmul fallback (CUDA in float32; models/policy/attention_blocks.py):
+    the backward holds a block's scores, probabilities and their gradient, 3 copies of
+    `rows x heads x (seq_len / cp)^2`, rows = tokens / seq_len. The fused kernels (CPU, and CUDA in
+    bf16/fp16) tile the scores and need none of it. 0 without CP."""
     if cp == 1:
         return 0.0
     seq_len = min(tokens, seq_len)
@@ -325,7 +325,7 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
     on_gpu = cfg.cluster.gpus_per_node > 0
     c = compute_dtype_bytes(policy.precision, on_gpu)
     shards, tp, sp = policy.num_workers, policy.tensor_parallel_size, policy.sequence_parallel
-    cp = policy.context_parallel_size  # CP ranks hold 1/cp of every row's tokens (never with TP)
+    cp = policy.context_parallel_size  # CP ranks hold 1/cp of every row's tokens
     dp = shards // tp
     trainable = shape.lora_params if policy.lora.enabled else shape.num_params  # LoRA is refused under TP
     colocated = gen.colocated.enabled
@@ -362,7 +362,7 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
                                           policy.activation_checkpointing, policy.fused_logprobs, tp, sp), ("training",))
     trainer.add("logprob forward", logprob_activation_bytes(shape, micro_batch_tokens(policy, False, row_tokens) // cp, c,
                                                              policy.fused_logprobs, tp, sp), ("logprobs",))
-    if cp > 1:
+    if cp > 1 and on_gpu and c == 4:  # no fused CUDA kernel for float32 blocks (attention_blocks.block_kernel)
         trainer.add("ring attention blocks (fp32)", ring_attention_block_bytes(
             shape, micro_batch_tokens(policy, True), policy.max_total_sequence_length, cp), ("training",))
     if kl and not on_gpu:  # the reference copy is this rank's fp32 shard in host memory (policy worker)

@@ -17,17 +17,32 @@ pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster):
-    cluster = VirtualCluster([2], max_colocated_worker_groups=2)
+    cluster = VirtualCluster([4], max_colocated_worker_groups=2)
     yield cluster
     cluster.shutdown()
 
 
-def test_cp2_equals_one_worker(cluster):
+@pytest.fixture(scope="module")
+def one_worker(cluster):
+    return run(cluster, policy_cfg(), "cp1")
+
+
+def test_cp2_equals_one_worker(cluster, one_worker):
     """Two workers in one CP group (each holds half of every row's tokens, rows of 3-16 tokens padded
     to multiples of 4; the fused logprob head, the default): the run of one worker, with the counts
     not doubled although both ranks see all rows."""
-    one = run(cluster, policy_cfg(), "cp1")
     cp2 = run(cluster, policy_cfg(num_workers=2, context_parallel_size=2), "cp2")
-    assert_same_run(cp2, one)
+    assert_same_run(cp2, one_worker)
     mask = make_batch()["token_mask"][:, 1:] * make_batch()["sample_mask"][:, None]
     assert cp2["metrics"][0]["global_valid_toks"] == mask.sum().item()
+
+
+def test_cp2_by_tp2_with_sequence_parallel_equals_one_worker(cluster, one_worker):
+    """Four workers as the mesh (dp 1, cp 2, tp 2) with sequence parallelism: each CP rank's half
+    of the tokens goes through a TP pair (the ring runs per head shard; between the blocks each TP
+    rank keeps a quarter of the row, rows padded to multiples of 8): one worker's run again."""
+    cp2_tp2 = run(cluster, policy_cfg(num_workers=4, context_parallel_size=2, tensor_parallel_size=2,
+                                      sequence_parallel=True), "cp2_tp2_sp")
+    assert_same_run(cp2_tp2, one_worker)
+    mask = make_batch()["token_mask"][:, 1:] * make_batch()["sample_mask"][:, None]
+    assert cp2_tp2["metrics"][0]["global_valid_toks"] == mask.sum().item()

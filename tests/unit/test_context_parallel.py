@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from posttrain.models.policy import attention_blocks as blocks
 from posttrain.models.policy import context_parallel as cpmod
 from test_collectives import free_ports
 
@@ -66,21 +67,29 @@ def rank_main(rank: int, port: int, results) -> None:
 
     group = dist.group.WORLD
     out = {}
-    # Ring attention alone, GQA, 8 tokens in load-balanced chunks of 2.
-    torch.manual_seed(0)
-    q, k, v = torch.randn(2, 4, 8, 8), torch.randn(2, 2, 8, 8), torch.randn(2, 2, 8, 8)
-    weights = torch.randn(2, 4, 8, 8)
+    # Ring attention alone, GQA, 8 tokens in load-balanced chunks of 2, with each block kernel
+    # (the fused CPU one is what the device picks; matmul is the fallback) and in bfloat16.
     cp = cpmod.ContextParallelGroup(group, torch.stack([cpmod.load_balanced_positions(8, 2, r) for r in (0, 1)]))
     mine = cp.positions[rank]
-    local = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-    ring = cpmod.RingAttention.apply(*local, cp, 8 ** -0.5, 2)
-    (ring * weights[:, :, mine]).sum().backward()
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(full[0], full[1].repeat_interleave(2, 1), full[2].repeat_interleave(2, 1),
-                                         is_causal=True)
-    (ref * weights).sum().backward()
-    out["attention"] = (ring - ref[:, :, mine]).abs().max().item()
-    out["attention_grads"] = max((t.grad - f.grad[:, :, mine]).abs().max().item() for t, f in zip(local, full))
+    for kernel, dtype in ((blocks.CPU_FLASH, torch.float32), (blocks.MATMUL, torch.float32),
+                          (blocks.CPU_FLASH, torch.bfloat16)):
+        torch.manual_seed(0)
+        q, k, v = torch.randn(2, 4, 8, 8), torch.randn(2, 2, 8, 8), torch.randn(2, 2, 8, 8)
+        q, k, v = (t.to(dtype).float() for t in (q, k, v))  # values a bf16 run holds exactly
+        weights = torch.randn(2, 4, 8, 8)
+        blocks._chosen[("cpu", dtype)] = kernel
+        local = [t[:, :, mine].to(dtype).requires_grad_() for t in (q, k, v)]
+        ring = cpmod.RingAttention.apply(*local, cp, 8 ** -0.5, 2)
+        (ring.float() * weights[:, :, mine]).sum().backward()
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(full[0], full[1].repeat_interleave(2, 1),
+                                             full[2].repeat_interleave(2, 1), is_causal=True)
+        (ref * weights).sum().backward()
+        tag = f"{kernel.name},{dtype}"
+        out[f"attention[{tag}]"] = (ring.float() - ref[:, :, mine]).abs().max().item()
+        out[f"attention_grads[{tag}]"] = max((t.grad.float() - f.grad[:, :, mine]).abs().max().item()
+                                             for t, f in zip(local, full))
+    blocks._chosen.clear()
 
     # The tiny model's logprobs and gradients, plain and fused, against one process's whole rows.
     rows = make_rows(100)
@@ -119,7 +128,12 @@ def test_cp2_equals_one_process_on_the_tiny_model():
     for rank in (0, 1):
         out = results[rank]
         print(rank, {k: v for k, v in out.items() if isinstance(v, float)})
-        assert out["attention"] < 1e-5 and out["attention_grads"] < 1e-5
+        for kernel in ("cpu_flash", "matmul"):
+            assert out[f"attention[{kernel},torch.float32]"] < 1e-5
+            assert out[f"attention_grads[{kernel},torch.float32]"] < 1e-5
+        # bfloat16 blocks (inputs exact in bf16; the output and gradients rounded to bf16's 8 bits):
+        assert out["attention[cpu_flash,torch.bfloat16]"] < 3e-2
+        assert out["attention_grads[cpu_flash,torch.bfloat16]"] < 1e-1
         for fused in (False, True):
             torch.testing.assert_close(out[f"logprobs_fused={fused}"], out["reference"], rtol=1e-5, atol=1e-5)
             assert out[f"grads_fused={fused}"] < 1e-5
@@ -132,7 +146,6 @@ def test_config_refuses_what_context_parallelism_cannot_do_in_one_line():
     with pytest.raises(ConfigError, match=r"policy.num_workers=3 must be a multiple of policy.context_parallel_size=2"):
         load_config("grpo", overrides=["policy.num_workers=3", "policy.context_parallel_size=2"])
     cases = {
-        "with policy.tensor_parallel_size > 1 is not supported": dict(num_workers=4, tensor_parallel_size=2),
         "with policy.sequence_packing.enabled is not supported": dict(num_workers=2, sequence_packing=dict(enabled=True)),
         "with policy.lora.enabled is not supported": dict(num_workers=2, lora=dict(enabled=True)),
     }
@@ -143,3 +156,12 @@ def test_config_refuses_what_context_parallelism_cannot_do_in_one_line():
     assert cfg.dp_size == 2  # the CP ranks of a group share rows, like a TP group's
     with pytest.raises(ValueError, match=r"train_global_batch_size=3 must be a multiple of the 2 data-parallel ranks"):
         PolicyConfig(num_workers=4, context_parallel_size=2, train_global_batch_size=3)
+    # With tensor parallelism: the mesh dp x cp x tp.
+    with pytest.raises(ValueError, match=r"policy.num_workers=6 must be a multiple of policy.context_parallel_size \* "
+                                         r"policy.tensor_parallel_size = 2 \* 2"):
+        PolicyConfig(num_workers=6, context_parallel_size=2, tensor_parallel_size=2)
+    assert PolicyConfig(num_workers=8, context_parallel_size=2, tensor_parallel_size=2, train_global_batch_size=2,
+                        sequence_parallel=True).dp_size == 2
+    with pytest.raises(ValueError, match=r"train_global_batch_size=3 must be a multiple of the 2 data-parallel ranks "
+                                         r"\(policy.num_workers / \(policy.context_parallel_size \* policy.tensor_parallel_size\)\)"):
+        PolicyConfig(num_workers=8, context_parallel_size=2, tensor_parallel_size=2, train_global_batch_size=3)

@@ -172,6 +172,11 @@ def test_context_parallel_divides_the_sequence_proportional_activations_by_hand(
     assert cp2["ring attention blocks (fp32)"]["training"] == 3 * 4 * 2 * 4 * 1024 ** 2
     assert "ring attention blocks (fp32)" not in cp1
     assert mp.ring_attention_block_bytes(SHAPE, 4096, 2048, 1) == 0
+    # A fused kernel per block (bf16 on GPUs, any dtype on CPU) tiles the scores: no such row.
+    for extra in (["policy.precision=bfloat16"], ["cluster.gpus_per_node=0"]):
+        fused = mp.memory_plan(grpo(*common, "policy.context_parallel_size=2", *extra), SHAPE,
+                               device_bytes=80 * GiB).devices[0].rows
+        assert "ring attention blocks (fp32)" not in fused, extra
 
 
 def test_a_sequence_too_long_for_one_gpu_is_told_the_tensor_parallel_size_that_fits():

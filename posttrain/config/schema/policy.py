@@ -322,8 +322,9 @@ class PolicyConfig(Section):
         description=(
             "Workers that split each sequence between them (context parallelism: ring attention, Liu et al. 2023; "
             "everything else local to each worker's tokens; models/policy/context_parallel.py). Long sequences whose "
-            "activations do not fit one device. num_workers must be a multiple of it; not with "
-            "tensor_parallel_size > 1, sequence packing or LoRA. 1 (default): off. Tested on CPU over gloo only."
+            "activations do not fit one device. num_workers must be a multiple of it times tensor_parallel_size "
+            "(the mesh dp x cp x tp); not with sequence packing or LoRA. 1 (default): off. Tested on CPU over gloo "
+            "only."
         ),
     )
     fsdp_cpu_offload: bool = Field(
@@ -386,7 +387,8 @@ class PolicyConfig(Section):
                      f"the {self.dp_size} data-parallel ranks (policy.num_workers / policy.tensor_parallel_size)")
             if self.context_parallel_size > 1:
                 ranks = (f"the {self.dp_size} data-parallel ranks (policy.num_workers / "
-                         "policy.context_parallel_size)")
+                         + ("(policy.context_parallel_size * policy.tensor_parallel_size))"
+                            if self.tensor_parallel_size > 1 else "policy.context_parallel_size)"))
             raise ValueError(
                 f"policy.train_global_batch_size={self.train_global_batch_size} must be a multiple of {ranks} "
                 "(each data-parallel rank gets an equal share)"
@@ -411,9 +413,10 @@ class PolicyConfig(Section):
         if self.num_workers % cp:
             raise ValueError(f"policy.num_workers={self.num_workers} must be a multiple of "
                              f"policy.context_parallel_size={cp}")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("policy.context_parallel_size > 1 with policy.tensor_parallel_size > 1 is not supported "
-                             "yet; use one of them")
+        if self.num_workers % (cp * self.tensor_parallel_size):
+            raise ValueError(f"policy.num_workers={self.num_workers} must be a multiple of "
+                             f"policy.context_parallel_size * policy.tensor_parallel_size = "
+                             f"{cp} * {self.tensor_parallel_size}")
         if self.sequence_packing.enabled:
             raise ValueError("policy.context_parallel_size > 1 with policy.sequence_packing.enabled is not supported "
                              "(ring attention masks by global position, not per packed sequence); use dynamic_batching")

@@ -12,13 +12,15 @@ their global positions (`position_ids`), so rotary embeddings are those of the w
 Attention is ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers for
 Near-Infinite Context"): each rank keeps its queries; the key/value chunks travel round the ring
 (`collective.ring_shift`, cp - 1 steps), and each step's block of attention is merged into the
-running output with its log-sum-exp (the online softmax). The causal mask compares global
-positions, so any chunking is right; a block entirely in a query chunk's future is skipped. The
-backward pass sends the key/value chunks round again with their gradients accumulating beside
-them, and one last step brings each gradient home; the forward saves only q, the local k/v, the
-output and the log-sum-exp, so no rank ever holds the whole sequence's keys (the blocks are
-computed with plain matmuls in float32; on GPUs a flash kernel per block is the next step).
-Grouped-query attention sends the key/value heads only. It is registered as a transformers
+running output with its log-sum-exp (the online softmax). With the load-balanced chunks every
+step is one dense block, causal or fully visible (`_ring_block`), so no mask is built and no work
+is spent on a query chunk's future. Each block runs in the device's fused attention kernel
+(`attention_blocks.py`: torch's flash kernels on CPU and, for bf16/fp16, on CUDA), which never
+holds a block's `[sq, sk]` scores; float32 matmuls are the checked fallback. The backward pass
+sends the key/value chunks round again with their gradients accumulating beside them, and one
+last step brings each gradient home; the forward saves only q, the local k/v, the output and the
+log-sum-exp, so no rank ever holds the whole sequence's keys. Grouped-query attention sends the
+key/value heads only. It is registered as a transformers
 attention function (`RING_ATTENTION`) and selected with `enable_ring_attention`; it builds no
 mask: right-padded rows need none under a causal mask (no valid token sees the padding after it).
 
@@ -37,9 +39,13 @@ ranks' partial gradients (it averages over `dp * cp` ranks, so the loss is multi
 `dp * cp`). Replicating over `cp` with a separate all-reduce would cost the same traffic and more
 memory.
 
-Not supported, refused in one line: by the config, CP with tensor parallelism, with sequence
-packing (packed rows restart positions per sequence; the ring's mask would need the boundaries)
-and with LoRA; by the worker, reward models and full logits (distillation, `get_topk_logits`); by
+With tensor parallelism the workers form the mesh `("dp", "cp", "tp")`: each CP rank's tokens
+go through a TP group as they would without CP (the attention function gets that TP rank's heads,
+and the ring runs per head shard among the CP ranks with the same TP rank); with
+`policy.sequence_parallel` each TP rank also keeps `1/tp` of its CP rank's tokens between blocks.
+
+Not supported, refused in one line: by the config, CP with sequence packing (packed rows restart
+positions per sequence; the ring's blocks would need the boundaries) and with LoRA; by the worker, reward models and full logits (distillation, `get_topk_logits`); by
 the attention function, attention dropout in training and sliding windows.
 Tested on CPU over gloo only (tests/unit/test_context_parallel.py,
 tests/functional/test_context_parallel_workers.py): torch 2.13's `context_parallel` refuses CPU
@@ -56,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.distributed import collective
+from posttrain.models.policy.attention_blocks import block_kernel
 
 RING_ATTENTION = "posttrain_ring"
 
@@ -89,6 +96,13 @@ class ContextParallelGroup:
     group: Any
     positions: torch.Tensor
 
+    def __post_init__(self) -> None:
+        # Ring attention's blocks (`_ring_block`) rely on this layout.
+        size, local_len = self.positions.shape
+        for rank in range(size):
+            if not torch.equal(self.positions[rank].cpu(), load_balanced_positions(size * local_len, size, rank)):
+                raise ValueError(f"CP rank {rank}'s positions are not the load-balanced chunks of {size * local_len}")
+
     @property
     def size(self) -> int:
         return self.positions.shape[0]
@@ -98,26 +112,23 @@ class ContextParallelGroup:
         return 0 if self.group is None else torch.distributed.get_rank(self.group)
 
 
-def build_mesh(device_type: str, world_size: int, cp_size: int) -> tuple[Any, Any, Any]:
-    """`(fsdp mesh, dp group, cp group)` of the workers as the mesh `("dp", "cp")`: FSDP2 shards
-    over the flattened `dp x cp` mesh (module doc), counts reduce over `dp`, the ring runs in `cp`."""
+def build_mesh(device_type: str, world_size: int, cp_size: int, tp_size: int = 1) -> tuple[Any, Any, Any, Any]:
+    """`(fsdp mesh, dp group, cp group, tp mesh or None)` of the workers as the mesh
+    `("dp", "cp")`, or `("dp", "cp", "tp")` with tensor parallelism (rank r: TP rank r % tp, CP rank
+    (r // tp) % cp, as the controller hands one shard to each group of cp * tp consecutive ranks).
+    FSDP2 shards over the flattened `dp x cp` mesh (module doc), counts reduce over `dp`, the ring
+    runs in `cp`, and each TP group splits the layers as without CP (its attention sees its heads)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (world_size // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
-    return mesh._flatten("dp_cp"), mesh["dp"].get_group(), mesh["cp"].get_group()
+    if tp_size == 1:
+        mesh = init_device_mesh(device_type, (world_size // cp_size, cp_size), mesh_dim_names=("dp", "cp"))
+        return mesh._flatten("dp_cp"), mesh["dp"].get_group(), mesh["cp"].get_group(), None
+    mesh = init_device_mesh(device_type, (world_size // (cp_size * tp_size), cp_size, tp_size),
+                            mesh_dim_names=("dp", "cp", "tp"))
+    return mesh["dp", "cp"]._flatten("dp_cp"), mesh["dp"].get_group(), mesh["cp"].get_group(), mesh["tp"]
 
 
 # ----------------------------------------------------------------------------- ring attention
-def _block_attention(q, k, v, q_pos, k_pos, scaling):
-    """Causal attention of queries at `q_pos` to keys at `k_pos` (float32, heads already matched):
-    `(out [b, h, sq, d], lse [b, h, sq])`; rows with no visible key get out 0 and lse -inf."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
-    scores = scores.masked_fill(q_pos[:, None] < k_pos[None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-    return torch.matmul(probs, v), lse
-
-
 def _repeat_heads(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """Key/value heads `[b, hkv, s, d]` repeated for grouped-query attention -> `[b, hkv * n_rep, s, d]`."""
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
@@ -131,66 +142,66 @@ def _sum_heads(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x.view(b, h // n_rep, n_rep, s, d).sum(dim=2)
 
 
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
-    """Whether any query sees any key (else the block is entirely in the queries' future)."""
-    return bool(q_pos.max() >= k_pos.min())
+def _ring_block(rank: int, source: int, local_len: int) -> tuple[slice, slice, bool]:
+    """Which of this rank's queries meet which of `source`'s keys, and whether causally:
+    `(query rows, key rows, causal)` in local order. With the load-balanced chunks (rank r holds
+    chunks r and 2cp-1-r, in order) a step is one of three dense blocks and never needs a mask:
+    its own keys, causally; an earlier rank's (source < rank): every query sees that rank's first
+    chunk and none its second; a later rank's: only the second query chunk sees them, all of them."""
+    whole, first, second = slice(0, local_len), slice(0, local_len // 2), slice(local_len // 2, local_len)
+    if source == rank:
+        return whole, whole, True
+    return (whole, first, False) if source < rank else (second, whole, False)
 
 
 class RingAttention(torch.autograd.Function):
     """Exact causal attention of the local queries to the whole sequence's keys/values, which
     travel round the CP ring (module doc). Inputs `[b, heads, s_local, d]` (k/v with the key/value
-    heads); output like q."""
+    heads) holding the load-balanced chunks; output like q. Each step's block is computed by the
+    fused attention kernel of the device where it has one (`attention_blocks.block_kernel`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallelGroup, scaling: float, n_rep: int):
-        dtype = q.dtype
-        q32, kv = q.float(), torch.stack([k, v]).float()
-        q_pos = cp.positions[cp.rank].to(q.device)
-        out, lse = None, None
+        kernel = block_kernel(q.device, q.dtype)
+        kv, local_len = torch.stack([k, v]), q.shape[-2]
+        out = q.new_zeros(q.shape, dtype=torch.float32)
+        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
         for step in range(cp.size):
-            source = (cp.rank - step) % cp.size
             incoming = collective.ring_shift(kv, cp.group) if step < cp.size - 1 else None
-            k_pos = cp.positions[source].to(q.device)
-            if step == 0 or _visible(q_pos, k_pos):
-                block_out, block_lse = _block_attention(
-                    q32, _repeat_heads(kv[0], n_rep), _repeat_heads(kv[1], n_rep), q_pos, k_pos, scaling)
-                if out is None:  # step 0, the diagonal block: every query sees itself, so lse is finite
-                    out, lse = block_out, block_lse
-                else:
-                    merged = torch.logaddexp(lse, block_lse)
-                    out = (out * torch.exp(lse - merged)[..., None]
-                           + block_out * torch.exp(block_lse - merged)[..., None])
-                    lse = merged
+            rows, keys, causal = _ring_block(cp.rank, (cp.rank - step) % cp.size, local_len)
+            block_out, block_lse = kernel.forward(
+                q[:, :, rows], _repeat_heads(kv[0, :, :, keys], n_rep), _repeat_heads(kv[1, :, :, keys], n_rep),
+                causal, scaling)
+            # Online softmax: merge the block into the rows' running output through the log-sum-exps.
+            merged = torch.logaddexp(lse[:, :, rows], block_lse)
+            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None]
+                               + block_out.float() * torch.exp(block_lse - merged)[..., None])
+            lse[:, :, rows] = merged
             if incoming is not None:
                 kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.scaling, ctx.n_rep = cp, scaling, n_rep
-        return out.to(dtype)
+        ctx.cp, ctx.scaling, ctx.n_rep, ctx.kernel = cp, scaling, n_rep, kernel
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, scaling, n_rep = ctx.cp, ctx.scaling, ctx.n_rep
-        q32, grad_out = q.float(), grad_out.float()
-        q_pos = cp.positions[cp.rank].to(q.device)
-        delta = (grad_out * out).sum(dim=-1, keepdim=True)  # [b, h, sq, 1]: rowsum(dO * O)
-        grad_q = torch.zeros_like(q32)
-        kv = torch.stack([k, v]).float()
-        grad_kv = torch.zeros_like(kv)  # travels with kv, gathering every rank's queries' share
+        cp, scaling, n_rep, kernel = ctx.cp, ctx.scaling, ctx.n_rep, ctx.kernel
+        local_len = q.shape[-2]
+        grad_q = torch.zeros_like(q, dtype=torch.float32)
+        kv = torch.stack([k, v])
+        grad_kv = torch.zeros_like(kv, dtype=torch.float32)  # travels with kv, gathering every rank's queries' share
         for step in range(cp.size):
-            source = (cp.rank - step) % cp.size
-            k_pos = cp.positions[source].to(q.device)
-            if _visible(q_pos, k_pos):
-                keys, values = _repeat_heads(kv[0], n_rep), _repeat_heads(kv[1], n_rep)
-                scores = torch.matmul(q32, keys.transpose(-1, -2)) * scaling
-                scores = scores.masked_fill(q_pos[:, None] < k_pos[None, :], float("-inf"))
-                probs = torch.exp(scores - lse[..., None])  # the final softmax restricted to this block
-                grad_scores = probs * (torch.matmul(grad_out, values.transpose(-1, -2)) - delta)
-                grad_q += torch.matmul(grad_scores, keys) * scaling
-                grad_kv[0] += _sum_heads(torch.matmul(grad_scores.transpose(-1, -2), q32) * scaling, n_rep)
-                grad_kv[1] += _sum_heads(torch.matmul(probs.transpose(-1, -2), grad_out), n_rep)
+            rows, keys, causal = _ring_block(cp.rank, (cp.rank - step) % cp.size, local_len)
+            # The final out and lse make the block's softmax the whole row's, restricted to the block.
+            dq, dk, dv = kernel.backward(
+                grad_out[:, :, rows], q[:, :, rows], _repeat_heads(kv[0, :, :, keys], n_rep),
+                _repeat_heads(kv[1, :, :, keys], n_rep), out[:, :, rows], lse[:, :, rows], causal, scaling)
+            grad_q[:, :, rows] += dq
+            grad_kv[0, :, :, keys] += _sum_heads(dk, n_rep)
+            grad_kv[1, :, :, keys] += _sum_heads(dv, n_rep)
             if step < cp.size - 1:
-                kv, grad_kv = collective.ring_shift(torch.stack([kv, grad_kv]), cp.group).unbind(0)
+                kv, grad_kv = collective.ring_shift(kv, cp.group), collective.ring_shift(grad_kv, cp.group)
         # After cp - 1 shifts this rank holds the gradient of rank (rank + 1)'s k/v: one more step home.
         grad_kv = collective.ring_shift(grad_kv, cp.group) if cp.size > 1 else grad_kv
         return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
@@ -269,6 +280,7 @@ def microbatch_logprobs(
     *,
     fused: bool = False,
     wanted: Optional[torch.Tensor] = None,
+    sequence_parallel_size: int = 1,
 ) -> torch.Tensor:
     """Logprobs `[n, L]` of right-padded rows (`input_ids`, `input_lengths`) under CP, equal on
     every rank of the CP group (0 at position 0 and in the padding), differentiable through this
@@ -279,13 +291,15 @@ def microbatch_logprobs(
         fused: through the last hidden states and `linear_logprobs` (default False: the logits).
         wanted: `[n, L]` bool, the positions whose logprob is needed (default: every valid one but
             the first); with `fused` the others hold 0 and cost nothing.
+        sequence_parallel_size: the TP size under `policy.sequence_parallel` (default 1): each rank's
+            tokens must split evenly over its TP group, so rows pad to a multiple of `2 * cp * tp`.
     """
     from posttrain.models.policy.linear_logprobs import final_hidden_states, linear_logprobs, output_weight
 
     input_ids = rows["input_ids"].to(device)
     lengths = rows["input_lengths"].to(device)
     n_rows, seq_len = input_ids.shape
-    width = padded_length(seq_len, cp_size)
+    width = padded_length(seq_len, cp_size * sequence_parallel_size)
     cp = ContextParallelGroup(group, torch.stack([load_balanced_positions(width, cp_size, r) for r in range(cp_size)]))
     positions = cp.positions[cp.rank].to(device)
     # Position p predicts token p + 1: labels are input_ids shifted left (one extra 0 at the end).

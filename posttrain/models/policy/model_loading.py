@@ -68,14 +68,13 @@ class ModelLoading:
 
     def _shard_model(self) -> None:
         """Tensor parallel over each TP group, FSDP2 over the data-parallel ranks (`parallel.py`)."""
-        if self.cp_size > 1:  # config validation refuses CP with TP
-            dp_mesh, self.dp_group, self.cp_group = context_parallel.build_mesh(
-                self.device.type, self.world_size, self.cp_size)
-            tp_mesh = None
+        if self.cp_size > 1:
+            dp_mesh, self.dp_group, self.cp_group, tp_mesh = context_parallel.build_mesh(
+                self.device.type, self.world_size, self.cp_size, self.tp_size)
         else:
             dp_mesh, tp_mesh = parallel.build_mesh(self.device.type, self.world_size, self.tp_size)
-        if tp_mesh is not None:
-            self.dp_group = dp_mesh.get_group()
+            if tp_mesh is not None:
+                self.dp_group = dp_mesh.get_group()
         parallel.shard_model(
             self.model, dp_mesh, tp_mesh, sequence_parallel=self.cfg.sequence_parallel,
             activation_checkpointing=self.cfg.activation_checkpointing,

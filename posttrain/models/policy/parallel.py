@@ -36,7 +36,7 @@ count (counted over `dp` only: TP ranks see the same rows) and multiplied by the
 gradient equals one worker's.
 
 Context parallelism (`policy.context_parallel_size`: split each sequence over a `cp` mesh
-dimension, ring attention) lives in `context_parallel.py`; it is not combined with TP yet.
+dimension, ring attention) lives in `context_parallel.py`; with TP its mesh is `("dp", "cp", "tp")`.
 """
 
 from __future__ import annotations

@@ -229,7 +229,8 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
             with compute_autocast(self.device, self.compute_dtype):
                 return context_parallel.microbatch_logprobs(
                     self.model, mb.rows, self.device, self.cp_group, self.cp_size, temperature,
-                    fused=self.fused_logprobs, wanted=wanted.to(self.device))
+                    fused=self.fused_logprobs, wanted=wanted.to(self.device),
+                    sequence_parallel_size=self.tp_size if self.cfg.sequence_parallel else 1)
         if input_type == "logits":  # full next-token logits [n, L, V] (distillation)
             return microbatch_logits(self.model, mb, self.device, self.compute_dtype, temperature)
         return microbatch_logprobs(self.model, mb, self.device, self.compute_dtype, temperature,
