@@ -46,3 +46,12 @@ def test_cp2_by_tp2_with_sequence_parallel_equals_one_worker(cluster, one_worker
     assert_same_run(cp2_tp2, one_worker)
     mask = make_batch()["token_mask"][:, 1:] * make_batch()["sample_mask"][:, None]
     assert cp2_tp2["metrics"][0]["global_valid_toks"] == mask.sum().item()
+
+
+def test_cp2_with_packed_rows_and_checkpointed_activations_equals_one_worker(cluster, one_worker):
+    """Sequence packing under CP: bins of <= 20 tokens (several rows in one `[1, T]` row, which the
+    CP ranks split like any row; the ring's blocks stay within each sequence and rotary positions
+    restart with it), with activation checkpointing recomputing the ring in backward."""
+    packing = dict(enabled=True, train_mb_tokens=20, logprob_mb_tokens=20)
+    cfg = policy_cfg(num_workers=2, context_parallel_size=2, sequence_packing=packing, activation_checkpointing=True)
+    assert_same_run(run(cluster, cfg, "cp2_packed"), one_worker)

@@ -9,6 +9,7 @@ over the CP ranks to ~1e-6 relative (asserted rtol 1e-4, atol 1e-6).
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -46,6 +47,28 @@ def test_ring_attention_of_one_rank_is_causal_attention():
     ref_grads = torch.autograd.grad((ref * weights).sum(), (q, k, v))
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("cp_size,boundaries", [(2, None), (2, (0, 5, 6, 13, 16)), (3, (0, 1, 9, 10, 24)),
+                                                  (2, (0, 16))])
+def test_ring_blocks_cover_each_causal_pair_of_a_sequence_once(cp_size, boundaries):
+    """Over every step of every rank, the blocks (`_ring_blocks`) meet each (query, key) pair of
+    global positions with key <= query in the same sequence exactly once, and no other pair."""
+    width = 16 if cp_size == 2 else 24
+    positions = torch.stack([cpmod.load_balanced_positions(width, cp_size, r) for r in range(cp_size)])
+    segment = torch.zeros(width, dtype=torch.long)
+    for lo in (boundaries or (0,))[1:-1]:
+        segment[lo:] += 1
+    expected = (segment[:, None] == segment[None, :]) & torch.ones(width, width, dtype=torch.bool).tril()
+    seen = torch.zeros(width, width, dtype=torch.long)
+    for rank in range(cp_size):
+        group = SimpleNamespace(rank=rank, size=cp_size, boundaries=boundaries)  # what _ring_blocks reads
+        for source in range(cp_size):
+            for rows, keys, causal in cpmod._ring_blocks(group, source, width // cp_size):
+                q, k = positions[rank][rows], positions[source][keys]
+                block = torch.ones(len(q), len(k), dtype=torch.long)
+                seen[q[:, None], k[None, :]] += block.tril() if causal else block
+    assert torch.equal(seen, expected.long())
 
 
 def make_rows(vocab: int) -> dict[str, torch.Tensor]:
@@ -113,6 +136,23 @@ def rank_main(rank: int, port: int, results) -> None:
             torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
         out[f"logprobs_fused={fused}"] = logprobs.detach()
         out[f"grads_fused={fused}"] = worst
+    # The same rows packed into one row of three sequences (13 + 5 + 9 = 27 tokens, padded to 28):
+    # attention must stay within each sequence and rotary positions restart with it.
+    from posttrain.data.packing import pack_sequences
+
+    packed = pack_sequences(rows["input_ids"], rows["input_lengths"], [[0, 1, 2]])[0]
+    for fused in (False, True):
+        model = load_causal_lm("tiny")
+        cpmod.enable_ring_attention(model)
+        logprobs = cpmod.microbatch_logprobs(model, rows, torch.device("cpu"), group, 2, fused=fused, packed=packed)
+        (logprobs * weights).sum().backward()
+        worst = 0.0
+        for name, p in model.named_parameters():
+            grad = p.grad.clone()
+            dist.all_reduce(grad, group=group)
+            worst = max(worst, (grad - ref_grads[name]).abs().max().item())
+        out[f"packed_logprobs_fused={fused}"] = logprobs.detach()
+        out[f"packed_grads_fused={fused}"] = worst
     dist.destroy_process_group()
     results[rank] = out
 
@@ -122,7 +162,7 @@ def test_cp2_equals_one_process_on_the_tiny_model():
     """Two CP ranks (gloo): ring attention equals SDPA on the whole sequence (forward and the
     gradients of q and each rank's k/v); the tiny model's logprobs (plain and fused head) equal
     one process's on right-padded rows, on both ranks, and the gradients summed over the ranks
-    equal the whole-sequence gradients."""
+    equal the whole-sequence gradients; so do those of the same rows packed into one row."""
     results = mp.Manager().dict()
     mp.spawn(rank_main, args=(free_ports(1)[0], results), nprocs=2, join=True)
     for rank in (0, 1):
@@ -135,8 +175,9 @@ def test_cp2_equals_one_process_on_the_tiny_model():
         assert out["attention[cpu_flash,torch.bfloat16]"] < 3e-2
         assert out["attention_grads[cpu_flash,torch.bfloat16]"] < 1e-1
         for fused in (False, True):
-            torch.testing.assert_close(out[f"logprobs_fused={fused}"], out["reference"], rtol=1e-5, atol=1e-5)
-            assert out[f"grads_fused={fused}"] < 1e-5
+            for kind in ("", "packed_"):
+                torch.testing.assert_close(out[f"{kind}logprobs_fused={fused}"], out["reference"], rtol=1e-5, atol=1e-5)
+                assert out[f"{kind}grads_fused={fused}"] < 1e-5
 
 
 def test_config_refuses_what_context_parallelism_cannot_do_in_one_line():
@@ -146,12 +187,12 @@ def test_config_refuses_what_context_parallelism_cannot_do_in_one_line():
     with pytest.raises(ConfigError, match=r"policy.num_workers=3 must be a multiple of policy.context_parallel_size=2"):
         load_config("grpo", overrides=["policy.num_workers=3", "policy.context_parallel_size=2"])
     cases = {
-        "with policy.sequence_packing.enabled is not supported": dict(num_workers=2, sequence_packing=dict(enabled=True)),
         "with policy.lora.enabled is not supported": dict(num_workers=2, lora=dict(enabled=True)),
     }
     for message, options in cases.items():
         with pytest.raises(ValueError, match=f"policy.context_parallel_size > 1 {message}"):
             PolicyConfig(context_parallel_size=2, **options)
+    assert PolicyConfig(num_workers=2, context_parallel_size=2, sequence_packing=dict(enabled=True)).sequence_packing.enabled
     cfg = PolicyConfig(num_workers=4, context_parallel_size=2, train_global_batch_size=2)
     assert cfg.dp_size == 2  # the CP ranks of a group share rows, like a TP group's
     with pytest.raises(ValueError, match=r"train_global_batch_size=3 must be a multiple of the 2 data-parallel ranks"):

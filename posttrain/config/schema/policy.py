@@ -323,7 +323,7 @@ class PolicyConfig(Section):
             "Workers that split each sequence between them (context parallelism: ring attention, Liu et al. 2023; "
             "everything else local to each worker's tokens; models/policy/context_parallel.py). Long sequences whose "
             "activations do not fit one device. num_workers must be a multiple of it times tensor_parallel_size "
-            "(the mesh dp x cp x tp); not with sequence packing or LoRA. 1 (default): off. Tested on CPU over gloo "
+            "(the mesh dp x cp x tp); not with LoRA. 1 (default): off. Tested on CPU over gloo "
             "only."
         ),
     )
@@ -417,9 +417,6 @@ class PolicyConfig(Section):
             raise ValueError(f"policy.num_workers={self.num_workers} must be a multiple of "
                              f"policy.context_parallel_size * policy.tensor_parallel_size = "
                              f"{cp} * {self.tensor_parallel_size}")
-        if self.sequence_packing.enabled:
-            raise ValueError("policy.context_parallel_size > 1 with policy.sequence_packing.enabled is not supported "
-                             "(ring attention masks by global position, not per packed sequence); use dynamic_batching")
         if self.lora.enabled:
             raise ValueError("policy.context_parallel_size > 1 with policy.lora.enabled is not supported")
 

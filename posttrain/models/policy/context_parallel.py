@@ -44,8 +44,11 @@ go through a TP group as they would without CP (the attention function gets that
 and the ring runs per head shard among the CP ranks with the same TP rank); with
 `policy.sequence_parallel` each TP rank also keeps `1/tp` of its CP rank's tokens between blocks.
 
-Not supported, refused in one line: by the config, CP with sequence packing (packed rows restart
-positions per sequence; the ring's blocks would need the boundaries) and with LoRA; by the worker, reward models and full logits (distillation, `get_topk_logits`); by
+Sequence packing: the CP ranks split the packed row (one `[1, T]` row of several sequences)
+like any row; its rotary positions restart with each sequence and the ring cuts each step's
+block by sequence (`_ring_blocks`), so no query meets another sequence's keys and no mask is built.
+
+Not supported, refused in one line: by the config, CP with LoRA; by the worker, reward models and full logits (distillation, `get_topk_logits`); by
 the attention function, attention dropout in training and sliding windows.
 Tested on CPU over gloo only (tests/unit/test_context_parallel.py,
 tests/functional/test_context_parallel_workers.py): torch 2.13's `context_parallel` refuses CPU
@@ -91,10 +94,14 @@ class ContextParallelGroup:
     Attributes:
         group: the process group of the CP ranks (None: a group of one, for tests of the maths).
         positions: `[cp, local_len]` long, row j = the global positions CP rank j holds.
+        boundaries: for a packed row, where each of its sequences starts, then its end
+            (`(0, s1, ..., width)`: attention stays within a sequence); None (default): each row
+            is one sequence.
     """
 
     group: Any
     positions: torch.Tensor
+    boundaries: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         # Ring attention's blocks (`_ring_block`) rely on this layout.
@@ -154,6 +161,29 @@ def _ring_block(rank: int, source: int, local_len: int) -> tuple[slice, slice, b
     return (whole, first, False) if source < rank else (second, whole, False)
 
 
+def _ring_blocks(cp: ContextParallelGroup, source: int, local_len: int) -> list[tuple[slice, slice, bool]]:
+    """`_ring_block` for rows of one sequence; for a packed row (`cp.boundaries`), the same cut
+    by sequence: each pair of a query chunk and a key chunk that is not in its future gives, for
+    every sequence present in both, one dense block of that sequence's queries and keys, causal
+    when the two chunks are the same one. Queries never meet another sequence's keys."""
+    if cp.boundaries is None:
+        return [_ring_block(cp.rank, source, local_len)]
+    chunk, last = local_len // 2, 2 * cp.size - 1
+    blocks = []
+    for q_index, q_start in enumerate((cp.rank * chunk, (last - cp.rank) * chunk)):
+        for k_index, k_start in enumerate((source * chunk, (last - source) * chunk)):
+            if k_start > q_start:  # the whole key chunk is in the query chunk's future
+                continue
+            for lo, hi in zip(cp.boundaries[:-1], cp.boundaries[1:]):
+                q_lo, q_hi = max(lo, q_start), min(hi, q_start + chunk)
+                k_lo, k_hi = max(lo, k_start), min(hi, k_start + chunk)
+                if q_lo < q_hi and k_lo < k_hi:
+                    blocks.append((slice(q_index * chunk + q_lo - q_start, q_index * chunk + q_hi - q_start),
+                                   slice(k_index * chunk + k_lo - k_start, k_index * chunk + k_hi - k_start),
+                                   k_start == q_start))
+    return blocks
+
+
 class RingAttention(torch.autograd.Function):
     """Exact causal attention of the local queries to the whole sequence's keys/values, which
     travel round the CP ring (module doc). Inputs `[b, heads, s_local, d]` (k/v with the key/value
@@ -168,15 +198,15 @@ class RingAttention(torch.autograd.Function):
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
         for step in range(cp.size):
             incoming = collective.ring_shift(kv, cp.group) if step < cp.size - 1 else None
-            rows, keys, causal = _ring_block(cp.rank, (cp.rank - step) % cp.size, local_len)
-            block_out, block_lse = kernel.forward(
-                q[:, :, rows], _repeat_heads(kv[0, :, :, keys], n_rep), _repeat_heads(kv[1, :, :, keys], n_rep),
-                causal, scaling)
-            # Online softmax: merge the block into the rows' running output through the log-sum-exps.
-            merged = torch.logaddexp(lse[:, :, rows], block_lse)
-            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None]
-                               + block_out.float() * torch.exp(block_lse - merged)[..., None])
-            lse[:, :, rows] = merged
+            for rows, keys, causal in _ring_blocks(cp, (cp.rank - step) % cp.size, local_len):
+                block_out, block_lse = kernel.forward(
+                    q[:, :, rows], _repeat_heads(kv[0, :, :, keys], n_rep), _repeat_heads(kv[1, :, :, keys], n_rep),
+                    causal, scaling)
+                # Online softmax: merge the block into the rows' running output through the log-sum-exps.
+                merged = torch.logaddexp(lse[:, :, rows], block_lse)
+                out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None]
+                                   + block_out.float() * torch.exp(block_lse - merged)[..., None])
+                lse[:, :, rows] = merged
             if incoming is not None:
                 kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
@@ -192,14 +222,14 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         grad_kv = torch.zeros_like(kv, dtype=torch.float32)  # travels with kv, gathering every rank's queries' share
         for step in range(cp.size):
-            rows, keys, causal = _ring_block(cp.rank, (cp.rank - step) % cp.size, local_len)
-            # The final out and lse make the block's softmax the whole row's, restricted to the block.
-            dq, dk, dv = kernel.backward(
-                grad_out[:, :, rows], q[:, :, rows], _repeat_heads(kv[0, :, :, keys], n_rep),
-                _repeat_heads(kv[1, :, :, keys], n_rep), out[:, :, rows], lse[:, :, rows], causal, scaling)
-            grad_q[:, :, rows] += dq
-            grad_kv[0, :, :, keys] += _sum_heads(dk, n_rep)
-            grad_kv[1, :, :, keys] += _sum_heads(dv, n_rep)
+            for rows, keys, causal in _ring_blocks(cp, (cp.rank - step) % cp.size, local_len):
+                # The final out and lse make the block's softmax the whole row's, restricted to the block.
+                dq, dk, dv = kernel.backward(
+                    grad_out[:, :, rows], q[:, :, rows], _repeat_heads(kv[0, :, :, keys], n_rep),
+                    _repeat_heads(kv[1, :, :, keys], n_rep), out[:, :, rows], lse[:, :, rows], causal, scaling)
+                grad_q[:, :, rows] += dq
+                grad_kv[0, :, :, keys] += _sum_heads(dk, n_rep)
+                grad_kv[1, :, :, keys] += _sum_heads(dv, n_rep)
             if step < cp.size - 1:
                 kv, grad_kv = collective.ring_shift(kv, cp.group), collective.ring_shift(grad_kv, cp.group)
         # After cp - 1 shifts this rank holds the gradient of rank (rank + 1)'s k/v: one more step home.
@@ -281,6 +311,7 @@ def microbatch_logprobs(
     fused: bool = False,
     wanted: Optional[torch.Tensor] = None,
     sequence_parallel_size: int = 1,
+    packed: Optional[dict[str, Any]] = None,
 ) -> torch.Tensor:
     """Logprobs `[n, L]` of right-padded rows (`input_ids`, `input_lengths`) under CP, equal on
     every rank of the CP group (0 at position 0 and in the padding), differentiable through this
@@ -293,23 +324,65 @@ def microbatch_logprobs(
             the first); with `fused` the others hold 0 and cost nothing.
         sequence_parallel_size: the TP size under `policy.sequence_parallel` (default 1): each rank's
             tokens must split evenly over its TP group, so rows pad to a multiple of `2 * cp * tp`.
+        packed: the rows packed into one `[1, T]` row (`packing.pack_sequences`: `input_ids`,
+            `position_ids`, `cu_seqlens`), which is then what the CP ranks split; attention stays
+            within each sequence and rotary positions restart with it (default None: the rows as they are).
     """
-    from posttrain.models.policy.linear_logprobs import final_hidden_states, linear_logprobs, output_weight
-
     input_ids = rows["input_ids"].to(device)
     lengths = rows["input_lengths"].to(device)
     n_rows, seq_len = input_ids.shape
+    if wanted is None:
+        positions = torch.arange(seq_len, device=device)[None, :]
+        wanted = (positions < lengths[:, None]) & (positions > 0)
+    wanted = wanted.to(device)
+    options = dict(temperature=temperature, fused=fused, sequence_parallel_size=sequence_parallel_size)
+    if packed is None:
+        return _ring_logprobs(model, input_ids, wanted, device, group, cp_size, **options)
+    # Row r's position i is the packed row's position cu_seqlens[r] + i.
+    starts = packed["cu_seqlens"].to(device).long()
+    row, col = wanted.nonzero(as_tuple=True)
+    packed_ids = packed["input_ids"].to(device)
+    packed_wanted = torch.zeros_like(packed_ids, dtype=torch.bool)
+    packed_wanted[0, starts[row] + col] = True
+    values = _ring_logprobs(model, packed_ids, packed_wanted, device, group, cp_size,
+                            rotary_positions=packed["position_ids"].to(device), boundaries=starts.tolist(), **options)
+    return values.new_zeros(n_rows, seq_len).index_put((row, col), values[0, starts[row] + col])
+
+
+def _ring_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    wanted: torch.Tensor,
+    device: torch.device,
+    group: Any,
+    cp_size: int,
+    *,
+    temperature: float,
+    fused: bool,
+    sequence_parallel_size: int,
+    rotary_positions: Optional[torch.Tensor] = None,
+    boundaries: Optional[list[int]] = None,
+) -> torch.Tensor:
+    """`[n, S]` logprob of each token of `input_ids` where `wanted` (0 elsewhere), every row split
+    over the CP ranks. `rotary_positions` (default: the global positions) and `boundaries` (the
+    sequences of a packed row, default: one per row) describe packed rows."""
+    from posttrain.models.policy.linear_logprobs import final_hidden_states, linear_logprobs, output_weight
+
+    n_rows, seq_len = input_ids.shape
     width = padded_length(seq_len, cp_size * sequence_parallel_size)
-    cp = ContextParallelGroup(group, torch.stack([load_balanced_positions(width, cp_size, r) for r in range(cp_size)]))
+    if boundaries is not None and width > boundaries[-1]:
+        boundaries = [*boundaries, width]  # the padding is a sequence of its own
+    cp = ContextParallelGroup(group, torch.stack([load_balanced_positions(width, cp_size, r) for r in range(cp_size)]),
+                              None if boundaries is None else tuple(boundaries))
     positions = cp.positions[cp.rank].to(device)
     # Position p predicts token p + 1: labels are input_ids shifted left (one extra 0 at the end).
     ids = F.pad(input_ids, (0, width + 1 - seq_len))
     local_ids, labels = ids[:, positions], ids[:, positions + 1]
-    valid = torch.arange(seq_len, device=device)[None, :] < lengths[:, None]
-    if wanted is None:
-        wanted = valid & (torch.arange(seq_len, device=device)[None, :] > 0)
-    wanted_next = F.pad(wanted.to(device), (0, width + 1 - seq_len))[:, positions + 1]  # wanted[p + 1] at p
-    position_ids = positions[None, :].expand(n_rows, -1)
+    wanted_next = F.pad(wanted, (0, width + 1 - seq_len))[:, positions + 1]  # wanted[p + 1] at p
+    if rotary_positions is None:
+        position_ids = positions[None, :].expand(n_rows, -1)
+    else:
+        position_ids = F.pad(rotary_positions, (0, width - seq_len))[:, positions]
     if fused:
         with final_hidden_states(model) as captured:
             model(input_ids=local_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1,

@@ -230,7 +230,7 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
                 return context_parallel.microbatch_logprobs(
                     self.model, mb.rows, self.device, self.cp_group, self.cp_size, temperature,
                     fused=self.fused_logprobs, wanted=wanted.to(self.device),
-                    sequence_parallel_size=self.tp_size if self.cfg.sequence_parallel else 1)
+                    sequence_parallel_size=self.tp_size if self.cfg.sequence_parallel else 1, packed=mb.packed)
         if input_type == "logits":  # full next-token logits [n, L, V] (distillation)
             return microbatch_logits(self.model, mb, self.device, self.compute_dtype, temperature)
         return microbatch_logprobs(self.model, mb, self.device, self.compute_dtype, temperature,
