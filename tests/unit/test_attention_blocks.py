@@ -93,6 +93,10 @@ def test_the_cuda_flash_calls_bind_to_the_ops_schemas(causal):
     """The CUDA path cannot run here; on meta tensors torch checks the arguments against each op's
     schema and gives the outputs' shapes and dtypes."""
     q = torch.empty(2, 4, 8, 64, dtype=torch.bfloat16, device="meta")
+    # What the dense forward hands its backward: no cumulative lengths (None, not an empty tensor,
+    # which would select the variable-length kernel).
+    dense = torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.0, causal, False, scale=0.125)
+    assert dense[2] is None and dense[3] is None
     k = torch.empty(2, 4, 8 if causal else 16, 64, dtype=torch.bfloat16, device="meta")
     out, lse = blocks.CUDA_FLASH.forward(q, k, k, causal, 0.125)
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, q.shape[:-1], torch.float32)

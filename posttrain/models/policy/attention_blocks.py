@@ -92,11 +92,11 @@ def _cuda_flash_forward(q, k, v, causal, scale):
 
 
 def _cuda_flash_backward(grad_out, q, k, v, out, lse, causal, scale):
-    # Without dropout the kernel reads neither the RNG state nor (for dense rows) cum_seq_*.
-    unused = torch.empty(0, dtype=torch.long, device=q.device)
+    # cum_seq_q/k: None, as the dense forward returns them (a defined tensor selects the kernel's
+    # variable-length path); without dropout the kernel does not read the RNG state (None too).
     grads = aten._scaled_dot_product_flash_attention_backward(
         grad_out.to(q.dtype).contiguous(), q, k.contiguous(), v.contiguous(), out.to(q.dtype).contiguous(),
-        lse.contiguous(), unused, unused, q.shape[-2], k.shape[-2], 0.0, causal, unused, unused, scale=scale)
+        lse.contiguous(), None, None, q.shape[-2], k.shape[-2], 0.0, causal, None, None, scale=scale)
     return tuple(g.float() for g in grads)
 
 
