@@ -134,3 +134,32 @@ def test_offloading_frees_the_gpu_and_a_round_trip_is_bit_exact():
         step(twin, twin_optimizer, seed)
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
+
+
+@pytest.mark.gpus(1)
+def test_ring_attention_uses_the_cuda_flash_kernel_and_equals_sdpa():
+    """Context parallelism's blocks on a GPU (models/policy/attention_blocks.py): in bf16 the CUDA
+    flash kernel passes its check against float32 matmuls and is chosen (float32 keeps matmuls);
+    ring attention of one rank through it equals SDPA forward and backward, with GQA."""
+    import torch
+    import torch.nn.functional as F
+
+    from posttrain.models.policy import attention_blocks as blocks
+    from posttrain.models.policy import context_parallel as cpmod
+
+    cuda = torch.device("cuda")
+    assert blocks.disagreement(blocks.CUDA_FLASH, cuda, torch.bfloat16) is None
+    assert blocks.block_kernel(cuda, torch.bfloat16) is blocks.CUDA_FLASH
+    assert blocks.block_kernel(cuda, torch.float32) is blocks.MATMUL
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 256, 64, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 256, 64, device=cuda, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    group = cpmod.ContextParallelGroup(None, cpmod.load_balanced_positions(256, 1, 0)[None])
+    out = cpmod.RingAttention.apply(q, k, v, group, 64 ** -0.5, 4)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out.float() * weights).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref.float() * weights).sum(), (q, k, v))
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
