@@ -288,10 +288,11 @@ def longest_row_tokens(cfg: Any, longest_prompt: Optional[int]) -> int:
 PROMPTS_TOKENIZED = 64
 
 
-def longest_prompt_tokens(cfg: Any) -> Optional[int]:
+def longest_prompt_tokens(cfg: Any, records: Optional[list[dict]] = None) -> Optional[int]:
     """Tokens of the longest training prompt as the job builds it (chat template and system prompt
-    included), found among the `PROMPTS_TOKENIZED` prompts longest in characters; None when the
-    data cannot be read here (the plan then assumes rows of `policy.max_total_sequence_length`)."""
+    included), found among the `PROMPTS_TOKENIZED` prompts longest in characters of `records`
+    (default: the training records, read here); None when the data cannot be read here (the plan
+    then assumes rows of `policy.max_total_sequence_length`)."""
     if getattr(cfg, "grpo", None) is None:
         return None
     try:
@@ -300,7 +301,8 @@ def longest_prompt_tokens(cfg: Any) -> Optional[int]:
         from posttrain.environments.registry import env_rows_maker
         from posttrain.models.hf import load_tokenizer
 
-        records = load_records(cfg.data, "train", env_rows_maker(getattr(cfg, "env", None)))
+        if records is None:
+            records = load_records(cfg.data, "train", env_rows_maker(getattr(cfg, "env", None)))
         longest = sorted(records, key=lambda r: len(str(r.get("messages") or r.get("prompt", ""))))[-PROMPTS_TOKENIZED:]
         tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name, cfg.policy.tiny_arch)
         return max(
@@ -542,9 +544,11 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def check_memory(cfg: Any, shape: Optional[ModelShape] = None) -> tuple[Plan, Optional[str]]:
-    """The plan of `cfg` on the devices it will get, and why it cannot fit (None if it can)."""
+def check_memory(cfg: Any, shape: Optional[ModelShape] = None,
+                 train_records: Optional[list[dict]] = None) -> tuple[Plan, Optional[str]]:
+    """The plan of `cfg` on the devices it will get, and why it cannot fit (None if it can);
+    `train_records`: the training records when the caller has read them (default: read here)."""
     shape = shape or model_shape(cfg.policy)
-    plan = memory_plan(cfg, shape, detect_device_bytes(cfg), longest_prompt_tokens(cfg))
+    plan = memory_plan(cfg, shape, detect_device_bytes(cfg), longest_prompt_tokens(cfg, train_records))
     return plan, fit_problem(cfg, shape, plan)
 

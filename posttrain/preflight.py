@@ -80,15 +80,15 @@ def preflight(cfg: Any) -> None:
     if hasattr(cfg, "env"):
         check_envs(cfg, [r for split in records.values() for r in split if "task_name" in r])
     check_components(cfg)
-    check_memory_plan(cfg)
+    check_memory_plan(cfg, records["train"])
 
 
-def check_memory_plan(cfg: Any) -> None:
+def check_memory_plan(cfg: Any, train_records: Optional[list[dict]] = None) -> None:
     """Refuse a job whose memory plan (`posttrain/plan.py`, `posttrain plan`) cannot fit the
-    devices, naming the keys that would make it fit."""
+    devices, naming the keys that would make it fit (`train_records`: already read, not read again)."""
     from posttrain.plan import check_memory
 
-    _, problem = check_memory(cfg)
+    _, problem = check_memory(cfg, train_records=train_records)
     if problem:
         raise UserError(f"{problem} (posttrain plan prints the whole plan)")
 
