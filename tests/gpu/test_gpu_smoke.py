@@ -154,7 +154,7 @@ def test_ring_attention_uses_the_cuda_flash_kernel_and_equals_sdpa():
     torch.manual_seed(0)
     q = torch.randn(2, 8, 256, 64, device=cuda, dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(2, 2, 256, 64, device=cuda, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    group = cpmod.ContextParallelGroup(None, cpmod.load_balanced_positions(256, 1, 0)[None])
+    group = cpmod.ContextParallelGroup(None, 1, 256)
     out = cpmod.RingAttention.apply(q, k, v, group, 64 ** -0.5, 4)
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)

@@ -38,7 +38,7 @@ def test_ring_attention_of_one_rank_is_causal_attention():
     torch.manual_seed(0)
     q = torch.randn(2, 4, 6, 8, requires_grad=True)
     k, v = (torch.randn(2, 2, 6, 8, requires_grad=True) for _ in range(2))
-    group = cpmod.ContextParallelGroup(None, torch.arange(6)[None])
+    group = cpmod.ContextParallelGroup(None, 1, 6)
     out = cpmod.RingAttention.apply(q, k, v, group, 8 ** -0.5, 2)
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
@@ -92,7 +92,7 @@ def rank_main(rank: int, port: int, results) -> None:
     out = {}
     # Ring attention alone, GQA, 8 tokens in load-balanced chunks of 2, with each block kernel
     # (the fused CPU one is what the device picks; matmul is the fallback) and in bfloat16.
-    cp = cpmod.ContextParallelGroup(group, torch.stack([cpmod.load_balanced_positions(8, 2, r) for r in (0, 1)]))
+    cp = cpmod.ContextParallelGroup(group, 2, 8)
     mine = cp.positions[rank]
     for kernel, dtype in ((blocks.CPU_FLASH, torch.float32), (blocks.MATMUL, torch.float32),
                           (blocks.CPU_FLASH, torch.bfloat16)):

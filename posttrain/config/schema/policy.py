@@ -409,14 +409,11 @@ class PolicyConfig(Section):
 
     def _check_context_parallel(self) -> None:
         """One line per combination context parallelism refuses (context_parallel.py's module doc)."""
-        cp = self.context_parallel_size
-        if self.num_workers % cp:
-            raise ValueError(f"policy.num_workers={self.num_workers} must be a multiple of "
-                             f"policy.context_parallel_size={cp}")
-        if self.num_workers % (cp * self.tensor_parallel_size):
-            raise ValueError(f"policy.num_workers={self.num_workers} must be a multiple of "
-                             f"policy.context_parallel_size * policy.tensor_parallel_size = "
-                             f"{cp} * {self.tensor_parallel_size}")
+        cp, tp = self.context_parallel_size, self.tensor_parallel_size
+        if self.num_workers % (cp * tp):
+            sizes = (f"policy.context_parallel_size={cp}" if tp == 1 else
+                     f"policy.context_parallel_size * policy.tensor_parallel_size = {cp} * {tp}")
+            raise ValueError(f"policy.num_workers={self.num_workers} must be a multiple of {sizes}")
         if self.lora.enabled:
             raise ValueError("policy.context_parallel_size > 1 with policy.lora.enabled is not supported")
 

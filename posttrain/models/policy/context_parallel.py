@@ -58,6 +58,7 @@ this implementation.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -89,30 +90,28 @@ def load_balanced_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.T
 
 @dataclass
 class ContextParallelGroup:
-    """A CP group and the positions its ranks hold in the current micro-batch.
+    """A CP group and the tokens its ranks hold in the current micro-batch: the load-balanced
+    chunks of rows `width` tokens long (`load_balanced_positions`; ring attention's blocks rely on
+    that layout).
 
     Attributes:
         group: the process group of the CP ranks (None: a group of one, for tests of the maths).
-        positions: `[cp, local_len]` long, row j = the global positions CP rank j holds.
+        size: the number of CP ranks.
+        width: the (padded) row length, a multiple of `2 * size`.
         boundaries: for a packed row, where each of its sequences starts, then its end
             (`(0, s1, ..., width)`: attention stays within a sequence); None (default): each row
             is one sequence.
     """
 
     group: Any
-    positions: torch.Tensor
+    size: int
+    width: int
     boundaries: Optional[tuple[int, ...]] = None
 
-    def __post_init__(self) -> None:
-        # Ring attention's blocks (`_ring_block`) rely on this layout.
-        size, local_len = self.positions.shape
-        for rank in range(size):
-            if not torch.equal(self.positions[rank].cpu(), load_balanced_positions(size * local_len, size, rank)):
-                raise ValueError(f"CP rank {rank}'s positions are not the load-balanced chunks of {size * local_len}")
-
-    @property
-    def size(self) -> int:
-        return self.positions.shape[0]
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """`[size, width / size]` long, row j = the global positions CP rank j holds."""
+        return torch.stack([load_balanced_positions(self.width, self.size, r) for r in range(self.size)])
 
     @property
     def rank(self) -> int:
@@ -341,12 +340,13 @@ def microbatch_logprobs(
     # Row r's position i is the packed row's position cu_seqlens[r] + i.
     starts = packed["cu_seqlens"].to(device).long()
     row, col = wanted.nonzero(as_tuple=True)
+    packed_index = starts[row] + col
     packed_ids = packed["input_ids"].to(device)
     packed_wanted = torch.zeros_like(packed_ids, dtype=torch.bool)
-    packed_wanted[0, starts[row] + col] = True
+    packed_wanted[0, packed_index] = True
     values = _ring_logprobs(model, packed_ids, packed_wanted, device, group, cp_size,
                             rotary_positions=packed["position_ids"].to(device), boundaries=starts.tolist(), **options)
-    return values.new_zeros(n_rows, seq_len).index_put((row, col), values[0, starts[row] + col])
+    return values.new_zeros(n_rows, seq_len).index_put((row, col), values[0, packed_index])
 
 
 def _ring_logprobs(
@@ -372,8 +372,7 @@ def _ring_logprobs(
     width = padded_length(seq_len, cp_size * sequence_parallel_size)
     if boundaries is not None and width > boundaries[-1]:
         boundaries = [*boundaries, width]  # the padding is a sequence of its own
-    cp = ContextParallelGroup(group, torch.stack([load_balanced_positions(width, cp_size, r) for r in range(cp_size)]),
-                              None if boundaries is None else tuple(boundaries))
+    cp = ContextParallelGroup(group, cp_size, width, None if boundaries is None else tuple(boundaries))
     positions = cp.positions[cp.rank].to(device)
     # Position p predicts token p + 1: labels are input_ids shifted left (one extra 0 at the end).
     ids = F.pad(input_ids, (0, width + 1 - seq_len))
