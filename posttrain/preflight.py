@@ -33,7 +33,7 @@ def check_run_dirs(cfg: Any) -> Optional[str]:
     Raises `RunDirLocked` (another run holds a directory) or `ResumeConfigError` (a change that
     would corrupt the run), each one line naming the directory or the keys and values.
     """
-    from posttrain.run_config import WARM_STARTS, planned_run_config, warm_start_dirs, warm_start_export_dir, warm_start_job
+    from posttrain.run_config import WARM_STARTS, planned_run_config, warm_start_dirs, warm_start_job, warm_start_ready
     from posttrain.utils.run_dirs import already_done_message, latest_checkpoint_step, lock_run_dirs, prepare_checkpoint_dir
 
     section = next((name for name in STEPS_SECTIONS if hasattr(cfg, name)), None)
@@ -47,7 +47,7 @@ def check_run_dirs(cfg: Any) -> Optional[str]:
             return done
     for key in WARM_STARTS:
         warm = getattr(cfg, key, None)
-        if warm is not None and not (warm_start_export_dir(warm) / "config.json").exists():  # it will train
+        if warm is not None and not warm_start_ready(warm):  # it will train
             job = warm_start_job(warm, *warm_start_dirs(cfg, key))
             prepare_checkpoint_dir(planned_run_config(job, job.sft.max_num_steps), ahead=True)
     return None

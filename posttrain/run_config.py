@@ -74,6 +74,19 @@ def warm_start_export_dir(warm: Any) -> Path:
     return cache_dir() / "sft_warmup" / hashlib.sha1(config_to_yaml(weights_cfg).encode()).hexdigest()[:12]
 
 
+def warm_start_stamp(export_dir: Path) -> dict[str, str]:
+    """The cache-entry stamp of the warm start exported to `export_dir` (its name is the config's hash)."""
+    return {"kind": "sft-warm-start", "config": export_dir.name}
+
+
+def warm_start_ready(warm: Any) -> bool:
+    """Whether the warm start `warm` has a complete export in the cache (`posttrain.utils.cache`)."""
+    from posttrain.utils.cache import entry_problem
+
+    export = warm_start_export_dir(warm)
+    return entry_problem(export, warm_start_stamp(export)) is None
+
+
 def warm_start_job(warm: Any, log_dir: Path, checkpoint_dir: Optional[Path] = None):
     """The SFT job a warm start runs: `warm` logging under `log_dir` and checkpointing under
     `checkpoint_dir` (None: no checkpoints)."""

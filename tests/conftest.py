@@ -18,7 +18,10 @@ Ray in tests
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -26,13 +29,35 @@ import posttrain  # noqa: F401 - before any test module imports torch: its OpenM
 
 RAY_TEST_CPUS = 8
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# The caches a test session owns (see `pytest_configure`): posttrain's, and Hugging Face's.
+SESSION_CACHE_VARS = ("POSTTRAIN_CACHE", "HF_HOME")
+
+
+# ------------------------------------------------------------------ the session's own caches
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite never reads or writes the user's caches: posttrain's cache and Hugging Face's point
+    into one new directory per test session, shared by its tests (so the tiny models, warm starts
+    and the vLLM environment are built once) and deleted when the session ends. Every build a test
+    needs therefore runs as on a fresh machine. `POSTTRAIN_TEST_CACHE=DIR` keeps them in DIR
+    instead, across sessions (a developer's shortcut; CI never sets it)."""
+    keep = os.environ.get("POSTTRAIN_TEST_CACHE")
+    root = os.path.abspath(keep) if keep else tempfile.mkdtemp(prefix="posttrain-test-cache-")
+    config._session_cache = None if keep else root  # removed at the end when it is ours
+    for var, sub in zip(SESSION_CACHE_VARS, ("posttrain", "huggingface")):
+        os.environ[var] = os.path.join(root, sub)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    root = getattr(config, "_session_cache", None)
+    if root:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def start_test_ray() -> None:
     """Start (or reuse) the session's local Ray cluster."""
     from posttrain.distributed.ray_utils import init_ray
 
-    init_ray(num_cpus=RAY_TEST_CPUS, env_vars=WORKER_ENV)
+    init_ray(num_cpus=RAY_TEST_CPUS, env_vars={**WORKER_ENV, **{var: os.environ[var] for var in SESSION_CACHE_VARS}})
 
 
 def stop_test_ray() -> None:

@@ -38,7 +38,13 @@ from posttrain.job import (
     workers_description,
 )
 from posttrain.models.refit import build_refit_metadata, refit_policy_generation
-from posttrain.run_config import warm_start_export_dir, warm_start_job, with_warm_starts
+from posttrain.run_config import (
+    warm_start_export_dir,
+    warm_start_job,
+    warm_start_ready,
+    warm_start_stamp,
+    with_warm_starts,
+)
 from posttrain.utils import startup
 from posttrain.utils.phase_memory import merge_peaks
 from posttrain.utils.timer import Timer
@@ -115,14 +121,16 @@ def sft_warm_start_dir(warm: Any, log_dir: Path, checkpoint_dir: Optional[Path] 
     """
     from posttrain.algorithms import sft
 
+    from posttrain.utils.cache import publish_entry
+
     warm_dir = warm_start_export_dir(warm)
-    if (warm_dir / "config.json").exists():
+    if warm_start_ready(warm):
         print(f"[posttrain] reusing SFT warm start {warm_dir}", flush=True)
     else:
         print(f"[posttrain] SFT warm start -> {warm_dir}", flush=True)
-        warm_dir.parent.mkdir(parents=True, exist_ok=True)
         with startup.CLOCK.nested():
-            sft.run(warm_start_job(warm, log_dir, checkpoint_dir), export_dir=warm_dir)
+            publish_entry(warm_dir, lambda tmp: sft.run(warm_start_job(warm, log_dir, checkpoint_dir), export_dir=tmp),
+                          warm_start_stamp(warm_dir), describe="SFT warm start")
     startup.mark("warm_start")
     return warm_dir
 

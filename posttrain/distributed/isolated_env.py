@@ -217,6 +217,9 @@ def _build(spec: IsolatedEnvSpec, final: Path, log_file: Path, progress: PipProg
         # A half-built directory of a crashed creator is garbage: only the lock holder gets here.
         if final.exists():
             shutil.rmtree(final)
+        for orphan in final.parent.glob(f".{final.name}.tmp-*"):
+            if orphan != tmp:
+                shutil.rmtree(orphan, ignore_errors=True)
         _run(spec, "creating the virtual environment", [sys.executable, "-m", "venv", str(tmp)], log_file, progress)
         python = str(env_python(tmp))
         if spec.upgrade_pip:

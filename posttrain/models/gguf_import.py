@@ -21,17 +21,16 @@ installed package; `ensure_pretrained(name)` converts it once into the cache and
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable
 
 from posttrain.errors import UserError
+from posttrain.models.saving import save_pretrained_here
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.models.presets import PRETRAINED_PRESETS
 
 EXTRA = "smollm2"  # the pip extra with the pinned `gguf` package
-MARKER_FILE = "posttrain_gguf.json"
 # Bump when the conversion below changes, so cached conversions are redone.
 RECIPE_VERSION = 1
 
@@ -116,7 +115,7 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
             tokenizer.backend_tokenizer.pre_tokenizer = fix()
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        model.eval().save_pretrained(out)
+        save_pretrained_here(model.eval(), out)
         # Chat template inside tokenizer_config.json, as the tiny models do (older readers find it).
         tokenizer.save_pretrained(out, save_jinja_files=False)
     finally:
@@ -150,36 +149,27 @@ def preset_gguf_file(name: str) -> Path:
     return path
 
 
-def _is_current(path: Path, name: str) -> bool:
-    try:
-        marker = json.loads((path / MARKER_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return marker == {"recipe_version": RECIPE_VERSION, "preset": name}
+def gguf_stamp(name: str) -> dict[str, Any]:
+    """What a cached conversion of pretrained preset `name` is built from (its entry's stamp)."""
+    return {"kind": "gguf-conversion", "recipe_version": RECIPE_VERSION, "preset": name}
 
 
 def is_converted(name: str) -> bool:
     """Whether the cache holds a current conversion of pretrained preset `name`."""
-    from posttrain.utils.cache import cache_dir
+    from posttrain.utils.cache import cache_dir, entry_problem
 
-    return _is_current(cache_dir() / "models" / name, name)
+    return entry_problem(cache_dir() / "models" / name, gguf_stamp(name)) is None
 
 
 def ensure_pretrained(name: str) -> Path:
     """Return `<cache>/models/<name>` for a pretrained preset, converting its GGUF file on first use."""
-    from posttrain.models.tiny import build_atomically
-    from posttrain.utils.cache import cache_dir
+    from posttrain.utils.cache import cache_dir, publish_entry
 
     if name not in PRETRAINED_PRESETS:
         raise ValueError(f"unknown pretrained preset {name!r}; choose one of {sorted(PRETRAINED_PRESETS)}")
-    final = cache_dir() / "models" / name
-    if _is_current(final, name):
-        return final
+    if is_converted(name):
+        return cache_dir() / "models" / name
     source = preset_gguf_file(name)
     require_gguf()
-
-    def build(tmp: Path) -> None:
-        convert_gguf(source, tmp)
-        (tmp / MARKER_FILE).write_text(json.dumps({"recipe_version": RECIPE_VERSION, "preset": name}) + "\n")
-
-    return build_atomically(final, build, lambda p: _is_current(p, name))
+    return publish_entry(cache_dir() / "models" / name, lambda tmp: convert_gguf(source, tmp), gguf_stamp(name),
+                         describe=f"conversion of {name}")

@@ -21,10 +21,7 @@ prompts stay short): `<|system|>S<|end|><|user|>U<|end|><|assistant|>A<|end|>`; 
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +38,9 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from posttrain.models.saving import save_pretrained_here
+from posttrain.utils.cache import cache_dir, publish_entry
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
-
-from posttrain.utils.cache import cache_dir
 from posttrain.models.presets import (  # noqa: F401 (re-exported: tiny.PRESETS, tiny.ARCHS)
     ARCHS,
     MOE_ARCHS,
@@ -74,7 +71,6 @@ CHAT_TEMPLATE = (
 
 # Bump when the recipe below changes, so `ensure_tiny_model` rebuilds stale cached copies.
 RECIPE_VERSION = 1
-MARKER_FILE = "posttrain_tiny.json"
 
 MAX_POSITION_EMBEDDINGS = 2048
 
@@ -177,62 +173,25 @@ def build_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", arch: str
     bar_was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar is noise in a job's console
     try:
-        model.save_pretrained(out)
+        save_pretrained_here(model, out)
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()
     # Chat template inside tokenizer_config.json (not chat_template.jinja): older readers find it too.
     tokenizer.save_pretrained(out, save_jinja_files=False)
-    marker = {"recipe_version": RECIPE_VERSION, "preset": preset, "arch": arch, "seed": seed}
-    (out / MARKER_FILE).write_text(json.dumps(marker) + "\n")
     return out
 
 
-def _is_current(path: Path, preset: str, arch: str) -> bool:
-    try:
-        marker = json.loads((path / MARKER_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return marker == {"recipe_version": RECIPE_VERSION, "preset": preset, "arch": arch, "seed": 0}
+def tiny_stamp(preset: str, arch: str) -> dict[str, Any]:
+    """What a cached tiny model is built from (its cache entry's stamp)."""
+    return {"kind": "tiny-model", "recipe_version": RECIPE_VERSION, "preset": preset, "arch": arch, "seed": 0}
 
 
 def ensure_tiny_model(preset: str = "tiny", arch: str = "llama") -> Path:
-    """Return `<cache>/models/<arch>-<preset>`, building it (seed 0) on first use (atomically, see
-    `build_atomically`); a copy written by an older recipe is replaced."""
+    """Return `<cache>/models/<arch>-<preset>`, building it (seed 0) on first use; a copy written by
+    an older recipe, or a broken one, is replaced (`posttrain.utils.cache.publish_entry`)."""
     tiny_config(preset, arch)  # validate the names before touching the file system
-    final = cache_dir() / "models" / f"{arch}-{preset}"
-    if _is_current(final, preset, arch):
-        return final
-    return build_atomically(
-        final, lambda tmp: build_tiny_model(tmp, preset, arch, seed=0), lambda p: _is_current(p, preset, arch)
+    return publish_entry(
+        cache_dir() / "models" / f"{arch}-{preset}", lambda tmp: build_tiny_model(tmp, preset, arch, seed=0),
+        tiny_stamp(preset, arch), describe=f"tiny model {arch}-{preset}",
     )
-
-
-def build_atomically(final: Path, build: Any, is_current: Any) -> Path:
-    """Build a cache entry with `build(tmp_dir)` and rename it to `final`; returns `final`.
-
-    The build goes to a private temporary directory that is renamed into place, so a reader never
-    sees a half-written entry and two processes racing to build both succeed (the loser discards
-    its copy). A copy that `is_current(final)` rejects (older recipe, broken) is replaced.
-    """
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        build(tmp)
-        if final.exists() and not is_current(final):
-            # Stale or broken copy: move it aside first (rename is atomic), then delete it.
-            stale = final.parent / f".stale-{final.name}-{uuid.uuid4().hex[:8]}"
-            try:
-                os.rename(final, stale)
-                shutil.rmtree(stale, ignore_errors=True)
-            except FileNotFoundError:  # another process moved it first
-                pass
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process renamed its build into place first; use theirs if it is complete.
-            if not is_current(final):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final

@@ -16,7 +16,14 @@ from posttrain.algorithms.loop import train_offline
 from posttrain.job import prepare_run_dirs
 from posttrain.config import load_config
 from posttrain.preflight import STEPS_SECTIONS, check_run_dirs
-from posttrain.run_config import planned_run_config, warm_start_dirs, warm_start_export_dir, warm_start_job
+from posttrain.run_config import (
+    planned_run_config,
+    warm_start_dirs,
+    warm_start_export_dir,
+    warm_start_job,
+    warm_start_stamp,
+)
+from posttrain.utils.cache import write_manifest
 from posttrain.utils import run_dirs
 from posttrain.utils.run_dirs import (
     LOCK_FILE,
@@ -322,10 +329,14 @@ def test_a_warm_start_that_will_train_has_its_checkpoints_checked_too(tmp_path, 
         assert check_run_dirs(cfg) is None
         with pytest.raises(ResumeConfigError, match=r"ckpt/sft_warmup holds .* data.num_digits: 2 -> 3"):
             check_run_dirs(load_config("grpo", overrides=[*overrides, "sft_warmup.data.num_digits=3"]))
-        # Once the export exists the warm start does not train again: its checkpoints are not in the way.
+        # Once the export is complete the warm start does not train again: its checkpoints are not in
+        # the way. A directory without its manifest (an unfinished export) is not complete.
         export = warm_start_export_dir(load_config("grpo", overrides=[*overrides, "sft_warmup.data.num_digits=3"]).sft_warmup)
         export.mkdir(parents=True)
         (export / "config.json").write_text("{}")
+        with pytest.raises(ResumeConfigError):
+            check_run_dirs(load_config("grpo", overrides=[*overrides, "sft_warmup.data.num_digits=3"]))
+        write_manifest(export, warm_start_stamp(export))
         assert check_run_dirs(load_config("grpo", overrides=[*overrides, "sft_warmup.data.num_digits=3"])) is None
     finally:
         run_dirs.release_run_dirs(cfg)

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from posttrain.distributed import collective
+from posttrain.models.saving import save_pretrained_here
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.utils.checkpoint import publish_dir
 
@@ -179,7 +180,7 @@ def save_hf(
         )
     if tied:
         model.tie_weights()
-    model.save_pretrained(out, safe_serialization=True)
+    save_pretrained_here(model, out, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     return out
@@ -193,14 +194,12 @@ def converted_checkpoint(checkpoint_dir: str | os.PathLike) -> Path:
     """
     from posttrain.models.paths import converted_checkpoint_dir
 
+    from posttrain.utils.cache import publish_entry
+
     path = Path(checkpoint_dir).resolve()
     out = converted_checkpoint_dir(path)
-    if not (out / "config.json").is_file():
-        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        convert_to_hf(path, tmp)
-        publish_dir(tmp, out)
-    return out
+    return publish_entry(out, lambda tmp: convert_to_hf(path, tmp), {"kind": "converted-checkpoint", "checkpoint": str(path)},
+                         describe=f"Hugging Face copy of {path}")
 
 
 def convert_to_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
