@@ -72,8 +72,13 @@ def resolve_model_path(name_or_path: str | os.PathLike, tiny_arch: str = "llama"
 def _require_files(path: str, any_of: tuple[str, ...], what: str) -> None:
     """For a local directory, check that it holds at least one of `any_of` (hub ids are not checked)."""
     if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in any_of):
+        from posttrain.utils.cache import cache_dir
+
+        inside_cache = Path(path).resolve().is_relative_to(cache_dir().resolve())
         raise FileNotFoundError(
             f"{path!r} is not a Hugging Face {what} directory: none of {', '.join(any_of)} found in it"
+            + ("; it is a broken cache entry: `posttrain doctor --fix` removes it and the next run rebuilds it"
+               if inside_cache else "")
         )
 
 
