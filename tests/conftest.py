@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 
 import pytest
 
@@ -47,7 +48,35 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[var] = os.path.join(root, sub)
 
 
+def start_building_the_vllm_env(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """When vLLM tests are selected, their isolated environment (a couple of minutes of pip on an
+    empty cache) is built in the background from the start, through the same `ensure_vllm_env` a
+    user's first run calls, while the unit tests run; the `vllm_python` fixture then waits on its
+    build lock or finds it ready. Niced (Linux niceness is per thread, and pip inherits it), so
+    the tests around it keep the cores. A failure here is not reported: the fixture builds again
+    and raises the real error."""
+    if not any(item.get_closest_marker("vllm") for item in items):
+        return
+
+    def build() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            from posttrain.models.generation.vllm_env import ensure_vllm_env
+
+            os.makedirs(os.environ["POSTTRAIN_CACHE"], exist_ok=True)
+            with open(os.path.join(os.environ["POSTTRAIN_CACHE"], "vllm-env-background.log"), "a") as log:
+                ensure_vllm_env(use_gpu=False, log=lambda line: print(line, file=log, flush=True))
+        except Exception:  # noqa: BLE001 - see the docstring
+            pass
+
+    config._vllm_env_builder = threading.Thread(target=build, name="vllm-env-build", daemon=True)
+    config._vllm_env_builder.start()
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
+    builder = getattr(config, "_vllm_env_builder", None)
+    if builder is not None:
+        builder.join()  # its pip must not write into the directory removed below
     root = getattr(config, "_session_cache", None)
     if root:
         shutil.rmtree(root, ignore_errors=True)
@@ -98,6 +127,7 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     broken pure function is reported in a minute or two, not after the functional tests."""
     items.sort(key=lambda item: not is_unit(item))
     skip_gpu_tests_without_enough_gpus(items)
+    start_building_the_vllm_env(config, items)
 
 
 def skip_gpu_tests_without_enough_gpus(items: list[pytest.Item]) -> None:

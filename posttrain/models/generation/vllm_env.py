@@ -11,7 +11,7 @@ Ray must be the driver's exact version in every worker, so it is pinned from the
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from posttrain.distributed.isolated_env import IsolatedEnvSpec, ensure_isolated_env
 
@@ -58,12 +58,14 @@ def vllm_env_spec(use_gpu: bool, requirements: Optional[Sequence[str]] = None) -
     )
 
 
-def ensure_vllm_env(use_gpu: bool, requirements: Optional[Sequence[str]] = None, python_executable: Optional[str] = None) -> str:
+def ensure_vllm_env(use_gpu: bool, requirements: Optional[Sequence[str]] = None, python_executable: Optional[str] = None,
+                    log: Optional[Callable[[str], None]] = None) -> str:
     """Interpreter for the vLLM workers: `python_executable` if given, else the cached isolated
-    environment (built on first use; a few minutes with a warm pip cache)."""
+    environment (built on first use; a few minutes with a warm pip cache), its progress lines to
+    `log` (default stderr)."""
     if python_executable:
         return python_executable
-    return str(ensure_isolated_env(vllm_env_spec(use_gpu, requirements)))
+    return str(ensure_isolated_env(vllm_env_spec(use_gpu, requirements), log=log))
 
 
 def _distribution(requirement: str) -> str:
