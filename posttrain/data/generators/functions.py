@@ -3,10 +3,10 @@
 Rows: `{"prompt": "Write a Python function `add_7(x)` that returns x plus 7. Put the code in a
 ```python block.", "answer": "```python\\ndef add_7(x):\\n    return x + 7\\n```", "fn_name": "add_7",
 "tests": [{"input": [3], "output": 10}, ...]}`: function-call tests (`input` is the argument list,
-`output` the return value), computed by running the reference solution (the `answer`) here. The task and the instruction saying
-where to put the code come from seven templates each, two of them held out of training
-(`phrasings`, `posttrain.data.generators.base.Phrasings`); the `answer` is the solution in a
-```python block, which scores 1 whichever instruction was drawn.
+`output` the return value), computed by running the reference solution (the `answer`) here. The
+task and the instruction saying where to put the code come from seven templates each, two of them
+held out of training (`phrasings`, `posttrain.data.generators.base.Phrasings`); the `answer` is the
+solution in a ```python block, which scores 1 whichever instruction was drawn.
 """
 
 from __future__ import annotations
