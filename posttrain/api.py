@@ -141,8 +141,8 @@ class GRPO:
         data = cfg.data
         if dataset is not None:
             path = dataset_jsonl(dataset, Path(cfg.logger.log_dir) / "data", "validation")
-            data = data.model_copy(update={"dataset": "jsonl", "blend": [], "validation_path": str(path),
-                                           "train_path": data.train_path or str(path)})
+            data = data.model_copy(update={"dataset": "jsonl", "blend": [], "validation_sets": {},
+                                           "validation_path": str(path), "train_path": data.train_path or str(path)})
         checkpoint = self.latest_checkpoint()
         policy = cfg.policy.model_copy(update={"model_name": str(checkpoint)} if checkpoint else {})
         eval_cfg = EvalMasterConfig.model_validate({

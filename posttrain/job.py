@@ -286,6 +286,16 @@ def build_splits(
     return train, val
 
 
+def build_validation_sets(cfg: MasterConfig, builder, tokenizer, limit: Optional[int]) -> dict[str, list]:
+    """The datums of each of `data.validation_sets` by name: its validation split, at most `limit`
+    records per source (`build_datums`)."""
+    from posttrain.config.schema import validation_set
+
+    return {name: build_datums(cfg.model_copy(update={"data": validation_set(cfg.data, name)}), builder, tokenizer,
+                               "validation", limit)
+            for name in cfg.data.validation_sets}
+
+
 def limit_per_source(records: list[dict], limit: Optional[int]) -> list[dict]:
     """The first `limit` records, or with several sources (a blend) the first `limit` of each, so
     every task is validated."""

@@ -231,7 +231,8 @@ def check_distill_vocabularies(cfg: Any) -> None:
 
 
 def load_split_records(cfg: Any) -> dict[str, list[dict]]:
-    """Read the train and validation records of `cfg.data` (preference pairs for DPO / RM).
+    """Read the train and validation records of `cfg.data` (preference pairs for DPO / RM), and
+    those of its named validation sets (`data.validation_sets`) under `validation_sets.<name>`.
 
     Raises `DataError` (file and line) for bad data, including an empty training set. An empty or
     absent validation set is allowed: the job then runs without validation and says so.
@@ -248,7 +249,12 @@ def load_split_records(cfg: Any) -> dict[str, list[dict]]:
 
             return env_rows_maker(getattr(cfg, "env", None))(data_cfg, split)
 
-        return {split: load(cfg.data, split, env_rows) for split in ("train", "validation")}
+        from posttrain.config.schema import validation_set
+
+        records = {split: load(cfg.data, split, env_rows) for split in ("train", "validation")}
+        for name in cfg.data.validation_sets:  # their rows too: each is scored at every validation
+            records[f"validation_sets.{name}"] = load(validation_set(cfg.data, name), "validation", env_rows)
+        return records
     return {split: load(cfg.data, split) for split in ("train", "validation")}
 
 

@@ -29,6 +29,7 @@ from posttrain.errors import UserError
 from posttrain.evals.eval import evaluate, validation_sampling
 from posttrain.job import (
     build_splits,
+    build_validation_sets,
     make_cluster,
     make_envs,
     make_generation,
@@ -46,6 +47,7 @@ from posttrain.run_config import (
     with_warm_starts,
 )
 from posttrain.utils import startup
+from posttrain.utils.metric_names import in_validation_set
 from posttrain.utils.phase_memory import merge_peaks
 from posttrain.utils.timer import Timer
 
@@ -70,6 +72,7 @@ class OnPolicyContext:
     loss_fn: Any
     refit_metadata: Any
     section: str
+    val_sets: dict[str, list[Sample]] = field(default_factory=dict)  # data.validation_sets, by name
     clusters: list[Any] = field(default_factory=list)
     generation_stale: bool = False  # generation weights lag the policy's (both start from model_name)
     partial_rollouts: Any = None  # GRPO with grpo.partial_rollouts: the carried-over groups (PartialRollouts)
@@ -165,6 +168,7 @@ def build_on_policy_run(
     cfg, tokenizer = start_run(cfg, seed=start.seed, max_num_steps=start.max_num_steps)
     s = getattr(cfg, section)  # the started config's section (the loop reads its schedule)
     train_samples, val_samples = build_splits(cfg, build_prompt_message_log, tokenizer, s.max_val_samples)
+    val_sets = build_validation_sets(cfg, build_prompt_message_log, tokenizer, s.max_val_samples)
     problem = env_problem(cfg, [env for _, env in routes(train_samples)]) if env_problem else None
     if problem:
         raise UserError(problem)
@@ -200,13 +204,13 @@ def build_on_policy_run(
         )
         generation.prepare_refit_info(refit_metadata)
 
-    envs = make_envs(cfg, routes(train_samples) + routes(val_samples))
+    envs = make_envs(cfg, routes(train_samples) + routes(val_samples) + [r for v in val_sets.values() for r in routes(v)])
 
     loop = TrainingLoop(cfg, s, name=name, section=section, policy=policy, loader=loader)
     ctx = context(
         cfg=cfg, policy=policy, generation=generation, envs=envs, tokenizer=tokenizer, train_loader=loader,
         val_samples=val_samples, loop=loop, loss_fn=make_loss(cfg), refit_metadata=refit_metadata,
-        section=section, clusters=clusters + ([] if colocated else [gen_cluster]), **extra,
+        section=section, val_sets=val_sets, clusters=clusters + ([] if colocated else [gen_cluster]), **extra,
     )
     ctx.generation_stale = loop.resume()  # resumed weights are newer than the generation's
     return ctx
@@ -251,24 +255,29 @@ def refit_generation(ctx: OnPolicyContext, version: int) -> None:
 # ---------------------------------------------------------------------------------- validation
 def validate(ctx: OnPolicyContext, k: int = 1) -> dict[str, float]:
     """Accuracy (and pass@k for `k` > 1 samples per prompt) on the held-out prompts, with the
-    current weights; empty without validation data (the run said so at set-up)."""
-    if not ctx.val_samples:
+    current weights, and the same as `validation_<name>/...` on each of `data.validation_sets`;
+    empty without validation data (the run said so at set-up)."""
+    if not ctx.val_samples and not ctx.val_sets:
         return {}
     start_generation_phase(ctx)
-    metrics = evaluate_engine(ctx, ctx.generation, ctx.step, k=k)
+    metrics = evaluate_engine(ctx, ctx.generation, ctx.step, k=k) if ctx.val_samples else {}
+    for name, samples in ctx.val_sets.items():
+        metrics.update(in_validation_set(
+            evaluate_engine(ctx, ctx.generation, ctx.step, k=k, show_samples=False, samples=samples), name))
     phase_memory_metrics(ctx)  # validation's phases are not the next step's: forget them
     return metrics
 
 
 def evaluate_engine(ctx: OnPolicyContext, generation: Any, weight_version: int, *, k: int = 1,
-                    show_samples: bool = True) -> dict[str, float]:
+                    show_samples: bool = True, samples: Optional[list[Sample]] = None) -> dict[str, float]:
     """The validation protocol on the engine `generation` (`weight_version` tags its samples) with
-    the section's sizes; `show_samples` logs a few completions (`logger.num_val_samples_to_print`)."""
+    the section's sizes, on `samples` (default the validation split); `show_samples` logs a few
+    completions (`logger.num_val_samples_to_print`)."""
     cfg, s = ctx.cfg, ctx.settings
     greedy, temperature = validation_sampling(cfg.policy.generation, k)
     return evaluate(
-        generation, ctx.val_samples, ctx.tokenizer, ctx.envs, k=k, greedy=greedy, temperature=temperature,
-        batch_size=s.val_batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
+        generation, ctx.val_samples if samples is None else samples, ctx.tokenizer, ctx.envs, k=k, greedy=greedy,
+        temperature=temperature, batch_size=s.val_batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
         max_rollout_turns=s.max_rollout_turns, seed=s.seed + 7919, weight_version=weight_version,
         num_samples_to_print=cfg.logger.num_val_samples_to_print if show_samples else 0,
         log_samples=ctx.loop.log_samples,

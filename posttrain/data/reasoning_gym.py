@@ -4,16 +4,19 @@ reasoning-gym (Apache-2.0, the optional extra `posttrain[reasoning_gym]`) genera
 data set seeded s from `random.Random(s + i)`, so consecutive seeds share entries. Training entries
 use seed `data.seed` (streams s .. s + size - 1) and validation entries `data.seed + 10**7`, so the
 two never share a generator stream (sizes are capped at 10**7); validation questions that still
-occur in training (small task configs repeat questions) are dropped here; a question repeated within
-validation is dropped by `datasets.load_records`, as for any data (`distinct_problems`). A record
+occur in training or earlier in validation (small task configs repeat questions) are dropped here,
+by the question, whatever template words it (so two wordings of a validation set hold the same
+problems). A record
 does not carry the entry itself (some entries do not survive a JSON round trip), only how to
 regenerate it (`reasoning_gym` field), which the environment does before scoring with the task's
-own scorer.
+own scorer. A task's `prompt_template` may be a list (one drawn per entry, by the seed) and its
+`unseen_prompt_template` more templates held out of training (`data.phrasings`).
 """
 
 from __future__ import annotations
 
 import difflib
+import random
 from typing import Optional
 
 from posttrain.config.schema import DataConfig, split_seed
@@ -75,18 +78,24 @@ def load_reasoning_gym(data_cfg: DataConfig, split: str, env_name: Optional[str]
             train = make_dataset(task.name, task.config, split_seed(data_cfg.seed, "train"), task.size, key)
             exclude = {train[i]["question"] for i in range(task.size)}
         dropped = 0
+        templates = task.prompt_templates(data_cfg.phrasings)
+        # Each entry's template has a stream of its own (the entries are reasoning-gym's either way).
+        phrase = random.Random(f"{task.name}:{seed}:phrasing")
         for index in range(size):
             entry = dataset[index]
+            template = phrase.choice(templates)
             if entry["question"] in exclude:
                 dropped += 1
                 continue
+            if split == "validation":  # a repeat, even worded by another template, is the same problem
+                exclude.add(entry["question"])
             fields = {"question": entry["question"], **{k: v for k, v in entry["metadata"].items() if isinstance(k, str)}}
-            if task.prompt_template is not None:
+            if template is not None:
                 try:
-                    prompt = task.prompt_template.format(**fields)
+                    prompt = template.format(**fields)
                 except (KeyError, IndexError, ValueError) as e:
                     raise UserError(
-                        f"{key}.prompt_template {task.prompt_template!r} failed on {task.name} entry {index}: "
+                        f"{key}.prompt_template {template!r} failed on {task.name} entry {index}: "
                         f"{type(e).__name__}: {e} (fields: {sorted(fields)})"
                     ) from None
             else:
@@ -101,5 +110,6 @@ def load_reasoning_gym(data_cfg: DataConfig, split: str, env_name: Optional[str]
             })
         if dropped:
             _say_once(f"[posttrain] {key} ({task.name}): {dropped} of {size} validation questions also occur in "
-                      "training and were dropped" + ("; none is left: widen the task's config" if dropped == size else ""))
+                      "training or earlier in validation and were dropped"
+                      + ("; none is left: widen the task's config" if dropped == size else ""))
     return records

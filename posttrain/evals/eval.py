@@ -15,7 +15,7 @@ import torch
 
 from posttrain.data.sample import Sample
 from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
-from posttrain.utils.metric_names import accuracy_name
+from posttrain.utils.metric_names import accuracy_name, in_validation_set
 from posttrain.utils.metrics import per_task_means, response_lengths
 
 
@@ -146,7 +146,8 @@ def run(cfg) -> dict[str, float]:
 
     Prints what was scored (model, split, prompts, samples per prompt) and the metrics, and
     appends one record per evaluation to `<logger.log_dir>/eval_results.jsonl` (never to a
-    training run's metrics.jsonl).
+    training run's metrics.jsonl). With `eval.split=validation`, each of `data.validation_sets`
+    is scored too, as `validation_<name>/...` (a column of the per-task table).
     """
     import time
 
@@ -154,6 +155,7 @@ def run(cfg) -> dict[str, float]:
     from posttrain.environments.registry import EnvRouter
     from posttrain.job import (
         build_datums,
+        build_validation_sets,
         make_cluster,
         make_envs,
         make_generation,
@@ -170,21 +172,29 @@ def run(cfg) -> dict[str, float]:
         from posttrain.errors import UserError
 
         raise UserError(f"eval.split={e.split!r} of the configured data has no records (is data.validation_path set?)")
+    # The named validation sets (data.validation_sets) are scored with the validation split.
+    sets = build_validation_sets(cfg, build_prompt_message_log, tokenizer, e.max_samples) if e.split == "validation" else {}
     k = e.num_generations_per_prompt
     greedy, temperature = validation_sampling(cfg.policy.generation, k)
     sampling = "greedy" if greedy else f"sampled at temperature {temperature or cfg.policy.generation.temperature}"
-    print(f"[posttrain] eval: {model_name}, {e.split} split, {len(samples)} prompts x {k} samples ({sampling})", flush=True)
-    envs = make_envs(cfg, samples)
+    also = "".join(f" + {len(rows)} of validation set {name}" for name, rows in sets.items())
+    print(f"[posttrain] eval: {model_name}, {e.split} split, {len(samples)} prompts{also} x {k} samples ({sampling})",
+          flush=True)
+    envs = make_envs(cfg, samples + [s for rows in sets.values() for s in rows])
     with startup.phase("workers", workers_description(cfg, policy=False, generation=True)):
         cluster = make_cluster(cfg, 1, name="eval")
         generation = make_generation(cfg, cluster, seed=e.seed)
     try:
-        metrics = evaluate(
-            generation, samples, tokenizer, envs, k=k, greedy=greedy, temperature=temperature,
-            batch_size=e.batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
-            max_rollout_turns=e.max_rollout_turns, seed=e.seed,
-            num_samples_to_print=cfg.logger.num_val_samples_to_print,
-        )
+        def score(rows: list, show: int) -> dict[str, float]:
+            return evaluate(
+                generation, rows, tokenizer, envs, k=k, greedy=greedy, temperature=temperature,
+                batch_size=e.batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
+                max_rollout_turns=e.max_rollout_turns, seed=e.seed, num_samples_to_print=show,
+            )
+
+        metrics = score(samples, cfg.logger.num_val_samples_to_print)
+        for name, rows in sets.items():
+            metrics.update(in_validation_set(score(rows, 0), name))
     finally:
         EnvRouter(envs).shutdown()
         generation.shutdown()

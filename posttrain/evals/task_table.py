@@ -1,6 +1,6 @@
 """`posttrain eval`'s table: one row per task (environment) of a blend, one column per metric, and
 beside it the previous evaluation of the same data in the same log directory, so two checkpoints
-compare at a glance:
+compare at a glance (a named validation set, `data.validation_sets`, is a column of its own):
 
     task             n  accuracy_greedy  previous  change
     calc            30            0.267     0.100  +0.167
@@ -27,6 +27,12 @@ def task_columns(metrics: dict[str, float]) -> tuple[list[str], list[str]]:
     return names, sorted(tasks)
 
 
+def _column(name: str) -> str:
+    """A metric's column header: `accuracy_greedy`, or a validation set's `unseen_phrasing/accuracy_greedy`."""
+    head, _, metric = name.rpartition("/")
+    return metric if head in ("validation", "") else f"{head.removeprefix('validation_')}/{metric}"
+
+
 def format_task_table(metrics: dict[str, float], previous: Optional[dict[str, float]] = None,
                       previous_model: Optional[str] = None) -> Optional[str]:
     """The table of a multi-task evaluation (None for a single task). `previous` (the metrics of an
@@ -36,7 +42,7 @@ def format_task_table(metrics: dict[str, float], previous: Optional[dict[str, fl
         return None
     first = names[0]
     compare = previous is not None and all(f"{first}/{task}" in previous for task in tasks)
-    short = [name.rpartition("/")[2] for name in names]
+    short = [_column(name) for name in names]
     width = max(len("task"), *(len(task) for task in tasks))
     header = f"{'task':<{width}} {'n':>5}" + "".join(f" {s:>{max(len(s), 8)}}" for s in short)
     if compare:

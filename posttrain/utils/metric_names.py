@@ -8,7 +8,8 @@ teacher-forced exact match, which is what greedy decoding would produce) and
 temperature, i.e. pass@1, when several samples per prompt or a `val_temperature` are asked for).
 `validation/accuracy` is DPO's and RM's preference accuracy (chosen scored above rejected, ties
 count half); as a `checkpointing.metric_name` it also stands for the run's accuracy, whichever
-of the names above the run logs.
+of the names above the run logs. A named validation set (`data.validation_sets`) logs the same
+metrics under `validation_<name>/` (`validation_unseen_phrasing/accuracy_greedy/<task>`).
 """
 
 from __future__ import annotations
@@ -39,3 +40,9 @@ def metric_value(metrics: Mapping[str, float], name: str) -> Optional[float]:
         found = find_accuracy(metrics)
         return metrics[found] if found is not None else None
     return None
+
+
+def in_validation_set(metrics: Mapping[str, float], name: str) -> dict[str, float]:
+    """`metrics` of the validation set `name` (`data.validation_sets`): `validation/...` becomes
+    `validation_<name>/...`."""
+    return {f"validation_{name}/{key.removeprefix('validation/')}": value for key, value in metrics.items()}

@@ -110,7 +110,7 @@ def test_rows_naming_an_unconfigured_environment_fail_before_workers_start(tmp_p
 def test_the_nemotron_mini_recipe_runs_two_steps_on_the_tiny_model(tmp_path):
     """The recipe's own files (examples/recipes/nemotron_mini*.yaml: seven environments, generated
     tasks, tool use over several turns) with the tiny model in place of SmolLM2: every task is drawn,
-    scored and validated, from the user's directory."""
+    scored and validated, in the seen and in the held-out wordings, from the user's directory."""
     pytest.importorskip("reasoning_gym")
     recipe = REPO / "examples/recipes/nemotron_mini.yaml"
     result = run(["grpo", "--config", str(recipe), "policy.model_name=tiny", "grpo.max_num_steps=2",
@@ -124,5 +124,7 @@ def test_the_nemotron_mini_recipe_runs_two_steps_on_the_tiny_model(tmp_path):
     [val] = [row for row in rows if "validation/accuracy_greedy" in row]
     tasks = ("math", "quiz", "json", "follow", "code", "calc", "basic_arithmetic")
     assert {task: val[f"validation/accuracy_greedy_count/{task}"] for task in tasks} == {task: 2 for task in tasks}
+    unseen = {task: val[f"validation_unseen_phrasing/accuracy_greedy_count/{task}"] for task in tasks}
+    assert unseen == {task: 2 for task in tasks} and "validation_unseen_phrasing/accuracy_greedy" in val
     drawn = {task for row in rows for task in tasks if row.get(f"train/reward_count/{task}")}
     assert len(drawn) >= 4  # 28 prompts drawn by equal weights from seven tasks

@@ -85,7 +85,7 @@ def test_multiple_choice_is_scored_by_the_mcqa_environment():
         assert rewards(env, rows, [f"Answer: {r['answer']}" for r in rows]) == [1.0] * 60
         wrong = [letters[(letters.index(r["answer"]) + 1) % len(letters)] for r in rows]
         assert rewards(env, rows, [f"Answer: {letter}" for letter in wrong]) == [0.0] * 60
-    assert all(r["prompt"].startswith("What is the capital of ") for r in records("multiple_choice", kinds="capital"))
+    assert all("capital" in r["prompt"].splitlines()[0] for r in records("multiple_choice", kinds="capital"))
 
 
 def test_json_output_is_scored_by_the_structured_environment():

@@ -35,6 +35,7 @@ from posttrain.config.schema.data import (  # noqa: F401
     ReasoningGymTask,
     blend_component,
     split_seed,
+    validation_set,
 )
 from posttrain.config.schema.outputs import (  # noqa: F401
     CheckpointingConfig,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -39,13 +39,34 @@ class ReasoningGymTask(Section):
         description="Validation problems (seeds from data.seed + 10**7; questions also in training dropped).",
     )
     weight: float = Field(1.0, gt=0, description="Share of each GRPO batch drawn from this task.")
-    prompt_template: Optional[str] = Field(
+    prompt_template: Optional[Union[str, list[str]]] = Field(
         None,
         description=(
-            "Prompt built from the entry's fields: {question} and the entry's metadata keys (e.g. '{expression} ='); "
-            "None uses the question."
+            "Prompt built from the entry's fields: {question} and the entry's metadata keys (e.g. '{expression} ='), "
+            "or a list of such templates, one drawn per entry (by the seed); None uses the question."
         ),
     )
+    unseen_prompt_template: list[str] = Field(
+        [],
+        description=(
+            "Templates held out of training (data.phrasings: 'seen' draws from prompt_template, 'unseen' from these, "
+            "'all' from both), to validate on wordings the model never trained on."
+        ),
+    )
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _some_template(cls, template: Optional[Union[str, list[str]]]) -> Optional[Union[str, list[str]]]:
+        if isinstance(template, list) and not template:
+            raise ValueError("an empty list: give one template or more (or none: the question)")
+        return template
+
+    def prompt_templates(self, phrasings: str) -> list[Optional[str]]:
+        """The templates `phrasings` (`data.phrasings`) draws from; `[None]`: the question itself."""
+        seen = [self.prompt_template] if not isinstance(self.prompt_template, list) else self.prompt_template
+        if phrasings == "seen" or (phrasings == "all" and not self.unseen_prompt_template):
+            return seen
+        return self.unseen_prompt_template if phrasings == "unseen" else seen + self.unseen_prompt_template
 
 
 # The built-in task generators of `data.dataset=generated` (`posttrain.data.generators`, which this
@@ -114,6 +135,22 @@ class DataConfig(Section):
     generator_options: dict[str, Any] = Field(
         {}, description="Keyword options of data.generator (each generator's docstring lists its options and defaults).",
     )
+    phrasings: Literal["all", "seen", "unseen"] = Field(
+        "all",
+        description=(
+            "Wordings of generated prompts (the built-in generators' and data.reasoning_gym's prompt templates): 'all', "
+            "'seen' (the templates a model trains on) or 'unseen' (those held out of training, to validate on "
+            "wordings a model never saw); the problems are the same whichever is chosen."
+        ),
+    )
+    validation_sets: dict[str, dict[str, Any]] = Field(
+        {},
+        description=(
+            "More validation sets, each a name and the data.* keys that make it from this section (e.g. "
+            "{unseen_phrasing: {phrasings: unseen}}): grpo and distill validate on each one's validation split beside "
+            "this section's and log it as validation_<name>/...; eval scores each beside the validation split."
+        ),
+    )
     shuffle: bool = Field(
         True,
         description="Shuffle training rows each epoch (resumable: the order is a function of seed and epoch).",
@@ -158,6 +195,13 @@ class DataConfig(Section):
         names = [task.name for task in self.reasoning_gym]
         if len(set(names)) != len(names):
             raise ValueError(f"data.reasoning_gym names a task twice: {names}")
+        if self.phrasings == "unseen" and self.dataset == "reasoning_gym":
+            for t, task in enumerate(self.reasoning_gym):
+                if not task.unseen_prompt_template:
+                    raise ValueError(f"data.reasoning_gym[{t}].unseen_prompt_template is needed with data.phrasings=unseen "
+                                     f"(the prompt templates held out of training; task {task.name!r} has none)")
+        for name in self.validation_sets:
+            validation_set(self, name)  # raises naming data.validation_sets.<name>.<key>
         seen = set()
         for i, component in enumerate(self.blend):
             name = blend_component(self, i)[0]  # raises naming data.blend[i].<key>
@@ -172,8 +216,6 @@ BLEND_KEYS = ("name", "weight", "env")
 
 def blend_component(data: "DataConfig", index: int) -> tuple[str, float, str, "DataConfig"]:
     """(name, weight, env section, the component's own DataConfig) of `data.blend[index]`."""
-    from pydantic import ValidationError
-
     component = data.blend[index]
     key = f"data.blend[{index}]"
     if not isinstance(component, dict):
@@ -190,9 +232,31 @@ def blend_component(data: "DataConfig", index: int) -> tuple[str, float, str, "D
     overrides = {k: v for k, v in component.items() if k not in BLEND_KEYS}
     if "blend" in overrides:
         raise ValueError(f"{key}.blend: blends do not nest")
-    fields = data.model_dump(exclude={"blend"}, exclude_unset=True)
+    fields = data.model_dump(exclude={"blend", "validation_sets"}, exclude_unset=True)
+    return name, float(weight), env, _derived(fields, {**overrides, "env_name": name}, key)
+
+
+def validation_set(data: "DataConfig", name: str) -> "DataConfig":
+    """The data section of `data.validation_sets[name]`: `data` with the set's keys in place of its
+    own (a blend's components inherit them, as any key of `data`, unless they set it themselves)."""
+    key = f"data.validation_sets.{name}"
+    if not re.fullmatch(r"[A-Za-z0-9_]+", name):
+        raise ValueError(f"{key}: a validation set's name is letters, digits and _ (it names the metrics "
+                         f"validation_<name>/...)")
+    overrides = data.validation_sets[name]
+    if not isinstance(overrides, dict):
+        raise ValueError(f"{key} must be a section of data.* keys, got {overrides!r}")
+    if "validation_sets" in overrides:
+        raise ValueError(f"{key}.validation_sets: validation sets do not nest")
+    return _derived(data.model_dump(exclude={"validation_sets"}, exclude_unset=True), overrides, key)
+
+
+def _derived(fields: dict[str, Any], overrides: dict[str, Any], key: str) -> "DataConfig":
+    """`DataConfig` of `fields` with `overrides` in place; an error names `<key>.<field>`."""
+    from pydantic import ValidationError
+
     try:
-        sub = DataConfig.model_validate({**fields, **overrides, "env_name": name})
+        return DataConfig.model_validate({**fields, **overrides})
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
@@ -200,9 +264,8 @@ def blend_component(data: "DataConfig", index: int) -> tuple[str, float, str, "D
             message = first["msg"].removeprefix("Value error, ")
             if where:
                 raise ValueError(f"{key}.{where}: {message}") from None
-            raise ValueError(re.sub(r"\bdata\.", f"{key}.", message)) from None  # data.<x> is this component's
+            raise ValueError(re.sub(r"\bdata\.", f"{key}.", message)) from None  # data.<x> is this one's
         raise ValueError(f"{key}.{where}: {first['msg']} (got {first.get('input')!r})") from None
-    return name, float(weight), env, sub
 
 
 # ---------------------------------------------------------------------------------- environments

@@ -2,7 +2,7 @@
 
 `data.dataset: generated`, `data.generator: <name>`, `data.generator_options: {...}` (with
 `data.num_train`, `data.num_validation`, `data.seed`) makes rows in the shape the generator's
-environment reads, with disjoint train and validation splits (distinct prompts), the same for the
+environment reads, with disjoint train and validation splits (distinct problems), the same for the
 same seed. Built in (docs/environments.md, "Generated tasks"):
 
 | generator | environment | rows |
@@ -15,10 +15,12 @@ same seed. Built in (docs/environments.md, "Generated tasks"):
 | `calculator` | `tools` | arithmetic for the calculator tool; `expression`, `answer` |
 
 A generator is a function `(num_train, num_validation, seed, **options) -> (train rows, validation
-rows)`. A user's is named by import path (`data.generator: "my_tasks.py:make_rows"`); a built-in one
-is decorated with `@register_task_generator(name, env=...)`, imported below, and its name added to
-`TASK_GENERATORS` of `posttrain.config.schema.data` (which validates `data.generator` without
-importing this package).
+rows)`; one that also takes `phrasings` gets `data.phrasings` (`all`, `seen`, `unseen`: the built-in
+generators word their prompts from several templates each, some held out of training, so a model
+can be validated on problems in wordings it never saw; `base.Phrasings`). A user's is named by
+import path (`data.generator: "my_tasks.py:make_rows"`); a built-in one is decorated with
+`@register_task_generator(name, env=...)`, imported below, and its name added to `TASK_GENERATORS`
+of `posttrain.config.schema.data` (which validates `data.generator` without importing this package).
 """
 
 from __future__ import annotations
@@ -54,16 +56,23 @@ def get_task_generator(name: str) -> TaskGenerator:
 
 def _check_options(fn: TaskGenerator, options: dict[str, Any], key: str) -> None:
     """A `DataError` naming `<key>.generator_options.<option>` for an option `fn` does not take."""
+    if "phrasings" in options:
+        raise DataError(f"{key}.generator_options.phrasings: set {key}.phrasings instead (all, seen or unseen)")
     parameters = list(inspect.signature(fn).parameters.values())
     if any(p.kind == p.VAR_KEYWORD for p in parameters):
         return
-    names = [p.name for p in parameters[3:]]
+    names = [p.name for p in parameters[3:] if p.name != "phrasings"]
     for option in options:
         if option not in names:
             close = difflib.get_close_matches(option, names, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise DataError(f"{key}.generator_options.{option}: {hint}the generator "
                             f"{getattr(fn, '__name__', fn)!r} takes {names or 'no options'}")
+
+
+def _takes_phrasings(fn: TaskGenerator) -> bool:
+    """Whether `fn` takes `phrasings` (`all`, `seen`, `unseen`: `data.phrasings`), as the built-in generators do."""
+    return "phrasings" in inspect.signature(fn).parameters
 
 
 def generated_split(data_cfg: Any, split: Literal["train", "validation"], key: str = "data") -> tuple[list[dict], Optional[str]]:
@@ -79,6 +88,11 @@ def generated_split(data_cfg: Any, split: Literal["train", "validation"], key: s
         raise DataError(f"{key}.generator: {e.args[0]}") from None
     options = dict(data_cfg.generator_options)
     _check_options(fn, options, key)
+    if _takes_phrasings(fn):
+        options["phrasings"] = data_cfg.phrasings
+    elif data_cfg.phrasings != "all":
+        raise DataError(f"{key}.phrasings={data_cfg.phrasings!r}: the generator {name!r} has no held-out phrasings (it "
+                        f"takes no 'phrasings' argument); set {key}.phrasings=all")
     cache_key = (name, data_cfg.num_train, data_cfg.num_validation, data_cfg.seed, repr(sorted(options.items())))
     if cache_key not in _RECENT:  # both splits come from one call; the loader asks for each in turn
         try:

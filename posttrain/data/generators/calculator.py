@@ -3,7 +3,9 @@
 Rows: `{"prompt": "What is 347 * 29? Use the calculator, then give the number in \\boxed{}.",
 "answer": "10063", "expression": "347 * 29"}`. The environment offers its tools (`env.tools.tools`,
 default the calculator) through the prompt, runs the model's `<tool_call>`s and grades the final
-answer like the math environment. Results are whole numbers >= 0 (divisions are exact).
+answer like the math environment. Results are whole numbers >= 0 (divisions are exact). The
+question and the instruction come from seven templates each, two of them held out of training
+(`phrasings`, `posttrain.data.generators.base.Phrasings`).
 """
 
 from __future__ import annotations
@@ -11,9 +13,27 @@ from __future__ import annotations
 import random
 from typing import Optional, Sequence
 
-from posttrain.data.generators.base import check_choices, check_range, distinct_rows, register_task_generator
+from posttrain.data.generators.base import (
+    Phrasings, Reply, check_choices, check_range, distinct_rows, register_task_generator, with_instruction,
+)
 
 SYMBOLS = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
+QUESTIONS = Phrasings(seen=(
+    "What is {expression}?", "Compute {expression}.", "Calculate {expression}.", "Find the value of {expression}.",
+    "Work out {expression}.",
+), unseen=("How much is {expression}?", "Evaluate the expression {expression}."))
+# How to use the tool and answer: the final answer is graded like the math environment's (`\boxed{}`,
+# else `####`, else the last number), so each reply below is scored correct.
+INSTRUCTIONS = Phrasings(seen=(
+    Reply("Use the calculator, then give the number in \\boxed{}.", "The result is \\boxed{{{answer}}}."),
+    Reply("Call the calculator tool, then reply with the result in \\boxed{}.", "\\boxed{{{answer}}}"),
+    Reply("Check it with the calculator tool and end your reply with the number.", "The answer is {answer}."),
+    Reply("Use the calculator tool first; then answer with just the number.", "{answer}"),
+    Reply("Get the result from the calculator, then write 'Answer: ' and the number.", "Answer: {answer}"),
+), unseen=(
+    Reply("First ask the calculator, then state the result in \\boxed{}.", "\\boxed{{{answer}}}"),
+    Reply("Let the calculator tool do the arithmetic and reply with the final number.", "It is {answer}."),
+))
 
 
 def _step(value: int, op: str, digits: int, rng: random.Random) -> Optional[tuple[int, int]]:
@@ -41,8 +61,7 @@ def _step(value: int, op: str, digits: int, rng: random.Random) -> Optional[tupl
 @register_task_generator("calculator", env="tools")
 def calculator(
     num_train: int, num_validation: int, seed: int, operations: Sequence[str] = ("add", "sub", "mul", "div"),
-    num_digits: int = 3, num_operands: int = 2,
-    instruction: str = "Use the calculator, then give the number in \\boxed{}.",
+    num_digits: int = 3, num_operands: int = 2, instruction: Optional[str] = None, phrasings: str = "all",
 ) -> tuple[list[dict], list[dict]]:
     """`What is <expression>?` for an expression of integers, worked left to right (parenthesised
     where precedence would say otherwise).
@@ -52,14 +71,15 @@ def calculator(
             multipliers and divisors stay at most 99, divisions are exact.
         num_digits: digits of the first number and of added or subtracted ones (default 3, 2..6).
         num_operands: numbers in the expression (default 2, 2..4).
-        instruction: the sentence ending every prompt (default "Use the calculator, then give the
-            number in \\boxed{}."; "" for none).
+        instruction: the sentence ending every prompt (default None: one of `INSTRUCTIONS`, drawn
+            per row; "" for none).
+        phrasings: `all` (default), `seen` or `unseen` templates (`data.phrasings`).
     """
     ops = check_choices(operations, tuple(SYMBOLS), "operations")
     check_range(num_digits, 2, 6, "num_digits")
     check_range(num_operands, 2, 4, "num_operands")
 
-    def make_row(rng: random.Random) -> dict:
+    def make_row(rng: random.Random, phrase) -> tuple:
         while True:  # redraw until every step keeps a whole number >= 0
             first_op = rng.choice(ops)
             if first_op == "div":  # a multiple of a small divisor, so the first division is exact
@@ -77,7 +97,8 @@ def calculator(
                     expression = f"({expression})"
                 expression, last = f"{expression} {SYMBOLS[op]} {operand}", op
             else:
-                return {"prompt": f"What is {expression}? {instruction}".strip(), "answer": str(value),
-                        "expression": expression}
+                text = phrase(QUESTIONS).format(expression=expression)
+                return expression, {"prompt": with_instruction(text, phrase, INSTRUCTIONS, instruction),
+                                    "answer": str(value), "expression": expression}
 
-    return distinct_rows(num_train, num_validation, seed, make_row, "calculator")
+    return distinct_rows(num_train, num_validation, seed, make_row, "calculator", phrasings)

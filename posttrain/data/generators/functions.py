@@ -3,7 +3,10 @@
 Rows: `{"prompt": "Write a Python function `add_7(x)` that returns x plus 7. Put the code in a
 ```python block.", "answer": "```python\\ndef add_7(x):\\n    return x + 7\\n```", "fn_name": "add_7",
 "tests": [{"input": [3], "output": 10}, ...]}`: function-call tests (`input` is the argument list,
-`output` the return value), computed by running the reference solution (the `answer`) here.
+`output` the return value), computed by running the reference solution (the `answer`) here. The
+task and the instruction saying where to put the code come from seven templates each, two of them
+held out of training (`phrasings`, `posttrain.data.generators.base.Phrasings`); the `answer` is the
+solution in a ```python block, which scores 1 whichever instruction was drawn.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import random
 import string
 from typing import Optional, Sequence
 
-from posttrain.data.generators.base import check_choices, check_range, distinct_rows, register_task_generator
+from posttrain.data.generators.base import (
+    Phrasings, Reply, check_choices, check_range, distinct_rows, register_task_generator, with_instruction,
+)
 
 # (kind of arguments, name, parameters, what it returns, the body's expression, the constants {k} / {j} range over)
 # Constants are integers from a range, letters, or words; `None`: no constant.
@@ -68,6 +73,29 @@ TEMPLATES: list[tuple[str, str, str, str, str, Optional[Sequence], Optional[Sequ
      "[x for x in xs if x > {k}]", range(0, 10), None),
 ]
 KINDS = ("number", "text", "list")
+# The task in words: {signature} ("add_7(x)"), {name}, {params} and {returns} ("returns x plus 7").
+QUESTIONS = Phrasings(seen=(
+    "Write a Python function `{signature}` that {returns}.",
+    "Define a function `{signature}` in Python that {returns}.",
+    "Implement `{signature}`: a Python function that {returns}.",
+    "Create a Python function named `{name}` with parameters ({params}) that {returns}.",
+    "Please write `{signature}` in Python. It {returns}.",
+), unseen=(
+    "Your task: a Python function `{signature}` which {returns}.",
+    "Code a function `{signature}` in Python; it {returns}.",
+))
+# Where to put the code: `env.code` (code_format auto) runs the last ```python block, else the last
+# ``` block, else what is between <code> and </code>. {code}: the solution.
+INSTRUCTIONS = Phrasings(seen=(
+    Reply("Put the code in a ```python block.", "```python\n{code}```"),
+    Reply("Reply with the function in a Markdown code block.", "Here it is:\n```\n{code}```"),
+    Reply("Write the code between <code> and </code>.", "<code>\n{code}</code>"),
+    Reply("Give only the code, fenced with ```python and ```.", "```python\n{code}```"),
+    Reply("Format your answer as a ```python code block.", "```python\n{code}```"),
+), unseen=(
+    Reply("Wrap the function in <code></code> tags.", "<code>\n{code}</code>"),
+    Reply("Answer with one ```python fenced block containing the function.", "```python\n{code}```"),
+))
 
 
 def _arguments(kind: str, name: str, k: object, rng: random.Random) -> list:
@@ -87,7 +115,7 @@ def _arguments(kind: str, name: str, k: object, rng: random.Random) -> list:
 @register_task_generator("functions", env="code")
 def functions(
     num_train: int, num_validation: int, seed: int, kinds: Sequence[str] = KINDS, num_tests: int = 4,
-    instruction: str = "Put the code in a ```python block.",
+    instruction: Optional[str] = None, phrasings: str = "all",
 ) -> tuple[list[dict], list[dict]]:
     """A Python function whose body is one `return` line, named and described in the prompt.
 
@@ -97,8 +125,9 @@ def functions(
             default all. A kind is drawn uniformly, then one of its templates and its constants (a
             kind whose tasks are used up leaves the rest to the others).
         num_tests: function-call tests per task (default 4, 1..10), on varied arguments.
-        instruction: the sentence ending every prompt (default "Put the code in a ```python block.",
-            which `env.code`'s default `code_format` reads; "" for none).
+        instruction: the sentence ending every prompt (default None: one of `INSTRUCTIONS`, drawn
+            per row, each a form `env.code`'s default `code_format` reads; "" for none).
+        phrasings: `all` (default), `seen` or `unseen` templates (`data.phrasings`).
     """
     chosen = check_choices(kinds, KINDS, "kinds")
     check_range(num_tests, 1, 10, "num_tests")
@@ -113,7 +142,7 @@ def functions(
         raise ValueError(f"asked for {num_train} train + {num_validation} validation distinct tasks, but functions "
                          f"makes only {total} with kinds {chosen}; ask for fewer (num_train, num_validation)")
 
-    def make_row(rng: random.Random) -> dict:
+    def make_row(rng: random.Random, phrase) -> tuple:
         pool = pools[rng.choice([kind for kind in chosen if pools[kind]])]
         i = rng.randrange(len(pool))
         pool[i], pool[-1] = pool[-1], pool[i]
@@ -131,8 +160,9 @@ def functions(
                 tests.append({"input": args, "output": namespace[fn_name](*args)})
             if len(tests) == num_tests:
                 break
-        text = f"Write a Python function `{fn_name}({params})` that {returns.format(k=k, j=j)}."
-        return {"prompt": f"{text} {instruction}".strip(), "answer": f"```python\n{code}```", "fn_name": fn_name,
-                "tests": tests}
+        text = phrase(QUESTIONS).format(signature=f"{fn_name}({params})", name=fn_name, params=params,
+                                        returns=returns.format(k=k, j=j))
+        return fn_name, {"prompt": with_instruction(text, phrase, INSTRUCTIONS, instruction),
+                         "answer": f"```python\n{code}```", "fn_name": fn_name, "tests": tests}
 
-    return distinct_rows(num_train, num_validation, seed, make_row, "functions")
+    return distinct_rows(num_train, num_validation, seed, make_row, "functions", phrasings)
