@@ -40,7 +40,7 @@ from posttrain.job import (
 from posttrain.models.refit import build_refit_metadata, refit_policy_generation
 from posttrain.run_config import warm_start_export_dir, warm_start_job, with_warm_starts
 from posttrain.utils import startup
-from posttrain.utils.phase_memory import merge_peaks
+from posttrain.utils.phase_memory import as_one_phase, merge_peaks
 from posttrain.utils.timer import Timer
 
 log = logging.getLogger(__name__)
@@ -248,7 +248,9 @@ def validate(ctx: OnPolicyContext, k: int = 1) -> dict[str, float]:
         return {}
     start_generation_phase(ctx)
     metrics = evaluate_engine(ctx, ctx.generation, ctx.step, k=k)
-    phase_memory_metrics(ctx)  # validation's phases are not the next step's: forget them
+    # Validation's phases are not the next step's: taken here and logged as one peak of their own
+    # (its batch is `val_batch_size` prompts, not a step's; the memory plan's validation phase).
+    metrics.update(as_one_phase(phase_memory_metrics(ctx), "validation"))
     return metrics
 
 
