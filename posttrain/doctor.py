@@ -170,9 +170,9 @@ def check_cache(root: Path, fix: bool) -> list[Finding]:
     others = sorted(p.name for p in root.iterdir() if p.name not in (*MODEL_KINDS, ENVS))
     if others:
         findings.append(Finding(OK, "cache", f"not posttrain's entries, left alone: {', '.join(others)}"))
-    if not findings:
-        findings.append(Finding(OK, "cache", f"{root} is empty"))
-    return findings
+    counts = [(sum(f.status == status for f in findings), word) for status, word in ((FAIL, "broken"), (FIXED, "removed"))]
+    summary = f"{root}: {len(findings) - bool(others)} entries" + "".join(f", {n} {word}" for n, word in counts if n)
+    return [Finding(OK, "cache", summary)] + findings
 
 
 # ---------------------------------------------------------------------------------- the machine

@@ -229,10 +229,11 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
     # layers' TP shards in float32). Context parallel ranks are FSDP shards too (over dp x cp).
     per_rank = per_rank_params(shape, shards, tp)
     trainer.add("policy parameters (fp32)", 4 * per_rank, phases if lends_weights else resident)
-    forwards = ("refit", "logprobs", "training") + (() if has_generation else ("validation",))
+    # Forward passes without gradients: RL's logprobs, DPO's reference logprobs, the offline jobs' validation.
+    no_grad = ("logprobs",) if has_generation else ("logprobs", "validation")
     if dp > 1:
         trainer.add("FSDP all-gathered layers", 2 * 4 * (shape.num_params - shape.embedding_params * (tp > 1))
-                    / shape.num_layers / tp, forwards)
+                    / shape.num_layers / tp, ("refit", "training") + no_grad)
     trainable_per_rank = trainable / shards if policy.lora.enabled else per_rank
     trainer.add("gradients (fp32)", 4 * trainable_per_rank, ("training",))
     trainer.add(f"optimizer state ({policy.optimizer.name})",
@@ -240,9 +241,8 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
     trainer.add("activations" + (" (checkpointed)" if policy.activation_checkpointing else ""),
                 training_activation_bytes(shape, micro_batch_tokens(policy, True, row_tokens) // cp, c,
                                           policy.activation_checkpointing, policy.fused_logprobs, tp, sp), ("training",))
-    # Forward passes without gradients: RL's logprobs, DPO's reference logprobs, the offline jobs' validation.
     trainer.add("logprob forward", logprob_activation_bytes(shape, micro_batch_tokens(policy, False, row_tokens) // cp, c,
-                                                             policy.fused_logprobs, tp, sp), forwards[1:2] + forwards[3:])
+                                                             policy.fused_logprobs, tp, sp), no_grad)
     if cp > 1 and on_gpu and c == 4:  # no fused CUDA kernel for float32 blocks (attention_blocks.block_kernel)
         trainer.add("ring attention blocks (fp32)", ring_attention_block_bytes(
             shape, micro_batch_tokens(policy, True), policy.max_total_sequence_length, cp), ("training",))
@@ -261,13 +261,15 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
         s = loop_section(cfg)
         groups = s.num_generations_per_prompt
         val_k = getattr(s, "val_num_generations_per_prompt", 1)
-        refit_bucket = add_engine(
-            engine, cfg, shape, c, device_bytes, weights=not (local and colocated and gen.backend == "native" and shards == 1),
-            calls={"generation": (s.num_prompts_per_step * groups, groups), "validation": (s.val_batch_size * val_k, val_k)},
-            engines=engines, row_tokens=row_tokens, longest_prompt=longest_prompt,
-            phases=("generation", "refit", "validation") if colocated else phases)
-        # Unset, the bucket is a share of free memory at run time, at most MAX_BUCKET_BYTES: plan for that most.
-        if refit_bucket:
+        # One unsharded policy worker lends its weights to a native engine in its process: no copy, no refit.
+        in_place = local and colocated and gen.backend == "native" and shards == 1
+        add_engine(engine, cfg, shape, c, device_bytes, weights=not in_place,
+                   calls={"generation": (s.num_prompts_per_step * groups, groups),
+                          "validation": (s.val_batch_size * val_k, val_k)},
+                   engines=engines, row_tokens=row_tokens, longest_prompt=longest_prompt,
+                   phases=("generation", "refit", "validation") if colocated else phases)
+        if not in_place:
+            # Unset, the bucket is a share of free memory at run time, at most MAX_BUCKET_BYTES: plan for that most.
             bucket = policy.refit_buffer_size_gb * GiB if policy.refit_buffer_size_gb else MAX_BUCKET_BYTES
             refit_bucket = min(bucket, c * shape.num_params) + c * shape.largest_tensor
             trainer.add("refit bucket (send)", refit_bucket, ("refit",))
@@ -278,11 +280,10 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
 
 def add_engine(engine: DevicePlan, cfg: Any, shape: ModelShape, c: int, device_bytes: Optional[int], *, weights: bool,
                calls: dict[str, tuple[int, int]], engines: int, row_tokens: int, longest_prompt: Optional[int],
-               phases: Optional[tuple[str, ...]] = None) -> bool:
+               phases: Optional[tuple[str, ...]] = None) -> None:
     """Add a generation engine's rows to `engine`: its weights (unless lent in place, `weights`
     False), and per decoding phase in `calls` (`phase: (rows of one call, rows sharing a prompt)`)
-    its working memory; `phases` the engine is resident in (default: all of the device's).
-    Returns whether refit buckets go to it (False for weights lent in place)."""
+    its working memory; `phases` the engine is resident in (default: all of the device's)."""
     policy, gen = cfg.policy, cfg.policy.generation
     on_gpu = cfg.cluster.gpus_per_node > 0
     if gen.backend == "vllm" and on_gpu:
@@ -291,14 +292,14 @@ def add_engine(engine: DevicePlan, cfg: Any, shape: ModelShape, c: int, device_b
         # vLLM takes gpu_memory_utilization of the whole GPU for its weights and KV cache; asleep
         # (colocated, level 1) while the policy trains.
         engine.add(f"vLLM weights + KV cache ({util:g} of the GPU)", share, phases)
-        return True
-    if weights:  # else one unsharded policy worker lends its weights to the engine in its process (no copy)
+        return
+    if weights:
         if not on_gpu and gen.backend == "vllm":
             engine.add("vLLM runtime", CPU_RUNTIME_BYTES, phases)
         engine.add("generation weights", c * shape.num_params, phases)
     if gen.backend == "vllm":
         engine.add("vLLM KV cache (cpu_kv_cache_gb)", gen.vllm_cfg.cpu_kv_cache_gb * GiB, phases)
-        return weights
+        return
     # A single-turn prompt is at most the longest prompt; a later turn's holds the conversation so far.
     single_turn = rollout_turns(cfg) == 1
     prompt_tokens = min(longest_prompt, row_tokens) if single_turn and longest_prompt else row_tokens

