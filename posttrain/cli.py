@@ -7,6 +7,7 @@
     posttrain convert --checkpoint checkpoints/run/step_100 --out hf_model
     posttrain init-model --preset smollm2-135m-instruct --out models/smollm2   # pretrained, from GGUF
     posttrain convert --gguf model.gguf --out hf_model
+    posttrain doctor [--fix]                         # check the machine and posttrain's cache before a long run
 
 Only the standard library is imported at module level, and only pydantic/PyYAML before a job
 starts: `--help` and config errors answer in about a second. torch, transformers and ray are
@@ -120,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, applied last")
     plan.set_defaults(handler=_plan)
 
+    doctor = commands.add_parser(
+        "doctor",
+        help="check this machine before a long run (packages, cache, sandbox, GPUs, vLLM env, disk); --fix repairs the cache",
+        description="One line per item: Python, torch, transformers and Ray with their versions; every entry of "
+        "posttrain's cache ($POSTTRAIN_CACHE, default ~/.cache/posttrain) and leftovers of interrupted builds; the "
+        "code sandbox's mode; the GPUs and their memory; vLLM's isolated environment; free disk. Exit 1 when a "
+        "check fails (a broken cache entry, a missing essential package); warnings do not fail.",
+    )
+    doctor.add_argument("--fix", action="store_true",
+                        help="remove broken cache entries and leftovers of interrupted builds (run it while no job runs)")
+    doctor.set_defaults(handler=_doctor)
+
     init = commands.add_parser(
         "init-model",
         help="build a small local model and tokenizer, or convert a pretrained one (no download)",
@@ -221,12 +234,19 @@ def _plan(args: argparse.Namespace) -> int:
     except UserError as e:
         print(f"posttrain plan: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    print(f"Memory plan of posttrain {algorithm} ({cfg.policy.model_name}, {cfg.policy.num_workers} policy worker(s)):")
+    workers = "1 generation worker" if algorithm == "eval" else f"{cfg.policy.num_workers} policy worker(s)"
+    print(f"Memory plan of posttrain {algorithm} ({cfg.policy.model_name}, {workers}):")
     print(format_plan(plan))
     if problem:
         print(f"posttrain plan: {problem}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from posttrain.doctor import main as doctor
+
+    return doctor(fix=args.fix)
 
 
 def config_algorithm(config_file: str | None) -> str:

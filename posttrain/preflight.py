@@ -53,13 +53,14 @@ def check_run_dirs(cfg: Any) -> Optional[str]:
     return None
 
 
-def preflight(cfg: Any) -> None:
-    """Check `cfg`'s model, tokenizer and data (and its SFT warm start's, if any); see the module doc."""
+def preflight(cfg: Any, plan_memory: bool = True) -> None:
+    """Check `cfg`'s model, tokenizer and data (and its SFT warm start's, if any); see the module
+    doc. `plan_memory` (default True): check the memory plan too (a warm start's is part of its run's)."""
     from posttrain.config.schema import DistillMasterConfig
 
     for warm_start in ("sft_warmup", "teacher_warmup"):  # GRPO's and distillation's SFT warm starts
         if getattr(cfg, warm_start, None) is not None:
-            preflight(getattr(cfg, warm_start))
+            preflight(getattr(cfg, warm_start), plan_memory=False)
     policy = cfg.policy
     check_model_name(policy.model_name, "policy.model_name", policy.tiny_arch)
     check_tensor_parallel(policy, "policy.model_name")
@@ -80,15 +81,17 @@ def preflight(cfg: Any) -> None:
     if hasattr(cfg, "env"):
         check_envs(cfg, [r for split in records.values() for r in split if "task_name" in r])
     check_components(cfg)
-    check_memory_plan(cfg, records["train"])
+    if plan_memory:
+        check_memory_plan(cfg, records["train"] + records["validation"])
 
 
-def check_memory_plan(cfg: Any, train_records: Optional[list[dict]] = None) -> None:
-    """Refuse a job whose memory plan (`posttrain/plan.py`, `posttrain plan`) cannot fit the
-    devices, naming the keys that would make it fit (`train_records`: already read, not read again)."""
+def check_memory_plan(cfg: Any, records: Optional[list[dict]] = None) -> None:
+    """Refuse a run whose memory plan (`posttrain/plan/`, `posttrain plan`: the job and the warm
+    starts that will run) cannot fit the devices, naming the keys that would make it fit
+    (`records`: the training and validation records already read, not read again)."""
     from posttrain.plan import check_memory
 
-    _, problem = check_memory(cfg, train_records=train_records)
+    _, problem = check_memory(cfg, records=records)
     if problem:
         raise UserError(f"{problem} (posttrain plan prints the whole plan)")
 

@@ -48,7 +48,7 @@ from posttrain.run_config import (
 )
 from posttrain.utils import startup
 from posttrain.utils.metric_names import in_validation_set
-from posttrain.utils.phase_memory import merge_peaks
+from posttrain.utils.phase_memory import as_one_phase, merge_peaks
 from posttrain.utils.timer import Timer
 
 log = logging.getLogger(__name__)
@@ -264,7 +264,9 @@ def validate(ctx: OnPolicyContext, k: int = 1) -> dict[str, float]:
     for name, samples in ctx.val_sets.items():
         metrics.update(in_validation_set(
             evaluate_engine(ctx, ctx.generation, ctx.step, k=k, show_samples=False, samples=samples), name))
-    phase_memory_metrics(ctx)  # validation's phases are not the next step's: forget them
+    # Validation's phases are not the next step's: taken here and logged as one peak of their own
+    # (its batch is `val_batch_size` prompts, not a step's; the memory plan's validation phase).
+    metrics.update(as_one_phase(phase_memory_metrics(ctx), "validation"))
     return metrics
 
 

@@ -10,7 +10,7 @@ and kept, the highest of the phase's calls since the last `take_phase_memory`. T
     memory/<phase>/allocated_gb, memory/<phase>/reserved_gb   (CUDA: torch.cuda's peak counters)
     memory/<phase>/peak_rss_gb                               (CPU: the process's peak resident set)
 
-in GiB. On CPU the peak is the process's (`utils/memory.py`: the kernel's high-water mark of the
+in GiB. A validation's phases are logged apart, as `memory/validation/<stat>` (`as_one_phase`). On CPU the peak is the process's (`utils/memory.py`: the kernel's high-water mark of the
 resident set), whoever allocated it; with the local backend every worker shares one process, and
 the phases run one after another, so each phase still reads its own peak. Costs: on CPU two small
 reads and a write of `/proc/self`; on CUDA an `empty_cache` at each phase boundary.
@@ -81,6 +81,17 @@ def measured_phase(phase: str) -> Callable[[F], F]:
                 self._record_phase_peak(phase, end_phase(self.device))
         return measured  # type: ignore[return-value]
     return decorate
+
+
+def as_one_phase(peaks: dict[str, float], name: str) -> dict[str, float]:
+    """`memory/<name>/<stat>`: the highest of each stat over the phases of `peaks` (`memory/<phase>/<stat>`),
+    e.g. validation's generation and the refit before it as one peak of `name` = validation."""
+    merged: dict[str, float] = {}
+    for key, value in peaks.items():
+        stat = f"memory/{name}/{key.rsplit('/', 1)[-1]}"
+        if key.split("/")[1] in PHASES:
+            merged[stat] = max(merged.get(stat, value), value)
+    return merged
 
 
 def merge_peaks(reports: Iterable[dict[str, float]]) -> dict[str, float]:

@@ -1,5 +1,5 @@
 """GPU smoke tests: a few GRPO steps on 2 GPUs with each generation engine and placement (FSDP2
-over nccl, refit verification on), and the memory plan (`posttrain/plan.py`) against what
+over nccl, refit verification on), and the memory plan (`posttrain/plan/`) against what
 torch's CUDA allocator measures, and offloading between a GPU and its host. See docs/scaling.md, "GPU-only paths": the one-GPU tests have run
 on an H200 (tests/gpu/one_gpu.sh), the 2-GPU tests not yet.
 

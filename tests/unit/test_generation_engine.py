@@ -202,3 +202,18 @@ def test_empty_batch_returns_empty_outputs():
     out = engine.generate(torch.zeros(0, 3, dtype=torch.long), torch.zeros(0, dtype=torch.long), max_new_tokens=4)
     assert out["output_ids"].shape == (0, 3) and out["logprobs"].shape == (0, 3)
     assert out["truncated"].dtype == torch.bool and out["generation_lengths"].shape == (0,)
+
+
+def test_a_generation_does_not_hold_its_kv_cache_after_it_returns():
+    """The engine keeps its llama-like decoder between generations; the cache is the call's alone
+    (held, it stayed allocated through training and the next generation's prefill)."""
+    from posttrain.models.tiny import make_tiny_model
+
+    model, tokenizer = make_tiny_model()
+    engine = NativeGenerationEngine(model, tokenizer, pad_token_id=tokenizer.pad_token_id, eos_token_id=None)
+    ids = torch.randint(3, 50, (4, 6))
+    engine.generate(ids, torch.full((4,), 6), max_new_tokens=5, greedy=True)
+    decoder = engine._llama_like
+    assert decoder is not None and decoder.keys == [] and decoder.values == [] and decoder.attention_bias is None
+    again = engine.generate(ids, torch.full((4,), 6), max_new_tokens=5, greedy=True)  # still decodes
+    assert again["generation_lengths"].tolist() == [5, 5, 5, 5]

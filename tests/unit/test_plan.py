@@ -1,4 +1,4 @@
-"""The memory plan (`posttrain/plan.py`, `posttrain plan`): formula values, the plan's rows for
+"""The memory plan (`posttrain/plan/`, `posttrain plan`): formula values, the plan's rows for
 each placement, the refusal naming keys, the CLI, preflight, and vLLM's placement-dependent share."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_plan_rows_for_sharding_reference_and_colocated_vllm_on_gpu():
     # host memory while vLLM generates.
     assert rows["optimizer state (adamw)"] == {p: 8 * 1_000_000 // 8 for p in ("refit", "logprobs", "training")}
     assert "generation" not in rows["policy parameters (fp32)"]
-    assert rows["vLLM weights + KV cache (0.5 of the GPU)"] == {"generation": 40 * GiB, "refit": 40 * GiB}
+    assert rows["vLLM weights + KV cache (0.5 of the GPU)"] == {p: 40 * GiB for p in ("generation", "refit", "validation")}
     # On GPUs the reference copy is host memory (policy worker keeps it on the CPU).
     assert not any(item.startswith("reference") for item in rows)
     assert rows["refit bucket (send)"]["refit"] == 2 * 1_000_000 + 2 * 100_000  # whole model < 512 MiB bucket
@@ -213,14 +213,15 @@ def test_vllm_gpu_share_defaults_by_placement():
 
 
 def test_cli_prints_the_plan_per_phase(capsys):
-    assert cli.main(["plan"]) == 0
+    assert cli.main(["plan", "sft_warmup=null"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "Memory plan of posttrain grpo (tiny, 1 policy worker(s)):"
-    assert out[2].split() == list(mp.PHASES)
-    items = [line[:36].strip() for line in out[3:]]
+    assert out[2].split() == ["generation", "refit", "logprobs", "training", "validation"]
+    items = [line[:38].strip() for line in out[3:]]
     assert {"policy parameters (fp32)", "gradients (fp32)", "optimizer state (adamw)", "activations",
-            "logprob forward", "KV cache", "total"} <= set(items)
+            "logprob forward", "KV cache", "prefill KV cache (distinct prompts)", "total"} <= set(items)
     assert out[-1].startswith("peak on the node (all processes): ") and out[-1].endswith("fits (keeping 10% free)")
+    assert "GiB (training);" in out[-1]  # the phase that sets the peak
 
 
 def test_cli_refuses_a_plan_that_cannot_fit_naming_keys(capsys):
@@ -288,3 +289,99 @@ def test_preflight_reads_the_training_data_once(monkeypatch):
     preflight.preflight(cfg)
     assert reads == ["train", "validation"]
     assert mp.longest_prompt_tokens(cfg, datasets.load_records(cfg.data, "train")) == 9
+
+
+def test_validation_decodes_val_batch_size_rows_and_can_set_the_peak():
+    """Validation decodes `grpo.val_batch_size` prompts per call (in pieces of
+    `policy.generation.batch_size` rows), each its own prompt, where a step decodes its
+    num_prompts_per_step x num_generations_per_prompt rows sharing a prompt per group: a larger
+    validation batch is a larger KV cache and prefill, planned as a phase of its own, which here
+    sets the peak (the nemotron_mini recipe validates 140 prompts against steps of 32 rows)."""
+    common = ["sft_warmup=null", "grpo.num_prompts_per_step=2", "grpo.num_generations_per_prompt=4",
+              "policy.train_global_batch_size=8", "policy.train_micro_batch_size=1", "policy.logprob_batch_size=1",
+              "policy.max_total_sequence_length=512", "policy.generation.max_new_tokens=256"]
+    cfg = grpo(*common, "grpo.val_batch_size=64")
+    plan = mp.memory_plan(cfg, SHAPE, device_bytes=16 * GiB, longest_prompt=100)
+    (device,) = plan.devices
+    rows = device.rows
+    assert plan.phases == ("generation", "refit", "logprobs", "training", "validation")
+    assert plan.row_tokens == 356  # the longest prompt + max_new_tokens
+    assert rows["KV cache"] == {"generation": int(mp.kv_cache_bytes(SHAPE, 8, 356, 4)),
+                                "validation": int(mp.kv_cache_bytes(SHAPE, 64, 356, 4))}
+    # Prefill: 2 distinct prompts of a step's 8 rows, 64 of validation's, of 100 tokens each.
+    assert rows["prefill KV cache (distinct prompts)"] == {
+        "generation": int(mp.kv_cache_bytes(SHAPE, 2, 100, 4)), "validation": int(mp.kv_cache_bytes(SHAPE, 64, 100, 4))}
+    # Validation holds what generation holds of the training state (nothing offloaded on CPU).
+    for item in ("runtime (python, torch)", "policy parameters (fp32)", "optimizer state (adamw)"):
+        assert rows[item]["validation"] == rows[item]["generation"]
+    assert device.phase_total("validation") > device.phase_total("generation")
+    assert device.peak()[0] == plan.peak_phase() == "validation"
+    assert plan.run_peak() == ("grpo", "validation", device.phase_total("validation"))
+    assert "GiB (validation);" in mp.format_plan(plan).splitlines()[-1]
+    # A validation batch larger than generation.batch_size decodes in pieces of that many rows.
+    pieces = mp.memory_plan(grpo(*common, "grpo.val_batch_size=500", "policy.generation.batch_size=64"), SHAPE,
+                            device_bytes=16 * GiB, longest_prompt=100)
+    assert pieces.devices[0].rows["KV cache"]["validation"] == rows["KV cache"]["validation"]
+    # Without validation in the schedule there is no such phase.
+    never = grpo(*common, "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false")
+    assert mp.memory_plan(never, SHAPE, longest_prompt=100).phases == ("generation", "refit", "logprobs", "training")
+
+
+def test_a_validation_too_large_for_the_device_is_told_a_smaller_val_batch_size():
+    cfg = grpo("sft_warmup=null", "policy.train_micro_batch_size=1", "policy.logprob_batch_size=1",
+               "policy.max_total_sequence_length=4096", "policy.generation.max_new_tokens=2048",
+               "grpo.num_prompts_per_step=1", "grpo.num_generations_per_prompt=2", "policy.train_global_batch_size=2",
+               "grpo.val_batch_size=128", "cluster.host_memory_gb=1.0")
+    shape = mp.ModelShape(**{**SHAPE.__dict__, "num_layers": 16})
+    plan = mp.memory_plan(cfg, shape, device_bytes=GiB, longest_prompt=2048)
+    problem = mp.fit_problem(cfg, shape, plan)
+    assert problem.startswith("memory plan: validation needs ")
+    assert "grpo.val_batch_size=" in problem and "policy.generation.batch_size=" in problem
+
+
+def test_offline_jobs_validate_with_a_forward_and_eval_decodes_without_a_policy():
+    sft = load_config("sft", None, [])
+    plan = mp.memory_plan(sft, SHAPE, device_bytes=16 * GiB)
+    assert plan.job == "sft" and plan.phases == ("training", "validation")
+    rows = plan.devices[0].rows
+    assert rows["logprob forward"] == {"validation": rows["logprob forward"]["validation"]} and "KV cache" not in rows
+    assert rows["optimizer state (adamw)"]["validation"] == 8 * SHAPE.num_params  # the state stays resident
+    dpo = mp.memory_plan(load_config("dpo", "examples/configs/dpo_tiny.yaml", []), SHAPE, device_bytes=16 * GiB)
+    assert dpo.phases == ("logprobs", "training", "validation")
+    assert dpo.devices[0].rows["reference model (fp32, host)"]["logprobs"] == 4 * SHAPE.num_params
+
+    ev = load_config("eval", None, ["eval.batch_size=32", "policy.generation.batch_size=16"])
+    plan = mp.memory_plan(ev, SHAPE, device_bytes=16 * GiB, longest_prompt=9)
+    (engine,) = plan.devices
+    assert plan.job == "eval" and plan.phases == ("evaluation",) and engine.name == "generation worker"
+    assert set(engine.rows) == {"runtime (python, torch)", "generation weights", "KV cache",
+                                "prefill KV cache (distinct prompts)", "prefill forward"}
+    assert engine.rows["generation weights"]["evaluation"] == 4 * SHAPE.num_params  # no optimizer, no gradients
+    assert engine.rows["KV cache"]["evaluation"] == int(mp.kv_cache_bytes(SHAPE, 16, plan.row_tokens, 4))
+
+
+def test_an_sft_warm_start_is_a_job_of_its_own_unless_its_export_is_cached(tmp_path, monkeypatch):
+    from posttrain.run_config import warm_start_export_dir
+
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path))
+    cfg = grpo()
+    plan = mp.run_plan(cfg, SHAPE, device_bytes=16 * GiB, longest_prompt=9, warm_shapes={"sft_warmup": SHAPE})
+    (warm,) = plan.warm_starts
+    assert warm.key == "sft_warmup" and warm.plan.job == "sft_warmup" and warm.plan.phases == ("training", "validation")
+    assert [job for job, _, _ in plan.phase_peaks()] == ["sft_warmup"] * 2 + ["grpo"] * 5
+    assert plan.run_peak()[2] == max(plan.node_peak(), warm.plan.node_peak())
+    text = mp.format_plan(plan)
+    assert text.startswith("sft_warmup (SFT warm start, runs first as a job of its own):") and "\ngrpo:\n" in text
+    # A warm start that cannot fit is named, with its keys, while the GRPO job itself fits.
+    big = grpo("sft_warmup.policy.train_micro_batch_size=256", "sft_warmup.policy.max_total_sequence_length=1024")
+    small = mp.run_plan(big, SHAPE, device_bytes=GiB, longest_prompt=9, warm_shapes={"sft_warmup": SHAPE})
+    assert small.node_peak() < 0.9 * GiB < small.warm_starts[0].plan.node_peak()
+    assert mp.fit_problem(big, SHAPE, small) == (
+        "memory plan: sft_warmup (SFT warm start), training needs 9.18 GiB on this node but 0.90 GiB is usable "
+        "(90% of 1.00 GiB); it would fit with any one of: sft_warmup.policy.train_micro_batch_size=8")
+    export = warm_start_export_dir(cfg.sft_warmup)
+    export.mkdir(parents=True)
+    (export / "config.json").write_text("{}")
+    cached = mp.run_plan(cfg, SHAPE, device_bytes=16 * GiB, longest_prompt=9)
+    assert cached.warm_starts[0].plan is None and cached.run_peak()[0] == "grpo"
+    assert mp.format_plan(cached).startswith(f"sft_warmup (SFT warm start): cached in {export}, will not run")

@@ -74,6 +74,10 @@ class ModelForwardDecoder:
         self.cache.batch_select_indices(keep)
         self.attention_mask = self.attention_mask[keep]
 
+    def release(self) -> None:
+        """See `LlamaLikeDecoder.release`."""
+        self.cache, self.attention_mask = None, None
+
 
 def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
     """None if `LlamaLikeDecoder` can decode for `model`, else why not (one line)."""
@@ -168,6 +172,14 @@ class LlamaLikeDecoder:
         self.rows = count
         self.has_padding = bool(self.attention_bias[:count, :, :, :filled].isinf().any())
 
+    def release(self) -> None:
+        """Drop the cache at the end of a generation. The engine keeps its decoder from one
+        generation to the next: without this, a generation's KV cache stayed allocated through the
+        phases after it (a 32-row call of SmolLM2 at 528 positions: 0.73 GiB held through training)
+        and through the next generation's prefill."""
+        self.keys, self.values, self.attention_bias = [], [], None
+        self.length = self.rows = 0
+
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Feed one token per running row; returns the next-token logits `[rows, V]`.
 
@@ -234,7 +246,7 @@ class LlamaLikeDecoder:
             input_ids=token.unsqueeze(1), attention_mask=torch.cat([mask, mask.new_ones(2, 1)], 1),
             position_ids=(positions[:, -1] + 1).unsqueeze(1), past_key_values=cache, use_cache=True,
         ).logits[:, -1].float()
-        self.keys, self.values, self.attention_bias = [], [], None
+        self.release()
         tolerance = 1e-4 if self.embed.weight.dtype == torch.float32 else 5e-2
         error = ((ours - reference).abs().max() / reference.abs().max().clamp(min=1e-6)).item()
         if error <= tolerance:

@@ -324,58 +324,61 @@ class NativeGenerationEngine:
         stopped = torch.zeros(batch_size, dtype=torch.bool, device=device)
 
         decoder = self._decoder()
-        logits, next_position = self._prefill(
-            input_ids.to(device), input_lengths.to(device), decoder, capacity=prompt_width + max_new_tokens
-        )
-        buffers = SamplingBuffers(batch_size, logits.shape[-1], device) if self.reuse_buffers else None
-        keep_fraction = self.finished_rows_fraction if decoder.keeps_finished_rows else 0.0
-        # The decoder's batch: `slot_rows` maps its rows to original rows; `generating` marks those not finished
-        # (finished rows may stay in it a while, fed padding, their outputs ignored).
-        slot_rows = torch.arange(batch_size, device=device)
-        generating = torch.ones(batch_size, dtype=torch.bool, device=device)
-        num_finished_slots = 0
-
-        for step in range(max_new_tokens):
-            # Sample for the decoder rows still generating.
-            if num_finished_slots:
-                live_slots = generating.nonzero().squeeze(1)
-                rows, step_logits = slot_rows[live_slots], logits[live_slots]
-            else:
-                live_slots, rows, step_logits = None, slot_rows, logits
-            processed = process_logits(step_logits, temperature=temperature, top_k=top_k, top_p=top_p, buffers=buffers)
-            tokens, token_logprobs = sample(
-                processed, seeds[rows], start_steps[rows] + step, greedy=greedy, buffers=buffers
+        try:
+            logits, next_position = self._prefill(
+                input_ids.to(device), input_lengths.to(device), decoder, capacity=prompt_width + max_new_tokens
             )
-            new_tokens[rows, step] = tokens
-            new_logprobs[rows, step] = token_logprobs
-            generation_lengths[rows] = step + 1
+            buffers = SamplingBuffers(batch_size, logits.shape[-1], device) if self.reuse_buffers else None
+            keep_fraction = self.finished_rows_fraction if decoder.keeps_finished_rows else 0.0
+            # The decoder's batch: `slot_rows` maps its rows to original rows; `generating` marks those not finished
+            # (finished rows may stay in it a while, fed padding, their outputs ignored).
+            slot_rows = torch.arange(batch_size, device=device)
+            generating = torch.ones(batch_size, dtype=torch.bool, device=device)
+            num_finished_slots = 0
 
-            finished = torch.isin(tokens, end_ids)
-            if has_stop_strings and any(row_stop_strings[i] for i in rows.tolist()):
-                finished |= self._hits_stop_string(new_tokens, rows, step + 1, row_stop_strings, earlier)
-            stopped[rows] = finished
-            if step + 1 == max_new_tokens:
-                break
+            for step in range(max_new_tokens):
+                # Sample for the decoder rows still generating.
+                if num_finished_slots:
+                    live_slots = generating.nonzero().squeeze(1)
+                    rows, step_logits = slot_rows[live_slots], logits[live_slots]
+                else:
+                    live_slots, rows, step_logits = None, slot_rows, logits
+                processed = process_logits(step_logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                           buffers=buffers)
+                tokens, token_logprobs = sample(
+                    processed, seeds[rows], start_steps[rows] + step, greedy=greedy, buffers=buffers
+                )
+                new_tokens[rows, step] = tokens
+                new_logprobs[rows, step] = token_logprobs
+                generation_lengths[rows] = step + 1
 
-            # Next step's input: each row's new token; rows that finished earlier but are still in the
-            # decoder's batch are fed padding (their outputs are ignored).
-            if live_slots is not None:
-                fed = torch.full_like(slot_rows, self.pad_token_id)
-                fed[live_slots] = tokens
-                tokens = fed
-            if finished.any():
-                generating[finished.nonzero().squeeze(1) if live_slots is None else live_slots[finished]] = False
-                num_finished_slots = int((~generating).sum())
-                if num_finished_slots == slot_rows.numel():
+                finished = torch.isin(tokens, end_ids)
+                if has_stop_strings and any(row_stop_strings[i] for i in rows.tolist()):
+                    finished |= self._hits_stop_string(new_tokens, rows, step + 1, row_stop_strings, earlier)
+                stopped[rows] = finished
+                if step + 1 == max_new_tokens:
                     break
-                if num_finished_slots >= keep_fraction * slot_rows.numel():  # drop the finished rows
-                    keep = generating.nonzero().squeeze(1)
-                    decoder.keep_rows(keep)
-                    slot_rows, next_position, tokens = slot_rows[keep], next_position[keep], tokens[keep]
-                    generating, num_finished_slots = generating[keep], 0
-            logits = decoder.step(tokens, next_position)
-            next_position = next_position + 1
 
+                # Next step's input: each row's new token; rows that finished earlier but are still in the
+                # decoder's batch are fed padding (their outputs are ignored).
+                if live_slots is not None:
+                    fed = torch.full_like(slot_rows, self.pad_token_id)
+                    fed[live_slots] = tokens
+                    tokens = fed
+                if finished.any():
+                    generating[finished.nonzero().squeeze(1) if live_slots is None else live_slots[finished]] = False
+                    num_finished_slots = int((~generating).sum())
+                    if num_finished_slots == slot_rows.numel():
+                        break
+                    if num_finished_slots >= keep_fraction * slot_rows.numel():  # drop the finished rows
+                        keep = generating.nonzero().squeeze(1)
+                        decoder.keep_rows(keep)
+                        slot_rows, next_position, tokens = slot_rows[keep], next_position[keep], tokens[keep]
+                        generating, num_finished_slots = generating[keep], 0
+                logits = decoder.step(tokens, next_position)
+                next_position = next_position + 1
+        finally:
+            decoder.release()  # the cache is this call's: not held into the phases after it
         return self._assemble_outputs(input_ids, input_lengths, new_tokens, new_logprobs, generation_lengths, stopped)
 
     def _hits_stop_string(

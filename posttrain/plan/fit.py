@@ -1,0 +1,200 @@
+"""Whether a run's memory plan fits its devices (`check_memory`), the single config changes that
+would make it fit (`fit_problem`), and the plan as a table (`format_plan`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from posttrain.plan.formulas import GiB, longest_prompt_tokens
+from posttrain.plan.jobs import PHASES, Plan, WarmStart, memory_plan, validates
+from posttrain.plan.shape import ModelShape, model_shape, shape_for
+
+# A plan must leave this share of the device free (CUDA context, fragmentation, optimizer temporaries).
+HEADROOM = 0.10
+
+
+def detect_device_bytes(cfg: Any) -> Optional[int]:
+    """Memory of one device: `cluster.gpu_memory_gb` / `cluster.host_memory_gb` when set, else
+    torch.cuda's first device (GPU jobs) or this machine's RAM (CPU jobs); None when unknown."""
+    if cfg.cluster.gpus_per_node > 0:
+        if cfg.cluster.gpu_memory_gb is not None:
+            return int(cfg.cluster.gpu_memory_gb * GiB)
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    if cfg.cluster.host_memory_gb is not None:
+        return int(cfg.cluster.host_memory_gb * GiB)
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+
+def run_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None, longest_prompt: Optional[int] = None,
+             warm_shapes: Optional[dict[str, ModelShape]] = None) -> Plan:
+    """`memory_plan` of `cfg`'s job with its SFT warm starts (`sft_warmup`, `teacher_warmup`), each
+    planned as the job of its own it is, unless its export is cached (then it will not run).
+    `warm_shapes` (default: read from each warm start's model) are their models' shapes."""
+    from posttrain.run_config import WARM_STARTS, warm_start_export_dir
+
+    plan = memory_plan(cfg, shape, device_bytes, longest_prompt)
+    for key in WARM_STARTS:
+        warm = getattr(cfg, key, None)
+        if warm is None:
+            continue
+        export = warm_start_export_dir(warm)
+        if (export / "config.json").exists():
+            plan.warm_starts.append(WarmStart(key, warm, None, None, export))
+            continue
+        warm_shape = (warm_shapes or {}).get(key) or model_shape(warm.policy)
+        warm_plan = memory_plan(warm, warm_shape, device_bytes)
+        warm_plan.job = key
+        plan.warm_starts.append(WarmStart(key, warm, warm_shape, warm_plan, export))
+    return plan
+
+
+def usable_bytes(plan: Plan) -> float:
+    return (1 - HEADROOM) * plan.device_bytes
+
+
+def fits(plan: Plan) -> bool:
+    """True when the peak of every job of the run (`Plan.run_peak`) stays under (1 - HEADROOM) of
+    the device memory (or it is unknown)."""
+    return plan.device_bytes is None or plan.run_peak()[2] <= usable_bytes(plan)
+
+
+def candidate_fixes(cfg: Any, shape: Optional[ModelShape] = None) -> list[tuple[str, Any]]:
+    """(key=value, changed config) pairs worth trying, one change each; tensor parallel sizes
+    only where they divide `shape`'s heads, key/value heads and MLP width (and the workers)."""
+    policy, gen = cfg.policy, cfg.policy.generation
+    fixes: list[tuple[str, Any]] = []
+
+    def variant(key: str, value: Any) -> None:
+        changed = cfg.model_copy(deep=True)
+        *path, leaf = key.split(".")
+        node = changed
+        for part in path:
+            node = getattr(node, part)
+        try:
+            setattr(node, leaf, value)
+        except ValueError:  # pydantic's ValidationError: not a valid value for this config
+            return
+        fixes.append((f"{key}={json.dumps(value)}", changed))
+
+    if not policy.activation_checkpointing:
+        variant("policy.activation_checkpointing", True)
+    budget = next((f"policy.{name}" for name in ("dynamic_batching", "sequence_packing")
+                   if getattr(policy, name).enabled), None)
+    for key, value in ([(f"{budget}.train_mb_tokens", getattr(policy, budget.split(".")[1]).train_mb_tokens),
+                        (f"{budget}.logprob_mb_tokens", getattr(policy, budget.split(".")[1]).logprob_mb_tokens)]
+                       if budget else [("policy.train_micro_batch_size", policy.train_micro_batch_size),
+                                       ("policy.logprob_batch_size", policy.logprob_batch_size)]):
+        smaller = value // 2
+        while smaller >= 1:
+            variant(key, smaller)
+            smaller //= 2
+    if cfg.cluster.gpus_per_node > 0:
+        for workers in (2 * policy.num_workers, 4 * policy.num_workers):
+            variant("policy.num_workers", workers)
+        if policy.precision == "float32":
+            variant("policy.precision", "bfloat16")
+        if policy.tensor_parallel_size > 1 and not policy.sequence_parallel and not (shape and shape.num_experts):
+            variant("policy.sequence_parallel", True)
+        dims = (shape.num_heads, shape.num_kv_heads, shape.intermediate_size) if shape else ()
+        for tp in (2, 4, 8):
+            if tp > policy.tensor_parallel_size and not policy.lora.enabled and policy.num_workers % tp == 0 \
+                    and all(d % tp == 0 for d in dims) and shape is not None:
+                variant("policy.tensor_parallel_size", tp)
+        if gen.backend == "vllm" and gen.colocated.enabled:
+            for util in (0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2):
+                if util < gen.vllm_cfg.gpu_memory_utilization:
+                    variant("policy.generation.vllm_cfg.gpu_memory_utilization", util)
+    if not policy.lora.enabled:
+        variant("policy.lora.enabled", True)
+    halvings = [("policy.generation.batch_size", gen.batch_size)] if gen.backend == "native" else []
+    section = next((s for s in ("grpo", "distillation") if hasattr(cfg, s)), None)
+    if section and validates(cfg) and gen.backend == "native":  # prompts per validation call
+        halvings.append((f"{section}.val_batch_size", getattr(cfg, section).val_batch_size))
+    if hasattr(cfg, "eval") and gen.backend == "native":
+        halvings.append(("eval.batch_size", cfg.eval.batch_size))
+    for key, value in halvings:
+        smaller = value // 2
+        while smaller >= 1:
+            variant(key, smaller)
+            smaller //= 2
+    return fixes
+
+
+
+def fit_problem(cfg: Any, shape: ModelShape, plan: Plan) -> Optional[str]:
+    """None when `plan` fits; else one line: the job and phase, the need, the memory, and the single
+    changes that fit (for each key, the first value tried that fits: the mildest change). A warm
+    start that does not fit is named by its key (`sft_warmup`), its changes by theirs (`sft_warmup.policy...`)."""
+    if fits(plan):
+        return None
+    jobs = [("", cfg, shape, plan)] + [(f"{w.key}.", w.cfg, w.shape, w.plan) for w in plan.warm_starts if w.plan]
+    prefix, cfg, shape, plan = next(job for job in jobs if job[3].node_peak() > usable_bytes(job[3]))
+    where = "per GPU" if plan.on_gpu else "on this node"
+    need = f"needs {plan.node_peak() / GiB:.2f} GiB {where} but {usable_bytes(plan) / GiB:.2f} GiB " \
+           f"is usable ({1 - HEADROOM:.0%} of {plan.device_bytes / GiB:.2f} GiB)"
+    found: dict[str, str] = {}
+    for change, changed in candidate_fixes(cfg, shape):
+        key = change.split("=", 1)[0]
+        if key not in found and memory_plan(changed, shape_for(changed, shape), plan.device_bytes,
+                                            plan.longest_prompt).node_peak() <= usable_bytes(plan):
+            found[key] = prefix + change
+    advice = ("it would fit with any one of: " + ", ".join(found.values())) if found else \
+        "no single change of policy.activation_checkpointing, micro-batch sizes, policy.num_workers, " \
+        "policy.tensor_parallel_size, policy.precision, policy.lora.enabled or generation settings makes it fit"
+    job = f"{prefix[:-1]} (SFT warm start), " if prefix else ""
+    return f"memory plan: {job}{plan.peak_phase()} {need}; {advice}"
+
+
+def format_job(plan: Plan) -> list[str]:
+    """One job's table: a block per device kind, a row per item, a column per phase of the job (GiB)."""
+    lines = []
+    for device, count in zip(plan.devices, plan.process_counts):
+        kind = "GPU" if plan.on_gpu else "process"
+        lines.append(f"{device.name} (x{count}), GiB per {kind}:")
+        lines.append(f"  {'':36s}" + "".join(f"{p:>12s}" for p in plan.phases))
+        for item, phases in device.rows.items():
+            lines.append(f"  {item:36s}" + "".join(f"{phases.get(p, 0) / GiB:12.3f}" for p in plan.phases))
+        lines.append(f"  {'total':36s}" + "".join(f"{device.phase_total(p) / GiB:12.3f}" for p in plan.phases))
+    if plan.row_tokens:
+        lines.append(f"rows of at most {plan.row_tokens} tokens ({plan.row_bound})")
+    return lines
+
+
+def format_plan(plan: Plan) -> str:
+    """The run's plan: its warm starts' tables (the jobs that run first), the job's, and the peak
+    with the job and phase that set it."""
+    lines = []
+    for warm in plan.warm_starts:
+        if warm.plan is None:
+            lines.append(f"{warm.key} (SFT warm start): cached in {warm.export_dir}, will not run")
+        else:
+            lines.append(f"{warm.key} (SFT warm start, runs first as a job of its own):")
+            lines += ["  " + line for line in format_job(warm.plan)]
+    if plan.warm_starts:
+        lines.append(f"{plan.job}:")
+        lines += ["  " + line for line in format_job(plan)]
+    else:
+        lines += format_job(plan)
+    memory = "unknown (set cluster.gpu_memory_gb)" if plan.device_bytes is None else f"{plan.device_bytes / GiB:.2f} GiB"
+    scope = "per GPU" if plan.on_gpu else "on the node (all processes)"
+    job, phase, peak = plan.run_peak()
+    where = f"{phase} of {job}" if plan.warm_starts else phase
+    lines.append(f"peak {scope}: {peak / GiB:.3f} GiB ({where}); memory: {memory}; "
+                 f"{'fits' if fits(plan) else 'does not fit'} (keeping {HEADROOM:.0%} free)")
+    return "\n".join(lines)
+
+
+def check_memory(cfg: Any, shape: Optional[ModelShape] = None,
+                 records: Optional[list[dict]] = None) -> tuple[Plan, Optional[str]]:
+    """The plan of `cfg`'s run (its warm starts included) on the devices it will get, and why it
+    cannot fit (None if it can); `records`: the prompts when the caller has read them (default:
+    the training and validation records, read here)."""
+    shape = shape or model_shape(cfg.policy)
+    plan = run_plan(cfg, shape, detect_device_bytes(cfg), longest_prompt_tokens(cfg, records))
+    return plan, fit_problem(cfg, shape, plan)

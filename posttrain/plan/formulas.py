@@ -1,0 +1,186 @@
+"""The memory plan's arithmetic: bytes of parameters, optimizer state, activations, KV caches and
+the rows they are planned for, from a `ModelShape` and a config's sizes. Each formula names its source."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from posttrain.plan.shape import ModelShape
+
+GiB = 2**30
+MiB = 2**20
+# Resident set of one posttrain worker process before any model: Python, torch 2.13 (CPU build),
+# transformers and posttrain imported (measured on this project's CPU machine: 350 MiB).
+CPU_RUNTIME_BYTES = 350 * MiB
+# float32 logits tile of the fused logprob kernel (`models/policy/linear_logprobs.py`, TILE_BYTES).
+FUSED_LOGPROB_TILE_BYTES = 16 * MiB
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def compute_dtype_bytes(precision: str, on_gpu: bool) -> int:
+    """Bytes per element of the compute dtype: `auto` is bfloat16 on a GPU, float32 on CPU (`models/hf.py`, pick_dtype)."""
+    if precision == "auto":
+        return 2 if on_gpu else 4
+    return DTYPE_BYTES[precision]
+
+
+def optimizer_state_bytes(trainable: int, name: str, shards: int) -> float:
+    """AdamW / Adam keep two float32 moments per trainable parameter (8 bytes: NeMo-RL and verl
+    size the optimizer as 2 x fp32 states, Kingma & Ba 2015); SGD without momentum keeps none
+    (posttrain's `sgd` has no momentum). FSDP2 shards it over the data-parallel workers."""
+    return (8 if name in ("adamw", "adam") else 0) * trainable / shards
+
+
+def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int, tp: int = 1, sp: bool = False) -> float:
+    """Saved activations of one decoder layer per token, for backward (Korthikanti et al. 2022,
+    "Reducing Activation Recomputation in Large Transformer Models", section 4.1, redone for a
+    pre-norm RMSNorm / RoPE / SwiGLU / grouped-query decoder as transformers runs it, without
+    dropout and with a fused (SDPA / flash) attention kernel, so no sequence x sequence scores):
+
+    - attention (q = heads x head_dim, kv = kv_heads x head_dim): the norm's input and output
+      (2h); RoPE keeps q and k and their rotate_half copies (2q + 2kv); the kernel's inputs, the
+      rotated queries and keys and values expanded to the query heads (3q: transformers' repeat_kv
+      copies them when a mask is passed; without grouping they are k and v themselves), its output
+      and o_proj's contiguous input (2q): 2h + 7q + 2kv;
+    - MLP: the norm's input and output (2h), gate and up projections, the activation and the
+      product that down_proj reads (4 x intermediate); a mixture of experts keeps that for each of
+      the top-k experts of a token, plus the router logits (experts, float32).
+
+    Below float32 the RMSNorm upcasts its input to float32 (2 x 4h bytes more).
+
+    Per tensor-parallel rank (`tp` > 1, Korthikanti et al. 2022, section 4.2.2): the heads' and the
+    MLP width's activations divide by `tp`; the norms' inputs and outputs (the 2h terms and the
+    upcast) only with sequence parallelism (`sp`), which splits them by sequence. MoE experts stay
+    whole under posttrain's TP, so do their activations."""
+    h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    norms = 1 / tp if sp else 1.0
+    attention = 2 * h * norms + (7 * q + 2 * kv) / tp
+    if shape.num_experts:
+        mlp = 2 * h * norms + shape.experts_per_token * (h + 4 * shape.intermediate_size)
+        router = 4 * shape.num_experts
+    else:
+        mlp, router = 2 * h * norms + 4 * shape.intermediate_size / tp, 0
+    upcast = 8 * h * norms if dtype_bytes < 4 else 0
+    return dtype_bytes * (attention + mlp) + router + upcast
+
+
+def training_activation_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, checkpointing: bool,
+                              fused_logprobs: bool, tp: int = 1, sp: bool = False) -> float:
+    """Activations of one training micro-batch of `tokens` tokens.
+
+    Without checkpointing every layer keeps its activations until backward, plus one layer's worth
+    of gradients in flight. With activation checkpointing (recompute each layer in backward) only
+    each layer's input is kept (h per token per layer), plus one layer recomputed and its
+    gradients (Korthikanti et al. 2022, section 4.2: full recomputation keeps 2sbh per layer in 16-bit).
+    The head: with fused logprobs a float32 tile of `FUSED_LOGPROB_TILE_BYTES` and the final hidden
+    states; otherwise the [tokens, vocab] logits in float32, their log-softmax and its gradient (3 copies).
+    Under tensor parallelism (`tp`, `sp`: see `activation_bytes_per_token_layer`) a checkpointed
+    layer's input is split only with sequence parallelism; the head is whole on every rank.
+    """
+    per_layer = activation_bytes_per_token_layer(shape, dtype_bytes, tp, sp)
+    if checkpointing:
+        layers = shape.num_layers * dtype_bytes * shape.hidden_size / (tp if sp else 1) + 2 * per_layer
+    else:
+        layers = (shape.num_layers + 1) * per_layer
+    return tokens * layers + head_bytes(shape, tokens, dtype_bytes, fused_logprobs, backward=True)
+
+
+def head_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused_logprobs: bool, backward: bool) -> float:
+    """The output head's working memory (see `training_activation_bytes`)."""
+    if fused_logprobs:
+        return FUSED_LOGPROB_TILE_BYTES + tokens * dtype_bytes * shape.hidden_size
+    return (3 if backward else 2) * 4 * tokens * shape.vocab_size
+
+
+def logprob_activation_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, fused_logprobs: bool,
+                             tp: int = 1, sp: bool = False) -> float:
+    """A forward without gradients keeps one layer's activations at a time (nothing is saved for backward)."""
+    return tokens * activation_bytes_per_token_layer(shape, dtype_bytes, tp, sp) + head_bytes(
+        shape, tokens, dtype_bytes, fused_logprobs, backward=False)
+
+
+def ring_attention_block_bytes(shape: ModelShape, tokens: int, seq_len: int, cp: int) -> float:
+    """Context parallelism's working memory in one attention layer when the ring computes its
+    blocks with the float32 matmul fallback (CUDA in float32; models/policy/attention_blocks.py):
+    the backward holds a block's scores, probabilities and their gradient, 3 copies of
+    `rows x heads x (seq_len / cp)^2`, rows = tokens / seq_len. The fused kernels (CPU, and CUDA in
+    bf16/fp16) tile the scores and need none of it. 0 without CP."""
+    if cp == 1:
+        return 0.0
+    seq_len = min(tokens, seq_len)
+    return 3 * 4 * (tokens // seq_len) * shape.num_heads * (seq_len / cp) ** 2
+
+
+def kv_cache_bytes(shape: ModelShape, sequences: int, seq_len: int, dtype_bytes: int) -> float:
+    """Keys and values of every layer for `sequences` x `seq_len` tokens: 2 x layers x kv_heads x head_dim x dtype per token."""
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes * sequences * seq_len
+
+
+def micro_batch_tokens(policy: Any, training: bool, row_tokens: Optional[int] = None) -> int:
+    """Tokens of one micro-batch: the token budget of dynamic batching or packing when on, else
+    rows x `row_tokens` (default `policy.max_total_sequence_length`; an upper bound: a micro-batch
+    is cut to its longest row)."""
+    for budgeted in (policy.dynamic_batching, policy.sequence_packing):
+        if budgeted.enabled:
+            return budgeted.train_mb_tokens if training else budgeted.logprob_mb_tokens
+    rows = policy.train_micro_batch_size if training else policy.logprob_batch_size
+    return rows * (row_tokens or policy.max_total_sequence_length)
+
+
+def rollout_turns(cfg: Any) -> Optional[int]:
+    """Turns per episode at most of a job that rolls out prompts (GRPO, distillation, eval); None for the others."""
+    section = next((getattr(cfg, s) for s in ("grpo", "distillation", "eval") if hasattr(cfg, s)), None)
+    return None if section is None else section.max_rollout_turns
+
+
+def longest_row_tokens(cfg: Any, longest_prompt: Optional[int]) -> int:
+    """The longest row a job trains on or generates: `policy.max_total_sequence_length`, or, for
+    single-turn rollouts (GRPO, distillation, eval), the longest prompt plus
+    `policy.generation.max_new_tokens` when that is shorter (a row is a prompt and one response).
+    The default job's rows are 9 + 16 tokens against a limit of 64: planning every row 64 tokens
+    long put its training activations 2.6x too high."""
+    limit = cfg.policy.max_total_sequence_length
+    if longest_prompt is None or rollout_turns(cfg) != 1:
+        return limit
+    return min(limit, longest_prompt + cfg.policy.generation.max_new_tokens)
+
+
+# The longest prompt in tokens is looked for among this many prompts longest in characters.
+PROMPTS_TOKENIZED = 64
+
+
+def longest_prompt_tokens(cfg: Any, records: Optional[list[dict]] = None) -> Optional[int]:
+    """Tokens of the longest prompt a job rolls out as it builds it (chat template and system prompt
+    included), found among the `PROMPTS_TOKENIZED` prompts longest in characters of `records`
+    (default: read here, the training and validation records, or eval's `eval.split`); None for
+    a job without rollouts or when the data cannot be read here (the plan then assumes rows of
+    `policy.max_total_sequence_length`)."""
+    if rollout_turns(cfg) is None:
+        return None
+    try:
+        from posttrain.data.datasets import load_records
+        from posttrain.data.processors import build_prompt_message_log
+        from posttrain.environments.registry import env_rows_maker
+        from posttrain.models.hf import load_tokenizer
+
+        if records is None:
+            splits = (cfg.eval.split,) if hasattr(cfg, "eval") else ("train", "validation")
+            records = [r for split in splits for r in load_records(cfg.data, split, env_rows_maker(getattr(cfg, "env", None)))]
+        longest = sorted(records, key=lambda r: len(str(r.get("messages") or r.get("prompt", ""))))[-PROMPTS_TOKENIZED:]
+        tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name, cfg.policy.tiny_arch)
+        return max(
+            sum(len(m["token_ids"]) for m in build_prompt_message_log(
+                record, tokenizer, cfg.policy.max_total_sequence_length, use_chat_template=cfg.data.use_chat_template,
+                system_prompt=cfg.data.system_prompt, idx=index).message_log)
+            for index, record in enumerate(longest))
+    except Exception:  # noqa: BLE001 (unreadable data is preflight's to report, not the plan's)
+        return None
+
+
+def per_rank_params(shape: ModelShape, workers: int, tp: int) -> float:
+    """Parameters one policy rank holds: the decoder layers split over all `workers` (FSDP2 over
+    the data-parallel ranks times TP within a layer); under TP (`tp` > 1) the embeddings and LM
+    head only over the `workers / tp` data-parallel ranks (whole on every TP rank)."""
+    if tp == 1:
+        return shape.num_params / workers
+    return (shape.num_params - shape.embedding_params) / workers + shape.embedding_params / (workers // tp)

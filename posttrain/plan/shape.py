@@ -1,0 +1,96 @@
+"""What the memory plan knows of a model: `ModelShape`, read from its Hugging Face config with the
+parameters counted on torch's meta device (exact for any architecture, no memory, no weights read)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs to know of a decoder-only model (from its HF config)."""
+
+    num_params: int
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # MLP width (per expert for mixtures of experts)
+    num_experts: int = 0  # 0: dense
+    experts_per_token: int = 0
+    largest_tensor: int = 0  # elements of the largest parameter (one refit bucket must hold it)
+    lora_params: int = 0  # adapter parameters with the configured policy.lora (0 without LoRA)
+    embedding_params: int = 0  # input embeddings and LM head (once if tied): whole on every TP rank
+
+
+def shape_from_hf_config(config: dict, num_params: int, largest_tensor: int = 0, lora_params: int = 0,
+                         embedding_params: Optional[int] = None) -> ModelShape:
+    """`ModelShape` from a Hugging Face config dict (config.json's keys; llama / qwen / mixtral names).
+    `embedding_params` (default: vocabulary x hidden, twice unless `tie_word_embeddings`) are the
+    embeddings' and LM head's elements, which tensor parallelism leaves whole."""
+    hidden = config["hidden_size"]
+    if embedding_params is None:
+        embedding_params = config["vocab_size"] * hidden * (1 if config.get("tie_word_embeddings") else 2)
+    heads = config["num_attention_heads"]
+    experts = config.get("num_local_experts") or config.get("num_experts") or 0
+    return ModelShape(
+        num_params=num_params, hidden_size=hidden, num_layers=config["num_hidden_layers"],
+        vocab_size=config["vocab_size"], num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or hidden // heads,
+        intermediate_size=(config.get("moe_intermediate_size") if experts and config.get("moe_intermediate_size")
+                           else config["intermediate_size"]),
+        num_experts=experts, experts_per_token=config.get("num_experts_per_tok") or 0 if experts else 0,
+        largest_tensor=largest_tensor, lora_params=lora_params, embedding_params=embedding_params,
+    )
+
+
+def model_shape(policy: Any) -> ModelShape:
+    """Shape of `policy.model_name` (its config.json; a preset's config): the parameters are counted
+    on torch's meta device, so nothing is allocated and no weights are read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from posttrain.models.hf import parse_tiny_name, resolve_model_path
+
+    tiny = parse_tiny_name(policy.model_name, policy.tiny_arch)
+    if tiny is not None:
+        from posttrain.models.tiny import tiny_config
+
+        hf_config = tiny_config(*tiny)
+    else:
+        from posttrain.models.paths import checkpoint_policy_dir
+
+        # A training checkpoint (`step_N`, which every job accepts as a model) keeps its HF config
+        # beside the sharded weights (`models/policy/checkpoint.py`, HF_DIR).
+        checkpoint = checkpoint_policy_dir(Path(policy.model_name).expanduser())
+        path = str(checkpoint / "hf") if checkpoint is not None else resolve_model_path(policy.model_name,
+                                                                                       policy.tiny_arch)
+        hf_config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    params = list(model.parameters())
+    lora = 0
+    if policy.lora.enabled:
+        targets = set(policy.lora.target_modules)
+        lora = sum(policy.lora.dim * (m.in_features + m.out_features) for name, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets)
+    heads = {id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings())
+             if m is not None}  # one entry when tied
+    return shape_from_hf_config(json.loads(hf_config.to_json_string()), sum(p.numel() for p in params),
+                                max(p.numel() for p in params), lora, sum(heads.values()))
+
+
+def shape_for(cfg: Any, shape: ModelShape) -> ModelShape:
+    """`shape` with LoRA's adapter count estimated when a fix turns LoRA on (rank x (in + out) for
+    each attention projection of each layer, the default target modules)."""
+    if not cfg.policy.lora.enabled or shape.lora_params:
+        return shape
+    h, q, kv = shape.hidden_size, shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    per_layer = (h + q) + 2 * (h + kv) + (q + h)
+    return ModelShape(**{**shape.__dict__, "lora_params": cfg.policy.lora.dim * per_layer * shape.num_layers})

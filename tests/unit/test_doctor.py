@@ -1,0 +1,119 @@
+"""`posttrain doctor` (`posttrain/doctor.py`): one line per cache entry, broken ones fail the
+check, `--fix` removes exactly those, and a build in progress is left alone."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from posttrain import cli, doctor
+
+
+def model_dir(path: Path, marker: str = "posttrain_tiny.json") -> Path:
+    """A complete model directory as the cache holds one (the files' contents are not read)."""
+    path.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", marker):
+        (path / name).write_text("{}")
+    return path
+
+
+def cache_lines(out: str) -> dict[str, tuple[str, str]]:
+    """The cache's lines by entry: {"models/x": (status, the rest of the line)}."""
+    rows = {}
+    for line in out.splitlines():
+        status, item, detail = line.split(maxsplit=2)
+        if item == "cache" and not detail.startswith("/"):  # not the summary line naming the cache
+            words = detail.split()
+            entry = words[1] if status == doctor.FIXED else words[0]
+            rows[entry.rstrip(":")] = (status, detail)
+    return rows
+
+
+def test_doctor_reports_each_entry_fails_on_broken_ones_and_fix_removes_exactly_those(tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "cache"
+    healthy = model_dir(cache / "models" / "llama-tiny")
+    (model_dir(cache / "models" / "llama-small") / "model.safetensors").unlink()
+    leftover = cache / "models" / ".tmp-x"
+    leftover.mkdir()
+    env = cache / "envs" / "vllm-cpu-0123456789abcdef"
+    env.mkdir(parents=True)
+    (env / "posttrain-env.json").write_text("{}")  # no bin/python: an unfinished environment
+    (cache / "envs" / "vllm-cpu-0123456789abcdef.lock").write_text("")  # files beside entries are not entries
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(cache))
+
+    assert cli.main(["doctor"]) == 1
+    out = capsys.readouterr().out
+    assert f"ok     cache         {cache}: 4 entries, 3 broken" in out.splitlines()
+    rows = cache_lines(out)
+    assert set(rows) == {"models/llama-tiny", "models/llama-small", "models/.tmp-x", "envs/vllm-cpu-0123456789abcdef"}
+    assert rows["models/llama-tiny"][0] == doctor.OK
+    assert rows["models/llama-small"] == (doctor.FAIL, "models/llama-small: no weights (model.safetensors or "
+                                          "model.safetensors.index.json with its shards) (posttrain doctor --fix removes it)")
+    assert rows["models/.tmp-x"][0] == doctor.FAIL and "leftover of an interrupted build" in rows["models/.tmp-x"][1]
+    assert rows["envs/vllm-cpu-0123456789abcdef"][0] == doctor.FAIL and "no bin/python" in rows["envs/vllm-cpu-0123456789abcdef"][1]
+    # Every other check ran too, one line each (none fails on a machine that runs the tests).
+    items = [line.split()[1] for line in out.splitlines()]
+    assert {"python", "torch", "transformers", "ray", "sandbox", "gpus", "vllm", "disk"} <= set(items)
+    assert [line for line in out.splitlines() if line.startswith(doctor.FAIL) and " cache " not in line] == []
+
+    assert cli.main(["doctor", "--fix"]) == 0
+    rows = cache_lines(capsys.readouterr().out)
+    assert {entry for entry, (status, _) in rows.items() if status == doctor.FIXED} == \
+        {"models/llama-small", "models/.tmp-x", "envs/vllm-cpu-0123456789abcdef"}
+    assert rows["models/llama-small"][1].startswith("removed models/llama-small: no weights")
+    assert sorted(p.name for p in cache.glob("*/*") if p.is_dir()) == ["llama-tiny"]
+    assert healthy.is_dir() and (cache / "envs" / "vllm-cpu-0123456789abcdef.lock").is_file()
+    assert cli.main(["doctor"]) == 0
+    assert set(cache_lines(capsys.readouterr().out)) == {"models/llama-tiny"}
+
+
+def test_a_build_of_a_live_process_is_left_alone_and_a_dead_ones_is_garbage(tmp_path):
+    models = tmp_path / "models"
+    live = models / f".tmp-llama-tiny-{os.getpid()}-0a1b2c3d"
+    live.mkdir(parents=True)
+    checkpoint = tmp_path / "checkpoint_hf" / f"0123456789abcdef.tmp{os.getpid()}"  # converted_checkpoint's name
+    checkpoint.mkdir(parents=True)
+    dead = models / ".tmp-llama-tiny-999999999-0a1b2c3d"  # no such process
+    dead.mkdir()
+    stale = models / ".stale-llama-tiny-0a1b2c3d"
+    stale.mkdir()
+    assert doctor.building_pid(live.name) == os.getpid() and doctor.entry_problem(live) is None
+    assert doctor.building_pid(checkpoint.name) == os.getpid() and doctor.entry_problem(checkpoint) is None
+    assert doctor.entry_problem(dead) == "leftover of an interrupted build"
+    assert doctor.entry_problem(stale) == "leftover of a replaced entry"
+    findings = doctor.check_cache(tmp_path, fix=True)
+    assert [f.status for f in findings].count(doctor.FIXED) == 2
+    assert live.is_dir() and checkpoint.is_dir() and not dead.exists() and not stale.exists()
+    assert any(f"being built by process {os.getpid()}" in f.detail for f in findings)
+
+
+def test_a_sharded_model_needs_every_shard_its_index_names(tmp_path):
+    path = model_dir(tmp_path / "sft_warmup" / "0123456789ab")
+    (path / "model.safetensors").unlink()
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (path / "model-00001-of-00002.safetensors").write_text("")
+    assert doctor.entry_problem(path) == "weight shards missing: model-00002-of-00002.safetensors"
+    (path / "model-00002-of-00002.safetensors").write_text("")
+    assert doctor.entry_problem(path) is None  # an SFT export has no marker file; only models/ entries do
+    (path / "tokenizer.json").unlink()
+    assert doctor.entry_problem(path).startswith("no tokenizer")
+    (model_dir(tmp_path / "models" / "smollm2", marker="other.json"))
+    assert doctor.entry_problem(tmp_path / "models" / "smollm2").startswith("no marker file")
+
+
+def test_doctor_fails_naming_the_install_when_an_essential_cannot_be_imported(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray":
+            raise ModuleNotFoundError("No module named 'ray'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(__import__("sys").modules, "ray", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    ray = next(f for f in doctor.check_packages() if f.item == "ray")
+    assert ray.status == doctor.FAIL and ray.detail.endswith("pip install ray==2.60.0")
