@@ -392,3 +392,15 @@ def test_an_sft_warm_start_is_a_job_of_its_own_unless_its_export_is_cached(tmp_p
     cached = mp.run_plan(cfg, SHAPE, device_bytes=16 * GiB, longest_prompt=9)
     assert cached.warm_starts[0].plan is None and cached.run_peak()[0] == "grpo"
     assert mp.format_plan(cached).startswith(f"sft_warmup (SFT warm start): cached in {export}, will not run")
+
+
+def test_validations_phases_are_logged_as_one_peak_of_their_own():
+    """What the plan's validation phase is measured against (`benchmarks/memory_plan.py`): the
+    highest of validation's phases (its generation, a refit before it) per stat, apart from a step's."""
+    from posttrain.utils.phase_memory import as_one_phase
+
+    peaks = {"memory/generation/peak_rss_gb": 2.0, "memory/refit/peak_rss_gb": 2.5, "memory/offload/moved_gb": 0.3,
+             "memory/generation/allocated_gb": 1.0, "memory/refit/allocated_gb": 0.5}
+    assert as_one_phase(peaks, "validation") == {"memory/validation/peak_rss_gb": 2.5,
+                                                 "memory/validation/allocated_gb": 1.0}
+    assert as_one_phase({}, "validation") == {}
