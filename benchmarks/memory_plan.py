@@ -82,13 +82,16 @@ def main() -> None:
             print(f"[memory_plan] running posttrain {algorithm} {' '.join(overrides)}", flush=True)
             rss, wall = run_job(algorithm, args.config, overrides, metrics_file.parent)
         measured = measured_peaks(metrics_file)
+        # A warm start logs under <log_dir>/<key>: its process's peak so far (`memory/controller_peak_rss_gib`).
+        warm = {w.key: measured_peaks(metrics_file.parent / w.key / "metrics.jsonl").get("controller_peak_rss_gib")
+                for w in plan.warm_starts if w.plan is not None and (metrics_file.parent / w.key / "metrics.jsonl").exists()}
 
-    print(f"\n{'phase':12s} {'plan GiB':>9s} {'measured peak RSS GiB':>22s} {'plan/measured':>14s}")
-    for job, phase, planned in plan.phase_peaks():
-        got = measured.get(phase) if job == plan.job else None
+    rows = [(f"{w.key} (peak)", w.plan.node_peak(), warm.get(w.key)) for w in plan.warm_starts if w.plan is not None]
+    rows += [(phase, planned, measured.get(phase)) for job, phase, planned in plan.phase_peaks() if job == plan.job]
+    print(f"\n{'phase':20s} {'plan GiB':>9s} {'measured peak RSS GiB':>22s} {'plan/measured':>14s}")
+    for label, planned, got in rows:
         ratio = f"{planned / got - 1:+14.0%}" if got else f"{'':>14s}"
-        label = phase if job == plan.job else f"{job}: {phase}"
-        print(f"{label:12s} {planned / GiB:9.3f} {got / GiB if got else float('nan'):22.3f} {ratio}")
+        print(f"{label:20s} {planned / GiB:9.3f} {got / GiB if got else float('nan'):22.3f} {ratio}")
     job, phase, peak = plan.run_peak()
     whole = rss or max(measured.values())
     where = "the command's ru_maxrss" if rss else "the highest memory/ peak in the metrics"

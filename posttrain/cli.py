@@ -110,10 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser(
         "plan",
         help="print the memory plan of a config per GPU (or CPU worker) and phase; exit 2 if it cannot fit",
-        description="Print what each GPU (or CPU worker process) holds in each phase (generation, refit, "
-        "logprobs, training) for a config, from the model's config alone (no weights loaded), and refuse "
-        "(exit 2) a config that cannot fit, naming the keys that would make it fit. GPU memory: "
-        "cluster.gpu_memory_gb or torch.cuda; CPU: cluster.host_memory_gb or this machine's RAM.",
+        description="Print what each GPU (or CPU worker process) holds in each phase of a run (generation, refit, "
+        "logprobs, training, validation; eval's evaluation; an SFT warm start as its own job) for a config, from "
+        "the model's config alone (no weights loaded), and the phase that sets the peak; refuse (exit 2) a config "
+        "that cannot fit, naming the keys that would make it fit. GPU memory: cluster.gpu_memory_gb or torch.cuda; "
+        "CPU: cluster.host_memory_gb or this machine's RAM.",
     )
     plan.add_argument("--config", metavar="FILE", help="YAML config (default: the embedded example of the algorithm)")
     plan.add_argument("--algorithm", choices=list(JOBS), default=None,
@@ -337,8 +338,8 @@ def _convert(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `posttrain` script and `python -m posttrain`; returns the exit code.
 
-    Exit codes: 0 success, 1 the command's code is not available, 2 bad usage or config error,
-    130 interrupted.
+    Exit codes: 0 success, 1 the command's code is not available (or `posttrain doctor` found a
+    problem), 2 bad usage or config error, 130 interrupted.
     """
     args = build_parser().parse_args(argv)
     try:

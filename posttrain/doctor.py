@@ -29,9 +29,9 @@ from typing import Callable, Iterable, Optional
 
 OK, WARN, FAIL, FIXED = "ok", "warn", "FAIL", "fixed"
 # Below this much free disk at the cache or the working directory a long run may not get to its
-# last checkpoint (a 135M model's checkpoint with its optimizer state is 1.6 GB; vLLM's environment ~5 GB).
+# last checkpoint (a 135M model's checkpoint with its Adam state is 1.6 GB; vLLM's environment several GB).
 LOW_DISK_BYTES = 10 * 2**30
-# The cache's kinds of entries: directory -> what each entry under it is.
+# The cache's kinds of entries (its top-level directories).
 MODEL_KINDS = ("models", "sft_warmup", "checkpoint_hf")  # Hugging Face model directories
 ENVS = "envs"  # isolated Python environments (`distributed/isolated_env.py`)
 # Build directories: `.tmp-<name>-<pid>-<hex>` and `.stale-<name>-<hex>` (`cache.publish_entry`),

@@ -145,13 +145,24 @@ def validates(cfg: Any) -> bool:
     return s is not None and (s.val_at_start or s.val_period > 0 or s.val_at_end)
 
 
+def computes_logprobs(cfg: Any) -> bool:
+    """Whether an on-policy step has a logprobs phase: GRPO computes the previous logprobs only
+    when the generating weights are older (async) or the batch spans several optimizer steps, and
+    the reference's under a KL penalty (`experience.update_policy`); distillation always."""
+    g = getattr(cfg, "grpo", None)
+    if g is None:
+        return True
+    rows = g.num_prompts_per_step * g.num_generations_per_prompt
+    return g.async_grpo.enabled or rows > cfg.policy.train_global_batch_size or cfg.loss_fn.reference_policy_kl_penalty > 0
+
+
 def job_phases(cfg: Any) -> tuple[str, ...]:
     """The phases `cfg`'s job runs (module doc), in `PHASES` order."""
     if hasattr(cfg, "eval"):
         return ("evaluation",)
     validation = ("validation",) if validates(cfg) else ()
     if any(hasattr(cfg, s) for s in ON_POLICY_SECTIONS):
-        return ("generation", "refit", "logprobs", "training", *validation)
+        return ("generation", "refit", *(("logprobs",) if computes_logprobs(cfg) else ()), "training", *validation)
     return ("logprobs", "training", *validation) if hasattr(cfg, "dpo") else ("training", *validation)
 
 

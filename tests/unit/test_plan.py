@@ -162,7 +162,7 @@ def test_context_parallel_divides_the_sequence_proportional_activations_by_hand(
     # tokens; parameters shard over all 8 ranks (FSDP over dp x cp); the ring's float32 blocks are
     # 3 copies of rows x heads x (seq / cp)^2 = 2 rows x 4 heads x 1024^2.
     common = ["cluster.gpus_per_node=8", "policy.num_workers=8", "policy.train_micro_batch_size=2",
-              "policy.max_total_sequence_length=2048"]
+              "policy.max_total_sequence_length=2048", "policy.train_global_batch_size=64"]  # 2 optimizer steps: logprobs
     cp1 = mp.memory_plan(grpo(*common), SHAPE, device_bytes=80 * GiB).devices[0].rows
     cp2 = mp.memory_plan(grpo(*common, "policy.context_parallel_size=2"), SHAPE, device_bytes=80 * GiB).devices[0].rows
     fused_tokens = 2 * 2048 // 2
@@ -216,10 +216,13 @@ def test_cli_prints_the_plan_per_phase(capsys):
     assert cli.main(["plan", "sft_warmup=null"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "Memory plan of posttrain grpo (tiny, 1 policy worker(s)):"
-    assert out[2].split() == ["generation", "refit", "logprobs", "training", "validation"]
+    # 16 prompts x 8 answers are one optimizer step of 128 rows and there is no KL penalty: the
+    # loss takes the training forward's own logprobs, so the step has no logprobs phase.
+    assert out[2].split() == ["generation", "refit", "training", "validation"]
     items = [line[:38].strip() for line in out[3:]]
     assert {"policy parameters (fp32)", "gradients (fp32)", "optimizer state (adamw)", "activations",
-            "logprob forward", "KV cache", "prefill KV cache (distinct prompts)", "total"} <= set(items)
+            "KV cache", "prefill KV cache (distinct prompts)", "total"} <= set(items)
+    assert "logprob forward" not in items
     assert out[-1].startswith("peak on the node (all processes): ") and out[-1].endswith("fits (keeping 10% free)")
     assert "GiB (training);" in out[-1]  # the phase that sets the peak
 
@@ -304,7 +307,7 @@ def test_validation_decodes_val_batch_size_rows_and_can_set_the_peak():
     plan = mp.memory_plan(cfg, SHAPE, device_bytes=16 * GiB, longest_prompt=100)
     (device,) = plan.devices
     rows = device.rows
-    assert plan.phases == ("generation", "refit", "logprobs", "training", "validation")
+    assert plan.phases == ("generation", "refit", "training", "validation")
     assert plan.row_tokens == 356  # the longest prompt + max_new_tokens
     assert rows["KV cache"] == {"generation": int(mp.kv_cache_bytes(SHAPE, 8, 356, 4)),
                                 "validation": int(mp.kv_cache_bytes(SHAPE, 64, 356, 4))}
@@ -324,7 +327,11 @@ def test_validation_decodes_val_batch_size_rows_and_can_set_the_peak():
     assert pieces.devices[0].rows["KV cache"]["validation"] == rows["KV cache"]["validation"]
     # Without validation in the schedule there is no such phase.
     never = grpo(*common, "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false")
-    assert mp.memory_plan(never, SHAPE, longest_prompt=100).phases == ("generation", "refit", "logprobs", "training")
+    assert mp.memory_plan(never, SHAPE, longest_prompt=100).phases == ("generation", "refit", "training")
+    # Two optimizer steps per batch need the previous logprobs: a logprobs phase.
+    two = grpo(*common, "policy.train_global_batch_size=4")
+    assert mp.memory_plan(two, SHAPE, longest_prompt=100).phases == (
+        "generation", "refit", "logprobs", "training", "validation")
 
 
 def test_a_validation_too_large_for_the_device_is_told_a_smaller_val_batch_size():
@@ -368,7 +375,7 @@ def test_an_sft_warm_start_is_a_job_of_its_own_unless_its_export_is_cached(tmp_p
     plan = mp.run_plan(cfg, SHAPE, device_bytes=16 * GiB, longest_prompt=9, warm_shapes={"sft_warmup": SHAPE})
     (warm,) = plan.warm_starts
     assert warm.key == "sft_warmup" and warm.plan.job == "sft_warmup" and warm.plan.phases == ("training", "validation")
-    assert [job for job, _, _ in plan.phase_peaks()] == ["sft_warmup"] * 2 + ["grpo"] * 5
+    assert [job for job, _, _ in plan.phase_peaks()] == ["sft_warmup"] * 2 + ["grpo"] * 4
     assert plan.run_peak()[2] == max(plan.node_peak(), warm.plan.node_peak())
     text = mp.format_plan(plan)
     assert text.startswith("sft_warmup (SFT warm start, runs first as a job of its own):") and "\ngrpo:\n" in text
@@ -385,3 +392,15 @@ def test_an_sft_warm_start_is_a_job_of_its_own_unless_its_export_is_cached(tmp_p
     cached = mp.run_plan(cfg, SHAPE, device_bytes=16 * GiB, longest_prompt=9)
     assert cached.warm_starts[0].plan is None and cached.run_peak()[0] == "grpo"
     assert mp.format_plan(cached).startswith(f"sft_warmup (SFT warm start): cached in {export}, will not run")
+
+
+def test_validations_phases_are_logged_as_one_peak_of_their_own():
+    """What the plan's validation phase is measured against (`benchmarks/memory_plan.py`): the
+    highest of validation's phases (its generation, a refit before it) per stat, apart from a step's."""
+    from posttrain.utils.phase_memory import as_one_phase
+
+    peaks = {"memory/generation/peak_rss_gb": 2.0, "memory/refit/peak_rss_gb": 2.5, "memory/offload/moved_gb": 0.3,
+             "memory/generation/allocated_gb": 1.0, "memory/refit/allocated_gb": 0.5}
+    assert as_one_phase(peaks, "validation") == {"memory/validation/peak_rss_gb": 2.5,
+                                                 "memory/validation/allocated_gb": 1.0}
+    assert as_one_phase({}, "validation") == {}
