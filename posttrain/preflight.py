@@ -64,6 +64,7 @@ def preflight(cfg: Any, plan_memory: bool = True) -> None:
     policy = cfg.policy
     check_model_name(policy.model_name, "policy.model_name", policy.tiny_arch)
     check_tensor_parallel(policy, "policy.model_name")
+    check_rope_scaling(policy, "policy")
     from posttrain.distributed.local_resources import local_resources_problem
 
     problem = local_resources_problem(cfg)  # from the config and this machine: before the data's slower checks
@@ -73,6 +74,7 @@ def preflight(cfg: Any, plan_memory: bool = True) -> None:
         check_model_name(policy.tokenizer_name, "policy.tokenizer_name", policy.tiny_arch)
     if isinstance(cfg, DistillMasterConfig):
         check_model_name(cfg.teacher.model_name, "teacher.model_name", cfg.teacher.tiny_arch)
+        check_rope_scaling(cfg.teacher, "teacher")
     records = load_split_records(cfg)
     if isinstance(cfg, DistillMasterConfig):
         check_distill_vocabularies(cfg)  # a preset's size needs the tokenizer (imports torch)
@@ -109,6 +111,32 @@ def check_tensor_parallel(policy: Any, key: str) -> None:
     problem = tensor_parallel_problem(sizes, policy.tensor_parallel_size, f"{key}={policy.model_name!r}") if sizes else None
     if problem:
         raise UserError(problem)
+
+
+def check_rope_scaling(model: Any, section: str) -> None:
+    """Refuse a `<section>.rope_scaling` that the model's config cannot take (a key its rope_type
+    needs, a model without RoPE), read from the preset or `config.json` (a hub id not cached yet
+    is checked by the workers when they load it)."""
+    if not model.rope_scaling:
+        return
+    from transformers import AutoConfig
+
+    from posttrain.models.hf import apply_rope_scaling, parse_tiny_name
+    from posttrain.models.paths import model_config_dict
+    from posttrain.models.tiny import tiny_config
+
+    tiny = parse_tiny_name(model.model_name, model.tiny_arch)
+    if tiny is not None:
+        config = tiny_config(*tiny)
+    else:
+        found = model_config_dict(model.model_name)
+        if found is None or "model_type" not in found:
+            return
+        config = AutoConfig.for_model(**found)
+    try:
+        apply_rope_scaling(config, model.rope_scaling)
+    except ValueError as e:
+        raise UserError(str(e).replace("policy.rope_scaling", f"{section}.rope_scaling", 1)) from None
 
 
 def check_components(cfg: Any) -> None:

@@ -227,6 +227,40 @@ def apply_overlong_penalty(
     return rewards + (-excess / buffer_length * penalty).clamp(max=0)
 
 
+def length_reward(
+    rewards: torch.Tensor,
+    response_lengths: torch.Tensor,
+    group_ids: torch.Tensor,
+    sample_mask: Optional[torch.Tensor] = None,
+    correct_reward: float = 1.0,
+) -> torch.Tensor:
+    """Kimi k1.5's per-group length reward (Kimi Team 2025, "Kimi k1.5: Scaling Reinforcement
+    Learning with LLMs", arXiv:2501.12599, section 2.3.3), ``[B]``, to be added to the rewards with
+    a weight.
+
+    Within each group, with ``min_len`` / ``max_len`` the shortest and longest valid response,
+    ``lambda = 0.5 - (len - min_len) / (max_len - min_len)``; a correct sample (reward >=
+    ``correct_reward``, default 1.0, the paper's r = 1) gets ``lambda`` (+0.5 for the shortest down to
+    -0.5 for the longest), an incorrect one ``min(0, lambda)`` (only the penalty for being long).
+    A group whose valid responses all have the same length gets 0, as do samples with
+    ``sample_mask == 0`` (they also stay out of min / max).
+    Config: ``reward_shaping.length_penalty``.
+    """
+    r, m, n = _check_inputs(rewards, group_ids, sample_mask, None)
+    if response_lengths.shape != rewards.shape:
+        raise ValueError(f"response_lengths {tuple(response_lengths.shape)} and rewards {tuple(rewards.shape)} differ")
+    lengths = response_lengths.double()
+    valid = m > 0
+    ids, values = group_ids[valid], lengths[valid]
+    shortest = torch.full((n,), float("inf"), dtype=lengths.dtype).scatter_reduce(0, ids, values, "amin")[group_ids]
+    longest = torch.full((n,), float("-inf"), dtype=lengths.dtype).scatter_reduce(0, ids, values, "amax")[group_ids]
+    spread = longest - shortest
+    varied = valid & (spread > 0)
+    lam = torch.where(varied, 0.5 - (lengths - shortest) / torch.where(varied, spread, 1.0), 0.0)
+    reward = torch.where(r >= correct_reward, lam, lam.clamp(max=0))
+    return reward.to(rewards.dtype)
+
+
 def filter_zero_variance_groups(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,

@@ -90,6 +90,10 @@ def score_groups(ctx: Any, result: Any, num_groups: int, version: int) -> list[P
     sample_mask = torch.tensor([s.loss_multiplier for s in samples])
     if g.overlong_filtering:
         sample_mask = sample_mask * (~result.overlong).float()
+    lp = cfg.reward_shaping.length_penalty
+    if lp.enabled and ctx.step >= lp.warmup_steps:  # Kimi k1.5: correctness from the environment's reward
+        rewards = rewards + lp.weight * adv.length_reward(result.rewards, response_lengths(samples), group_ids,
+                                                          sample_mask, correct_reward=lp.correct_reward)
     advantages = adv.compute_advantages(
         g.adv_estimator.name, rewards, group_ids, sample_mask, **advantage_options(g),
     )

@@ -13,14 +13,18 @@ step, ranked by the most recent validation), `report.png` and the closing summar
     loop.close()
 
 `train_offline` is that sequence for the trainers on a fixed data set.
+
+Step callbacks (`step_callbacks`, used by the Python API's `callbacks=`) see every training step
+of the loops of one section; one returning True stops the run after that step.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from posttrain.utils import startup
 from posttrain.utils.checkpoint import CheckpointManager, complete_checkpoints
@@ -42,6 +46,39 @@ ValidateFn = Callable[[], dict[str, float]]
 
 def prefixed(metrics: dict, prefix: str) -> dict[str, float]:
     return {f"{prefix}/{k}": float(v) for k, v in metrics.items()}
+
+
+# (section, callbacks) registered by `step_callbacks`: this process's loops of that section call them.
+_STEP_CALLBACKS: list[tuple[str, Sequence[Any]]] = []
+
+
+@contextmanager
+def step_callbacks(callbacks: Sequence[Any], section: str) -> Iterator[None]:
+    """While inside, every `TrainingLoop` of `section` (e.g. "grpo", not its SFT warm start's
+    "sft") calls each callback after each training step is logged and checkpointed:
+    `callback.on_step_end(step, metrics)`, or `callback(step, metrics)` for a plain function, with
+    the step's metrics (`train/...`, `validation/...` when it validated, `timing/...`). A callback
+    returning True stops the run after that step: it is checkpointed (when checkpointing is on)
+    and the run ends as at its last step; a rerun resumes from there."""
+    entry = (section, list(callbacks))
+    _STEP_CALLBACKS.append(entry)
+    try:
+        yield
+    finally:
+        _STEP_CALLBACKS.remove(entry)
+
+
+def _call_step_callbacks(section: str, step: int, metrics: dict[str, float]) -> bool:
+    """Whether a callback registered for `section` asked to stop after `step`. Every callback is
+    called, also after one asked to stop."""
+    stop = False
+    for registered, callbacks in _STEP_CALLBACKS:
+        if registered != section:
+            continue
+        for callback in callbacks:
+            on_step_end = getattr(callback, "on_step_end", callback)
+            stop = bool(on_step_end(step, dict(metrics))) or stop
+    return stop
 
 
 class TrainingLoop:
@@ -159,9 +196,15 @@ class TrainingLoop:
                 if (s.val_period > 0 and step % s.val_period == 0) or (s.val_at_end and step == self.last_step):
                     metrics.update(self.validate(validate_fn))
                 self.logger.log_metrics(metrics, step)
-                if self.checkpointer.should_save(step, is_last_step=step == self.last_step):
+                saving = self.checkpointer.should_save(step, is_last_step=step == self.last_step)
+                if saving:
                     self.save()
                 bar.update(metrics)
+                if _STEP_CALLBACKS and _call_step_callbacks(self.section, step, metrics):
+                    if self.cfg.checkpointing.enabled and not saving:
+                        self.save()  # where a rerun resumes
+                    bar.write(f"[posttrain] {self.name} stopped after step {step}: a step callback asked to stop")
+                    break
         except KeyboardInterrupt as interrupt:
             bar.close()
             if not interrupt.args:  # the innermost loop (a warm start's) says where its rerun resumes

@@ -230,6 +230,8 @@ class ClippedPGLoss:
       generation's refit and this forward (TRL does the same). GRPO skips its recompute pass this
       way; `check_train_batch` refuses a batch without them that spans several optimizer steps.
     - Dual clip (Ye et al. 2020): ``ratio_clip_c = c > 1`` bounds the loss by -A*c where A < 0.
+    - CISPO (MiniMax-M1, MiniMax 2025, arXiv:2506.13585): ``use_cispo=True``: ``L = -sg(r_hat) A logp``, the clipped
+      ratio as a detached weight, so every token keeps a gradient (token-level loss only).
 
     Per token, with r the ratio and r_hat = clamp(r, 1 - ratio_clip_min, 1 + ratio_clip_max):
     ``L = max(-A r, -A r_hat)``. The train/inference mismatch is corrected with importance weights
@@ -350,11 +352,19 @@ class ClippedPGLoss:
             ratio = log_ratio.exp()
             ratio_clamped = ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
 
-        loss_unclipped = -advantages * ratio
-        loss_clipped = -advantages * ratio_clamped
-        pg_loss = torch.maximum(loss_unclipped, loss_clipped)  # pessimistic bound
-        if cfg.ratio_clip_c is not None:
-            pg_loss = torch.where(advantages < 0, torch.minimum(pg_loss, -advantages * cfg.ratio_clip_c), pg_loss)
+        if cfg.use_cispo:
+            # CISPO: the clipped ratio is a constant weight on -A * logp, so a token whose ratio left
+            # the range still pulls (with the bound as its weight) instead of dropping out.
+            pg_loss = -advantages * ratio_clamped.detach() * logprobs
+            clipped = (ratio != ratio_clamped).float()
+        else:
+            loss_unclipped = -advantages * ratio
+            loss_clipped = -advantages * ratio_clamped
+            pg_loss = torch.maximum(loss_unclipped, loss_clipped)  # pessimistic bound
+            if cfg.ratio_clip_c is not None:
+                pg_loss = torch.where(advantages < 0, torch.minimum(pg_loss, -advantages * cfg.ratio_clip_c), pg_loss)
+            # The clipped branch binds (no gradient flows through the token).
+            clipped = (loss_clipped > loss_unclipped).float()
 
         raw_weights, weights, is_metrics = self._importance_weights(prev, gen, mask, sample_mask, seqs, toks)
         weights_reported = weights  # without correction, the weights that would be used
@@ -371,7 +381,7 @@ class ClippedPGLoss:
 
         with torch.no_grad():
             metrics = self._metrics(
-                logprobs, prev, gen, ratio, ratio_clamped, loss_unclipped, loss_clipped, raw_weights,
+                logprobs, prev, gen, ratio, ratio_clamped, clipped, raw_weights,
                 weights_reported, mask, sample_mask, seqs, toks,
             )
         metrics.update(loss=loss.item(), actor_loss=actor_loss.item(), kl_penalty=kl_term.item(), **is_metrics)
@@ -436,8 +446,7 @@ class ClippedPGLoss:
         gen: torch.Tensor,
         ratio: torch.Tensor,
         ratio_clamped: torch.Tensor,
-        loss_unclipped: torch.Tensor,
-        loss_clipped: torch.Tensor,
+        clipped: torch.Tensor,
         raw_weights: torch.Tensor,
         weights: torch.Tensor,
         mask: torch.Tensor,
@@ -461,8 +470,9 @@ class ClippedPGLoss:
             "probs_ratio_max": ratio_max,
             "probs_ratio_clamped_min": clamped_min,
             "probs_ratio_clamped_max": clamped_max,
-            # Fraction of tokens where the clipped branch is the binding one (no gradient flows).
-            "clip_fraction": token_mean((loss_clipped > loss_unclipped).float()),
+            # Fraction of tokens where the clip binds: PPO's clipped branch (no gradient flows), or
+            # under CISPO a ratio outside the range (its weight is the bound).
+            "clip_fraction": token_mean(clipped),
             # Token-weighted mean of exp(|gen - prev|); 1.0 = trainer and generator agree exactly.
             # The mask goes inside exp so padding never produces inf * 0.
             "token_mult_prob_error": token_mean(((gen - prev).abs() * mask).exp()),

@@ -9,16 +9,19 @@
   `posttrain.models.gguf_import.ensure_pretrained`), converted once into the cache;
 - a local Hugging Face directory (anything that exists, or starts with `/`, `.` or `~`);
 - a hub id (`Qwen/Qwen2.5-1.5B`), passed through to transformers unchanged.
+
+`policy.rope_scaling` (e.g. YaRN) is merged into the model config's RoPE parameters when a model
+is built (`apply_rope_scaling`): by the policy workers and the generation engines alike.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.models.presets import PRETRAINED_PRESETS
@@ -95,18 +98,59 @@ def load_tokenizer(name_or_path: str | os.PathLike, tiny_arch: str = "llama") ->
     return tokenizer
 
 
+def apply_rope_scaling(config: Any, rope_scaling: Optional[dict[str, Any]]) -> Any:
+    """`config` with `policy.rope_scaling` merged over its RoPE parameters (its `rope_theta` and
+    other keys kept), validated by transformers; returned as is when `rope_scaling` is empty.
+
+    YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models",
+    arXiv:2309.00071): `{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
+    32768}`; transformers' other types (`linear`, `dynamic`, `llama3`, `longrope`) work the same
+    way. A `ValueError` names `policy.rope_scaling` and the problem (a missing key, a model
+    without RoPE or with per-attention-type RoPE parameters)."""
+    if not rope_scaling:
+        return config
+    current = getattr(config, "rope_parameters", None)
+    if not isinstance(current, dict) or not current:
+        raise ValueError(f"policy.rope_scaling: the {config.model_type} model has no RoPE parameters to scale")
+    nested = config.nested_rope_parameter_keys(current)
+    if nested:
+        raise ValueError(f"policy.rope_scaling: the {config.model_type} model has RoPE parameters per attention type "
+                         f"({', '.join(nested)}); set its rope_parameters in its config.json instead")
+    config.rope_parameters = {**current, **rope_scaling}
+    try:
+        config.validate_rope()
+    except (KeyError, ValueError, TypeError) as e:
+        raise ValueError(f"policy.rope_scaling={rope_scaling}: {e.args[0] if e.args else e}") from None
+    return config
+
+
+def rope_config_overrides(path: str, rope_scaling: dict[str, Any]) -> dict[str, Any]:
+    """The HF config keys that carry `rope_scaling` for the model at `path`, for an engine that
+    takes config overrides (vLLM's `hf_overrides`): `rope_parameters` merged as `apply_rope_scaling`
+    merges it (transformers 5), or `rope_scaling` beside the config's own `rope_theta` (transformers
+    4, whose configs keep the two apart)."""
+    current = getattr(AutoConfig.from_pretrained(path), "rope_parameters", None)
+    if isinstance(current, dict):
+        return {"rope_parameters": {**current, **rope_scaling}}
+    return {"rope_scaling": dict(rope_scaling)}
+
+
 def load_causal_lm(
     name_or_path: str | os.PathLike,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     tiny_arch: str = "llama",
     attn_implementation: Optional[str] = None,
+    rope_scaling: Optional[dict[str, Any]] = None,
 ) -> PreTrainedModel:
     """Load a causal LM with `AutoModelForCausalLM` in `dtype` on `device` (training mode off),
-    with the attention kernel `attn_implementation` (None: the model's default)."""
+    with the attention kernel `attn_implementation` (None: the model's default) and the RoPE
+    scaling `rope_scaling` (`policy.rope_scaling`; None: the model's own, see `apply_rope_scaling`)."""
     path = resolve_model_path(name_or_path, tiny_arch)
     _require_files(path, ("config.json",), "model")
-    options = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    options: dict[str, Any] = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if rope_scaling:
+        options["config"] = apply_rope_scaling(AutoConfig.from_pretrained(path), rope_scaling)
     with MODEL_BUILD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **options)
     return model.to(device).eval()

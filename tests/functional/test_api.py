@@ -47,7 +47,7 @@ def test_the_readme_example_learns_from_a_reward_function_in_main(tmp_path):
 def test_a_lambda_trains_locally_and_evaluate_scores_the_checkpoint(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "level": "easy"} for a in range(10, 30) for b in (11, 47)]
-    seen_columns = set()
+    seen_columns, steps = set(), []
 
     def record(prompts, completions, **columns):
         seen_columns.update(columns)
@@ -60,11 +60,12 @@ def test_a_lambda_trains_locally_and_evaluate_scores_the_checkpoint(tmp_path, mo
                 "grpo.num_generations_per_prompt": 4, "policy.train_global_batch_size": 16,
                 "policy.optimizer.lr": 1e-3, "policy.generation.max_new_tokens": 3,
                 "logger.log_dir": "logs", "checkpointing.checkpoint_dir": "ckpt", "logger.progress_bar": False},
+        callbacks=[lambda step, metrics: steps.append((step, "train/reward" in metrics))],  # GRPO's steps only
     )
     assert trainer.config.cluster.backend == "auto" and trainer.config.env.section("rewards")["weights"] == [1.0, 0.5]
     result = trainer.train()
     assert result.checkpoint == Path("ckpt/step_4") and result.log_dir == Path("logs")
-    assert seen_columns == {"answer", "level"}
+    assert seen_columns == {"answer", "level"} and steps == [(1, True), (2, True), (3, True), (4, True)]
     assert sorted(s for s, m in result.history.items() if any(k.startswith("validation/") for k in m)) == [0, 2, 4]
     metrics = trainer.evaluate()  # greedy on the same rows with the step-4 checkpoint: the last validation's score
     assert abs(accuracy(metrics) - accuracy(result.history[4])) <= 1 / 8

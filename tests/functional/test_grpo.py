@@ -264,7 +264,7 @@ def test_kill_and_resume_reproduces_uninterrupted_metrics(tmp_path, backend):
     assert "resumed from" in (tmp_path / "resumed.log").read_text().lower()
 
 
-PRESETS = ["grpo_dapo_tiny", "grpo_gspo_tiny", "grpo_drgrpo_tiny"]
+PRESETS = ["grpo_dapo_tiny", "grpo_gspo_tiny", "grpo_drgrpo_tiny", "grpo_cispo_tiny"]
 
 
 def test_loss_presets_run_from_their_example_configs(grpo_context, tmp_path):
@@ -291,10 +291,11 @@ def test_loss_presets_run_from_their_example_configs(grpo_context, tmp_path):
         assert 1.0 <= row["train/token_mult_prob_error"] < 1.001, preset
         # Each step's first pass is on-policy: ratios are 1 up to float error.
         assert row["train/probs_ratio_min"] > 0.99 and row["train/probs_ratio_max"] < 1.01, preset
-    dapo, gspo, drgrpo = (load_config("grpo", REPO / "examples" / "configs" / f"{p}.yaml") for p in PRESETS)
+    dapo, gspo, drgrpo, cispo = (load_config("grpo", REPO / "examples" / "configs" / f"{p}.yaml") for p in PRESETS)
     assert dapo.loss_fn.ratio_clip_max == 0.28 and dapo.reward_shaping.enabled and dapo.grpo.use_dynamic_sampling
     assert gspo.loss_fn.sequence_level_importance_ratios and not gspo.loss_fn.token_level_loss
     assert not drgrpo.grpo.normalize_rewards and drgrpo.loss_fn.token_level_loss
+    assert cispo.loss_fn.use_cispo and cispo.loss_fn.token_level_loss
 
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(grpo_context, tmp_path):

@@ -258,6 +258,33 @@ def test_checkpoint_resume_gives_bit_identical_next_step(cluster, pg_batch, tmp_
         fresh.shutdown()
 
 
+def test_muon_on_two_fsdp_workers_trains_both_groups_and_resumes_bit_identically(cluster, pg_batch, tmp_path):
+    """`policy.optimizer.name: muon` on sharded (DTensor) parameters: a step moves the Muon
+    matrices and the AdamW rest, and its sharded state (momentum buffers, Adam moments) comes back
+    from a checkpoint so that the next step is bit-identical."""
+    cfg = policy_cfg(num_workers=2, train_micro_batch_size=2, optimizer=dict(name="muon", lr=1e-2, weight_decay=0.1))
+    loss_fn = ClippedPGLoss(LossConfig())
+    original = Policy(cluster, cfg, init_reference_model=False, name="muon")
+    try:
+        initial = original.state_dict_for_export()
+        original.train(pg_batch, loss_fn)
+        after_one = original.state_dict_for_export()
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight", "model.norm.weight"):
+            assert not torch.equal(after_one[name], initial[name]), name
+        saved = original.save_checkpoint(str(tmp_path / "step_1"))
+        expected_metrics = original.train(pg_batch, loss_fn)
+        expected_weights = original.state_dict_for_export()
+    finally:
+        original.shutdown()
+    resumed = Policy(cluster, cfg, init_reference_model=False, weights_path=saved, name="muon_resumed")
+    try:
+        assert resumed.train(pg_batch, loss_fn) == expected_metrics
+        weights = resumed.state_dict_for_export()
+        assert all(torch.equal(weights[k], v) for k, v in expected_weights.items())
+    finally:
+        resumed.shutdown()
+
+
 def test_hf_export_and_convert_reload_with_identical_logits(dp2, hf_model, pg_batch, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -282,7 +282,8 @@ def _algo_of(path: Path) -> str:
 def test_every_example_config_validates():
     paths = sorted(EXAMPLE_CONFIG_DIR.glob("*.yaml"))
     assert {p.name for p in paths} >= set(DEFAULT_CONFIGS.values()) | {
-        "grpo_dapo_tiny.yaml", "grpo_gspo_tiny.yaml", "grpo_drgrpo_tiny.yaml", "grpo_lora_tiny.yaml"}
+        "grpo_dapo_tiny.yaml", "grpo_gspo_tiny.yaml", "grpo_drgrpo_tiny.yaml", "grpo_lora_tiny.yaml",
+        "grpo_cispo_tiny.yaml"}
     for path in paths:
         assert _algo_of(path) in SCHEMAS, f"{path.name}: name must start with an algorithm"
         load_config(_algo_of(path), path)
@@ -310,6 +311,11 @@ def test_variant_presets():
 
     drgrpo = load_config("grpo", EXAMPLE_CONFIG_DIR / "grpo_drgrpo_tiny.yaml")
     assert not drgrpo.grpo.normalize_rewards and drgrpo.loss_fn.token_level_loss
+
+    cispo = load_config("grpo", EXAMPLE_CONFIG_DIR / "grpo_cispo_tiny.yaml")
+    assert cispo.loss_fn.use_cispo and cispo.loss_fn.token_level_loss
+    assert (cispo.loss_fn.ratio_clip_min, cispo.loss_fn.ratio_clip_max) == (1.0, 5.0)
+    assert cispo.policy.train_global_batch_size == 64  # two optimizer steps per GRPO step: ratios != 1
 
     lora = load_config("grpo", EXAMPLE_CONFIG_DIR / "grpo_lora_tiny.yaml")
     assert lora.policy.lora.enabled and lora.policy.lora.dim == 8 and lora.policy.optimizer.lr == 1e-3

@@ -267,6 +267,7 @@ def random_pg_batch(generator, batch_size=6, seq_len=7):
              use_on_policy_kl_approximation=True),
         dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
              truncated_importance_sampling_ratio=1.5, truncated_importance_sampling_ratio_min=0.7),
+        dict(use_cispo=True, ratio_clip_min=0.2, ratio_clip_max=0.28, use_importance_sampling_correction=True),
     ],
 )
 def test_microbatches_sum_to_full_batch(cfg):

@@ -281,3 +281,36 @@ def test_the_startup_line_is_written_above_the_progress_bar(tmp_path, monkeypatc
     loop.run(lambda step, timer: {}, dict)
     loop.close()
     assert written == ["[posttrain] started in 0.5s"]
+
+
+def test_step_callbacks_see_each_step_and_can_stop_the_run(tmp_path, capsys):
+    """A callback registered for the loop's section gets every step's metrics; one returning True
+    stops the run after that step, which is checkpointed (save_period 2 would not save step 3) so a
+    rerun resumes from it. Callbacks of another section (a warm start's) are not called."""
+    cfg = cfg_for(tmp_path)
+    policy, loader = FakePolicy(), FakeLoader()
+    seen, other = [], []
+
+    class StopAtThree:
+        def on_step_end(self, step, metrics):
+            seen.append((step, metrics["train/loss"], "validation/accuracy" in metrics))
+            return step == 3
+
+    def step_fn(step, timer):
+        policy.weights += 1
+        return {"train/loss": float(step)}
+
+    loop = make_loop(cfg, policy, loader)
+    with loop_module.step_callbacks([StopAtThree(), lambda step, metrics: None], section="sft"), \
+            loop_module.step_callbacks([lambda step, metrics: other.append(step) or True], section="grpo"):
+        loop.run(step_fn, lambda: {"validation/accuracy": 0.5})
+    assert seen == [(1, 1.0, False), (2, 2.0, True), (3, 3.0, False)] and other == []
+    assert loop.step == 3 and policy.weights == 3
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_2", "step_3"]
+    assert "SFT stopped after step 3: a step callback asked to stop" in capsys.readouterr().out
+    assert loop_module._STEP_CALLBACKS == []  # unregistered on leaving
+
+    resumed = make_loop(cfg, FakePolicy(), FakeLoader())
+    assert resumed.resume() and resumed.step == 3
+    resumed.run(step_fn, lambda: {})
+    assert resumed.step == 5  # without the callback the run goes on to sft.max_num_steps

@@ -164,8 +164,36 @@ class GRPOConfig(Section):
     )
 
 
+class LengthPenaltyConfig(Section):
+    """Kimi k1.5's length reward (Kimi Team 2025, arXiv:2501.12599, section 2.3.3), per prompt group:
+    with lambda = 0.5 - (len - min_len) / (max_len - min_len) over the group's responses, a correct
+    sample's reward gets + weight * lambda, an incorrect one's + weight * min(0, lambda)
+    (`advantages.length_reward`)."""
+
+    enabled: bool = Field(False, description="Add the per-group length reward to the environment's rewards.")
+    weight: float = Field(
+        1.0, gt=0,
+        description=(
+            "Multiplier of the length reward (in [-0.5, 0.5]) before it is added to the reward; the paper uses a "
+            "weight without publishing it. Default 1.0."
+        ),
+    )
+    correct_reward: float = Field(
+        1.0,
+        description="A sample counts as correct when its environment reward is at least this (default 1.0, the paper's r = 1).",
+    )
+    warmup_steps: int = Field(
+        0, ge=0,
+        description=(
+            "Steps trained without the penalty before it applies (the paper's warm-up: the penalty slowed early "
+            "training). Default 0."
+        ),
+    )
+
+
 class RewardShapingConfig(Section):
-    """DAPO overlong penalty (Yu et al. 2025)."""
+    """Reward shaping before the advantages: DAPO's overlong penalty (Yu et al. 2025) and Kimi k1.5's
+    per-group length reward (`length_penalty`)."""
 
     enabled: bool = Field(False, description="Apply DAPO's soft overlong penalty to rewards.")
     overlong_buffer_length: int = Field(
@@ -174,6 +202,7 @@ class RewardShapingConfig(Section):
     )
     overlong_buffer_penalty: float = Field(1.0, ge=0, description="Penalty at max_response_length (the ramp's end).")
     max_response_length: Optional[int] = Field(None, ge=1, description="Defaults to policy.generation.max_new_tokens.")
+    length_penalty: LengthPenaltyConfig = LengthPenaltyConfig()
 
 
 class OfflineLoopConfig(Section):

@@ -99,6 +99,15 @@ class LossConfig(Section):
         False,
         description="No ratio and no clipping: the loss is -A * logp (REINFORCE / RLOO style).",
     )
+    use_cispo: bool = Field(
+        False,
+        description=(
+            "CISPO (MiniMax-M1, MiniMax 2025, arXiv:2506.13585): the loss is -sg(clip(r, 1 - ratio_clip_min, 1 + ratio_clip_max)) "
+            "* A * logp, so every token keeps a gradient (PPO's clip zeroes it outside the range); needs "
+            "token_level_loss, and neither GSPO ratios, dual clip, force_on_policy_ratio nor disable_ppo_ratio. "
+            "Preset: grpo_cispo_tiny.yaml."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check(self):
@@ -150,4 +159,15 @@ def loss_option_problem(cfg: LossConfig) -> Optional[str]:
             )
     if cfg.force_on_policy_ratio and cfg.disable_ppo_ratio:
         return "loss_fn.force_on_policy_ratio and loss_fn.disable_ppo_ratio are exclusive"
+    if cfg.use_cispo:
+        # As NeMo-RL's setup: CISPO weighs each token's logp by its own clipped ratio.
+        clashes = [key for key, on in (
+            ("token_level_loss=false", not cfg.token_level_loss),
+            ("sequence_level_importance_ratios", cfg.sequence_level_importance_ratios),
+            ("ratio_clip_c", cfg.ratio_clip_c is not None),
+            ("force_on_policy_ratio", cfg.force_on_policy_ratio),
+            ("disable_ppo_ratio", cfg.disable_ppo_ratio),
+        ) if on]
+        if clashes:
+            return f"loss_fn.use_cispo cannot be combined with loss_fn.{clashes[0]} (CISPO is a token-level loss on the clipped ratio)"
     return None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
@@ -12,9 +12,13 @@ from posttrain.config.schema.base import Section, check_component_name
 class OptimizerConfig(Section):
     """The optimizer (torch.optim) of the policy workers."""
 
-    name: Literal["adamw", "adam", "sgd"] = Field(
+    name: Literal["adamw", "adam", "sgd", "muon"] = Field(
         "adamw",
-        description="Optimizer: 'adamw' (decoupled weight decay), 'adam' or 'sgd'.",
+        description=(
+            "Optimizer: 'adamw' (decoupled weight decay), 'adam', 'sgd', or 'muon' (torch.optim.Muon on the hidden "
+            "layers' 2-D weights, AdamW on embeddings, output heads, norms and biases; one lr and weight_decay for "
+            "both; models/policy/muon.py)."
+        ),
     )
     lr: float = Field(5e-6, gt=0, description="Peak learning rate (reached after scheduler.warmup_steps).")
     min_lr: float = Field(
@@ -24,6 +28,16 @@ class OptimizerConfig(Section):
     weight_decay: float = Field(0.01, ge=0, description="Weight decay coefficient (decoupled for adamw).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam's (beta1, beta2) moment decay rates.")
     eps: float = Field(1e-8, gt=0, description="Adam's denominator epsilon.")
+    muon_momentum: float = Field(0.95, ge=0, lt=1, description="Muon's (Nesterov) momentum (name: muon).")
+    muon_ns_steps: int = Field(5, ge=1, le=99, description="Newton-Schulz iterations per Muon update (name: muon).")
+    muon_adjust_lr: Literal["match_rms_adamw", "original"] = Field(
+        "match_rms_adamw",
+        description=(
+            "Muon's per-matrix learning-rate scale: 'match_rms_adamw' (default; Liu et al. 2025: 0.2 sqrt(max(A, B)), "
+            "so AdamW's lr and weight decay carry over) or 'original' (Jordan et al. 2024: sqrt(max(1, A/B)), which "
+            "wants a lr around 0.02)."
+        ),
+    )
 
 
 class SchedulerConfig(Section):
@@ -245,6 +259,15 @@ class PolicyConfig(Section):
     tiny_arch: Literal["llama", "qwen2", "qwen3_moe", "mixtral"] = Field(
         "llama", description="Arch of a built-in model (model_name tiny/small/100m); qwen3_moe and mixtral are MoE."
     )
+    rope_scaling: Optional[dict[str, Any]] = Field(
+        None,
+        description=(
+            "RoPE scaling merged into the model config's rope_parameters when the policy, its reference and its "
+            "generation engines (native and vLLM) load the model, and saved with its checkpoints and exports; e.g. "
+            "YaRN (Peng et al. 2023): {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}. "
+            "transformers validates the keys of each rope_type. None (default): the model's own."
+        ),
+    )
     router_aux_loss_coef: Optional[float] = Field(
         None, ge=0,
         description=(
@@ -370,6 +393,16 @@ class PolicyConfig(Section):
     dynamic_batching: DynamicBatchingConfig = DynamicBatchingConfig()
     generation: GenerationConfig = GenerationConfig()
     lora: LoraConfig = LoraConfig()
+
+    @field_validator("rope_scaling")
+    @classmethod
+    def _check_rope_scaling(cls, value: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        if value is not None and not isinstance(value.get("rope_type", value.get("type")), str):
+            raise ValueError("policy.rope_scaling needs a rope_type, e.g. {rope_type: yarn, factor: 4.0, "
+                             "original_max_position_embeddings: 32768}")
+        if value is not None and "type" in value:  # the older key name
+            value = {"rope_type": value["type"], **{k: v for k, v in value.items() if k != "type"}}
+        return value or None
 
     @model_validator(mode="after")
     def _check(self):

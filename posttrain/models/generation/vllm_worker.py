@@ -34,7 +34,7 @@ from posttrain.models.generation.engine import assemble_outputs, per_row_stop_st
 from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.generation.vllm_extension import EXTENSION_QUALNAME
 from posttrain.models.generation.worker import SAMPLING_PARAMS, merge_stop_strings
-from posttrain.models.hf import load_tokenizer, pick_dtype, resolve_model_path
+from posttrain.models.hf import load_tokenizer, pick_dtype, resolve_model_path, rope_config_overrides
 from posttrain.models.refit import RefitMetadata
 from posttrain.utils.phase_memory import MeasuresPhases, measured_phase
 
@@ -100,6 +100,8 @@ class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
             worker_extension_cls=EXTENSION_QUALNAME,
             tensor_parallel_size=vcfg.tensor_parallel_size,
         )
+        if spec.rope_scaling:  # the RoPE scaling the trainer applies (`policy.rope_scaling`)
+            engine_args["hf_overrides"] = rope_config_overrides(engine_args["model"], spec.rope_scaling)
         if on_gpu:  # GPU only: docs/scaling.md, "GPU-only paths"
             engine_args.update(
                 gpu_memory_utilization=vcfg.gpu_memory_utilization,

@@ -46,7 +46,8 @@ class GenerationWorker(MeasuresPhases, DistributedWorker):
         self.config = spec.config
         self.tokenizer = load_tokenizer(spec.tokenizer_name or spec.model_name, spec.tiny_arch)
         dtype = pick_dtype(spec.precision, self.device)
-        self.model = load_causal_lm(spec.model_name, dtype=dtype, device=self.device, tiny_arch=spec.tiny_arch)
+        self.model = load_causal_lm(spec.model_name, dtype=dtype, device=self.device, tiny_arch=spec.tiny_arch,
+                                    rope_scaling=spec.rope_scaling)
         self.engine = NativeGenerationEngine(
             self.model, self.tokenizer,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from posttrain.config.schema import PolicyConfig
-from posttrain.models.hf import load_causal_lm, parse_tiny_name
+from posttrain.models.hf import apply_rope_scaling, load_causal_lm, parse_tiny_name
 from posttrain.models.policy import context_parallel, parallel, sharded_load
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 
@@ -40,12 +40,14 @@ class ModelLoading:
     def _load_model(self, model_path: str) -> torch.nn.Module:
         # Loaded on the CPU in float32: FSDP moves only this rank's shard to the device. With
         # several workers only rank 0 reads the weights; the others receive their shards (sharded_load.py).
+        rope_scaling = self.cfg.rope_scaling
         if self.model_type == "lm":
             if self.loads_sharded and self.rank != 0:
-                return sharded_load.empty_causal_lm(model_path, self.cfg.tiny_arch, self.cfg.attn_implementation)
+                return sharded_load.empty_causal_lm(model_path, self.cfg.tiny_arch, self.cfg.attn_implementation,
+                                                    rope_scaling=rope_scaling)
             return load_causal_lm(model_path, dtype=torch.float32, device="cpu", tiny_arch=self.cfg.tiny_arch,
-                                  attn_implementation=self.cfg.attn_implementation)
-        config = AutoConfig.from_pretrained(model_path, num_labels=1)
+                                  attn_implementation=self.cfg.attn_implementation, rope_scaling=rope_scaling)
+        config = apply_rope_scaling(AutoConfig.from_pretrained(model_path, num_labels=1), rope_scaling)
         if config.pad_token_id is None:  # needed to find each row's last token
             config.pad_token_id = self.tokenizer.pad_token_id
         from transformers.utils import logging as hf_logging

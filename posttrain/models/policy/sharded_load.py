@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from posttrain.models.hf import resolve_model_path
+from posttrain.models.hf import apply_rope_scaling, resolve_model_path
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 
 
@@ -44,11 +44,11 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def empty_causal_lm(name_or_path: str, tiny_arch: str = "llama", attn_implementation: Optional[str] = None,
-                    dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The architecture of `name_or_path` (as `hf.load_causal_lm` would load it) with its
-    parameters on the meta device: no weights read, no memory for them."""
+                    dtype: torch.dtype = torch.float32, rope_scaling: Optional[dict] = None) -> torch.nn.Module:
+    """The architecture of `name_or_path` (as `hf.load_causal_lm` would load it, `rope_scaling`
+    included) with its parameters on the meta device: no weights read, no memory for them."""
     path = resolve_model_path(name_or_path, tiny_arch)
-    config = AutoConfig.from_pretrained(path)
+    config = apply_rope_scaling(AutoConfig.from_pretrained(path), rope_scaling)
     options = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with MODEL_BUILD_LOCK, parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **options)

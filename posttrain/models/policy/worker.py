@@ -183,7 +183,12 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
             if opt.name != "sgd":
                 kwargs.update(betas=tuple(opt.betas), eps=opt.eps)
             trainable = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
-            self.optimizer = OPTIMIZERS[opt.name](trainable, **kwargs)
+            if opt.name == "muon":  # Muon on the hidden layers' matrices, AdamW on the rest
+                from posttrain.models.policy.muon import build_muon
+
+                self.optimizer = build_muon(self.model, opt)
+            else:
+                self.optimizer = OPTIMIZERS[opt.name](trainable, **kwargs)
             self.scheduler = build_lr_scheduler(self.optimizer, opt, self.cfg.scheduler)
         if weights_path is not None:
             self.load_checkpoint(weights_path, load_optimizer=init_optimizer)
