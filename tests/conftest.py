@@ -26,6 +26,10 @@ import posttrain  # noqa: F401 - before any test module imports torch: its OpenM
 
 RAY_TEST_CPUS = 8
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# For the simulated multi-node clusters (`_system_config` of the head): Ray declares a lost node
+# dead once its health checks fail, within seconds here rather than half a minute.
+FAST_HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_timeout_ms": 1000,
+                      "health_check_failure_threshold": 3}
 
 
 def start_test_ray() -> None:
