@@ -28,10 +28,11 @@ def test_a_run_rebuilds_a_dead_generation_worker_environment_and_policy_worker(r
 
     generation_pid, policy_pid = tmp_path / "generation.pid", tmp_path / "policy.pid"
     # Two policy workers (an FSDP group) and, colocated, two generation workers: the environment is
-    # called once per generation shard, so twice a step. Call 1 (step 1) kills generation rank 0,
-    # call 3 the environment itself, call 5 policy rank 1; the last is at step 3 at the latest.
+    # called once per generation shard, so twice a step (once in a step cut short). Call 1 kills
+    # generation rank 0 in step 1, call 5 the environment itself in step 2, call 9 policy rank 1 in
+    # step 3 (whether step 1's second call came before its failure or not).
     cfg = small_cfg(tmp_path, *RECOVERY, "policy.num_workers=2",
-                    *kills(tmp_path, f"1:{generation_pid};3:self;5:{policy_pid}"))
+                    *kills(tmp_path, f"1:{generation_pid};5:self;9:{policy_pid}"))
     ctx = grpo.setup(cfg)
     try:
         generation_pid.write_text(str(ctx.generation.worker_group.run_all("pid")[0]))
@@ -45,7 +46,7 @@ def test_a_run_rebuilds_a_dead_generation_worker_environment_and_policy_worker(r
     died = "died: its process exited (killed by a signal, out of memory, or crashed)"
     assert any("generation worker rank 0 (node " in line and died in line and "refit from the policy" in line
                for line in lines), lines
-    assert any(f"environment 'math' {died}" in line and "replaying step" in line for line in lines), lines
+    assert any(f"environment 'math' {died}" in line and "replaying step 2" in line for line in lines), lines
     assert any("policy worker rank 1 (node " in line and died in line and "from the last checkpoint" in line
                for line in lines), lines
     metrics = read_metrics(tmp_path / "logs")
