@@ -43,6 +43,7 @@ SAMPLE_PROMPT = "12+34="
 PRETRAINED_SAMPLE_PROMPT = "What is the capital of France? Answer in one sentence."
 EXIT_CONFIG_ERROR = 2  # same code argparse uses for bad usage
 EXIT_UNAVAILABLE = 1
+EXIT_RUN_STOPPED = 3  # workers lost beyond what recovery allows (`RunStopped`); the last checkpoint is whole
 
 
 class Unavailable(Exception):
@@ -171,7 +172,7 @@ def _version() -> str:
 # --------------------------------------------------------------------------------------- commands
 def _run_job(args: argparse.Namespace) -> int:
     from posttrain.config import config_to_yaml, load_config
-    from posttrain.errors import UserError
+    from posttrain.errors import RunStopped, UserError
 
     from posttrain.utils import startup
 
@@ -187,6 +188,10 @@ def _run_job(args: argparse.Namespace) -> int:
         startup.end()  # first: no phase's line may follow the message
         print(f"posttrain {args.command}: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except RunStopped as e:  # the run said why it stopped; its traceback would be the workers' deaths again
+        startup.end()
+        print(f"posttrain {args.command}: stopped: {e}", file=sys.stderr)
+        return EXIT_RUN_STOPPED
     finally:
         startup.end()
     return 0
@@ -339,7 +344,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `posttrain` script and `python -m posttrain`; returns the exit code.
 
     Exit codes: 0 success, 1 the command's code is not available (or `posttrain doctor` found a
-    problem), 2 bad usage or config error, 130 interrupted.
+    problem), 2 bad usage or config error, 3 the run stopped because its workers died more often
+    than recovery allows, 130 interrupted.
     """
     args = build_parser().parse_args(argv)
     try:

@@ -155,12 +155,14 @@ def make_generation(cfg: MasterConfig, cluster, *, seed: int = 0, model: Any = N
 
 def make_policy(cfg: MasterConfig, cluster, policy_cfg: Optional[PolicyConfig] = None, **options):
     """A `Policy` worker group for `policy_cfg` (default `cfg.policy`) on `cluster`, with the run's
-    `cluster.worker_timeout_s`; `options` go to `Policy` (`init_reference_model`, `init_optimizer`,
-    `model_type`, `name`). The one place every algorithm makes its policy (and a teacher) from."""
+    `cluster.worker_timeout_s` and `cluster.heartbeat_timeout_s`; `options` go to `Policy`
+    (`init_reference_model`, `init_optimizer`, `model_type`, `name`). The one place every algorithm
+    makes its policy (and a teacher) from."""
     from posttrain.models.policy.policy import Policy
 
     options.setdefault("init_reference_model", False)
-    return Policy(cluster, policy_cfg or cfg.policy, worker_timeout_s=cfg.cluster.worker_timeout_s, **options)
+    return Policy(cluster, policy_cfg or cfg.policy, worker_timeout_s=cfg.cluster.worker_timeout_s,
+                  heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s, **options)
 
 
 def start_concurrently(*makers: Callable[[], Any], description: str = "starting the workers") -> list[Any]:
@@ -314,14 +316,15 @@ def limit_per_source(records: list[dict], limit: Optional[int]) -> list[dict]:
     return kept
 
 
-def make_envs(cfg, tasks) -> dict[str, Any]:
-    """Task name -> environment actor. `tasks` are task names, `Sample`s or `(task_name, env_name)`
-    pairs (`dataloader.routes`); a sample's `env_name`
-    says which `env.<name>` section serves its task (a built-in, a registered environment, or a
-    user's class by `env.<name>.class_path`). Tasks served by the same section share one actor
-    (a Ray actor, or a thread of this process with the local backend)."""
+def make_envs(cfg, tasks):
+    """Task name -> environment actor (`EnvironmentActors`, a dict that can also restart a dead
+    actor). `tasks` are task names, `Sample`s or `(task_name, env_name)` pairs
+    (`dataloader.routes`); a sample's `env_name` says which `env.<name>` section serves its task (a
+    built-in, a registered environment, or a user's class by `env.<name>.class_path`). Tasks served
+    by the same section share one actor (a Ray actor, or a thread of this process with the local
+    backend); a step that takes longer than `cluster.worker_timeout_s` fails as hung."""
     from posttrain.config.schema import resolve_backend
-    from posttrain.environments.registry import create_env, resolve_env
+    from posttrain.environments.registry import EnvironmentActors, create_env, resolve_env
 
     env_of_task = {}
     for item in tasks:
@@ -333,9 +336,10 @@ def make_envs(cfg, tasks) -> dict[str, Any]:
             task, env = item.task_name, item.env_name
         env_of_task[task] = env
     names = sorted(set(env_of_task.values()))
-    actors = {}
+    actors, recipes = {}, {}
     with startup.phase("environments", f"starting the environments ({', '.join(names)})"):
         for env_name in names:
             cls, env_cfg = resolve_env(env_name, cfg.env.section(env_name))
-            actors[env_name] = create_env(env_name, env_cfg, cls=cls, backend=resolve_backend(cfg))
-    return {task: actors[env_name] for task, env_name in sorted(env_of_task.items())}
+            recipes[env_name] = (cls, env_cfg, resolve_backend(cfg))
+            actors[env_name] = create_env(env_name, env_cfg, cls=cls, backend=recipes[env_name][2])
+    return EnvironmentActors(actors, env_of_task, recipes, step_timeout_s=cfg.cluster.worker_timeout_s)

@@ -82,6 +82,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+# For the simulated multi-node clusters (`_system_config` of the head): Ray declares a lost node
+# dead once its health checks fail, within seconds here rather than half a minute.
+FAST_HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_timeout_ms": 1000,
+                      "health_check_failure_threshold": 3}
+
+
 def start_test_ray() -> None:
     """Start (or reuse) the session's local Ray cluster."""
     from posttrain.distributed.ray_utils import init_ray

@@ -109,7 +109,8 @@ def setup(cfg: DistillMasterConfig) -> DistillContext:
 # --------------------------------------------------------------------------------- the loop
 def distill_train(ctx: DistillContext) -> dict[str, float]:
     """Distil from the context's step to its last step (`TrainingLoop` runs the schedule)."""
-    return ctx.loop.run(lambda step, timer: distill_step(ctx, step, timer), lambda: validate_student(ctx))
+    return ctx.loop.run(lambda step, timer: distill_step(ctx, step, timer), lambda: validate_student(ctx),
+                        recovery=ctx.recovery)
 
 
 def distill_step(ctx: DistillContext, step: int, timer: Timer) -> dict[str, float]:

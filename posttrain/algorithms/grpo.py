@@ -44,7 +44,8 @@ def grpo_train(ctx: GRPOContext) -> dict[str, float]:
     if ctx.cfg.grpo.async_grpo.enabled:
         raise ValueError("grpo.async_grpo.enabled=true: train with posttrain.algorithms.async_grpo "
                          "(async_grpo.run or async_grpo_train); grpo.grpo_train is the synchronous loop")
-    return ctx.loop.run(lambda step, timer: grpo_step(ctx, step, timer), lambda: validate_grpo(ctx))
+    return ctx.loop.run(lambda step, timer: grpo_step(ctx, step, timer), lambda: validate_grpo(ctx),
+                        recovery=ctx.recovery)
 
 
 def grpo_step(ctx: GRPOContext, step: int, timer: Timer) -> dict[str, float]:

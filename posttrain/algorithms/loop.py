@@ -4,11 +4,13 @@ An algorithm supplies a step function and a validation function; `TrainingLoop` 
 identically for all of them: resume from the latest checkpoint, the validation schedule
 (`val_at_start`, every `val_period` steps, `val_at_end`), logging (metrics.jsonl, TensorBoard,
 trackers), the progress bar, checkpoints (every `checkpointing.save_period` steps and at the last
-step, ranked by the most recent validation), `report.png` and the closing summary line.
+step, ranked by the most recent validation), `report.png` and the closing summary line. Given a
+recovery (`run_recovery.RunRecovery`), a step that failed because a worker died is replayed: the
+loop only sees "replay this step" or "go back to the last checkpoint" and the restart counts.
 
     loop = TrainingLoop(cfg, cfg.sft, name="SFT", section="sft", policy=policy, loader=loader)
     loop.resume()
-    loop.run(step_fn, validate_fn)   # step_fn(step, timer) -> metrics with full names
+    loop.run(step_fn, validate_fn)   # step_fn(step, timer) -> metrics with full names; recovery=... optional
     loop.finish()
     loop.close()
 
@@ -20,12 +22,14 @@ of the loops of one section; one returning True stops the run after that step.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+from posttrain.distributed.recovery import Replay
 from posttrain.utils import startup
 from posttrain.utils.checkpoint import CheckpointManager, complete_checkpoints
 from posttrain.utils.logger import Logger, ProgressBar
@@ -113,6 +117,7 @@ class TrainingLoop:
         # loader position and replay buffer must come from one snapshot.
         self.checkpoint_extras: Callable[[], tuple[dict, dict[str, Any]]] = lambda: (self.loader.state_dict(), {})
         self.started = time.perf_counter()
+        self._start_loader_state = copy.deepcopy(loader.state_dict())  # where `rewind` goes without a checkpoint
         self.config_saved = False  # the run's config is saved once it has trained a step
         self.steps_without_signal = 0  # consecutive steps whose groups all had uniform rewards
 
@@ -150,6 +155,16 @@ class TrainingLoop:
                   "the optimizer starts afresh, the learning-rate schedule goes on", flush=True)
         return True
 
+    def rewind(self) -> None:
+        """Go back to the latest complete checkpoint (`resume`), or to the very start when there is
+        none yet: in this process, what a rerun of the command would do (after the policy workers
+        were rebuilt)."""
+        if self.resume():
+            return
+        self.step, self.history, self.state = 0, [], {}
+        self.loader.load_state_dict(copy.deepcopy(self._start_loader_state))
+        print("[posttrain] no checkpoint yet: starting again at step 1", flush=True)
+
     def done_message(self) -> Optional[str]:
         """What to say when a resumed run is already at or past its last step (else None)."""
         from posttrain.utils.run_dirs import already_done_message
@@ -159,20 +174,23 @@ class TrainingLoop:
         return already_done_message(self.step, self.last_step, f"{self.section}.max_num_steps")
 
     # ------------------------------------------------------------------------------ the loop
-    def run(self, step_fn: StepFn, validate_fn: ValidateFn) -> dict[str, float]:
+    def run(self, step_fn: StepFn, validate_fn: ValidateFn, recovery: Any = None) -> dict[str, float]:
         """Train from `self.step` to `last_step`; returns the last step's metrics (empty when
         there was nothing left to train).
 
         `step_fn(step, timer)` runs one training step and returns its metrics with full names
         (`train/...`); the parts it times with `timer` are logged as `timing/train/<part>` beside
         `timing/train/total_step_time`. `validate_fn()` returns `validation/...` metrics, or an
-        empty dict when there is no validation data.
+        empty dict when there is no validation data. `recovery` (default None: a failure ends the
+        run) rebuilds dead workers (`run_recovery.RunRecovery.recover`); the failed step is then
+        replayed with the prompts it drew, or the run goes back to its last checkpoint, and every
+        logged step carries the restart counts (`recovery/restarts`, `recovery/restarts/<kind>`).
         """
         s = self.schedule
         if self.step == 0 and s.val_at_start:
             startup.mark("other")  # so the start-up line shows validation as its own phase
             with startup.phase("validation", "validating before the first step"):
-                metrics = self.validate(validate_fn)
+                metrics = self._validate_recovering(validate_fn, recovery)
             if metrics:
                 self.logger.log_metrics(metrics, 0)
         bar = ProgressBar(total=self.last_step, initial=self.step, enabled=self.cfg.logger.progress_bar,
@@ -183,8 +201,13 @@ class TrainingLoop:
         try:
             while self.step < self.last_step:
                 step, timer = self.step + 1, Timer()
-                with timer.time("total_step_time"):
-                    metrics = dict(step_fn(step, timer))
+                before = self._snapshot() if recovery is not None else None
+                try:
+                    with timer.time("total_step_time"):
+                        metrics = dict(step_fn(step, timer))
+                except Exception as error:
+                    self._recover(recovery, error, f"step {step}", before)  # raises what it cannot recover from
+                    continue
                 self.step = step
                 if not self.config_saved:
                     self._save_config()
@@ -194,11 +217,16 @@ class TrainingLoop:
                 metrics.update(self._startup_metrics(metrics["timing/train/total_step_time"], bar))
                 self._watch_learning_signal(metrics, bar)
                 if (s.val_period > 0 and step % s.val_period == 0) or (s.val_at_end and step == self.last_step):
-                    metrics.update(self.validate(validate_fn))
+                    validation = self._validate_recovering(validate_fn, recovery)
+                    if validation is None:
+                        continue  # the policy was rebuilt: the run went back to its last checkpoint
+                    metrics.update(validation)
+                if recovery is not None:
+                    metrics.update(recovery.metrics())
                 self.logger.log_metrics(metrics, step)
                 saving = self.checkpointer.should_save(step, is_last_step=step == self.last_step)
-                if saving:
-                    self.save()
+                if saving and not self._save_recovering(recovery):
+                    continue
                 bar.update(metrics)
                 if _STEP_CALLBACKS and _call_step_callbacks(self.section, step, metrics):
                     if self.cfg.checkpointing.enabled and not saving:
@@ -214,6 +242,50 @@ class TrainingLoop:
             startup.end()  # the first step's, if it failed
         bar.close()
         return metrics
+
+    # ------------------------------------------------------------------------------ recovery
+    def _snapshot(self) -> tuple:
+        """What a step changes in the loop, taken before it (for a replay), and the policy's count
+        of updates (`Policy.updates`), to tell whether the step failed after training."""
+        return (copy.deepcopy(self.loader.state_dict()), copy.deepcopy(self.state), len(self.history),
+                getattr(self.policy, "updates", None))
+
+    def _recover(self, recovery: Any, error: Exception, what: str, before: Optional[tuple]) -> Replay:
+        """Recover from `error`, raised by `what` ("step 3"), and put the loop where the replay
+        starts: before it (`before`, the step's snapshot) or at the last checkpoint. Raises `error`
+        when there is no recovery or nothing to recover (a bug, a NaN loss: no worker died)."""
+        trained = before is not None and getattr(self.policy, "updates", None) != before[3]
+        replay = recovery.recover(error, what, trained=trained) if recovery is not None else None
+        if replay is None:
+            raise error
+        if replay is Replay.FROM_CHECKPOINT:
+            self.rewind()
+        elif before is not None:
+            loader_state, state, validations, _ = before
+            self.loader.load_state_dict(loader_state)
+            self.state, self.history = state, self.history[:validations]
+        return replay
+
+    def _validate_recovering(self, validate_fn: ValidateFn, recovery: Any) -> Optional[dict[str, float]]:
+        """`validate`, again after each recovered failure; None when the recovery sent the run back
+        to its last checkpoint (the caller goes on from there)."""
+        while True:
+            try:
+                return self.validate(validate_fn)
+            except Exception as error:
+                if self._recover(recovery, error, f"the validation at step {self.step}", None) is Replay.FROM_CHECKPOINT:
+                    return None
+
+    def _save_recovering(self, recovery: Any) -> bool:
+        """`save`; False when a policy worker died in it and the run went back to its last
+        checkpoint (a half-written checkpoint is never found: `CheckpointManager`)."""
+        try:
+            self.save()
+        except Exception as error:
+            if self._recover(recovery, error, f"the checkpoint of step {self.step}", None) is Replay.FROM_CHECKPOINT:
+                return False
+            self.save()  # only a policy takes part in a save; a failure elsewhere leaves it to do
+        return True
 
     def _save_config(self) -> None:
         from posttrain.utils.run_dirs import save_run_config

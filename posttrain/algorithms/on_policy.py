@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, TypeVar
 
 from posttrain.algorithms.loop import TrainingLoop
+from posttrain.algorithms.run_recovery import RunRecovery
 from posttrain.data.dataloader import make_loader, routes
 from posttrain.data.sample import Sample
 from posttrain.errors import UserError
@@ -76,6 +77,7 @@ class OnPolicyContext:
     clusters: list[Any] = field(default_factory=list)
     generation_stale: bool = False  # generation weights lag the policy's (both start from model_name)
     partial_rollouts: Any = None  # GRPO with grpo.partial_rollouts: the carried-over groups (PartialRollouts)
+    recovery: Any = None  # rebuilds dead workers for the loop (`run_recovery.RunRecovery`); None: the local backend
 
     @property
     def settings(self) -> Any:
@@ -213,6 +215,7 @@ def build_on_policy_run(
         section=section, val_sets=val_sets, clusters=clusters + ([] if colocated else [gen_cluster]), **extra,
     )
     ctx.generation_stale = loop.resume()  # resumed weights are newer than the generation's
+    ctx.recovery = RunRecovery.for_run(ctx)
     return ctx
 
 

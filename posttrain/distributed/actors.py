@@ -326,3 +326,43 @@ def is_actor_death(error: BaseException) -> bool:
     if isinstance(error, LocalActorDiedError):
         return True
     return "ray" in sys.modules and isinstance(error, sys.modules["ray"].exceptions.RayActorError)
+
+
+def actor_death(handle: Any) -> Optional[tuple[str, Optional[str]]]:
+    """Why the actor is dead, in words (`recovery.death_cause`), and the IP of its node when the
+    node was lost with it; None while it lives (or still starts). Read from Ray's record of the
+    actor, which answers at once however busy the actor is. A local actor is never dead on its
+    own: it dies with this process."""
+    if isinstance(handle, LocalActor):
+        return None
+    import ray._private.state as ray_state
+
+    from posttrain.distributed.recovery import death_cause
+
+    info = ray_state.actors(actor_id=actor_id(handle)) or {}
+    if info.get("State") != "DEAD":
+        return None
+    reason, oom, message = "", False, ""
+    record = info.get("DeathCause")
+    if record is not None:
+        oom = record.HasField("oom_context")
+        if record.HasField("actor_died_error_context"):
+            context = record.actor_died_error_context
+            reason, message = type(context).Reason.Name(context.reason), context.error_message
+        elif record.HasField("creation_task_failure_context"):
+            message = "its constructor failed"
+    ip = (info.get("Address") or {}).get("IPAddress", "")
+    cause, node_lost = death_cause(reason, oom=oom, node_ip=ip, message=message)
+    return cause, (ip if node_lost else None)
+
+
+def is_actor_failure(error: BaseException) -> bool:
+    """`error`, or an error it was raised from, says an actor is gone or unreachable (Ray's
+    `RayActorError`: died, or temporarily unavailable, as while its node is being lost)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if is_actor_death(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False

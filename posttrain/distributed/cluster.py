@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 import uuid
 import weakref
 from typing import Any, Mapping, Sequence
@@ -85,6 +86,28 @@ def check_request_fits(
             for key, value in group.items():
                 left[node][key] = left[node].get(key, 0.0) - value
     return problems
+
+
+def placement_after_loss(
+    group_needs: Sequence[Mapping[str, float]], group_nodes: Sequence[Sequence[str]],
+    node_capacity: Mapping[str, Mapping[str, float]],
+) -> tuple[list[int], list[str]]:
+    """After nodes were lost: which node groups lost bundles, and why the live nodes cannot hold
+    those groups again (empty when they can). Ray places such a group again by itself when there
+    is room; this says at once, without waiting, whether there can be.
+
+    Args:
+        group_needs: the resources of each node group (placement group) of a cluster.
+        group_nodes: the node id of each bundle of each group.
+        node_capacity: per live node id, what is left there (`check_request_fits`); a node missing
+            from it is lost.
+
+    Pure: no Ray calls.
+    """
+    lost = [i for i, nodes in enumerate(group_nodes) if any(node not in node_capacity for node in nodes)]
+    if not lost:
+        return [], []
+    return lost, check_request_fits([group_needs[i] for i in lost], node_capacity)
 
 
 def _fits(need: Mapping[str, float], capacity: Mapping[str, float]) -> bool:
@@ -285,6 +308,51 @@ class VirtualCluster:
         if self.use_gpus:
             share["num_gpus"] = 1.0 / self.max_colocated_worker_groups
         return share
+
+    def lost_node_problem(self) -> str | None:
+        """Why this cluster's node groups on lost nodes cannot be placed again on the live nodes, in
+        one line (`placement_after_loss`); None when no node was lost, when they can, or with
+        `autoscaling` (nodes may still join)."""
+        self._check_alive()
+        lost, problems = placement_after_loss(self._group_needs(), [list(ids.values()) for ids in self._bundle_node_ids],
+                                              _node_capacity_left())
+        if not lost or not problems or self.autoscaling:
+            return None
+        return (f"VirtualCluster {self.name!r} lost node(s) {', '.join(self._lost_addresses(lost))} and the remaining "
+                f"nodes cannot hold its {len(lost)} node group(s) there: {'; '.join(problems)}")
+
+    def _lost_addresses(self, lost: list[int]) -> list[str]:
+        nodes = ray.nodes()
+        address = {node["NodeID"]: node["NodeManagerAddress"] for node in nodes}
+        alive = {node["NodeID"] for node in nodes if node["Alive"]}
+        return sorted({address.get(node, node[:8]) for i in lost for node in self._bundle_node_ids[i].values()
+                       if node not in alive})
+
+    def replace_lost_nodes(self) -> None:
+        """After a node of this cluster was lost: wait (at most `placement_timeout_s`) until Ray has
+        placed the node groups it held again on the live nodes (Ray does so by itself when there is
+        room), or raise `ClusterError` at once when the live nodes cannot hold them
+        (`lost_node_problem`). Nothing to do when no node was lost."""
+        problem = self.lost_node_problem()
+        if problem is not None:
+            raise ClusterError(problem)
+        lost, _ = placement_after_loss(self._group_needs(), [list(ids.values()) for ids in self._bundle_node_ids],
+                                       _node_capacity_left())
+        if not lost:
+            return
+        gone = self._lost_addresses(lost)
+        deadline = time.monotonic() + self.placement_timeout_s
+        while True:
+            alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+            tables = [placement_group_table(pg) for pg in self._placement_groups]
+            if all(t["state"] == "CREATED" and set(t["bundles_to_node_id"].values()) <= alive for t in tables):
+                self._bundle_node_ids = [t["bundles_to_node_id"] for t in tables]
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"VirtualCluster {self.name!r} lost node(s) {', '.join(gone)}; Ray did not place its "
+                                   f"{len(lost)} node group(s) again within {self.placement_timeout_s:g}s "
+                                   "(cluster.placement_timeout_s)")
+            time.sleep(0.2)
 
     def master_address_and_port(self, bundle: int = 0) -> tuple[str, int]:
         """IP of the node of `bundle` (default 0: rank 0) and a port free there now (rendezvous)."""

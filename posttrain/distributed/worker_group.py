@@ -4,7 +4,11 @@ The controller calls methods on all workers at once (`run_all`), on rank 0 only 
 on shards of a `Batch` (`run_sharded`, results gathered back in the original row order). Every
 wait goes through `get`, which fails fast: the first worker whose call raises or whose process
 dies ends the wait with a `WorkerError` naming it, instead of waiting for the other ranks, which
-may be blocked forever in a collective with the dead one. Modelled on NeMo-RL's `RayWorkerGroup`.
+may be blocked forever in a collective with the dead one; a worker whose process stops answering
+(no heartbeat for `cluster.heartbeat_timeout_s`, `heartbeat.py`) ends it with a
+`WorkerTimeoutError`. `restart` starts every member again (a new process group, on bundles placed
+again after a lost node): the recovery of a run (`posttrain.distributed.recovery`) builds on it.
+Modelled on NeMo-RL's `RayWorkerGroup`.
 
 On a `LocalCluster` (`cluster.backend: local`) the group is one `LocalActor` in the controller's
 process instead (`posttrain.distributed.actors`); everything else here is the same code.
@@ -21,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from posttrain.distributed import actors, collective
+from posttrain.distributed import actors, collective, heartbeat
 from posttrain.distributed.actors import LocalCluster
 from posttrain.distributed.batch import Batch
 
@@ -43,7 +47,14 @@ FAILURE_GRACE_S = 1.0  # after a failure, how long to wait for the other ranks' 
 
 
 class WorkerError(RuntimeError):
-    """A worker's call failed or its process died; the message names the worker and the cause."""
+    """A worker's call failed or its process died; the message names the worker and the cause.
+
+    `group` is the worker group's name and `ranks` the ranks that failed (or did not answer), for
+    recovery to know whom to rebuild ("" and () when unknown, e.g. after crossing a process)."""
+
+    def __init__(self, message: str, *, group: str = "", ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.group, self.ranks = group, tuple(ranks)
 
 
 class WorkerTimeoutError(WorkerError):
@@ -74,6 +85,8 @@ class DistributedWorker:
         self.world_size = int(env["WORLD_SIZE"])
         self.local_rank = int(env["LOCAL_RANK"])
         self.is_local = local is not None
+        if not self.is_local and env.get(heartbeat.HEARTBEAT_ENV):
+            heartbeat.start_beating(float(env[heartbeat.HEARTBEAT_ENV]))  # first: a long model load beats too
         if env.get(NUM_THREADS_ENV):
             torch.set_num_threads(int(env[NUM_THREADS_ENV]))
         if _has_gpu():
@@ -93,6 +106,10 @@ class DistributedWorker:
     def ping(self) -> bool:
         """True once the worker is constructed (a liveness check)."""
         return True
+
+    def pid(self) -> int:
+        """This worker's process id (on its node)."""
+        return os.getpid()
 
     def host_memory(self, reset_peak: bool = False) -> dict[str, int]:
         """`{"rss": bytes resident now, "peak_rss": highest since the last reset}` of this worker's
@@ -173,6 +190,9 @@ class WorkerGroup:
             whose GPU work runs in processes it starts itself.
         worker_timeout_s: longest wait for any call, actor start-up included, and the timeout of
             torch.distributed collectives (default 1800.0, `cluster.worker_timeout_s`).
+        heartbeat_timeout_s: a worker whose process has not beaten for this long while the group
+            waits for it has stopped answering (`heartbeat.py`; default 0.0: no heartbeats;
+            `cluster.heartbeat_timeout_s`). Ray backend only.
     """
 
     def __init__(
@@ -187,13 +207,15 @@ class WorkerGroup:
         worker_timeout_s: float = 1800.0,
         python_executable: str | os.PathLike | None = None,
         actor_resources: Mapping[str, float] | None = None,
+        heartbeat_timeout_s: float = 0.0,
     ) -> None:
         if not (isinstance(actor_cls, type) and issubclass(actor_cls, DistributedWorker)):
             raise TypeError(
                 f"actor_cls must be a plain subclass of DistributedWorker (WorkerGroup applies ray.remote), "
                 f"got {actor_cls!r}"
             )
-        clashes = sorted(set(env_vars or {}) & {*RENDEZVOUS_ENV_VARS, COLLECTIVE_TIMEOUT_ENV, NUM_THREADS_ENV})
+        clashes = sorted(set(env_vars or {}) & {*RENDEZVOUS_ENV_VARS, COLLECTIVE_TIMEOUT_ENV, NUM_THREADS_ENV,
+                                                heartbeat.HEARTBEAT_ENV})
         if clashes:
             raise ValueError(f"env_vars may not set {clashes}: WorkerGroup sets them per worker")
         self.name = name or actor_cls.__name__
@@ -204,6 +226,10 @@ class WorkerGroup:
         self._actor_resources = {**cluster.actor_resources(), **(actor_resources or {})}
         self._pending: dict[Any, tuple[int, str]] = {}  # ref -> (rank, method), for errors
         self.is_local = isinstance(cluster, LocalCluster)
+        # Heartbeats (Ray only: a local worker is this process, which cannot stop without us).
+        beats = heartbeat_timeout_s > 0 and not self.is_local
+        self._watch = heartbeat.HeartbeatWatch(heartbeat_timeout_s) if beats else None
+        self._beat_period = heartbeat.period_for(heartbeat_timeout_s) if self._watch else 0.0
 
         size = cluster.world_size()
         bundle_indices = list(range(size) if bundle_indices is None else bundle_indices)
@@ -216,17 +242,53 @@ class WorkerGroup:
 
         self.workers: list[Any] = []  # Ray actor handles, or one LocalActor
         self.node_ips = ["?"] * len(bundle_indices)
+        self._start = (bundle_indices, dict(init_kwargs or {}), dict(env_vars or {}))  # kept for `restart`
+        self._start_members()
+
+    def _start_members(self) -> None:
+        bundle_indices, init_kwargs, env_vars = self._start
         try:
             if self.is_local:
-                self._spawn_local(init_kwargs or {})
+                self._spawn_local(init_kwargs)
             else:
                 self._wait_for_room(bundle_indices)
-                self._spawn(bundle_indices, init_kwargs or {}, env_vars or {})
+                self._spawn(bundle_indices, init_kwargs, env_vars)
             # Constructing = joining the process group; a failure in any __init__ surfaces here.
             self.node_ips = self.run_all("get_node_ip")
         except BaseException:
             self.shutdown(timeout_s=1.0)  # ranks that did start wait in the rendezvous; kill them
             raise
+
+    def restart(self) -> None:
+        """Start every member again: the recovery of a member that died or stopped answering.
+
+        All of them, on the same bundles, as a new process group (a new `MASTER_PORT`): the others
+        may be waiting in a collective with the failed one, and a process group takes no new
+        member. After a lost node the bundles are first placed again on the live nodes
+        (`VirtualCluster.replace_lost_nodes`, which raises `ClusterError` when they cannot hold
+        them). The members start as they first did (same constructor arguments); the state they
+        had is the caller's to restore (a checkpoint, a refit).
+        """
+        if self.is_local:
+            raise WorkerError(f"WorkerGroup {self.name!r}: the local backend cannot restart a worker (it is this process)",
+                              group=self.name)
+        self.shutdown(timeout_s=0.0)  # nobody to say goodbye to: the failed member will not answer
+        self.cluster.replace_lost_nodes()
+        self._start_members()
+
+    def faults(self) -> list[tuple[int, str, str | None]]:
+        """`(rank, cause in words, IP of the lost node or None)` of every member Ray reports dead
+        (`actors.actor_death`: Ray's record, which answers at once however busy the members are)."""
+        dead = []
+        for rank, worker in enumerate(self.workers):
+            death = actors.actor_death(worker)
+            if death is not None:
+                dead.append((rank, *death))
+        return dead
+
+    def describe_rank(self, rank: int) -> str:
+        """"rank R (node IP)": a member in words, for messages."""
+        return f"rank {rank} (node {self.node_ips[rank]})"
 
     def _spawn_local(self, init_kwargs: Mapping[str, Any]) -> None:
         """The local backend: one worker, an object on a thread of this process (environment
@@ -256,6 +318,8 @@ class WorkerGroup:
                 MASTER_PORT=str(master_port),
             )
             env[COLLECTIVE_TIMEOUT_ENV] = str(self.worker_timeout_s)
+            if self._watch is not None:
+                env[heartbeat.HEARTBEAT_ENV] = str(self._beat_period)
             if not self.cluster.use_gpus:
                 env[NUM_THREADS_ENV] = str(max(1, int(self.cluster.cpus_per_bundle)))
             pg, index = locations[bundle]
@@ -419,10 +483,15 @@ class WorkerGroup:
                 if remaining <= 0:
                     running = ", ".join(self._describe(ref) for ref in waiting)
                     raise WorkerTimeoutError(
-                        f"WorkerGroup {self.name!r}: no answer after {timeout:.1f}s (worker_timeout_s) from {running}"
+                        f"WorkerGroup {self.name!r}: no answer after {timeout:.1f}s (worker_timeout_s) from {running}",
+                        group=self.name, ranks=self._ranks(waiting),
                     )
-                # num_returns=1: wake up on the first finished (or failed) call, not the last.
-                ready, waiting = actors.wait(waiting, num_returns=1, timeout=remaining)
+                # num_returns=1: wake up on the first finished (or failed) call, not the last; with
+                # heartbeats, at least every beat period, to check on the workers still running.
+                slice_s = min(remaining, self._beat_period) if self._watch is not None else remaining
+                ready, waiting = actors.wait(waiting, num_returns=1, timeout=slice_s)
+                if not ready and self._watch is not None:
+                    self._check_heartbeats(waiting)
                 for ref in ready:
                     try:
                         result = actors.get(ref)
@@ -432,6 +501,22 @@ class WorkerGroup:
         finally:
             for ref in refs:
                 self._pending.pop(ref, None)
+
+    def _ranks(self, refs: Sequence[Any]) -> list[int]:
+        return sorted({self._pending[ref][0] for ref in refs if ref in self._pending})
+
+    def _check_heartbeats(self, waiting: Sequence[Any]) -> None:
+        """Raise a WorkerTimeoutError naming the ranks among those running `waiting` whose
+        heartbeat has stopped for longer than `heartbeat_timeout_s`."""
+        ranks = {actors.actor_id(self.workers[r]): r for r in self._ranks(waiting) if r < len(self.workers)}
+        stopped = self._watch.observe(heartbeat.read_beats(ranks))
+        if stopped:
+            names = ", ".join(f"{self.describe_rank(ranks[actor])}, no heartbeat for {seconds:.0f}s"
+                              for actor, seconds in stopped.items())
+            raise WorkerTimeoutError(
+                f"WorkerGroup {self.name!r}: stopped answering: {names} (cluster.heartbeat_timeout_s="
+                f"{self._watch.timeout_s:g})", group=self.name, ranks=sorted(ranks[actor] for actor in stopped),
+            )
 
     def _raise_failure(self, ref: Any, error: Exception, waiting: list[Any]) -> None:
         """Raise a WorkerError for the failure of `ref`, putting the likely root cause first.
@@ -453,7 +538,7 @@ class WorkerGroup:
         message = f"WorkerGroup {self.name!r}: " + lines[0]
         if len(lines) > 1:
             message += "\nAlso failed:\n" + "\n".join(lines[1:])
-        raise WorkerError(message) from failures[0][1]
+        raise WorkerError(message, group=self.name, ranks=self._ranks([r for r, _ in failures])) from failures[0][1]
 
     def _describe(self, ref: Any) -> str:
         rank, method = self._pending.get(ref, (None, "?"))
@@ -482,6 +567,10 @@ class WorkerGroup:
                 actors.kill(worker)
             except Exception as error:
                 logger.debug("killing the actor failed: %s", error)
+        if self._watch is not None:
+            ids = [actors.actor_id(worker) for worker in self.workers]
+            self._watch.forget(ids)
+            heartbeat.forget(ids)
         self.workers = []
         self._pending.clear()
 

@@ -163,6 +163,8 @@ class PendingStep:
         groups, launched, batch_size = dict(self.groups), dict(self.launched), self.batch_size
         self.timed_out = []
         remote_tasks = [task for task in groups if not _is_plain_instance(self.envs[task])]
+        if remote_tasks and timeout is None:
+            self._raise_if_hung([launched[t] for t in remote_tasks], remote_tasks)
         if remote_tasks:
             if timeout is not None:
                 refs = [launched[t] for t in remote_tasks]
@@ -201,6 +203,21 @@ class PendingStep:
                 answers[i] = result.answers[j] if result.answers is not None else None
         return EnvironmentReturn(observations, out_metadata, stop_strings, rewards, terminateds, answers, metrics)
 
+    def _raise_if_hung(self, refs: list, tasks: list[str]) -> None:
+        """Wait for the steps at most `envs.step_timeout_s` (`EnvironmentActors`; no limit for a
+        plain dict); a hung environment is a `WorkerTimeoutError` naming it, never a wait for ever."""
+        limit = getattr(self.envs, "step_timeout_s", None)
+        if not limit:
+            return
+        ready, _ = actors.wait(refs, num_returns=len(refs), timeout=limit)
+        if len(ready) < len(refs):
+            from posttrain.distributed.worker_group import WorkerTimeoutError
+
+            done = set(map(id, ready))
+            stuck = sorted({self.envs.env_of_task.get(t, t) for t, ref in zip(tasks, refs) if id(ref) not in done})
+            raise WorkerTimeoutError(f"environment {', '.join(map(repr, stuck))}: no answer after {limit:g}s "
+                                     "(cluster.worker_timeout_s)", group=ENV_GROUP_PREFIX + stuck[0])
+
 
 def launch_step(
     envs: dict[str, Any],
@@ -233,6 +250,52 @@ def launch_step(
 
 
 ENV_SHUTDOWN_TIMEOUT_S = 5.0  # an environment's own clean-up, at most, before its actor is killed
+ENV_GROUP_PREFIX = "env:"  # `WorkerError.group` of an environment's failure: "env:<name>"
+
+
+class EnvironmentActors(dict):
+    """`task name -> environment actor` as a run starts them (`posttrain.job.make_envs`): a dict,
+    which `route_step` and the rollouts take as it is, that can also tell a dead environment actor
+    (`faults`) and start it again from its class and config (`restart`).
+
+    Args:
+        actors: environment name (its `env.<name>` section) -> its actor.
+        env_of_task: task name -> the environment name serving it (tasks may share an actor).
+        recipes: environment name -> `(class, config, backend)` its actor was made from (`create_env`).
+        step_timeout_s: longest wait for one step before the environment counts as hung
+            (default None: no limit; runs pass `cluster.worker_timeout_s`).
+    """
+
+    def __init__(self, actors: dict[str, Any], env_of_task: dict[str, str], recipes: dict[str, tuple],
+                 step_timeout_s: Optional[float] = None) -> None:
+        super().__init__({task: actors[env] for task, env in sorted(env_of_task.items())})
+        self.env_of_task, self.recipes, self.step_timeout_s = dict(env_of_task), dict(recipes), step_timeout_s
+
+    def by_name(self) -> dict[str, Any]:
+        """Environment name -> its actor."""
+        return {env: self[task] for task, env in self.env_of_task.items()}
+
+    def faults(self) -> list[tuple[str, str]]:
+        """`(environment name, cause in words)` of every actor Ray reports dead (`actors.actor_death`)."""
+        dead = []
+        for env, actor in sorted(self.by_name().items()):
+            death = None if _is_plain_instance(actor) else actors.actor_death(actor)
+            if death is not None:
+                dead.append((env, death[0]))
+        return dead
+
+    def restart(self, env: str) -> None:
+        """Start the actor of environment `env` again (the old one is killed first, if it still
+        runs): a fresh instance of its class and config, for every task it serves."""
+        try:
+            actors.kill(self.by_name()[env])
+        except Exception:  # already gone
+            pass
+        cls, cfg, backend = self.recipes[env]
+        fresh = create_env(env, cfg, cls=cls, backend=backend)
+        for task, name in self.env_of_task.items():
+            if name == env:
+                self[task] = fresh
 
 
 class EnvRouter:

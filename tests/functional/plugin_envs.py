@@ -5,12 +5,14 @@ untrained model, and ones that misbehave on purpose."""
 from __future__ import annotations
 
 import os
+import signal
 import time
+from pathlib import Path
 
 import torch
 
 from posttrain.environments.interface import EnvironmentReturn
-from posttrain.environments.math_env import MathEnvironment
+from posttrain.environments.math_env import MathEnvConfig, MathEnvironment
 
 
 class CrashingEnv(MathEnvironment):
@@ -65,6 +67,32 @@ class HoldAfterCheckpointEnv(MathEnvironment):
         if hold and after and os.path.exists(after):
             while os.path.exists(hold):
                 time.sleep(0.1)
+        return super().step(message_logs, metadata)
+
+
+class KillPlanConfig(MathEnvConfig):
+    kill_plan: str = ""  # "N:TARGET;...": at call N, SIGKILL the process whose id the file TARGET holds, or "self"
+    kill_counter: str = ""  # the file that counts the calls, across restarts of this environment
+
+
+class KillPlanEnv(MathEnvironment):
+    """The math environment, except that it kills a process at the calls its `kill_plan` names
+    (calls counted in the file `kill_counter`, so they go on counting when it is restarted): a
+    worker of the run (a generation or policy worker, idle while the environment steps; the test
+    wrote its process id to a file) or itself, in the middle of the call. The run is then at a
+    known point whatever the machine's speed."""
+
+    config_class = KillPlanConfig
+
+    def step(self, message_logs, metadata):
+        if self.cfg.kill_plan:
+            counter = Path(self.cfg.kill_counter)
+            call = int(counter.read_text()) + 1 if counter.exists() else 1
+            counter.write_text(str(call))
+            for entry in self.cfg.kill_plan.split(";"):
+                at, target = entry.split(":", 1)
+                if int(at) == call:
+                    os.kill(os.getpid() if target == "self" else int(Path(target).read_text()), signal.SIGKILL)
         return super().step(message_logs, metadata)
 
 

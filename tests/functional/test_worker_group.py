@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import time
 
 import pytest
@@ -137,6 +138,33 @@ def test_dead_worker_is_reported_without_waiting_for_the_hung_one(ray_cluster):
     finally:
         group.shutdown(timeout_s=0.5)  # rank 0 is still asleep; it gets killed
         group.shutdown()  # idempotent
+        cluster.shutdown()
+
+
+def test_a_frozen_worker_is_named_by_its_heartbeat_and_the_group_restarts(ray_cluster):
+    cluster = VirtualCluster([2], name="frozen")
+    group = WorkerGroup(cluster, EchoWorker, name="frozen", heartbeat_timeout_s=2.0)
+    try:
+        pids = group.run_all("pid")
+        ref = group.run_single_async(1, "sleep", 60.0)
+        os.kill(pids[1], signal.SIGSTOP)  # frozen: alive to Ray, silent to its heartbeat
+        # A deadline far beyond the heartbeat's: the message says which of the two ended the wait.
+        with pytest.raises(WorkerTimeoutError, match=r"'frozen': stopped answering: rank 1 \(node .*no heartbeat") as info:
+            group.get([ref], timeout=600)
+        assert (info.value.group, info.value.ranks) == ("frozen", (1,))
+        assert group.faults() == []  # frozen, not dead
+
+        group.restart()  # every member again, as a new process group
+        assert set(group.run_all("pid")).isdisjoint(pids)
+        assert group.run_all("sum_of_ranks_plus_one") == [3.0, 3.0]
+
+        os.kill(group.run_all("pid")[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not (faults := group.faults()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert faults == [(0, "died: its process exited (killed by a signal, out of memory, or crashed)", None)]
+    finally:
+        group.shutdown()
         cluster.shutdown()
 
 

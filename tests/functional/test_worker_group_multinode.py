@@ -1,4 +1,6 @@
-"""WorkerGroup across two (simulated) Ray nodes: one worker per node, gloo all-reduce between them.
+"""WorkerGroup across (simulated) Ray nodes: one worker per node, gloo all-reduce between them; a
+lost node's worker moves to a live node with room when the group restarts, and without room the
+restart says so in one line.
 
 This module runs its own two-node Ray cluster: it stops the session Ray first and its own at the
 end; the session Ray comes back for the next test that asks for it (see tests/conftest.py). It
@@ -8,13 +10,14 @@ must not use the `ray_cluster` fixture.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import ray
-from conftest import WORKER_ENV, stop_test_ray
+from conftest import FAST_HEALTH_CHECKS, WORKER_ENV, stop_test_ray
 from ray.cluster_utils import Cluster
 
-from posttrain.distributed.cluster import VirtualCluster
+from posttrain.distributed.cluster import ClusterError, VirtualCluster
 from posttrain.distributed.ray_utils import init_ray
 from posttrain.distributed.worker_group import DistributedWorker, WorkerGroup
 
@@ -30,7 +33,7 @@ class NodeWorker(DistributedWorker):
 @pytest.fixture(scope="module")
 def two_nodes():
     stop_test_ray()
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "_system_config": FAST_HEALTH_CHECKS})
     nodes.add_node(num_cpus=2)
     nodes.wait_for_nodes()
     init_ray(address=nodes.address, env_vars=WORKER_ENV)
@@ -49,6 +52,42 @@ def test_one_worker_per_node_and_all_reduce_across(two_nodes):
         assert cluster.bundle_node_ids() == node_ids
         # Each worker is alone on its node, so both have LOCAL_RANK 0; 10**0 + 10**1 = 11.
         assert group.run_all("local_rank_and_sum") == [("0", 11.0), ("0", 11.0)]
+    finally:
+        group.shutdown()
+        cluster.shutdown()
+
+
+def wait_for_faults(group: WorkerGroup) -> list:
+    deadline = time.monotonic() + 120
+    while not (faults := group.faults()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return faults
+
+
+def test_a_lost_nodes_worker_moves_to_a_live_node_with_room_else_the_restart_says_why(two_nodes):
+    # Two more nodes with a custom `slot` (the others have none): the group's one worker sits on one
+    # of them, and once that node is lost it can only move to the other.
+    spares = [two_nodes.add_node(num_cpus=1, resources={"slot": 1}) for _ in range(2)]
+    two_nodes.wait_for_nodes()
+    cluster = VirtualCluster([1], name="movable", bundle_resources={"slot": 1})
+    group = WorkerGroup(cluster, NodeWorker, name="movable")
+    try:
+        first = group.run_all("get_node_id")[0]
+        lost, other = sorted(spares, key=lambda node: node.node_id != first)
+        assert lost.node_id == first
+        two_nodes.remove_node(lost, allow_graceful=False)  # like a crash: SIGKILL
+        (rank, cause, lost_ip), = wait_for_faults(group)
+        assert (rank, cause) == (0, f"was lost with its node {lost_ip}")
+
+        group.restart()
+        assert group.run_all("get_node_id") == [other.node_id] == cluster.bundle_node_ids()
+        assert group.run_all("local_rank_and_sum") == [("0", 1.0)]
+
+        two_nodes.remove_node(other, allow_graceful=False)  # no live node has a slot now
+        assert wait_for_faults(group)
+        with pytest.raises(ClusterError, match=r"^VirtualCluster 'movable' lost node\(s\) .* and the remaining nodes "
+                                               r"cannot hold its 1 node group\(s\) there: slot: asked 1, the cluster has 0$"):
+            group.restart()
     finally:
         group.shutdown()
         cluster.shutdown()

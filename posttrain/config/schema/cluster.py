@@ -51,7 +51,34 @@ class ClusterConfig(Section):
             "cluster.autoscaling, on nodes still to join; a request the live nodes cannot hold fails at once."
         ),
     )
-    worker_timeout_s: float = Field(1800.0, gt=0, description="Longest a single worker call may take.")
+    worker_timeout_s: float = Field(
+        1800.0, gt=0,
+        description=(
+            "Longest a single worker call (or environment step) may take; a worker past it counts as hung, and "
+            "the run recovers from it as from a dead one (cluster.max_restarts)."
+        ),
+    )
+    heartbeat_timeout_s: float = Field(
+        60.0, ge=0,
+        description=(
+            "A worker process whose heartbeat (a counter its own thread writes to Ray every few seconds) has not "
+            "moved for this long while the controller waits for it has stopped answering (frozen, swapped out, "
+            "deadlocked) and is recovered from as a dead one, without waiting for cluster.worker_timeout_s. "
+            "0 turns heartbeats off. Ray backend only."
+        ),
+    )
+    max_restarts: int = Field(
+        3, ge=0,
+        description=(
+            "How many times a run recovers in process from a dead or hung worker (a policy or generation worker, "
+            "an environment actor, or a lost node): it rebuilds what failed (the policy from the last checkpoint, "
+            "so that needs checkpointing.enabled; generation by a refit from the policy), replays the interrupted "
+            "step and goes on, counting recovery/restarts in the metrics. One more failure stops the run with a "
+            "one-line reason and exit code 3, its last checkpoint whole. 0: stop at the first. Ray backend only: "
+            "with cluster.backend=local a worker is the controller's own process, so a killed worker is the run "
+            "(rerun it to resume from the last checkpoint)."
+        ),
+    )
     autoscaling: bool = Field(
         False,
         description=(

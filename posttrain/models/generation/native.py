@@ -33,7 +33,7 @@ class NativeGeneration(WorkerGroupGeneration):
     ) -> None:
         worker_group = WorkerGroup(
             cluster, GenerationWorker, init_kwargs=dict(spec=spec), name=name, bundle_indices=bundle_indices,
-            worker_timeout_s=spec.worker_timeout_s,
+            worker_timeout_s=spec.worker_timeout_s, heartbeat_timeout_s=spec.heartbeat_timeout_s,
         )
         self._attach(worker_group, spec)
 

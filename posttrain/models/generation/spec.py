@@ -30,6 +30,8 @@ class GenerationSpec:
         worker_timeout_s: longest wait for a worker call, start-up included (default 1800.0).
         rope_scaling: the model's RoPE scaling (`policy.rope_scaling`, e.g. YaRN; default None: the
             model's own), so the engines' positions match the trainer's.
+        heartbeat_timeout_s: a worker silent for this long has stopped answering (default 0.0:
+            no heartbeats; `WorkerGroup`).
     """
 
     model_name: str
@@ -41,6 +43,7 @@ class GenerationSpec:
     seed: int = 0
     worker_timeout_s: float = 1800.0
     rope_scaling: Optional[dict[str, Any]] = None
+    heartbeat_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         generation = self.generation
@@ -57,13 +60,15 @@ class GenerationSpec:
     @classmethod
     def from_config(cls, cfg: Any, *, model: Any = None, seed: int = 0) -> "GenerationSpec":
         """The spec of a job's generation: `cfg.policy.generation`, the run's
-        `policy.max_total_sequence_length` and `cluster.worker_timeout_s`, and the model of
-        `model` (default None: `cfg.policy`; anything with `model_name`, `tokenizer_name`,
-        `tiny_arch`, `precision` and `rope_scaling`, such as distillation's `teacher`)."""
+        `policy.max_total_sequence_length`, `cluster.worker_timeout_s` and
+        `cluster.heartbeat_timeout_s`, and the model of `model` (default None: `cfg.policy`;
+        anything with `model_name`, `tokenizer_name`, `tiny_arch`, `precision` and `rope_scaling`,
+        such as distillation's `teacher`)."""
         model = cfg.policy if model is None else model
         return cls(
             model_name=model.model_name, generation=cfg.policy.generation, tokenizer_name=model.tokenizer_name,
             tiny_arch=model.tiny_arch, precision=model.precision,
             max_model_len=cfg.policy.max_total_sequence_length, seed=seed,
-            worker_timeout_s=cfg.cluster.worker_timeout_s, rope_scaling=getattr(model, "rope_scaling", None),
+            worker_timeout_s=cfg.cluster.worker_timeout_s, heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s,
+            rope_scaling=getattr(model, "rope_scaling", None),
         )

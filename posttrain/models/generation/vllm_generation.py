@@ -93,6 +93,7 @@ class VllmGeneration(WorkerGroupGeneration):
             bundle_indices=leaders,
             env_vars=env_vars,
             worker_timeout_s=spec.worker_timeout_s,
+            heartbeat_timeout_s=spec.heartbeat_timeout_s,
             python_executable=python,
             actor_resources=actor_resources,
         )

@@ -100,6 +100,20 @@ class WorkerGroupGeneration(GenerationInterface):
         policy.worker_group.get(sends)
         self.finish_refit(version)
 
+    def restart(self, metadata: RefitMetadata) -> None:
+        """Rebuild every engine after one died or stopped answering (`WorkerGroup.restart`: they
+        share a process group) and prepare them for the policy's weights, which they get at the
+        next refit (`refit_from_policy`; until then they hold `model_name`'s)."""
+        self.worker_group.restart()
+        self.weights_version = 0
+        self.forget_refit_channel()
+        self.prepare_refit_info(metadata)
+
+    def forget_refit_channel(self) -> None:
+        """The policy's or the engines' processes changed: set the broadcast group of the refit up
+        again at the next refit (its old members are gone)."""
+        self._broadcast_ready = False
+
     def prepare_for_generation(self) -> bool:
         return all(self.worker_group.run_all("prepare_for_generation"))
 

@@ -41,6 +41,8 @@ class Policy:
         name: worker-group name shown in errors and logs (default "policy").
         model_type: "lm" (default) or "reward" (scalar score per sequence; see `PolicyWorker`).
         worker_timeout_s: longest wait for one call (default 1800.0, `cluster.worker_timeout_s`).
+        heartbeat_timeout_s: a worker silent for this long has stopped answering (default 0.0: no
+            heartbeats; `cluster.heartbeat_timeout_s`, `WorkerGroup`).
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class Policy:
         name: str = "policy",
         model_type: str = "lm",
         worker_timeout_s: float = 1800.0,
+        heartbeat_timeout_s: float = 0.0,
     ) -> None:
         self.cfg = cfg if isinstance(cfg, PolicyConfig) else PolicyConfig.model_validate(cfg)
         if cluster.world_size() < self.cfg.num_workers:
@@ -77,6 +80,7 @@ class Policy:
             name=name,
             bundle_indices=list(range(self.cfg.num_workers)),
             worker_timeout_s=worker_timeout_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
         )
         on_gpus = bool(getattr(cluster, "use_gpus", False))
         self.offloads_during_generation = offloads_during_generation(self.cfg, on_gpus)
@@ -85,6 +89,8 @@ class Policy:
             print(note, flush=True)
         self._offloaded = False
         self._offloaded_bytes = 0  # over the workers, since the last take_phase_memory
+        # `train` calls begun: a step that failed after its update must not be replayed on top of it.
+        self.updates = 0
 
     # ------------------------------------------------------------------------ memory phases
     def offload_to_host(self) -> int:
@@ -175,6 +181,7 @@ class Policy:
         if check is not None:
             check(batch, steps)
         self._on_device()
+        self.updates += 1  # before the call: a failed update may have stepped some ranks' optimizers
         order = torch.arange(batch.size).view(steps, self.dp_size, local).transpose(0, 1).flatten()
         refs = self.worker_group.run_sharded_async(
             "train",
@@ -261,6 +268,14 @@ class Policy:
     def refit_info(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """`(name, shape, dtype)` of every exported tensor, for `Generation.prepare_refit_info`."""
         return self.worker_group.run_rank0("refit_info")
+
+    def restart(self) -> None:
+        """Rebuild every worker after one died or stopped answering (`WorkerGroup.restart`): the
+        FSDP process group takes no new member, and no rank holds a whole copy of the shards to
+        rebuild another from, so all of them start again as at first (`policy.model_name`, or
+        `weights_path`); the caller then loads the last checkpoint (`TrainingLoop.rewind`)."""
+        self.worker_group.restart()
+        self._offloaded, self._offloaded_bytes = False, 0
 
     def shutdown(self) -> None:
         self.worker_group.shutdown()

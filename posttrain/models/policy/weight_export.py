@@ -125,10 +125,16 @@ class WeightExport:
         0's device and broadcast it to the generation workers, who load it before the next one."""
         # One buffer of the largest bucket's size serves every bucket.
         send = torch.empty(metadata.max_bucket_bytes, dtype=torch.uint8, device=self.device) if self.rank == 0 else None
+        failed: Optional[BaseException] = None
         for bucket in range(len(metadata.bucket_sizes)):
             buffer = self._pack_refit_bucket(metadata, bucket, self.device, keep=self.rank == 0, out=send)
-            if buffer is not None:
-                self._refit_group.broadcast(buffer, src=0)
+            if buffer is not None and failed is None:
+                try:
+                    self._refit_group.broadcast(buffer, src=0)
+                except Exception as error:  # a generation worker died: stop sending, but keep taking part
+                    failed = error  # in the gathers, or the other ranks would wait in one for ever
+        if failed is not None:
+            raise failed
         return True
 
     def weights_checksum(self, dtypes: Optional[dict[str, torch.dtype]] = None) -> Optional[str]:

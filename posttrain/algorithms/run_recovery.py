@@ -1,0 +1,197 @@
+"""An on-policy run's recovery from dead or hung workers (`cluster.max_restarts`).
+
+    ctx.recovery = RunRecovery.for_run(ctx)      # build_on_policy_run; None with the local backend
+    ctx.loop.run(step_fn, validate_fn, recovery=ctx.recovery)
+
+When a step fails, the loop asks `recover(error, "step 3")`. It finds who failed: the members Ray
+reports dead (`WorkerGroup.faults`, `EnvironmentActors.faults`: policy workers, generation
+workers, environment actors, all of those on a lost node) and the ones a timeout names (no
+heartbeat, or no answer within `cluster.worker_timeout_s`). It says which and why in one line,
+rebuilds them, each the way it knows (`Policy.restart`, then the loop reloads the last checkpoint;
+`WorkerGroupGeneration.restart`, then the next step refits it from the policy;
+`EnvironmentActors.restart`), and tells the loop what to replay (`Replay`). An error nobody died
+of (a bug, a NaN loss) is not recovered: `recover` returns None and the loop raises it as it was.
+Past `cluster.max_restarts` recoveries, or when what failed cannot be rebuilt (a policy worker
+without checkpoints; a lost node whose work the other nodes cannot hold), the run stops with
+`RunStopped`: one line, and the last checkpoint whole.
+
+The teacher of distillation and a reference model's own workers are not rebuilt: their failure
+ends the run as before (rerun it to resume from the last checkpoint).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from posttrain.distributed import actors
+from posttrain.distributed.recovery import Fault, Replay, RestartBudget, describe
+from posttrain.errors import RunStopped
+
+# How long to wait for Ray to say whether an actor that cannot be reached is dead: a lost node is
+# declared dead only once its health checks have failed for a while.
+SETTLE_S = 90.0
+# After any other worker failure (a collective that broke because its peer died, say), how long to
+# look for a death Ray has not recorded yet before the failure counts as the worker's own error.
+WORKER_ERROR_SETTLE_S = 3.0
+
+
+class RunRecovery:
+    """Recovery of the run `ctx` (an `OnPolicyContext`): its policy, generation engine and
+    environments, at most `max_restarts` times (`cluster.max_restarts`)."""
+
+    def __init__(self, ctx: Any, max_restarts: int, settle_s: float = SETTLE_S) -> None:
+        self.ctx, self.settle_s = ctx, settle_s
+        self.budget = RestartBudget(max_restarts)
+
+    @classmethod
+    def for_run(cls, ctx: Any) -> Optional["RunRecovery"]:
+        """The run's recovery; None with the local backend, whose workers are this process (or a
+        policy not built on a worker group)."""
+        group = getattr(ctx.policy, "worker_group", None)
+        if group is None or group.is_local:
+            return None
+        return cls(ctx, ctx.cfg.cluster.max_restarts)
+
+    def metrics(self) -> dict[str, float]:
+        """`recovery/restarts` (cumulative) and `recovery/restarts/<kind>`, for every logged step."""
+        return self.budget.metrics()
+
+    # ------------------------------------------------------------------------------ recover
+    def recover(self, error: BaseException, what: str, trained: bool = False) -> Optional[Replay]:
+        """Rebuild what failed in `error`, raised by `what` ("step 3", "the validation at step 3"),
+        and say what to replay; None when no member failed (the caller raises `error`). Raises
+        `RunStopped` when it cannot go on. `trained`: the policy had already trained in the failed
+        step, so replaying the step on top of it would train twice: the run goes back to the last
+        checkpoint instead (default False)."""
+        faults = self.find_faults(error)
+        if not faults:
+            return None
+        failed = describe(faults)
+        kinds = {fault.kind for fault in faults}
+        if self.budget.exhausted():
+            raise RunStopped(f"{failed}; no restart left (cluster.max_restarts={self.budget.max_restarts}); "
+                             f"{self.ctx.loop.resume_point()}") from None
+        rewind = "policy" in kinds or trained
+        if rewind and not self.ctx.cfg.checkpointing.enabled:
+            why = ("rebuilding a policy worker needs a checkpoint to restore the weights and optimizer from"
+                   if "policy" in kinds else f"the policy had already trained in {what}, so replaying it needs a "
+                   "checkpoint to go back to")
+            raise RunStopped(f"{failed}; {why}, and checkpointing.enabled=false; {self.ctx.loop.resume_point()}") from None
+        problem = self._placement_problem(faults)
+        if problem is not None:
+            raise RunStopped(f"{failed}; {problem}; {self.ctx.loop.resume_point()}") from None
+        number = self.budget.record(kinds)
+        print(f"[posttrain] recovery {number} of {self.budget.max_restarts}: {failed}; "
+              f"{self._plan(kinds, what, trained)}", flush=True)
+        from posttrain.distributed.cluster import ClusterError
+        from posttrain.distributed.worker_group import WorkerError
+
+        try:
+            self._rebuild(faults, trained)
+        except (ClusterError, WorkerError) as rebuild_error:
+            reason = str(rebuild_error).splitlines()[0]
+            raise RunStopped(f"{failed}; rebuilding failed: {reason}; {self.ctx.loop.resume_point()}") from None
+        return Replay.FROM_CHECKPOINT if rewind else Replay.STEP
+
+    def _plan(self, kinds: set[str], what: str, trained: bool) -> str:
+        """What recovery does next, in words."""
+        parts = []
+        if "environment" in kinds:
+            parts.append("restarting the environment")
+        if "policy" in kinds:
+            parts.append("rebuilding the policy workers, then loading the last checkpoint")
+        if "generation" in kinds:
+            parts.append("rebuilding the generation workers (weights refit from the policy)")
+        if "policy" in kinds:
+            replay = "replaying from the last checkpoint"
+        elif trained:
+            replay = f"replaying from the last checkpoint (the policy had already trained in {what})"
+        else:
+            replay = f"replaying {what}"
+        return ", ".join(parts) + f", {replay}"
+
+    def find_faults(self, error: BaseException) -> list[Fault]:
+        """The members that failed: those Ray reports dead, and those a timeout in `error` names.
+        When `error` says an actor cannot be reached but none is dead yet (a node being lost), wait
+        up to `settle_s` for Ray to decide; after another worker's failure, a few seconds."""
+        from posttrain.distributed.worker_group import WorkerError
+
+        settle = self.settle_s if actors.is_actor_failure(error) else WORKER_ERROR_SETTLE_S if isinstance(
+            error, WorkerError) else 0.0
+        deadline = time.monotonic() + settle
+        while True:
+            faults = self._dead_members() + self._hung_members(error)
+            if faults or time.monotonic() >= deadline:
+                return faults
+            time.sleep(0.5)
+
+    def _groups(self) -> list[tuple[str, Any]]:
+        """The worker groups it can rebuild: the policy's, and the generation engine's when it is
+        built on a worker group (`WorkerGroupGeneration`; an engine of the user's may not be)."""
+        groups = [("policy", self.ctx.policy.worker_group)]
+        if hasattr(self.ctx.generation, "restart") and hasattr(self.ctx.generation, "worker_group"):
+            groups.append(("generation", self.ctx.generation.worker_group))
+        return groups
+
+    def _dead_members(self) -> list[Fault]:
+        faults = []
+        for kind, group in self._groups():
+            for rank, cause, lost_node in group.faults():
+                faults.append(Fault(kind, f"{kind} worker {group.describe_rank(rank)}", cause, lost_node))
+        envs = self.ctx.envs
+        for env, cause in (envs.faults() if hasattr(envs, "faults") else []):
+            faults.append(Fault("environment", f"environment {env!r}", cause, name=env))
+        return faults
+
+    def _hung_members(self, error: BaseException) -> list[Fault]:
+        """Members named by a `WorkerTimeoutError` in `error`'s chain (no heartbeat, or no answer in time)."""
+        from posttrain.distributed.worker_group import WorkerTimeoutError
+        from posttrain.environments.registry import ENV_GROUP_PREFIX
+
+        names = {group.name: kind for kind, group in self._groups()}
+        seen: set[int] = set()
+        while error is not None and id(error) not in seen:
+            seen.add(id(error))
+            if isinstance(error, WorkerTimeoutError):
+                cause = "hung: " + str(error).split(": ", 1)[-1].splitlines()[0]
+                if error.group in names:
+                    return [Fault(names[error.group], f"{names[error.group]} workers", cause)]
+                if error.group.startswith(ENV_GROUP_PREFIX):
+                    env = error.group[len(ENV_GROUP_PREFIX):]
+                    return [Fault("environment", f"environment {env!r}", cause, name=env)]
+            error = error.__cause__ or error.__context__
+        return []
+
+    def _placement_problem(self, faults: list[Fault]) -> Optional[str]:
+        """Why the groups that lost members with a node cannot be placed again on the live nodes
+        (`VirtualCluster.lost_node_problem`); None when they can, or when no node was lost."""
+        lost = {fault.kind for fault in faults if fault.lost_node}
+        for kind, group in self._groups():
+            check = getattr(group.cluster, "lost_node_problem", None) if kind in lost else None
+            problem = check() if check is not None else None
+            if problem is not None:
+                return problem
+        return None
+
+    # ------------------------------------------------------------------------------ rebuild
+    def _rebuild(self, faults: list[Fault], trained: bool) -> None:
+        """Environments first (they hold no state), then the policy (a new process group; the loop
+        loads the last checkpoint into it), then generation, which the next step refits. A policy
+        that trained in the failed step goes back to the last checkpoint too (the loop loads it);
+        with none yet, it starts again from its initial weights."""
+        ctx = self.ctx
+        for env in sorted({fault.name for fault in faults if fault.kind == "environment"}):
+            ctx.envs.restart(env)
+        kinds = {fault.kind for fault in faults}
+        from posttrain.utils.checkpoint import complete_checkpoints
+
+        if "policy" in kinds or (trained and not complete_checkpoints(ctx.cfg.checkpointing.checkpoint_dir)):
+            ctx.policy.restart()
+            forget = getattr(ctx.generation, "forget_refit_channel", None)
+            if forget is not None:
+                forget()  # the broadcast group's sender, policy rank 0, is a new process
+        if "generation" in kinds:
+            ctx.generation.restart(ctx.refit_metadata)
+        if kinds & {"policy", "generation"} or trained:
+            ctx.generation_stale = True

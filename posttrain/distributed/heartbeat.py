@@ -1,0 +1,107 @@
+"""Heartbeats: how the controller tells a worker that stopped answering from one that is busy.
+
+A Ray actor runs one call at a time, so a worker in a long call cannot answer a ping, and a
+process that is frozen (stopped, swapped out, deadlocked holding the GIL) still looks alive to
+Ray. So each worker process beats from a thread of its own: every `period` seconds it writes a
+counter to Ray's key-value store (in the GCS). While the controller waits for a call it reads the
+counters of the workers it waits for (`WorkerGroup.as_completed`); one whose counter has not
+moved for `cluster.heartbeat_timeout_s` of the controller's own clock (other nodes' clocks do not
+matter) has stopped answering, and the wait ends with a `WorkerTimeoutError` naming it within
+seconds, not after `cluster.worker_timeout_s`. A worker waiting in a collective for a peer keeps
+beating (its thread runs while the collective waits): a dead peer is reported by Ray at once, and
+a collective that never completes ends at `cluster.worker_timeout_s`.
+
+A worker that has not beaten yet (still importing torch, say) is not judged: a process that hangs
+before its first beat is caught by `cluster.worker_timeout_s`, which covers start-up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Iterable, Mapping, Optional
+
+HEARTBEAT_ENV = "POSTTRAIN_HEARTBEAT_S"  # the beat period in seconds, set for each worker by WorkerGroup
+NAMESPACE = "posttrain-heartbeat"
+
+
+def period_for(timeout_s: float) -> float:
+    """Seconds between beats for a `timeout_s` deadline: a sixth of it, between 0.5 and 10 s, so a
+    few missed beats (a busy machine) never add up to the deadline."""
+    return min(10.0, max(0.5, timeout_s / 6))
+
+
+def key(actor_id: str) -> bytes:
+    return f"beat/{actor_id}".encode()
+
+
+def start_beating(period_s: float) -> None:
+    """In a Ray worker: beat every `period_s` seconds from a daemon thread, for as long as the
+    process runs."""
+    import ray
+    from ray.experimental import internal_kv
+
+    my_key = key(ray.get_runtime_context().get_actor_id())
+
+    def beat() -> None:
+        count = 0
+        while True:
+            count += 1
+            try:
+                internal_kv._internal_kv_put(my_key, str(count).encode(), overwrite=True, namespace=NAMESPACE)
+            except Exception:  # the GCS is briefly unreachable: the next beat tries again
+                pass
+            time.sleep(period_s)
+
+    threading.Thread(target=beat, name="posttrain-heartbeat", daemon=True).start()
+
+
+def read_beats(actor_ids: Iterable[str]) -> dict[str, Optional[bytes]]:
+    """The last beat of each actor (None: none yet), read from the GCS."""
+    from ray.experimental import internal_kv
+
+    return {actor_id: internal_kv._internal_kv_get(key(actor_id), namespace=NAMESPACE) for actor_id in actor_ids}
+
+
+def forget(actor_ids: Iterable[str]) -> None:
+    """Delete the beats of actors that were shut down (best effort)."""
+    from ray.experimental import internal_kv
+
+    for actor_id in actor_ids:
+        try:
+            internal_kv._internal_kv_del(key(actor_id), namespace=NAMESPACE)
+        except Exception:
+            pass
+
+
+class HeartbeatWatch:
+    """The controller's view of its workers' beats: the last value seen of each and when it last
+    changed, by `clock` (default `time.monotonic`).
+
+    Args:
+        timeout_s: how long a beat may stay unchanged before its worker counts as stopped.
+    """
+
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self._seen: dict[str, tuple[bytes, float]] = {}  # actor -> (last value, when it was first seen)
+
+    def observe(self, beats: Mapping[str, Optional[bytes]]) -> dict[str, float]:
+        """Record `beats` (actor -> its current value, None before its first beat); returns the
+        actors whose beat has not changed for more than `timeout_s`, with the seconds since."""
+        now = self.clock()
+        stopped = {}
+        for actor, value in beats.items():
+            if value is None:
+                continue
+            last = self._seen.get(actor)
+            if last is None or last[0] != value:
+                self._seen[actor] = (value, now)
+            elif now - last[1] > self.timeout_s:
+                stopped[actor] = now - last[1]
+        return stopped
+
+    def forget(self, actors: Iterable[str]) -> None:
+        for actor in actors:
+            self._seen.pop(actor, None)

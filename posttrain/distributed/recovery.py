@@ -1,0 +1,117 @@
+"""Recovery from dead workers: what failed, why (in one line), and how many restarts a run has left.
+
+The parts that rebuild live with what they rebuild: a `WorkerGroup` restarts its members
+(`WorkerGroup.restart`: a new process group on the same bundles, placed again after a lost node),
+the `Policy` reloads its state from the last checkpoint, the generation engine takes the policy's
+weights by a refit, and `EnvironmentActors` starts a dead environment again. This module holds
+what they share and what can be tested without Ray: a `Fault` (who failed and why), the cause of
+an actor's death in words (`death_cause`), and the run's `RestartBudget` (`cluster.max_restarts`).
+The run's recovery (`posttrain.algorithms.recovery`) puts them together; the training loop only
+sees "this step failed, replay it" and the restart counts.
+
+Recovery needs the Ray backend: with `cluster.backend: local` every worker is a thread of the
+controller's process, so a killed worker is the whole run (rerun it to resume from its last
+checkpoint).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterable, Optional
+
+KINDS = ("policy", "generation", "environment")  # what a run rebuilds
+
+
+class Replay(Enum):
+    """What a training loop does after a recovered failure."""
+
+    STEP = "step"  # the policy is as before the step: draw the step's prompts again and rerun it
+    FROM_CHECKPOINT = "checkpoint"  # the policy was rebuilt: go back to the last checkpoint and rerun from there
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One failed member of a run.
+
+    Args:
+        kind: "policy", "generation" or "environment" (`KINDS`).
+        who: the member in words, e.g. "policy worker rank 1 (node 10.0.0.2)" or "environment 'math'".
+        cause: why, in words, e.g. "its process died (killed, out of memory or crashed)".
+        lost_node: the IP of the node that was lost with it, when that is why (else None).
+        name: the environment's name, for an environment (else "").
+    """
+
+    kind: str
+    who: str
+    cause: str
+    lost_node: Optional[str] = None
+    name: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.who} {self.cause}"
+
+
+def death_cause(reason: str, *, oom: bool = False, node_ip: str = "", message: str = "") -> tuple[str, bool]:
+    """What killed an actor, in words, from Ray's record of its death; and whether its node was lost.
+
+    Args:
+        reason: the name of Ray's `ActorDiedErrorContext.Reason` (`WORKER_DIED`, `NODE_DIED`,
+            `RAY_KILL`, ...), or "" when Ray gave none.
+        oom: Ray's memory monitor killed it.
+        node_ip: the node it ran on (named when the node was lost).
+        message: Ray's own message, used when the reason says nothing.
+    """
+    if oom:
+        return "was killed by Ray's memory monitor (its node ran out of memory)", False
+    if reason == "NODE_DIED":
+        return f"was lost with its node {node_ip or '?'}", True
+    if reason == "WORKER_DIED":
+        return "died: its process exited (killed by a signal, out of memory, or crashed)", False
+    if reason == "RAY_KILL":
+        return "was killed (ray.kill)", False
+    if reason in ("OWNER_DIED", "OUT_OF_SCOPE", "REF_DELETED"):
+        return f"was stopped by Ray ({reason.lower().replace('_', ' ')})", False
+    first = message.strip().splitlines()[0] if message.strip() else "no reason given"
+    return f"died ({first})", False
+
+
+class RestartBudget:
+    """The restarts one run may make: at most `max_restarts` recoveries (`cluster.max_restarts`),
+    each counted once in all and once for every kind of member it rebuilt.
+
+    `recovery/restarts` (cumulative) and `recovery/restarts/<kind>` go to every logged step.
+    """
+
+    def __init__(self, max_restarts: int) -> None:
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        self.max_restarts = max_restarts
+        self.total = 0
+        self.per_kind = dict.fromkeys(KINDS, 0)
+
+    def exhausted(self) -> bool:
+        """No restart left."""
+        return self.total >= self.max_restarts
+
+    def record(self, kinds: Iterable[str]) -> int:
+        """Count one recovery that rebuilt members of `kinds`; returns its number (1, 2, ...)."""
+        if self.exhausted():
+            raise RuntimeError(f"no restart left (max_restarts={self.max_restarts})")
+        kinds = set(kinds)
+        unknown = kinds - set(KINDS)
+        if not kinds or unknown:
+            raise ValueError(f"a restart rebuilds members of {KINDS}, got {sorted(kinds)}")
+        self.total += 1
+        for kind in kinds:
+            self.per_kind[kind] += 1
+        return self.total
+
+    def metrics(self) -> dict[str, float]:
+        return {"recovery/restarts": float(self.total),
+                **{f"recovery/restarts/{kind}": float(n) for kind, n in self.per_kind.items()}}
+
+
+def describe(faults: list[Fault]) -> str:
+    """The faults in one line: "policy worker rank 1 died: ...; environment 'math' died: ..."."""
+    return "; ".join(str(fault) for fault in faults)

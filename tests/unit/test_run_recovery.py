@@ -1,0 +1,294 @@
+"""Recovery's pure parts: the restart bound and counts, what killed an actor in words, heartbeats,
+whether the live nodes can hold a lost node's work, which failures a run recovers from
+(`RunRecovery` on fake worker groups), and how the training loop replays a step or goes back to
+its last checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+from test_training_loop import FakeLoader, FakePolicy, cfg_for, make_loop
+
+from posttrain.algorithms.run_recovery import RunRecovery
+from posttrain.distributed.cluster import placement_after_loss
+from posttrain.distributed.heartbeat import HeartbeatWatch, period_for
+from posttrain.distributed.recovery import Replay, RestartBudget, death_cause
+from posttrain.distributed.worker_group import WorkerError, WorkerTimeoutError
+from posttrain.errors import RunStopped
+from posttrain.utils.logger import read_metrics_jsonl
+
+
+# ------------------------------------------------------------------------------ bookkeeping
+def test_the_budget_counts_recoveries_in_all_and_per_kind_up_to_its_bound():
+    budget = RestartBudget(2)
+    assert budget.metrics() == {"recovery/restarts": 0.0, "recovery/restarts/policy": 0.0,
+                                "recovery/restarts/generation": 0.0, "recovery/restarts/environment": 0.0}
+    assert budget.record(["generation"]) == 1
+    assert not budget.exhausted()
+    assert budget.record(["policy", "generation"]) == 2  # one recovery (a lost node) rebuilding two kinds
+    assert budget.exhausted()
+    assert budget.metrics() == {"recovery/restarts": 2.0, "recovery/restarts/policy": 1.0,
+                                "recovery/restarts/generation": 2.0, "recovery/restarts/environment": 0.0}
+    with pytest.raises(RuntimeError, match="no restart left"):
+        budget.record(["environment"])
+    assert RestartBudget(0).exhausted()
+    with pytest.raises(ValueError, match="teacher"):
+        RestartBudget(1).record(["teacher"])
+
+
+@pytest.mark.parametrize("reason, oom, expected, lost", [
+    ("WORKER_DIED", False, "died: its process exited (killed by a signal, out of memory, or crashed)", False),
+    ("NODE_DIED", False, "was lost with its node 10.0.0.2", True),
+    ("WORKER_DIED", True, "was killed by Ray's memory monitor (its node ran out of memory)", False),
+    ("RAY_KILL", False, "was killed (ray.kill)", False),
+    ("UNSPECIFIED", False, "died (The actor is gone)", False),
+])
+def test_death_causes_in_words(reason, oom, expected, lost):
+    assert death_cause(reason, oom=oom, node_ip="10.0.0.2", message="The actor is gone\nmore detail") == (expected, lost)
+
+
+def test_a_heartbeat_that_stops_moving_is_reported_after_the_timeout_by_the_watchers_clock():
+    now = [100.0]
+    watch = HeartbeatWatch(timeout_s=5.0, clock=lambda: now[0])
+    assert watch.observe({"a": b"1", "b": b"7", "c": None}) == {}
+    now[0] = 104.0
+    assert watch.observe({"a": b"2", "b": b"7", "c": None}) == {}  # b unchanged for 4 s: not yet
+    now[0] = 106.0
+    assert watch.observe({"a": b"2", "b": b"7", "c": None}) == {"b": 6.0}  # c never beat: not judged
+    now[0] = 107.0
+    assert watch.observe({"a": b"3", "b": b"8"}) == {}  # b beats again
+    assert 0.5 <= period_for(1.0) and period_for(60.0) == 10.0 and period_for(30.0) == 5.0
+
+
+def test_a_lost_nodes_work_moves_only_when_the_live_nodes_can_hold_it():
+    needs = [{"CPU": 2.0, "GPU": 2.0}, {"CPU": 2.0, "GPU": 2.0}]
+    placed = [["n1", "n1"], ["n2", "n2"]]
+    # n2 is lost; n3 is free: group 1 can be placed there again.
+    assert placement_after_loss(needs, placed, {"n1": {"CPU": 0.0, "GPU": 0.0}, "n3": {"CPU": 4.0, "GPU": 2.0}}) \
+        == ([1], [])
+    # Only the node that holds group 0 is left: group 1 cannot be placed.
+    lost, problems = placement_after_loss(needs, placed, {"n1": {"CPU": 0.0, "GPU": 0.0}})
+    assert lost == [1] and problems == ["CPU: asked 2, the cluster has 0", "GPU: asked 2, the cluster has 0"]
+    # Enough GPUs in all, but not on one machine.
+    lost, problems = placement_after_loss(needs, placed, {"n1": {}, "n3": {"CPU": 1.0, "GPU": 1.0},
+                                                          "n4": {"CPU": 1.0, "GPU": 1.0}})
+    assert lost == [1] and problems and "on one machine" in problems[0]
+    assert placement_after_loss(needs, placed, {"n1": {}, "n2": {}}) == ([], [])  # nothing lost
+
+
+# ------------------------------------------------------------------------- what is recovered
+class FakeCluster:
+    def __init__(self, problem=None):
+        self.problem = problem
+
+    def lost_node_problem(self):
+        return self.problem
+
+
+class FakeGroup:
+    is_local = False
+
+    def __init__(self, name, dead=()):
+        self.name, self.dead, self.cluster = name, list(dead), FakeCluster()
+
+    def faults(self):
+        return self.dead
+
+    def describe_rank(self, rank):
+        return f"rank {rank} (node 10.0.0.{rank + 1})"
+
+
+class FakeRestartable:
+    def __init__(self, group):
+        self.worker_group, self.restarts = group, []
+
+    def restart(self, *args):
+        self.restarts.append(args)
+        self.worker_group.dead = []
+
+    def forget_refit_channel(self):
+        self.restarts.append("forget")
+
+
+class FakeEnvs(dict):
+    def __init__(self, dead=()):
+        super().__init__(math="actor")
+        self.dead, self.restarted = list(dead), []
+
+    def faults(self):
+        return self.dead
+
+    def restart(self, env):
+        self.restarted.append(env)
+
+
+class FakeLoop:
+    def resume_point(self):
+        return "GRPO stopped after step 4; a rerun of the same command resumes from step 4 (ckpt/step_4)"
+
+
+class FakeCtx:
+    def __init__(self, policy_dead=(), generation_dead=(), env_dead=(), checkpointing=True, max_restarts=3):
+        self.policy = FakeRestartable(FakeGroup("policy", policy_dead))
+        self.generation = FakeRestartable(FakeGroup("generation", generation_dead))
+        self.envs = FakeEnvs(env_dead)
+        self.loop, self.refit_metadata, self.generation_stale = FakeLoop(), "metadata", False
+        self.cfg = type("Cfg", (), {"checkpointing": type("C", (), {"enabled": checkpointing,
+                                                                    "checkpoint_dir": "/nonexistent"})(),
+                                     "cluster": type("K", (), {"max_restarts": max_restarts})()})()
+
+
+DIED = "died: its process exited (killed by a signal, out of memory, or crashed)"
+
+
+def test_a_dead_generation_worker_is_rebuilt_and_the_step_replayed(capsys):
+    ctx = FakeCtx(generation_dead=[(1, DIED, None)])
+    recovery = RunRecovery.for_run(ctx)
+    assert recovery.recover(WorkerError("WorkerGroup 'generation': rank 1 failed"), "step 3") is Replay.STEP
+    assert ctx.generation.restarts == [("metadata",)] and ctx.policy.restarts == [] and ctx.generation_stale
+    assert capsys.readouterr().out == (
+        f"[posttrain] recovery 1 of 3: generation worker rank 1 (node 10.0.0.2) {DIED}; rebuilding the generation "
+        "workers (weights refit from the policy), replaying step 3\n")
+    assert recovery.metrics()["recovery/restarts/generation"] == 1.0
+
+
+def test_a_dead_policy_worker_sends_the_run_back_to_its_checkpoint_and_refits_generation():
+    ctx = FakeCtx(policy_dead=[(0, DIED, None)], env_dead=[("math", DIED)])
+    replay = RunRecovery.for_run(ctx).recover(RuntimeError("gloo: connection reset by peer"), "step 5")
+    assert replay is Replay.FROM_CHECKPOINT
+    assert ctx.policy.restarts == [()] and ctx.generation.restarts == ["forget"] and ctx.envs.restarted == ["math"]
+    assert ctx.generation_stale
+
+
+def test_a_timeout_names_the_hung_members_and_a_plain_error_is_not_recovered():
+    ctx = FakeCtx()
+    recovery = RunRecovery.for_run(ctx)
+    hung = WorkerTimeoutError("WorkerGroup 'policy': stopped answering: rank 1 (node 10.0.0.2), no heartbeat for "
+                              "31s (cluster.heartbeat_timeout_s=30)", group="policy", ranks=[1])
+    wrapped = RuntimeError("the step failed")
+    wrapped.__cause__ = hung
+    assert recovery.recover(wrapped, "step 2") is Replay.FROM_CHECKPOINT
+    env_hung = WorkerTimeoutError("environment 'math': no answer after 1800s", group="env:math")
+    assert recovery.recover(env_hung, "step 2") is Replay.STEP and ctx.envs.restarted == ["math"]
+    # A bug or a NaN loss: nobody died, nothing timed out.
+    assert recovery.recover(ValueError("non-finite loss"), "step 2") is None
+    assert recovery.budget.total == 2
+
+
+def test_the_run_stops_in_one_line_past_the_bound_or_without_checkpoints():
+    ctx = FakeCtx(env_dead=[("math", DIED)], max_restarts=0)
+    with pytest.raises(RunStopped) as stopped:
+        RunRecovery.for_run(ctx).recover(RuntimeError("actor died"), "step 5")
+    assert str(stopped.value) == (f"environment 'math' {DIED}; no restart left (cluster.max_restarts=0); GRPO stopped "
+                                  "after step 4; a rerun of the same command resumes from step 4 (ckpt/step_4)")
+    assert ctx.envs.restarted == []
+    ctx = FakeCtx(policy_dead=[(1, DIED, None)], checkpointing=False)
+    with pytest.raises(RunStopped, match=r"^policy worker rank 1 .*needs a checkpoint .*checkpointing.enabled=false"):
+        RunRecovery.for_run(ctx).recover(RuntimeError("actor died"), "step 5")
+    assert ctx.policy.restarts == []
+
+
+def test_a_lost_node_moves_its_workers_when_the_others_can_hold_them_else_the_run_stops():
+    lost = [(0, "was lost with its node 10.0.0.9", "10.0.0.9")]
+    ctx = FakeCtx(generation_dead=lost)
+    assert RunRecovery.for_run(ctx).recover(RuntimeError("actor unavailable"), "step 2") is Replay.STEP
+    ctx = FakeCtx(generation_dead=lost)
+    ctx.generation.worker_group.cluster.problem = "VirtualCluster 'generation' lost node(s) 10.0.0.9 and the remaining " \
+                                                  "nodes cannot hold its 1 node group(s) there: GPU: asked 8, the cluster has 0"
+    with pytest.raises(RunStopped, match=r"^generation worker rank 0 \(node 10.0.0.1\) was lost with its node 10.0.0.9; "
+                                         r"VirtualCluster 'generation' .* cannot hold .*; GRPO stopped after step 4"):
+        RunRecovery.for_run(ctx).recover(RuntimeError("actor unavailable"), "step 2")
+    assert ctx.generation.restarts == []
+
+
+# ------------------------------------------------------------------------------ the loop's side
+class ScriptedRecovery:
+    """Answers each failure with the next of `replays`, rebuilding the fake policy from scratch for
+    a `FROM_CHECKPOINT` (as `Policy.restart` does)."""
+
+    def __init__(self, policy, replays):
+        self.policy, self.replays, self.seen = policy, list(replays), []
+
+    def recover(self, error, what, trained=False):
+        self.seen.append((str(error), what, trained))
+        replay = self.replays.pop(0) if self.replays else None
+        if replay is Replay.FROM_CHECKPOINT:
+            self.policy.weights = 0
+        return replay
+
+    def metrics(self):
+        return {"recovery/restarts": float(len(self.seen))}
+
+
+def run_with_failures(tmp_path, fail_at, replays):
+    """Five steps, `step_fn` failing once at each step of `fail_at`; (steps drawn, metrics by step, policy)."""
+    cfg = cfg_for(tmp_path, "sft.val_at_start=false", "sft.val_period=0", "sft.val_at_end=false")
+    policy, loader = FakePolicy(), FakeLoader()
+    drawn, failures = [], list(fail_at)
+
+    def step_fn(step, timer):
+        drawn.append((step, loader.next_batch()[0]))
+        if failures and failures[0] == step:
+            failures.pop(0)
+            raise RuntimeError(f"a worker died in step {step}")
+        policy.weights += 1
+        loop.state["trained"] = loop.state.get("trained", 0) + 1
+        return {"train/loss": 1.0}
+
+    loop = make_loop(cfg, policy, loader)
+    recovery = ScriptedRecovery(policy, replays)
+    loop.run(step_fn, lambda: {}, recovery=recovery)
+    metrics = read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl")
+    return drawn, metrics, policy, loop, recovery
+
+
+def test_a_failed_step_is_replayed_with_the_prompts_it_drew(tmp_path):
+    drawn, metrics, policy, loop, recovery = run_with_failures(tmp_path, [3], [Replay.STEP])
+    assert drawn == [(1, 1), (2, 2), (3, 3), (3, 3), (4, 4), (5, 5)]
+    assert recovery.seen == [("a worker died in step 3", "step 3", False)]
+    assert sorted(metrics) == [1, 2, 3, 4, 5] and policy.weights == 5 and loop.state["trained"] == 5
+    assert [metrics[s]["recovery/restarts"] for s in (2, 3)] == [0.0, 1.0]
+
+
+def test_a_rebuilt_policy_sends_the_loop_back_to_its_last_checkpoint(tmp_path):
+    # Checkpoints every 2 steps: a failure in step 5 goes back to step 4; one in step 3 (before a
+    # later checkpoint) to step 2.
+    drawn, metrics, policy, loop, _ = run_with_failures(tmp_path, [3, 5], [Replay.FROM_CHECKPOINT] * 2)
+    assert drawn == [(1, 1), (2, 2), (3, 3), (3, 3), (4, 4), (5, 5), (5, 5)]
+    assert sorted(metrics) == [1, 2, 3, 4, 5] and policy.weights == 5 and loop.state["trained"] == 5
+
+
+def test_a_step_that_failed_after_its_update_goes_back_to_the_checkpoint_rather_than_train_twice(tmp_path, capsys):
+    # The loop tells the recovery (the policy counts its updates, `Policy.updates`)...
+    cfg = cfg_for(tmp_path, "sft.val_at_start=false", "sft.val_period=0", "sft.val_at_end=false")
+    policy, loader = FakePolicy(), FakeLoader()
+    policy.updates = 0
+    failures = [3]
+
+    def step_fn(step, timer):
+        loader.next_batch()
+        policy.updates += 1
+        policy.weights += 1
+        if failures and failures[0] == step:
+            failures.pop(0)
+            raise RuntimeError("a generation worker died after the update")
+        return {"train/loss": 1.0}
+
+    recovery = ScriptedRecovery(policy, [Replay.FROM_CHECKPOINT])
+    loop = make_loop(cfg, policy, loader)
+    loop.run(step_fn, lambda: {}, recovery=recovery)
+    assert [seen[2] for seen in recovery.seen] == [True]
+    assert policy.weights == 5  # step 3's update counted once: back to step 2's checkpoint, then 3 to 5
+    # ...which rebuilds what died, goes back to the checkpoint, and says why.
+    ctx = FakeCtx(generation_dead=[(0, DIED, None)])
+    assert RunRecovery.for_run(ctx).recover(RuntimeError("actor died"), "step 3", trained=True) is Replay.FROM_CHECKPOINT
+    assert ctx.generation.restarts == ["forget", ("metadata",)]
+    assert ctx.policy.restarts == [()]  # no checkpoint yet (/nonexistent): the policy starts from its initial weights
+    assert "replaying from the last checkpoint (the policy had already trained in step 3)" in capsys.readouterr().out
+    ctx = FakeCtx(generation_dead=[(0, DIED, None)], checkpointing=False)
+    with pytest.raises(RunStopped, match="already trained in step 3, so replaying it needs a checkpoint"):
+        RunRecovery.for_run(ctx).recover(RuntimeError("actor died"), "step 3", trained=True)
+
+
+def test_an_error_recovery_cannot_fix_is_raised_as_it_was(tmp_path):
+    with pytest.raises(RuntimeError, match="a worker died in step 2"):
+        run_with_failures(tmp_path, [2], [])
