@@ -19,12 +19,12 @@ OMP_WAIT_POLICY_DEFAULT = "PASSIVE"
 OMP_WAIT_POLICY_SET_TOO_LATE = "OMP_WAIT_POLICY" not in _os.environ and "torch" in _sys.modules
 _os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY_DEFAULT)
 
-__all__ = ["GRPO", "TrainResult", "__version__"]
+__all__ = ["GRPO", "PPO", "TrainResult", "__version__"]
 
 
 def __getattr__(name: str):
     """`from posttrain import GRPO` (the Python API, `posttrain.api`), imported on first use."""
-    if name in ("GRPO", "TrainResult"):
+    if name in ("GRPO", "PPO", "TrainResult"):
         from posttrain import api
 
         return getattr(api, name)

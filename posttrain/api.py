@@ -76,6 +76,8 @@ class GRPO:
             their weighted sum.
     """
 
+    command = "grpo"  # the `posttrain` command this class runs
+
     def __init__(
         self,
         model: Optional[str] = None,
@@ -86,7 +88,7 @@ class GRPO:
         reward_weights: Optional[Sequence[float]] = None,
     ):
         base_overrides = _config_overrides(config)
-        base = _load(config, base_overrides)
+        base = _load(config, base_overrides, self.command)
         overrides = list(base_overrides)
         if model is not None:
             overrides.append(_override("policy.model_name", str(model)))
@@ -108,7 +110,7 @@ class GRPO:
             overrides += [_override("data.env_name", REWARD_ENV), _override(f"env.{REWARD_ENV}", section)]
         elif reward_weights is not None:
             raise UserError("reward_weights needs reward_funcs")
-        self.config: GRPOMasterConfig = _load(config, overrides)  # type: ignore[assignment]
+        self.config: GRPOMasterConfig = _load(config, overrides, self.command)  # type: ignore[assignment]
 
     def train(self) -> TrainResult:
         """Run the job (`posttrain grpo`: preflight checks, optional SFT warm start, GRPO; resumes
@@ -116,7 +118,7 @@ class GRPO:
         from posttrain.cli import run_job
         from posttrain.utils.logger import METRICS_FILE, read_metrics_jsonl
 
-        run_job("grpo", self.config)
+        run_job(self.command, self.config)
         log_dir = Path(self.config.logger.log_dir)
         history = read_metrics_jsonl(log_dir / METRICS_FILE) if (log_dir / METRICS_FILE).exists() else {}
         return TrainResult(metrics=history[max(history)] if history else {}, history=history, log_dir=log_dir,
@@ -156,7 +158,15 @@ class GRPO:
         return run_job("eval", eval_cfg)
 
     def __repr__(self) -> str:
-        return f"GRPO(config=<{len(config_to_yaml(self.config).splitlines())} lines>, model={self.config.policy.model_name!r})"
+        return (f"{type(self).__name__}(config=<{len(config_to_yaml(self.config).splitlines())} lines>, "
+                f"model={self.config.policy.model_name!r})")
+
+
+class PPO(GRPO):
+    """PPO with a critic (`posttrain ppo`) on your reward functions and data: `GRPO`'s arguments,
+    with the `critic` section in `config` (default None: the embedded `ppo_tiny.yaml`)."""
+
+    command = "ppo"
 
 
 # ------------------------------------------------------------------------------------- helpers
@@ -172,8 +182,9 @@ def _config_overrides(config: Config) -> list[str]:
     return [_override(str(key), value) for key, value in config.items()]
 
 
-def _load(config: Config, overrides: list[str]) -> GRPOMasterConfig:
-    """The config `config` names with `overrides` applied, validated (a `ConfigError` names the key)."""
+def _load(config: Config, overrides: list[str], command: str = "grpo") -> GRPOMasterConfig:
+    """The config `config` names with `overrides` applied, validated for `command` (a `ConfigError`
+    names the key)."""
     if isinstance(config, GRPOMasterConfig):
         import tempfile
 
@@ -181,13 +192,13 @@ def _load(config: Config, overrides: list[str]) -> GRPOMasterConfig:
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="posttrain-config-", delete=False) as f:
             f.write(config_to_yaml(config))
         try:
-            return load_config("grpo", f.name, overrides)  # type: ignore[return-value]
+            return load_config(command, f.name, overrides)  # type: ignore[return-value]
         finally:
             os.unlink(f.name)
     if config is None or isinstance(config, dict):
-        return load_config("grpo", None, overrides)  # type: ignore[return-value]
+        return load_config(command, None, overrides)  # type: ignore[return-value]
     if isinstance(config, (str, os.PathLike)):
-        return load_config("grpo", config, overrides)  # type: ignore[return-value]
+        return load_config(command, config, overrides)  # type: ignore[return-value]
     raise UserError(f"config must be a GRPOMasterConfig, a YAML path or a dict, got {type(config).__name__}")
 
 

@@ -371,6 +371,27 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
         trainer.add("reference model (fp32, host)", 4 * per_rank)
 
     devices, counts = [trainer], [shards]
+    critic = getattr(cfg, "critic", None)
+    if critic is not None:  # PPO's value model: the policy's shape (no LM head), FSDP2 over its own workers
+        workers = shards if critic.colocated else critic.num_workers or shards
+        # A process of its own, except colocated on a GPU (it shares the policy's) or in this one (local).
+        own = not critic.colocated or not (on_gpu or local)
+        holder = DevicePlan("critic worker") if own else trainer
+        optimizer = (critic.optimizer or policy.optimizer).name
+        holder.add("critic parameters (fp32)", 4 * shape.num_params / workers, resident)
+        holder.add(f"critic optimizer state ({optimizer})", optimizer_state_bytes(shape.num_params, optimizer, workers),
+                   resident)
+        # Sharing a device, its gradients and activations come and go while the policy's are freed
+        # (one trains after the other), so the policy's rows bound them; in a process of its own they count.
+        if own:
+            devices.append(holder)
+            counts.append(workers)
+            if not on_gpu:
+                holder.add("runtime (python, torch)", CPU_RUNTIME_BYTES)
+            holder.add("critic gradients (fp32)", 4 * shape.num_params / workers, ("training",))
+            holder.add("critic activations", training_activation_bytes(
+                shape, micro_batch_tokens(policy, True, row_tokens), c, policy.activation_checkpointing, True),
+                ("training",))
     if has_generation:
         engine = trainer if colocated else DevicePlan("generation worker")
         if not colocated:
