@@ -176,3 +176,21 @@ def test_ppo_refuses_an_estimator_without_values_before_starting_anything(tmp_pa
     cfg = load_config("ppo", overrides=["grpo.adv_estimator.name=grpo", f"logger.log_dir={tmp_path}"])
     with pytest.raises(UserError, match="does not take the critic's values"):
         ppo.setup(cfg)
+
+
+def test_the_memory_plan_counts_the_critic():
+    from posttrain import plan as mp
+    from posttrain.config import load_config
+
+    shape = mp.ModelShape(num_params=1_000_000, hidden_size=64, num_layers=4, vocab_size=100, num_heads=4,
+                          num_kv_heads=2, head_dim=16, intermediate_size=256, largest_tensor=100_000)
+    gpu = ["cluster.gpus_per_node=2", "policy.num_workers=2", "policy.train_global_batch_size=64"]
+    colocated = mp.memory_plan(load_config("ppo", overrides=gpu), shape, 80 * mp.GiB)
+    rows = colocated.devices[0].rows  # on the policy's GPUs, sharded over its 2 workers, offloaded while generating
+    assert rows["critic parameters (fp32)"]["training"] == 4 * 1_000_000 // 2
+    assert rows["critic optimizer state (adamw)"]["training"] == 8 * 1_000_000 // 2
+    apart = mp.memory_plan(load_config("ppo", overrides=[*gpu, "critic.colocated=false", "critic.num_workers=4"]),
+                           shape, 80 * mp.GiB)
+    critic = next(device for device in apart.devices if device.name == "critic worker")
+    assert critic.rows["critic parameters (fp32)"]["training"] == 4 * 1_000_000 // 4
+    assert "critic gradients (fp32)" in critic.rows and apart.process_counts[apart.devices.index(critic)] == 4
