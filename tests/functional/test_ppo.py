@@ -3,7 +3,6 @@ policy's bundle; the critic learns, is checkpointed with the policy and resumes 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 
 from posttrain.config.loader import load_config
 from posttrain.distributed.batch import Batch
+from posttrain.utils.logger import METRICS_FILE, read_metrics_jsonl
 
 pytestmark = pytest.mark.functional
 
@@ -46,11 +46,7 @@ SMALL = [
 
 
 def read_metrics(log_dir: Path) -> dict[int, dict]:
-    steps: dict[int, dict] = {}
-    for line in (log_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        steps.setdefault(row["step"], {}).update(row)
-    return steps
+    return read_metrics_jsonl(log_dir / METRICS_FILE)
 
 
 def test_ppo_critic_learns_checkpoints_and_resumes(ray_cluster, tmp_path):
