@@ -194,3 +194,14 @@ def test_the_memory_plan_counts_the_critic():
     critic = next(device for device in apart.devices if device.name == "critic worker")
     assert critic.rows["critic parameters (fp32)"]["training"] == 4 * 1_000_000 // 4
     assert "critic gradients (fp32)" in critic.rows and apart.process_counts[apart.devices.index(critic)] == 4
+
+
+def test_the_python_api_runs_ppo_with_its_config(tmp_path, monkeypatch):
+    from posttrain import PPO
+    from posttrain.config import PPOMasterConfig, load_config
+
+    monkeypatch.chdir(tmp_path)
+    trainer = PPO(config={"critic.warmup_steps": 3})
+    assert trainer.command == "ppo" and isinstance(trainer.config, PPOMasterConfig)
+    assert trainer.config == load_config("ppo", overrides=["critic.warmup_steps=3"])
+    assert PPO(config=trainer.config).config == trainer.config
