@@ -19,8 +19,8 @@ OMP_WAIT_POLICY_DEFAULT = "PASSIVE"
 OMP_WAIT_POLICY_SET_TOO_LATE = "OMP_WAIT_POLICY" not in _os.environ and "torch" in _sys.modules
 _os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY_DEFAULT)
 
-# The Python API (`posttrain.api`; the PPO helper adds "PPO" here).
-API_NAMES = ("GRPO", "SFT", "DPO", "RewardModel", "Distill", "evaluate", "TrainResult")
+# The Python API (`posttrain.api`).
+API_NAMES = ("GRPO", "PPO", "SFT", "DPO", "RewardModel", "Distill", "evaluate", "TrainResult")
 __all__ = [*API_NAMES, "__version__"]
 
 

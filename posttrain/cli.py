@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 # (`job_target` picks async GRPO's module for a config that asks for it).
 JOBS: dict[str, tuple[str, str]] = {
     "grpo": ("posttrain.algorithms.grpo", "run"),
+    "ppo": ("posttrain.algorithms.ppo", "run"),
     "sft": ("posttrain.algorithms.sft", "run"),
     "dpo": ("posttrain.algorithms.dpo", "run"),
     "rm": ("posttrain.algorithms.rm", "run"),
@@ -33,6 +34,7 @@ JOBS: dict[str, tuple[str, str]] = {
 }
 ALGO_HELP = {
     "grpo": "GRPO and its variants (DAPO, GSPO, Dr.GRPO) with verifiable rewards",
+    "ppo": "PPO with a critic (GAE advantages from a value model) on GRPO's runtime",
     "sft": "supervised fine-tuning",
     "dpo": "direct preference optimization",
     "rm": "reward-model training (Bradley-Terry)",
@@ -256,8 +258,8 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def config_algorithm(config_file: str | None) -> str:
-    """The algorithm a config file is for: its first top-level section naming one (grpo, sft, ...,
-    distillation), else grpo."""
+    """The algorithm a config file is for: ppo with a `critic` section, else its first top-level
+    section naming one (grpo, sft, ..., distillation), else grpo."""
     if config_file is None:
         return "grpo"
     import yaml
@@ -267,6 +269,8 @@ def config_algorithm(config_file: str | None) -> str:
     except (OSError, yaml.YAMLError):
         return "grpo"  # load_config reports the problem with its file and line
     sections = {**{name: name for name in JOBS}, "distillation": "distill"}
+    if "critic" in (data or {}):  # PPO's config also holds GRPO's sections
+        return "ppo"
     return next((sections[key] for key in (data or {}) if key in sections), "grpo")
 
 

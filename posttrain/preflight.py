@@ -75,6 +75,9 @@ def preflight(cfg: Any, plan_memory: bool = True) -> None:
     if isinstance(cfg, DistillMasterConfig):
         check_model_name(cfg.teacher.model_name, "teacher.model_name", cfg.teacher.tiny_arch)
         check_rope_scaling(cfg.teacher, "teacher")
+    critic = getattr(cfg, "critic", None)  # PPO's value model, when not the policy's weights
+    if critic is not None and critic.model_name is not None:
+        check_model_name(critic.model_name, "critic.model_name", policy.tiny_arch)
     records = load_split_records(cfg)
     if isinstance(cfg, DistillMasterConfig):
         check_distill_vocabularies(cfg)  # a preset's size needs the tokenizer (imports torch)

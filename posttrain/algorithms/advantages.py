@@ -7,6 +7,8 @@ by group id. Samples with ``sample_mask == 0`` are left out of every group stati
 
 Estimators are registered by name (``@register_advantage_estimator("grpo")``) and return one
 advantage per sample ``[B]``; `broadcast_to_tokens` spreads them over a token mask ``[B, S]``.
+An estimator that takes ``values`` (GAE, PPO's) is a critic's: it runs once the critic has
+valued the batch's tokens and returns one advantage per token ``[B, S]`` (`takes_values`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,16 @@ def compute_advantages(
     except TypeError as e:
         raise TypeError(f"advantage estimator {name!r}: {e}; signature {inspect.signature(estimator)}") from None
     return estimator(rewards, group_ids, sample_mask, **options)
+
+
+def takes_values(name: str) -> bool:
+    """Whether the estimator `name` takes a critic's per-token ``values`` (and so returns ``[B, S]``
+    advantages, computed after the critic's forward rather than when the rollout is scored)."""
+    try:
+        estimator = resolve(ADVANTAGE_ESTIMATORS, name, "advantage estimator")
+    except KeyError as e:
+        raise ValueError(e.args[0]) from None
+    return "values" in inspect.signature(estimator).parameters
 
 
 def broadcast_to_tokens(advantages: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
@@ -201,6 +213,98 @@ def reinforce_pp_advantages(
         values = centred[valid].double()
         centred = (centred - values.mean()) / (values.std(unbiased=False) + epsilon)
     return (centred * valid).to(rewards.dtype)
+
+
+def gae(
+    token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
+) -> torch.Tensor:
+    """Generalised advantage estimation (Schulman et al. 2016) over the tokens where ``mask`` is
+    set, ``[B, S]`` each: ``delta_t = r_t + gamma V_next - V_t``, ``A_t = delta_t + gamma lam A_next``,
+    where "next" is the row's next token *in the mask*: a masked-out span (an environment's
+    observation between two turns, padding) is not a time step, so the recursion carries the next
+    valid token's value and advantage across it (NeMo-RL's carry-forward). After the row's last
+    valid token the episode has ended: ``V_next = A_next = 0``. Positions off the mask get 0.
+
+    ``lam = 1`` gives the Monte-Carlo return minus the value, ``lam = 0`` the one-step TD error.
+    Computed in float64; returns the dtype of ``values``.
+    """
+    if not (token_rewards.shape == values.shape == mask.shape) or values.ndim != 2:
+        raise ValueError(f"gae: token_rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and mask "
+                         f"{tuple(mask.shape)} must be the same [B, S]")
+    r, v, valid = token_rewards.double(), values.double(), mask > 0
+    advantages = torch.zeros_like(v)
+    next_value = torch.zeros(v.shape[0], dtype=v.dtype, device=v.device)
+    next_advantage = torch.zeros_like(next_value)
+    for t in range(v.shape[1] - 1, -1, -1):
+        advantage = r[:, t] + gamma * next_value - v[:, t] + gamma * lam * next_advantage
+        here = valid[:, t]
+        advantages[:, t] = torch.where(here, advantage, 0.0)
+        next_value = torch.where(here, v[:, t], next_value)
+        next_advantage = torch.where(here, advantage, next_advantage)
+    return advantages.to(values.dtype)
+
+
+def last_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` sequence rewards placed on each row's last token in ``mask`` ``[B, S]`` (the last
+    generated token: where the episode's reward arrives); 0 elsewhere and for a row without one."""
+    valid = mask > 0
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(valid, positions, -1).max(dim=1).values
+    out = torch.zeros(mask.shape, dtype=rewards.dtype, device=mask.device)
+    rows = (last >= 0).nonzero(as_tuple=True)[0]
+    out[rows, last[rows]] = rewards[rows]
+    return out
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, epsilon: float = 1e-6) -> torch.Tensor:
+    """``values`` shifted and scaled to mean 0 and std 1 over the positions in ``mask`` (population
+    std); 0 off the mask. Fewer than two positions: centred only. PPO whitens its advantages
+    this way (``critic.whiten_advantages``), as verl and OpenRLHF do."""
+    valid = mask > 0
+    selected = values[valid].double()
+    whitened = values.double() - (selected.mean() if selected.numel() else 0.0)
+    if selected.numel() > 1:
+        whitened = whitened / (selected.std(unbiased=False) + epsilon)
+    return torch.where(valid, whitened, 0.0).to(values.dtype)
+
+
+@register_advantage_estimator("gae")
+def gae_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    sample_mask: Optional[torch.Tensor] = None,
+    *,
+    values: torch.Tensor,
+    token_mask: torch.Tensor,
+    token_rewards: Optional[torch.Tensor] = None,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> torch.Tensor:
+    """PPO's advantages from a critic (`posttrain ppo`): GAE (`gae`) per token ``[B, S]``.
+
+    The sequence reward ``rewards [B]`` arrives at each row's last token in ``token_mask`` (the
+    generated tokens; environment observations and the prompt are not in it), on top of
+    ``token_rewards [B, S]`` when given (PPO's ``-beta KL`` per token, `critic.kl_in_reward`).
+    ``values [B, S]`` are the critic's, aligned like logprobs: position i holds V of the prefix
+    before token i. The group does not enter: the critic is the baseline (``group_ids`` is
+    accepted for the registry's signature).
+
+    Args:
+        gamma: discount per token (default 1.0; config ``critic.gamma``).
+        lam: GAE's lambda (default 0.95). PPO calls this twice (VAPO, Yuan et al. 2025): with
+            ``critic.lambda_actor`` for the policy's advantages, with ``critic.lambda_critic``
+            for the critic's targets (returns = advantages + values).
+
+    Samples with ``sample_mask == 0`` get advantage 0.
+    """
+    if values.shape != token_mask.shape or values.shape[0] != rewards.shape[0]:
+        raise ValueError(f"gae: values {tuple(values.shape)} and token_mask {tuple(token_mask.shape)} must be "
+                         f"[B, S] with B = {rewards.shape[0]} rewards")
+    mask = token_mask * (sample_mask[:, None] > 0) if sample_mask is not None else token_mask
+    per_token = last_token_rewards(rewards.to(values.dtype), mask)
+    if token_rewards is not None:
+        per_token = per_token + token_rewards * (mask > 0)
+    return gae(per_token, values, mask, gamma, lam)
 
 
 # --------------------------------------------------------------------------------- reward shaping

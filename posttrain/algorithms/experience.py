@@ -79,14 +79,7 @@ def score_groups(ctx: Any, result: Any, num_groups: int, version: int) -> list[P
     n_gen = g.num_generations_per_prompt
     samples = result.samples
     group_ids = torch.arange(num_groups).repeat_interleave(n_gen)
-    rewards = result.rewards
-    if cfg.reward_shaping.enabled:  # DAPO overlong penalty
-        rs = cfg.reward_shaping
-        rewards = adv.apply_overlong_penalty(
-            rewards, response_lengths(samples),
-            max_response_length=rs.max_response_length or cfg.policy.generation.max_new_tokens,
-            buffer_length=rs.overlong_buffer_length, penalty=rs.overlong_buffer_penalty,
-        )
+    rewards = shaped_rewards(cfg, result.rewards, samples)
     sample_mask = torch.tensor([s.loss_multiplier for s in samples])
     if g.overlong_filtering:
         sample_mask = sample_mask * (~result.overlong).float()
@@ -94,9 +87,12 @@ def score_groups(ctx: Any, result: Any, num_groups: int, version: int) -> list[P
     if lp.enabled and ctx.step >= lp.warmup_steps:  # Kimi k1.5: correctness from the environment's reward
         rewards = rewards + lp.weight * adv.length_reward(result.rewards, response_lengths(samples), group_ids,
                                                           sample_mask, correct_reward=lp.correct_reward)
-    advantages = adv.compute_advantages(
-        g.adv_estimator.name, rewards, group_ids, sample_mask, **advantage_options(g),
-    )
+    if adv.takes_values(g.adv_estimator.name):  # a critic's (PPO): per token, once the critic has valued the batch
+        advantages = torch.zeros_like(rewards)
+    else:
+        advantages = adv.compute_advantages(
+            g.adv_estimator.name, rewards, group_ids, sample_mask, **advantage_options(g),
+        )
     # DAPO: a group whose (unshaped) rewards all agree teaches nothing.
     signal = adv.filter_zero_variance_groups(result.rewards, group_ids, num_groups=num_groups)
     for sample, advantage, mask in zip(samples, advantages.tolist(), sample_mask.tolist()):
@@ -106,6 +102,19 @@ def score_groups(ctx: Any, result: Any, num_groups: int, version: int) -> list[P
                     bool(result.timed_out[p * n_gen:(p + 1) * n_gen].any()))
         for p in range(num_groups)
     ]
+
+
+def shaped_rewards(cfg: Any, rewards: torch.Tensor, samples: list[Sample]) -> torch.Tensor:
+    """The samples' environment `rewards` after reward shaping (DAPO's overlong penalty when
+    `reward_shaping.enabled`): what the advantages are computed from."""
+    if not cfg.reward_shaping.enabled:
+        return rewards
+    rs = cfg.reward_shaping
+    return adv.apply_overlong_penalty(
+        rewards, response_lengths(samples),
+        max_response_length=rs.max_response_length or cfg.policy.generation.max_new_tokens,
+        buffer_length=rs.overlong_buffer_length, penalty=rs.overlong_buffer_penalty,
+    )
 
 
 def advantage_options(g) -> dict[str, Any]:
@@ -132,6 +141,8 @@ def training_batch(
     seq_adv = torch.tensor([s.advantage for s in rows], dtype=torch.float32)
     train_data = flatten_message_logs([s.message_log for s in rows], pad_token_id=ctx.tokenizer.pad_token_id)
     train_data["sample_mask"] = torch.tensor([s.sample_mask for s in rows], dtype=torch.float32)
+    # [B] shaped rewards: a critic's estimator (PPO) places them on each row's last generated token.
+    train_data["rewards"] = shaped_rewards(ctx.cfg, torch.tensor([s.reward for s in rows], dtype=torch.float32), rows)
     train_data["advantages"] = adv.broadcast_to_tokens(seq_adv, train_data["token_mask"])
 
     valid = train_data["sample_mask"] > 0
@@ -165,8 +176,8 @@ def update_policy(ctx: Any, train_data: Batch, timer: Timer, *, off_policy: bool
     with timer.time("logprobs"):
         if off_policy or train_data.size > gbs:
             train_data["prev_logprobs"] = ctx.policy.get_logprobs(train_data, temperature)["logprobs"]
-        if cfg.loss_fn.reference_policy_kl_penalty > 0:
-            ref = ctx.policy.get_reference_logprobs(train_data, temperature)
+        if cfg.loss_fn.reference_policy_kl_penalty > 0 and "reference_policy_logprobs" not in train_data:
+            ref = ctx.policy.get_reference_logprobs(train_data, temperature)  # (PPO's KL in the reward has them)
             train_data["reference_policy_logprobs"] = ref["logprobs"]
     with timer.time("policy_training"):
         return ctx.policy.train(train_data, ctx.loss_fn, global_batch_size=gbs, temperature=temperature)

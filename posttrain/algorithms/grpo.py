@@ -50,13 +50,13 @@ def grpo_train(ctx: GRPOContext) -> dict[str, float]:
 
 def grpo_step(ctx: GRPOContext, step: int, timer: Timer) -> dict[str, float]:
     """One GRPO step: experience, previous and reference logprobs, policy update."""
-    train_data, metrics = _collect_experience(ctx, step, timer)
+    train_data, metrics = collect_experience(ctx, step, timer)
     train_metrics = update_policy(ctx, train_data, timer, off_policy=False)
     ctx.generation_stale = True
     return {**metrics, **prefixed(train_metrics, "train"), **phase_memory_metrics(ctx)}
 
 
-def _collect_experience(ctx: GRPOContext, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
+def collect_experience(ctx: GRPOContext, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
     """Generate rollouts and turn them into a training batch with advantages.
 
     With DAPO dynamic sampling, groups without reward variance are dropped and more prompts are

@@ -38,11 +38,13 @@ def validate_grpo(ctx: OnPolicyContext) -> dict[str, float]:
     return validate(ctx, k=ctx.cfg.grpo.val_num_generations_per_prompt)
 
 
-def run_grpo(cfg: Any, train: Callable[[OnPolicyContext], Any]) -> dict[str, Optional[float]]:
+def run_grpo(cfg: Any, train: Callable[[OnPolicyContext], Any],
+             setup: Callable[[Any], OnPolicyContext] = setup_grpo) -> dict[str, Optional[float]]:
     """Optional SFT warm start, then GRPO trained by `train(ctx)` (the synchronous or the
-    asynchronous loop); prints before/after accuracy and returns them (`before`, `after`: the first
-    and the last validation accuracy, or None; both None for a run resumed past its last step)."""
-    ctx = setup_grpo(apply_warm_starts(cfg))
+    asynchronous loop; PPO's, with `setup` its set-up instead of `setup_grpo`); prints before/after
+    accuracy and returns them (`before`, `after`: the first and the last validation accuracy, or
+    None; both None for a run resumed past its last step)."""
+    ctx = setup(apply_warm_starts(cfg))
     if not run_on_policy(ctx, train):
         return {"before": None, "after": None}
     before, after = ctx.loop.headline_change()

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 from posttrain.distributed.recovery import Replay
+from posttrain.errors import UserError
 from posttrain.utils import startup
 from posttrain.utils.checkpoint import CheckpointManager, complete_checkpoints
 from posttrain.utils.logger import Logger, ProgressBar
@@ -116,6 +117,9 @@ class TrainingLoop:
         # object for torch.save}). Async GRPO's collector draws prompts ahead of training, so its
         # loader position and replay buffer must come from one snapshot.
         self.checkpoint_extras: Callable[[], tuple[dict, dict[str, Any]]] = lambda: (self.loader.state_dict(), {})
+        # Worker groups trained beside the policy (PPO's critic): each is saved and resumed like the
+        # policy, under `step_N/<name>/`.
+        self.trained_beside: dict[str, Any] = {}
         self.started = time.perf_counter()
         self._start_loader_state = copy.deepcopy(loader.state_dict())  # where `rewind` goes without a checkpoint
         self.config_saved = False  # the run's config is saved once it has trained a step
@@ -129,8 +133,8 @@ class TrainingLoop:
 
     # ------------------------------------------------------------------------------ resume
     def resume(self) -> bool:
-        """Restore the latest complete checkpoint (policy, loader position, step, validation history,
-        `state`) when `checkpointing.enabled`; True when there was one."""
+        """Restore the latest complete checkpoint (policy and the models `trained_beside` it, loader
+        position, step, validation history, `state`) when `checkpointing.enabled`; True when there was one."""
         if not self.cfg.checkpointing.enabled:
             return False
         latest = self.checkpointer.latest()
@@ -140,6 +144,11 @@ class TrainingLoop:
         with startup.doing(f"loading the checkpoint {latest}"):
             info = self.checkpointer.load_training_info(latest)
             self.policy.load_checkpoint(latest / "policy")
+            for name, model in self.trained_beside.items():
+                if not (latest / name).is_dir():
+                    raise UserError(f"checkpoint {latest} has no {name}/ to resume the {name} from (it was saved by "
+                                    f"a run without one); use another checkpointing.checkpoint_dir")
+                model.load_checkpoint(latest / name)
         loader_state = latest / LOADER_STATE_FILE
         if loader_state.exists():
             self.loader.load_state_dict(json.loads(loader_state.read_text()))
@@ -347,11 +356,13 @@ class TrainingLoop:
 
     def save(self) -> Path:
         """Write `step_N/` atomically: policy (weights, optimizer unless
-        `checkpointing.save_optimizer=false`, RNG), loader position (and the
+        `checkpointing.save_optimizer=false`, RNG) and the models `trained_beside` it, loader position (and the
         files of `checkpoint_extras`), validation history and `state`; ranked for `keep_top_k` by the most recent validation."""
         ranking = self.history[-1][1] if self.history else {}
         tmp = self.checkpointer.begin(self.step)
         self.policy.save_checkpoint(tmp / "policy", save_optimizer=self.cfg.checkpointing.save_optimizer)
+        for name, model in self.trained_beside.items():
+            model.save_checkpoint(tmp / name, save_optimizer=self.cfg.checkpointing.save_optimizer)
         loader_state, files = self.checkpoint_extras()
         (tmp / LOADER_STATE_FILE).write_text(json.dumps(loader_state))
         for name, obj in files.items():

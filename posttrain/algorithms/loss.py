@@ -40,7 +40,7 @@ class LossFunction(Protocol):
     """What the policy worker needs from a loss object."""
 
     loss_type: Literal["token", "sequence"]
-    input_type: Literal["logprobs", "scores", "logits"]  # "logits": [B, S, V] (distillation)
+    input_type: Literal["logprobs", "scores", "logits", "values"]  # "logits": [B, S, V] (distillation); "values": [B, S] (a critic)
 
     def __call__(
         self, logprobs: torch.Tensor, batch: Mapping[str, Any], global_valid_seqs: Count, global_valid_toks: Count
@@ -59,6 +59,7 @@ _BUILTIN_LOSS_MODULES = {
     "preference": "posttrain.algorithms.preference_loss",
     "dpo": "posttrain.algorithms.preference_loss",
     "distillation": "posttrain.algorithms.distill_loss",
+    "value": "posttrain.algorithms.value_loss",
 }
 
 
@@ -68,7 +69,7 @@ def build_loss(spec: Union[LossConfig, str], **options: Any) -> LossFunction:
     - A `LossConfig` (GRPO's `loss_fn` section): `ClippedPGLoss(cfg)` for "clipped_pg", otherwise
       the loss `loss_fn.name` names built with `loss_fn.kwargs`.
     - A name: the loss registered under it (``@register_loss``; "nll", "clipped_pg", "preference",
-      "dpo", "distillation") or the class at an import path ('module:Class', 'file.py:Class'),
+      "dpo", "distillation", "value") or the class at an import path ('module:Class', 'file.py:Class'),
       built with ``options``: ``build_loss("dpo", beta=0.1)``, ``build_loss("clipped_pg",
       ratio_clip_max=0.28)``.
 

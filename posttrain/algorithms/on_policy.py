@@ -78,6 +78,7 @@ class OnPolicyContext:
     generation_stale: bool = False  # generation weights lag the policy's (both start from model_name)
     partial_rollouts: Any = None  # GRPO with grpo.partial_rollouts: the carried-over groups (PartialRollouts)
     recovery: Any = None  # rebuilds dead workers for the loop (`run_recovery.RunRecovery`); None: the local backend
+    critic: Any = None  # PPO's value model (a `Policy` of model_type "value"), trained beside the policy
 
     @property
     def settings(self) -> Any:
@@ -97,7 +98,12 @@ class OnPolicyContext:
 
     def workers(self) -> tuple[Any, ...]:
         """The worker groups, in the order they shut down (before the clusters)."""
-        return (self.generation, self.policy)
+        return (self.generation, *self.trained())
+
+    def trained(self) -> tuple[Any, ...]:
+        """The groups that train: the policy, and PPO's critic. Each leaves the device while the
+        engine generates (`start_generation_phase`) and reports its phases' memory."""
+        return (self.policy,) if self.critic is None else (self.policy, self.critic)
 
     def shutdown(self) -> None:
         shutdown_run(self.cfg, self.loop, self.envs, (*self.workers(), *self.clusters))
@@ -148,7 +154,7 @@ def train_loader(train_samples, num_prompts_per_step: int, *, shuffle: bool, see
 
 def build_on_policy_run(
     cfg: Any, *, section: str, name: str, make_loss: Callable[[Any], Any], reference: bool = False,
-    teacher: Any = None, context: type[Context] = OnPolicyContext,
+    teacher: Any = None, critic: Any = None, critic_colocated: bool = True, context: type[Context] = OnPolicyContext,
     env_problem: Optional[Callable[[Any, list[str]], Optional[str]]] = None, **extra: Any,
 ) -> Context:
     """Start an on-policy run of the config `cfg` (after its warm starts): the run's directories,
@@ -160,7 +166,11 @@ def build_on_policy_run(
     `make_loss(cfg)` builds the loss from the started config. `teacher` (a `PolicyConfig`, default
     None) also starts a forward-only teacher policy on a cluster of its own whose bundles can host
     a second generation engine; it and its cluster reach `context` as `teacher` and
-    `teacher_cluster`. `context` is the class built (a subclass of `OnPolicyContext` with the
+    `teacher_cluster`. `critic(started cfg)` (default None), a value model's `PolicyConfig`, also
+    starts that model (PPO's critic, `model_type="value"`), on the policy's bundles when
+    `critic_colocated` (as the reference model shares the policy's workers) or on a cluster of its
+    own; it reaches `context` as `critic`, and the loop checkpoints and resumes it under
+    `step_N/critic`. `context` is the class built (a subclass of `OnPolicyContext` with the
     algorithm's own fields, which `extra` fills). `env_problem(cfg, env_names)`, when given, says
     why the training prompts' environments cannot run with this config (or None); it is asked
     before any worker starts and its answer raised as a `UserError`."""
@@ -177,7 +187,9 @@ def build_on_policy_run(
     loader = train_loader(train_samples, s.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=s.seed)
 
     colocated = cfg.policy.generation.colocated.enabled
-    policy_cluster = make_cluster(cfg, cfg.policy.num_workers, colocated_groups=2 if colocated else 1)
+    critic_cfg = critic(cfg) if critic is not None else None
+    critic_beside = critic_cfg is not None and critic_colocated  # one more group on the policy's bundles
+    policy_cluster = make_cluster(cfg, cfg.policy.num_workers, colocated_groups=(2 if colocated else 1) + critic_beside)
     gen_cluster = policy_cluster if colocated else make_cluster(
         cfg, cfg.policy.generation.colocated.num_workers or 1, name="generation")
     make_the_policy = lambda: make_policy(cfg, policy_cluster, init_reference_model=reference)  # noqa: E731
@@ -194,12 +206,18 @@ def build_on_policy_run(
         teacher_cluster = make_cluster(cfg, teacher.num_workers, colocated_groups=2, name="teacher")
         makers.append(lambda: make_policy(cfg, teacher_cluster, teacher, init_optimizer=False, name="teacher"))
         clusters.append(teacher_cluster)
+    if critic_cfg is not None:
+        critic_cluster = policy_cluster if critic_beside else make_cluster(cfg, critic_cfg.num_workers, name="critic")
+        makers.append(lambda: make_policy(cfg, critic_cluster, critic_cfg, model_type="value", name="critic"))
+        clusters += [] if critic_beside else [critic_cluster]
     workers = start_concurrently(
         *makers, description=workers_description(cfg, reference=reference, generation=True, teacher=teacher),
     )
     policy, generation = workers[:2]
     if teacher is not None:
         extra.update(teacher=workers[2], teacher_cluster=teacher_cluster)
+    if critic_cfg is not None:
+        extra.update(critic=workers[-1])
     with startup.doing("preparing the weight transfer to generation"):
         refit_metadata = build_refit_metadata(
             policy.refit_info(), policy.refit_bucket_bytes(), dtypes=generation.weight_dtypes()
@@ -214,6 +232,8 @@ def build_on_policy_run(
         val_samples=val_samples, loop=loop, loss_fn=make_loss(cfg), refit_metadata=refit_metadata,
         section=section, val_sets=val_sets, clusters=clusters + ([] if colocated else [gen_cluster]), **extra,
     )
+    if critic_cfg is not None:
+        loop.trained_beside["critic"] = ctx.critic
     ctx.generation_stale = loop.resume()  # resumed weights are newer than the generation's
     ctx.recovery = RunRecovery.for_run(ctx)
     return ctx
@@ -234,17 +254,18 @@ def refit_if_stale(ctx: OnPolicyContext, timer: Optional[Timer] = None) -> None:
 
 def start_generation_phase(ctx: OnPolicyContext, timer: Optional[Timer] = None) -> None:
     """Before a rollout: the lazy refit, then, with `policy.offload_during_generation`, the
-    policy's training state leaves the device for the engine (the policy brings it back itself
-    before its next logprobs, training, checkpoint or refit)."""
+    policy's (and critic's) training state leaves the device for the engine (each brings it back
+    itself before its next forward, training, checkpoint or refit)."""
     refit_if_stale(ctx, timer)
-    ctx.policy.offload_to_host()
+    for group in ctx.trained():
+        group.offload_to_host()
 
 
 def phase_memory_metrics(ctx: OnPolicyContext) -> dict[str, float]:
-    """`memory/<phase>/...` of the policy's and the engine's workers since the last call, the
-    highest over workers (`utils/phase_memory.py`)."""
+    """`memory/<phase>/...` of the policy's (and critic's) and the engine's workers since the last
+    call, the highest over workers (`utils/phase_memory.py`)."""
     take = getattr(ctx.generation, "take_phase_memory", dict)  # an engine of the user's may measure nothing
-    return merge_peaks([ctx.policy.take_phase_memory(), take()])
+    return merge_peaks([*(group.take_phase_memory() for group in ctx.trained()), take()])
 
 
 def refit_generation(ctx: OnPolicyContext, version: int) -> None:

@@ -1,6 +1,6 @@
 """The Python API: every `posttrain` command as an object (docs/python-api.md).
 
-    from posttrain import GRPO, SFT, DPO, RewardModel, Distill, evaluate
+    from posttrain import GRPO, PPO, SFT, DPO, RewardModel, Distill, evaluate
 
     trainer = SFT(model="tiny", train_dataset=rows, eval_dataset=held_out, config={"sft": {"max_num_steps": 50}})
     result = trainer.train()        # the same job as `posttrain sft`; metrics, history, paths
@@ -20,8 +20,6 @@ from posttrain.api.distill import Distill
 from posttrain.api.evaluate import evaluate
 from posttrain.api.grpo import GRPO
 from posttrain.api.offline import DPO, SFT, RewardModel
+from posttrain.api.ppo import PPO
 
-# ---- PPO: `posttrain/api/ppo.py` defines `PPO(Trainer)` (command "ppo"); import it here and add
-# ---- it to __all__ and to `posttrain.__init__`'s API names.
-
-__all__ = ["GRPO", "SFT", "DPO", "RewardModel", "Distill", "evaluate", "TrainResult", "Trainer", "dataset_jsonl"]
+__all__ = ["GRPO", "PPO", "SFT", "DPO", "RewardModel", "Distill", "evaluate", "TrainResult", "Trainer", "dataset_jsonl"]

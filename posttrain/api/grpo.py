@@ -58,8 +58,8 @@ class GRPO(Trainer):
         callbacks: Optional[Sequence[Callback]] = None,
     ):
         overrides = config_overrides(config)
-        base = load_trainer_config("grpo", config, overrides)
+        base = load_trainer_config(self.command, config, overrides)
         overrides += model_overrides(base, model)
         overrides += prompt_data_overrides(base, train_dataset, eval_dataset, reward_funcs, reward_weights)
-        cfg: GRPOMasterConfig = load_trainer_config("grpo", config, overrides)  # type: ignore[assignment]
+        cfg: GRPOMasterConfig = load_trainer_config(self.command, config, overrides)  # type: ignore[assignment]
         super().__init__(cfg, callbacks)

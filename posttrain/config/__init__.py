@@ -19,6 +19,7 @@ from posttrain.config.schema import (
     EvalMasterConfig,
     GRPOMasterConfig,
     MasterConfig,
+    PPOMasterConfig,
     RMMasterConfig,
     SFTMasterConfig,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "EvalMasterConfig",
     "GRPOMasterConfig",
     "MasterConfig",
+    "PPOMasterConfig",
     "RMMasterConfig",
     "SFTMasterConfig",
     "all_keys",

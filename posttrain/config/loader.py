@@ -34,6 +34,7 @@ COMMAND_LINE = "command line"
 EXAMPLE_CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIGS: dict[str, str] = {
     "grpo": "grpo_math_tiny.yaml",
+    "ppo": "ppo_tiny.yaml",
     "sft": "sft_tiny.yaml",
     "dpo": "dpo_tiny.yaml",
     "rm": "rm_tiny.yaml",

@@ -261,6 +261,10 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
         trainer.add("reference model (fp32, host)", 4 * per_rank)
 
     devices, counts = [trainer], [shards]
+    critic = getattr(cfg, "critic", None)
+    if critic is not None:  # PPO's value model
+        add_critic(cfg, shape, trainer, devices, counts, c=c, row_tokens=row_tokens, resident=resident,
+                   own_process=not critic.colocated or not (on_gpu or local))
     if has_generation:
         engine = trainer if colocated else DevicePlan("generation worker", phases)
         engines = shards if colocated else gen.colocated.num_workers or 1
@@ -287,6 +291,32 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
             engine.add("refit bucket (receive)", refit_bucket, ("refit",))
     return Plan(devices, device_bytes, on_gpu, counts, cfg.cluster.num_nodes, row_tokens, longest_prompt, bound, job,
                 phases)
+
+
+def add_critic(cfg: Any, shape: ModelShape, trainer: DevicePlan, devices: list[DevicePlan], counts: list[int], *,
+               c: int, row_tokens: int, resident: tuple[str, ...], own_process: bool) -> None:
+    """Add PPO's critic: the policy's shape (no LM head), FSDP2 over its own workers, on the policy's
+    device (`trainer`) or, `own_process`, as a device of its own appended to `devices` / `counts`
+    (a process of its own unless colocated on a GPU, where it shares the policy's, or in the local
+    backend's one process)."""
+    policy, critic = cfg.policy, cfg.critic
+    workers = policy.num_workers if critic.colocated else critic.num_workers or policy.num_workers
+    holder = DevicePlan("critic worker", trainer.phases) if own_process else trainer
+    optimizer = (critic.optimizer or policy.optimizer).name
+    holder.add("critic parameters (fp32)", 4 * shape.num_params / workers, resident)
+    holder.add(f"critic optimizer state ({optimizer})", optimizer_state_bytes(shape.num_params, optimizer, workers),
+               resident)
+    if not own_process:
+        # Sharing a device, its gradients and activations come and go while the policy's are freed
+        # (one trains after the other), so the policy's rows bound them.
+        return
+    devices.append(holder)
+    counts.append(workers)
+    if cfg.cluster.gpus_per_node == 0:
+        holder.add("runtime (python, torch)", CPU_RUNTIME_BYTES)
+    holder.add("critic gradients (fp32)", 4 * shape.num_params / workers, ("training",))
+    holder.add("critic activations", training_activation_bytes(
+        shape, micro_batch_tokens(policy, True, row_tokens), c, policy.activation_checkpointing, True), ("training",))
 
 
 def add_engine(engine: DevicePlan, cfg: Any, shape: ModelShape, c: int, device_bytes: Optional[int], *, weights: bool,

@@ -164,7 +164,7 @@ def test_dynamic_sampling_refills_a_full_batch(grpo_context):
 
     ctx = grpo_context("grpo.use_dynamic_sampling=true", "grpo.dynamic_sampling_max_gen_batches=8",
                        plugin_env("CoinEnv"))
-    train_data, metrics = grpo._collect_experience(ctx, 1, Timer())
+    train_data, metrics = grpo.collect_experience(ctx, 1, Timer())
     # About half of every generation batch (even answers) has zero variance and is dropped, so
     # a full batch needs at least two generation batches; it is then exactly full.
     assert metrics["train/dynamic_sampling_num_gen_batches"] >= 2

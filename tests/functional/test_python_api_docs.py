@@ -32,8 +32,8 @@ def mean(values: list[float]) -> float:
 def test_the_pages_examples_run_and_learn(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     blocks = examples()
-    assert list(blocks) == ["GRPO", "SFT", "DPO", "Reward model", "Distillation"]
-    for title in ("SFT", "DPO", "Reward model", "Distillation"):  # as written: no line changed
+    assert list(blocks) == ["GRPO", "SFT", "DPO", "Reward model", "Distillation", "PPO"]
+    for title in ("SFT", "DPO", "Reward model", "Distillation", "PPO"):  # as written: no line changed
         assert len(blocks[title].splitlines()) <= 20, title
     scope: dict = {"__name__": "__main__"}
 
@@ -56,3 +56,8 @@ def test_the_pages_examples_run_and_learn(tmp_path, monkeypatch):
     exec(compile(blocks["Distillation"], f"{PAGE}:Distillation", "exec"), scope)
     kl = [m["train/loss"] for _, m in sorted(scope["distill_result"].history.items()) if "train/loss" in m]
     assert len(kl) == 8 and mean(kl[-2:]) < mean(kl[:2])  # the KL to the teacher falls
+
+    exec(compile(blocks["PPO"], f"{PAGE}:PPO", "exec"), scope)
+    ppo = scope["result"]
+    assert sorted(step for step in ppo.history if step > 0) == [1, 2, 3, 4]
+    assert all("train/critic/value_loss" in ppo.history[step] for step in (1, 2, 3, 4))  # the critic trained

@@ -101,7 +101,7 @@ def test_missing_dependency_inside_target_keeps_its_traceback(tmp_path, monkeypa
 
 
 def test_bad_usage_exits_2(capsys):
-    for argv in ([], ["ppo"], ["init-model"], ["convert", "--out", "x"], ["init-model", "--out", "x", "--preset", "huge"]):
+    for argv in ([], ["trpo"], ["init-model"], ["convert", "--out", "x"], ["init-model", "--out", "x", "--preset", "huge"]):
         with pytest.raises(SystemExit) as excinfo:
             cli.main(argv)
         assert excinfo.value.code == 2, argv

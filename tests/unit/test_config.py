@@ -246,8 +246,8 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
 def test_missing_file_and_unknown_algorithm(tmp_path):
     with pytest.raises(ConfigError, match=r"Config file '.*nothing\.yaml' not found$"):
         load_config("sft", tmp_path / "nothing.yaml")
-    with pytest.raises(ConfigError, match=r"Unknown algorithm 'ppo'; expected one of grpo, sft, dpo, rm, eval"):
-        load_config("ppo")
+    with pytest.raises(ConfigError, match=r"Unknown algorithm 'trpo'; expected one of grpo, ppo, sft, dpo, rm, eval"):
+        load_config("trpo")
 
 
 def test_empty_file_gives_schema_defaults(tmp_path):

@@ -57,12 +57,16 @@ from posttrain.config.schema.algorithms import (  # noqa: F401
     RewardShapingConfig,
     SFTConfig,
 )
+from posttrain.config.schema.critic import (  # noqa: F401
+    CriticConfig,
+)
 from posttrain.config.schema.jobs import (  # noqa: F401
     DPOMasterConfig,
     DistillMasterConfig,
     EvalMasterConfig,
     GRPOMasterConfig,
     MasterConfig,
+    PPOMasterConfig,
     RMMasterConfig,
     SCHEMAS,
     SFTMasterConfig,

@@ -13,6 +13,7 @@ from posttrain.config.schema.algorithms import (
 )
 from posttrain.config.schema.base import Section
 from posttrain.config.schema.cluster import ClusterConfig
+from posttrain.config.schema.critic import CriticConfig
 from posttrain.config.schema.data import DataConfig, EnvConfig
 from posttrain.config.schema.loss import LossConfig
 from posttrain.config.schema.outputs import CheckpointingConfig, LoggerConfig
@@ -129,12 +130,35 @@ class GRPOMasterConfig(MasterConfig):
         return self
 
 
+class PPOMasterConfig(GRPOMasterConfig):
+    """`posttrain ppo`: PPO with a critic (GAE advantages from a value model) on GRPO's runtime and
+    sections; `grpo.adv_estimator.name` defaults to `gae` here."""
+
+    critic: CriticConfig = CriticConfig()
+
+    @model_validator(mode="after")
+    def _check_ppo(self):
+        if "name" not in self.grpo.adv_estimator.model_fields_set:
+            self.grpo.adv_estimator.name = "gae"  # PPO's estimator unless the config names another
+        for on, key in ((self.grpo.async_grpo.enabled, "grpo.async_grpo.enabled"),
+                        (self.grpo.partial_rollouts.enabled, "grpo.partial_rollouts.enabled")):
+            if on:
+                raise ValueError(f"{key}=true: posttrain ppo trains synchronously; set it to false")
+        if self.critic.kl_in_reward and self.loss_fn.reference_policy_kl_penalty <= 0:
+            raise ValueError("critic.kl_in_reward=true needs the KL's weight: set loss_fn.reference_policy_kl_penalty > 0")
+        if self.critic.colocated and self.critic.num_workers not in (None, self.policy.num_workers):
+            raise ValueError(f"critic.num_workers={self.critic.num_workers}: a colocated critic has the policy's "
+                             f"{self.policy.num_workers} workers; set critic.colocated=false for workers of its own")
+        return self
+
+
 def local_backend_problem(cfg: MasterConfig) -> Optional[str]:
     """Why this job cannot run in one process (`cluster.backend: local`), or None."""
     c, policy = cfg.cluster, cfg.policy
     gen = policy.generation
     async_grpo = getattr(getattr(cfg, "grpo", None), "async_grpo", None)
     teacher = getattr(cfg, "teacher", None)
+    critic = getattr(cfg, "critic", None)
     checks = [
         (c.ray_address is not None, f"cluster.ray_address={c.ray_address!r} joins a Ray cluster"),
         (c.num_nodes > 1, f"cluster.num_nodes={c.num_nodes}: one process runs on one node"),
@@ -149,6 +173,8 @@ def local_backend_problem(cfg: MasterConfig) -> Optional[str]:
         (async_grpo is not None and async_grpo.enabled, "grpo.async_grpo.enabled overlaps generation and training"),
         (teacher is not None and teacher.num_workers > 1,
          f"teacher.num_workers={getattr(teacher, 'num_workers', 1)}: a local worker group has one worker"),
+        (critic is not None and (critic.num_workers or 1) > 1,
+         f"critic.num_workers={getattr(critic, 'num_workers', 1)}: a local worker group has one worker"),
     ]
     return next((problem for failed, problem in checks if failed), None)
 
@@ -320,10 +346,12 @@ class DistillMasterConfig(MasterConfig):
 
 
 GRPOMasterConfig.model_rebuild()
+PPOMasterConfig.model_rebuild()
 DistillMasterConfig.model_rebuild()
 
 SCHEMAS: dict[str, type[MasterConfig]] = {
     "grpo": GRPOMasterConfig,
+    "ppo": PPOMasterConfig,
     "sft": SFTMasterConfig,
     "dpo": DPOMasterConfig,
     "rm": RMMasterConfig,

@@ -44,7 +44,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+)
 
 from posttrain.distributed import collective
 from posttrain.models.saving import save_pretrained_here
@@ -59,7 +65,9 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 MODEL_DIR, OPTIM_DIR, HF_DIR = "model", "optim", "hf"
 TRAINER_STATE_FILE = "trainer_state.pt"
 RNG_DIR = "rng"
-MODEL_CLASSES = {"lm": AutoModelForCausalLM, "reward": AutoModelForSequenceClassification}
+# A policy, a reward model (one score per sequence) and a value model (PPO's critic: one value per token).
+MODEL_CLASSES = {"lm": AutoModelForCausalLM, "reward": AutoModelForSequenceClassification,
+                 "value": AutoModelForTokenClassification}
 
 
 # ------------------------------------------------------------------------------------- RNG state

@@ -264,3 +264,26 @@ def microbatch_scores(
     with compute_autocast(device, compute_dtype):
         scores = model(input_ids=input_ids, attention_mask=mask).logits
     return scores[:, 0].float()
+
+
+def microbatch_values(
+    model: torch.nn.Module, mb: MicroBatch, device: torch.device, compute_dtype: torch.dtype
+) -> torch.Tensor:
+    """Values `[n, L]` (float32) from a token-classification (value) model, aligned like logprobs:
+    position i holds the head's output at token i - 1, the value of the prefix before token i
+    (the state in which token i was chosen); position 0 and the padding are 0. A packed row's
+    sequences each start at 0 as well (the packed forward keeps attention within each sequence)."""
+    input_ids = mb.rows["input_ids"].to(device)
+    lengths = mb.rows["input_lengths"].to(device)
+    seq_len = input_ids.shape[1]
+    with compute_autocast(device, compute_dtype):
+        if mb.packed is not None:
+            outputs = packed_forward(model, mb, device)[..., 0]
+        else:
+            mask = (torch.arange(seq_len, device=device)[None, :] < lengths[:, None]).long()
+            outputs = model(input_ids=input_ids, attention_mask=mask).logits[..., 0]
+    values = F.pad(outputs[:, :-1].float(), (1, 0))  # shift right: position i is valued from token i - 1
+    if mb.packed is not None:
+        values = packing.zero_sequence_starts(values, mb.packed["cu_seqlens"])
+        return packing.unpack(values, mb.packed["cu_seqlens"], mb.packed["lengths"], seq_len)
+    return values * (torch.arange(seq_len, device=device)[None, :] < lengths[:, None])

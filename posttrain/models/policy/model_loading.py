@@ -1,21 +1,23 @@
 """`ModelLoading`: how a `PolicyWorker` builds its model and spreads it over the ranks.
 
-The model is read on the CPU in float32 (a causal LM, or a sequence classifier with one label for
-a reward model); with several workers only rank 0 reads the weights and the others build the
-skeleton on the meta device and receive their shards (`sharded_load.py`). It is then sharded:
-tensor parallel within each TP group and FSDP2 over the data-parallel ranks (`parallel.py`), or
-FSDP2 over data x context-parallel ranks (`context_parallel.py`).
+The model is read on the CPU in float32 (a causal LM, a sequence classifier with one label for
+a reward model, or a token classifier with one label for a value model); with several workers
+only rank 0 reads the weights and the others build the skeleton on the meta device and receive
+their shards (`sharded_load.py`). It is then sharded: tensor parallel within each TP group and
+FSDP2 over the data-parallel ranks (`parallel.py`), or FSDP2 over data x context-parallel ranks
+(`context_parallel.py`).
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from transformers import AutoConfig, AutoModelForSequenceClassification
+from transformers import AutoConfig
 
 from posttrain.config.schema import PolicyConfig
 from posttrain.models.hf import apply_rope_scaling, load_causal_lm, parse_tiny_name
 from posttrain.models.policy import context_parallel, parallel, sharded_load
+from posttrain.models.policy.checkpoint import MODEL_CLASSES
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 
 
@@ -50,6 +52,10 @@ class ModelLoading:
         config = apply_rope_scaling(AutoConfig.from_pretrained(model_path, num_labels=1), rope_scaling)
         if config.pad_token_id is None:  # needed to find each row's last token
             config.pad_token_id = self.tokenizer.pad_token_id
+        if self.model_type == "value":
+            # The token head as the reward model's sequence head (no bias, no dropout): a reward
+            # model's weights load into it exactly, and training and scoring forwards agree.
+            config.classifier_dropout, config.token_classification_bias = 0.0, False
         from transformers.utils import logging as hf_logging
 
         # transformers prints a coloured LOAD REPORT table listing lm_head as UNEXPECTED and the
@@ -59,13 +65,14 @@ class ModelLoading:
         try:
             with torch.random.fork_rng(devices=[]), MODEL_BUILD_LOCK:
                 torch.manual_seed(0)  # the new score head: same initial values on every rank and run
-                model, info = AutoModelForSequenceClassification.from_pretrained(
+                model, info = MODEL_CLASSES[self.model_type].from_pretrained(
                     model_path, config=config, dtype=torch.float32, output_loading_info=True
                 )
         finally:
             hf_logging.set_verbosity(verbosity)
         if self.rank == 0:
-            print(reward_head_load_note(model_path, info["missing_keys"], info["unexpected_keys"]), flush=True)
+            role = "value model" if self.model_type == "value" else "reward model"
+            print(reward_head_load_note(model_path, info["missing_keys"], info["unexpected_keys"], role), flush=True)
         return model
 
     def _shard_model(self) -> None:
@@ -106,17 +113,18 @@ class ModelLoading:
         return dict(self.load_host_memory)
 
 
-def reward_head_load_note(model_path: str, missing: list[str], unexpected: list[str]) -> str:
-    """One plain line about loading a causal LM as a reward model: a new score head and the
-    language-model head left out are expected; anything else missing or unused is named."""
+def reward_head_load_note(model_path: str, missing: list[str], unexpected: list[str], role: str = "reward model") -> str:
+    """One plain line about loading a causal LM as a reward model (or a value model, `role`): a new
+    score head and the language-model head left out are expected; anything else missing or unused
+    is named."""
     new_head = sorted(k for k in missing if k.startswith("score."))
     dropped = sorted(k for k in unexpected if k.startswith("lm_head."))
     other_missing = sorted(set(missing) - set(new_head))
     other_unused = sorted(set(unexpected) - set(dropped))
     if not other_missing and not other_unused:
         if not new_head:
-            return f"[posttrain] reward model loaded from {model_path} (with its trained score head)"
-        return (f"[posttrain] reward model from {model_path}: new score head ({', '.join(new_head)}) initialised; "
+            return f"[posttrain] {role} loaded from {model_path} (with its trained score head)"
+        return (f"[posttrain] {role} from {model_path}: new score head ({', '.join(new_head)}) initialised; "
                 f"the language-model head is not used")
-    return (f"[posttrain] WARNING: reward model from {model_path}: weights not in the checkpoint: "
+    return (f"[posttrain] WARNING: {role} from {model_path}: weights not in the checkpoint: "
             f"{other_missing[:5] or 'none'}; checkpoint weights not used: {other_unused[:5] or 'none'}")

@@ -39,7 +39,8 @@ class Policy:
         init_optimizer: build optimizer and scheduler (default True).
         weights_path: a `save_checkpoint` directory to start from (default None: `cfg.model_name`).
         name: worker-group name shown in errors and logs (default "policy").
-        model_type: "lm" (default) or "reward" (scalar score per sequence; see `PolicyWorker`).
+        model_type: "lm" (default), "reward" (scalar score per sequence) or "value" (a value per
+            token: PPO's critic); see `PolicyWorker`.
         worker_timeout_s: longest wait for one call (default 1800.0, `cluster.worker_timeout_s`).
         heartbeat_timeout_s: a worker silent for this long has stopped answering (default 0.0: no
             heartbeats; `cluster.heartbeat_timeout_s`, `WorkerGroup`).
@@ -143,6 +144,11 @@ class Policy:
         """`Batch({"scores": [B]})` from a reward model (`model_type="reward"`)."""
         self._on_device()
         return self.worker_group.run_sharded("get_scores", batch, replicas=self.replicas)
+
+    def get_values(self, batch: Batch) -> Batch:
+        """`Batch({"values": [B, S]})` from a value model (`model_type="value"`, PPO's critic)."""
+        self._on_device()
+        return self.worker_group.run_sharded("get_values", batch, replicas=self.replicas)
 
     # --------------------------------------------------------------------------------- train
     def train(

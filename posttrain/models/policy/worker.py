@@ -53,6 +53,7 @@ from posttrain.models.policy.forward import (
     microbatch_logits,
     microbatch_logprobs,
     microbatch_scores,
+    microbatch_values,
     packed_microbatches,
 )
 from posttrain.models.policy.linear_logprobs import use_fused_logprobs
@@ -63,6 +64,9 @@ from posttrain.utils import memory
 from posttrain.utils.lr_schedule import build_lr_scheduler
 from posttrain.utils.metrics import NEUTRAL, accumulate, average_over_steps, reduction, valid_counts
 from posttrain.utils.phase_memory import MeasuresPhases, measured_phase
+
+# The loss input types each model type trains with (a loss's `input_type`).
+INPUT_TYPES = {"lm": ("logprobs", "logits"), "reward": ("scores",), "value": ("values",)}
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
@@ -91,8 +95,10 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
             weights of `cfg.model_name`). The reference model is always the `model_name` weights,
             as in NeMo-RL. Optimizer, scheduler and RNG state are restored too when present and
             `init_optimizer` is set.
-        model_type: "lm" (default; causal LM, logprobs) or "reward" (`AutoModelForSequenceClassification`
-            with one label: a scalar score per sequence for losses with `input_type == "scores"`).
+        model_type: "lm" (default; causal LM, logprobs), "reward" (`AutoModelForSequenceClassification`
+            with one label: a scalar score per sequence for losses with `input_type == "scores"`) or
+            "value" (`AutoModelForTokenClassification` with one label: PPO's critic, a value per
+            token for losses with `input_type == "values"`; `get_values`).
     """
 
     def __init__(
@@ -116,7 +122,8 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
             raise ValueError(f"policy.tensor_parallel_size={self.tp_size} * policy.context_parallel_size="
                              f"{self.cp_size} does not divide the {self.world_size} workers")
         if self.cp_size > 1 and model_type != "lm":
-            raise ValueError("policy.context_parallel_size > 1 is supported for language models, not reward models")
+            raise ValueError("policy.context_parallel_size > 1 is supported for language models, not reward or "
+                             "value models")
         self.dp_size = self.world_size // (self.tp_size * self.cp_size)
         self.fsdp_size = self.dp_size * self.cp_size  # ranks FSDP averages gradients over
         self.dp_group: Any = None  # the data-parallel ranks' process group (None: all ranks, the default group)
@@ -137,7 +144,8 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
         self.lora_scaling: Optional[float] = None
         if self.cfg.lora.enabled:
             if model_type != "lm":
-                raise ValueError("policy.lora.enabled: LoRA is supported for language models, not reward models (yet)")
+                raise ValueError("policy.lora.enabled: LoRA is supported for language models, not reward or value "
+                                 "models (yet)")
             self.model = lora.apply_lora(self.model, self.cfg.lora)
             self.lora_scaling = lora.scaling(self.cfg.lora)
         self.hf_config = self.model.config
@@ -226,6 +234,8 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
         the loss reads them (the fused path leaves the other positions 0)."""
         if self.model_type == "reward":
             return microbatch_scores(self.model, mb, self.device, self.compute_dtype)
+        if self.model_type == "value":
+            return microbatch_values(self.model, mb, self.device, self.compute_dtype)
         if self.cp_size > 1:
             if input_type == "logits":
                 raise ValueError("policy.context_parallel_size > 1 does not give full logits (distillation's "
@@ -258,6 +268,14 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
         if self.model_type != "reward":
             raise ValueError("get_scores needs model_type='reward'")
         return Batch(scores=self._infer(batch, 1.0))
+
+    @measured_phase("logprobs")
+    def get_values(self, batch: Batch) -> Batch:
+        """`Batch({"values": [B, S]})` from a value model (`model_type="value"`), aligned like
+        `get_logprobs` (`forward.microbatch_values`); collective like `get_logprobs`."""
+        if self.model_type != "value":
+            raise ValueError("get_values needs model_type='value'")
+        return Batch(values=self._infer(batch, 1.0))
 
     @torch.no_grad()
     def _infer(self, batch: Batch, temperature: float) -> torch.Tensor:
@@ -360,10 +378,10 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
         """
         if self.optimizer is None:
             raise RuntimeError("train needs a Policy created with init_optimizer=True")
-        input_type = getattr(loss_fn, "input_type", "logprobs")  # "logprobs", "scores" or "logits"
+        input_type = getattr(loss_fn, "input_type", "logprobs")  # "logprobs", "scores", "logits" or "values"
         scores = input_type == "scores"
-        if scores != (self.model_type == "reward"):
-            raise ValueError(f"loss input_type={loss_fn.input_type!r} does not fit model_type={self.model_type!r}")
+        if input_type not in INPUT_TYPES[self.model_type]:
+            raise ValueError(f"loss input_type={input_type!r} does not fit model_type={self.model_type!r}")
         self._require(batch, ("input_ids", "input_lengths", "sample_mask") + (() if scores else ("token_mask",)), "train")
         gbs = global_batch_size or self.cfg.train_global_batch_size
         mbs = micro_batch_size or self.cfg.train_micro_batch_size
