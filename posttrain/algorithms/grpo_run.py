@@ -39,12 +39,12 @@ def validate_grpo(ctx: OnPolicyContext) -> dict[str, float]:
 
 
 def run_grpo(cfg: Any, train: Callable[[OnPolicyContext], Any],
-             setup: Callable[[Any], OnPolicyContext] = setup_grpo) -> dict[str, Optional[float]]:
+             setup: Optional[Callable[[Any], OnPolicyContext]] = None) -> dict[str, Optional[float]]:
     """Optional SFT warm start, then GRPO trained by `train(ctx)` (the synchronous or the
-    asynchronous loop; PPO's, with `setup` its set-up instead of `setup_grpo`); prints before/after
+    asynchronous loop; PPO's, with `setup` its set-up; default None: `setup_grpo`); prints before/after
     accuracy and returns them (`before`, `after`: the first and the last validation accuracy, or
     None; both None for a run resumed past its last step)."""
-    ctx = setup(apply_warm_starts(cfg))
+    ctx = (setup or setup_grpo)(apply_warm_starts(cfg))
     if not run_on_policy(ctx, train):
         return {"before": None, "after": None}
     before, after = ctx.loop.headline_change()

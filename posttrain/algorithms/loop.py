@@ -121,7 +121,7 @@ class TrainingLoop:
         # policy, under `step_N/<name>/`.
         self.trained_beside: dict[str, Any] = {}
         self.started = time.perf_counter()
-        self._start_loader_state = copy.deepcopy(loader.state_dict())  # where `rewind` goes without a checkpoint
+        self._start_loader_state: Optional[dict] = None  # where `rewind` goes without a checkpoint (`run`)
         self.config_saved = False  # the run's config is saved once it has trained a step
         self.steps_without_signal = 0  # consecutive steps whose groups all had uniform rewards
 
@@ -196,6 +196,8 @@ class TrainingLoop:
         logged step carries the restart counts (`recovery/restarts`, `recovery/restarts/<kind>`).
         """
         s = self.schedule
+        if recovery is not None and self._start_loader_state is None:
+            self._start_loader_state = copy.deepcopy(self.loader.state_dict())
         if self.step == 0 and s.val_at_start:
             startup.mark("other")  # so the start-up line shows validation as its own phase
             with startup.phase("validation", "validating before the first step"):
