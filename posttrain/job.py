@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import random
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -188,7 +188,8 @@ def start_concurrently(*makers: Callable[[], Any], description: str = "starting 
 
 
 def workers_description(cfg: MasterConfig, *, reference: bool = False, generation: bool = False,
-                        teacher: Optional[PolicyConfig] = None, policy: bool = True) -> str:
+                        teacher: Union[PolicyConfig, dict[str, PolicyConfig], None] = None,
+                        policy: bool = True) -> str:
     """How the start-up line names the worker groups a job starts: "starting 2 policy workers
     (gpt2, with a reference model) and vllm generation workers", or with the local backend, where
     the models load in this process, "loading the policy model gpt2 and the native generation engine"."""
@@ -203,8 +204,9 @@ def workers_description(cfg: MasterConfig, *, reference: bool = False, generatio
         return f"{n} {role} worker{'s' if n != 1 else ''} ({model}{reference_model})"
 
     parts = [group("policy", cfg.policy.num_workers, cfg.policy.model_name, reference)] if policy else []
-    if teacher is not None:
-        parts.append(group("teacher", teacher.num_workers, teacher.model_name))
+    teachers = teacher if isinstance(teacher, dict) else {"teacher": teacher} if teacher is not None else {}
+    for key, section in teachers.items():
+        parts.append(group(key, section.num_workers, section.model_name))
     if generation:
         backend, model = cfg.policy.generation.backend, "" if policy else f" ({cfg.policy.model_name})"
         parts.append(f"the {backend} generation engine{model}" if local else f"{backend} generation workers{model}")

@@ -73,13 +73,19 @@ def preflight(cfg: Any, plan_memory: bool = True) -> None:
     if policy.tokenizer_name is not None:
         check_model_name(policy.tokenizer_name, "policy.tokenizer_name", policy.tiny_arch)
     if isinstance(cfg, DistillMasterConfig):
-        check_model_name(cfg.teacher.model_name, "teacher.model_name", cfg.teacher.tiny_arch)
-        check_rope_scaling(cfg.teacher, "teacher")
+        from posttrain.config.schema import teacher_sections
+
+        for key, teacher in teacher_sections(cfg).items():
+            check_model_name(teacher.model_name, f"{key}.model_name", teacher.tiny_arch)
+            check_rope_scaling(teacher, key)
     critic = getattr(cfg, "critic", None)  # PPO's value model, when not the policy's weights
     if critic is not None and critic.model_name is not None:
         check_model_name(critic.model_name, "critic.model_name", policy.tiny_arch)
     records = load_split_records(cfg)
     if isinstance(cfg, DistillMasterConfig):
+        from posttrain.algorithms.distill_teachers import assign_teachers
+
+        assign_teachers(cfg, {r.get("task_name", cfg.data.env_name) for r in records["train"]})
         check_distill_vocabularies(cfg)  # a preset's size needs the tokenizer (imports torch)
     # Last: these import torch (and the user's modules), seconds that the checks above never need;
     # the environments first, the most common mistakes (a task no environment serves, a typo in env.*).
@@ -242,26 +248,32 @@ def check_envs(cfg: Any, records: list) -> None:
                 raise UserError(f"task {record['task_name']!r} (env.{name}), {where} (prompt {str(record.get('prompt'))[:60]!r}): {problem}")
 
 
-def distill_model_keys(cfg: Any) -> tuple[tuple[str, str, str], tuple[str, str, str]]:
-    """`(key, model name, tiny arch)` of the student and of the teacher whose weights a distillation
-    run starts from: a warm start's `policy.model_name` when there is one (its export keeps the vocabulary)."""
-    def start(key: str, policy: Any, warm_key: str, warm: Any) -> tuple[str, str, str]:
+def distill_model_keys(cfg: Any) -> list[tuple[str, str, str]]:
+    """`(key, model name, tiny arch)` of the student, then of each teacher (`teacher`, `teachers.<task>`),
+    whose weights a distillation run starts from: a warm start's `policy.model_name` when there is
+    one (its export keeps the vocabulary)."""
+    from posttrain.config.schema import teacher_sections
+
+    def start(key: str, policy: Any, warm_key: Optional[str], warm: Any) -> tuple[str, str, str]:
         if warm is not None:
             return f"{warm_key}.policy.model_name", warm.policy.model_name, warm.policy.tiny_arch
         return f"{key}.model_name", policy.model_name, policy.tiny_arch
 
-    return (start("policy", cfg.policy, "sft_warmup", cfg.sft_warmup),
-            start("teacher", cfg.teacher, "teacher_warmup", cfg.teacher_warmup))
+    return [start("policy", cfg.policy, "sft_warmup", cfg.sft_warmup)] + [
+        start(key, teacher, "teacher_warmup" if key == "teacher" else None,
+              cfg.teacher_warmup if key == "teacher" else None)
+        for key, teacher in teacher_sections(cfg).items()]
 
 
 def check_distill_vocabularies(cfg: Any) -> None:
-    """Refuse a teacher whose vocabulary size differs from the student's, where the configs show it
-    (checked again once the models are loaded, for hub ids not cached yet)."""
-    (s_key, s_name, s_arch), (t_key, t_name, t_arch) = distill_model_keys(cfg)
-    problem = vocabulary_problem((s_key, s_name, model_vocab_size(s_name, s_arch)),
-                                 (t_key, t_name, model_vocab_size(t_name, t_arch)))
-    if problem:
-        raise UserError(problem)
+    """Refuse a teacher (each of them) whose vocabulary size differs from the student's, where the
+    configs show it (checked again once the models are loaded, for hub ids not cached yet)."""
+    (s_key, s_name, s_arch), *teachers = distill_model_keys(cfg)
+    student = (s_key, s_name, model_vocab_size(s_name, s_arch))
+    for t_key, t_name, t_arch in teachers:
+        problem = vocabulary_problem(student, (t_key, t_name, model_vocab_size(t_name, t_arch)))
+        if problem:
+            raise UserError(problem)
 
 
 def load_split_records(cfg: Any) -> dict[str, list[dict]]:

@@ -112,7 +112,7 @@ def with_warm_starts(cfg, run_warm_start: Optional[Callable[..., Path]] = None):
         if warm is not None:
             export = run_warm_start(warm, *warm_start_dirs(cfg, key)) if convert else warm_start_export_dir(warm)
             cfg = with_model_dir(cfg, section, export)
-        elif section != "policy" and hasattr(cfg, section):  # start_run converts the policy's checkpoint
+        elif section != "policy" and getattr(cfg, section, None) is not None:  # start_run converts the policy's
             cfg = with_checkpoint_model(cfg, section, convert=convert)
     return cfg
 

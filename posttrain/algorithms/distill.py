@@ -12,6 +12,8 @@ One step, top to bottom:
 
 The teacher is a `Policy` built without optimizer: its workers are ordinary policy workers, and
 `get_topk_logits` uses the same micro-batching (fixed, dynamic or packed) as every other forward.
+With `teachers` (a teacher per task of a blend, `distill_teachers`), each row is scored by its
+task's teacher and the KL is also logged per task (`train/distill_loss/<task>`).
 The embedded default (`examples/configs/distill_tiny.yaml`) warm-starts both models with SFT
 (cached) and distils the larger `small` preset into the `tiny` one.
 """
@@ -19,7 +21,7 @@ The embedded default (`examples/configs/distill_tiny.yaml`) warm-starts both mod
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,7 +37,8 @@ from posttrain.algorithms.on_policy import (
     run_on_policy,
     validate,
 )
-from posttrain.config.schema import DistillMasterConfig
+from posttrain.algorithms.distill_teachers import assign_teachers, per_task_kl, teacher_task_index, teachers_topk
+from posttrain.config.schema import DistillMasterConfig, teacher_sections
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.distributed.batch import Batch
 from posttrain.errors import UserError
@@ -52,8 +55,10 @@ class DistillContext(OnPolicyContext):
     with the teacher, built once by `setup`."""
 
     section: str = "distillation"
-    teacher: Any = None  # forward-only Policy
-    teacher_cluster: Any = None  # the teacher's bundles (they also host its accuracy's generation engine)
+    teacher: Any = None  # forward-only Policy (with `teachers`, the first of them)
+    teacher_cluster: Any = None  # the teachers' bundles (they also host their accuracy's generation engine)
+    teachers: dict = field(default_factory=dict)  # {teacher key: forward-only Policy}; {} -> {"teacher": teacher}
+    teacher_of: dict = field(default_factory=dict)  # {training task: teacher key}; {} -> `teacher` for every task
 
     # Resume state of the run besides the loop's own (saved in every checkpoint).
     @property
@@ -65,20 +70,25 @@ class DistillContext(OnPolicyContext):
     def teacher_accuracy(self) -> Optional[float]:
         return self.loop.state.get("teacher_accuracy")
 
+    def teacher_groups(self) -> dict[str, Any]:
+        """The teachers by key (`teacher`, `teachers.<task>`)."""
+        return self.teachers or {"teacher": self.teacher}
+
     def workers(self) -> tuple[Any, ...]:
-        return (self.generation, self.teacher, self.policy)
+        return (self.generation, *self.teacher_groups().values(), self.policy)
 
 
 # ------------------------------------------------------------------------------------- set-up
 def check_vocabularies(cfg: DistillMasterConfig) -> Optional[int]:
-    """The shared vocabulary size of student and teacher as they will be loaded (after warm starts,
-    hub downloads); raises `UserError` naming both keys and sizes when they differ, before any
-    worker starts. Also refuses `distillation.topk_logits_k` above the vocabulary size."""
+    """The shared vocabulary size of student and teachers as they will be loaded (after warm starts,
+    hub downloads); raises `UserError` naming both keys and sizes when a teacher's differs, before
+    any worker starts. Also refuses `distillation.topk_logits_k` above the vocabulary size."""
     from posttrain.models.hf import resolve_model_path
     from posttrain.models.paths import model_vocab_size, vocabulary_problem
 
     sizes = []
-    for key, policy in (("policy.model_name", cfg.policy), ("teacher.model_name", cfg.teacher)):
+    models = [("policy", cfg.policy), *teacher_sections(cfg).items()]
+    for key, policy in ((f"{key}.model_name", policy) for key, policy in models):
         path = resolve_model_path(policy.model_name, policy.tiny_arch)
         size = model_vocab_size(path)
         if size is None and not Path(path).exists():  # a hub id not cached yet: transformers fetches its config
@@ -86,10 +96,11 @@ def check_vocabularies(cfg: DistillMasterConfig) -> Optional[int]:
 
             size = int(AutoConfig.from_pretrained(path).vocab_size)
         sizes.append((key, policy.model_name, size))
-    problem = vocabulary_problem(*sizes)
-    if problem:
-        raise UserError(problem)
-    vocab = sizes[0][2] or sizes[1][2]
+    for teacher in sizes[1:]:
+        problem = vocabulary_problem(sizes[0], teacher)
+        if problem:
+            raise UserError(problem)
+    vocab = next((size for _, _, size in sizes if size is not None), None)
     if vocab is not None and cfg.distillation.topk_logits_k > vocab:
         raise UserError(f"distillation.topk_logits_k={cfg.distillation.topk_logits_k} exceeds the vocabulary size {vocab}")
     return vocab
@@ -100,10 +111,21 @@ def setup(cfg: DistillMasterConfig) -> DistillContext:
     student and the top-k KL loss."""
     from posttrain.algorithms.distill_loss import DistillationLoss
 
-    return build_on_policy_run(
-        cfg, section="distillation", name="distillation", context=DistillContext, teacher=cfg.teacher,
+    assignment: dict[str, str] = {}
+
+    def teachers_for(tasks: list[str]) -> dict[str, Any]:
+        """The teachers the training tasks need (`teacher` only where a task has no `teachers.<task>`)."""
+        assignment.update(assign_teachers(cfg, tasks))
+        sections = teacher_sections(cfg)
+        return {key: sections[key] for key in dict.fromkeys(assignment.values())}
+
+    ctx = build_on_policy_run(
+        cfg, section="distillation", name="distillation", context=DistillContext,
+        teacher=teachers_for if cfg.teachers else cfg.teacher,
         make_loss=lambda c: DistillationLoss(**c.loss_fn.model_dump()),
     )
+    ctx.teacher_of = assignment
+    return ctx
 
 
 # --------------------------------------------------------------------------------- the loop
@@ -117,22 +139,29 @@ def distill_step(ctx: DistillContext, step: int, timer: Timer) -> dict[str, floa
     """One step: student rollouts, the teacher's top-k logits, a student update on the KL."""
     cfg, d = ctx.cfg, ctx.cfg.distillation
     temperature = cfg.policy.generation.temperature  # student and teacher see the sampling distribution
-    train_data, metrics = _student_rollouts(ctx, step, timer)
-    with timer.time("logprobs"):  # the teacher's forward pass (a logprob-like pass)
-        top = ctx.teacher.get_topk_logits(train_data, d.topk_logits_k, temperature)
+    train_data, metrics, task_names = _student_rollouts(ctx, step, timer)
+    teacher_of = ctx.teacher_of or dict.fromkeys(task_names, "teacher")
+    with timer.time("logprobs"):  # the teachers' forward passes (logprob-like passes), each on its tasks' rows
+        top = teachers_topk(train_data, task_names, teacher_of, ctx.teacher_groups(), d.topk_logits_k, temperature)
         train_data["teacher_topk_logits"] = top["topk_logits"]
         train_data["teacher_topk_indices"] = top["topk_indices"]
+    tasks = sorted(set(task_names))
+    if len(teacher_of) > 1:  # several tasks: the loss also sums the KL per task
+        train_data["task_index"] = teacher_task_index(task_names, tasks)
     with timer.time("policy_training"):
         train_metrics = ctx.policy.train(train_data, ctx.loss_fn, global_batch_size=cfg.policy.train_global_batch_size,
                                          temperature=temperature)
     ctx.generation_stale = True
     ctx.kl_history.append((step, train_metrics["loss"]))
-    return {**metrics, **prefixed(train_metrics, "train")}
+    by_task = per_task_kl(train_metrics, tasks)
+    train_metrics = {k: v for k, v in train_metrics.items() if not k.startswith(("kl_sum_task", "kl_tokens_task"))}
+    return {**metrics, **prefixed({**train_metrics, **by_task}, "train")}
 
 
-def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Batch, dict[str, float]]:
+def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Batch, dict[str, float], list[str]]:
     """The student answers the next prompts `num_generations_per_prompt` times; the environments
-    score the answers (logged, not trained on). Returns the flattened training rows."""
+    score the answers (logged, not trained on). Returns the flattened training rows, the metrics
+    and each row's task."""
     cfg, d = ctx.cfg, ctx.cfg.distillation
     prompts = ctx.train_loader.next_batch()
     samples = [prompt.fresh_copy() for prompt in prompts for _ in range(d.num_generations_per_prompt)]
@@ -154,7 +183,7 @@ def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Bat
         "train/mean_prompt_length": sum(p.prompt_length for p in prompts) / len(prompts),
         **prefixed(result.metrics, "train"),
     }
-    return train_data, metrics
+    return train_data, metrics, [s.task_name for s in samples]
 
 
 # ------------------------------------------------------------------------------- validation
@@ -182,13 +211,29 @@ def weak_teacher_warning(teacher: float, student: float) -> Optional[str]:
 
 def measure_teacher_accuracy(ctx: DistillContext) -> Optional[float]:
     """The teacher's validation accuracy, with the students' protocol, by a generation engine
-    started on the teacher's bundles for this once (then shut down)."""
+    started on the teacher's bundles for this once (then shut down). With several teachers, each
+    answers its own tasks' validation prompts (one engine at a time); the accuracy is over all of
+    them (validation prompts of a task no teacher trains are left out)."""
     if not ctx.val_samples:
         return None
-    engine = make_generation(ctx.cfg, ctx.teacher_cluster, model=ctx.cfg.teacher, name="teacher_generation")
+    sections = teacher_sections(ctx.cfg)
+    if not ctx.teachers:
+        return _engine_accuracy(ctx, sections["teacher"], None)[0]
+    correct = total = 0
+    for key in ctx.teachers:
+        samples = [s for s in ctx.val_samples if ctx.teacher_of.get(s.task_name) == key]
+        if samples:
+            accuracy, n = _engine_accuracy(ctx, sections[key], samples)
+            correct, total = correct + accuracy * n, total + n
+    return correct / total if total else None
+
+
+def _engine_accuracy(ctx: DistillContext, model: Any, samples: Optional[list]) -> tuple[float, int]:
+    """(accuracy, number of prompts) of `model` on `samples` (default the validation split)."""
+    engine = make_generation(ctx.cfg, ctx.teacher_cluster, model=model, name="teacher_generation")
     try:
-        metrics = evaluate_engine(ctx, engine, 0, show_samples=False)
-        return metrics[find_accuracy(metrics)]
+        metrics = evaluate_engine(ctx, engine, 0, show_samples=False, samples=samples)
+        return metrics[find_accuracy(metrics)], len(ctx.val_samples if samples is None else samples)
     finally:
         engine.shutdown()
 

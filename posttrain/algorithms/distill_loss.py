@@ -71,7 +71,9 @@ class DistillationLoss:
     and `teacher_topk_indices`. Metrics (token means over the step, so they sum over micro-batches
     and ranks): `loss` (the configured KL), `forward_kl` and `reverse_kl` over the top-k (without the
     outside-top-k term), `student_topk_mass` (the student's full-vocabulary probability on the
-    teacher's top-k), `num_valid_tokens`, `num_valid_samples`.
+    teacher's top-k), `num_valid_tokens`, `num_valid_samples`; with a `[B]` `task_index` in the
+    batch (a run of several tasks), also `kl_sum_task<i>` and `kl_tokens_task<i>`, the KL summed over
+    task i's valid tokens and their count (`distill_teachers.per_task_kl` divides them).
     """
 
     loss_type: Literal["token", "sequence"] = "token"
@@ -143,4 +145,11 @@ class DistillationLoss:
                 "num_valid_tokens": mask.sum().item(),
                 "num_valid_samples": sample_mask.sum().item(),
             }
+            if "task_index" in batch:  # a run of several tasks: each task's KL sum and tokens
+                task_index = batch["task_index"].to(per_token.device)
+                token_kl = (per_token * mask).sum(-1)
+                for i in task_index.unique().tolist():
+                    rows = task_index == i
+                    metrics[f"kl_sum_task{i}"] = token_kl[rows].sum().item()
+                    metrics[f"kl_tokens_task{i}"] = mask[rows].sum().item()
         return loss, metrics

@@ -166,7 +166,9 @@ def build_on_policy_run(
     `make_loss(cfg)` builds the loss from the started config. `teacher` (a `PolicyConfig`, default
     None) also starts a forward-only teacher policy on a cluster of its own whose bundles can host
     a second generation engine; it and its cluster reach `context` as `teacher` and
-    `teacher_cluster`. `critic(started cfg)` (default None), a value model's `PolicyConfig`, also
+    `teacher_cluster`. A dict `{key: PolicyConfig}` starts several teachers on that cluster (the same
+    `num_workers`); they reach `context` as `teachers` (`{key: Policy}`), the first also as `teacher`;
+    a callable `teacher(training task names)` returns that dict. `critic(started cfg)` (default None), a value model's `PolicyConfig`, also
     starts that model (PPO's critic, `model_type="value"`), on the policy's bundles when
     `critic_colocated` (as the reference model shares the policy's workers) or on a cluster of its
     own; it reaches `context` as `critic`, and the loop checkpoints and resumes it under
@@ -184,6 +186,8 @@ def build_on_policy_run(
     problem = env_problem(cfg, [env for _, env in routes(train_samples)]) if env_problem else None
     if problem:
         raise UserError(problem)
+    if callable(teacher):  # the teachers the training tasks need (refused here, before any worker starts)
+        teacher = teacher(sorted({sample.task_name for sample in train_samples}))
     loader = train_loader(train_samples, s.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=s.seed)
 
     colocated = cfg.policy.generation.colocated.enabled
@@ -201,10 +205,15 @@ def build_on_policy_run(
                                                                                          policy=False))[0]
         makers[1] = lambda: generation_first
     clusters = [policy_cluster]
-    if teacher is not None:
-        # The teacher's bundles also host, once, the generation engine that measures its accuracy.
-        teacher_cluster = make_cluster(cfg, teacher.num_workers, colocated_groups=2, name="teacher")
-        makers.append(lambda: make_policy(cfg, teacher_cluster, teacher, init_optimizer=False, name="teacher"))
+    teacher_cfgs = teacher if isinstance(teacher, dict) else {"teacher": teacher} if teacher is not None else {}
+    if teacher_cfgs:
+        # The teachers share one set of bundles (each a colocated group, as the reference model shares
+        # the policy's), which also hosts, once, the generation engine that measures a teacher's accuracy.
+        first = next(iter(teacher_cfgs.values()))
+        teacher_cluster = make_cluster(cfg, first.num_workers, colocated_groups=len(teacher_cfgs) + 1, name="teacher")
+        for key, teacher_cfg in teacher_cfgs.items():
+            makers.append(lambda t=teacher_cfg, key=key: make_policy(
+                cfg, teacher_cluster, t, init_optimizer=False, name=key.replace(".", "_")))
         clusters.append(teacher_cluster)
     if critic_cfg is not None:
         critic_cluster = policy_cluster if critic_beside else make_cluster(cfg, critic_cfg.num_workers, name="critic")
@@ -214,8 +223,11 @@ def build_on_policy_run(
         *makers, description=workers_description(cfg, reference=reference, generation=True, teacher=teacher),
     )
     policy, generation = workers[:2]
-    if teacher is not None:
-        extra.update(teacher=workers[2], teacher_cluster=teacher_cluster)
+    if teacher_cfgs:
+        started = dict(zip(teacher_cfgs, workers[2:2 + len(teacher_cfgs)]))
+        extra.update(teacher=next(iter(started.values())), teacher_cluster=teacher_cluster)
+        if isinstance(teacher, dict):
+            extra.update(teachers=started)
     if critic_cfg is not None:
         extra.update(critic=workers[-1])
     with startup.doing("preparing the weight transfer to generation"):

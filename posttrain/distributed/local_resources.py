@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from posttrain.config.schema import resolve_backend
+from posttrain.config.schema import resolve_backend, teacher_sections
 from posttrain.distributed.actors import available_cpus
 
 
@@ -21,9 +21,10 @@ def ray_cpu_request(cfg: Any) -> list[tuple[str, float]]:
     if (hasattr(cfg, "grpo") or hasattr(cfg, "distillation")) and not gen.colocated.enabled:
         workers = gen.colocated.num_workers or 1
         groups.append((f"policy.generation.colocated.num_workers={workers}", workers * per_worker))
-    teacher = getattr(cfg, "teacher", None)
-    if teacher is not None:
-        groups.append((f"teacher.num_workers={teacher.num_workers}", teacher.num_workers * per_worker))
+    teachers = teacher_sections(cfg)
+    if teachers:  # they all share one set of bundles (`on_policy.build_on_policy_run`)
+        key, teacher = next(iter(teachers.items()))
+        groups.append((f"{key}.num_workers={teacher.num_workers}", teacher.num_workers * per_worker))
     return groups
 
 

@@ -75,5 +75,6 @@ from posttrain.config.schema.jobs import (  # noqa: F401
     local_backend_problem,
     pair_batching_problems,
     resolve_backend,
+    teacher_sections,
     warm_start_problem,
 )

@@ -157,7 +157,7 @@ def local_backend_problem(cfg: MasterConfig) -> Optional[str]:
     c, policy = cfg.cluster, cfg.policy
     gen = policy.generation
     async_grpo = getattr(getattr(cfg, "grpo", None), "async_grpo", None)
-    teacher = getattr(cfg, "teacher", None)
+    teachers = teacher_sections(cfg)
     critic = getattr(cfg, "critic", None)
     checks = [
         (c.ray_address is not None, f"cluster.ray_address={c.ray_address!r} joins a Ray cluster"),
@@ -171,12 +171,19 @@ def local_backend_problem(cfg: MasterConfig) -> Optional[str]:
         (gen.backend == "vllm", "policy.generation.backend='vllm' runs in its own Python environment"),
         # Generation and training would share (and fight over) this process's one pool of math threads.
         (async_grpo is not None and async_grpo.enabled, "grpo.async_grpo.enabled overlaps generation and training"),
-        (teacher is not None and teacher.num_workers > 1,
-         f"teacher.num_workers={getattr(teacher, 'num_workers', 1)}: a local worker group has one worker"),
+        *((section.num_workers > 1, f"{key}.num_workers={section.num_workers}: a local worker group has one worker")
+          for key, section in teachers.items()),
         (critic is not None and (critic.num_workers or 1) > 1,
          f"critic.num_workers={getattr(critic, 'num_workers', 1)}: a local worker group has one worker"),
     ]
     return next((problem for failed, problem in checks if failed), None)
+
+
+def teacher_sections(cfg: MasterConfig) -> dict[str, PolicyConfig]:
+    """A distillation's teacher sections by key (`teacher`, `teachers.<task>`); {} for other jobs."""
+    teacher, teachers = getattr(cfg, "teacher", None), getattr(cfg, "teachers", {})
+    return {**({"teacher": teacher} if teacher is not None else {}),
+            **{f"teachers.{task}": section for task, section in teachers.items()}}
 
 
 def resolve_backend(cfg: MasterConfig) -> Literal["ray", "local"]:
@@ -303,16 +310,45 @@ def warm_start_problem(model_key: str, model_name: str, warm_key: str, warm: Opt
     )
 
 
+def teacher_problem(teacher: Optional[PolicyConfig], teachers: dict[str, PolicyConfig],
+                    warm: Optional["SFTMasterConfig"]) -> Optional[str]:
+    """Why a distillation's teachers (`teacher`, `teachers`, `teacher_warmup`) cannot run, or None."""
+    if teacher is None:
+        if not teachers:
+            return "teacher=null leaves no teacher: set teacher, or teachers: {<task>: {model_name: ...}}"
+        if warm is not None:
+            return "teacher_warmup warm-starts teacher, which is null: set teacher_warmup=null"
+    else:
+        problem = warm_start_problem("teacher.model_name", teacher.model_name, "teacher_warmup", warm)
+        if problem:
+            return problem
+    sections = ([("teacher", teacher)] if teacher is not None else []) + [(f"teachers.{t}", c) for t, c in teachers.items()]
+    (key0, first), *others = sections
+    for key, section in others:  # one cluster of bundles hosts them all
+        if section.num_workers != first.num_workers:
+            return (f"{key}.num_workers={section.num_workers} differs from {key0}.num_workers={first.num_workers}: "
+                    "the teachers share one set of bundles; give them the same num_workers")
+    return None
+
+
 class DistillMasterConfig(MasterConfig):
     """`posttrain distill`: the student (`policy`) generates, the teacher scores its tokens, the
     student learns the teacher's top-k distribution."""
 
     distillation: DistillationConfig = DistillationConfig()
     loss_fn: DistillationLossConfig = DistillationLossConfig()
-    teacher: PolicyConfig = Field(
+    teacher: Optional[PolicyConfig] = Field(
         PolicyConfig(model_name="small"),
         description="The teacher model (forward only, its own workers: teacher.num_workers); it must share the "
-        "student's vocabulary. Its optimizer keys are unused.",
+        "student's vocabulary. Its optimizer keys are unused. With `teachers`, it teaches the tasks `teachers` "
+        "does not name; null when `teachers` names every task.",
+    )
+    teachers: dict[str, PolicyConfig] = Field(
+        {},
+        description="A teacher per task of the blend (multi-teacher distillation, as NeMo-RL's): "
+        "{<task name>: <a teacher section>}; each training row is scored by its task's teacher, or by `teacher` "
+        "when the task has none. Each must share the student's vocabulary; all share the teacher's bundles and "
+        "have the same num_workers. Default {}: `teacher` teaches every task.",
     )
     env: EnvConfig = EnvConfig()
     sft_warmup: Optional["SFTMasterConfig"] = Field(
@@ -330,7 +366,7 @@ class DistillMasterConfig(MasterConfig):
     def _check(self):
         for problem in (
             warm_start_problem("policy.model_name", self.policy.model_name, "sft_warmup", self.sft_warmup),
-            warm_start_problem("teacher.model_name", self.teacher.model_name, "teacher_warmup", self.teacher_warmup),
+            teacher_problem(self.teacher, self.teachers, self.teacher_warmup),
         ):
             if problem:
                 raise ValueError(problem)
