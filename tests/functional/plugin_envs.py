@@ -40,10 +40,10 @@ class StuckEnv(MathEnvironment):
 
 
 class StragglerEnv(MathEnvironment):
-    """The third call takes `STRAGGLER_SECONDS` (default 66) longer: a straggler, not a hang.
+    """The third call takes `STRAGGLER_SECONDS` (default 46) longer: a straggler, not a hang.
 
-    With `grpo.async_grpo.rollout_timeout_s=60` its batch is dropped; the next batch's call, queued
-    behind it, still answers about 54 s before its own deadline. A normal batch of the tiny model
+    With `grpo.async_grpo.rollout_timeout_s=40` its batch is dropped; the next batch's call, queued
+    behind it, still answers about 34 s before its own deadline. A normal batch of the tiny model
     takes well under a second on a quiet machine, but the deadline counts from the batch's start,
     generation included, and beside CPU hogs the first batches took over 20 s (the old deadline)."""
 
@@ -52,7 +52,7 @@ class StragglerEnv(MathEnvironment):
     def step(self, message_logs, metadata):
         StragglerEnv.calls += 1
         if StragglerEnv.calls == 3:
-            time.sleep(float(os.environ.get("STRAGGLER_SECONDS", "66")))
+            time.sleep(float(os.environ.get("STRAGGLER_SECONDS", "46")))
         return super().step(message_logs, metadata)
 
 

@@ -162,7 +162,7 @@ def test_a_straggler_is_dropped_and_counted_and_the_run_finishes(ray_cluster, tm
     # The deadline is far from a normal batch's time (under a second here; over 20 s beside CPU
     # hogs, tests/stress.sh) and the straggler beyond it (plugin_envs.StragglerEnv).
     seconds, error = run_async(async_cfg(
-        tmp_path, "grpo.max_num_steps=4", faulty("StragglerEnv"), "grpo.async_grpo.rollout_timeout_s=60",
+        tmp_path, "grpo.max_num_steps=4", faulty("StragglerEnv"), "grpo.async_grpo.rollout_timeout_s=40",
     ))
     assert error is None, error
     steps = read_metrics(tmp_path / "logs")
