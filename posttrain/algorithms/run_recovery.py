@@ -72,15 +72,17 @@ class RunRecovery:
         if self.budget.exhausted():
             raise RunStopped(f"{failed}; no restart left (cluster.max_restarts={self.budget.max_restarts}); "
                              f"{self.ctx.loop.resume_point()}") from None
+        # First whether the lost work can be placed at all: when it cannot, that is the reason,
+        # whichever phase of the step the failure came in.
+        problem = self._placement_problem(faults)
+        if problem is not None:
+            raise RunStopped(f"{failed}; {problem}; {self.ctx.loop.resume_point()}") from None
         rewind = "policy" in kinds or trained
         if rewind and not self.ctx.cfg.checkpointing.enabled:
             why = ("rebuilding a policy worker needs a checkpoint to restore the weights and optimizer from"
                    if "policy" in kinds else f"the policy had already trained in {what}, so replaying it needs a "
                    "checkpoint to go back to")
             raise RunStopped(f"{failed}; {why}, and checkpointing.enabled=false; {self.ctx.loop.resume_point()}") from None
-        problem = self._placement_problem(faults)
-        if problem is not None:
-            raise RunStopped(f"{failed}; {problem}; {self.ctx.loop.resume_point()}") from None
         number = self.budget.record(kinds)
         print(f"[posttrain] recovery {number} of {self.budget.max_restarts}: {failed}; "
               f"{self._plan(kinds, what, trained)}", flush=True)
