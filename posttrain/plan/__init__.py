@@ -7,8 +7,8 @@ run, from the model's config alone (no weights are loaded), and whether that fit
 config of a built-in preset) and counts the parameters by building the model on torch's meta
 device (exact for any architecture, no memory). Everything else is arithmetic on that shape and
 the config (`formulas.py`): `memory_plan` (`jobs.py`) returns a job's `Plan` (rows of bytes per
-device and phase: generation, refit, logprobs, training, validation, evaluation, as the job has
-them), `run_plan` adds the SFT warm starts that run before it as jobs of their own, and
+device and phase: generation, refit, logprobs, training, validation, teacher eval, evaluation, as
+the job has them; a distillation's teachers where they run, `teachers.py`), `run_plan` adds the SFT warm starts that run before it as jobs of their own, and
 `fit_problem` (`fit.py`) checks the run's peak against the device memory and names the config keys
 that would make it fit. The printed plan ends with the peak and the job and phase that set it.
 
@@ -25,19 +25,21 @@ from posttrain.plan.formulas import (
     CPU_RUNTIME_BYTES, DTYPE_BYTES, FUSED_LOGPROB_TILE_BYTES, PROMPTS_TOKENIZED, GiB, MiB,
     activation_bytes_per_token_layer, compute_dtype_bytes, head_bytes, kv_cache_bytes, logprob_activation_bytes,
     longest_prompt_tokens, longest_row_tokens, micro_batch_tokens, optimizer_state_bytes, per_rank_params,
-    ring_attention_block_bytes, training_activation_bytes,
+    ring_attention_block_bytes, topk_logits_bytes, training_activation_bytes,
 )
 from posttrain.plan.jobs import (
     PHASES, DevicePlan, Plan, WarmStart, engine_rows, job_name, job_phases, memory_plan, native_engine_bytes, validates,
 )
 from posttrain.plan.shape import ModelShape, model_shape, shape_for, shape_from_hf_config
+from posttrain.plan.teachers import add_teachers, read_teacher_shapes
 
 __all__ = [
     "CPU_RUNTIME_BYTES", "DTYPE_BYTES", "FUSED_LOGPROB_TILE_BYTES", "HEADROOM", "PHASES", "PROMPTS_TOKENIZED",
-    "DevicePlan", "GiB", "MiB", "ModelShape", "Plan", "WarmStart", "activation_bytes_per_token_layer",
+    "DevicePlan", "GiB", "MiB", "ModelShape", "Plan", "WarmStart", "activation_bytes_per_token_layer", "add_teachers",
     "candidate_fixes", "check_memory", "compute_dtype_bytes", "detect_device_bytes", "engine_rows", "fit_problem",
     "fits", "format_job", "format_plan", "head_bytes", "job_name", "job_phases", "kv_cache_bytes",
     "logprob_activation_bytes", "longest_prompt_tokens", "longest_row_tokens", "memory_plan", "micro_batch_tokens",
-    "model_shape", "native_engine_bytes", "optimizer_state_bytes", "per_rank_params", "ring_attention_block_bytes",
-    "run_plan", "shape_for", "shape_from_hf_config", "training_activation_bytes", "validates",
+    "model_shape", "native_engine_bytes", "optimizer_state_bytes", "per_rank_params", "read_teacher_shapes",
+    "ring_attention_block_bytes", "run_plan", "shape_for", "shape_from_hf_config", "topk_logits_bytes",
+    "training_activation_bytes", "validates",
 ]

@@ -32,13 +32,15 @@ def detect_device_bytes(cfg: Any) -> Optional[int]:
 
 
 def run_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None, longest_prompt: Optional[int] = None,
-             warm_shapes: Optional[dict[str, ModelShape]] = None) -> Plan:
+             warm_shapes: Optional[dict[str, ModelShape]] = None,
+             teacher_shapes: Optional[dict[str, ModelShape]] = None) -> Plan:
     """`memory_plan` of `cfg`'s job with its SFT warm starts (`sft_warmup`, `teacher_warmup`), each
     planned as the job of its own it is, unless its export is cached (then it will not run).
-    `warm_shapes` (default: read from each warm start's model) are their models' shapes."""
+    `warm_shapes` (default: read from each warm start's model) are their models' shapes;
+    `teacher_shapes` (default: read from each teacher's model) a distillation's teachers', by key."""
     from posttrain.run_config import WARM_STARTS, warm_start_export_dir
 
-    plan = memory_plan(cfg, shape, device_bytes, longest_prompt)
+    plan = memory_plan(cfg, shape, device_bytes, longest_prompt, teacher_shapes)
     for key in WARM_STARTS:
         warm = getattr(cfg, key, None)
         if warm is None:
@@ -64,9 +66,13 @@ def fits(plan: Plan) -> bool:
     return plan.device_bytes is None or plan.run_peak()[2] <= usable_bytes(plan)
 
 
-def candidate_fixes(cfg: Any, shape: Optional[ModelShape] = None) -> list[tuple[str, Any]]:
+def candidate_fixes(cfg: Any, shape: Optional[ModelShape] = None,
+                    teacher_shapes: Optional[dict[str, ModelShape]] = None) -> list[tuple[str, Any]]:
     """(key=value, changed config) pairs worth trying, one change each; tensor parallel sizes
-    only where they divide `shape`'s heads, key/value heads and MLP width (and the workers)."""
+    only where they divide `shape`'s heads, key/value heads and MLP width (and the workers);
+    a distillation's teachers' too (`teacher_shapes` by key)."""
+    from posttrain.config.schema import teacher_sections
+
     policy, gen = cfg.policy, cfg.policy.generation
     fixes: list[tuple[str, Any]] = []
 
@@ -74,8 +80,8 @@ def candidate_fixes(cfg: Any, shape: Optional[ModelShape] = None) -> list[tuple[
         changed = cfg.model_copy(deep=True)
         *path, leaf = key.split(".")
         node = changed
-        for part in path:
-            node = getattr(node, part)
+        for part in path:  # `teachers.<task>` is a dict's entry
+            node = node[part] if isinstance(node, dict) else getattr(node, part)
         try:
             setattr(node, leaf, value)
         except ValueError:  # pydantic's ValidationError: not a valid value for this config
@@ -118,6 +124,20 @@ def candidate_fixes(cfg: Any, shape: Optional[ModelShape] = None) -> list[tuple[
         halvings.append((f"{section}.val_batch_size", getattr(cfg, section).val_batch_size))
     if hasattr(cfg, "eval") and gen.backend == "native":
         halvings.append(("eval.batch_size", cfg.eval.batch_size))
+    sections = teacher_sections(cfg)
+    for key, section in sections.items():
+        budget = next((name for name in ("dynamic_batching", "sequence_packing") if getattr(section, name).enabled), None)
+        halvings.append((f"{key}.{budget}.logprob_mb_tokens", getattr(section, budget).logprob_mb_tokens) if budget
+                        else (f"{key}.logprob_batch_size", section.logprob_batch_size))
+        if cfg.cluster.gpus_per_node > 0:
+            if len(sections) == 1:  # teachers share their bundles: one num_workers for all (`teacher_problem`)
+                for workers in (2 * section.num_workers, 4 * section.num_workers):
+                    variant(f"{key}.num_workers", workers)
+            t = (teacher_shapes or {}).get(key)
+            for tp in (2, 4, 8):
+                if t is not None and tp > section.tensor_parallel_size and section.num_workers % tp == 0 \
+                        and all(dim % tp == 0 for dim in (t.num_heads, t.num_kv_heads, t.intermediate_size)):
+                    variant(f"{key}.tensor_parallel_size", tp)
     for key, value in halvings:
         smaller = value // 2
         while smaller >= 1:
@@ -136,31 +156,58 @@ def fit_problem(cfg: Any, shape: ModelShape, plan: Plan) -> Optional[str]:
     jobs = [("", cfg, shape, plan)] + [(f"{w.key}.", w.cfg, w.shape, w.plan) for w in plan.warm_starts if w.plan]
     prefix, cfg, shape, plan = next(job for job in jobs if job[3].node_peak() > usable_bytes(job[3]))
     where = "per GPU" if plan.on_gpu else "on this node"
-    need = f"needs {plan.node_peak() / GiB:.2f} GiB {where} but {usable_bytes(plan) / GiB:.2f} GiB " \
-           f"is usable ({1 - HEADROOM:.0%} of {plan.device_bytes / GiB:.2f} GiB)"
+    teachers = ", ".join(f"{key} {teacher_model(cfg, key)!r} {nbytes / GiB:.2f} GiB"
+                         for key, nbytes in teacher_peak_bytes(plan).items() if nbytes)
+    need = f"needs {plan.node_peak() / GiB:.2f} GiB {where}{f' ({teachers} of it)' if teachers else ''} but " \
+           f"{usable_bytes(plan) / GiB:.2f} GiB is usable ({1 - HEADROOM:.0%} of {plan.device_bytes / GiB:.2f} GiB)"
     found: dict[str, str] = {}
-    for change, changed in candidate_fixes(cfg, shape):
+    for change, changed in candidate_fixes(cfg, shape, plan.teacher_shapes):
         key = change.split("=", 1)[0]
-        if key not in found and memory_plan(changed, shape_for(changed, shape), plan.device_bytes,
-                                            plan.longest_prompt).node_peak() <= usable_bytes(plan):
+        if key not in found and memory_plan(changed, shape_for(changed, shape), plan.device_bytes, plan.longest_prompt,
+                                            plan.teacher_shapes).node_peak() <= usable_bytes(plan):
             found[key] = prefix + change
     advice = ("it would fit with any one of: " + ", ".join(found.values())) if found else \
         "no single change of policy.activation_checkpointing, micro-batch sizes, policy.num_workers, " \
-        "policy.tensor_parallel_size, policy.precision, policy.lora.enabled or generation settings makes it fit"
+        "policy.tensor_parallel_size, policy.precision, policy.lora.enabled or generation settings" + \
+        (" (or the teachers' logprob batches, num_workers and tensor_parallel_size)" if plan.teacher_shapes else "") + \
+        " makes it fit"
     job = f"{prefix[:-1]} (SFT warm start), " if prefix else ""
     return f"memory plan: {job}{plan.peak_phase()} {need}; {advice}"
 
 
+def teacher_model(cfg: Any, key: str) -> str:
+    """The model name of the teacher `key` (`teacher`, `teachers.<task>`)."""
+    from posttrain.config.schema import teacher_sections
+
+    return teacher_sections(cfg)[key].model_name
+
+
+def teacher_peak_bytes(plan: Plan) -> dict[str, int]:
+    """Each teacher's bytes (its rows, `<key> ...`) in what sets the job's peak (`Plan.node_peak`):
+    the GPU that needs the most in its peak phase, or on CPU one node's processes each in its own."""
+    devices = [(max(plan.devices, key=lambda d: d.peak()[1]), 1)] if plan.on_gpu else \
+        [(d, plan._per_node(n)) for d, n in zip(plan.devices, plan.process_counts)]
+    return {key: sum(n * row.get(d.peak()[0], 0) for d, n in devices for item, row in d.rows.items()
+                     if item.startswith(key + " ")) for key in plan.teacher_shapes}
+
+
 def format_job(plan: Plan) -> list[str]:
-    """One job's table: a block per device kind, a row per item, a column per phase of the job (GiB)."""
+    """One job's table: a block per device kind, a row per item, a column per phase of the job
+    (GiB); rows marked * take turns (`DevicePlan.turns`)."""
     lines = []
+    width = max([36] + [len(item) + 3 for device in plan.devices for item in device.rows])
     for device, count in zip(plan.devices, plan.process_counts):
         kind = "GPU" if plan.on_gpu else "process"
+        turns = device.taking_turns()
         lines.append(f"{device.name} (x{count}), GiB per {kind}:")
-        lines.append(f"  {'':36s}" + "".join(f"{p:>12s}" for p in plan.phases))
+        lines.append(f"  {'':{width}s}" + "".join(f"{p:>13s}" for p in plan.phases))
         for item, phases in device.rows.items():
-            lines.append(f"  {item:36s}" + "".join(f"{phases.get(p, 0) / GiB:12.3f}" for p in plan.phases))
-        lines.append(f"  {'total':36s}" + "".join(f"{device.phase_total(p) / GiB:12.3f}" for p in plan.phases))
+            label = item + (" *" if item in turns else "")
+            lines.append(f"  {label:{width}s}" + "".join(f"{phases.get(p, 0) / GiB:13.3f}" for p in plan.phases))
+        lines.append(f"  {'total':{width}s}" + "".join(f"{device.phase_total(p) / GiB:13.3f}" for p in plan.phases))
+        if turns:
+            lines.append("  * the teachers take turns (their forwards, their accuracy engines): a total counts "
+                         "the largest one's")
     if plan.row_tokens:
         lines.append(f"rows of at most {plan.row_tokens} tokens ({plan.row_bound})")
     return lines

@@ -184,3 +184,15 @@ def per_rank_params(shape: ModelShape, workers: int, tp: int) -> float:
     if tp == 1:
         return shape.num_params / workers
     return (shape.num_params - shape.embedding_params) / workers + shape.embedding_params / (workers // tp)
+
+
+def topk_logits_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, k: int) -> float:
+    """The head of a distillation teacher's top-k forward (`forward.microbatch_logits`, then
+    `PolicyWorker.get_topk_logits`), N = tokens x vocabulary: the LM head's logits in the compute
+    dtype, their float32 upcast (a copy below float32, the same tensor in float32) and its shifted
+    copy (`F.pad`) alive together: (dtype + 8) x N below float32, 8 x N in float32; the
+    temperature's division and the padding mask each make a float32 copy while the last is alive
+    (8 x N); then one float32 copy and the top-k values (float32) and indices (int64) of every token."""
+    n = tokens * shape.vocab_size
+    return max((dtype_bytes + 8 if dtype_bytes < 4 else 8) * n, 4 * n + 12 * tokens * k)
+

@@ -10,7 +10,10 @@ Phases, as the jobs run them:
   `policy.refit_buffer_size_gb` buckets, one at a time), logprobs (forward passes without
   gradients), training (forward and backward, then the optimizer step), and validation: the
   engine decodes the held-out prompts greedily, `<section>.val_batch_size` prompts per call, as
-  the generation phase holds the state;
+  the generation phase holds the state; distillation's logprobs phase is its teachers' top-k
+  forwards (the student computes no logprobs), and before the first step, with
+  `distillation.val_at_start`, "teacher eval": an engine on the teachers' bundles measures each
+  teacher's accuracy (`distill.measure_teacher_accuracy`, once);
 - SFT, DPO, reward models: training, DPO's reference logprobs, and validation (forward passes
   without gradients over `val_batch_size` examples, in the logprob micro-batches);
 - `posttrain eval`: evaluation, one generation worker decoding `eval.batch_size` prompts per call.
@@ -33,7 +36,7 @@ from posttrain.plan.formulas import (
 from posttrain.plan.shape import ModelShape
 
 # Every phase a job may have, in the order the tables print them (a job has some: `job_phases`).
-PHASES = ("generation", "refit", "logprobs", "training", "validation", "evaluation")
+PHASES = ("generation", "refit", "logprobs", "training", "validation", "teacher eval", "evaluation")
 # The sections of the jobs whose validation decodes with the engine (on-policy RL) and of the
 # offline ones, whose validation is a forward pass: the job's name and its loop's settings.
 ON_POLICY_SECTIONS = {"grpo": "grpo", "distillation": "distill"}
@@ -48,16 +51,36 @@ class DevicePlan:
     name: str
     phases: tuple[str, ...] = PHASES
     rows: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Rows of models that take turns on the device (distillation's teachers score one after the
+    # other, their accuracy engines run one at a time): item -> (group, member). A phase counts
+    # each group's largest member, not the sum of its members.
+    turns: dict[str, tuple[str, str]] = field(default_factory=dict)
 
-    def add(self, item: str, nbytes: float, phases: Optional[tuple[str, ...]] = None) -> None:
+    def add(self, item: str, nbytes: float, phases: Optional[tuple[str, ...]] = None,
+            turn: Optional[tuple[str, str]] = None) -> None:
         """Count `nbytes` of `item` in `phases` (default: all of the device's); a phase the job
-        does not have is skipped."""
+        does not have is skipped. `turn` (group, member): the item is `member`'s in a group whose
+        members take turns (`turns`)."""
         for phase in self.phases if phases is None else phases:
             if phase in self.phases:
                 self.rows.setdefault(item, {})[phase] = self.rows.get(item, {}).get(phase, 0) + int(nbytes)
+        if turn is not None and item in self.rows:
+            self.turns[item] = turn
 
     def phase_total(self, phase: str) -> int:
-        return sum(row.get(phase, 0) for row in self.rows.values())
+        members: dict[str, dict[str, int]] = {}
+        for item, (group, member) in self.turns.items():
+            share = members.setdefault(group, {})
+            share[member] = share.get(member, 0) + self.rows[item].get(phase, 0)
+        alone = sum(row.get(phase, 0) for item, row in self.rows.items() if item not in self.turns)
+        return alone + sum(max(share.values()) for share in members.values())
+
+    def taking_turns(self) -> set[str]:
+        """The rows of groups with more than one member (the table marks them)."""
+        groups: dict[str, set[str]] = {}
+        for group, member in self.turns.values():
+            groups.setdefault(group, set()).add(member)
+        return {item for item, (group, _) in self.turns.items() if len(groups[group]) > 1}
 
     def peak(self) -> tuple[str, int]:
         """(phase, bytes) of the phase that needs the most (the first of equals)."""
@@ -80,6 +103,7 @@ class Plan:
     job: str = "grpo"  # the job's name as the tables print it
     phases: tuple[str, ...] = PHASES
     warm_starts: list["WarmStart"] = field(default_factory=list)
+    teacher_shapes: dict[str, ModelShape] = field(default_factory=dict)  # distillation's, by teacher key
 
     def node_peak(self) -> int:
         """This job's peak (not its warm starts'): GPU: the largest device peak; CPU: the sum of
@@ -162,7 +186,9 @@ def job_phases(cfg: Any) -> tuple[str, ...]:
         return ("evaluation",)
     validation = ("validation",) if validates(cfg) else ()
     if any(hasattr(cfg, s) for s in ON_POLICY_SECTIONS):
-        return ("generation", "refit", *(("logprobs",) if computes_logprobs(cfg) else ()), "training", *validation)
+        teacher_eval = ("teacher eval",) if hasattr(cfg, "distillation") and cfg.distillation.val_at_start else ()
+        return ("generation", "refit", *(("logprobs",) if computes_logprobs(cfg) else ()), "training", *validation,
+                *teacher_eval)
     return ("logprobs", "training", *validation) if hasattr(cfg, "dpo") else ("training", *validation)
 
 
@@ -190,10 +216,12 @@ def native_engine_bytes(shape: ModelShape, rows: int, prompts: int, prompt_token
 
 
 def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
-                longest_prompt: Optional[int] = None) -> Plan:
+                longest_prompt: Optional[int] = None, teacher_shapes: Optional[dict[str, ModelShape]] = None) -> Plan:
     """What each device holds in each phase of `cfg`'s job (a validated master config) for `shape`;
     `longest_prompt` (tokens, default None: unknown) bounds RL rows (`longest_row_tokens`).
-    Warm starts are jobs of their own (`run_plan`)."""
+    `teacher_shapes` (distillation; default: read from each teacher section's model, `model_shape`)
+    are the teachers' shapes by key (`teacher`, `teachers.<task>`). Warm starts are jobs of their
+    own (`run_plan`)."""
     from posttrain.config.schema import resolve_backend
     from posttrain.models.policy.offload import offloads_during_generation
     from posttrain.models.refit import MAX_BUCKET_BYTES
@@ -240,18 +268,21 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
     # layers' TP shards in float32). Context parallel ranks are FSDP shards too (over dp x cp).
     per_rank = per_rank_params(shape, shards, tp)
     trainer.add("policy parameters (fp32)", 4 * per_rank, phases if lends_weights else resident)
-    # Forward passes without gradients: RL's logprobs, DPO's reference logprobs, the offline jobs' validation.
-    no_grad = ("logprobs",) if has_generation else ("logprobs", "validation")
+    # Forward passes without gradients: RL's logprobs, DPO's reference logprobs, the offline jobs'
+    # validation; none in distillation, whose logprobs phase is its teachers' (`add_teachers`).
+    no_grad = () if job == "distill" else ("logprobs",) if has_generation else ("logprobs", "validation")
     if dp > 1:
         trainer.add("FSDP all-gathered layers", 2 * 4 * (shape.num_params - shape.embedding_params * (tp > 1))
                     / shape.num_layers / tp, ("refit", "training") + no_grad)
     trainable_per_rank = trainable / shards if policy.lora.enabled else per_rank
+    # Distillation's loss reads the student's full logits (`input_type="logits"`): no fused head.
+    fused_head = policy.fused_logprobs and job != "distill"
     trainer.add("gradients (fp32)", 4 * trainable_per_rank, ("training",))
     trainer.add(f"optimizer state ({policy.optimizer.name})",
                 optimizer_state_bytes(trainable_per_rank, policy.optimizer.name, 1), resident)
     trainer.add("activations" + (" (checkpointed)" if policy.activation_checkpointing else ""),
                 training_activation_bytes(shape, micro_batch_tokens(policy, True, row_tokens) // cp, c,
-                                          policy.activation_checkpointing, policy.fused_logprobs, tp, sp), ("training",))
+                                          policy.activation_checkpointing, fused_head, tp, sp), ("training",))
     trainer.add("logprob forward", logprob_activation_bytes(shape, micro_batch_tokens(policy, False, row_tokens) // cp, c,
                                                              policy.fused_logprobs, tp, sp), no_grad)
     if cp > 1 and on_gpu and c == 4:  # no fused CUDA kernel for float32 blocks (attention_blocks.block_kernel)
@@ -289,8 +320,15 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
             refit_bucket = min(bucket, c * shape.num_params) + c * shape.largest_tensor
             trainer.add("refit bucket (send)", refit_bucket, ("refit",))
             engine.add("refit bucket (receive)", refit_bucket, ("refit",))
+    shapes: dict[str, ModelShape] = {}
+    if job == "distill":
+        from posttrain.plan.teachers import add_teachers, read_teacher_shapes
+
+        shapes = read_teacher_shapes(cfg, teacher_shapes)
+        add_teachers(cfg, shapes, trainer, devices, counts, device_bytes=device_bytes, row_tokens=row_tokens,
+                     longest_prompt=longest_prompt, in_process=local)
     return Plan(devices, device_bytes, on_gpu, counts, cfg.cluster.num_nodes, row_tokens, longest_prompt, bound, job,
-                phases)
+                phases, teacher_shapes=shapes)
 
 
 def add_critic(cfg: Any, shape: ModelShape, trainer: DevicePlan, devices: list[DevicePlan], counts: list[int], *,
