@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +33,9 @@ RAY_TEST_CPUS = 8
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 # The caches a test session owns (see `pytest_configure`): posttrain's, and Hugging Face's.
 SESSION_CACHE_VARS = ("POSTTRAIN_CACHE", "HF_HOME")
+# With pytest-xdist (`-n 2`, pyproject's addopts) the controller makes the session's cache and its
+# workers share it: the cache's entries are built under file locks, so each is built once.
+XDIST_SHARED_CACHE = "POSTTRAIN_TEST_SESSION_CACHE"
 
 
 # ------------------------------------------------------------------ the session's own caches
@@ -42,8 +46,10 @@ def pytest_configure(config: pytest.Config) -> None:
     needs therefore runs as on a fresh machine. `POSTTRAIN_TEST_CACHE=DIR` keeps them in DIR
     instead, across sessions (a developer's shortcut; CI never sets it)."""
     keep = os.environ.get("POSTTRAIN_TEST_CACHE")
-    root = os.path.abspath(keep) if keep else tempfile.mkdtemp(prefix="posttrain-test-cache-")
-    config._session_cache = None if keep else root  # removed at the end when it is ours
+    shared = os.environ.get(XDIST_SHARED_CACHE)  # set by the controller of a parallel session (-n)
+    root = os.path.abspath(keep or shared or tempfile.mkdtemp(prefix="posttrain-test-cache-"))
+    config._session_cache = None if keep or shared else root  # removed at the end when it is ours
+    os.environ[XDIST_SHARED_CACHE] = root  # pytest-xdist's workers, started after this, inherit it
     for var, sub in zip(SESSION_CACHE_VARS, ("posttrain", "huggingface")):
         os.environ[var] = os.path.join(root, sub)
 
@@ -115,10 +121,12 @@ def ray_cluster():
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Stop before the first functional test when a unit test failed; bring the session Ray back
     (lazily) for a test that wants it after a module stopped it."""
-    if (not is_unit(item) and getattr(item.session, "unit_failed", False)
+    if (not is_unit(item) and unit_tests_failed(item.session)
             and not item.config.getoption("--keep-going-after-unit-failures")):
-        pytest.exit("unit tests failed, so the functional tests were not run (pass "
-                    "--keep-going-after-unit-failures to run them anyway)", returncode=1)
+        # `shouldstop`, not `pytest.exit`: an exit raised inside an xdist worker is an internal error.
+        item.session.shouldstop = ("unit tests failed, so the functional tests were not run (pass "
+                                   "--keep-going-after-unit-failures to run them anyway)")
+        pytest.skip(item.session.shouldstop)
     if "ray_cluster" in item.fixturenames:
         start_test_ray()  # no-op while Ray is up
 
@@ -159,7 +167,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
     if report.failed and is_unit(item):
         item.session.unit_failed = True
+        unit_failed_flag().parent.mkdir(parents=True, exist_ok=True)
+        unit_failed_flag().touch()  # for the other xdist workers too
     return report
+
+
+def unit_failed_flag() -> Path:
+    return Path(os.environ[XDIST_SHARED_CACHE]) / "unit-tests-failed"
+
+
+def unit_tests_failed(session: pytest.Session) -> bool:
+    """A unit test failed in this process or in another worker of the session (with `-n`, a worker
+    may start the functional files while the other still runs the last unit files)."""
+    return getattr(session, "unit_failed", False) or unit_failed_flag().exists()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the suite runs instead")
 def test_gpu_suite_is_collected_and_skipped_without_cuda():
-    result = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider"],
+    result = subprocess.run([sys.executable, "-m", "pytest", "tests/gpu", "-q", "-rs", "-p", "no:cacheprovider",
+                             "-n", "0"],
                             cwd=REPO, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stdout + result.stderr
