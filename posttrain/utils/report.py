@@ -3,7 +3,8 @@
 Panels (each drawn only when its metric was logged): training reward (`train/reward`),
 validation accuracy (`validation/accuracy_greedy`, `validation/accuracy_sampled`, or DPO's and RM's
 preference accuracy `validation/accuracy`; with several tasks, one thin line per task
-`<metric>/<task>` beside the thick overall one), training loss (`train/loss`), validation loss
+`<metric>/<task>` beside the thick overall one; the same metric of another validation set,
+`data.validation_sets`, dashed in the same colours), training loss (`train/loss`), validation loss
 (`validation/loss`: SFT, DPO, RM), and a stacked bar chart of where each step's time went
 (`timing/train/{generation,refit,logprobs,policy_training,reward}`, the rest of
 `timing/train/total_step_time` as "other", and the total as a reference line). Steps are whole
@@ -48,6 +49,16 @@ def per_task_series(records: dict[int, dict[str, Any]], name: str) -> dict[str, 
     prefix = name + "/"
     tasks = sorted({key[len(prefix):] for record in records.values() for key in record if key.startswith(prefix)})
     return {task: _series(records, prefix + task) for task in tasks}
+
+
+def extra_validation_sets(records: dict[int, dict[str, Any]], name: str) -> list[str]:
+    """The other validation sets (`data.validation_sets`: `validation_<set>/...`) that logged the
+    metric `name` (a `validation/...` one) as well; [] for other metrics."""
+    if not name.startswith("validation/"):
+        return []
+    suffix = name[len("validation"):]
+    return sorted({key.split("/")[0] for record in records.values() for key in record
+                   if key.startswith("validation_") and key.endswith(suffix) and key.count("/") == 1})
 
 
 def write_report(metrics_jsonl_path: str | os.PathLike, out_png: str | os.PathLike, title: str | None = None) -> Path:
@@ -99,9 +110,19 @@ def build_report_figure(metrics_jsonl_path: str | os.PathLike, title: str | None
         ax.plot(steps, values, marker="o" if len(steps) <= 30 else None, markersize=3,
                 linewidth=2.5 if per_task else 1.5, color="black" if per_task else None,
                 label="all tasks" if per_task else None)
+        colors = {}
         for task, (task_steps, task_values) in per_task.items():
-            ax.plot(task_steps, task_values, marker="o" if len(task_steps) <= 30 else None, markersize=2,
-                    linewidth=1.0, label=task)
+            (line,) = ax.plot(task_steps, task_values, marker="o" if len(task_steps) <= 30 else None, markersize=2,
+                              linewidth=1.0, label=task)
+            colors[task] = line.get_color()
+        for other in extra_validation_sets(records, name):  # e.g. held-out phrasings: dashed, same colours
+            other_name = other + name[len("validation"):]
+            other_steps, other_values = _series(records, other_name)
+            if other_steps:
+                ax.plot(other_steps, other_values, linestyle="--", linewidth=2.0, color="black",
+                        label=f"all tasks, {other}")
+            for task, (task_steps, task_values) in per_task_series(records, other_name).items():
+                ax.plot(task_steps, task_values, linestyle="--", linewidth=0.8, color=colors.get(task))
         if per_task:
             ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
         ax.set_title(f"{panel_title} ({name})")

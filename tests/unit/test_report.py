@@ -106,3 +106,21 @@ def test_a_blend_gets_one_accuracy_line_per_task(tmp_path):
     assert panel.get_legend_handles_labels()[1] == ["all tasks", "math", "quiz"]
     lines = {line.get_label(): list(line.get_ydata()) for line in panel.get_lines()}
     assert lines["math"] == [0.0, 0.2, 0.4] and lines["quiz"] == [0.1, 0.1, 0.1]
+
+
+def test_another_validation_set_is_dashed_in_the_same_colours(tmp_path):
+    """`data.validation_sets` (the recipe's held-out phrasings): its overall line and per-task lines,
+    dashed, each task in the colour of its line on the main set."""
+    with Logger(LoggerConfig(log_dir=str(tmp_path / "run"), tensorboard_enabled=False)) as logger:
+        for step in (0, 10):
+            logger.log_metrics({"validation/accuracy_greedy": 0.5, "validation/accuracy_greedy/math": step / 20,
+                                "validation_unseen_phrasing/accuracy_greedy": 0.25,
+                                "validation_unseen_phrasing/accuracy_greedy/math": step / 40,
+                                "validation_unseen_phrasing/accuracy_greedy_count/math": 80.0}, step)
+    fig = build_report_figure(tmp_path / "run" / "metrics.jsonl")
+    (panel,) = fig.axes
+    assert panel.get_legend_handles_labels()[1] == ["all tasks", "math", "all tasks, validation_unseen_phrasing"]
+    dashed = [line for line in panel.get_lines() if line.get_linestyle() == "--"]
+    assert [list(line.get_ydata()) for line in dashed] == [[0.25, 0.25], [0.0, 0.25]]
+    (math_line,) = [line for line in panel.get_lines() if line.get_label() == "math"]
+    assert dashed[1].get_color() == math_line.get_color()
