@@ -6,7 +6,7 @@ run, from the model's config alone (no weights are loaded), and whether that fit
 `model_shape` (`shape.py`) reads the model's config (config.json of `policy.model_name`, or the
 config of a built-in preset) and counts the parameters by building the model on torch's meta
 device (exact for any architecture, no memory). Everything else is arithmetic on that shape and
-the config (`formulas.py`): `memory_plan` (`jobs.py`) returns a job's `Plan` (rows of bytes per
+the config (`formulas.py`): `memory_plan` (`jobs.py`, with `engine.py` and `teachers.py`) returns a job's `Plan` (`devices.py`: rows of bytes per
 device and phase: generation, refit, logprobs, training, validation, teacher eval, evaluation, as
 the job has them; a distillation's teachers where they run, `teachers.py`), `run_plan` adds the SFT warm starts that run before it as jobs of their own, and
 `fit_problem` (`fit.py`) checks the run's peak against the device memory and names the config keys
@@ -27,9 +27,9 @@ from posttrain.plan.formulas import (
     longest_prompt_tokens, longest_row_tokens, micro_batch_tokens, optimizer_state_bytes, per_rank_params,
     ring_attention_block_bytes, topk_logits_bytes, training_activation_bytes,
 )
-from posttrain.plan.jobs import (
-    PHASES, DevicePlan, Plan, WarmStart, engine_rows, job_name, job_phases, memory_plan, native_engine_bytes, validates,
-)
+from posttrain.plan.devices import PHASES, DevicePlan, Plan, WarmStart
+from posttrain.plan.engine import engine_rows, native_engine_bytes
+from posttrain.plan.jobs import job_name, job_phases, memory_plan, validates
 from posttrain.plan.shape import ModelShape, model_shape, shape_for, shape_from_hf_config
 from posttrain.plan.teachers import add_teachers, read_teacher_shapes
 

@@ -7,7 +7,8 @@ import json
 from typing import Any, Optional
 
 from posttrain.plan.formulas import GiB, longest_prompt_tokens
-from posttrain.plan.jobs import PHASES, Plan, WarmStart, memory_plan, validates
+from posttrain.plan.devices import Plan, WarmStart
+from posttrain.plan.jobs import memory_plan, validates
 from posttrain.plan.shape import ModelShape, model_shape, shape_for
 
 # A plan must leave this share of the device free (CUDA context, fragmentation, optimizer temporaries).

@@ -18,136 +18,27 @@ Phases, as the jobs run them:
   without gradients over `val_batch_size` examples, in the logprob micro-batches);
 - `posttrain eval`: evaluation, one generation worker decoding `eval.batch_size` prompts per call.
 
-A native engine decodes a call's rows in pieces of `policy.generation.batch_size`
-(`GenerationWorker.generate`): its KV cache is that of the piece (`engine_rows`), at most.
+A generation engine's rows are `engine.py`'s, a distillation's teachers' `teachers.py`'s.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from posttrain.plan.devices import DevicePlan, Plan
+from posttrain.plan.engine import add_engine
 from posttrain.plan.formulas import (
-    CPU_RUNTIME_BYTES, GiB, compute_dtype_bytes, kv_cache_bytes, logprob_activation_bytes, longest_row_tokens,
-    micro_batch_tokens, optimizer_state_bytes, per_rank_params, ring_attention_block_bytes, rollout_turns,
-    training_activation_bytes, activation_bytes_per_token_layer,
+    CPU_RUNTIME_BYTES, GiB, compute_dtype_bytes, logprob_activation_bytes, longest_row_tokens,
+    micro_batch_tokens, optimizer_state_bytes, per_rank_params, ring_attention_block_bytes,
+    training_activation_bytes,
 )
 from posttrain.plan.shape import ModelShape
+from posttrain.plan.teachers import add_teachers, read_teacher_shapes
 
-# Every phase a job may have, in the order the tables print them (a job has some: `job_phases`).
-PHASES = ("generation", "refit", "logprobs", "training", "validation", "teacher eval", "evaluation")
 # The sections of the jobs whose validation decodes with the engine (on-policy RL) and of the
 # offline ones, whose validation is a forward pass: the job's name and its loop's settings.
 ON_POLICY_SECTIONS = {"grpo": "grpo", "distillation": "distill"}
 OFFLINE_SECTIONS = {"sft": "sft", "dpo": "dpo", "rm": "rm"}
-
-
-@dataclass
-class DevicePlan:
-    """Bytes one device (a GPU, or a CPU worker process) holds: `rows[item][phase]`, for the
-    job's `phases`."""
-
-    name: str
-    phases: tuple[str, ...] = PHASES
-    rows: dict[str, dict[str, int]] = field(default_factory=dict)
-    # Rows of models that take turns on the device (distillation's teachers score one after the
-    # other, their accuracy engines run one at a time): item -> (group, member). A phase counts
-    # each group's largest member, not the sum of its members.
-    turns: dict[str, tuple[str, str]] = field(default_factory=dict)
-
-    def add(self, item: str, nbytes: float, phases: Optional[tuple[str, ...]] = None,
-            turn: Optional[tuple[str, str]] = None) -> None:
-        """Count `nbytes` of `item` in `phases` (default: all of the device's); a phase the job
-        does not have is skipped. `turn` (group, member): the item is `member`'s in a group whose
-        members take turns (`turns`)."""
-        for phase in self.phases if phases is None else phases:
-            if phase in self.phases:
-                self.rows.setdefault(item, {})[phase] = self.rows.get(item, {}).get(phase, 0) + int(nbytes)
-        if turn is not None and item in self.rows:
-            self.turns[item] = turn
-
-    def phase_total(self, phase: str) -> int:
-        members: dict[str, dict[str, int]] = {}
-        for item, (group, member) in self.turns.items():
-            share = members.setdefault(group, {})
-            share[member] = share.get(member, 0) + self.rows[item].get(phase, 0)
-        alone = sum(row.get(phase, 0) for item, row in self.rows.items() if item not in self.turns)
-        return alone + sum(max(share.values()) for share in members.values())
-
-    def taking_turns(self) -> set[str]:
-        """The rows of groups with more than one member (the table marks them)."""
-        groups: dict[str, set[str]] = {}
-        for group, member in self.turns.values():
-            groups.setdefault(group, set()).add(member)
-        return {item for item, (group, _) in self.turns.items() if len(groups[group]) > 1}
-
-    def peak(self) -> tuple[str, int]:
-        """(phase, bytes) of the phase that needs the most (the first of equals)."""
-        return max(((p, self.phase_total(p)) for p in self.phases), key=lambda pair: pair[1])
-
-
-@dataclass
-class Plan:
-    """The devices of one job (one of each kind: every policy device holds the same) and the
-    memory each has (None: unknown); `warm_starts` are the jobs that run before it."""
-
-    devices: list[DevicePlan]
-    device_bytes: Optional[int]
-    on_gpu: bool
-    process_counts: list[int]  # how many of each device kind the job has
-    num_nodes: int = 1
-    row_tokens: Optional[int] = None  # the longest row planned for (`longest_row_tokens`)
-    longest_prompt: Optional[int] = None  # tokens of the longest prompt, when known
-    row_bound: str = "policy.max_total_sequence_length"  # what bounds `row_tokens`, in words
-    job: str = "grpo"  # the job's name as the tables print it
-    phases: tuple[str, ...] = PHASES
-    warm_starts: list["WarmStart"] = field(default_factory=list)
-    teacher_shapes: dict[str, ModelShape] = field(default_factory=dict)  # distillation's, by teacher key
-
-    def node_peak(self) -> int:
-        """This job's peak (not its warm starts'): GPU: the largest device peak; CPU: the sum of
-        the peaks of one node's processes (a kind's processes spread evenly over `num_nodes`)."""
-        if self.on_gpu:
-            return max(d.peak()[1] for d in self.devices)
-        return sum(d.peak()[1] * self._per_node(count) for d, count in zip(self.devices, self.process_counts))
-
-    def phase_peak(self, phase: str) -> int:
-        """What `phase` needs: per GPU the largest device's, on CPU one node's processes together."""
-        if self.on_gpu:
-            return max(d.phase_total(phase) for d in self.devices)
-        return sum(d.phase_total(phase) * self._per_node(count) for d, count in zip(self.devices, self.process_counts))
-
-    def peak_phase(self) -> str:
-        """The phase that sets this job's peak (its largest device's; on CPU the first process kind's)."""
-        return max(self.devices, key=lambda d: d.peak()[1]).peak()[0] if self.on_gpu else self.devices[0].peak()[0]
-
-    def _per_node(self, count: int) -> int:
-        return math.ceil(count / self.num_nodes)
-
-    def phase_peaks(self) -> list[tuple[str, str, int]]:
-        """(job, phase, bytes) of every phase of the warm starts, then of this job, in the order they run."""
-        warm = [peak for w in self.warm_starts if w.plan is not None for peak in w.plan.phase_peaks()]
-        return warm + [(self.job, phase, self.phase_peak(phase)) for phase in self.phases]
-
-    def run_peak(self) -> tuple[str, str, int]:
-        """(job, phase, bytes) of the job that needs the most of the run's jobs (this job or a warm
-        start that will run), its phase that sets the peak, and that peak."""
-        jobs = [self] + [w.plan for w in self.warm_starts if w.plan is not None]
-        top = max(jobs, key=lambda plan: plan.node_peak())
-        return top.job, top.peak_phase(), top.node_peak()
-
-
-@dataclass
-class WarmStart:
-    """An SFT warm start of the run (`key`: `sft_warmup` or `teacher_warmup`), its own job before
-    the run's: its config and shape, and its plan (None when its export is cached: it will not run)."""
-
-    key: str
-    cfg: Any
-    shape: Optional[ModelShape]
-    plan: Optional[Plan]
-    export_dir: Any = None
 
 
 def job_name(cfg: Any) -> str:
@@ -181,7 +72,7 @@ def computes_logprobs(cfg: Any) -> bool:
 
 
 def job_phases(cfg: Any) -> tuple[str, ...]:
-    """The phases `cfg`'s job runs (module doc), in `PHASES` order."""
+    """The phases `cfg`'s job runs (module doc), in `devices.PHASES` order."""
     if hasattr(cfg, "eval"):
         return ("evaluation",)
     validation = ("validation",) if validates(cfg) else ()
@@ -190,29 +81,6 @@ def job_phases(cfg: Any) -> tuple[str, ...]:
         return ("generation", "refit", *(("logprobs",) if computes_logprobs(cfg) else ()), "training", *validation,
                 *teacher_eval)
     return ("logprobs", "training", *validation) if hasattr(cfg, "dpo") else ("training", *validation)
-
-
-def engine_rows(rows_per_call: int, engines: int, batch_size: int) -> int:
-    """Rows one engine decodes at once: its share of a call's rows (`Batch.shard` over `engines`),
-    in pieces of at most `batch_size` (`policy.generation.batch_size`)."""
-    return max(1, min(batch_size, math.ceil(rows_per_call / engines)))
-
-
-def native_engine_bytes(shape: ModelShape, rows: int, prompts: int, prompt_tokens: int, row_tokens: int,
-                        dtype_bytes: int) -> dict[str, float]:
-    """Working memory of one native-engine call (`NativeGenerationEngine.generate`) of `rows` rows
-    of at most `row_tokens` tokens whose `prompts` distinct prompts are `prompt_tokens` long:
-
-    - the decoder's KV cache, preallocated for every row's prompt and new tokens (`LlamaLikeDecoder.start`);
-    - the prefill's own cache of the distinct prompts (a row shares its prompt's prefill,
-      `share_prompts`), alive while the decoder's cache is filled from it;
-    - the prefill's forward, one layer's activations at a time (nothing is kept for a backward).
-    """
-    return {
-        "KV cache": kv_cache_bytes(shape, rows, row_tokens, dtype_bytes),
-        "prefill KV cache (distinct prompts)": kv_cache_bytes(shape, prompts, prompt_tokens, dtype_bytes),
-        "prefill forward": prompts * prompt_tokens * activation_bytes_per_token_layer(shape, dtype_bytes),
-    }
 
 
 def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
@@ -322,8 +190,6 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
             engine.add("refit bucket (receive)", refit_bucket, ("refit",))
     shapes: dict[str, ModelShape] = {}
     if job == "distill":
-        from posttrain.plan.teachers import add_teachers, read_teacher_shapes
-
         shapes = read_teacher_shapes(cfg, teacher_shapes)
         add_teachers(cfg, shapes, trainer, devices, counts, device_bytes=device_bytes, row_tokens=row_tokens,
                      longest_prompt=longest_prompt, in_process=local)
@@ -355,37 +221,3 @@ def add_critic(cfg: Any, shape: ModelShape, trainer: DevicePlan, devices: list[D
     holder.add("critic gradients (fp32)", 4 * shape.num_params / workers, ("training",))
     holder.add("critic activations", training_activation_bytes(
         shape, micro_batch_tokens(policy, True, row_tokens), c, policy.activation_checkpointing, True), ("training",))
-
-
-def add_engine(engine: DevicePlan, cfg: Any, shape: ModelShape, c: int, device_bytes: Optional[int], *, weights: bool,
-               calls: dict[str, tuple[int, int]], engines: int, row_tokens: int, longest_prompt: Optional[int],
-               phases: Optional[tuple[str, ...]] = None) -> None:
-    """Add a generation engine's rows to `engine`: its weights (unless lent in place, `weights`
-    False), and per decoding phase in `calls` (`phase: (rows of one call, rows sharing a prompt)`)
-    its working memory; `phases` the engine is resident in (default: all of the device's)."""
-    policy, gen = cfg.policy, cfg.policy.generation
-    on_gpu = cfg.cluster.gpus_per_node > 0
-    if gen.backend == "vllm" and on_gpu:
-        util = gen.vllm_cfg.gpu_memory_utilization
-        share = util * device_bytes if device_bytes else 0
-        # vLLM takes gpu_memory_utilization of the whole GPU for its weights and KV cache; asleep
-        # (colocated, level 1) while the policy trains.
-        engine.add(f"vLLM weights + KV cache ({util:g} of the GPU)", share, phases)
-        return
-    if weights:
-        if not on_gpu and gen.backend == "vllm":
-            engine.add("vLLM runtime", CPU_RUNTIME_BYTES, phases)
-        engine.add("generation weights", c * shape.num_params, phases)
-    if gen.backend == "vllm":
-        engine.add("vLLM KV cache (cpu_kv_cache_gb)", gen.vllm_cfg.cpu_kv_cache_gb * GiB, phases)
-        return
-    # A single-turn prompt is at most the longest prompt; a later turn's holds the conversation so far.
-    single_turn = rollout_turns(cfg) == 1
-    prompt_tokens = min(longest_prompt, row_tokens) if single_turn and longest_prompt else row_tokens
-    for phase, (rows_per_call, group) in calls.items():
-        rows = engine_rows(rows_per_call, engines, gen.batch_size)
-        # Rows share their prompt's prefill; later turns of a multi-turn rollout prefill each row's own conversation.
-        prompts = math.ceil(rows / group) if single_turn else rows
-        for item, nbytes in native_engine_bytes(shape, rows, prompts, prompt_tokens, row_tokens, c).items():
-            engine.add(item, nbytes, (phase,))
-    return weights

@@ -29,7 +29,8 @@ from posttrain.plan.formulas import (
     CPU_RUNTIME_BYTES, activation_bytes_per_token_layer, compute_dtype_bytes, micro_batch_tokens, per_rank_params,
     topk_logits_bytes,
 )
-from posttrain.plan.jobs import DevicePlan, add_engine
+from posttrain.plan.devices import DevicePlan
+from posttrain.plan.engine import add_engine
 from posttrain.plan.shape import ModelShape, model_shape
 
 
