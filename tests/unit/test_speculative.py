@@ -289,3 +289,31 @@ def test_rollout_metrics_sum_the_rows_counts():
                                         "speculative_forwards": torch.tensor(forwards),
                                         "generation_lengths": torch.tensor(lengths)})
     assert speculative_metrics(totals) == {"speculative/acceptance_rate": 6 / 10, "speculative/tokens_per_forward": 13 / 7}
+
+
+def test_a_rollout_logs_acceptance_rate_and_tokens_per_forward(policy):
+    """The native engine's counts reach the rollout's metrics (logged as train/speculative/...)."""
+    from posttrain.distributed.batch import Batch
+    from posttrain.rollouts import run_multi_turn_rollout
+    from fake_generation import OneTokenGeneration
+    from test_rollout_endings import NeverDone, samples
+
+    class EngineGeneration(OneTokenGeneration):  # its prepare/finish hooks; generation by the engine
+        def __init__(self, drafter):
+            self.engine = NativeGenerationEngine(policy, pad_token_id=PAD, eos_token_id=EOS, speculative=drafter)
+
+        def generate_shards(self, batch, greedy=False, params=None):
+            out = self.engine.generate(batch["input_ids"], batch["input_lengths"], max_new_tokens=12, greedy=greedy)
+            yield list(range(batch.size)), Batch(out)
+
+    tokenizer = tiny.build_tokenizer()
+    rollout = dict(max_seq_len=256, max_rollout_turns=1, greedy=True)
+    plain = run_multi_turn_rollout(EngineGeneration(None), samples(tokenizer, "a", "b"), tokenizer, {"t": NeverDone()},
+                                   **rollout)
+    assert not any(key.startswith("speculative/") for key in plain.metrics)
+    result = run_multi_turn_rollout(EngineGeneration(make_drafter("ngram", num_draft_tokens=3)),
+                                    samples(tokenizer, "a", "b"), tokenizer, {"t": NeverDone()}, **rollout)
+    assert 0 < result.metrics["speculative/acceptance_rate"] <= 1
+    assert result.metrics["speculative/tokens_per_forward"] > 1
+    assert [s.message_log[-1]["token_ids"].tolist() for s in result.samples] == \
+        [s.message_log[-1]["token_ids"].tolist() for s in plain.samples]

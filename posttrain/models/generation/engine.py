@@ -2,9 +2,11 @@
 
 `NativeGenerationEngine.generate` takes right-padded prompts (the project's convention), turns
 them into left-padded ones with an attention mask and explicit position ids, runs one prefill
-forward pass that fills a KV cache, then decodes one token per step. Rows that finish (eos, a
-stop token, a stop string, or `max_new_tokens`) leave the running batch together with their KV
-cache rows, so they stop costing compute.
+forward pass that fills a KV cache, then decodes one token per step, or, with a drafter
+(`policy.generation.speculative`, `speculative.py`), checks several drafted tokens per forward and
+emits the tokens plain decoding would. Rows that finish (eos, a stop token, a stop string, or
+`max_new_tokens`) leave the running batch together with their KV cache rows, so they stop costing
+compute.
 
 The output follows the generation contract in `docs/internals.md` (and NeMo-RL's
 `GenerationOutputSpec`): `output_ids [B, S+T]` (prompt + generated, right-padded),
