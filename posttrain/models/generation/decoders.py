@@ -166,6 +166,7 @@ class LlamaLikeDecoder:
         self.attention_bias: Optional[torch.Tensor] = None  # [rows, 1, 1, capacity]: 0 or -inf (padding)
         self.length = 0  # cache positions filled: prompt width + tokens fed so far (`step`)
         self.fill: Optional[torch.Tensor] = None  # [rows] positions filled per row (`extend` / `rewind`)
+        self.cleared = 0  # columns below this hold finite values in every row (`extend`)
         self.rows = 0
         self.has_padding = False  # some running row has a masked (left-padding) position
 
@@ -192,6 +193,7 @@ class LlamaLikeDecoder:
         self.attention_bias[:, 0, 0, :width].masked_fill_(padding, float("-inf"))
         self.length, self.rows = width, rows
         self.fill = torch.full((rows,), width, dtype=torch.long, device=row_map.device)
+        self.cleared = width
         self.has_padding = bool(padding.any())
 
     def keep_rows(self, keep: torch.Tensor) -> None:
@@ -287,6 +289,12 @@ class LlamaLikeDecoder:
         span = int(columns.max()) + 1
         if span > self.keys[0].shape[2]:
             raise RuntimeError(f"KV cache full ({span} positions)")
+        if span > self.cleared:
+            # A row attends up to its own fill, but the batch's span reaches past it into columns this
+            # generation never wrote (`new_empty`): a NaN there would leak through the mask (0 x NaN).
+            for buffer in self.keys + self.values:
+                buffer[:, :, self.cleared : span].zero_()
+            self.cleared = span
         cache_column = torch.arange(span, device=tokens.device)
         # [rows, 1, m, span]: not left padding, and not after the query (stale columns past a row's
         # fill, left by `rewind`, are after every query of the row).
