@@ -35,6 +35,7 @@ from posttrain.data.sample import Sample, SampleStatus
 from posttrain.distributed.batch import Batch
 from posttrain.environments.interface import EnvironmentReturn
 from posttrain.environments.registry import PendingStep, launch_step
+from posttrain.models.generation.speculative import SPECULATIVE_COUNTS
 
 
 @dataclass
@@ -158,6 +159,7 @@ class RolloutTotals:
     env_counts: dict[str, float] = field(default_factory=dict)  # environments' own counts (EnvironmentReturn.metrics)
     waits: list[float] = field(default_factory=list)  # per sample and turn: from its generation's return to its step
     shard_spread: float = 0.0  # per turn, first to last engine shard back: what early shards no longer wait for
+    speculative: dict[str, float] = field(default_factory=dict)  # summed SPECULATIVE_COUNTS and generated tokens
 
 
 def _turn_batch(samples: list[Sample], running: list[int], tokenizer, seeds: Optional[torch.Tensor],
@@ -188,6 +190,7 @@ def _generate_and_launch(generation, batch: Batch, samples: list[Sample], runnin
     generated_at: dict[int, float] = {}  # when each sample's generation came back
     for rows, out in generation.generate_shards(batch, greedy=greedy, params=params):
         ready_at.append(time.perf_counter())
+        add_speculative_counts(totals.speculative, out)
         members = [running[row] for row in rows]
         for k, (row, i) in enumerate(zip(rows, members)):
             _append_generation(samples[i], out, k, int(batch["input_lengths"][row]), tokenizer, weight_version)
@@ -325,6 +328,7 @@ def rollout_result(samples: list[Sample], totals: RolloutTotals) -> RolloutResul
         "max_turns_reached_rate": mean(lambda s: s.status is SampleStatus.TURN_LIMIT),
         "max_new_tokens_hit_rate": mean(lambda s: s.hit_max_new_tokens),
         **{f"env/{key}": value for key, value in per_episode_components(totals.env_counts, samples).items()},
+        **speculative_metrics(totals.speculative),
     }
     waits = totals.waits
     timings = {"env_step_wait": sum(waits) / len(waits) if waits else 0.0,
@@ -348,6 +352,27 @@ def _whole_groups(members: list[int], group_size: int, group_left: Counter, wait
         if group_left[group] == 0:
             ready.extend(waiting.pop(group))
     return sorted(ready)
+
+
+def add_speculative_counts(totals: dict[str, float], out: Batch) -> None:
+    """Add a generation's speculative counts (`speculative.SPECULATIVE_COUNTS`, per row; present when the
+    native engine speculated) and its generated tokens to `totals`."""
+    if "speculative_forwards" not in out:
+        return
+    counts = {name: float(out[name].sum()) for name in SPECULATIVE_COUNTS}
+    add_counts(totals, {**counts, "generated_tokens": float(out["generation_lengths"].sum())})
+
+
+def speculative_metrics(totals: dict[str, float]) -> dict[str, float]:
+    """`speculative/acceptance_rate` (drafted tokens the policy kept) and `speculative/tokens_per_forward`
+    (generated tokens per policy forward, prefill included: 1.0 without speculation) of summed counts."""
+    if not totals.get("speculative_forwards"):
+        return {}
+    drafted = totals["speculative_draft_tokens"]
+    return {
+        "speculative/acceptance_rate": totals["speculative_accepted_tokens"] / drafted if drafted else 0.0,
+        "speculative/tokens_per_forward": totals["generated_tokens"] / totals["speculative_forwards"],
+    }
 
 
 def add_counts(totals: dict[str, float], metrics: Optional[dict[str, float]]) -> None:

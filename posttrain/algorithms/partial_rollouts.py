@@ -42,8 +42,8 @@ import torch
 from posttrain.algorithms.experience import PromptGroup, score_groups
 from posttrain.data.sample import Sample, SampleStatus
 from posttrain.distributed.batch import Batch
-from posttrain.rollouts import (TURN_SEED_STRIDE, RolloutTotals, add_counts, append_turn, collect_env, finish_episodes,
-                                launch_env, rollout_result, sample_seeds, take_env_step)
+from posttrain.rollouts import (TURN_SEED_STRIDE, RolloutTotals, add_counts, add_speculative_counts, append_turn,
+                                collect_env, finish_episodes, launch_env, rollout_result, sample_seeds, take_env_step)
 from posttrain.utils.timer import Timer
 
 STATE_FILE = "partial_rollouts.pt"
@@ -134,12 +134,14 @@ def _extend(p: SequenceProgress, out: Batch, k: int, start: int, remaining: int,
 def generate_in_chunks(
     generation: Any, groups: list[Group], *, version: int, max_new_tokens: int, chunk_tokens: int,
     min_complete_fraction: float, pad_token_id: int, advance: Optional[Callable[[list[Group]], None]] = None,
+    totals: Optional[RolloutTotals] = None,
 ) -> tuple[float, int]:
     """Generate the groups' unfinished turns chunk by chunk (`generation.generate` with
     `max_new_tokens` of at most `chunk_tokens`) under weight version `version`, calling
     `advance(groups)` after each chunk (`EpisodeStepper`: environment steps, next turns; None:
     single turns without environments), until every sequence is done or at least
     `min_complete_fraction` of the groups are complete; sequences still mid-turn then are PAUSED.
+    The engine's speculative counts are added to `totals` (default None: not kept).
     Returns (fraction of groups complete, chunks generated)."""
     chunks = 0
     if advance is not None:  # groups carried over with their turn generated (none, unless stopped in between)
@@ -153,6 +155,8 @@ def generate_in_chunks(
         # Rows with less budget left generate a little more and are cut: counter-based sampling
         # draws a row's tokens independently of the others and of the call's budget.
         out = generation.generate(batch, greedy=False, params={"max_new_tokens": min(chunk_tokens, max(remaining))})
+        if totals is not None:
+            add_speculative_counts(totals.speculative, out)
         for k, (p, left) in enumerate(zip(active, remaining)):
             _extend(p, out, k, int(batch["input_lengths"][k]), left, version, max_new_tokens)
         chunks += 1
@@ -271,7 +275,7 @@ class PartialRollouts:
             fraction, chunks = generate_in_chunks(
                 ctx.generation, groups, version=version, max_new_tokens=cfg.policy.generation.max_new_tokens,
                 chunk_tokens=p_cfg.chunk_tokens, min_complete_fraction=p_cfg.min_complete_fraction,
-                pad_token_id=ctx.tokenizer.pad_token_id, advance=stepper,
+                pad_token_id=ctx.tokenizer.pad_token_id, advance=stepper, totals=stepper.totals,
             )
         finally:
             ctx.generation.finish_generation()

@@ -21,6 +21,7 @@ from posttrain.config.schema.policy import (  # noqa: F401
     PolicyConfig,
     SchedulerConfig,
     SequencePackingConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from posttrain.config.schema.loss import (  # noqa: F401

@@ -152,6 +152,54 @@ class VllmConfig(Section):
     )
 
 
+class SpeculativeConfig(Section):
+    """Speculative sampling in the native engine (Leviathan et al. 2023, "Fast Inference from
+    Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model
+    Decoding with Speculative Sampling"): cheap drafts of the next tokens, checked by one policy
+    forward over all of them. The tokens, and the logprobs handed to training, are the policy's:
+    a draft is kept only where the policy's own sample, drawn from the stream plain decoding uses,
+    equals it, so a seed gives the same tokens with or without it (docs/generation.md,
+    "Speculative sampling"; `posttrain/models/generation/speculative.py`)."""
+
+    method: Literal["none", "ngram", "draft_model", "early_exit"] = Field(
+        "none",
+        description=(
+            "Where drafts come from: 'none' (default: plain decoding), 'ngram' (prompt lookup decoding, Saxena "
+            "2023: the tokens that followed the latest earlier occurrence of the context's last n tokens), "
+            "'draft_model' (greedy drafts of speculative.draft_model, which must share the policy's tokenizer) or "
+            "'early_exit' (greedy drafts of the policy's first speculative.draft_layers layers through its final "
+            "norm and output head; llama-like models)."
+        ),
+    )
+    num_draft_tokens: int = Field(4, ge=1, le=64, description="Tokens drafted per policy forward at most (default 4).")
+    ngram_size: int = Field(
+        3, ge=1, le=32,
+        description="method=ngram: the longest context suffix looked up (default 3); shorter ones down to ngram_min_size "
+                    "are tried when it has no earlier occurrence.",
+    )
+    ngram_min_size: int = Field(1, ge=1, le=32, description="method=ngram: the shortest suffix looked up (default 1).")
+    draft_model: Optional[str] = Field(
+        None,
+        description="method=draft_model: a preset, local HF directory or hub id with the policy's tokenizer; loaded "
+                    "in policy.precision by every generation worker and never refitted.",
+    )
+    draft_layers: Optional[int] = Field(
+        None, ge=1, description="method=early_exit: policy layers that draft (fewer than the model has).",
+    )
+
+    @model_validator(mode="after")
+    def _check_method_keys(self):
+        if self.method == "draft_model" and not self.draft_model:
+            raise ValueError("policy.generation.speculative.method=draft_model needs speculative.draft_model")
+        if self.method == "early_exit" and self.draft_layers is None:
+            raise ValueError("policy.generation.speculative.method=early_exit needs speculative.draft_layers")
+        if self.ngram_min_size > self.ngram_size:
+            raise ValueError(
+                f"policy.generation.speculative.ngram_min_size={self.ngram_min_size} is above ngram_size={self.ngram_size}"
+            )
+        return self
+
+
 # The generation backends posttrain registers (`posttrain.models.generation.backends`, which a
 # test keeps in step with this list): the config accepts these names and import paths.
 BUILTIN_GENERATION_BACKENDS = ("native", "vllm")
@@ -210,6 +258,7 @@ class GenerationConfig(Section):
         ),
     )
     vllm_cfg: VllmConfig = VllmConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     @field_validator("backend")
     @classmethod
@@ -223,6 +272,17 @@ class GenerationConfig(Section):
                 "'module:Class' / 'file.py:Class'"
             )
         return backend
+
+    @model_validator(mode="after")
+    def _check_speculative_backend(self):
+        # vLLM's own speculative decoding draws other tokens than its plain sampling for a seed and its
+        # support on the CPU build and with per-token logprobs is untested here: refused, not mapped.
+        if self.speculative.method != "none" and self.backend == "vllm":
+            raise ValueError(
+                f"policy.generation.speculative.method={self.speculative.method!r} is for the native engine; "
+                "policy.generation.backend='vllm' does not take it (set speculative.method=none)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _resolve_gpu_memory_utilization(self):

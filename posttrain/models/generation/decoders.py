@@ -18,6 +18,12 @@ decoder, which feeds one token per running row per step and returns the next-tok
     boolean mask into on every call) built once and sliced, instead of a 4-D mask built from the
     2-D one every step and converted in each layer.
 
+Both also take several tokens per row at once for speculative sampling (`speculative.py`):
+`extend(tokens [rows, m], positions)` feeds them after each row's cache with a causal mask among
+them and returns the logits of all m; `rewind(counts)` takes back each row's last `counts` fed
+tokens, so rows that keep different numbers of drafted tokens stay exact. `LlamaLikeDecoder`
+keeps a fill per row and overwrites what was taken back; `ModelForwardDecoder` masks it out.
+
 `unsupported_reason` says why a model cannot use `LlamaLikeDecoder`, and `LlamaLikeDecoder.self_check`
 compares a decode step against the model's forward before first use, so a transformers release
 that changes a layer's maths falls back to the forward instead of generating from another model.
@@ -69,6 +75,28 @@ class ModelForwardDecoder:
         )
         return out.logits[:, -1, :]
 
+    def extend(self, tokens: torch.Tensor, positions: torch.Tensor, num_layers: Optional[int] = None) -> torch.Tensor:
+        """See `LlamaLikeDecoder.extend` (`num_layers` is not supported: the model's forward runs every layer)."""
+        if num_layers is not None:
+            raise ValueError("ModelForwardDecoder runs the whole model: drafting with its first layers needs LlamaLikeDecoder")
+        mask = self.attention_mask
+        width = tokens.shape[1]
+        self.attention_mask = torch.cat([mask, mask.new_ones(mask.shape[0], width)], dim=1)
+        extra = {"logits_to_keep": width} if self.extra_args else {}
+        # The cache grows by `width` columns; the causal mask is in cache columns and positions are
+        # explicit, so columns taken back by `rewind` (mask 0) can sit between kept ones.
+        out = self.model(
+            input_ids=tokens, attention_mask=self.attention_mask, position_ids=positions,
+            past_key_values=self.cache, use_cache=True, **extra,
+        )
+        return out.logits[:, -width:, :]
+
+    def rewind(self, counts: torch.Tensor) -> None:
+        """See `LlamaLikeDecoder.rewind`: the last `counts[r]` unmasked columns of row r are masked."""
+        mask = self.attention_mask
+        from_right = mask.flip(1).cumsum(1).flip(1)  # unmasked columns from here to the end
+        mask.masked_fill_((from_right <= counts.unsqueeze(1)) & (mask == 1), 0)
+
     def keep_rows(self, keep: torch.Tensor) -> None:
         """See `LlamaLikeDecoder.keep_rows`."""
         self.cache.batch_select_indices(keep)
@@ -106,7 +134,8 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
 class LlamaLikeDecoder:
     """One-token decode steps over a preallocated KV cache, for a model `unsupported_reason` accepts.
 
-    Usage: `start(...)` once per generation with the prefill's cache, then `step(...)` per token;
+    Usage: `start(...)` once per generation with the prefill's cache, then `step(...)` per token, or
+    `extend(...)` / `rewind(...)` (several tokens per row; not mixed with `step` in one generation);
     `keep_rows(...)` drops finished rows. Holds the model's modules, not copies of its weights, so
     refits (in-place weight copies) and device moves need no action.
     """
@@ -135,7 +164,9 @@ class LlamaLikeDecoder:
         self.keys: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
         self.attention_bias: Optional[torch.Tensor] = None  # [rows, 1, 1, capacity]: 0 or -inf (padding)
-        self.length = 0  # cache positions filled: prompt width + tokens fed so far
+        self.length = 0  # cache positions filled: prompt width + tokens fed so far (`step`)
+        self.fill: Optional[torch.Tensor] = None  # [rows] positions filled per row (`extend` / `rewind`)
+        self.cleared = 0  # columns below this hold finite values in every row (`extend`)
         self.rows = 0
         self.has_padding = False  # some running row has a masked (left-padding) position
 
@@ -161,14 +192,17 @@ class LlamaLikeDecoder:
         self.attention_bias = self.keys[0].new_zeros(rows, 1, 1, capacity)
         self.attention_bias[:, 0, 0, :width].masked_fill_(padding, float("-inf"))
         self.length, self.rows = width, rows
+        self.fill = torch.full((rows,), width, dtype=torch.long, device=row_map.device)
+        self.cleared = width
         self.has_padding = bool(padding.any())
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         """Keep only the running rows `keep` (indices into the running rows), moved to the front."""
-        count, filled = keep.numel(), self.length
+        count, filled = keep.numel(), max(self.length, int(self.fill[: self.rows].max()))
         for buffer in self.keys + self.values:
             buffer[:count, :, :filled] = buffer[keep, :, :filled]
         self.attention_bias[:count] = self.attention_bias[keep]
+        self.fill[:count] = self.fill[keep]
         self.rows = count
         self.has_padding = bool(self.attention_bias[:count, :, :, :filled].isinf().any())
 
@@ -177,7 +211,7 @@ class LlamaLikeDecoder:
         generation to the next: without this, a generation's KV cache stayed allocated through the
         phases after it (a 32-row call of SmolLM2 at 528 positions: 0.73 GiB held through training)
         and through the next generation's prefill."""
-        self.keys, self.values, self.attention_bias = [], [], None
+        self.keys, self.values, self.attention_bias, self.fill = [], [], None, None
         self.length = self.rows = 0
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -198,13 +232,7 @@ class LlamaLikeDecoder:
         bias = self.attention_bias[:rows, :, :, : column + 1]
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attention.q_proj(h).view(rows, 1, heads, head_dim)
-            k = attention.k_proj(h).view(rows, 1, kv_heads, head_dim)
-            v = attention.v_proj(h).view(rows, 1, kv_heads, head_dim)
-            if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm per head
-                q, k = attention.q_norm(q), attention.k_norm(k)
-            q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [rows, heads, 1, d]
+            q, k, v = self._qkv(attention, layer.input_layernorm(x).unsqueeze(1), cos, sin)  # q, k [rows, heads, 1, d]
             keys, values = self.keys[index], self.values[index]
             keys[:rows, :, column] = k[:, :, 0]
             values[:rows, :, column] = v[:, 0]
@@ -227,28 +255,100 @@ class LlamaLikeDecoder:
         self.length = column + 1
         return self.lm_head(self.norm(x))
 
+    def _qkv(self, attention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The layer's queries and keys `[rows, (kv_)heads, m, d]` (rotated) and values `[rows, m, kv_heads, d]`
+        for `h [rows, m, hidden]` (the input norm's output)."""
+        rows, width = h.shape[:2]
+        h = h.reshape(rows * width, h.shape[2])  # 2-D, as the one-token step always projected
+        q = attention.q_proj(h).view(rows, width, self.num_heads, self.head_dim)
+        k = attention.k_proj(h).view(rows, width, self.num_kv_heads, self.head_dim)
+        v = attention.v_proj(h).view(rows, width, self.num_kv_heads, self.head_dim)
+        if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm per head
+            q, k = attention.q_norm(q), attention.k_norm(k)
+        q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q, k, v
+
+    def extend(self, tokens: torch.Tensor, positions: torch.Tensor, num_layers: Optional[int] = None) -> torch.Tensor:
+        """Feed `m` tokens per running row after the row's cache; returns their next-token logits `[rows, m, V]`.
+
+        Token i of row r goes to cache column `fill[r] + i` and attends to the row's valid columns up to
+        itself (causal among the m); every row's fill then grows by m (`rewind` takes tokens back).
+
+        Args:
+            tokens: `[rows, m]` token ids.
+            positions: `[rows, m]` their position ids.
+            num_layers: run only the first `num_layers` layers, then the final norm and the output
+                head (early-exit drafts; default None: all). Only those layers' cache is written;
+                the full forward that follows at the same columns overwrites it.
+        """
+        rows, width = tokens.shape
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        if rows != self.rows:
+            raise ValueError(f"extend got {rows} rows, the cache holds {self.rows}")
+        columns = self.fill[:rows].unsqueeze(1) + torch.arange(width, device=tokens.device)  # [rows, m]
+        span = int(columns.max()) + 1
+        if span > self.keys[0].shape[2]:
+            raise RuntimeError(f"KV cache full ({span} positions)")
+        if span > self.cleared:
+            # A row attends up to its own fill, but the batch's span reaches past it into columns this
+            # generation never wrote (`new_empty`): a NaN there would leak through the mask (0 x NaN).
+            for buffer in self.keys + self.values:
+                buffer[:, :, self.cleared : span].zero_()
+            self.cleared = span
+        cache_column = torch.arange(span, device=tokens.device)
+        # [rows, 1, m, span]: not left padding, and not after the query (stale columns past a row's
+        # fill, left by `rewind`, are after every query of the row).
+        allowed = (self.attention_bias[:rows, :, :, :span] == 0) & (cache_column <= columns.unsqueeze(2)).unsqueeze(1)
+        row_index = torch.arange(rows, device=tokens.device).unsqueeze(1).expand(rows, width)
+        x = self.embed(tokens)  # [rows, m, hidden]
+        cos, sin = self.rotary_emb(x, positions)  # [rows, m, head_dim]
+        for index, layer in enumerate(self.layers[:num_layers]):
+            attention = layer.self_attn
+            q, k, v = self._qkv(attention, layer.input_layernorm(x), cos, sin)
+            keys, values = self.keys[index], self.values[index]
+            keys[row_index, :, columns] = k.transpose(1, 2)  # [rows, m, kv_heads, d] into columns[r, i]
+            values[row_index, :, columns] = v
+            out = F.scaled_dot_product_attention(
+                q, keys[:rows, :, :span], values[:rows, :, :span], attn_mask=allowed, scale=attention.scaling,
+                enable_gqa=heads != kv_heads,
+            )
+            x = x + attention.o_proj(out.transpose(1, 2).reshape(rows, width, heads * head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        self.fill[:rows] += width
+        return self.lm_head(self.norm(x))
+
+    def rewind(self, counts: torch.Tensor) -> None:
+        """Take back the last `counts [rows]` tokens fed to each row by `extend` (overwritten by the next)."""
+        self.fill[: self.rows] -= counts
+
     @torch.inference_mode()
     def self_check(self) -> Optional[str]:
-        """Compare one decode step against the model's forward on two rows (one left-padded); None if
-        they agree to float rounding (1e-4 of the largest logit in float32, 5e-2 in 16-bit types),
-        else the difference."""
+        """Compare one decode step, and a two-token `extend`, against the model's forward on two rows
+        (one left-padded); None if they agree to float rounding (1e-4 of the largest logit in float32,
+        5e-2 in 16-bit types), else the difference."""
         vocab, device = self.embed.num_embeddings, self.embed.weight.device
         generator = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, vocab, (2, 5), generator=generator).to(device)
-        token = torch.randint(0, vocab, (2,), generator=generator).to(device)
+        tokens = torch.randint(0, vocab, (2, 2), generator=generator).to(device)
         mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], device=device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        cache = DynamicCache()
-        self.model(input_ids=prompt, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-        self.start(cache, mask, torch.arange(2, device=device), capacity=6)
-        ours = self.step(token, positions[:, -1] + 1).float()
-        reference = self.model(
-            input_ids=token.unsqueeze(1), attention_mask=torch.cat([mask, mask.new_ones(2, 1)], 1),
-            position_ids=(positions[:, -1] + 1).unsqueeze(1), past_key_values=cache, use_cache=True,
-        ).logits[:, -1].float()
-        self.release()
+        new_positions = positions[:, -1:] + 1 + torch.arange(2, device=device)
         tolerance = 1e-4 if self.embed.weight.dtype == torch.float32 else 5e-2
-        error = ((ours - reference).abs().max() / reference.abs().max().clamp(min=1e-6)).item()
-        if error <= tolerance:
-            return None
-        return f"a decode step differs from the model's forward by {error:.2e} of the largest logit"
+        for name, width in (("a decode step", 1), ("a two-token extend", 2)):
+            cache = DynamicCache()
+            self.model(input_ids=prompt, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                       use_cache=True)
+            self.start(cache, mask, torch.arange(2, device=device), capacity=7)
+            if width == 1:
+                ours = self.step(tokens[:, 0], new_positions[:, 0]).float().unsqueeze(1)
+            else:
+                ours = self.extend(tokens, new_positions).float()
+            reference = self.model(
+                input_ids=tokens[:, :width], attention_mask=torch.cat([mask, mask.new_ones(2, width)], 1),
+                position_ids=new_positions[:, :width], past_key_values=cache, use_cache=True,
+            ).logits.float()
+            self.release()
+            error = ((ours - reference).abs().max() / reference.abs().max().clamp(min=1e-6)).item()
+            if error > tolerance:
+                return f"{name} differs from the model's forward by {error:.2e} of the largest logit"
+        return None

@@ -2,9 +2,11 @@
 
 `NativeGenerationEngine.generate` takes right-padded prompts (the project's convention), turns
 them into left-padded ones with an attention mask and explicit position ids, runs one prefill
-forward pass that fills a KV cache, then decodes one token per step. Rows that finish (eos, a
-stop token, a stop string, or `max_new_tokens`) leave the running batch together with their KV
-cache rows, so they stop costing compute.
+forward pass that fills a KV cache, then decodes one token per step, or, with a drafter
+(`policy.generation.speculative`, `speculative.py`), checks several drafted tokens per forward and
+emits the tokens plain decoding would. Rows that finish (eos, a stop token, a stop string, or
+`max_new_tokens`) leave the running batch together with their KV cache rows, so they stop costing
+compute.
 
 The output follows the generation contract in `docs/internals.md` (and NeMo-RL's
 `GenerationOutputSpec`): `output_ids [B, S+T]` (prompt + generated, right-padded),
@@ -16,13 +18,15 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from transformers import DynamicCache
 
 from posttrain.models.generation.decoders import LlamaLikeDecoder, ModelForwardDecoder, unsupported_reason
 from posttrain.models.generation.sampling import SamplingBuffers, process_logits, sample
+from posttrain.models.generation.speculative import Drafter, speculative_decode
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +144,31 @@ def distinct_prompts(input_ids: torch.Tensor, input_lengths: torch.Tensor) -> tu
     return first_rows, row_map
 
 
+@dataclass
+class DecodeRun:
+    """One `generate` call's sampling settings, per-row streams and stop conditions, and the output
+    tensors decoding writes (indexed by original row), for the speculative decoding loop."""
+
+    new_tokens: torch.Tensor  # [B, max_new_tokens]
+    new_logprobs: torch.Tensor  # [B, max_new_tokens] float32
+    generation_lengths: torch.Tensor  # [B]
+    stopped: torch.Tensor  # [B] bool
+    seeds: torch.Tensor
+    start_steps: torch.Tensor
+    end_ids: torch.Tensor  # eos and stop token ids
+    max_new_tokens: int
+    temperature: float
+    top_k: Optional[int]
+    top_p: float
+    greedy: bool
+    buffers: Optional[SamplingBuffers]
+    pad_token_id: int
+    row_stop_strings: list[list[str]]
+    has_stop_strings: bool
+    earlier: Optional[list[list[int]]]
+    hits_stop_string: Callable[..., torch.Tensor]  # the engine's stop-string check
+
+
 # The engine before the prefill/decode/sampling optimisations, for benchmarks and equivalence tests.
 UNOPTIMISED = {"share_prompts": False, "llama_like_decoder": False, "reuse_buffers": False}
 
@@ -164,6 +193,9 @@ class NativeGenerationEngine:
         finished_rows_fraction: a decoder that can keep finished rows in its batch (the llama-like
             one) drops them once they are at least this fraction of it, so the cache is copied a few
             times per generation instead of once per finishing step (default 0.25; 0: at once).
+        speculative: a `speculative.Drafter` (`speculative.make_drafter`): speculative sampling,
+            which emits the tokens plain decoding emits for the same seeds, and adds the per-row
+            `speculative.SPECULATIVE_COUNTS` to the outputs (default None: plain decoding).
 
     `UNOPTIMISED` turns the three optimisations off: the engine as it was before them.
     """
@@ -179,6 +211,7 @@ class NativeGenerationEngine:
         llama_like_decoder: bool = True,
         reuse_buffers: bool = True,
         finished_rows_fraction: float = 0.25,
+        speculative: Optional[Drafter] = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -194,6 +227,7 @@ class NativeGenerationEngine:
         self.share_prompts = share_prompts
         self.reuse_buffers = reuse_buffers
         self.finished_rows_fraction = finished_rows_fraction
+        self.speculative = speculative
         # Ask the model for the last position's logits only, when it supports it (saves a
         # [B, P, V] projection at prefill).
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -235,6 +269,13 @@ class NativeGenerationEngine:
         )
         decoder.start(cache, attention_mask, row_map, capacity)
         return out.logits[:, -1, :].index_select(0, row_map), (position_ids[:, -1] + 1).index_select(0, row_map)
+
+    def prefilled_decoder(self, input_ids: torch.Tensor, input_lengths: torch.Tensor, capacity: int):
+        """A decoder holding the KV cache of the right-padded prompts (`capacity` positions per row), for
+        feeding tokens with `extend` (a draft model's engine, `speculative.DraftModelDrafter`)."""
+        decoder = self._decoder()
+        self._prefill(input_ids, input_lengths, decoder, capacity)
+        return decoder
 
     @torch.inference_mode()
     def generate(
@@ -324,12 +365,27 @@ class NativeGenerationEngine:
         stopped = torch.zeros(batch_size, dtype=torch.bool, device=device)
 
         decoder = self._decoder()
+        drafts = self.speculative.num_draft_tokens + 1 if self.speculative is not None else 0
         try:
             logits, next_position = self._prefill(
-                input_ids.to(device), input_lengths.to(device), decoder, capacity=prompt_width + max_new_tokens
+                input_ids.to(device), input_lengths.to(device), decoder, capacity=prompt_width + max_new_tokens + drafts
             )
             buffers = SamplingBuffers(batch_size, logits.shape[-1], device) if self.reuse_buffers else None
             keep_fraction = self.finished_rows_fraction if decoder.keeps_finished_rows else 0.0
+            if self.speculative is not None:
+                run = DecodeRun(
+                    new_tokens, new_logprobs, generation_lengths, stopped, seeds, start_steps, end_ids, max_new_tokens,
+                    temperature, top_k, top_p, greedy, buffers, self.pad_token_id, row_stop_strings, has_stop_strings,
+                    earlier, self._hits_stop_string,
+                )
+                try:
+                    counts = speculative_decode(self.speculative, decoder, logits, input_ids.to(device),
+                                                input_lengths.to(device), run, keep_fraction)
+                finally:
+                    self.speculative.release()
+                outputs = self._assemble_outputs(input_ids, input_lengths, new_tokens, new_logprobs,
+                                                 generation_lengths, stopped)
+                return {**outputs, **{name: count.to(input_ids.device) for name, count in counts.items()}}
             # The decoder's batch: `slot_rows` maps its rows to original rows; `generating` marks those not finished
             # (finished rows may stay in it a while, fed padding, their outputs ignored).
             slot_rows = torch.arange(batch_size, device=device)
@@ -382,23 +438,25 @@ class NativeGenerationEngine:
         return self._assemble_outputs(input_ids, input_lengths, new_tokens, new_logprobs, generation_lengths, stopped)
 
     def _hits_stop_string(
-        self, new_tokens: torch.Tensor, active: torch.Tensor, num_generated: int, row_stop_strings: list[list[str]],
-        earlier: Optional[list[list[int]]] = None,
+        self, new_tokens: torch.Tensor, active: torch.Tensor, num_generated: Union[int, Sequence[int]],
+        row_stop_strings: list[list[str]], earlier: Optional[list[list[int]]] = None,
     ) -> torch.Tensor:
         """`[len(active)]` bool: the decoded generated tail of the row contains a stop string.
 
-        Only the last few tokens are decoded, `earlier[row]` (the turn's tokens generated before this
-        call) in front of the new ones. A stop string found here ends in the newest token,
-        because the check runs after every token and an earlier match would have ended the row.
+        Only the last few of the row's first `num_generated` tokens (one count for all rows, or one
+        per row) are decoded, `earlier[row]` (the turn's tokens generated before this call) in front
+        of them. A stop string found here ends in the newest token, because the check runs after
+        every token and an earlier match would have ended the row.
         """
         rows = active.tolist()
+        generated = [num_generated] * len(rows) if isinstance(num_generated, int) else list(num_generated)
         checked = [j for j, row in enumerate(rows) if row_stop_strings[row]]
         windows = []
         for j in checked:
             longest = max(len(s) for s in row_stop_strings[rows[j]])
             width = longest + _STOP_STRING_TOKEN_MARGIN
-            start = max(0, num_generated - width)
-            window = new_tokens[rows[j], start:num_generated].tolist()
+            start = max(0, generated[j] - width)
+            window = new_tokens[rows[j], start : generated[j]].tolist()
             if earlier is not None and len(window) < width:
                 window = earlier[rows[j]][max(0, len(earlier[rows[j]]) - (width - len(window))):] + window
             windows.append(window)

@@ -11,11 +11,14 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from posttrain.config.schema import SpeculativeConfig
 from posttrain.distributed import actors
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
+from posttrain.errors import UserError
 from posttrain.models.generation.engine import NativeGenerationEngine
 from posttrain.models.generation.spec import GenerationSpec
+from posttrain.models.generation.speculative import Drafter, make_drafter
 from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype
 from posttrain.models.refit import RefitMetadata, check_metadata_matches, load_bucket, state_dict_checksum
 from posttrain.utils.phase_memory import MeasuresPhases, measured_phase
@@ -29,6 +32,36 @@ def merge_stop_strings(global_stops: Optional[Sequence[str]], row_stops: Optiona
     if row_stops is None:
         return list(global_stops) if global_stops else None
     return [list(global_stops or []) + list(row or []) for row in row_stops]
+
+
+def build_drafter(
+    speculative: SpeculativeConfig, tokenizer, *, dtype: torch.dtype, device: torch.device, tiny_arch: str = "llama",
+) -> Optional[Drafter]:
+    """The drafter of `policy.generation.speculative` for an engine whose policy uses `tokenizer`;
+    method=draft_model loads the draft model (`dtype`, `device`) after checking that its tokenizer
+    is the policy's (UserError otherwise)."""
+    draft_engine = None
+    if speculative.method == "draft_model":
+        name = speculative.draft_model
+        check_same_tokenizer(tokenizer, load_tokenizer(name, tiny_arch), name)
+        draft = load_causal_lm(name, dtype=dtype, device=device, tiny_arch=tiny_arch)
+        draft_engine = NativeGenerationEngine(draft, pad_token_id=tokenizer.pad_token_id, eos_token_id=None)
+    return make_drafter(
+        speculative.method, num_draft_tokens=speculative.num_draft_tokens, ngram_size=speculative.ngram_size,
+        ngram_min_size=speculative.ngram_min_size, draft_engine=draft_engine, draft_layers=speculative.draft_layers,
+    )
+
+
+def check_same_tokenizer(policy_tokenizer, draft_tokenizer, draft_name: str) -> None:
+    """A draft model's token ids must mean the policy's tokens: the two vocabularies must be equal."""
+    ours, theirs = policy_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if ours != theirs:
+        differ = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: (item[1], item[0]))[:1]
+        raise UserError(
+            f"policy.generation.speculative.draft_model={draft_name!r} has another tokenizer than the policy "
+            f"({len(theirs)} tokens against {len(ours)}; e.g. {differ[0][0]!r} is id {differ[0][1]} in only one): "
+            "a draft model must share the policy's tokenizer"
+        )
 
 
 class GenerationWorker(MeasuresPhases, DistributedWorker):
@@ -48,9 +81,12 @@ class GenerationWorker(MeasuresPhases, DistributedWorker):
         dtype = pick_dtype(spec.precision, self.device)
         self.model = load_causal_lm(spec.model_name, dtype=dtype, device=self.device, tiny_arch=spec.tiny_arch,
                                     rope_scaling=spec.rope_scaling)
+        self.drafter = build_drafter(self.config.speculative, self.tokenizer, dtype=dtype, device=self.device,
+                                     tiny_arch=spec.tiny_arch)
         self.engine = NativeGenerationEngine(
             self.model, self.tokenizer,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
+            speculative=self.drafter,
         )
         self.refit_metadata: Optional[RefitMetadata] = None
         self.weights_version = 0  # the checkpoint loaded from model_name
@@ -92,16 +128,23 @@ class GenerationWorker(MeasuresPhases, DistributedWorker):
         return Batch.cat(outputs, pad_values={"output_ids": self.tokenizer.pad_token_id})
 
     # ------------------------------------------------------------------ memory
+    def _models(self) -> list[torch.nn.Module]:
+        """The policy's model and, with speculative method=draft_model, the draft model."""
+        draft_engine = getattr(self.drafter, "draft_engine", None)
+        return [self.model] + ([draft_engine.model] if draft_engine is not None else [])
+
     def prepare_for_generation(self) -> bool:
         """Put the weights on the worker's device (after `finish_generation(offload=True)`)."""
-        self.model.to(self.device)
+        for model in self._models():
+            model.to(self.device)
         return True
 
     def finish_generation(self, offload: bool = False) -> bool:
         """With `offload` (colocated with training on a GPU), move the weights to CPU and free the
         GPU cache for the policy; a no-op on CPU."""
         if offload and self.device.type == "cuda":
-            self.model.to("cpu")
+            for model in self._models():
+                model.to("cpu")
             torch.cuda.empty_cache()
         return True
 
