@@ -4,7 +4,9 @@ Ray in tests
 ------------
 * Use the `ray_cluster` fixture for anything that needs Ray. It starts one local Ray cluster with
   `RAY_TEST_CPUS` logical CPUs (more than the 2 physical cores on purpose: actors mostly wait)
-  on first use and reuses it for the whole session; Ray is shut down once at the end.
+  on first use and reuses it for the whole session; Ray is shut down once at the end. The suite
+  runs in two pytest-xdist workers (`-n 2 --dist loadfile`, pyproject.toml): each worker is a
+  session of its own with its own Ray cluster, and a test file runs whole on one worker.
 * Worker processes get `WORKER_ENV` (one math thread each) so N actors do not oversubscribe the
   cores.
 * A test module that needs a differently shaped Ray (e.g. the simulated two-node cluster of
