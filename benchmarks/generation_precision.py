@@ -14,7 +14,8 @@ seeds at each `policy.generation.precision`:
   float32 on the dequantized numbers (what the GPU kernel computes, to float32 rounding; a run
   refuses fp8 without FP8 hardware, so its speed here means nothing and is not printed).
 
-Printed per precision: the generation's wall time (best of `--repeats`) and generated tokens/s with
+Printed per precision: the generation's wall time (best of `--repeats`, the precisions taking turns
+so a busy moment of the machine slows each alike) and generated tokens/s with
 the speed-up over float32; and the mismatch the trainer would see on those tokens: the float32
 model's logprobs (full vocabulary, temperature 1, what `Policy.get_logprobs` computes) against the
 engine's, as mean |difference|, `token_mult_prob_error` (mean exp|difference|) and `gen_kl_error`
@@ -90,34 +91,42 @@ def run_model(name: str, args: argparse.Namespace) -> None:
     reference = load_causal_lm(name)
     input_ids, input_lengths = rollout_prompts(tokenizer, args.prompts, args.generations)
     seeds = torch.arange(input_ids.shape[0], dtype=torch.long) + 1000
+    engines = {precision: NativeGenerationEngine(engine_model(reference, precision), tokenizer,
+                                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+               for precision in args.precisions}
+    outputs, seconds = {}, {p: float("inf") for p in engines}
+
+    def generate(precision: str) -> None:
+        outputs[precision] = engines[precision].generate(
+            input_ids, input_lengths, max_new_tokens=args.max_new_tokens, temperature=1.0, seeds=seeds)
+
+    # Interleaved, so a busy moment of the machine slows every precision alike; best of the repeats.
+    for repeat in range(args.repeats + 1):  # the first round warms up
+        for precision in engines:
+            if precision == "fp8" and repeat:  # emulated: its speed means nothing
+                continue
+            start = time.perf_counter()
+            generate(precision)
+            if repeat:
+                seconds[precision] = min(seconds[precision], time.perf_counter() - start)
+
     print(f"\n{name}: {args.prompts} prompts x {args.generations} generations, up to {args.max_new_tokens} new tokens, "
-          f"temperature 1, {args.threads} threads, best of {args.repeats}")
+          f"temperature 1, {args.threads} threads, best of {args.repeats} (interleaved)")
     print(f"{'precision':<15} {'seconds':>8} {'tokens/s':>9} {'vs fp32':>8} {'mean |dlogp|':>13} "
           f"{'token_mult_prob_error':>22} {'gen_kl_error':>13}")
     baseline = None
-    for precision in args.precisions:
-        model = engine_model(reference, precision)
-        engine = NativeGenerationEngine(model, tokenizer, pad_token_id=tokenizer.pad_token_id,
-                                        eos_token_id=tokenizer.eos_token_id)
-        result = {}
-
-        def generate():
-            result["out"] = engine.generate(input_ids, input_lengths, max_new_tokens=args.max_new_tokens,
-                                            temperature=1.0, seeds=seeds)
-
-        timed = precision != "fp8"
-        seconds = best_seconds(generate, args.repeats) if timed else (generate() or float("nan"))
-        out = result["out"]
+    for precision, out in outputs.items():
         tokens = int(out["generation_lengths"].sum())
-        rate = tokens / seconds if timed else float("nan")
+        rate = tokens / seconds[precision]
         if precision == "float32":
             baseline = rate
         metrics = mismatch(out["logprobs"], trainer_logprobs(reference, out), out)
+        timed = precision != "fp8"
         label = "fp8 (emulated)" if precision == "fp8" else precision
-        speed = f"{seconds:>8.2f} {rate:>9.0f} {rate / baseline:>7.2f}x" if timed and baseline else f"{'-':>8} {'-':>9} {'-':>8}"
+        speed = (f"{seconds[precision]:>8.2f} {rate:>9.0f} {rate / baseline:>7.2f}x" if timed and baseline
+                 else f"{'-':>8} {'-':>9} {'-':>8}")
         print(f"{label:<15} {speed} {metrics['mean_abs']:>13.5f} {metrics['token_mult_prob_error']:>22.6f} "
               f"{metrics['gen_kl_error']:>13.2e}   ({tokens} tokens)", flush=True)
-        del engine, model
 
 
 def layer_table(shapes: list[tuple[int, int]], rows_list: list[int], repeats: int) -> None:

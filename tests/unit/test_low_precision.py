@@ -93,6 +93,15 @@ def test_fp8_emulated_matmul_is_close_to_float32_and_cublas_scales_have_the_docu
     assert torch.equal(cublas[:5], scale.t()) and not cublas[5:].any()
 
 
+def test_the_gpu_kernel_call_passes_scaled_mms_layout_checks_on_meta_tensors():
+    """The CUDA path cannot run here (CPU's scaled_mm has no block scaling); torch's meta kernel
+    checks the operands' dtypes, shapes and scale layouts, and gives the output's shape."""
+    weight_q, scale = q.quantize_fp8_blocks(torch.randn(192, 576))  # padded to 256 x 640
+    x = torch.empty(5, 576, device="meta", dtype=torch.bfloat16)  # 5 rows: padded to 8
+    out = q.fp8_matmul(x, weight_q.to("meta"), q.cublas_block_scales(scale).to("meta"), 192)
+    assert out.shape == (5, 192) and out.dtype == torch.bfloat16
+
+
 # ------------------------------------------------------------------------------------------ int8
 def test_int8_rows_round_trip_within_half_a_step_and_the_kernel_matches_its_emulation():
     weight = spread_weight(64, 256)

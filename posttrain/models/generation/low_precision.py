@@ -31,9 +31,10 @@ from posttrain.errors import UserError
 from posttrain.models.generation import quantization as q
 
 QUANTIZED_PRECISIONS = ("int8", "fp8")
-# Decode steps of at most this many rows use the fused int8 kernel; more rows (prefill) convert the
-# weight per call, which was faster there (benchmarks/generation_precision.py --layers, docs/generation.md).
-INT8_KERNEL_MAX_ROWS = 16
+# Calls of at most this many rows (decode steps) use the fused int8 kernel; more (a long prefill)
+# convert the weight per call: the kernel's time grows with the rows faster than a float32 matmul's,
+# and the two were even at 256 rows on SmolLM2's shapes (benchmarks/generation_precision.py --layers).
+INT8_KERNEL_MAX_ROWS = 256
 # The kernel reads a row's input features in steps of 16 (AVX-512 lanes of bfloat16): other widths
 # read past the row (seen with torch 2.13 on this CPU: garbage, NaN, a segfault), so they never reach it.
 INT8_KERNEL_FEATURE_MULTIPLE = 16
@@ -64,7 +65,7 @@ class LowPrecisionLinear(torch.nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.matmul(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        out = self.matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
@@ -194,9 +195,3 @@ def requantize(model: torch.nn.Module) -> int:
         layer.quantize()
     return len(layers)
 
-
-def engine_precision(training_precision: str, generation_precision: str) -> str:
-    """The `policy.precision`-style name of the dtype the engine loads its model in: the generation
-    precision for `float32` / `bfloat16`, else the training precision (`auto`, int8 and fp8: the
-    layers that stay unquantized keep the training dtype)."""
-    return generation_precision if generation_precision in ("float32", "bfloat16") else training_precision
