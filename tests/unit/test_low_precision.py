@@ -253,3 +253,22 @@ def test_the_spec_loads_the_engine_in_the_generation_dtype_or_the_trainers():
         "float32", "float32", "bfloat16", "float32"]
     assert spec("fp8", "auto").engine_precision == "auto" and spec("float32", "bfloat16").engine_precision == "float32"
     assert issubclass(Fp8Linear, LowPrecisionLinear) and issubclass(Int8Linear, LowPrecisionLinear)
+
+
+def test_vllms_refit_probe_allows_for_the_precision_gap():
+    """An engine in another precision than the trainer differs by the rounding itself (on SmolLM2's
+    probe: bfloat16 0.117, fp8 emulated 0.489): the probe's tolerance widens only then."""
+    from posttrain.models.generation.vllm_generation import (
+        MIXED_PRECISION_PROBE_TOLERANCE, PROBE_TOLERANCE, VllmGeneration,
+    )
+
+    def tolerance(generation: str, training: str, engine_dtype: torch.dtype) -> float:
+        backend = object.__new__(VllmGeneration)  # no engines: only the tolerance's inputs
+        backend.spec = GenerationSpec("tiny", generation={"precision": generation, "backend": "vllm"}, precision=training)
+        backend.config, backend._engine_dtype = backend.spec.config, engine_dtype
+        return backend._probe_tolerance()
+
+    assert tolerance("auto", "float32", torch.float32) == PROBE_TOLERANCE[torch.float32]
+    assert tolerance("bfloat16", "bfloat16", torch.bfloat16) == PROBE_TOLERANCE[torch.bfloat16]
+    assert tolerance("bfloat16", "float32", torch.bfloat16) == MIXED_PRECISION_PROBE_TOLERANCE["bfloat16"] > 0.117 * 2
+    assert tolerance("fp8", "auto", torch.bfloat16) == MIXED_PRECISION_PROBE_TOLERANCE["fp8"] > 0.489 * 2
