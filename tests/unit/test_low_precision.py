@@ -139,6 +139,14 @@ def test_quantized_layers_keep_the_weights_names_and_state_dict(precision):
     assert layer.weight is model.get_parameter("model.layers.0.self_attn.q_proj.weight")
 
 
+def test_mixture_of_experts_models_quantize_their_attention_only():
+    """transformers holds the experts as fused 3-D tensors and the router as a module of its own:
+    both keep the engine's dtype; the attention projections are quantized."""
+    model = load_causal_lm("tiny", tiny_arch="qwen3_moe")
+    assert apply_generation_precision(model, "int8", "cpu") == 4 * len(model.model.layers)
+    assert not isinstance(model.model.layers[0].mlp.gate, LowPrecisionLinear)
+
+
 def test_requantize_follows_a_refit_in_place():
     model = load_causal_lm("tiny")
     apply_generation_precision(model, "int8", "cpu")
