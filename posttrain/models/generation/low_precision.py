@@ -35,8 +35,8 @@ QUANTIZED_PRECISIONS = ("int8", "fp8")
 # convert the weight per call: the kernel's time grows with the rows faster than a float32 matmul's,
 # and the two were even at 256 rows on SmolLM2's shapes (benchmarks/generation_precision.py --layers).
 INT8_KERNEL_MAX_ROWS = 256
-# The kernel reads a row's input features in steps of 16 (AVX-512 lanes of bfloat16): other widths
-# read past the row (seen with torch 2.13 on this CPU: garbage, NaN, a segfault), so they never reach it.
+# Input widths that are not a multiple of 16 gave wrong results or crashed the kernel (torch 2.13 on
+# this CPU: garbage, NaN, a segfault): such layers never reach it.
 INT8_KERNEL_FEATURE_MULTIPLE = 16
 FP8_MIN_CAPABILITY = (9, 0)  # cuBLAS's 128 x 128 block scaling (torch's tests run it on sm90)
 

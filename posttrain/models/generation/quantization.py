@@ -181,9 +181,8 @@ def int8_matmul(x: torch.Tensor, weight_q: torch.Tensor, weight_scale: torch.Ten
     """`x [M, K] @ W.T` with torch's fused W8A16 CPU kernel (`aten._weight_int8pack_mm`): x in
     bfloat16, the int8 weight, a bfloat16 result, then the float32 per-channel scales (applied
     after the kernel, with `unit_scales` (ones, bfloat16) inside it, so the scales are not
-    rounded to bfloat16). Returns x's dtype. K must be a multiple of 16: the kernel reads a row
-    in steps of 16 and reads past a row of another width (seen with torch 2.13 on CPU: garbage,
-    NaN, a segfault)."""
+    rounded to bfloat16). Returns x's dtype. K must be a multiple of 16: other widths gave wrong
+    results or crashed the kernel (torch 2.13 on CPU: garbage, NaN, a segfault)."""
     if x.shape[1] % 16:
         raise ValueError(f"int8_matmul: {x.shape[1]} input features is not a multiple of 16")
     out = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), weight_q, unit_scales)
