@@ -8,6 +8,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_grpo import read_metrics, small_cfg
 
@@ -71,3 +72,45 @@ def test_a_worker_error_names_the_worker_and_the_cause(tmp_path):
             ctx.policy.load_checkpoint(str(tmp_path / "nowhere"))
     finally:
         ctx.shutdown()
+
+
+def test_an_int8_engine_requantizes_at_each_refit_and_training_sees_its_gap(tmp_path):
+    """`policy.generation.precision=int8`: the importance-sampling correction is on by default; the
+    engine keeps the policy's weights beside its int8 copy (verify_refit's checksums pass) and
+    quantizes them again at every refit; its logprobs are the int8 engine's, so the mismatch metrics
+    exceed the float32 engine's."""
+    from posttrain.algorithms import grpo
+    from posttrain.models.generation.low_precision import Int8Linear
+    from posttrain.models.generation.quantization import quantize_int8_rows
+
+    runs = {}
+    for precision in ("float32", "int8"):
+        ctx = grpo.setup(small_cfg(tmp_path / precision, "cluster.backend=local", "grpo.max_num_steps=2",
+                                   f"policy.generation.precision={precision}"))
+        try:
+            assert ctx.cfg.loss_fn.use_importance_sampling_correction is (precision == "int8")
+            grpo.grpo_train(ctx)  # verify_refit=true: checksums before each step's generation
+            runs[precision] = read_metrics(tmp_path / precision / "logs")
+            if precision == "int8":
+                engine = ctx.generation.worker_group.workers[0]._instance.model  # the local actor's worker
+                layers = [m for m in engine.modules() if isinstance(m, Int8Linear)]
+                # Move the weights the engine shares with the policy, as an optimizer step does (this
+                # tiny run's steps hardly move them: few rewards, so near-zero advantages).
+                generator = torch.Generator().manual_seed(0)
+                with torch.no_grad():
+                    for m in layers:
+                        m.weight.add_(0.1 * m.weight.abs().max() * torch.randn(m.weight.shape, generator=generator))
+                assert layers and not any(torch.equal(m.weight_q, quantize_int8_rows(m.weight)[0]) for m in layers)
+                ctx.generation.worker_group.run_rank0("share_weights", ctx.policy.worker_group.run_rank0("live_weights"), 3)
+                for m in layers:  # a refit quantizes them again
+                    weight_q, scale = quantize_int8_rows(m.weight)
+                    assert torch.equal(m.weight_q, weight_q) and torch.equal(m.weight_scale, scale)
+        finally:
+            ctx.shutdown()
+    for step in (1, 2):
+        f32, int8 = runs["float32"][step], runs["int8"][step]
+        print(f"\n[step {step}] token_mult_prob_error float32 {f32['train/token_mult_prob_error']:.7f}, int8 "
+              f"{int8['train/token_mult_prob_error']:.7f}; gen_kl_error {f32['train/gen_kl_error']:.2e}, "
+              f"{int8['train/gen_kl_error']:.2e}")
+        assert 1.0 <= f32["train/token_mult_prob_error"] < 1.0001 < int8["train/token_mult_prob_error"]
+        assert int8["train/gen_kl_error"] > 100 * abs(f32["train/gen_kl_error"])

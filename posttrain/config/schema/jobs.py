@@ -72,6 +72,70 @@ class MasterConfig(Section):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _check_generation_precision(self):
+        problem = generation_precision_problem(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+def training_precision(cfg: MasterConfig) -> str:
+    """`policy.precision` as the trainer resolves it: `auto` is bfloat16 on GPUs (those that
+    support it, `models/hf.py` `pick_dtype`: every GPU posttrain targets) and float32 on CPU."""
+    precision = cfg.policy.precision
+    if precision != "auto":
+        return precision
+    return "bfloat16" if cfg.cluster.gpus_per_node > 0 else "float32"
+
+
+def generation_precision(cfg: MasterConfig) -> str:
+    """`policy.generation.precision` resolved: `auto` is the training precision."""
+    precision = cfg.policy.generation.precision
+    return training_precision(cfg) if precision == "auto" else precision
+
+
+def generation_precision_problem(cfg: MasterConfig) -> Optional[str]:
+    """Why `policy.generation.precision` cannot run with this config, or None (one line)."""
+    gen, gpus = cfg.policy.generation, cfg.cluster.gpus_per_node
+    key = f"policy.generation.precision={gen.precision}"
+    if gen.precision == "fp8" and gpus == 0:
+        return (f"{key} needs GPUs with FP8 matmuls (compute capability >= 9.0) and this run has none "
+                "(cluster.gpus_per_node=0); on CPU use int8 (native engine), bfloat16 or float32")
+    if gen.precision == "int8" and gen.backend == "vllm":
+        return (f"{key} is the native engine's (torch's W8A16 CPU kernel); vLLM takes int8 only from a "
+                "pre-quantized checkpoint: use fp8 (GPUs), bfloat16 or float32 with policy.generation.backend=vllm")
+    if gen.precision == "int8" and gpus > 0:
+        return (f"{key} is the native engine's CPU path (torch's W8A16 kernel); with cluster.gpus_per_node={gpus} "
+                "use fp8 or bfloat16")
+    return None
+
+
+def generation_precision_note(cfg: "GRPOMasterConfig") -> Optional[str]:
+    """The start-up line for a generation precision other than the trainer's: whether the
+    importance-sampling correction weighs out the gap. None when the precisions agree."""
+    train, gen = training_precision(cfg), generation_precision(cfg)
+    if gen == train:
+        return None
+    what = f"policy.generation.precision={gen} differs from the training precision {train}"
+    if cfg.loss_fn.use_importance_sampling_correction:
+        return (f"[posttrain] {what}: loss_fn.use_importance_sampling_correction is on (the default then), weighting "
+                "each token by pi_train / pi_generation; train/gen_kl_error shows the gap")
+    return (f"[posttrain] warning: {what} but loss_fn.use_importance_sampling_correction=false: the loss trains on "
+            "the generator's tokens as if they were the trainer's; train/gen_kl_error shows the gap")
+
+
+def resolve_importance_sampling_correction(cfg: "GRPOMasterConfig") -> None:
+    """`loss_fn.use_importance_sampling_correction` defaults to true when generation runs in
+    another precision than training (the low-precision engine's logprobs are not the trainer's:
+    Yao et al. 2025, 'Your efficient RL framework secretly brings you off-policy RL training');
+    a value the config sets is kept (`generation_precision_note` warns when it is false)."""
+    loss = cfg.loss_fn
+    if "use_importance_sampling_correction" in loss.model_fields_set:
+        return
+    if generation_precision(cfg) != training_precision(cfg):
+        loss.use_importance_sampling_correction = True
+
 
 class GRPOMasterConfig(MasterConfig):
     """`posttrain grpo`: GRPO and its variants (DAPO, GSPO, Dr.GRPO) on verifiable environments."""
@@ -91,6 +155,7 @@ class GRPOMasterConfig(MasterConfig):
 
     @model_validator(mode="after")
     def _check(self):
+        resolve_importance_sampling_correction(self)  # first: the checks below read it
         warm = self.sft_warmup
         if warm is not None and self.policy.model_name != warm.policy.model_name:
             # The warm start trains sft_warmup.policy.model_name and GRPO continues from its

@@ -66,7 +66,8 @@ class LossConfig(Section):
         False,
         description=(
             "Weight the loss by exp(logp_train_old - logp_generation), correcting generation/training mismatch and "
-            "staleness."
+            "staleness. Default false, but true when policy.generation.precision differs from the training "
+            "precision (a value set in the config is kept, with a warning line when false)."
         ),
     )
     truncated_importance_sampling_ratio: Optional[float] = Field(

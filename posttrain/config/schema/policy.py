@@ -249,6 +249,19 @@ class GenerationConfig(Section):
         description="Strings that end a response (kept in it); environments may add per-turn ones.",
     )
     batch_size: int = Field(256, ge=1, description="Sequences decoded together per worker.")
+    precision: Literal["auto", "float32", "bfloat16", "int8", "fp8"] = Field(
+        "auto",
+        description=(
+            "Precision of the generation engine's weights: 'auto' (default: policy.precision, the trainer's), "
+            "'float32', 'bfloat16' (the whole engine), 'int8' (native engine on CPU: the decoder's linear layers "
+            "int8 per output channel, bfloat16 activations, torch's W8A16 kernel) or 'fp8' (GPUs of compute "
+            "capability >= 9.0: native engine: e4m3 weights with 128x128 block scales, activations per 1x128 group, "
+            "DeepSeek-V3's recipe; vLLM: its quantization='fp8'). The engine quantizes its own copy at load and "
+            "every refit; its logprobs are the low-precision ones. When it differs from the training precision, "
+            "loss_fn.use_importance_sampling_correction defaults to true (docs/generation.md, 'Low-precision "
+            "generation')."
+        ),
+    )
     colocated: ColocationConfig = ColocationConfig()
     verify_refit: Optional[bool] = Field(
         None,

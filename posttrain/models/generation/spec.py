@@ -22,7 +22,8 @@ class GenerationSpec:
             which crosses into vLLM's own environment unchanged).
         tokenizer_name: default None: `model_name`.
         tiny_arch: arch of a built-in preset (default "llama").
-        precision: `policy.precision` (default "auto": bfloat16 on a capable GPU, else float32).
+        precision: `policy.precision` (default "auto": bfloat16 on a capable GPU, else float32); the
+            engine's own is `engine_precision` (`policy.generation.precision` may differ).
         max_model_len: longest prompt + generation (default None: the backend's own default; the
             jobs pass `policy.max_total_sequence_length`). vLLM sizes its engine by it.
         seed: seeds rows that arrive without `seeds` (default 0); drawn by the controller before
@@ -56,6 +57,14 @@ class GenerationSpec:
     def config(self) -> GenerationConfig:
         """`generation` as a `GenerationConfig`."""
         return GenerationConfig(**self.generation)
+
+    @property
+    def engine_precision(self) -> str:
+        """The `policy.precision`-style name of the dtype the engine loads the model in:
+        `policy.generation.precision` when it is `float32` or `bfloat16`, else `precision` (the
+        trainer's; with int8 and fp8 the layers left unquantized keep it)."""
+        generation = self.generation["precision"]
+        return generation if generation in ("float32", "bfloat16") else self.precision
 
     @classmethod
     def from_config(cls, cfg: Any, *, model: Any = None, seed: int = 0) -> "GenerationSpec":

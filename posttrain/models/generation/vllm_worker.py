@@ -85,7 +85,7 @@ class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
         self.config = spec.config
         vcfg = self.config.vllm_cfg
         self.tokenizer = load_tokenizer(spec.tokenizer_name or spec.model_name, spec.tiny_arch)
-        self.dtype = pick_dtype(spec.precision, self.device)
+        self.dtype = pick_dtype(spec.engine_precision, self.device)
         on_gpu = self.device.type == "cuda"
         self.max_model_len = vcfg.max_model_len or spec.max_model_len or 4096
         engine_args: dict[str, Any] = dict(
@@ -100,6 +100,12 @@ class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
             worker_extension_cls=EXTENSION_QUALNAME,
             tensor_parallel_size=vcfg.tensor_parallel_size,
         )
+        if self.config.precision == "fp8":
+            # vLLM's online FP8, GPU only (the config refuses fp8 without GPUs):
+            # docs/scaling.md, "GPU-only paths". The checkpoint and every refit arrive in self.dtype
+            # and vLLM quantizes them on load (its layerwise reload re-quantizes): per-tensor weight
+            # scales, dynamic per-token activation scales; its 128x128 blocks are for fp8 checkpoints only.
+            engine_args["quantization"] = "fp8"
         if spec.rope_scaling:  # the RoPE scaling the trainer applies (`policy.rope_scaling`)
             engine_args["hf_overrides"] = rope_config_overrides(engine_args["model"], spec.rope_scaling)
         if on_gpu:  # GPU only: docs/scaling.md, "GPU-only paths"

@@ -17,6 +17,7 @@ from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
 from posttrain.errors import UserError
 from posttrain.models.generation.engine import NativeGenerationEngine
+from posttrain.models.generation.low_precision import apply_generation_precision, requantize
 from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.generation.speculative import Drafter, make_drafter
 from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype
@@ -78,9 +79,11 @@ class GenerationWorker(MeasuresPhases, DistributedWorker):
         torch.manual_seed(spec.seed + self.rank)
         self.config = spec.config
         self.tokenizer = load_tokenizer(spec.tokenizer_name or spec.model_name, spec.tiny_arch)
-        dtype = pick_dtype(spec.precision, self.device)
+        dtype = pick_dtype(spec.engine_precision, self.device)
         self.model = load_causal_lm(spec.model_name, dtype=dtype, device=self.device, tiny_arch=spec.tiny_arch,
                                     rope_scaling=spec.rope_scaling)
+        # int8 / fp8: the linear layers compute with a quantized copy, rebuilt after every refit.
+        apply_generation_precision(self.model, self.config.precision, self.device)
         self.drafter = build_drafter(self.config.speculative, self.tokenizer, dtype=dtype, device=self.device,
                                      tiny_arch=spec.tiny_arch)
         self.engine = NativeGenerationEngine(
@@ -168,7 +171,9 @@ class GenerationWorker(MeasuresPhases, DistributedWorker):
         return True
 
     def finish_refit(self, version: int) -> bool:
-        """Every bucket is in: record `version` as the held weights version."""
+        """Every bucket is in: requantize a low-precision engine's layers, and record `version` as
+        the held weights version."""
+        requantize(self.model)
         self.weights_version = version
         return True
 
@@ -217,6 +222,7 @@ class GenerationWorker(MeasuresPhases, DistributedWorker):
             else:
                 target.copy_(source)
                 copied += source.numel() * source.element_size()
+        requantize(self.model)  # from the shared weights, which the optimizer changed in place
         self.weights_version = version
         return copied
 
