@@ -38,6 +38,9 @@ SESSION_CACHE_VARS = ("POSTTRAIN_CACHE", "HF_HOME")
 # With pytest-xdist (`-n 2`, pyproject's addopts) the controller makes the session's cache and its
 # workers share it: the cache's entries are built under file locks, so each is built once.
 XDIST_SHARED_CACHE = "POSTTRAIN_TEST_SESSION_CACHE"
+# The session's own state (the unit-failure flag), shared the same way but never kept: a cache kept
+# across sessions (`POSTTRAIN_TEST_CACHE`) must not carry one session's failure into the next.
+XDIST_SESSION_DIR = "POSTTRAIN_TEST_SESSION_DIR"
 
 
 # ------------------------------------------------------------------ the session's own caches
@@ -52,6 +55,8 @@ def pytest_configure(config: pytest.Config) -> None:
     root = os.path.abspath(keep or shared or tempfile.mkdtemp(prefix="posttrain-test-cache-"))
     config._session_cache = None if keep or shared else root  # removed at the end when it is ours
     os.environ[XDIST_SHARED_CACHE] = root  # pytest-xdist's workers, started after this, inherit it
+    if XDIST_SESSION_DIR not in os.environ:
+        config._session_dir = os.environ[XDIST_SESSION_DIR] = tempfile.mkdtemp(prefix="posttrain-test-session-")
     for var, sub in zip(SESSION_CACHE_VARS, ("posttrain", "huggingface")):
         os.environ[var] = os.path.join(root, sub)
 
@@ -85,9 +90,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     builder = getattr(config, "_vllm_env_builder", None)
     if builder is not None:
         builder.join()  # its pip must not write into the directory removed below
-    root = getattr(config, "_session_cache", None)
-    if root:
-        shutil.rmtree(root, ignore_errors=True)
+    for ours in (getattr(config, "_session_cache", None), getattr(config, "_session_dir", None)):
+        if ours:
+            shutil.rmtree(ours, ignore_errors=True)
 
 
 # For the simulated multi-node clusters (`_system_config` of the head): Ray declares a lost node
@@ -123,7 +128,7 @@ def ray_cluster():
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Stop before the first functional test when a unit test failed; bring the session Ray back
     (lazily) for a test that wants it after a module stopped it."""
-    if (not is_unit(item) and unit_tests_failed(item.session)
+    if (not is_unit(item) and unit_tests_failed()
             and not item.config.getoption("--keep-going-after-unit-failures")):
         # `shouldstop`, not `pytest.exit`: an exit raised inside an xdist worker is an internal error.
         item.session.shouldstop = ("unit tests failed, so the functional tests were not run (pass "
@@ -168,20 +173,18 @@ def skip_gpu_tests_without_enough_gpus(items: list[pytest.Item]) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield
     if report.failed and is_unit(item):
-        item.session.unit_failed = True
-        unit_failed_flag().parent.mkdir(parents=True, exist_ok=True)
-        unit_failed_flag().touch()  # for the other xdist workers too
+        unit_failed_flag().touch()  # seen by every xdist worker of the session
     return report
 
 
 def unit_failed_flag() -> Path:
-    return Path(os.environ[XDIST_SHARED_CACHE]) / "unit-tests-failed"
+    return Path(os.environ[XDIST_SESSION_DIR]) / "unit-tests-failed"
 
 
-def unit_tests_failed(session: pytest.Session) -> bool:
+def unit_tests_failed() -> bool:
     """A unit test failed in this process or in another worker of the session (with `-n`, a worker
     may start the functional files while the other still runs the last unit files)."""
-    return getattr(session, "unit_failed", False) or unit_failed_flag().exists()
+    return unit_failed_flag().exists()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
