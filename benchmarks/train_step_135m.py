@@ -48,11 +48,13 @@ from posttrain.config.schema import LossConfig, PolicyConfig
 from posttrain.distributed.batch import Batch
 
 
-def make_grpo_batch(rows: int, vocab: int, seed: int = 0) -> Batch:
-    """Right-padded GRPO rows: prompt 36..44 tokens, completion 20..128 (uniform), trained on the completion."""
+def make_grpo_batch(rows: int, vocab: int, seed: int = 0, prompt_range: tuple[int, int] = (36, 44),
+                    completion_range: tuple[int, int] = (20, 128)) -> Batch:
+    """Right-padded GRPO rows: prompts of `prompt_range` tokens, completions of `completion_range`
+    (both inclusive, uniform; default 36..44 and 20..128), trained on the completion."""
     g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(36, 45, (rows,), generator=g)
-    completion = torch.randint(20, 129, (rows,), generator=g)
+    prompt = torch.randint(prompt_range[0], prompt_range[1] + 1, (rows,), generator=g)
+    completion = torch.randint(completion_range[0], completion_range[1] + 1, (rows,), generator=g)
     lengths = prompt + completion
     width = int(lengths.max())
     positions = torch.arange(width)[None]

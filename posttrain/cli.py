@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         "init-model",
         help="build a small local model and tokenizer, or convert a pretrained one (no download)",
         description="Write a randomly initialised HF model and character-level tokenizer to --out "
-        "(tiny, small, 100m), or a pretrained model converted from the GGUF file its package ships "
+        "(tiny, small, 100m, 1b), or a pretrained model converted from the GGUF file its package ships "
         f"({', '.join(PRETRAINED_PRESETS)}; needs the 'smollm2' extra), then print a greedy sample "
         "from it as a smoke check.",
     )

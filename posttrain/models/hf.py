@@ -1,7 +1,7 @@
 """Loading models and tokenizers by name: built-in tiny presets, local directories, hub ids.
 
 `policy.model_name` accepts
-- a built-in preset: `tiny`, `small`, `100m`, optionally with the arch, `tiny-qwen2`,
+- a built-in preset: `tiny`, `small`, `100m`, `1b`, optionally with the arch, `tiny-qwen2`,
   `small-llama` (otherwise `policy.tiny_arch` decides). Built once into the cache by
   `posttrain.models.tiny.ensure_tiny_model`. Presets win over a directory of the same name
   in the working directory; write `./tiny` to mean the directory.

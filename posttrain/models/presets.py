@@ -1,9 +1,9 @@
-"""Sizes of the built-in tiny models (`policy.model_name: tiny | small | 100m`, optionally
+"""Sizes of the built-in tiny models (`policy.model_name: tiny | small | 100m | 1b`, optionally
 `-llama` / `-qwen2`). Kept apart from `tiny.py`, which imports torch and transformers, so that
 config checks can recognise a preset name in milliseconds."""
 
 # Sizes per preset. `tiny` is the embedded default and must train in minutes on 2 CPU cores;
-# `100m` (~103M parameters) exists for refit/throughput benchmarks.
+# `100m` (~103M parameters) exists for refit/throughput benchmarks, `1b` for the GPU's.
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=512),
@@ -11,6 +11,9 @@ PRESETS: dict[str, dict[str, int]] = {
                   intermediate_size=1024),
     "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                  intermediate_size=3072),
+    # ~1.0B parameters (Llama-3.2-1B's layer shapes, 16 layers): GPU throughput benchmarks only.
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192),
 }
 # Mixture-of-experts archs (Qwen3-MoE, Mixtral): each dense MLP becomes MOE_EXPERTS experts of a
 # quarter of its width, MOE_TOP_K of them per token; the router's load-balancing loss is on.

@@ -99,7 +99,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_config(preset: str = "tiny", arch: str = "llama", vocab_size: int | None = None):
-    """The transformers config of a preset (`tiny`, `small`, `100m`) and arch (`llama`, `qwen2`,
+    """The transformers config of a preset (`tiny`, `small`, `100m`, `1b`) and arch (`llama`, `qwen2`,
     `qwen3_moe`, `mixtral`).
 
     Llama keeps input and output embeddings separate (`tie_word_embeddings=False`); qwen2 ties
@@ -161,7 +161,7 @@ def build_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", arch: str
 
     Args:
         out_dir: target directory (created; existing files of the same names are overwritten).
-        preset: `tiny` (hidden 128, 2 layers; default), `small` (hidden 256, 4 layers) or `100m`.
+        preset: `tiny` (hidden 128, 2 layers; default), `small` (hidden 256, 4 layers) `100m` or `1b` (GPU benchmarks).
         arch: `llama` (default), `qwen2`, or the mixture-of-experts `qwen3_moe` / `mixtral`.
         seed: seed of the random initialisation (default 0).
     """

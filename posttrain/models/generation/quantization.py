@@ -153,11 +153,22 @@ def fp8_matmul(
     rows, cols = x.shape
     padded_rows = _padded(rows, 4)
     x_q, x_scale = quantize_fp8_groups(F.pad(x, (0, weight_q.shape[1] - cols, 0, padded_rows - rows)))
-    out = F.scaled_mm(
-        x_q, weight_q.t(), x_scale.t().contiguous().t(), F.ScalingType.BlockWise1x128,
-        weight_scales_cublas, F.ScalingType.BlockWise128x128, output_dtype=x.dtype,
-    )
+    out = _block_scaled_mm(x_q, weight_q.t(), x_scale.t().contiguous().t(), weight_scales_cublas, x.dtype)
     return out[:rows, :out_features]
+
+
+def _block_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """`a @ b` with 1 x 128 scales for `a` and 128 x 128 for `b`: `F.scaled_mm` where torch has it
+    (its recipe names are `BlockWise1x128` in some releases, `Blockwise_1x128` in others), else
+    `torch._scaled_mm`, which reads the block sizes off the scales' shapes."""
+    scaled_mm = getattr(F, "scaled_mm", None)
+    if scaled_mm is None:
+        return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=dtype)
+    recipes = F.ScalingType
+    row_groups = getattr(recipes, "BlockWise1x128", None) or getattr(recipes, "Blockwise_1x128")
+    blocks = getattr(recipes, "BlockWise128x128", None) or getattr(recipes, "Blockwise_128x128")
+    return scaled_mm(a, b, scale_a, row_groups, scale_b, blocks, output_dtype=dtype)
 
 
 # ------------------------------------------------------------------------------------------ int8
