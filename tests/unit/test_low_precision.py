@@ -244,6 +244,19 @@ def test_the_correction_defaults_on_when_generation_precision_differs():
     assert grpo("policy.generation.precision=int8", "grpo.partial_rollouts.enabled=true").grpo.partial_rollouts.enabled
 
 
+def test_truncation_needs_no_explicit_correction_when_the_correction_defaults_on():
+    tis = ["loss_fn.truncated_importance_sampling_type=icepop", "loss_fn.truncated_importance_sampling_ratio=2.0"]
+    cfg = grpo("policy.generation.precision=bfloat16", *tis)
+    assert cfg.loss_fn.use_importance_sampling_correction is True
+    assert cfg.loss_fn.truncated_importance_sampling_type == "icepop"
+    # Without a precision gap the correction stays off, and truncation without it is refused;
+    # so is an explicit false beside a gap.
+    for refused in ([], ["policy.generation.precision=bfloat16", "loss_fn.use_importance_sampling_correction=false"]):
+        with pytest.raises(ConfigError, match="truncated_importance_sampling_type is set but "
+                                              "loss_fn.use_importance_sampling_correction is false"):
+            grpo(*refused, *tis)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["policy.generation.precision=fp8"], r"policy.generation.precision=fp8 needs GPUs with FP8 matmuls .*cluster.gpus_per_node=0"),
     (["policy.generation.precision=int8", "policy.generation.backend=vllm"], r"policy.generation.precision=int8 is the native engine's .*vLLM"),

@@ -15,7 +15,7 @@ from posttrain.config.schema.base import Section
 from posttrain.config.schema.cluster import ClusterConfig
 from posttrain.config.schema.critic import CriticConfig
 from posttrain.config.schema.data import DataConfig, EnvConfig
-from posttrain.config.schema.loss import LossConfig
+from posttrain.config.schema.loss import LossConfig, loss_option_problem
 from posttrain.config.schema.outputs import CheckpointingConfig, LoggerConfig
 from posttrain.config.schema.policy import PolicyConfig
 
@@ -156,6 +156,9 @@ class GRPOMasterConfig(MasterConfig):
     @model_validator(mode="after")
     def _check(self):
         resolve_importance_sampling_correction(self)  # first: the checks below read it
+        problem = loss_option_problem(self.loss_fn)  # again, now that the correction is decided
+        if problem:
+            raise ValueError(problem)
         warm = self.sft_warmup
         if warm is not None and self.policy.model_name != warm.policy.model_name:
             # The warm start trains sft_warmup.policy.model_name and GRPO continues from its

@@ -112,15 +112,19 @@ class LossConfig(Section):
 
     @model_validator(mode="after")
     def _check(self):
-        problem = loss_option_problem(self)
+        # Left unset, the correction may still default to true (a generation precision other than
+        # the trainer's): the job's config decides it, then checks the section again.
+        problem = loss_option_problem(self, correction_known="use_importance_sampling_correction" in self.model_fields_set)
         if problem:
             raise ValueError(problem)
         return self
 
 
-def loss_option_problem(cfg: LossConfig) -> Optional[str]:
+def loss_option_problem(cfg: LossConfig, correction_known: bool = True) -> Optional[str]:
     """Why these `loss_fn.*` options cannot be combined, or None. Checked when the config loads
-    (before any worker starts) and again by `ClippedPGLoss` for losses built in code."""
+    (before any worker starts) and again by `ClippedPGLoss` for losses built in code.
+    `correction_known=False` skips what depends on `use_importance_sampling_correction` (not yet
+    resolved: `jobs.resolve_importance_sampling_correction`)."""
     try:
         check_component_name(cfg.name, "loss_fn.name")
     except ValueError as e:
@@ -144,7 +148,7 @@ def loss_option_problem(cfg: LossConfig) -> Optional[str]:
                 f"loss_fn.truncated_importance_sampling_type={truncation!r} needs "
                 "loss_fn.truncated_importance_sampling_ratio (the upper bound)"
             )
-        if not cfg.use_importance_sampling_correction:
+        if correction_known and not cfg.use_importance_sampling_correction:
             return "loss_fn.truncated_importance_sampling_type is set but loss_fn.use_importance_sampling_correction is false"
         if lower is not None and lower > upper:
             # With icepop / seq-mask-tis every weight would be dropped (loss and gradient exactly 0);
