@@ -389,3 +389,34 @@ def test_distillation_step_two_workers_equals_one_big_batch(dp2, dp2_packed, hf_
     assert_weights_close(policy.state_dict_for_export(), expected)
     assert metrics["loss"] == pytest.approx(loss.item(), abs=1e-5)
     assert metrics["num_valid_tokens"] == metrics["global_valid_toks"] == mask.sum().item()
+
+
+def test_batch_invariant_logprobs_depend_on_the_sequence_alone(cluster, hf_model, pg_batch):
+    """policy.batch_invariant: a row's logprobs are bit-identical whatever rows, padding width or
+    micro-batching (dynamic batching here, packing on the second worker group) surround it; and
+    training stays exact (one SGD step equals the whole-batch reference)."""
+    loss_fn = ClippedPGLoss(LossConfig())
+    expected = sgd_update(hf_model, pg_batch, loss_fn)
+    for extra in (dict(dynamic_batching=dict(enabled=True, train_mb_tokens=24, logprob_mb_tokens=24)),
+                  dict(sequence_packing=dict(enabled=True, train_mb_tokens=20, logprob_mb_tokens=20))):
+        policy = Policy(cluster, policy_cfg(batch_invariant=True, **extra), init_reference_model=False,
+                        name="batch_invariant")
+        try:
+            batch = make_batch()
+            whole = policy.get_logprobs(batch)["logprobs"]
+            torch.testing.assert_close(whole, reference_logprobs(hf_model, batch).detach(), atol=1e-5, rtol=0)
+            # Other companions, another order, a wider padding (32 columns instead of 16).
+            order = torch.tensor([5, 0, 3])
+            others = batch.select(order)
+            others["input_ids"] = torch.nn.functional.pad(others["input_ids"], (0, 16))
+            for key in ("token_mask", "advantages"):
+                others[key] = torch.nn.functional.pad(others[key], (0, 16))
+            alone = policy.get_logprobs(others)["logprobs"]
+            for row, source in enumerate(order.tolist()):
+                length = LENGTHS[source]
+                assert torch.equal(alone[row, :length], whole[source, :length]), (row, source)
+                assert (alone[row, length:] == 0).all()
+            policy.train(pg_batch, loss_fn)
+            assert_weights_close(policy.state_dict_for_export(), expected)
+        finally:
+            policy.shutdown()

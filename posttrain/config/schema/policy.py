@@ -393,6 +393,17 @@ class PolicyConfig(Section):
             "full logits."
         ),
     )
+    batch_invariant: bool = Field(
+        False,
+        description=(
+            "A token's logprob depends on its sequence and the weights alone, not on the rows beside it, their "
+            "padding or packing: the policy's forward passes take one sequence at a time at its own length (dynamic "
+            "batching and packing then only decide nothing; the fused path computes every position), and the "
+            "native engine generates each row alone. The mismatch metrics then show only real differences "
+            "(precision, prefill/decode kernels). Costs: docs/generation.md, 'Batch-invariant mode'. Native "
+            "engine only."
+        ),
+    )
     num_workers: int = Field(
         1, ge=1,
         description="Training workers: num_workers / tensor_parallel_size data-parallel ranks of tensor_parallel_size each.",
@@ -481,6 +492,9 @@ class PolicyConfig(Section):
     def _check(self):
         if self.sequence_packing.enabled and self.dynamic_batching.enabled:
             raise ValueError("policy.sequence_packing.enabled and policy.dynamic_batching.enabled are exclusive")
+        if self.batch_invariant and self.generation.backend == "vllm":
+            raise ValueError("policy.batch_invariant=true is the native engine's (each row generated alone); "
+                             "with policy.generation.backend='vllm' set it false (vLLM's VLLM_BATCH_INVARIANT=1 is its own)")
         if self.num_workers % self.tensor_parallel_size:
             raise ValueError(
                 f"policy.num_workers={self.num_workers} must be a multiple of "

@@ -196,6 +196,11 @@ class NativeGenerationEngine:
         speculative: a `speculative.Drafter` (`speculative.make_drafter`): speculative sampling,
             which emits the tokens plain decoding emits for the same seeds, and adds the per-row
             `speculative.SPECULATIVE_COUNTS` to the outputs (default None: plain decoding).
+        batch_invariant: generate each row in a batch of its own, its prompt unpadded, so that a
+            row's tokens and logprobs are a function of its prompt, seed and the weights alone: not
+            of the rows beside it or of their lengths (`policy.batch_invariant`; default False).
+            Batched matmuls and padded attention round differently for different batches; this
+            gives that up, for about the cost of decoding rows one at a time.
 
     `UNOPTIMISED` turns the three optimisations off: the engine as it was before them.
     """
@@ -212,8 +217,10 @@ class NativeGenerationEngine:
         reuse_buffers: bool = True,
         finished_rows_fraction: float = 0.25,
         speculative: Optional[Drafter] = None,
+        batch_invariant: bool = False,
     ):
         self.model = model
+        self.batch_invariant = batch_invariant
         self.tokenizer = tokenizer
         self.pad_token_id = int(pad_token_id)
         if eos_token_id is None:
@@ -353,6 +360,10 @@ class NativeGenerationEngine:
         start_steps = start_steps.long().to(device)
         if start_steps.shape != (batch_size,) or bool((start_steps < 0).any()) or bool((start_steps >= input_lengths.to(device)).any()):
             raise ValueError(f"start_steps must be [{batch_size}] in [0, input_lengths), got {start_steps.tolist()}")
+        if self.batch_invariant and (batch_size > 1 or int(input_lengths[0]) < prompt_width):
+            sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            greedy=greedy, stop_token_ids=stop_token_ids)
+            return self._generate_rows_alone(input_ids, input_lengths, seeds, start_steps, row_stop_strings, sampling)
         # Each row's tokens of the turn generated before this call: stop strings may span them.
         earlier = [input_ids[row, int(input_lengths[row]) - n : int(input_lengths[row])].tolist() if n else []
                    for row, n in enumerate(start_steps.tolist())] if has_stop_strings else None
@@ -436,6 +447,32 @@ class NativeGenerationEngine:
         finally:
             decoder.release()  # the cache is this call's: not held into the phases after it
         return self._assemble_outputs(input_ids, input_lengths, new_tokens, new_logprobs, generation_lengths, stopped)
+
+    def _generate_rows_alone(
+        self, input_ids: torch.Tensor, input_lengths: torch.Tensor, seeds: torch.Tensor, start_steps: torch.Tensor,
+        row_stop_strings: list[list[str]], sampling: dict,
+    ) -> dict[str, torch.Tensor]:
+        """`generate` in batch-invariant mode: every row alone, its prompt cut to its length; the
+        outputs put together as one batched call returns them (speculative counts row by row)."""
+        pieces = []
+        for row in range(input_ids.shape[0]):
+            length = int(input_lengths[row])
+            pieces.append(self.generate(
+                input_ids[row : row + 1, :length], input_lengths[row : row + 1], seeds=seeds[row : row + 1],
+                start_steps=start_steps[row : row + 1], stop_strings=[row_stop_strings[row] or None], **sampling,
+            ))
+        lengths = torch.cat([piece["generation_lengths"] for piece in pieces])
+        width = max(int(lengths.max()), 1)
+        new_tokens = torch.full((len(pieces), width), self.pad_token_id, dtype=torch.long)
+        new_logprobs = torch.zeros(len(pieces), width)
+        for row, piece in enumerate(pieces):
+            start, count = int(input_lengths[row]), int(lengths[row])
+            new_tokens[row, :count] = piece["output_ids"][0, start : start + count]
+            new_logprobs[row, :count] = piece["logprobs"][0, start : start + count]
+        stopped = ~torch.cat([piece["truncated"] for piece in pieces])
+        outputs = self._assemble_outputs(input_ids, input_lengths, new_tokens, new_logprobs, lengths, stopped)
+        extra = set(pieces[0]) - set(outputs)  # speculative sampling's per-row counts
+        return {**outputs, **{name: torch.cat([piece[name] for piece in pieces]) for name in sorted(extra)}}
 
     def _hits_stop_string(
         self, new_tokens: torch.Tensor, active: torch.Tensor, num_generated: Union[int, Sequence[int]],

@@ -33,6 +33,8 @@ class GenerationSpec:
             model's own), so the engines' positions match the trainer's.
         heartbeat_timeout_s: a worker silent for this long has stopped answering (default 0.0:
             no heartbeats; `WorkerGroup`).
+        batch_invariant: the native engine generates each row alone (`policy.batch_invariant`;
+            default False).
     """
 
     model_name: str
@@ -45,6 +47,7 @@ class GenerationSpec:
     worker_timeout_s: float = 1800.0
     rope_scaling: Optional[dict[str, Any]] = None
     heartbeat_timeout_s: float = 0.0
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         generation = self.generation
@@ -79,5 +82,5 @@ class GenerationSpec:
             tiny_arch=model.tiny_arch, precision=model.precision,
             max_model_len=cfg.policy.max_total_sequence_length, seed=seed,
             worker_timeout_s=cfg.cluster.worker_timeout_s, heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s,
-            rope_scaling=getattr(model, "rope_scaling", None),
+            rope_scaling=getattr(model, "rope_scaling", None), batch_invariant=cfg.policy.batch_invariant,
         )

@@ -89,7 +89,7 @@ class GenerationWorker(MeasuresPhases, DistributedWorker):
         self.engine = NativeGenerationEngine(
             self.model, self.tokenizer,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
-            speculative=self.drafter,
+            speculative=self.drafter, batch_invariant=spec.batch_invariant,
         )
         self.refit_metadata: Optional[RefitMetadata] = None
         self.weights_version = 0  # the checkpoint loaded from model_name

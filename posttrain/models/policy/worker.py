@@ -207,6 +207,8 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
         packing, dynamic = self.cfg.sequence_packing, self.cfg.dynamic_batching
         if batch.size == 0:
             mbs = []
+        elif self.cfg.batch_invariant:  # each sequence alone, unpadded: nothing else in its forward
+            mbs = fixed_size_microbatches(batch, 1)
         elif packing.enabled:
             budget = packing.train_mb_tokens if for_training else packing.logprob_mb_tokens
             mbs = packed_microbatches(batch, budget, packing.algorithm)
@@ -232,6 +234,9 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
     ) -> torch.Tensor:
         """Scores, logits or logprobs of one micro-batch; `for_loss`: logprobs are needed only where
         the loss reads them (the fused path leaves the other positions 0)."""
+        # Batch-invariant: the fused path's token chunks hold every position of the sequence, in a
+        # training pass too, so a logprob does not depend on which positions the loss reads.
+        for_loss = for_loss and not self.cfg.batch_invariant
         if self.model_type == "reward":
             return microbatch_scores(self.model, mb, self.device, self.compute_dtype)
         if self.model_type == "value":
