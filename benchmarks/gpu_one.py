@@ -109,7 +109,6 @@ def decode(name: str, device: torch.device, args, bandwidth_gbs: float) -> None:
           f"native {tokens / native_s:,.0f} tok/s, HF generate {tokens / hf_s:,.0f} tok/s, "
           f"native/HF {hf_s / native_s:.2f}x; weight-read bound {bound:,.0f} tok/s "
           f"(native at {tokens / native_s / bound:.0%} of it)", flush=True)
-    del model, native, hf
 
 
 def generated_mask(out: dict) -> torch.Tensor:
@@ -158,7 +157,6 @@ def fp8_against_bf16(name: str, device: torch.device, args) -> None:
         print(f"  batch {batch}, sampled: " + "; ".join(
             f"{p} {rate:,.0f} tok/s ({rate / base:.2f}x), token_mult_prob_error {err:.4f} (mean |dlogp| {mean:.4f})"
             for p, rate, err, mean in cells), flush=True)
-    del reference, engines
 
 
 def training(name: str, device: torch.device, args, peak_measured: float) -> None:
@@ -187,8 +185,6 @@ def training(name: str, device: torch.device, args, peak_measured: float) -> Non
           f"{flops / 1e12:.1f} TFLOP): {seconds:.3f} s, {tokens / seconds:,.0f} tok/s, {achieved:.0f} TFLOP/s = "
           f"MFU {achieved / args.peak_tflops:.1%} of {args.peak_tflops:.0f} nominal, {achieved / peak_measured:.1%} of the "
           f"measured peak; peak allocated {peak_memory:.1f} GiB", flush=True)
-    worker.shutdown() if hasattr(worker, "shutdown") else None
-    del worker
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

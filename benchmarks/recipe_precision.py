@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import posttrain  # noqa: F401 - first: it sets OpenMP's passive wait before torch loads OpenMP
-from step_breakdown import EXAMPLES, breakdown, measure_machine, model_shape
+from step_breakdown import EXAMPLES, breakdown, measure_machine, model_shape, print_table
 
 RECIPE = EXAMPLES.parent / "recipes" / "nemotron_mini.yaml"
 VARIANTS = {
@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="GRPO steps per variant (default: the recipe's 60)")
     parser.add_argument("--val-samples", type=int, default=None, help="problems per task and set (default: the recipe's 80)")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--logs", type=Path, default=None, help="keep each variant's logs in LOGS/<variant> (default: dropped)")
     args = parser.parse_args()
 
     from posttrain.config.loader import load_config
@@ -101,10 +102,12 @@ def main() -> None:
     for index, name in enumerate(args.variants):
         with tempfile.TemporaryDirectory(prefix=f"recipe_{name}_") as tmp:
             print(f"\n== {name}: {' '.join(VARIANTS[name]) or 'the recipe as it is'}, {args.steps} steps", flush=True)
-            run_cfg, metrics, wall = run_variant(name, args, Path(tmp), validate_start=index == 0)
+            log_dir = args.logs / name if args.logs else Path(tmp)
+            run_cfg, metrics, wall = run_variant(name, args, log_dir, validate_start=index == 0)
         if index == 0:
             start_accuracy = accuracies(metrics.get(0, {}))
         table = breakdown(run_cfg, metrics, shape, gflops, machine["memcpy_gbs"])
+        print_table(name, run_cfg.policy.model_name, shape, table, args.steps)
         steps = sorted(s for s in metrics if s >= 1)
         results[name] = {
             "wall_s": wall,
