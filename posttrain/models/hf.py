@@ -5,6 +5,8 @@
   `small-llama` (otherwise `policy.tiny_arch` decides). Built once into the cache by
   `posttrain.models.tiny.ensure_tiny_model`. Presets win over a directory of the same name
   in the working directory; write `./tiny` to mean the directory.
+- a vision-language preset: `tiny-vl` (`posttrain.models.vision.ensure_tiny_vlm`), built once
+  into the cache; load it with `vision.load_vision_model` / `vision.load_processor`;
 - a pretrained preset converted from a GGUF file that a package ships (`smollm2-135m-instruct`;
   `posttrain.models.gguf_import.ensure_pretrained`), converted once into the cache;
 - a local Hugging Face directory (anything that exists, or starts with `/`, `.` or `~`);
@@ -24,7 +26,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
-from posttrain.models.presets import PRETRAINED_PRESETS
+from posttrain.models.presets import PRETRAINED_PRESETS, VL_PRESETS
 from posttrain.models.tiny import ARCHS, PRESETS, ensure_tiny_model
 
 from posttrain.models.paths import HUB_ID as _HUB_ID
@@ -55,6 +57,10 @@ def resolve_model_path(name_or_path: str | os.PathLike, tiny_arch: str = "llama"
     tiny = parse_tiny_name(name, tiny_arch)
     if tiny is not None:
         return str(ensure_tiny_model(*tiny))
+    if name in VL_PRESETS:
+        from posttrain.models.vision import ensure_tiny_vlm
+
+        return str(ensure_tiny_vlm(name))
     if name in PRETRAINED_PRESETS:
         from posttrain.models.gguf_import import ensure_pretrained
 
@@ -68,7 +74,7 @@ def resolve_model_path(name_or_path: str | os.PathLike, tiny_arch: str = "llama"
         return name  # left to transformers: downloads from the hub or finds it in the HF cache
     raise FileNotFoundError(
         f"model {name!r} is neither an existing local directory, a built-in preset "
-        f"({', '.join(sorted(PRESETS))}, optionally -{'/-'.join(ARCHS)}; or {', '.join(sorted(PRETRAINED_PRESETS))}) nor a hub id like 'owner/name'"
+        f"({', '.join(sorted(PRESETS))}, optionally -{'/-'.join(ARCHS)}; or {', '.join(sorted(PRETRAINED_PRESETS | VL_PRESETS))}) nor a hub id like 'owner/name'"
     )
 
 
