@@ -20,7 +20,7 @@ text presets' (`<|user|>...<|end|><|assistant|>`) and writes `<image>` where a m
 has an `{"type": "image"}` part, the processor then expands each into 64.
 
 Real VLMs (Qwen2-VL, Qwen2.5-VL, LLaVA, Gemma 3, ...) load through the same functions by hub id or
-directory: `load_vision_model` (`AutoModelForImageTextToText`) and `load_processor` (`AutoProcessor`).
+directory: `hf.load_vision_model` (`AutoModelForImageTextToText`) and `hf.load_processor` (`AutoProcessor`).
 Training and generation on images are not wired into the policy workers or engines yet.
 """
 
@@ -28,18 +28,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from transformers import (
     AutoModelForImageTextToText,
-    AutoProcessor,
     GenerationConfig,
     LlavaConfig,
     PreTrainedModel,
 )
 
-from posttrain.errors import UserError
 from posttrain.models.presets import VL_PRESETS
 from posttrain.models.tiny import (
     ALPHABET, ASSISTANT, BOS, EOS, MAX_POSITION_EMBEDDINGS, PAD, SPECIAL_TOKENS, SYSTEM, USER, build_tokenizer, save_quietly,
@@ -177,54 +175,3 @@ def ensure_tiny_vlm(preset: str = "tiny-vl") -> Path:
     check_vl_preset(preset)
     return publish_entry(cache_dir() / "models" / preset, lambda tmp: build_tiny_vlm(tmp, preset, seed=0),
                          tiny_vl_stamp(preset), describe=f"vision-language model {preset}")
-
-
-# ------------------------------------------------------------------ loading any vision-language model
-def load_vision_model(
-    name_or_path: str | os.PathLike,
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    attn_implementation: Optional[str] = None,
-) -> PreTrainedModel:
-    """Load a vision-language model with `AutoModelForImageTextToText` in `dtype` on `device`
-    (training mode off), with the attention kernel `attn_implementation` (None: the model's
-    default). `name_or_path`: `tiny-vl`, a local directory or a hub id (`posttrain.models.hf.
-    resolve_model_path`). A model transformers has no image-text-to-text class for is a UserError."""
-    from posttrain.models.hf import _require_files as require_files, resolve_model_path
-
-    path = resolve_model_path(name_or_path)
-    require_files(path, ("config.json",), "model")
-    options: dict[str, Any] = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    try:
-        with MODEL_BUILD_LOCK:
-            model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **options)
-    except ValueError as e:
-        if "Unrecognized configuration class" not in str(e):
-            raise
-        raise UserError(f"model {os.fspath(name_or_path)!r} is not a vision-language model transformers knows "
-                        "(AutoModelForImageTextToText has no class for its config)") from None
-    return model.to(device).eval()
-
-
-def load_processor(name_or_path: str | os.PathLike) -> Any:
-    """Load a vision-language model's processor (image processor and tokenizer) with `AutoProcessor`:
-    `tiny-vl`, a local directory or a hub id. Its tokenizer pads on the right, with the eos token
-    as pad token when it has none (as `hf.load_tokenizer`). A processor that needs a package this
-    environment lacks (Qwen2-VL's needs torchvision) is a one-line UserError naming it."""
-    from posttrain.models.hf import _require_files as require_files, resolve_model_path
-
-    path = resolve_model_path(name_or_path)
-    require_files(path, ("preprocessor_config.json", "processor_config.json"), "processor")
-    try:
-        processor = AutoProcessor.from_pretrained(path)
-    except ImportError as e:
-        needs = next((p for p in ("torchvision", "av", "decord", "librosa") if p in str(e).lower()), "a package")
-        raise UserError(f"the processor of {os.fspath(name_or_path)!r} needs {needs}, which is not installed "
-                        f"({type(e).__name__}: {str(e).strip().splitlines()[0]})") from None
-    tokenizer = getattr(processor, "tokenizer", None)
-    if tokenizer is None:
-        raise UserError(f"the processor of {os.fspath(name_or_path)!r} has no tokenizer")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "right"
-    return processor

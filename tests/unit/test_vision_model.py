@@ -59,7 +59,7 @@ def test_the_preset_builds_once_into_the_cache_and_loads_through_the_auto_classe
 
 def test_a_forward_through_the_loaders_depends_on_the_image(tmp_path):
     path = vision.build_tiny_vlm(tmp_path / "vl", seed=1)
-    processor, model = vision.load_processor(path), vision.load_vision_model(path)
+    processor, model = hf.load_processor(path), hf.load_vision_model(path)
     prompt = processor.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     red, stripes = Image.new("RGB", (64, 64), "red"), Image.new("RGB", (64, 64), "white")
     stripes.paste((0, 0, 255), (0, 0, 64, 16))
@@ -89,7 +89,7 @@ def test_another_architecture_loads_through_the_same_loader(tmp_path):
         vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14),
         image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
     Qwen2VLForConditionalGeneration(config).save_pretrained(tmp_path / "qwen2vl")
-    model = vision.load_vision_model(tmp_path / "qwen2vl", dtype=torch.bfloat16)
+    model = hf.load_vision_model(tmp_path / "qwen2vl", dtype=torch.bfloat16)
     assert type(model).__name__ == "Qwen2VLForConditionalGeneration" and model.dtype == torch.bfloat16
     assert not model.training
 
@@ -97,10 +97,10 @@ def test_another_architecture_loads_through_the_same_loader(tmp_path):
 def test_load_errors_are_one_line(tmp_path):
     text_model = tiny.build_tiny_model(tmp_path / "text")
     with pytest.raises(UserError, match=r"is not a vision-language model transformers knows") as e:
-        vision.load_vision_model(text_model)
+        hf.load_vision_model(text_model)
     assert "\n" not in str(e.value)
     with pytest.raises(FileNotFoundError, match="not a Hugging Face processor directory"):
-        vision.load_processor(text_model)  # a tokenizer, but no processor
+        hf.load_processor(text_model)  # a tokenizer, but no processor
     with pytest.raises(ValueError, match=r"unknown vision-language preset 'tiny-vlm'; choose one of \['tiny-vl'\]"):
         vision.ensure_tiny_vlm("tiny-vlm")
 
@@ -113,5 +113,5 @@ def test_a_processor_that_needs_torchvision_says_so_in_one_line(tmp_path):
     vision.build_vl_tokenizer().save_pretrained(tmp_path)
     (tmp_path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
     with pytest.raises(UserError, match=rf"the processor of '{tmp_path}' needs torchvision, which is not installed") as e:
-        vision.load_processor(tmp_path)
+        hf.load_processor(tmp_path)
     assert "\n" not in str(e.value)
