@@ -307,10 +307,10 @@ def load_split_records(cfg: Any) -> dict[str, list[dict]]:
 def check_model_name(name: str, key: str, tiny_arch: str = "llama") -> None:
     """Refuse a model name that cannot load, fast: a missing or wrong local path, a run directory
     given where a `step_N` is meant, or a hub id that is neither cached nor downloadable."""
-    from posttrain.models.presets import ARCHS, PRESETS, PRETRAINED_PRESETS
+    from posttrain.models.presets import ARCHS, PRESETS, PRETRAINED_PRESETS, VL_PRESETS
 
     preset, _, arch = name.partition("-")
-    if preset in PRESETS and (not arch or arch in ARCHS):
+    if preset in PRESETS and (not arch or arch in ARCHS) or name in VL_PRESETS:
         return  # a built-in preset, built locally
     if name in PRETRAINED_PRESETS:
         check_pretrained_preset(name, key)

@@ -53,10 +53,10 @@ def load_jsonl(path: str | os.PathLike, required_keys: Sequence[str] = ()) -> li
         required_keys: keys every record must have; a record without one raises `DataError`
             naming the key, the file and the line.
     """
-    return [record for _, record in _read_jsonl(path, required_keys)]
+    return [record for _, record in read_jsonl_numbered(path, required_keys)]
 
 
-def _read_jsonl(path: str | os.PathLike, required_keys: Sequence[str] = ()) -> list[tuple[int, dict]]:
+def read_jsonl_numbered(path: str | os.PathLike, required_keys: Sequence[str] = ()) -> list[tuple[int, dict]]:
     """`(line number, record)` pairs of a JSONL file; see `load_jsonl`."""
     path = Path(path)
     if path.is_dir():
@@ -115,7 +115,7 @@ def read_source_rows(data_cfg: DataConfig, split: Split) -> tuple[list[dict], li
             raise DataError(f"data.train_path is required when data.dataset={data_cfg.dataset!r}")
         return [], []
     if data_cfg.dataset == "jsonl":
-        numbered = _read_jsonl(source)
+        numbered = read_jsonl_numbered(source)
         rows, locations = [row for _, row in numbered], [f"{source}:{line}" for line, _ in numbered]
     elif data_cfg.dataset == "hf":
         rows, where = _load_hf(source, split)

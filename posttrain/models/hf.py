@@ -5,6 +5,8 @@
   `small-llama` (otherwise `policy.tiny_arch` decides). Built once into the cache by
   `posttrain.models.tiny.ensure_tiny_model`. Presets win over a directory of the same name
   in the working directory; write `./tiny` to mean the directory.
+- a vision-language preset: `tiny-vl` (`posttrain.models.vision.ensure_tiny_vlm`), built once
+  into the cache; load it with `load_vision_model` / `load_processor` (below), as any vision-language model;
 - a pretrained preset converted from a GGUF file that a package ships (`smollm2-135m-instruct`;
   `posttrain.models.gguf_import.ensure_pretrained`), converted once into the cache;
 - a local Hugging Face directory (anything that exists, or starts with `/`, `.` or `~`);
@@ -21,10 +23,14 @@ from typing import Any, Optional
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
+from posttrain.errors import UserError
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
-from posttrain.models.presets import PRETRAINED_PRESETS
+from posttrain.models.presets import PRETRAINED_PRESETS, VL_PRESETS
 from posttrain.models.tiny import ARCHS, PRESETS, ensure_tiny_model
 
 from posttrain.models.paths import HUB_ID as _HUB_ID
@@ -55,6 +61,10 @@ def resolve_model_path(name_or_path: str | os.PathLike, tiny_arch: str = "llama"
     tiny = parse_tiny_name(name, tiny_arch)
     if tiny is not None:
         return str(ensure_tiny_model(*tiny))
+    if name in VL_PRESETS:
+        from posttrain.models.vision import ensure_tiny_vlm
+
+        return str(ensure_tiny_vlm(name))
     if name in PRETRAINED_PRESETS:
         from posttrain.models.gguf_import import ensure_pretrained
 
@@ -68,7 +78,7 @@ def resolve_model_path(name_or_path: str | os.PathLike, tiny_arch: str = "llama"
         return name  # left to transformers: downloads from the hub or finds it in the HF cache
     raise FileNotFoundError(
         f"model {name!r} is neither an existing local directory, a built-in preset "
-        f"({', '.join(sorted(PRESETS))}, optionally -{'/-'.join(ARCHS)}; or {', '.join(sorted(PRETRAINED_PRESETS))}) nor a hub id like 'owner/name'"
+        f"({', '.join(sorted(PRESETS))}, optionally -{'/-'.join(ARCHS)}; or {', '.join(sorted(PRETRAINED_PRESETS | VL_PRESETS))}) nor a hub id like 'owner/name'"
     )
 
 
@@ -154,6 +164,52 @@ def load_causal_lm(
     with MODEL_BUILD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **options)
     return model.to(device).eval()
+
+
+def load_vision_model(
+    name_or_path: str | os.PathLike,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: Optional[str] = None,
+) -> PreTrainedModel:
+    """Load a vision-language model with `AutoModelForImageTextToText` in `dtype` on `device`
+    (training mode off), with the attention kernel `attn_implementation` (None: the model's
+    default). `name_or_path`: `tiny-vl`, a local directory or a hub id (`posttrain.models.hf.
+    resolve_model_path`). A model transformers has no image-text-to-text class for is a UserError."""
+    path = resolve_model_path(name_or_path)
+    _require_files(path, ("config.json",), "model")
+    options: dict[str, Any] = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    try:
+        with MODEL_BUILD_LOCK:
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **options)
+    except ValueError as e:
+        if "Unrecognized configuration class" not in str(e):
+            raise
+        raise UserError(f"model {os.fspath(name_or_path)!r} is not a vision-language model transformers knows "
+                        "(AutoModelForImageTextToText has no class for its config)") from None
+    return model.to(device).eval()
+
+
+def load_processor(name_or_path: str | os.PathLike) -> Any:
+    """Load a vision-language model's processor (image processor and tokenizer) with `AutoProcessor`:
+    `tiny-vl`, a local directory or a hub id. Its tokenizer pads on the right, with the eos token
+    as pad token when it has none (as `hf.load_tokenizer`). A processor that needs a package this
+    environment lacks (Qwen2-VL's needs torchvision) is a one-line UserError naming it."""
+    path = resolve_model_path(name_or_path)
+    _require_files(path, ("preprocessor_config.json", "processor_config.json"), "processor")
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+    except ImportError as e:
+        needs = next((p for p in ("torchvision", "av", "decord", "librosa") if p in str(e).lower()), "a package")
+        raise UserError(f"the processor of {os.fspath(name_or_path)!r} needs {needs}, which is not installed "
+                        f"({type(e).__name__}: {str(e).strip().splitlines()[0]})") from None
+    tokenizer = getattr(processor, "tokenizer", None)
+    if tokenizer is None:
+        raise UserError(f"the processor of {os.fspath(name_or_path)!r} has no tokenizer")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    return processor
 
 
 _PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

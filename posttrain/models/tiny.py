@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -75,9 +75,13 @@ RECIPE_VERSION = 1
 MAX_POSITION_EMBEDDINGS = 2048
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The character-level tokenizer shared by every tiny model (vocabulary of 103 tokens)."""
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ALPHABET)}
+def build_tokenizer(extra_special_tokens: Sequence[str] = (), chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """The character-level tokenizer shared by every tiny model (vocabulary of 103 tokens).
+
+    `extra_special_tokens` (default none) get the ids after the alphabet, so the text ids stay
+    the same: the tiny vision-language model's `<image>` (`posttrain.models.vision`) is id 103.
+    `chat_template` defaults to `CHAT_TEMPLATE`."""
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ALPHABET + list(extra_special_tokens))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     # One piece per character (newline included); special tokens are matched before this runs.
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
@@ -89,12 +93,12 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         unk_token=UNK,
         bos_token=BOS,
         eos_token=EOS,
-        additional_special_tokens=[SYSTEM, USER, ASSISTANT],
+        additional_special_tokens=[SYSTEM, USER, ASSISTANT, *extra_special_tokens],
         clean_up_tokenization_spaces=False,  # would turn "a ." into "a." and break round trips
         padding_side="right",
         model_max_length=MAX_POSITION_EMBEDDINGS,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 
@@ -168,18 +172,24 @@ def build_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", arch: str
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = make_tiny_model(preset, arch, seed)
+    save_quietly(model, out)
+    # Chat template inside tokenizer_config.json (not chat_template.jinja): older readers find it too.
+    tokenizer.save_pretrained(out, save_jinja_files=False)
+    return out
+
+
+def save_quietly(model: PreTrainedModel, out: Path) -> None:
+    """`save_pretrained_here` without transformers' progress bar (a one-shard "Writing model
+    shards" bar is noise in a job's console)."""
     from transformers.utils import logging as hf_logging
 
     bar_was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar is noise in a job's console
+    hf_logging.disable_progress_bar()
     try:
         save_pretrained_here(model, out)
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()
-    # Chat template inside tokenizer_config.json (not chat_template.jinja): older readers find it too.
-    tokenizer.save_pretrained(out, save_jinja_files=False)
-    return out
 
 
 def tiny_stamp(preset: str, arch: str) -> dict[str, Any]:

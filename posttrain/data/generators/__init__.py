@@ -14,6 +14,10 @@ same seed. Built in (docs/environments.md, "Generated tasks"):
 | `functions` | `code` | one-line Python functions; `fn_name`, `tests`, the solution as `answer` |
 | `calculator` | `tools` | arithmetic for the calculator tool; `expression`, `answer` |
 
+Visual tasks (`visual.py`: count the shapes, a shape's colour, which shape is left of another, read
+a number or a word; rows with an image) are registered apart, in `VISUAL_TASK_GENERATORS`, until
+training and generation take images: `data.generator` refuses them in one line.
+
 A generator is a function `(num_train, num_validation, seed, **options) -> (train rows, validation
 rows)`; one that also takes `phrasings` gets `data.phrasings` (`all`, `seen`, `unseen`: the built-in
 generators word their prompts from several templates each, some held out of training, so a model
@@ -32,15 +36,16 @@ from typing import Any, Literal, Optional
 
 # Importing the built-in generators registers them.
 from posttrain.data.generators import (  # noqa: F401
-    calculator, functions, instructions, json_output, multiple_choice, word_problems,
+    calculator, functions, instructions, json_output, multiple_choice, visual, word_problems,
 )
 from posttrain.data.generators.base import (
-    GENERATOR_ENVS, TASK_GENERATORS, OptionError, TaskGenerator, distinct_rows, register_task_generator,
+    GENERATOR_ENVS, TASK_GENERATORS, VISUAL_GENERATOR_ENVS, VISUAL_TASK_GENERATORS, OptionError, TaskGenerator,
+    distinct_rows, register_task_generator,
 )
 from posttrain.errors import DataError
 from posttrain.utils.registry import ImportPathError, resolve
 
-__all__ = ["GENERATOR_ENVS", "TASK_GENERATORS", "generated_split", "get_task_generator", "distinct_rows",
+__all__ = ["GENERATOR_ENVS", "TASK_GENERATORS", "VISUAL_GENERATOR_ENVS", "VISUAL_TASK_GENERATORS", "generated_split", "get_task_generator", "distinct_rows",
            "register_task_generator"]
 
 

@@ -23,18 +23,24 @@ TASK_GENERATORS: dict[str, TaskGenerator] = {}
 GENERATOR_ENVS: dict[str, str] = {}  # generator name -> the environment its rows are made for
 
 _register = registrar(TASK_GENERATORS, "task generator")
+# Generators of rows with images (`posttrain.data.generators.visual`): kept apart until the policy
+# workers and engines take images (the config's `data.generator` refuses them in one line).
+VISUAL_TASK_GENERATORS: dict[str, TaskGenerator] = {}
+VISUAL_GENERATOR_ENVS: dict[str, str] = {}
+_register_visual = registrar(VISUAL_TASK_GENERATORS, "visual task generator")
 
 
 class OptionError(ValueError):
     """A generator option with a value the generator refuses; the message starts with `option=value`."""
 
 
-def register_task_generator(name: str, env: str) -> Callable[[TaskGenerator], TaskGenerator]:
-    """`@register_task_generator("word_problems", env="math")` on a generator function."""
+def register_task_generator(name: str, env: str, visual: bool = False) -> Callable[[TaskGenerator], TaskGenerator]:
+    """`@register_task_generator("word_problems", env="math")` on a generator function;
+    `visual=True` (default False) for one whose rows carry images (`VISUAL_TASK_GENERATORS`)."""
 
     def decorator(fn: TaskGenerator) -> TaskGenerator:
-        _register(name)(fn)
-        GENERATOR_ENVS[name] = env
+        (_register_visual if visual else _register)(name)(fn)
+        (VISUAL_GENERATOR_ENVS if visual else GENERATOR_ENVS)[name] = env
         return fn
 
     return decorator

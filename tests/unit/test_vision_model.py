@@ -1,0 +1,117 @@
+"""The tiny vision-language preset (`tiny-vl`) and loading vision-language models by name: its
+tokenizer and chat template, the cache entry, `AutoProcessor` / `AutoModelForImageTextToText` on
+the directory, a forward whose logits depend on the image, other architectures through the same
+loader, and one-line errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from posttrain.errors import UserError
+from posttrain.models import hf, tiny, vision
+from posttrain.utils.cache import ENTRY_FILE
+
+MESSAGES = [{"role": "system", "content": "S"},
+            {"role": "user", "content": [{"type": "text", "text": "look "}, {"type": "image"}, {"type": "text", "text": "?"}]}]
+
+
+def test_the_tokenizer_is_the_character_tokenizer_plus_image_and_the_template_places_images():
+    text, vl = tiny.build_tokenizer(), vision.build_vl_tokenizer()
+    assert len(vl) == len(text) + 1 == 104 and vl.convert_tokens_to_ids("<image>") == 103
+    sample = "<|user|>How many? 12<|end|><|assistant|>"
+    assert vl(sample)["input_ids"] == text(sample)["input_ids"]  # the text ids are unchanged
+    assert vl("a<image>b")["input_ids"] == [text.convert_tokens_to_ids("a"), 103, text.convert_tokens_to_ids("b")]
+    prompt = vl.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|system|>S<|end|><|user|>look <image>?<|end|><|assistant|>"
+    plain = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]
+    assert vl.apply_chat_template(plain, tokenize=False) == text.apply_chat_template(plain, tokenize=False)
+    with pytest.raises(Exception, match="unknown content part type video"):
+        vl.apply_chat_template([{"role": "user", "content": [{"type": "video"}]}], tokenize=False)
+
+
+def test_the_preset_builds_once_into_the_cache_and_loads_through_the_auto_classes(tmp_path, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path))
+    path = hf.resolve_model_path("tiny-vl")
+    assert path == str(tmp_path / "models" / "tiny-vl")
+    stamp = json.loads((tmp_path / "models" / "tiny-vl" / ENTRY_FILE).read_text())["stamp"]
+    assert stamp == {"kind": "tiny-vl-model", "recipe_version": vision.RECIPE_VERSION, "preset": "tiny-vl", "seed": 0}
+    mtime = (tmp_path / "models" / "tiny-vl" / "model.safetensors").stat().st_mtime_ns
+    assert hf.resolve_model_path("tiny-vl") == path  # built once
+    assert (tmp_path / "models" / "tiny-vl" / "model.safetensors").stat().st_mtime_ns == mtime
+
+    processor, model = AutoProcessor.from_pretrained(path), AutoModelForImageTextToText.from_pretrained(path)
+    assert (type(processor).__name__, type(model).__name__) == ("LlavaProcessor", "LlavaForConditionalGeneration")
+    assert 500_000 < sum(p.numel() for p in model.parameters()) < 1_000_000
+    assert 100_000 < sum(p.numel() for p in model.model.vision_tower.parameters()) < 200_000
+    # The text-only path still reads the template (tokenizer_config.json) for a tokenizer of its own.
+    assert hf.load_tokenizer(path).apply_chat_template(MESSAGES, tokenize=False) == \
+        "<|system|>S<|end|><|user|>look <image>?<|end|>"
+    reference, _ = vision.make_tiny_vlm("tiny-vl", seed=0)  # the cached weights are the seed-0 build
+    for (name, a), b in zip(reference.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_a_forward_through_the_loaders_depends_on_the_image(tmp_path):
+    path = vision.build_tiny_vlm(tmp_path / "vl", seed=1)
+    processor, model = hf.load_processor(path), hf.load_vision_model(path)
+    prompt = processor.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    red, stripes = Image.new("RGB", (64, 64), "red"), Image.new("RGB", (64, 64), "white")
+    stripes.paste((0, 0, 255), (0, 0, 64, 16))
+    batch = processor(text=[prompt, prompt], images=[red, stripes], return_tensors="pt")
+    text_tokens = len(processor.tokenizer(prompt)["input_ids"]) - 1  # less the one <image> the processor expands
+    assert vision.image_tokens_per_image() == 64
+    assert batch["input_ids"].shape == (2, text_tokens + 64) and batch["pixel_values"].shape == (2, 3, 64, 64)
+    assert (batch["input_ids"] == 103).sum(dim=1).tolist() == [64, 64]
+    with torch.no_grad():
+        logits = model(**batch).logits
+    assert logits.shape == (2, text_tokens + 64, 104)
+    first = int((batch["input_ids"][0] == 103).nonzero()[0])  # "<|system|>S<|end|><|user|>look " before it
+    assert first == 9
+    assert torch.allclose(logits[0, :first], logits[1, :first], atol=1e-6)  # causal: the image is not seen yet
+    assert (logits[0, first:] - logits[1, first:]).abs().max() > 1e-3  # from the image on, the logits differ
+    same = processor(text=[prompt], images=[red.copy()], return_tensors="pt")
+    with torch.no_grad():
+        assert torch.allclose(model(**same).logits[0], logits[0], atol=1e-5)
+
+
+def test_another_architecture_loads_through_the_same_loader(tmp_path):
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14),
+        image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(tmp_path / "qwen2vl")
+    model = hf.load_vision_model(tmp_path / "qwen2vl", dtype=torch.bfloat16)
+    assert type(model).__name__ == "Qwen2VLForConditionalGeneration" and model.dtype == torch.bfloat16
+    assert not model.training
+
+
+def test_load_errors_are_one_line(tmp_path):
+    text_model = tiny.build_tiny_model(tmp_path / "text")
+    with pytest.raises(UserError, match=r"is not a vision-language model transformers knows") as e:
+        hf.load_vision_model(text_model)
+    assert "\n" not in str(e.value)
+    with pytest.raises(FileNotFoundError, match="not a Hugging Face processor directory"):
+        hf.load_processor(text_model)  # a tokenizer, but no processor
+    with pytest.raises(ValueError, match=r"unknown vision-language preset 'tiny-vlm'; choose one of \['tiny-vl'\]"):
+        vision.ensure_tiny_vlm("tiny-vlm")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed")
+def test_a_processor_that_needs_torchvision_says_so_in_one_line(tmp_path):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    Qwen2VLImageProcessorPil().save_pretrained(tmp_path)
+    vision.build_vl_tokenizer().save_pretrained(tmp_path)
+    (tmp_path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
+    with pytest.raises(UserError, match=rf"the processor of '{tmp_path}' needs torchvision, which is not installed") as e:
+        hf.load_processor(tmp_path)
+    assert "\n" not in str(e.value)
