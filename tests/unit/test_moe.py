@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.models import moe, tiny
+from posttrain.models.generation.decoders import unsupported_reason
 from posttrain.models.generation.engine import NativeGenerationEngine
 from posttrain.models.generation.sampling import process_logits
 
@@ -73,10 +74,14 @@ def test_recorded_router_loss_equals_transformers_aux_loss_and_ignores_padding(m
 def test_engine_kv_cache_logprobs_match_a_full_forward_pass(moe_model, temperature):
     """Prefill + cached decoding (rows leaving the batch as they finish) give the logprobs of one
     full forward pass over the generated sequences."""
-    _, model, tokenizer = moe_model
+    arch, model, tokenizer = moe_model
     model.eval()
     engine = NativeGenerationEngine(model, tokenizer, pad_token_id=tokenizer.pad_token_id,
                                     eos_token_id=tokenizer.eos_token_id)
+    # DeepSeek-V3's latent attention is not llama-like: the engine decodes with the model's own forward.
+    assert (engine._llama_like is None) == (arch == "deepseek_v3")
+    if arch == "deepseek_v3":
+        assert unsupported_reason(model) == "decoder layers ['DeepseekV3DecoderLayer'] are not llama-like"
     g = torch.Generator().manual_seed(3)
     rows = [torch.randint(7, 100, (n,), generator=g).tolist() for n in (6, 2, 9, 4)]
     width = max(map(len, rows))
