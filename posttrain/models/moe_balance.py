@@ -16,7 +16,8 @@ the MoE layers and over the call's optimizer steps:
 
 The policy logs them as `train/moe/...`. Under tensor parallelism every TP rank saw the same tokens,
 so the summed loads are the true ones times the TP size: the ratios (and the update's signs) are
-unchanged.
+unchanged. Under context parallelism each rank routes its slices of the rows, padding included
+(the worker's token mask is of whole rows, so it is not applied there).
 
 Auxiliary-loss-free balancing (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for
 Mixture-of-Experts"; DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", section 2.1.2): routers with a

@@ -74,9 +74,22 @@ def test_moe_sft_step_two_workers_equal_one_and_include_the_router_loss(ray_clus
         two_cluster.shutdown()
 
 
-def test_moe_grpo_refits_the_engine_logs_the_router_loss_and_exports(ray_cluster, tmp_path):
+def export_reloads_with_the_policys_logprobs(policy: Policy, tmp_path, class_name: str):
+    """The policy's HF export reloads as `class_name` and gives the policy's logprobs; returns it."""
     from transformers import AutoModelForCausalLM
 
+    reloaded = AutoModelForCausalLM.from_pretrained(policy.export_hf(tmp_path / "hf")).eval()
+    assert type(reloaded).__name__ == class_name
+    ids = torch.randint(7, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+    probe = Batch(input_ids=ids, input_lengths=torch.tensor([10, 10]))
+    with torch.no_grad():
+        logits = reloaded(input_ids=ids).logits
+    expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(policy.get_logprobs(probe)["logprobs"][:, 1:], expected, atol=1e-5, rtol=0)
+    return reloaded
+
+
+def test_moe_grpo_refits_the_engine_logs_the_router_loss_and_exports(ray_cluster, tmp_path):
     from posttrain.algorithms import grpo
     from posttrain.config.loader import load_config
 
@@ -95,15 +108,7 @@ def test_moe_grpo_refits_the_engine_logs_the_router_loss_and_exports(ray_cluster
             assert 1.0 <= metrics[step]["train/token_mult_prob_error"] < 1.001
         assert ctx.generation.weights_version == 1
 
-        export = ctx.policy.export_hf(tmp_path / "hf")
-        reloaded = AutoModelForCausalLM.from_pretrained(export).eval()
-        assert type(reloaded).__name__ == "MixtralForCausalLM"
-        ids = torch.randint(7, 100, (2, 10), generator=torch.Generator().manual_seed(0))
-        probe = Batch(input_ids=ids, input_lengths=torch.tensor([10, 10]))
-        with torch.no_grad():
-            logits = reloaded(input_ids=ids).logits
-        expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        torch.testing.assert_close(ctx.policy.get_logprobs(probe)["logprobs"][:, 1:], expected, atol=1e-5, rtol=0)
+        export_reloads_with_the_policys_logprobs(ctx.policy, tmp_path, "MixtralForCausalLM")
     finally:
         ctx.shutdown()
 
@@ -114,7 +119,6 @@ def test_deepseek_v3_grpo_balances_its_routers_and_generates_with_the_native_eng
     logprobs agree with the trainer's, the bias moved and is in the engine, the checkpoint and the
     HF export."""
     from torch.distributed.checkpoint import FileSystemReader
-    from transformers import AutoModelForCausalLM
 
     from posttrain.algorithms import grpo
     from posttrain.config.loader import load_config
@@ -142,15 +146,7 @@ def test_deepseek_v3_grpo_balances_its_routers_and_generates_with_the_native_eng
         saved = FileSystemReader(str(tmp_path / "ckpt" / "step_2" / "policy" / "model")).read_metadata()
         assert any(key.endswith(bias) for key in saved.state_dict_metadata)
 
-        export = ctx.policy.export_hf(tmp_path / "hf")
-        reloaded = AutoModelForCausalLM.from_pretrained(export).eval()
-        assert type(reloaded).__name__ == "DeepseekV3ForCausalLM"
+        reloaded = export_reloads_with_the_policys_logprobs(ctx.policy, tmp_path, "DeepseekV3ForCausalLM")
         assert torch.equal(reloaded.state_dict()[bias], state[bias])
-        ids = torch.randint(7, 100, (2, 10), generator=torch.Generator().manual_seed(0))
-        probe = Batch(input_ids=ids, input_lengths=torch.tensor([10, 10]))
-        with torch.no_grad():
-            logits = reloaded(input_ids=ids).logits
-        expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        torch.testing.assert_close(ctx.policy.get_logprobs(probe)["logprobs"][:, 1:], expected, atol=1e-5, rtol=0)
     finally:
         ctx.shutdown()
