@@ -117,3 +117,39 @@ def test_preflight_refuses_moe_options_the_model_cannot_take():
         parallel.tp_plan(tiny.make_tiny_model("tiny", "deepseek_v3")[0])  # a model given by path, not caught above
     check_router_balancing(PolicyConfig(model_name="tiny-deepseek_v3", moe_router_bias_update_rate=0.001))
     check_router_balancing(PolicyConfig(model_name="tiny-qwen3_moe", router_aux_loss_coef=0.02))
+
+
+def test_a_training_step_logs_the_loads_moves_the_bias_and_keeps_the_reference_bias(monkeypatch):
+    """One worker in this thread, as the local backend runs it (no process group): the step's
+    metrics are those of the loads its forward routed, the bias moved by +-rate after the step, and
+    reference logprobs still use the initial (zero) bias, which is restored in the live model afterwards."""
+    from posttrain.distributed import actors
+
+    monkeypatch.setattr(actors._identity, "values", {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, raising=False)
+    from posttrain.algorithms.loss import NLLLoss
+    from posttrain.distributed.batch import Batch
+    from posttrain.models.policy.worker import PolicyWorker
+
+    worker = PolicyWorker(dict(model_name="tiny-deepseek_v3", train_global_batch_size=4, train_micro_batch_size=2,
+                               moe_router_bias_update_rate=0.01), init_reference_model=True)
+    ids = torch.randint(7, 100, (4, 12), generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([12, 9, 7, 12])
+    batch = Batch(input_ids=ids, input_lengths=lengths, sample_mask=torch.ones(4),
+                  token_mask=(torch.arange(12)[None] < lengths[:, None]).float())
+    reference_before = worker.get_reference_logprobs(batch)["logprobs"]
+    loads = moe_balance.new_loads(worker.model)  # what the step's forward routes (its weights as they are now)
+    for rows in (slice(0, 2), slice(2, 4)):
+        with torch.no_grad(), moe_balance.record_expert_choices(worker.model, loads):
+            worker.model(input_ids=ids[rows, :int(lengths[rows].max())])
+        loads.add((torch.arange(int(lengths[rows].max()))[None] < lengths[rows, None]).long())
+    assert loads.counts.sum() == 2 * 40  # 40 real tokens, top-2
+
+    metrics = worker.train(batch, NLLLoss())
+    assert {k: metrics[k] for k in ("moe/expert_load_max_over_mean", "moe/expert_load_entropy")} == pytest.approx(
+        moe_balance.load_metrics(loads.counts), abs=1e-12)
+    bias = moe_balance.balance_biases(worker.model)["model.layers.1.mlp.gate.e_score_correction_bias"]
+    mean = loads.counts[0].mean()
+    assert torch.equal(bias, (torch.sign(mean - loads.counts[0]) * 0.01).float())
+    assert torch.equal(worker.get_reference_logprobs(batch)["logprobs"], reference_before)
+    assert torch.equal(moe_balance.balance_biases(worker.model)[
+        "model.layers.1.mlp.gate.e_score_correction_bias"], bias)  # the live bias is back
