@@ -146,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         "from it as a smoke check.",
     )
     init.add_argument("--preset", choices=[*PRESETS, *PRETRAINED_PRESETS], default="tiny", help="model (default: tiny)")
-    init.add_argument("--arch", choices=list(ARCHS), default="llama", help="architecture of a tiny preset (default: llama; qwen3_moe and mixtral are mixtures of experts)")
+    init.add_argument("--arch", choices=list(ARCHS), default="llama", help="architecture of a tiny preset (default: llama; qwen3_moe, mixtral and deepseek_v3 are mixtures of experts)")
     init.add_argument("--out", required=True, metavar="DIR", help="output directory")
     init.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
     init.set_defaults(handler=_init_model)

@@ -64,6 +64,7 @@ def preflight(cfg: Any, plan_memory: bool = True) -> None:
     policy = cfg.policy
     check_model_name(policy.model_name, "policy.model_name", policy.tiny_arch)
     check_tensor_parallel(policy, "policy.model_name")
+    check_router_balancing(policy)
     check_rope_scaling(policy, "policy")
     from posttrain.distributed.local_resources import local_resources_problem
 
@@ -120,6 +121,40 @@ def check_tensor_parallel(policy: Any, key: str) -> None:
     problem = tensor_parallel_problem(sizes, policy.tensor_parallel_size, f"{key}={policy.model_name!r}") if sizes else None
     if problem:
         raise UserError(problem)
+
+
+# Model types whose routers carry a balancing bias (e_score_correction_bias) and no load-balancing
+# loss in transformers, and whose attention is multi-head latent attention (models/moe_balance.py).
+BIAS_BALANCED_MODEL_TYPES = frozenset({"deepseek_v3"})
+
+
+def check_router_balancing(policy: Any) -> None:
+    """Refuse MoE options the model cannot take (read from the preset or `config.json`; a hub id not
+    cached yet is checked by the workers): `policy.moe_router_bias_update_rate` on routers without a
+    balancing bias, `policy.router_aux_loss_coef` on routers balanced by one, and tensor parallelism
+    of multi-head latent attention (no plan for it)."""
+    from posttrain.models.paths import model_config_dict
+    from posttrain.models.presets import ARCHS, PRESETS
+
+    preset, _, arch = policy.model_name.partition("-")
+    if preset in PRESETS and (not arch or arch in ARCHS):
+        model_type = arch or policy.tiny_arch
+    else:
+        model_type = (model_config_dict(policy.model_name) or {}).get("model_type")
+        if model_type is None:
+            return
+    name = f"policy.model_name={policy.model_name!r} ({model_type})"
+    balanced = model_type in BIAS_BALANCED_MODEL_TYPES
+    if policy.moe_router_bias_update_rate > 0 and not balanced:
+        raise UserError(f"policy.moe_router_bias_update_rate={policy.moe_router_bias_update_rate}: {name} has no "
+                        f"router balancing bias to update (the models that do: {sorted(BIAS_BALANCED_MODEL_TYPES)})")
+    if balanced and policy.router_aux_loss_coef:
+        raise UserError(f"policy.router_aux_loss_coef={policy.router_aux_loss_coef}: {name} has no load-balancing "
+                        "loss in transformers; its routers are balanced by policy.moe_router_bias_update_rate")
+    if balanced and policy.tensor_parallel_size > 1:
+        raise UserError(f"policy.tensor_parallel_size={policy.tensor_parallel_size}: {name} has multi-head latent "
+                        "attention, which posttrain has no tensor-parallel plan for; use data parallelism "
+                        "(policy.num_workers with tensor_parallel_size=1)")
 
 
 def check_rope_scaling(model: Any, section: str) -> None:

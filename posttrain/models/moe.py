@@ -58,6 +58,11 @@ def aux_loss_coef(model: torch.nn.Module, configured: Optional[float]) -> float:
     `router_aux_loss_coef` (0.0 for dense models)."""
     if not is_moe(model):
         return 0.0
+    if configured and _load_balancing_loss_func(model) is None:
+        # DeepSeek-V3's sigmoid routers: transformers has no loss of their own (Mixtral's softmax one
+        # would be another model's maths); they are balanced by their bias (models/moe_balance.py).
+        raise ValueError(f"policy.router_aux_loss_coef={configured}: {model.config.model_type} has no load-balancing "
+                         "loss in transformers; its routers are balanced by policy.moe_router_bias_update_rate")
     if configured is not None:
         return float(configured)
     return float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
@@ -92,6 +97,17 @@ def record_router_logits(model: torch.nn.Module, enabled: bool = True) -> Iterat
             handle.remove()
 
 
+def _load_balancing_loss_func(model: torch.nn.Module):
+    """transformers' `load_balancing_loss_func` of the model's own modeling module (None if it has
+    none and its routers carry a balancing bias, as DeepSeek-V3's do; Mixtral's otherwise)."""
+    # The modeling module of the model's class (FSDP2 subclasses it, so walk the MRO).
+    modules = (sys.modules.get(cls.__module__) for cls in type(model).__mro__)
+    loss_func = next((m.load_balancing_loss_func for m in modules if hasattr(m, "load_balancing_loss_func")), None)
+    if loss_func is None and not any(name.endswith("e_score_correction_bias") for name, _ in model.named_buffers()):
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as loss_func
+    return loss_func
+
+
 def load_balancing_loss(model: torch.nn.Module, router_logits: list[torch.Tensor], token_mask: torch.Tensor) -> torch.Tensor:
     """transformers' load-balancing loss of one forward pass over the real tokens.
 
@@ -101,9 +117,7 @@ def load_balancing_loss(model: torch.nn.Module, router_logits: list[torch.Tensor
         router_logits: per router layer, `[batch * seq, num_experts]` logits of that forward.
         token_mask: `[batch, seq]` 1 for real tokens, 0 for padding (rows flattened like the logits).
     """
-    # The modeling module of the model's class (FSDP2 subclasses it, so walk the MRO).
-    modules = (sys.modules.get(cls.__module__) for cls in type(model).__mro__)
-    loss_func = next((m.load_balancing_loss_func for m in modules if hasattr(m, "load_balancing_loss_func")), None)
+    loss_func = _load_balancing_loss_func(model)
     if loss_func is None:
         from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as loss_func
     config = model.config

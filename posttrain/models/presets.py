@@ -1,5 +1,5 @@
 """Sizes of the built-in tiny models (`policy.model_name: tiny | small | 100m | 1b`, optionally
-`-llama` / `-qwen2`). Kept apart from `tiny.py`, which imports torch and transformers, so that
+`-llama`, `-qwen2`, `-qwen3_moe`, `-mixtral`, `-deepseek_v3`). Kept apart from `tiny.py`, which imports torch and transformers, so that
 config checks can recognise a preset name in milliseconds."""
 
 # Sizes per preset. `tiny` is the embedded default and must train in minutes on 2 CPU cores;
@@ -17,7 +17,11 @@ PRESETS: dict[str, dict[str, int]] = {
 }
 # Mixture-of-experts archs (Qwen3-MoE, Mixtral): each dense MLP becomes MOE_EXPERTS experts of a
 # quarter of its width, MOE_TOP_K of them per token; the router's load-balancing loss is on.
-MOE_ARCHS = ("qwen3_moe", "mixtral")
+# DeepSeek-V3 (`deepseek_v3`): multi-head latent attention, one shared expert beside 8 routed ones
+# (top-2 of the 4 in the best of 2 groups), sigmoid router scores with a load-balancing bias
+# (`e_score_correction_bias`, aux-loss-free; see models/moe_balance.py) and no auxiliary loss; the first
+# layer keeps a dense MLP, as DeepSeek-V3's first 3 do (tiny.py: tiny_config).
+MOE_ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
 MOE_EXPERTS, MOE_TOP_K, MOE_ROUTER_AUX_LOSS_COEF = 4, 2, 0.01
 ARCHS = ("llama", "qwen2", *MOE_ARCHS)
 

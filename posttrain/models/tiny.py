@@ -29,6 +29,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     GenerationConfig,
     LlamaConfig,
     MixtralConfig,
@@ -104,14 +105,14 @@ def build_tokenizer(extra_special_tokens: Sequence[str] = (), chat_template: str
 
 def tiny_config(preset: str = "tiny", arch: str = "llama", vocab_size: int | None = None):
     """The transformers config of a preset (`tiny`, `small`, `100m`, `1b`) and arch (`llama`, `qwen2`,
-    `qwen3_moe`, `mixtral`).
+    `qwen3_moe`, `mixtral`, `deepseek_v3`).
 
     Llama keeps input and output embeddings separate (`tie_word_embeddings=False`); qwen2 ties
     them, as Qwen2.5-0.5B/1.5B do, so both layouts are exercised by the same tests. The
     mixture-of-experts archs replace each MLP by `MOE_EXPERTS` experts of a quarter of its width,
     `MOE_TOP_K` per token (same active MLP width), with the router's load-balancing loss
     (`router_aux_loss_coef`, Fedus et al. 2021) on: Qwen3-MoE (per-head q/k norms, tied
-    embeddings like the small Qwen3 models) and Mixtral (untied).
+    embeddings like the small Qwen3 models) and Mixtral (untied). `deepseek_v3`: see `deepseek_v3_config`.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown tiny model preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -131,6 +132,8 @@ def tiny_config(preset: str = "tiny", arch: str = "llama", vocab_size: int | Non
         return LlamaConfig(**common, tie_word_embeddings=False)
     if arch == "qwen2":
         return Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "deepseek_v3":
+        return deepseek_v3_config(common)
     expert_width = common["intermediate_size"] // 4
     moe: dict[str, Any] = dict(num_experts_per_tok=MOE_TOP_K, router_aux_loss_coef=MOE_ROUTER_AUX_LOSS_COEF)
     if arch == "qwen3_moe":
@@ -138,6 +141,37 @@ def tiny_config(preset: str = "tiny", arch: str = "llama", vocab_size: int | Non
                               head_dim=common["hidden_size"] // common["num_attention_heads"], tie_word_embeddings=True)
     common["intermediate_size"] = expert_width
     return MixtralConfig(**common, **moe, num_local_experts=MOE_EXPERTS, tie_word_embeddings=False)
+
+
+def deepseek_v3_config(common: dict[str, Any]) -> DeepseekV3Config:
+    """DeepSeek-V3's layout (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", sections 2.1-2.2) at
+    a preset's size, every part of it exercised:
+
+    - multi-head latent attention: queries through a rank hidden/2 bottleneck (`q_lora_rank`), keys and
+      values through a rank hidden/4 latent (`kv_lora_rank`, what the KV cache holds) plus one shared
+      rotary key of half a head (`qk_rope_head_dim`, interleaved as in the released weights); the
+      other half of each query/key head is position-free (`qk_nope_head_dim`); values a head wide;
+    - mixture of experts from the second layer on (`first_k_dense_replace=1`; the first keeps a dense
+      MLP, as DeepSeek-V3's first 3 do): 8 routed experts of an eighth of the dense width plus one shared
+      expert of that width, top-2 of the routed ones within the best 1 of 2 groups of 4
+      (`n_group`, `topk_group`: node-limited routing in miniature);
+    - sigmoid router scores, normalised over the chosen experts (`norm_topk_prob`); the per-expert bias
+      `e_score_correction_bias` enters the choice only (models/moe_balance.py updates it);
+      `routed_scaling_factor=1.0`: with normalised weights summing to 1 the routed output has the
+      scale of the other MoE presets' (DeepSeek-V3's 2.5 goes with its 256 experts);
+    - no auxiliary load-balancing loss and no multi-token-prediction module (`num_mtp_layers=0`).
+    """
+    hidden, heads = common["hidden_size"], common["num_attention_heads"]
+    head_dim = hidden // heads
+    experts = 8
+    return DeepseekV3Config(
+        **{**common, "num_key_value_heads": heads},  # MLA: every head has its own keys and values
+        q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4, qk_rope_head_dim=head_dim // 2,
+        qk_nope_head_dim=head_dim // 2, v_head_dim=head_dim, rope_interleave=True,
+        n_routed_experts=experts, n_shared_experts=1, moe_intermediate_size=common["intermediate_size"] // experts,
+        num_experts_per_tok=MOE_TOP_K, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+        first_k_dense_replace=1, num_mtp_layers=0, tie_word_embeddings=False,
+    )
 
 
 def make_tiny_model(
@@ -166,7 +200,7 @@ def build_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", arch: str
     Args:
         out_dir: target directory (created; existing files of the same names are overwritten).
         preset: `tiny` (hidden 128, 2 layers; default), `small` (hidden 256, 4 layers) `100m` or `1b` (GPU benchmarks).
-        arch: `llama` (default), `qwen2`, or the mixture-of-experts `qwen3_moe` / `mixtral`.
+        arch: `llama` (default), `qwen2`, or the mixture-of-experts `qwen3_moe` / `mixtral` / `deepseek_v3`.
         seed: seed of the random initialisation (default 0).
     """
     out = Path(out_dir)

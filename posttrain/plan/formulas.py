@@ -112,8 +112,10 @@ def ring_attention_block_bytes(shape: ModelShape, tokens: int, seq_len: int, cp:
 
 
 def kv_cache_bytes(shape: ModelShape, sequences: int, seq_len: int, dtype_bytes: int) -> float:
-    """Keys and values of every layer for `sequences` x `seq_len` tokens: 2 x layers x kv_heads x head_dim x dtype per token."""
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes * sequences * seq_len
+    """Keys and values of every layer for `sequences` x `seq_len` tokens: 2 x layers x kv_heads x head_dim x dtype per
+    token (multi-head latent attention: layers x `shape.kv_cache_width` x dtype, the compressed latent)."""
+    width = shape.kv_cache_width or 2 * shape.num_kv_heads * shape.head_dim
+    return shape.num_layers * width * dtype_bytes * sequences * seq_len
 
 
 def micro_batch_tokens(policy: Any, training: bool, row_tokens: Optional[int] = None) -> int:

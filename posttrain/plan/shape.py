@@ -26,27 +26,40 @@ class ModelShape:
     largest_tensor: int = 0  # elements of the largest parameter (one refit bucket must hold it)
     lora_params: int = 0  # adapter parameters with the configured policy.lora (0 without LoRA)
     embedding_params: int = 0  # input embeddings and LM head (once if tied): whole on every TP rank
+    kv_cache_width: int = 0  # KV-cache elements per token and layer; 0: keys and values, 2 x kv_heads x head_dim
 
 
 def shape_from_hf_config(config: dict, num_params: int, largest_tensor: int = 0, lora_params: int = 0,
                          embedding_params: Optional[int] = None) -> ModelShape:
-    """`ModelShape` from a Hugging Face config dict (config.json's keys; llama / qwen / mixtral names).
-    `embedding_params` (default: vocabulary x hidden, twice unless `tie_word_embeddings`) are the
-    embeddings' and LM head's elements, which tensor parallelism leaves whole."""
+    """`ModelShape` from a Hugging Face config dict (config.json's keys; llama / qwen / mixtral /
+    deepseek_v3 names). `embedding_params` (default: vocabulary x hidden, twice unless
+    `tie_word_embeddings`) are the embeddings' and LM head's elements, which tensor parallelism leaves whole.
+
+    Multi-head latent attention (DeepSeek-V2/V3, `kv_lora_rank` set): a query/key head is
+    `qk_nope_head_dim + qk_rope_head_dim` wide, and the KV cache holds the compressed latent and the
+    shared rotary key (`kv_lora_rank + qk_rope_head_dim` per token and layer, as transformers' cache
+    and vLLM's MLA keep it). Shared experts (`n_shared_experts`) run on every token: they count as
+    experts each token goes through. The first dense layers (`first_k_dense_replace`) are planned
+    like the MoE ones."""
     hidden = config["hidden_size"]
     if embedding_params is None:
         embedding_params = config["vocab_size"] * hidden * (1 if config.get("tie_word_embeddings") else 2)
     heads = config["num_attention_heads"]
-    experts = config.get("num_local_experts") or config.get("num_experts") or 0
+    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts") or 0
+    latent = config.get("kv_lora_rank")
+    head_dim = (config["qk_nope_head_dim"] + config["qk_rope_head_dim"] if latent
+                else config.get("head_dim") or hidden // heads)
     return ModelShape(
         num_params=num_params, hidden_size=hidden, num_layers=config["num_hidden_layers"],
         vocab_size=config["vocab_size"], num_heads=heads,
         num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or hidden // heads,
+        head_dim=head_dim,
         intermediate_size=(config.get("moe_intermediate_size") if experts and config.get("moe_intermediate_size")
                            else config["intermediate_size"]),
-        num_experts=experts, experts_per_token=config.get("num_experts_per_tok") or 0 if experts else 0,
+        num_experts=experts,
+        experts_per_token=(config.get("num_experts_per_tok") or 0) + (config.get("n_shared_experts") or 0) if experts else 0,
         largest_tensor=largest_tensor, lora_params=lora_params, embedding_params=embedding_params,
+        kv_cache_width=latent + config["qk_rope_head_dim"] if latent else 0,
     )
 
 

@@ -1,8 +1,12 @@
-"""Mixture-of-experts models (the tiny Qwen3-MoE and Mixtral presets) on real Ray workers: the
-router's load-balancing loss is in the gradient and in the metrics, FSDP2 over 2 workers equals
-1 worker, GRPO runs with refit into the native engine, and the HF export reloads."""
+"""Mixture-of-experts models (the tiny Qwen3-MoE, Mixtral and DeepSeek-V3 presets) on real Ray
+workers: the router's load-balancing loss is in the gradient and in the metrics, FSDP2 over 2
+workers equals 1 worker, GRPO runs with refit into the native engine, the expert load metrics are
+logged, DeepSeek-V3's balancing bias moves and travels with refits, checkpoints and the HF export,
+and the HF export reloads."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -70,9 +74,22 @@ def test_moe_sft_step_two_workers_equal_one_and_include_the_router_loss(ray_clus
         two_cluster.shutdown()
 
 
-def test_moe_grpo_refits_the_engine_logs_the_router_loss_and_exports(ray_cluster, tmp_path):
+def export_reloads_with_the_policys_logprobs(policy: Policy, tmp_path, class_name: str):
+    """The policy's HF export reloads as `class_name` and gives the policy's logprobs; returns it."""
     from transformers import AutoModelForCausalLM
 
+    reloaded = AutoModelForCausalLM.from_pretrained(policy.export_hf(tmp_path / "hf")).eval()
+    assert type(reloaded).__name__ == class_name
+    ids = torch.randint(7, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+    probe = Batch(input_ids=ids, input_lengths=torch.tensor([10, 10]))
+    with torch.no_grad():
+        logits = reloaded(input_ids=ids).logits
+    expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(policy.get_logprobs(probe)["logprobs"][:, 1:], expected, atol=1e-5, rtol=0)
+    return reloaded
+
+
+def test_moe_grpo_refits_the_engine_logs_the_router_loss_and_exports(ray_cluster, tmp_path):
     from posttrain.algorithms import grpo
     from posttrain.config.loader import load_config
 
@@ -86,17 +103,50 @@ def test_moe_grpo_refits_the_engine_logs_the_router_loss_and_exports(ray_cluster
         metrics = read_metrics(tmp_path / "logs")
         for step in (1, 2):
             assert metrics[step]["train/router_aux_loss"] > 0  # ~ num_experts_per_tok when balanced
+            assert 1.0 <= metrics[step]["train/moe/expert_load_max_over_mean"] <= 2.0  # at most E / k = 4 / 2
+            assert 0.0 < metrics[step]["train/moe/expert_load_entropy"] <= 1.0
             assert 1.0 <= metrics[step]["train/token_mult_prob_error"] < 1.001
         assert ctx.generation.weights_version == 1
 
-        export = ctx.policy.export_hf(tmp_path / "hf")
-        reloaded = AutoModelForCausalLM.from_pretrained(export).eval()
-        assert type(reloaded).__name__ == "MixtralForCausalLM"
-        ids = torch.randint(7, 100, (2, 10), generator=torch.Generator().manual_seed(0))
-        probe = Batch(input_ids=ids, input_lengths=torch.tensor([10, 10]))
-        with torch.no_grad():
-            logits = reloaded(input_ids=ids).logits
-        expected = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        torch.testing.assert_close(ctx.policy.get_logprobs(probe)["logprobs"][:, 1:], expected, atol=1e-5, rtol=0)
+        export_reloads_with_the_policys_logprobs(ctx.policy, tmp_path, "MixtralForCausalLM")
+    finally:
+        ctx.shutdown()
+
+
+def test_deepseek_v3_grpo_balances_its_routers_and_generates_with_the_native_engine(tmp_path):
+    """The tiny DeepSeek-V3 (multi-head latent attention, shared expert, sigmoid routing with a
+    balancing bias) in one process (local backend): GRPO steps with the bias update on, the engine's
+    logprobs agree with the trainer's, the bias moved and is in the engine, the checkpoint and the
+    HF export."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from posttrain.algorithms import grpo
+    from posttrain.config.loader import load_config
+
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    cfg = load_config("grpo", overrides=[
+        *SMALL, "grpo.max_num_steps=2", "policy.model_name=tiny-deepseek_v3", "cluster.backend=local",
+        "policy.moe_router_bias_update_rate=0.01", "checkpointing.enabled=true", "checkpointing.save_period=2",
+        f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
+    ])
+    ctx = grpo.setup(cfg)
+    try:
+        grpo.grpo_train(ctx)  # verify_refit: the engine's weights (the bias included) equal the policy's
+        metrics = read_metrics(tmp_path / "logs")
+        for step in (1, 2):
+            assert math.isfinite(metrics[step]["train/loss"])
+            assert 1.0 <= metrics[step]["train/moe/expert_load_max_over_mean"] <= 4.0  # E / k = 8 / 2 at most
+            assert 0.0 < metrics[step]["train/moe/expert_load_entropy"] <= 1.0
+            assert 1.0 <= metrics[step]["train/token_mult_prob_error"] < 1.001
+            assert "train/router_aux_loss" not in metrics[step]  # aux-loss-free
+        state = ctx.policy.state_dict_for_export()
+        # Two updates of +-0.01 per expert (0 only where an expert sat exactly at the mean).
+        assert state[bias].abs().max().item() == pytest.approx(0.02) and set(state[bias].abs().tolist()) <= {0, 0.01, 0.02}
+        assert ctx.generation.get_weights_checksums() == [ctx.policy.weights_checksum()]
+        saved = FileSystemReader(str(tmp_path / "ckpt" / "step_2" / "policy" / "model")).read_metadata()
+        assert any(key.endswith(bias) for key in saved.state_dict_metadata)
+
+        reloaded = export_reloads_with_the_policys_logprobs(ctx.policy, tmp_path, "DeepseekV3ForCausalLM")
+        assert torch.equal(reloaded.state_dict()[bias], state[bias])
     finally:
         ctx.shutdown()

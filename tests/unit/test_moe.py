@@ -8,10 +8,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.models import moe, tiny
+from posttrain.models.generation.decoders import unsupported_reason
 from posttrain.models.generation.engine import NativeGenerationEngine
 from posttrain.models.generation.sampling import process_logits
 
-MOE_ARCHS = ["qwen3_moe", "mixtral"]
+MOE_ARCHS = ["qwen3_moe", "mixtral", "deepseek_v3"]
 
 
 @pytest.fixture(scope="module", params=MOE_ARCHS)
@@ -24,6 +25,9 @@ def test_presets_are_moe_with_the_load_balancing_loss_on(moe_model):
     arch, model, _ = moe_model
     cfg = model.config
     assert moe.is_moe(model) and cfg.num_experts_per_tok == 2
+    if arch == "deepseek_v3":  # aux-loss-free: 8 routed experts balanced by the router's bias instead
+        assert cfg.n_routed_experts == 8 and cfg.n_shared_experts == 1 and moe.aux_loss_coef(model, None) == 0.0
+        return
     assert (cfg.num_experts if arch == "qwen3_moe" else cfg.num_local_experts) == 4
     assert moe.aux_loss_coef(model, None) == cfg.router_aux_loss_coef == 0.01
     assert moe.aux_loss_coef(model, 0.2) == 0.2 and moe.aux_loss_coef(model, 0.0) == 0.0
@@ -42,7 +46,11 @@ def test_build_and_reload_gives_identical_logits(tmp_path, moe_model):
 
 
 def test_recorded_router_loss_equals_transformers_aux_loss_and_ignores_padding(moe_model):
-    _, model, _ = moe_model
+    arch, model, _ = moe_model
+    if arch == "deepseek_v3":  # sigmoid routers: no loss of their own in transformers, Mixtral's is refused
+        with pytest.raises(ValueError, match=r"policy.router_aux_loss_coef=0.01: deepseek_v3 has no load-balancing"):
+            moe.aux_loss_coef(model, 0.01)
+        return
     ids = torch.randint(7, 100, (3, 9), generator=torch.Generator().manual_seed(1))
     lengths = torch.tensor([9, 4, 6])
     mask = (torch.arange(9)[None] < lengths[:, None]).long()
@@ -66,10 +74,14 @@ def test_recorded_router_loss_equals_transformers_aux_loss_and_ignores_padding(m
 def test_engine_kv_cache_logprobs_match_a_full_forward_pass(moe_model, temperature):
     """Prefill + cached decoding (rows leaving the batch as they finish) give the logprobs of one
     full forward pass over the generated sequences."""
-    _, model, tokenizer = moe_model
+    arch, model, tokenizer = moe_model
     model.eval()
     engine = NativeGenerationEngine(model, tokenizer, pad_token_id=tokenizer.pad_token_id,
                                     eos_token_id=tokenizer.eos_token_id)
+    # DeepSeek-V3's latent attention is not llama-like: the engine decodes with the model's own forward.
+    assert (engine._llama_like is None) == (arch == "deepseek_v3")
+    if arch == "deepseek_v3":
+        assert unsupported_reason(model) == "decoder layers ['DeepseekV3DecoderLayer'] are not llama-like"
     g = torch.Generator().manual_seed(3)
     rows = [torch.randint(7, 100, (n,), generator=g).tolist() for n in (6, 2, 9, 4)]
     width = max(map(len, rows))

@@ -49,7 +49,7 @@ def test_micro_batch_tokens_follow_the_batching_mode():
     assert mp.micro_batch_tokens(packed, training=False) == 999
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_moe", "deepseek_v3"])
 def test_model_shape_counts_the_real_parameters_without_weights(arch):
     import torch
     from transformers import AutoModelForCausalLM
@@ -61,7 +61,10 @@ def test_model_shape_counts_the_real_parameters_without_weights(arch):
     assert shape.num_params == sum(p.numel() for p in model.parameters())
     assert shape.largest_tensor == max(p.numel() for p in model.parameters())
     assert (shape.hidden_size, shape.num_layers, shape.vocab_size) == (128, 2, 103)
-    assert (shape.num_experts > 0) == (arch == "qwen3_moe")
+    assert (shape.num_experts > 0) == (arch in ("qwen3_moe", "deepseek_v3"))
+    if arch == "deepseek_v3":  # MLA: 32-wide query/key heads, a cache of the rank-32 latent + the 16-wide rotary key
+        assert (shape.num_experts, shape.experts_per_token, shape.head_dim, shape.kv_cache_width) == (8, 3, 32, 48)
+        assert mp.kv_cache_bytes(shape, 1, 10, 2) == 2 * 48 * 2 * 10
     heads = {id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings())}
     assert shape.embedding_params == sum(heads.values())  # once when tied: whole on every TP rank
     lora = mp.model_shape(grpo("policy.lora.enabled=true").policy)

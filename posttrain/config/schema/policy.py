@@ -329,8 +329,9 @@ class PolicyConfig(Section):
 
     model_name: str = Field("tiny", description="HF hub id, local HF directory, or 'tiny'/'small' for a built-in model.")
     tokenizer_name: Optional[str] = Field(None, description="Defaults to model_name.")
-    tiny_arch: Literal["llama", "qwen2", "qwen3_moe", "mixtral"] = Field(
-        "llama", description="Arch of a built-in model (model_name tiny/small/100m); qwen3_moe and mixtral are MoE."
+    tiny_arch: Literal["llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3"] = Field(
+        "llama", description=("Arch of a built-in model (model_name tiny/small/100m); qwen3_moe, mixtral and "
+                               "deepseek_v3 (multi-head latent attention, shared expert, sigmoid routing) are MoE."),
     )
     rope_scaling: Optional[dict[str, Any]] = Field(
         None,
@@ -347,6 +348,16 @@ class PolicyConfig(Section):
             "Mixture-of-experts models: weight of the router's load-balancing loss (Switch Transformer, Fedus et "
             "al. 2021) added to the training loss and logged as train/router_aux_loss; None (default) takes the "
             "model config's router_aux_loss_coef, 0 turns it off. Ignored for dense models."
+        ),
+    )
+    moe_router_bias_update_rate: float = Field(
+        0.0, ge=0,
+        description=(
+            "Mixture-of-experts models whose routers carry a balancing bias (e_score_correction_bias: DeepSeek-V3, "
+            "tiny_arch=deepseek_v3): after each optimizer step every expert's bias moves by rate * sign(mean load - "
+            "its load), so overloaded experts are chosen less (auxiliary-loss-free balancing: Wang et al. 2024; "
+            "DeepSeek-V3 technical report 2024, which pre-trained with 0.001). 0.0 (default) keeps the bias fixed, "
+            "as NeMo-RL's RL recipes keep routing; models without the bias refuse a rate > 0."
         ),
     )
     precision: Literal["float32", "bfloat16", "float16", "auto"] = Field(

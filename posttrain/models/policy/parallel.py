@@ -100,6 +100,9 @@ def tp_plan(model: torch.nn.Module, sequence_parallel: bool = False,
     Raises ValueError naming the model type when there is no plan, or the entries whose style
     posttrain does not apply."""
     config = model.config
+    if getattr(config, "kv_lora_rank", None):  # transformers' DeepSeek-V3 plan splits only the MLPs
+        raise ValueError(f"policy.tensor_parallel_size: {config.model_type}'s multi-head latent attention has no "
+                         "tensor-parallel plan in posttrain; use data parallelism (tensor_parallel_size=1)")
     base_plan = getattr(config, "base_model_tp_plan", None)
     if not base_plan:
         if config.model_type not in LLAMA_LIKE_MODEL_TYPES:

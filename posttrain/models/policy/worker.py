@@ -39,7 +39,7 @@ from posttrain.config.schema import PolicyConfig
 from posttrain.distributed import collective
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
-from posttrain.models import lora, moe
+from posttrain.models import lora, moe, moe_balance
 from posttrain.models.hf import load_tokenizer, pick_dtype, resolve_model_path
 from posttrain.models.policy import checkpoint as ckpt
 from posttrain.models.policy import context_parallel, parallel, sharded_load
@@ -151,6 +151,11 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
         self.hf_config = self.model.config
         # Mixture of experts: weight of the router's load-balancing loss (0: dense, or turned off).
         self.router_aux_loss_coef = moe.aux_loss_coef(self.model, self.cfg.router_aux_loss_coef)
+        # Routers balanced by a bias (DeepSeek-V3): moved after each optimizer step (models/moe_balance.py).
+        self.bias_update_rate = self.cfg.moe_router_bias_update_rate
+        if self.bias_update_rate > 0 and not moe_balance.balance_biases(self.model):
+            raise ValueError(f"policy.moe_router_bias_update_rate={self.bias_update_rate}: {type(self.model).__name__}"
+                             f"'s routers have no {moe_balance.BIAS_NAME} to update (DeepSeek-V3-style models do)")
         self.model.config.use_cache = False  # no KV cache in training / scoring forwards
         if self.cfg.activation_checkpointing:
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -180,7 +185,7 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
         self.reference_params: Optional[dict[str, torch.Tensor]] = None
         if init_reference_model:
             self.reference_params = {
-                name: _local(p.detach()).to("cpu", copy=True) for name, p in self.model.named_parameters()
+                name: _local(p.detach()).to("cpu", copy=True) for name, p in self._weights_and_balance_biases()
             }
 
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -338,7 +343,7 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
         """Swap the reference weights into the live parameters, and back afterwards."""
         assert self.reference_params is not None
         self._reshard()
-        live = {name: _local(p.detach()) for name, p in self.model.named_parameters()}
+        live = {name: _local(p.detach()) for name, p in self._weights_and_balance_biases()}
         backup = {name: t.to("cpu", copy=True) for name, t in live.items()}
         with torch.no_grad():
             for name, t in live.items():
@@ -350,6 +355,11 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
             with torch.no_grad():
                 for name, t in live.items():
                     t.copy_(backup[name])
+
+    def _weights_and_balance_biases(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters and the routers' balancing biases: the reference model is both, since
+        `policy.moe_router_bias_update_rate` moves the biases outside the optimizer."""
+        return list(self.model.named_parameters()) + list(moe_balance.balance_biases(self.model).items())
 
     # --------------------------------------------------------------------------------- train
     @measured_phase("training")
@@ -379,7 +389,8 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
             Loss metrics summed over micro-batches and ranks (`_min`/`_max` names: min/max) and
             averaged over the optimizer steps of this call, plus `grad_norm` (mean, before
             clipping), `lr` (of this call's steps), `global_valid_toks` and `global_valid_seqs`
-            (totals). Identical on every rank.
+            (totals); for a mixture of experts `moe/expert_load_max_over_mean` and
+            `moe/expert_load_entropy` (models/moe_balance.py; averaged over the steps). Identical on every rank.
         """
         if self.optimizer is None:
             raise RuntimeError("train needs a Policy created with init_optimizer=True")
@@ -402,6 +413,7 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
         lr = self.optimizer.param_groups[0]["lr"]
         sums: dict[str, float] = {}
         grad_norms, total_toks, total_seqs = [], 0.0, 0.0
+        balance: dict[str, float] = {}
         num_steps = batch.size // local_gbs
         for step_index in range(num_steps):
             rows = batch.select(torch.arange(step_index * local_gbs, (step_index + 1) * local_gbs))
@@ -410,12 +422,16 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
             router_tokens = self._global_input_tokens(rows) if self.router_aux_loss_coef > 0 else None
             self.optimizer.zero_grad(set_to_none=True)
             bad_microbatches: list[int] = []
+            loads = moe_balance.new_loads(self.model)  # None for a dense model
             for mb_index, mb in enumerate(self._microbatches(rows, for_training=True, rows_per_mb=mbs)):
-                with moe.record_router_logits(self.model, enabled=router_tokens is not None) as routers:
+                with moe.record_router_logits(self.model, enabled=router_tokens is not None) as routers, \
+                        moe_balance.record_expert_choices(self.model, loads):
                     outputs = self._forward(mb, temperature, input_type, for_loss=True)
                 if mb.dummy:
                     (outputs.sum() * 0.0).backward()
                     continue
+                if loads is not None:
+                    loads.add(self._token_mask(mb))
                 loss, metrics = loss_fn(outputs, mb.rows.to(self.device), valid_seqs, valid_toks)
                 if routers is not None:
                     router_loss = self._router_loss(mb, routers, router_tokens)
@@ -430,6 +446,8 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
             self._raise_if_not_finite(bad_microbatches, grad_norm, step_index)
             self.optimizer.step()
             grad_norms.append(grad_norm)
+            if loads is not None:
+                accumulate(balance, self._balance_experts(loads))
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
@@ -438,6 +456,7 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
         result.update(
             grad_norm=sum(grad_norms) / num_steps, lr=lr, global_valid_toks=total_toks, global_valid_seqs=total_seqs
         )
+        result.update(average_over_steps(balance, num_steps))  # from all ranks' loads already
         return result
 
     def _global_counts(self, rows: Batch, scores: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -453,16 +472,27 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
         count = collective.all_reduce(rows["input_lengths"].sum().double().reshape(1), group=self.dp_group)
         return count.float().to(self.device)[0]
 
-    def _router_loss(self, mb: MicroBatch, routers: moe.RouterLogits, step_tokens: torch.Tensor) -> torch.Tensor:
-        """The micro-batch's load-balancing loss times its share of the step's tokens (see `models/moe.py`)."""
+    @staticmethod
+    def _token_mask(mb: MicroBatch) -> torch.Tensor:
+        """`[rows, width]` 1 at the micro-batch's real tokens, 0 in padding (a packed bin's tail)."""
         if mb.packed is not None:
             width = mb.packed["input_ids"].shape[1]
-            mask = (torch.arange(width) < mb.packed["cu_seqlens"][-1]).long()[None, :]
-        else:
-            width = mb.rows["input_ids"].shape[1]
-            mask = (torch.arange(width)[None, :] < mb.rows["input_lengths"][:, None]).long()
-        mask = mask.to(self.device)
+            return (torch.arange(width) < mb.packed["cu_seqlens"][-1]).long()[None, :]
+        width = mb.rows["input_ids"].shape[1]
+        return (torch.arange(width)[None, :] < mb.rows["input_lengths"][:, None]).long()
+
+    def _router_loss(self, mb: MicroBatch, routers: moe.RouterLogits, step_tokens: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's load-balancing loss times its share of the step's tokens (see `models/moe.py`)."""
+        mask = self._token_mask(mb).to(self.device)
         return moe.load_balancing_loss(self.model, routers.logits, mask) * (mask.sum() / step_tokens)
+
+    def _balance_experts(self, loads: moe_balance.ExpertLoads) -> dict[str, float]:
+        """After an optimizer step: its expert loads summed over all ranks (collective), their metrics,
+        and the routers' bias update when `policy.moe_router_bias_update_rate` is on (identical on every rank)."""
+        counts = collective.all_reduce(loads.counts)  # all ranks: CP ranks hold slices of the rows (module doc)
+        if self.bias_update_rate > 0:
+            moe_balance.update_balance_biases(self.model, counts, self.bias_update_rate)
+        return moe_balance.load_metrics(counts)
 
     def _clip_grad_norm(self) -> float:
         """Total grad norm over all ranks before clipping; clips when `policy.max_grad_norm` is set."""
