@@ -141,7 +141,9 @@ def test_deepseek_v3_grpo_balances_its_routers_and_generates_with_the_native_eng
             assert "train/router_aux_loss" not in metrics[step]  # aux-loss-free
         state = ctx.policy.state_dict_for_export()
         # Two updates of +-0.01 per expert (0 only where an expert sat exactly at the mean).
-        assert state[bias].abs().max().item() == pytest.approx(0.02) and set(state[bias].abs().tolist()) <= {0, 0.01, 0.02}
+        steps_taken = (state[bias].abs() / 0.01).tolist()  # float32 sums: 0.01 + 0.01 is 0.0199999995
+        assert max(steps_taken) == pytest.approx(2, abs=1e-5)
+        assert all(min(abs(n - k) for k in (0, 1, 2)) < 1e-5 for n in steps_taken), steps_taken
         assert ctx.generation.get_weights_checksums() == [ctx.policy.weights_checksum()]
         saved = FileSystemReader(str(tmp_path / "ckpt" / "step_2" / "policy" / "model")).read_metadata()
         assert any(key.endswith(bias) for key in saved.state_dict_metadata)
