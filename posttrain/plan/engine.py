@@ -8,10 +8,35 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from posttrain.config.schema import generation_precision, training_precision
 from posttrain.plan.devices import DevicePlan
 from posttrain.plan.formulas import (
-    CPU_RUNTIME_BYTES, GiB, activation_bytes_per_token_layer, kv_cache_bytes, rollout_turns,
+    CPU_RUNTIME_BYTES, DTYPE_BYTES, GiB, activation_bytes_per_token_layer, kv_cache_bytes, rollout_turns,
 )
+
+QUANTIZED = ("int8", "fp8")
+
+
+def engine_dtype(cfg: Any) -> str:
+    """The dtype an engine holds its weights, KV cache and activations in (`GenerationSpec.engine_precision`):
+    `policy.generation.precision` when it is float32 or bfloat16, else the trainer's (int8 and fp8
+    quantize a copy of the linear layers beside those weights)."""
+    precision = generation_precision(cfg)
+    return precision if precision not in QUANTIZED else training_precision(cfg)
+
+
+def engine_dtype_bytes(cfg: Any) -> int:
+    return DTYPE_BYTES[engine_dtype(cfg)]
+
+
+def has_quantized_copy(cfg: Any) -> bool:
+    return generation_precision(cfg) in QUANTIZED
+
+
+def engine_shares_dtype(cfg: Any) -> bool:
+    """Whether an engine in the policy's process can hold the policy's own tensors
+    (`GenerationWorker.share_weights`): only when its weights have the trainer's dtype."""
+    return engine_dtype(cfg) == training_precision(cfg)
 from posttrain.plan.shape import ModelShape
 
 
@@ -40,10 +65,12 @@ def native_engine_bytes(shape: ModelShape, rows: int, prompts: int, prompt_token
 
 def add_engine(engine: DevicePlan, cfg: Any, shape: ModelShape, c: int, device_bytes: Optional[int], *, weights: bool,
                calls: dict[str, tuple[int, int]], engines: int, row_tokens: int, longest_prompt: Optional[int],
-               phases: Optional[tuple[str, ...]] = None) -> None:
-    """Add a generation engine's rows to `engine`: its weights (unless lent in place, `weights`
-    False), and per decoding phase in `calls` (`phase: (rows of one call, rows sharing a prompt)`)
-    its working memory; `phases` the engine is resident in (default: all of the device's)."""
+               phases: Optional[tuple[str, ...]] = None, quantized_copy: bool = False) -> None:
+    """Add a generation engine's rows to `engine`: its weights of `c` bytes each (unless lent in
+    place, `weights` False), and per decoding phase in `calls` (`phase: (rows of one call, rows
+    sharing a prompt)`) its working memory in the same dtype; `phases` the engine is resident in
+    (default: all of the device's); `quantized_copy`: the int8 / fp8 copy of the linear layers
+    beside the weights (`policy.generation.precision`)."""
     gen = cfg.policy.generation
     on_gpu = cfg.cluster.gpus_per_node > 0
     if gen.backend == "vllm" and on_gpu:
@@ -57,6 +84,11 @@ def add_engine(engine: DevicePlan, cfg: Any, shape: ModelShape, c: int, device_b
         if not on_gpu and gen.backend == "vllm":
             engine.add("vLLM runtime", CPU_RUNTIME_BYTES, phases)
         engine.add("generation weights", c * shape.num_params, phases)
+    if quantized_copy and gen.backend == "native":
+        # One byte per weight of the linear layers outside the embeddings and head (their scales:
+        # 4 bytes per output channel or 128x128 block, left out), rebuilt after every refit.
+        engine.add(f"{generation_precision(cfg)} copy of the linear layers", shape.num_params - shape.embedding_params,
+                   phases)
     if gen.backend == "vllm":
         engine.add("vLLM KV cache (cpu_kv_cache_gb)", gen.vllm_cfg.cpu_kv_cache_gb * GiB, phases)
         return

@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from posttrain.plan.devices import DevicePlan, Plan
-from posttrain.plan.engine import add_engine
+from posttrain.plan.engine import add_engine, engine_dtype_bytes, engine_shares_dtype, has_quantized_copy
 from posttrain.plan.formulas import (
     CPU_RUNTIME_BYTES, GiB, compute_dtype_bytes, logprob_activation_bytes, longest_row_tokens,
     micro_batch_tokens, optimizer_state_bytes, per_rank_params, ring_attention_block_bytes,
@@ -107,9 +107,10 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
         if not on_gpu:
             engine.add("runtime (python, torch)", CPU_RUNTIME_BYTES)
         e = cfg.eval
-        add_engine(engine, cfg, shape, c, device_bytes, weights=True,
+        add_engine(engine, cfg, shape, engine_dtype_bytes(cfg), device_bytes, weights=True,
                    calls={"evaluation": (e.batch_size * e.num_generations_per_prompt, e.num_generations_per_prompt)},
-                   engines=1, row_tokens=row_tokens, longest_prompt=longest_prompt)
+                   engines=1, row_tokens=row_tokens, longest_prompt=longest_prompt,
+                   quantized_copy=has_quantized_copy(cfg))
         return Plan([engine], device_bytes, on_gpu, [1], cfg.cluster.num_nodes, row_tokens, longest_prompt, bound,
                     job, phases)
 
@@ -125,7 +126,8 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
     # the device in the generation and validation phases, except weights lent in place to a native
     # engine in the policy's own process (the local backend with one worker), which are the engine's.
     offloaded = has_generation and offloads_during_generation(policy, on_gpu)
-    lends_weights = local and colocated and gen.backend == "native" and shards == 1 and not policy.lora.enabled
+    lends_weights = (local and colocated and gen.backend == "native" and shards == 1 and not policy.lora.enabled
+                     and engine_shares_dtype(cfg))
     resident = tuple(p for p in phases if p not in ("generation", "validation")) if offloaded else phases
     trainer = DevicePlan("policy worker" + (" (+ generation)" if colocated and has_generation else ""), phases)
     if not on_gpu:
@@ -176,12 +178,14 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
         groups = s.num_generations_per_prompt
         val_k = getattr(s, "val_num_generations_per_prompt", 1)
         # One unsharded policy worker lends its weights to a native engine in its process: no copy, no refit.
-        in_place = local and colocated and gen.backend == "native" and shards == 1
-        add_engine(engine, cfg, shape, c, device_bytes, weights=not in_place,
+        in_place = local and colocated and gen.backend == "native" and shards == 1 and engine_shares_dtype(cfg)
+        # The engine's own dtype (policy.generation.precision), which may not be the trainer's.
+        add_engine(engine, cfg, shape, engine_dtype_bytes(cfg), device_bytes, weights=not in_place,
                    calls={"generation": (s.num_prompts_per_step * groups, groups),
                           "validation": (s.val_batch_size * val_k, val_k)},
                    engines=engines, row_tokens=row_tokens, longest_prompt=longest_prompt,
-                   phases=("generation", "refit", "validation") if colocated else phases)
+                   phases=("generation", "refit", "validation") if colocated else phases,
+                   quantized_copy=has_quantized_copy(cfg))
         if not in_place:
             # Unset, the bucket is a share of free memory at run time, at most MAX_BUCKET_BYTES: plan for that most.
             bucket = policy.refit_buffer_size_gb * GiB if policy.refit_buffer_size_gb else MAX_BUCKET_BYTES

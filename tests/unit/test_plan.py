@@ -124,6 +124,20 @@ def test_cpu_reference_model_is_counted_in_the_worker_process():
     assert "generation weights" not in plan.devices[0].rows and "refit bucket (send)" not in plan.devices[0].rows
 
 
+def test_the_engine_is_planned_in_its_own_precision():
+    """policy.generation.precision: a bfloat16 engine holds its own 2-byte copy (nothing to lend a
+    float32 trainer) and a 2-byte KV cache; an int8 engine borrows the float32 weights and adds its
+    one-byte copy of the linear layers outside the embeddings and head."""
+    same = mp.memory_plan(grpo(), SHAPE, device_bytes=16 * GiB).devices[0].rows
+    bf16 = mp.memory_plan(grpo("policy.generation.precision=bfloat16"), SHAPE, device_bytes=16 * GiB).devices[0].rows
+    int8 = mp.memory_plan(grpo("policy.generation.precision=int8"), SHAPE, device_bytes=16 * GiB).devices[0].rows
+    assert "generation weights" not in same and "generation weights" not in int8
+    assert bf16["generation weights"]["generation"] == 2 * SHAPE.num_params
+    assert bf16["KV cache"]["generation"] * 2 == same["KV cache"]["generation"]
+    assert int8["int8 copy of the linear layers"]["generation"] == SHAPE.num_params - SHAPE.embedding_params
+    assert int8["KV cache"] == same["KV cache"]
+
+
 def test_a_plan_that_cannot_fit_names_the_keys_that_would():
     cfg = grpo("cluster.gpus_per_node=8", "policy.num_workers=8", "policy.generation.backend=vllm",
                "policy.precision=float32", "policy.train_micro_batch_size=4", "policy.logprob_batch_size=4",
