@@ -345,7 +345,10 @@ def check_model_name(name: str, key: str, tiny_arch: str = "llama") -> None:
     from posttrain.models.presets import ARCHS, PRESETS, PRETRAINED_PRESETS, VL_PRESETS
 
     preset, _, arch = name.partition("-")
-    if preset in PRESETS and (not arch or arch in ARCHS) or name in VL_PRESETS:
+    if name in VL_PRESETS:
+        raise UserError(f"{key}={name!r} is a vision-language model, and training, generation and evaluation on "
+                        "images are not wired yet; it loads from the Python API (posttrain.models.hf.load_vision_model)")
+    if preset in PRESETS and (not arch or arch in ARCHS):
         return  # a built-in preset, built locally
     if name in PRETRAINED_PRESETS:
         check_pretrained_preset(name, key)

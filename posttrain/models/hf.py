@@ -161,8 +161,16 @@ def load_causal_lm(
     options: dict[str, Any] = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if rope_scaling:
         options["config"] = apply_rope_scaling(AutoConfig.from_pretrained(path), rope_scaling)
-    with MODEL_BUILD_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **options)
+    try:
+        with MODEL_BUILD_LOCK:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **options)
+    except ValueError as e:
+        if "Unrecognized configuration class" not in str(e):
+            raise
+        kind = type(AutoConfig.from_pretrained(path)).__name__
+        raise UserError(f"model {os.fspath(name_or_path)!r} ({kind}) is not a causal language model "
+                        "(AutoModelForCausalLM has no class for it); vision-language models load with "
+                        "load_vision_model and are not wired into training yet") from None
     return model.to(device).eval()
 
 

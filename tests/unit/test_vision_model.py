@@ -105,6 +105,18 @@ def test_load_errors_are_one_line(tmp_path):
         vision.ensure_tiny_vlm("tiny-vlm")
 
 
+def test_training_a_vision_language_model_is_refused_in_one_line():
+    """Until the workers and engines take images: the preflight names the key, and a text loader
+    given a VLM's directory names its config class."""
+    from posttrain.preflight import check_model_name
+
+    with pytest.raises(UserError, match=r"^policy.model_name='tiny-vl' is a vision-language model, and training"):
+        check_model_name("tiny-vl", "policy.model_name")
+    with pytest.raises(UserError, match=r"\(LlavaConfig\) is not a causal language model") as e:
+        hf.load_causal_lm(hf.resolve_model_path("tiny-vl"))
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed")
 def test_a_processor_that_needs_torchvision_says_so_in_one_line(tmp_path):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
