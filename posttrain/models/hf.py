@@ -161,17 +161,22 @@ def load_causal_lm(
     options: dict[str, Any] = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if rope_scaling:
         options["config"] = apply_rope_scaling(AutoConfig.from_pretrained(path), rope_scaling)
+    model = _from_pretrained(AutoModelForCausalLM, path, dtype, options, lambda kind: (
+        f"model {os.fspath(name_or_path)!r} ({kind}) is not a causal language model (AutoModelForCausalLM has no "
+        "class for it); vision-language models load with load_vision_model and are not wired into training yet"))
+    return model.to(device).eval()
+
+
+def _from_pretrained(auto_class: Any, path: str, dtype: torch.dtype, options: dict[str, Any], not_this_kind) -> PreTrainedModel:
+    """`auto_class.from_pretrained` under the build lock; a config the class has no model for is a
+    one-line UserError, `not_this_kind(config class name)`, instead of transformers' list of every class."""
     try:
         with MODEL_BUILD_LOCK:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **options)
+            return auto_class.from_pretrained(path, dtype=dtype, **options)
     except ValueError as e:
         if "Unrecognized configuration class" not in str(e):
             raise
-        kind = type(AutoConfig.from_pretrained(path)).__name__
-        raise UserError(f"model {os.fspath(name_or_path)!r} ({kind}) is not a causal language model "
-                        "(AutoModelForCausalLM has no class for it); vision-language models load with "
-                        "load_vision_model and are not wired into training yet") from None
-    return model.to(device).eval()
+        raise UserError(not_this_kind(type(AutoConfig.from_pretrained(path)).__name__)) from None
 
 
 def load_vision_model(
@@ -187,14 +192,9 @@ def load_vision_model(
     path = resolve_model_path(name_or_path)
     _require_files(path, ("config.json",), "model")
     options: dict[str, Any] = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    try:
-        with MODEL_BUILD_LOCK:
-            model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, **options)
-    except ValueError as e:
-        if "Unrecognized configuration class" not in str(e):
-            raise
-        raise UserError(f"model {os.fspath(name_or_path)!r} is not a vision-language model transformers knows "
-                        "(AutoModelForImageTextToText has no class for its config)") from None
+    model = _from_pretrained(AutoModelForImageTextToText, path, dtype, options, lambda kind: (
+        f"model {os.fspath(name_or_path)!r} is not a vision-language model transformers knows "
+        "(AutoModelForImageTextToText has no class for its config)"))
     return model.to(device).eval()
 
 

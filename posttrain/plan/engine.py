@@ -14,6 +14,8 @@ from posttrain.plan.formulas import (
     CPU_RUNTIME_BYTES, DTYPE_BYTES, GiB, activation_bytes_per_token_layer, kv_cache_bytes, rollout_turns,
 )
 
+from posttrain.plan.shape import ModelShape
+
 QUANTIZED = ("int8", "fp8")
 
 
@@ -37,7 +39,6 @@ def engine_shares_dtype(cfg: Any) -> bool:
     """Whether an engine in the policy's process can hold the policy's own tensors
     (`GenerationWorker.share_weights`): only when its weights have the trainer's dtype."""
     return engine_dtype(cfg) == training_precision(cfg)
-from posttrain.plan.shape import ModelShape
 
 
 def engine_rows(rows_per_call: int, engines: int, batch_size: int) -> int:

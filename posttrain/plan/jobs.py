@@ -126,8 +126,10 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
     # the device in the generation and validation phases, except weights lent in place to a native
     # engine in the policy's own process (the local backend with one worker), which are the engine's.
     offloaded = has_generation and offloads_during_generation(policy, on_gpu)
-    lends_weights = (local and colocated and gen.backend == "native" and shards == 1 and not policy.lora.enabled
-                     and engine_shares_dtype(cfg))
+    # One unsharded policy worker lends its weights to a native engine in its process (no copy, no
+    # refit) when the engine computes in the trainer's dtype.
+    engine_in_place = local and colocated and gen.backend == "native" and shards == 1 and engine_shares_dtype(cfg)
+    lends_weights = engine_in_place and not policy.lora.enabled
     resident = tuple(p for p in phases if p not in ("generation", "validation")) if offloaded else phases
     trainer = DevicePlan("policy worker" + (" (+ generation)" if colocated and has_generation else ""), phases)
     if not on_gpu:
@@ -177,16 +179,14 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
         s = loop_section(cfg)
         groups = s.num_generations_per_prompt
         val_k = getattr(s, "val_num_generations_per_prompt", 1)
-        # One unsharded policy worker lends its weights to a native engine in its process: no copy, no refit.
-        in_place = local and colocated and gen.backend == "native" and shards == 1 and engine_shares_dtype(cfg)
         # The engine's own dtype (policy.generation.precision), which may not be the trainer's.
-        add_engine(engine, cfg, shape, engine_dtype_bytes(cfg), device_bytes, weights=not in_place,
+        add_engine(engine, cfg, shape, engine_dtype_bytes(cfg), device_bytes, weights=not engine_in_place,
                    calls={"generation": (s.num_prompts_per_step * groups, groups),
                           "validation": (s.val_batch_size * val_k, val_k)},
                    engines=engines, row_tokens=row_tokens, longest_prompt=longest_prompt,
                    phases=("generation", "refit", "validation") if colocated else phases,
                    quantized_copy=has_quantized_copy(cfg))
-        if not in_place:
+        if not engine_in_place:
             # Unset, the bucket is a share of free memory at run time, at most MAX_BUCKET_BYTES: plan for that most.
             bucket = policy.refit_buffer_size_gb * GiB if policy.refit_buffer_size_gb else MAX_BUCKET_BYTES
             refit_bucket = min(bucket, c * shape.num_params) + c * shape.largest_tensor
