@@ -133,12 +133,11 @@ def check_router_balancing(policy: Any) -> None:
     cached yet is checked by the workers): `policy.moe_router_bias_update_rate` on routers without a
     balancing bias, `policy.router_aux_loss_coef` on routers balanced by one, and tensor parallelism
     of multi-head latent attention (no plan for it)."""
-    from posttrain.models.paths import model_config_dict
-    from posttrain.models.presets import ARCHS, PRESETS
+    from posttrain.models.paths import model_config_dict, parse_tiny_name
 
-    preset, _, arch = policy.model_name.partition("-")
-    if preset in PRESETS and (not arch or arch in ARCHS):
-        model_type = arch or policy.tiny_arch
+    tiny = parse_tiny_name(policy.model_name, policy.tiny_arch)
+    if tiny is not None:
+        model_type = tiny[1]
     else:
         model_type = (model_config_dict(policy.model_name) or {}).get("model_type")
         if model_type is None:
@@ -342,13 +341,13 @@ def load_split_records(cfg: Any) -> dict[str, list[dict]]:
 def check_model_name(name: str, key: str, tiny_arch: str = "llama") -> None:
     """Refuse a model name that cannot load, fast: a missing or wrong local path, a run directory
     given where a `step_N` is meant, or a hub id that is neither cached nor downloadable."""
-    from posttrain.models.presets import ARCHS, PRESETS, PRETRAINED_PRESETS, VL_PRESETS
+    from posttrain.models.paths import parse_tiny_name
+    from posttrain.models.presets import PRESETS, PRETRAINED_PRESETS, VL_PRESETS
 
-    preset, _, arch = name.partition("-")
     if name in VL_PRESETS:
         raise UserError(f"{key}={name!r} is a vision-language model, and training, generation and evaluation on "
                         "images are not wired yet; it loads from the Python API (posttrain.models.hf.load_vision_model)")
-    if preset in PRESETS and (not arch or arch in ARCHS):
+    if parse_tiny_name(name, tiny_arch) is not None:
         return  # a built-in preset, built locally
     if name in PRETRAINED_PRESETS:
         check_pretrained_preset(name, key)

@@ -34,16 +34,7 @@ from posttrain.models.presets import PRETRAINED_PRESETS, VL_PRESETS
 from posttrain.models.tiny import ARCHS, PRESETS, ensure_tiny_model
 
 from posttrain.models.paths import HUB_ID as _HUB_ID
-
-
-def parse_tiny_name(name: str, tiny_arch: str = "llama") -> tuple[str, str] | None:
-    """`(preset, arch)` if `name` names a built-in tiny model (`tiny`, `tiny-qwen2`, ...), else None."""
-    preset, _, arch = name.partition("-")
-    if preset not in PRESETS:
-        return None
-    if not arch:
-        return preset, tiny_arch
-    return (preset, arch) if arch in ARCHS else None
+from posttrain.models.paths import parse_tiny_name
 
 
 def resolve_model_path(name_or_path: str | os.PathLike, tiny_arch: str = "llama") -> str:

@@ -13,14 +13,24 @@ from typing import Optional
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
+def parse_tiny_name(name: str, tiny_arch: str = "llama") -> tuple[str, str] | None:
+    """`(preset, arch)` if `name` names a built-in tiny model (`tiny`, `tiny-qwen2`, ...; without
+    an arch, `tiny_arch`), else None."""
+    from posttrain.models.presets import ARCHS, PRESETS
+
+    preset, _, arch = name.partition("-")
+    if preset not in PRESETS:
+        return None
+    if not arch:
+        return preset, tiny_arch
+    return (preset, arch) if arch in ARCHS else None
+
+
 def model_vocab_size(name: str, tiny_arch: str = "llama") -> Optional[int]:
     """The vocabulary size (width of the logits) of `name` from its `config.json`, without loading
     weights: a preset's, a local directory's or checkpoint's, or a hub id's cached config; None
     when it cannot be known yet (a hub id not in the cache)."""
-    from posttrain.models.presets import ARCHS, PRESETS
-
-    preset, _, arch = name.partition("-")
-    if preset in PRESETS and (not arch or arch in ARCHS):
+    if parse_tiny_name(name) is not None:
         from posttrain.models.tiny import build_tokenizer
 
         return len(build_tokenizer())  # every preset shares the character-level tokenizer
@@ -33,11 +43,11 @@ def model_split_sizes(name: str) -> Optional[dict[str, Optional[int]]]:
     """The sizes tensor parallelism divides (`parallel_sizes.TP_SPLIT_KEYS`) of `name`, from its
     preset or its `config.json` (see `model_vocab_size`); None when they cannot be known yet."""
     from posttrain.models.parallel_sizes import TP_SPLIT_KEYS
-    from posttrain.models.presets import ARCHS, PRESETS
+    from posttrain.models.presets import PRESETS
 
-    preset, _, arch = name.partition("-")
-    if preset in PRESETS and (not arch or arch in ARCHS):
-        config: Optional[dict] = PRESETS[preset]
+    tiny = parse_tiny_name(name)
+    if tiny is not None:
+        config: Optional[dict] = PRESETS[tiny[0]]
     else:
         config = model_config_dict(name)
         if config is not None:
