@@ -16,3 +16,23 @@ def best_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def timed(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
+    """Best wall time of `repeats` calls of `fn` (after one warm-up call) and the last result,
+    with CUDA synchronised around each timed call where a GPU is present."""
+    import torch
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    result = fn()
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        result = fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best, result

@@ -66,16 +66,16 @@ def trainer_logprobs(model: torch.nn.Module, out: dict, batch_rows: int = 16) ->
     with torch.inference_mode():
         for start in range(0, ids.shape[0], batch_rows):
             chunk = ids[start : start + batch_rows]
-            mask = (torch.arange(ids.shape[1])[None] < lengths[start : start + batch_rows, None]).long()
+            mask = (torch.arange(ids.shape[1], device=ids.device)[None] < lengths[start : start + batch_rows, None]).long()
             logits = model(input_ids=chunk, attention_mask=mask).logits.float()
             chosen = torch.log_softmax(logits[:, :-1], -1).gather(2, chunk[:, 1:, None])[..., 0]
-            rows.append(torch.cat([torch.zeros(chunk.shape[0], 1), chosen], dim=1))
+            rows.append(torch.cat([torch.zeros_like(chosen[:, :1]), chosen], dim=1))
     return torch.cat(rows)
 
 
 def mismatch(engine_logprobs: torch.Tensor, train_logprobs: torch.Tensor, out: dict) -> dict[str, float]:
     """GRPO's mismatch metrics over the generated tokens."""
-    positions = torch.arange(engine_logprobs.shape[1])[None]
+    positions = torch.arange(engine_logprobs.shape[1], device=engine_logprobs.device)[None]
     ends = out["unpadded_sequence_lengths"][:, None]
     generated = (positions >= ends - out["generation_lengths"][:, None]) & (positions < ends)
     gen, train = engine_logprobs[generated], train_logprobs[generated]

@@ -17,30 +17,15 @@ to and including the stop token.
 from __future__ import annotations
 
 import argparse
-import time
 
 import posttrain  # noqa: F401 - first: it sets OpenMP's passive wait before torch loads OpenMP
 import torch
 
 from baselines import HFGenerateBaseline
+from bench_timing import timed
 
 from posttrain.models.generation.engine import NativeGenerationEngine
 from posttrain.models.hf import load_causal_lm, pick_dtype
-
-
-def timed(fn, repeats: int) -> tuple[float, object]:
-    """Best wall time of `repeats` calls (after one warm-up call) and the last result."""
-    result = fn()
-    best = float("inf")
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        result = fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best, result
 
 
 def main() -> None:

@@ -38,6 +38,8 @@ import posttrain  # noqa: F401 - first: it sets OpenMP's passive wait before tor
 import torch
 
 from baselines import HFGenerateBaseline
+from bench_timing import timed
+from generation_precision import mismatch, trainer_logprobs
 from train_step_135m import make_grpo_batch, train_flops
 
 from posttrain.algorithms.loss import ClippedPGLoss
@@ -49,34 +51,16 @@ from posttrain.models.hf import load_causal_lm
 NOMINAL_BF16_TFLOPS = 989.0  # H100 / H200 SXM, dense
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def best_seconds(fn, repeats: int) -> tuple[float, object]:
-    """Best wall time of `repeats` calls after one warm-up call, and the last result."""
-    result = fn()
-    best = float("inf")
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        result = fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return best, result
-
-
 def card(device: torch.device, quick: bool) -> tuple[float, float]:
     """Print the device; return (measured bf16 matmul TFLOP/s, measured bandwidth GB/s)."""
     n = 1024 if quick else 8192
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    seconds, _ = best_seconds(lambda: a @ b, 3 if quick else 10)
+    seconds, _ = timed(lambda: a @ b, 3 if quick else 10)
     tflops = 2 * n**3 / seconds / 1e12
     x = torch.empty(2**28 if not quick else 2**22, device=device, dtype=torch.uint8)
     y = torch.empty_like(x)
-    copy_s, _ = best_seconds(lambda: y.copy_(x), 5)
+    copy_s, _ = timed(lambda: y.copy_(x), 5)
     bandwidth = 2 * x.numel() / copy_s / 1e9
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -99,9 +83,9 @@ def decode(name: str, device: torch.device, args, bandwidth_gbs: float) -> None:
     ids, lengths = random_prompts(args.batch, args.prompt_len, model.config.vocab_size, pad, device)
     native = NativeGenerationEngine(model, None, pad_token_id=pad, eos_token_id=None)
     hf = HFGenerateBaseline(model, pad_token_id=pad, eos_token_id=None)
-    native_s, out = best_seconds(lambda: native.generate(ids, lengths, max_new_tokens=args.new_tokens, greedy=True),
+    native_s, out = timed(lambda: native.generate(ids, lengths, max_new_tokens=args.new_tokens, greedy=True),
                                  args.repeats)
-    hf_s, _ = best_seconds(lambda: hf.generate(ids, lengths, max_new_tokens=args.new_tokens, greedy=True), args.repeats)
+    hf_s, _ = timed(lambda: hf.generate(ids, lengths, max_new_tokens=args.new_tokens, greedy=True), args.repeats)
     tokens = int(out["generation_lengths"].sum())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bound = args.batch * bandwidth_gbs * 1e9 / weight_bytes
@@ -109,26 +93,6 @@ def decode(name: str, device: torch.device, args, bandwidth_gbs: float) -> None:
           f"native {tokens / native_s:,.0f} tok/s, HF generate {tokens / hf_s:,.0f} tok/s, "
           f"native/HF {hf_s / native_s:.2f}x; weight-read bound {bound:,.0f} tok/s "
           f"(native at {tokens / native_s / bound:.0%} of it)", flush=True)
-
-
-def generated_mask(out: dict) -> torch.Tensor:
-    width = out["output_ids"].shape[1]
-    positions = torch.arange(width, device=out["output_ids"].device)[None]
-    ends = out["unpadded_sequence_lengths"][:, None]
-    return (positions >= ends - out["generation_lengths"][:, None]) & (positions < ends)
-
-
-@torch.inference_mode()
-def reference_logprobs(model: torch.nn.Module, out: dict, rows: int = 16) -> torch.Tensor:
-    ids, lengths = out["output_ids"], out["unpadded_sequence_lengths"]
-    chunks = []
-    for start in range(0, ids.shape[0], rows):
-        chunk = ids[start : start + rows]
-        mask = (torch.arange(ids.shape[1], device=ids.device)[None] < lengths[start : start + rows, None]).long()
-        logits = model(input_ids=chunk, attention_mask=mask).logits.float()
-        chosen = torch.log_softmax(logits[:, :-1], -1).gather(2, chunk[:, 1:, None])[..., 0]
-        chunks.append(torch.cat([torch.zeros_like(chosen[:, :1]), chosen], dim=1))
-    return torch.cat(chunks)
 
 
 def fp8_against_bf16(name: str, device: torch.device, args) -> None:
@@ -147,12 +111,11 @@ def fp8_against_bf16(name: str, device: torch.device, args) -> None:
         cells = []
         for precision, model in engines.items():
             engine = NativeGenerationEngine(model, None, pad_token_id=pad, eos_token_id=None)
-            seconds, out = best_seconds(lambda: engine.generate(ids, lengths, max_new_tokens=args.new_tokens,
+            seconds, out = timed(lambda: engine.generate(ids, lengths, max_new_tokens=args.new_tokens,
                                                                 temperature=1.0, seeds=seeds), args.repeats)
             tokens = int(out["generation_lengths"].sum())
-            mask = generated_mask(out)
-            gap = (out["logprobs"].to(device).float() - reference_logprobs(reference, out))[mask].abs()
-            cells.append((precision, tokens / seconds, gap.exp().mean().item(), gap.mean().item()))
+            gap = mismatch(out["logprobs"].to(device).float(), trainer_logprobs(reference, out), out)
+            cells.append((precision, tokens / seconds, gap["token_mult_prob_error"], gap["mean_abs"]))
         base = cells[0][1]
         print(f"  batch {batch}, sampled: " + "; ".join(
             f"{p} {rate:,.0f} tok/s ({rate / base:.2f}x), token_mult_prob_error {err:.4f} (mean |dlogp| {mean:.4f})"
@@ -176,7 +139,7 @@ def training(name: str, device: torch.device, args, peak_measured: float) -> Non
                             prompt_range=(args.prompt_len * 3 // 4, args.prompt_len),
                             completion_range=(args.completion_len // 4, args.completion_len))
     loss_fn = ClippedPGLoss(LossConfig())
-    seconds, _ = best_seconds(lambda: worker.train(batch, loss_fn), args.repeats)
+    seconds, _ = timed(lambda: worker.train(batch, loss_fn), args.repeats)
     flops = train_flops(worker.model, batch["input_lengths"])
     tokens = int(batch["input_lengths"].sum())
     peak_memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
