@@ -60,13 +60,14 @@ def critic_config(cfg: Any) -> PolicyConfig:
     fields.update(
         model_name=model_name, tokenizer_name=policy.tokenizer_name or policy.model_name,
         num_workers=policy.num_workers if c.colocated else c.num_workers or policy.num_workers,
-        tensor_parallel_size=1, context_parallel_size=1, sequence_parallel=False,
+        tensor_parallel_size=1, context_parallel_size=1, sequence_parallel=False, pipeline_parallel_size=1,
+        pipeline_virtual_stages=None, pipeline_layer_split=None,
         lora={**fields["lora"], "enabled": False},
         optimizer=c.optimizer.model_dump() if c.optimizer is not None else fields["optimizer"],
     )
-    if policy.tensor_parallel_size > 1 or policy.context_parallel_size > 1:
-        print(f"[posttrain] critic: data parallel (FSDP2) over its {fields['num_workers']} workers; the policy's tensor "
-              "and context parallel sizes are the policy's only", flush=True)
+    if policy.tensor_parallel_size > 1 or policy.context_parallel_size > 1 or policy.pipeline_parallel_size > 1:
+        print(f"[posttrain] critic: data parallel (FSDP2) over its {fields['num_workers']} workers; the policy's tensor, "
+              "context and pipeline parallel sizes are the policy's only", flush=True)
     try:
         return PolicyConfig.model_validate(fields)
     except ValueError as e:

@@ -445,6 +445,37 @@ class PolicyConfig(Section):
             "only."
         ),
     )
+    pipeline_parallel_size: int = Field(
+        1, ge=1,
+        description=(
+            "Workers that split the decoder layers into pipeline stages between them (torch.distributed.pipelining; "
+            "embeddings on the first stage, the head, logprobs and loss on the last; models/policy/pipeline.py). "
+            "num_workers must be a multiple of it times tensor_parallel_size (the mesh dp x pp x tp); dense llama / "
+            "qwen2 / qwen3 models with untied embeddings; fixed-size micro-batches (train_micro_batch_size rows); "
+            "not with context parallelism, LoRA, sequence parallelism, packing, dynamic batching or batch-invariant "
+            "mode. 1 (default): off."
+        ),
+    )
+    pipeline_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = Field(
+        "1f1b",
+        description=(
+            "With pipeline_parallel_size > 1: '1f1b' (default; one forward one backward, at most pipeline_parallel_size "
+            "micro-batches in flight), 'interleaved_1f1b' (pipeline_virtual_stages stages per worker: a smaller bubble, "
+            "more traffic) or 'gpipe' (all forwards, then all backwards: every micro-batch in flight; for reference)."
+        ),
+    )
+    pipeline_virtual_stages: Optional[int] = Field(
+        None, ge=1,
+        description="Stages per pipeline worker: None (default) is 2 for interleaved_1f1b, 1 otherwise (which needs 1).",
+    )
+    pipeline_layer_split: Optional[list[int]] = Field(
+        None,
+        description=(
+            "Decoder layers of each stage, in order (pipeline_parallel_size * virtual stages entries, summing to the "
+            "model's layers), e.g. [5, 7] to leave room for the embeddings on the first. None (default): even, the "
+            "first stages taking one more when it does not divide."
+        ),
+    )
     fsdp_cpu_offload: bool = Field(
         False,
         description=(
@@ -513,9 +544,13 @@ class PolicyConfig(Section):
             )
         if self.context_parallel_size > 1:
             self._check_context_parallel()
+        if self.pipeline_parallel_size > 1 or self.pipeline_virtual_stages or self.pipeline_layer_split:
+            self._check_pipeline_parallel()
         if self.train_global_batch_size % self.dp_size:
             ranks = (f"policy.num_workers={self.num_workers}" if self.tensor_parallel_size == 1 else
                      f"the {self.dp_size} data-parallel ranks (policy.num_workers / policy.tensor_parallel_size)")
+            if self.pipeline_parallel_size > 1:
+                ranks = f"the {self.dp_size} data-parallel ranks (policy.num_workers / (pipeline x tensor parallel size))"
             if self.context_parallel_size > 1:
                 ranks = (f"the {self.dp_size} data-parallel ranks (policy.num_workers / "
                          + ("(policy.context_parallel_size * policy.tensor_parallel_size))"
@@ -548,7 +583,39 @@ class PolicyConfig(Section):
         if self.lora.enabled:
             raise ValueError("policy.context_parallel_size > 1 with policy.lora.enabled is not supported")
 
+    def _check_pipeline_parallel(self) -> None:
+        """One line per combination pipeline parallelism refuses (pipeline.py's module doc)."""
+        pp, tp = self.pipeline_parallel_size, self.tensor_parallel_size
+        if self.num_workers % (pp * tp):
+            sizes = (f"policy.pipeline_parallel_size={pp}" if tp == 1 else
+                     f"policy.pipeline_parallel_size * policy.tensor_parallel_size = {pp} * {tp}")
+            raise ValueError(f"policy.num_workers={self.num_workers} must be a multiple of {sizes}")
+        virtual = self.pipeline_virtual_stages
+        if self.pipeline_schedule == "interleaved_1f1b" and virtual == 1:
+            raise ValueError("policy.pipeline_schedule=interleaved_1f1b needs policy.pipeline_virtual_stages >= 2 "
+                             "(or None: 2)")
+        if self.pipeline_schedule != "interleaved_1f1b" and (virtual or 1) > 1:
+            raise ValueError(f"policy.pipeline_virtual_stages={virtual} needs policy.pipeline_schedule=interleaved_1f1b "
+                             f"({self.pipeline_schedule} runs one stage per worker)")
+        if self.pipeline_layer_split is not None:
+            stages = pp * (virtual or (2 if self.pipeline_schedule == "interleaved_1f1b" else 1))
+            if len(self.pipeline_layer_split) != stages or min(self.pipeline_layer_split) < 1:
+                raise ValueError(f"policy.pipeline_layer_split={self.pipeline_layer_split} must list {stages} stages "
+                                 "(pipeline_parallel_size * virtual stages) of at least one layer each")
+        if pp == 1:
+            return
+        refused = [(self.context_parallel_size > 1, "policy.context_parallel_size > 1"),
+                   (self.lora.enabled, "policy.lora.enabled"),
+                   (self.sequence_parallel, "policy.sequence_parallel"),
+                   (self.sequence_packing.enabled, "policy.sequence_packing.enabled"),
+                   (self.dynamic_batching.enabled, "policy.dynamic_batching.enabled"),
+                   (self.batch_invariant, "policy.batch_invariant")]
+        for refuse, key in refused:
+            if refuse:
+                raise ValueError(f"policy.pipeline_parallel_size > 1 with {key} is not supported (pipeline.py); "
+                                 "turn one of them off")
+
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks: `num_workers / (tensor_parallel_size * context_parallel_size)`."""
-        return self.num_workers // (self.tensor_parallel_size * self.context_parallel_size)
+        """Data-parallel ranks: `num_workers / (tensor_parallel_size * context_parallel_size * pipeline_parallel_size)`."""
+        return self.num_workers // (self.tensor_parallel_size * self.context_parallel_size * self.pipeline_parallel_size)

@@ -16,7 +16,7 @@ from transformers import AutoConfig
 
 from posttrain.config.schema import PolicyConfig
 from posttrain.models.hf import apply_rope_scaling, load_causal_lm, parse_tiny_name
-from posttrain.models.policy import context_parallel, parallel, sharded_load
+from posttrain.models.policy import context_parallel, parallel, pipeline, sharded_load
 from posttrain.models.policy.checkpoint import MODEL_CLASSES
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 
@@ -37,7 +37,8 @@ class ModelLoading:
     """Mixin of `PolicyWorker`: reads `self.cfg`, `self.model_type`, `self.loads_sharded`,
     `self.tokenizer`, `self.rank`, `self.world_size`, `self.tp_size`, `self.cp_size`,
     `self.compute_dtype`, `self.device`, `self.is_fsdp`, `self.model` and `self.load_host_memory`;
-    `_shard_model` sets `self.dp_group` and `self.cp_group`."""
+    `_shard_model` sets `self.dp_group`, `self.cp_group` and `self.metrics_group` (and, with pipeline
+    parallelism, `self.pp_group`, `self.pipeline_chunks` and `self.pipeline_stages`)."""
 
     def _load_model(self, model_path: str) -> torch.nn.Module:
         # Loaded on the CPU in float32: FSDP moves only this rank's shard to the device. With
@@ -77,6 +78,18 @@ class ModelLoading:
 
     def _shard_model(self) -> None:
         """Tensor parallel over each TP group, FSDP2 over the data-parallel ranks (`parallel.py`)."""
+        if self.pp_size > 1:  # this rank's stages only, each sharded over its dp sub-mesh (pipeline.py)
+            mesh = pipeline.build_mesh(self.device.type, self.world_size, self.pp_size, self.tp_size)
+            self.dp_group, self.pp_group, self.metrics_group = mesh["dp_group"], mesh["pp_group"], mesh["metrics_group"]
+            self.pipeline_chunks, self.pipeline_stages = pipeline.split_and_shard(
+                self.model, self.cfg, mesh, mixed_precision=parallel.mixed_precision_policy(self.compute_dtype),
+                cpu_offload=self.cfg.fsdp_cpu_offload and self.device.type != "cpu")
+            self._gather_layout()
+            if self.rank == 0:
+                print(f"[posttrain] pipeline parallel x{self.pp_size} ({self.cfg.pipeline_schedule}, "
+                      f"{pipeline.virtual_stages(self.cfg)} stage(s) per worker): every worker reads the checkpoint "
+                      "and keeps its stages", flush=True)
+            return
         if self.cp_size > 1:
             dp_mesh, self.dp_group, self.cp_group, tp_mesh = context_parallel.build_mesh(
                 self.device.type, self.world_size, self.cp_size, self.tp_size)
@@ -84,6 +97,7 @@ class ModelLoading:
             dp_mesh, tp_mesh = parallel.build_mesh(self.device.type, self.world_size, self.tp_size)
             if tp_mesh is not None:
                 self.dp_group = dp_mesh.get_group()
+        self.metrics_group = self.dp_group
         parallel.shard_model(
             self.model, dp_mesh, tp_mesh, sequence_parallel=self.cfg.sequence_parallel,
             activation_checkpointing=self.cfg.activation_checkpointing,
@@ -102,8 +116,8 @@ class ModelLoading:
         Needed before changing weights outside the optimizer (reference swap, checkpoint load):
         the root unit keeps its gathered parameters after a no-grad forward.
         """
-        if self.is_fsdp:
-            for module in self.model.modules():
+        if self.is_fsdp:  # pipeline stages are FSDP roots of their own, outside self.model
+            for module in [*self.model.modules(), *self.pipeline_chunks]:
                 if isinstance(module, FSDPModule):
                     module.reshard()
 

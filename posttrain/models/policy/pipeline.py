@@ -293,13 +293,59 @@ def build_schedule(cfg: Any, chunks: list[StageChunk], stages: list[int], pp_gro
 
 class PipelineParallel:
     """Mixin of `PolicyWorker`: training steps, inference and weight export under PP. Reads
-    `self.cfg`, `self.model`, `self.device`, `self.compute_dtype`, `self.dp_size`; `_shard_model`
+    `self.cfg`, `self.model`, `self.device`, `self.compute_dtype`, `self.fsdp_size`, `self._microbatches`; `_shard_model`
     (`model_loading.py`) sets `self.pipeline_chunks`, `self.pipeline_stages`, `self.pp_group`."""
 
     pp_size: int = 1
     pipeline_chunks: list[StageChunk] = []
     pipeline_stages: list[int] = []
     pp_group: Any = None
+    # `(name, full shape, dtype, owning pipeline rank)` of every tensor of the whole model (`_gather_layout`).
+    pipeline_layout: list[tuple[str, tuple[int, ...], torch.dtype, int]] = []
+
+    def _gather_layout(self) -> None:
+        """Collective over the pipeline: every rank learns the names, full shapes and owners of
+        all stages' tensors (refit metadata comes from rank 0, export gathers them in this order)."""
+        mine = [(name, tuple(t.shape), t.dtype) for name, t in self.model.state_dict().items()]
+        everyone = collective.all_gather_object(mine, group=self.pp_group)
+        self.pipeline_layout = [(name, shape, dtype, rank) for rank, entries in enumerate(everyone)
+                                for name, shape, dtype in entries]
+
+    # ----------------------------------------------------------------- weights leaving (WeightExport)
+    def refit_info(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        if self.pp_size == 1:
+            return super().refit_info()
+        return [(name, shape, dtype) for name, shape, dtype, _ in self.pipeline_layout]
+
+    def _exported_tensor_getter(self) -> Callable[[str], torch.Tensor]:
+        """Under PP: the owning stage gathers the tensor from its shards (as without PP) and
+        broadcasts it over the pipeline, so every rank can pack any bucket (collective: all ranks
+        ask for the same names in the same order)."""
+        local = super()._exported_tensor_getter()
+        if self.pp_size == 1:
+            return local
+        layout = {name: (shape, dtype, owner) for name, shape, dtype, owner in self.pipeline_layout}
+        ranks = torch.distributed.get_process_group_ranks(self.pp_group)
+        me = ranks.index(torch.distributed.get_rank())
+
+        def tensor_of(name: str) -> torch.Tensor:
+            shape, dtype, owner = layout[name]
+            tensor = local(name).contiguous() if owner == me else torch.empty(shape, dtype=dtype, device=self.device)
+            torch.distributed.broadcast(tensor, src=ranks[owner], group=self.pp_group)
+            return tensor
+
+        return tensor_of
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.pp_size == 1:
+            return super()._full_state_dict()
+        tensor_of = self._exported_tensor_getter()
+        state = {}
+        for name, *_ in self.pipeline_layout:
+            tensor = tensor_of(name).cpu()
+            if torch.distributed.get_rank() == 0:
+                state[name] = tensor
+        return state
 
     @property
     def is_last_stage(self) -> bool:
@@ -356,7 +402,7 @@ class PipelineParallel:
             if not torch.isfinite(loss):
                 bad.append(k)
             accumulate(sums, metrics)
-            return loss * self.dp_size
+            return loss * self.fsdp_size  # FSDP2 averages over the stage's dp ranks
 
         self._run_pipeline(mbs, rows_per_mb, temperature, stage_loss)
         return bad

@@ -66,8 +66,8 @@ class Policy:
             )
         self.dp_size = self.cfg.dp_size
         self.tp_size = self.cfg.tensor_parallel_size
-        # The ranks of a TP group, or a CP group, see the same rows: one shard per data-parallel rank.
-        self.replicas = self.cfg.tensor_parallel_size * self.cfg.context_parallel_size
+        # The ranks of a TP, CP or PP group see the same rows: one shard per data-parallel rank.
+        self.replicas = self.cfg.num_workers // self.cfg.dp_size
         self.worker_group = WorkerGroup(
             cluster,
             PolicyWorker,

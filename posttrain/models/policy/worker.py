@@ -42,7 +42,7 @@ from posttrain.distributed.worker_group import DistributedWorker
 from posttrain.models import lora, moe, moe_balance
 from posttrain.models.hf import load_tokenizer, pick_dtype, resolve_model_path
 from posttrain.models.policy import checkpoint as ckpt
-from posttrain.models.policy import context_parallel, parallel, sharded_load
+from posttrain.models.policy import context_parallel, parallel, pipeline, sharded_load
 from posttrain.models.policy.checkpoint import Checkpointing
 from posttrain.models.policy.forward import (
     MicroBatch,
@@ -80,8 +80,8 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGeneration, MeasuresPhases,
-                   DistributedWorker):
+class PolicyWorker(pipeline.PipelineParallel, ModelLoading, Checkpointing, WeightExport, OffloadsDuringGeneration,
+                   MeasuresPhases, DistributedWorker):
     """Training, logprob inference, checkpoints and weight export for one rank (see `parallel.py`).
 
     Args:
@@ -118,22 +118,28 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
         # DistributedWorker set self.rank, self.world_size and self.device (cuda when present).
         self.tp_size = self.cfg.tensor_parallel_size
         self.cp_size = self.cfg.context_parallel_size
-        if self.world_size % (self.tp_size * self.cp_size):
+        self.pp_size = self.cfg.pipeline_parallel_size
+        if self.world_size % (self.tp_size * self.cp_size * self.pp_size):
             raise ValueError(f"policy.tensor_parallel_size={self.tp_size} * policy.context_parallel_size="
-                             f"{self.cp_size} does not divide the {self.world_size} workers")
+                             f"{self.cp_size} * policy.pipeline_parallel_size={self.pp_size} does not divide the "
+                             f"{self.world_size} workers")
+        if self.pp_size > 1 and model_type != "lm":
+            raise ValueError("policy.pipeline_parallel_size > 1 is supported for language models, not reward or value "
+                             "models")
         if self.cp_size > 1 and model_type != "lm":
             raise ValueError("policy.context_parallel_size > 1 is supported for language models, not reward or "
                              "value models")
-        self.dp_size = self.world_size // (self.tp_size * self.cp_size)
+        self.dp_size = self.world_size // (self.tp_size * self.cp_size * self.pp_size)
         self.fsdp_size = self.dp_size * self.cp_size  # ranks FSDP averages gradients over
         self.dp_group: Any = None  # the data-parallel ranks' process group (None: all ranks, the default group)
         self.cp_group: Any = None  # the context-parallel ranks' process group (None: no CP)
+        self.metrics_group: Any = None  # where metrics reduce: dp_group, or dp x pp under PP (pipeline.py)
         self.compute_dtype = pick_dtype(self.cfg.precision, self.device)
         self.step = 0  # number of `train` calls (= scheduler steps) so far
         # Only rank 0 reads the weights and the others receive their FSDP / TP shards (sharded_load.py).
         # Not for mixtures of experts: their FSDP all-gathers disagreed in size between the rank that
         # loaded and the meta-built one (a gloo size mismatch killed the pair; tests/functional/test_moe_training.py).
-        self.loads_sharded = (model_type == "lm" and self.world_size > 1 and self.cp_size == 1
+        self.loads_sharded = (model_type == "lm" and self.world_size > 1 and self.cp_size == 1 and self.pp_size == 1
                               and not self.cfg.lora.enabled and not is_mixture_of_experts(self.cfg))
 
         model_path = resolve_model_path(self.cfg.model_name, self.cfg.tiny_arch)
@@ -291,6 +297,8 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
     def _infer(self, batch: Batch, temperature: float) -> torch.Tensor:
         self._require(batch, ("input_ids", "input_lengths"), "inference")
         self.model.eval()
+        if self.pp_size > 1:
+            return self._pipeline_infer(batch, temperature)
         batch_size, seq_len = batch["input_ids"].shape
         scores = self.model_type == "reward"
         out = torch.zeros((batch_size,) if scores else (batch_size, seq_len))
@@ -313,6 +321,9 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
         """
         if self.model_type != "lm":
             raise ValueError("get_topk_logits needs model_type='lm'")
+        if self.pp_size > 1:
+            raise ValueError("get_topk_logits: policy.pipeline_parallel_size > 1 gives logprobs, not full logits; use "
+                             "pipeline_parallel_size=1 for a teacher")
         self._require(batch, ("input_ids", "input_lengths"), "get_topk_logits")
         vocab = self.hf_config.vocab_size
         if not 1 <= k <= vocab:
@@ -396,6 +407,8 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
             raise RuntimeError("train needs a Policy created with init_optimizer=True")
         input_type = getattr(loss_fn, "input_type", "logprobs")  # "logprobs", "scores", "logits" or "values"
         scores = input_type == "scores"
+        if self.pp_size > 1 and input_type != "logprobs":
+            raise ValueError(f"policy.pipeline_parallel_size > 1 trains on logprobs only, not loss input_type={input_type!r}")
         if input_type not in INPUT_TYPES[self.model_type]:
             raise ValueError(f"loss input_type={input_type!r} does not fit model_type={self.model_type!r}")
         self._require(batch, ("input_ids", "input_lengths", "sample_mask") + (() if scores else ("token_mask",)), "train")
@@ -423,7 +436,10 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
             self.optimizer.zero_grad(set_to_none=True)
             bad_microbatches: list[int] = []
             loads = moe_balance.new_loads(self.model)  # None for a dense model
-            for mb_index, mb in enumerate(self._microbatches(rows, for_training=True, rows_per_mb=mbs)):
+            if self.pp_size > 1:  # the loss runs on the last stage (pipeline.py)
+                bad_microbatches = self._pipeline_train_step(rows, mbs, loss_fn, valid_seqs, valid_toks, sums, temperature)
+            for mb_index, mb in enumerate([] if self.pp_size > 1 else
+                                          self._microbatches(rows, for_training=True, rows_per_mb=mbs)):
                 with moe.record_router_logits(self.model, enabled=router_tokens is not None) as routers, \
                         moe_balance.record_expert_choices(self.model, loads):
                     outputs = self._forward(mb, temperature, input_type, for_loss=True)
@@ -497,6 +513,8 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
     def _clip_grad_norm(self) -> float:
         """Total grad norm over all ranks before clipping; clips when `policy.max_grad_norm` is set."""
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
+        if self.pp_size > 1:  # stages hold different parameters: their squares add up
+            return pipeline.clip_grad_norm(list(self.model.parameters()), max_norm, self.pp_group)
         return parallel.clip_grad_norm(list(self.model.parameters()), max_norm)
 
     def _raise_if_not_finite(self, bad_microbatches: list[int], grad_norm: float, step_index: int) -> None:
@@ -517,17 +535,18 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
     def _all_reduce_metrics(self, sums: dict[str, float]) -> dict[str, float]:
         """Per-rank metric totals reduced over the data-parallel ranks by the reduction rule
         (`posttrain.utils.metrics.reduction`: sum, or min / max for `_min` / `_max` names; a
-        tensor-parallel group's ranks computed the same ones)."""
+        tensor-parallel group's ranks computed the same ones; under PP over `dp x pp`, where only
+        the last stages have any)."""
         if self.world_size == 1:
             return dict(sums)
-        keys = sorted(set().union(*collective.all_gather_object(sorted(sums), group=self.dp_group)))
+        keys = sorted(set().union(*collective.all_gather_object(sorted(sums), group=self.metrics_group)))
         out = {}
         for op in ("min", "max", "sum"):
             group = [k for k in keys if reduction(k) == op]
             if not group:
                 continue
             values = torch.tensor([sums.get(k, NEUTRAL[op]) for k in group], dtype=torch.float64)
-            collective.all_reduce(values, op=op, group=self.dp_group)
+            collective.all_reduce(values, op=op, group=self.metrics_group)
             out.update(zip(group, values.tolist()))
         return out
 
