@@ -42,14 +42,13 @@ def one_worker(cluster):
 
 
 @pytest.fixture(scope="module")
-def pp2(cluster, tmp_path_factory):
-    """Two 1F1B stages, a checkpoint after the first call, refitted at the end into a one-worker
-    native engine."""
+def pp2(cluster):
+    """Two 1F1B stages, refitted at the end into a one-worker native engine."""
     spec = GenerationSpec(MODEL, {"max_new_tokens": 4}, precision="float32")
     generation = NativeGeneration(cluster, spec, bundle_indices=[2], name="pp2_engine")
     try:
         return run(cluster, policy_cfg(model_name=MODEL, num_workers=2, pipeline_parallel_size=2), "pp2",
-                   tmp_path_factory.mktemp("pp2"), generation=generation)
+                   generation=generation)
     finally:
         generation.shutdown()
 
@@ -84,10 +83,17 @@ def test_interleaved_and_pp2_by_dp2_equal_one_worker(cluster, one_worker, layout
     assert_same_run(run(cluster, cfg, f"pp_{layout}"), one_worker)
 
 
-def test_checkpoint_saved_under_pp2_resumes_under_pp1(cluster, one_worker, pp2):
-    """The DCP checkpoint of two stages (each rank its own layers, under the full model's names)
-    loads into one worker, whose next train call gives the PP run's second call and weights."""
-    resumed = Policy(cluster, policy_cfg(model_name=MODEL), init_reference_model=False,
+def test_checkpoint_saved_under_pp2_resumes_under_pp1(cluster, tmp_path):
+    """AdamW with warm-up: the DCP checkpoint of two stages (each rank its own layers and Adam
+    moments, under the full model's names; the optimizer state flattened per parameter) loads into
+    one worker, whose next train call gives the PP run's second call and weights. Adam turns the
+    1e-7 float noise of the second step's gradient into up to 1% of a step where a moment is near
+    its eps (`test_tensor_parallel.py`), hence 5e-5 on weights at lr 1e-3; a step without the
+    restored moments would be off by about the learning rate."""
+    adamw = dict(optimizer=dict(name="adamw", lr=1e-3), scheduler=dict(name="linear", warmup_steps=1, total_steps=4))
+    pp2 = run(cluster, policy_cfg(model_name=MODEL, num_workers=2, pipeline_parallel_size=2, **adamw), "pp2_adamw",
+              tmp_path)
+    resumed = Policy(cluster, policy_cfg(model_name=MODEL, **adamw), init_reference_model=False,
                      weights_path=pp2["checkpoint"], name="pp_resumed")
     try:
         metrics = resumed.train(make_batch(), ClippedPGLoss(LossConfig()))
@@ -96,6 +102,6 @@ def test_checkpoint_saved_under_pp2_resumes_under_pp1(cluster, one_worker, pp2):
         resumed.shutdown()
     for name in ("loss", "grad_norm", "lr"):
         assert metrics[name] == pytest.approx(pp2["metrics"][1][name], rel=RTOL), name
-    assert set(weights) == set(one_worker["weights"])
+    assert set(weights) == set(pp2["weights"])
     for name, value in pp2["weights"].items():
-        torch.testing.assert_close(weights[name], value, rtol=RTOL, atol=WEIGHTS_ATOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=5e-5, msg=lambda m: f"{name}: {m}")

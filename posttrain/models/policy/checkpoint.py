@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -136,6 +137,14 @@ def has_optimizer_state(path: str | os.PathLike) -> bool:
     """Whether the policy checkpoint at `path` holds optimizer state (not when saved with
     `save_optimizer=False`, i.e. `checkpointing.save_optimizer=false`)."""
     return (Path(path) / OPTIM_DIR / ".metadata").is_file()
+
+
+def optimizer_state_is_flat(path: str | os.PathLike) -> bool:
+    """Whether the optimizer state at `path` was saved flattened (`flatten_optimizer_state_dict`:
+    hyperparameters per parameter name, as pipeline stages save it, since each stage's param
+    groups list only its own parameters) rather than as whole param groups."""
+    metadata = dcp.FileSystemReader(str(Path(path) / OPTIM_DIR)).read_metadata()
+    return "param_groups" not in metadata.state_dict_metadata
 
 
 def check_checkpoint_dir(path: str | os.PathLike) -> Path:
@@ -257,7 +266,10 @@ class Checkpointing:
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> str:
         """Collective: sharded model (+ optimizer), scheduler, step and RNG state (module doc)."""
         optimizers = (self.optimizer,) if save_optimizer and self.optimizer is not None else ()
-        model_state, optim_state = get_state_dict(self.model, optimizers)
+        # Pipeline stages hold different parameters: their optimizer state is saved per parameter
+        # name (flattened), so that it loads into any other stage split, or none.
+        flat = StateDictOptions(flatten_optimizer_state_dict=getattr(self, "pp_size", 1) > 1)
+        model_state, optim_state = get_state_dict(self.model, optimizers, options=flat)
         trainer_state = {
             "step": self.step,
             "model_type": self.model_type,
@@ -280,10 +292,12 @@ class Checkpointing:
         self._reshard()
         has_optim = has_optimizer_state(path)
         if load_optimizer and self.optimizer is not None and has_optim:
-            model_state, optim_state = get_state_dict(self.model, (self.optimizer,))
+            flat = StateDictOptions(flatten_optimizer_state_dict=optimizer_state_is_flat(path))
+            model_state, optim_state = get_state_dict(self.model, (self.optimizer,), options=flat)
             load_sharded_into(path, model_state, MODEL_DIR)
             load_sharded_into(path, optim_state, OPTIM_DIR)
-            set_state_dict(self.model, (self.optimizer,), model_state_dict=model_state, optim_state_dict=optim_state)
+            set_state_dict(self.model, (self.optimizer,), model_state_dict=model_state, optim_state_dict=optim_state,
+                           options=flat)
         else:
             model_state = get_model_state_dict(self.model)
             load_sharded_into(path, model_state, MODEL_DIR)
