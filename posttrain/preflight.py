@@ -64,6 +64,7 @@ def preflight(cfg: Any, plan_memory: bool = True) -> None:
     policy = cfg.policy
     check_model_name(policy.model_name, "policy.model_name", policy.tiny_arch)
     check_tensor_parallel(policy, "policy.model_name")
+    check_pipeline_parallel(policy)
     check_router_balancing(policy)
     check_rope_scaling(policy, "policy")
     from posttrain.distributed.local_resources import local_resources_problem
@@ -121,6 +122,31 @@ def check_tensor_parallel(policy: Any, key: str) -> None:
     problem = tensor_parallel_problem(sizes, policy.tensor_parallel_size, f"{key}={policy.model_name!r}") if sizes else None
     if problem:
         raise UserError(problem)
+
+
+def check_pipeline_parallel(policy: Any) -> None:
+    """Refuse `policy.pipeline_parallel_size > 1` for a model whose config cannot be cut into the
+    stages (model type, tied embeddings, sliding windows, too few layers, a layer split that does
+    not add up; read from the preset or `config.json`; a hub id not cached yet is checked by the
+    workers when they load it)."""
+    if policy.pipeline_parallel_size == 1:
+        return
+    from posttrain.models.parallel_sizes import pipeline_problem
+    from posttrain.models.paths import model_config_dict, parse_tiny_name
+
+    tiny = parse_tiny_name(policy.model_name, policy.tiny_arch)
+    if tiny is not None:
+        from posttrain.models.tiny import tiny_config
+
+        config = tiny_config(*tiny).to_dict()
+    else:
+        config = model_config_dict(policy.model_name)
+        if config is None:
+            return
+    problem = pipeline_problem(config, policy.pipeline_parallel_size * policy.pipeline_stages_per_worker,
+                               policy.pipeline_layer_split)
+    if problem:
+        raise UserError(f"{problem} (policy.model_name={policy.model_name!r})")
 
 
 # Model types whose routers carry a balancing bias (e_score_correction_bias) and no load-balancing

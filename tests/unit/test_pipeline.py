@@ -13,9 +13,11 @@ import torch
 from posttrain.config import ConfigError, load_config
 from posttrain.config.schema import PolicyConfig
 from posttrain.distributed.batch import Batch
+from posttrain.errors import UserError
 from posttrain.models.policy import pipeline
 from posttrain.models.policy.forward import fixed_size_microbatches, next_token_logprobs
 from posttrain.models.tiny import make_tiny_model
+from posttrain.preflight import check_pipeline_parallel
 
 
 def test_layers_split_evenly_or_as_given():
@@ -69,16 +71,29 @@ def test_config_sizes_and_one_line_refusals():
     with pytest.raises(ValueError, match=r"pipeline_layer_split=\[1, 1, 1\] must list 2 stages"):
         PolicyConfig(num_workers=2, pipeline_parallel_size=2, pipeline_layer_split=[1, 1, 1])
     interleaved = PolicyConfig(num_workers=2, pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b")
-    assert pipeline.virtual_stages(interleaved) == 2
+    assert interleaved.pipeline_stages_per_worker == 2
 
 
 def test_models_the_pipeline_cannot_split_are_named():
+    """By the workers (the loaded model) and, before anything starts, by preflight (its config)."""
     tied, _ = make_tiny_model("tiny", "qwen2")
     assert "tie_word_embeddings" in pipeline.model_problem(tied)
     moe, _ = make_tiny_model("tiny", "mixtral")
     assert "model_type 'mixtral' is not one posttrain splits" in pipeline.model_problem(moe)
     dense, _ = make_tiny_model("tiny", "llama")
     assert pipeline.model_problem(dense) is None
+    assert "2 layers cannot fill 4 pipeline stages" in pipeline.model_problem(dense, 4)
+
+    def refusal(**options) -> str:
+        with pytest.raises(UserError) as error:
+            check_pipeline_parallel(PolicyConfig(num_workers=2, pipeline_parallel_size=2, **options))
+        return str(error.value)
+
+    assert "tie_word_embeddings" in refusal(model_name="tiny-qwen2")
+    assert "cannot fill 4 pipeline stages" in refusal(pipeline_schedule="interleaved_1f1b")
+    assert "pipeline_layer_split=[1, 2] sums to 3, not the model's 2 layers" in refusal(pipeline_layer_split=[1, 2])
+    check_pipeline_parallel(PolicyConfig(num_workers=2, pipeline_parallel_size=2, model_name="small",
+                                         pipeline_schedule="interleaved_1f1b"))
 
 
 def test_pruned_stages_keep_the_full_model_names_and_chain_to_its_logprobs():

@@ -598,7 +598,7 @@ class PolicyConfig(Section):
             raise ValueError(f"policy.pipeline_virtual_stages={virtual} needs policy.pipeline_schedule=interleaved_1f1b "
                              f"({self.pipeline_schedule} runs one stage per worker)")
         if self.pipeline_layer_split is not None:
-            stages = pp * (virtual or (2 if self.pipeline_schedule == "interleaved_1f1b" else 1))
+            stages = pp * self.pipeline_stages_per_worker
             if len(self.pipeline_layer_split) != stages or min(self.pipeline_layer_split) < 1:
                 raise ValueError(f"policy.pipeline_layer_split={self.pipeline_layer_split} must list {stages} stages "
                                  "(pipeline_parallel_size * virtual stages) of at least one layer each")
@@ -614,6 +614,13 @@ class PolicyConfig(Section):
             if refuse:
                 raise ValueError(f"policy.pipeline_parallel_size > 1 with {key} is not supported (pipeline.py); "
                                  "turn one of them off")
+
+    @property
+    def pipeline_stages_per_worker(self) -> int:
+        """`pipeline_virtual_stages`, or its default: 2 for interleaved 1F1B, else 1."""
+        if self.pipeline_virtual_stages is not None:
+            return self.pipeline_virtual_stages
+        return 2 if self.pipeline_schedule == "interleaved_1f1b" else 1
 
     @property
     def dp_size(self) -> int:

@@ -87,7 +87,7 @@ class ModelLoading:
             self._gather_layout()
             if self.rank == 0:
                 print(f"[posttrain] pipeline parallel x{self.pp_size} ({self.cfg.pipeline_schedule}, "
-                      f"{pipeline.virtual_stages(self.cfg)} stage(s) per worker): every worker reads the checkpoint "
+                      f"{self.cfg.pipeline_stages_per_worker} stage(s) per worker): every worker reads the checkpoint "
                       "and keeps its stages", flush=True)
             return
         if self.cp_size > 1:

@@ -55,13 +55,10 @@ from torch.distributed.tensor import DTensor
 
 from posttrain.distributed import collective
 from posttrain.distributed.batch import Batch
+from posttrain.models.parallel_sizes import pipeline_problem
 from posttrain.models.policy.forward import MicroBatch, compute_autocast
 from posttrain.models.policy.linear_logprobs import fused_logprobs_problem, linear_logprobs
 
-SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
-# Decoders whose forward `StageChunk` reproduces: embeddings, rotary positions, a causal mask,
-# the layers, the final norm (transformers' LlamaModel.forward and its copies).
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 
 
 # ------------------------------------------------------------------------------ the stage split
@@ -101,24 +98,11 @@ def microbatches_needed(count: int, schedule: str, pp_size: int, num_stages: int
     return max(count, 1)
 
 
-def virtual_stages(cfg: Any) -> int:
-    """`policy.pipeline_virtual_stages`, or its default: 2 for interleaved 1F1B, else 1."""
-    if cfg.pipeline_virtual_stages is not None:
-        return cfg.pipeline_virtual_stages
-    return 2 if cfg.pipeline_schedule == "interleaved_1f1b" else 1
-
-
-def model_problem(model: torch.nn.Module) -> Optional[str]:
-    """Why `model` cannot be split into pipeline stages (None when it can)."""
-    config = model.config
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        return (f"policy.pipeline_parallel_size: model_type {config.model_type!r} is not one posttrain splits into "
-                f"stages ({sorted(SUPPORTED_MODEL_TYPES)})")
-    if getattr(config, "tie_word_embeddings", False):
-        return ("policy.pipeline_parallel_size: the model ties its input and output embeddings (tie_word_embeddings), "
-                "which live on different stages; use pipeline_parallel_size=1 for it")
-    if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
-        return "policy.pipeline_parallel_size: sliding-window attention layers are not supported"
+def model_problem(model: torch.nn.Module, num_stages: int = 1) -> Optional[str]:
+    """Why `model` cannot be split into `num_stages` pipeline stages (None when it can)."""
+    problem = pipeline_problem(model.config.to_dict(), num_stages)
+    if problem:
+        return problem
     problem = fused_logprobs_problem(model)
     if problem:
         return f"policy.pipeline_parallel_size: the last stage computes logprobs from the head directly, but {problem}"
@@ -204,10 +188,10 @@ def split_and_shard(model: torch.nn.Module, cfg: Any, mesh: dict[str, Any], *, m
 
     from posttrain.models.policy.parallel import tensor_parallel_size_problem, tp_plan
 
-    problem = model_problem(model)
+    pp, virtual = cfg.pipeline_parallel_size, cfg.pipeline_stages_per_worker
+    problem = model_problem(model, pp * virtual)
     if problem:
         raise ValueError(problem)
-    pp, virtual = cfg.pipeline_parallel_size, virtual_stages(cfg)
     counts = stage_layer_counts(model.config.num_hidden_layers, pp * virtual, cfg.pipeline_layer_split)
     layers = stage_layers(counts)
     stages = local_stages(mesh["pp_rank"], pp, virtual)
@@ -275,7 +259,7 @@ def build_schedule(cfg: Any, chunks: list[StageChunk], stages: list[int], pp_gro
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     rows, width, hidden = shape
-    num_stages = cfg.pipeline_parallel_size * virtual_stages(cfg)
+    num_stages = cfg.pipeline_parallel_size * cfg.pipeline_stages_per_worker
     # Received activations need a gradient to send back (training only).
     activations = torch.empty(rows, width, hidden, dtype=activation_dtype, device="meta",
                               requires_grad=loss_fn is not None)
@@ -349,7 +333,7 @@ class PipelineParallel:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.cfg.pipeline_parallel_size * virtual_stages(self.cfg) - 1 in self.pipeline_stages
+        return self.cfg.pipeline_parallel_size * self.cfg.pipeline_stages_per_worker - 1 in self.pipeline_stages
 
     def _pipeline_last_rank(self) -> int:
         """The global rank of this pipeline's last stage (pipeline rank pp - 1)."""
@@ -362,7 +346,7 @@ class PipelineParallel:
         schedule needs); with `loss_fn(output, index)` a training step (backward included),
         else inference. Returns the last stage's stacked outputs there (None elsewhere)."""
         count = microbatches_needed(len(mbs), self.cfg.pipeline_schedule, self.pp_size,
-                                    self.pp_size * virtual_stages(self.cfg))
+                                    self.pp_size * self.cfg.pipeline_stages_per_worker)
         mbs = mbs + [mbs[-1].as_dummy() for _ in range(count - len(mbs))]
         input_ids = padded_inputs(mbs, rows).to(self.device)
         for chunk in self.pipeline_chunks:
