@@ -25,6 +25,56 @@ def tensor_parallel_problem(sizes: Mapping[str, Optional[int]], tp_size: int, mo
             f"({model_key}); pick a tensor_parallel_size that divides them")
 
 
+# ------------------------------------------------------------------------------ pipeline stages
+def stage_layer_counts(num_layers: int, num_stages: int, split: Optional[list[int]] = None) -> list[int]:
+    """Decoder layers per stage: `split` when given (checked), else even with the first
+    `num_layers % num_stages` stages one layer more. Raises ValueError naming the key."""
+    if split is not None:
+        if len(split) != num_stages or sum(split) != num_layers or min(split) < 1:
+            raise ValueError(f"policy.pipeline_layer_split={split} must give {num_stages} stages (pipeline_parallel_size "
+                             f"* virtual stages) of at least one layer each, {num_layers} layers in all")
+        return list(split)
+    if num_layers < num_stages:
+        raise ValueError(f"policy.pipeline_parallel_size: the model's {num_layers} layers cannot fill {num_stages} "
+                         "pipeline stages (pipeline_parallel_size * virtual stages)")
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+def stage_layers(counts: list[int]) -> list[list[int]]:
+    """The layer indices of each stage, in order."""
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    return [list(range(start, start + n)) for start, n in zip(starts, counts)]
+
+
+def local_stages(pp_rank: int, pp_size: int, virtual: int) -> list[int]:
+    """The stages pipeline rank `pp_rank` holds (loop placement: stage s on rank s % pp)."""
+    return [pp_rank + v * pp_size for v in range(virtual)]
+
+
+def microbatches_needed(count: int, schedule: str, pp_size: int, num_stages: int) -> int:
+    """The micro-batch count the schedule runs for `count` real ones: 1F1B needs at least the
+    stage count, interleaved 1F1B a multiple of `pp_size` (torch's checks); the rest are stand-ins."""
+    if schedule == "1f1b":
+        return max(count, num_stages)
+    if schedule == "interleaved_1f1b":
+        return max(pp_size, -(-count // pp_size) * pp_size)
+    return max(count, 1)
+
+
+def pipeline_in_flight(schedule: str, pp_size: int, virtual: int, microbatches: int, pp_rank: int) -> int:
+    """Stage forwards whose activations pipeline rank `pp_rank` holds at its peak (each of one
+    stage's layers, one micro-batch): GPipe all of them; 1F1B `pp - rank` (its warm-up, then one
+    forward per backward); interleaved 1F1B torch's warm-up of `(v - 1) * pp + 2 * (pp - 1 - rank)`
+    stage forwards plus the steady state's one, at most every micro-batch of every local stage."""
+    total = microbatches * virtual
+    if schedule == "gpipe":
+        return total
+    if schedule == "1f1b":
+        return min(total, pp_size - pp_rank)
+    return min(total, (virtual - 1) * pp_size + 2 * (pp_size - 1 - pp_rank) + 1)
+
+
 # Decoders whose forward pipeline stages reproduce (`models/policy/pipeline.py`, `StageChunk`).
 PIPELINE_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 

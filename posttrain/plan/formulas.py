@@ -198,3 +198,33 @@ def topk_logits_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, k: int) 
     n = tokens * shape.vocab_size
     return max((dtype_bytes + 8 if dtype_bytes < 4 else 8) * n, 4 * n + 12 * tokens * k)
 
+
+
+def first_pipeline_rank(policy: Any, shape: ModelShape, dp: int, tp: int, dtype_bytes: int,
+                        tokens: int) -> dict[str, float]:
+    """Under pipeline parallelism (`models/policy/pipeline.py`), what the first pipeline rank holds
+    (the embeddings, the first stages, which take the extra layers of an uneven split, and the most
+    micro-batches in flight under 1F1B and interleaved 1F1B): `params` (its layers over its `dp`
+    FSDP ranks and `tp` TP ranks, the input embeddings, half of `embedding_params` since pipeline
+    stages need them untied, over `dp`), `layers` (its decoder layers), `in_flight` (stage forwards
+    whose activations it holds at its peak, `pipeline_in_flight`, for `train_global_batch_size / dp`
+    rows in micro-batches of `train_micro_batch_size`) and `activations` (bytes: each in-flight stage
+    forward keeps its layers' activations, or with activation checkpointing their inputs, for a
+    micro-batch of `tokens`, plus the layer computed in backward; the first stage has no head)."""
+    from posttrain.models.parallel_sizes import (
+        local_stages, microbatches_needed, pipeline_in_flight, stage_layer_counts,
+    )
+
+    pp, virtual = policy.pipeline_parallel_size, policy.pipeline_stages_per_worker
+    counts = stage_layer_counts(shape.num_layers, pp * virtual, policy.pipeline_layer_split)
+    layers = sum(counts[s] for s in local_stages(0, pp, virtual))
+    dense = shape.num_params - shape.embedding_params
+    params = (dense * layers / shape.num_layers / tp + shape.embedding_params / 2) / dp
+    microbatches = -(-(policy.train_global_batch_size // dp) // policy.train_micro_batch_size)
+    in_flight = pipeline_in_flight(policy.pipeline_schedule, pp, virtual,
+                                   microbatches_needed(microbatches, policy.pipeline_schedule, pp, pp * virtual), 0)
+    per_layer = activation_bytes_per_token_layer(shape, dtype_bytes, tp)
+    kept = dtype_bytes * shape.hidden_size if policy.activation_checkpointing else per_layer
+    working = 2 * per_layer if policy.activation_checkpointing else per_layer
+    activations = tokens * (in_flight * counts[0] * kept + working)
+    return dict(params=params, layers=layers, in_flight=in_flight, activations=activations)

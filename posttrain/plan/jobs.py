@@ -29,7 +29,7 @@ from posttrain.plan.devices import DevicePlan, Plan
 from posttrain.plan.engine import add_engine, engine_dtype_bytes, engine_shares_dtype, has_quantized_copy
 from posttrain.plan.formulas import (
     CPU_RUNTIME_BYTES, GiB, compute_dtype_bytes, logprob_activation_bytes, longest_row_tokens,
-    micro_batch_tokens, optimizer_state_bytes, per_rank_params, ring_attention_block_bytes,
+    first_pipeline_rank, micro_batch_tokens, optimizer_state_bytes, per_rank_params, ring_attention_block_bytes,
     training_activation_bytes,
 )
 from posttrain.plan.shape import ModelShape
@@ -116,7 +116,8 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
 
     shards, tp, sp = policy.num_workers, policy.tensor_parallel_size, policy.sequence_parallel
     cp = policy.context_parallel_size  # CP ranks hold 1/cp of every row's tokens
-    dp = shards // tp
+    pp = policy.pipeline_parallel_size  # the plan is the first pipeline rank's (formulas.first_pipeline_rank)
+    dp = shards // (tp * pp)
     trainable = shape.lora_params if policy.lora.enabled else shape.num_params  # LoRA is refused under TP
     colocated = gen.colocated.enabled
     has_generation = job in ON_POLICY_SECTIONS.values()
@@ -131,7 +132,8 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
     engine_in_place = local and colocated and gen.backend == "native" and shards == 1 and engine_shares_dtype(cfg)
     lends_weights = engine_in_place and not policy.lora.enabled
     resident = tuple(p for p in phases if p not in ("generation", "validation")) if offloaded else phases
-    trainer = DevicePlan("policy worker" + (" (+ generation)" if colocated and has_generation else ""), phases)
+    trainer = DevicePlan("policy worker" + (" (first pipeline stage)" if pp > 1 else "")
+                         + (" (+ generation)" if colocated and has_generation else ""), phases)
     if not on_gpu:
         trainer.add("runtime (python, torch)", CPU_RUNTIME_BYTES)
     # Master weights are float32 (autocast computes in policy.precision), sharded by FSDP2 over the
@@ -139,11 +141,17 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
     # not the embeddings and LM head. FSDP2 all-gathers one layer ahead while it computes one (2
     # layers' TP shards in float32). Context parallel ranks are FSDP shards too (over dp x cp).
     per_rank = per_rank_params(shape, shards, tp)
+    stage = first_pipeline_rank(policy, shape, dp, tp, c, micro_batch_tokens(policy, True, row_tokens)) if pp > 1 else None
+    if stage is not None:
+        per_rank = stage["params"]
     trainer.add("policy parameters (fp32)", 4 * per_rank, phases if lends_weights else resident)
     # Forward passes without gradients: RL's logprobs, DPO's reference logprobs, the offline jobs'
     # validation; none in distillation, whose logprobs phase is its teachers' (`add_teachers`).
     no_grad = () if job == "distill" else ("logprobs",) if has_generation else ("logprobs", "validation")
-    if dp > 1:
+    if dp > 1 and stage is not None:  # stages keep their layers gathered from forward to backward (pipeline.py)
+        trainer.add("FSDP gathered stage layers", 4 * (shape.num_params - shape.embedding_params) * stage["layers"]
+                    / shape.num_layers / tp, ("training",) + no_grad)
+    elif dp > 1:
         trainer.add("FSDP all-gathered layers", 2 * 4 * (shape.num_params - shape.embedding_params * (tp > 1))
                     / shape.num_layers / tp, ("refit", "training") + no_grad)
     trainable_per_rank = trainable / shards if policy.lora.enabled else per_rank
@@ -152,8 +160,12 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
     trainer.add("gradients (fp32)", 4 * trainable_per_rank, ("training",))
     trainer.add(f"optimizer state ({policy.optimizer.name})",
                 optimizer_state_bytes(trainable_per_rank, policy.optimizer.name, 1), resident)
-    trainer.add("activations" + (" (checkpointed)" if policy.activation_checkpointing else ""),
-                training_activation_bytes(shape, micro_batch_tokens(policy, True, row_tokens) // cp, c,
+    if stage is not None:
+        trainer.add(f"activations ({stage['in_flight']} stage forwards in flight"
+                    + (", checkpointed)" if policy.activation_checkpointing else ")"), stage["activations"], ("training",))
+    else:
+        trainer.add("activations" + (" (checkpointed)" if policy.activation_checkpointing else ""),
+                    training_activation_bytes(shape, micro_batch_tokens(policy, True, row_tokens) // cp, c,
                                           policy.activation_checkpointing, fused_head, tp, sp), ("training",))
     trainer.add("logprob forward", logprob_activation_bytes(shape, micro_batch_tokens(policy, False, row_tokens) // cp, c,
                                                              policy.fused_logprobs, tp, sp), no_grad)

@@ -55,49 +55,19 @@ from torch.distributed.tensor import DTensor
 
 from posttrain.distributed import collective
 from posttrain.distributed.batch import Batch
-from posttrain.models.parallel_sizes import pipeline_problem
+from posttrain.models.parallel_sizes import (  # the stage split, shared with the memory plan
+    local_stages,
+    microbatches_needed,
+    pipeline_problem,
+    stage_layer_counts,
+    stage_layers,
+)
 from posttrain.models.policy.forward import MicroBatch, compute_autocast
 from posttrain.models.policy.linear_logprobs import fused_logprobs_problem, linear_logprobs
 
 
 
-# ------------------------------------------------------------------------------ the stage split
-def stage_layer_counts(num_layers: int, num_stages: int, split: Optional[list[int]] = None) -> list[int]:
-    """Decoder layers per stage: `split` when given (checked), else even with the first
-    `num_layers % num_stages` stages one layer more. Raises ValueError naming the key."""
-    if split is not None:
-        if len(split) != num_stages or sum(split) != num_layers or min(split) < 1:
-            raise ValueError(f"policy.pipeline_layer_split={split} must give {num_stages} stages (pipeline_parallel_size "
-                             f"* virtual stages) of at least one layer each, {num_layers} layers in all")
-        return list(split)
-    if num_layers < num_stages:
-        raise ValueError(f"policy.pipeline_parallel_size: the model's {num_layers} layers cannot fill {num_stages} "
-                         "pipeline stages (pipeline_parallel_size * virtual stages)")
-    base, extra = divmod(num_layers, num_stages)
-    return [base + (1 if s < extra else 0) for s in range(num_stages)]
-
-
-def stage_layers(counts: list[int]) -> list[list[int]]:
-    """The layer indices of each stage, in order."""
-    starts = [sum(counts[:s]) for s in range(len(counts))]
-    return [list(range(start, start + n)) for start, n in zip(starts, counts)]
-
-
-def local_stages(pp_rank: int, pp_size: int, virtual: int) -> list[int]:
-    """The stages pipeline rank `pp_rank` holds (loop placement: stage s on rank s % pp)."""
-    return [pp_rank + v * pp_size for v in range(virtual)]
-
-
-def microbatches_needed(count: int, schedule: str, pp_size: int, num_stages: int) -> int:
-    """The micro-batch count the schedule runs for `count` real ones: 1F1B needs at least the
-    stage count, interleaved 1F1B a multiple of `pp_size` (torch's checks); the rest are stand-ins."""
-    if schedule == "1f1b":
-        return max(count, num_stages)
-    if schedule == "interleaved_1f1b":
-        return max(pp_size, -(-count // pp_size) * pp_size)
-    return max(count, 1)
-
-
+# ------------------------------------------------------------------------------ the stage modules
 def model_problem(model: torch.nn.Module, num_stages: int = 1) -> Optional[str]:
     """Why `model` cannot be split into `num_stages` pipeline stages (None when it can)."""
     problem = pipeline_problem(model.config.to_dict(), num_stages)
@@ -109,7 +79,6 @@ def model_problem(model: torch.nn.Module, num_stages: int = 1) -> Optional[str]:
     return None
 
 
-# ------------------------------------------------------------------------------ the stage modules
 def keep_stages(model: torch.nn.Module, layer_ids: list[int], first: bool, last: bool) -> None:
     """Prune `model` in place to one rank's stages: its layers in a `ModuleDict` keyed by their
     index (parameter names stay the full model's), embeddings only on the first stage, the final
@@ -403,6 +372,7 @@ class PipelineParallel:
             return out
         width = max(mb.rows["input_ids"].shape[1] for mb in mbs)
         stacked = self._run_pipeline(mbs, rows, temperature, None)
+        self._reshard()  # the stages keep their layers gathered after a forward (no backward frees them here)
         values = torch.zeros(len(mbs) * rows, width)
         if stacked is not None:
             values = stacked[: len(mbs) * rows].float().cpu()
