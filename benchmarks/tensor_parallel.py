@@ -1,12 +1,13 @@
-"""Tensor, sequence and context parallelism on CPU: training tokens/s and peak memory per worker.
+"""Tensor, sequence, context and pipeline parallelism on CPU: training tokens/s and peak memory per worker.
 
     python benchmarks/tensor_parallel.py [--model tiny] [--seq-lens 2048 4096] [--rows 2] [--steps 2]
-                                         [--settings tp=1 tp=2 "tp=2 + SP" cp=2 "cp=2 x tp=2 + SP"]
+                                         [--settings tp=1 tp=2 "tp=2 + SP" cp=2 "cp=2 x tp=2 + SP" pp=2]
 
 For each sequence length, the same batch (`--rows` rows of that many tokens, NLL loss, AdamW)
 trains on 1 worker, on a TP group of 2, on a TP group of 2 with sequence parallelism, on a
-context-parallel group of 2 (ring attention), and on 4 workers as 2 CP ranks x 2 TP ranks with SP,
-each in fresh worker processes. Prints valid training tokens/s after a warm-up step and each worker's
+context-parallel group of 2 (ring attention), on 4 workers as 2 CP ranks x 2 TP ranks with SP,
+and on two pipeline stages (1F1B; give it `--rows 2` or more: one micro-batch per row, and 1F1B
+runs at least one per stage), each in fresh worker processes. Prints valid training tokens/s after a warm-up step and each worker's
 peak resident memory (which includes the ~0.5-1 GiB of torch and the model; the differences
 between settings are the activations and the sharded weights). On a 2-core CPU shared with other
 work the tokens/s measure contention as much as parallelism; the memory is the point.
@@ -31,7 +32,8 @@ SETTINGS = [("tp=1", dict(num_workers=1)), ("tp=2", dict(num_workers=2, tensor_p
             ("tp=2 + SP", dict(num_workers=2, tensor_parallel_size=2, sequence_parallel=True)),
             ("cp=2", dict(num_workers=2, context_parallel_size=2)),
             ("cp=2 x tp=2 + SP", dict(num_workers=4, context_parallel_size=2, tensor_parallel_size=2,
-                                      sequence_parallel=True))]
+                                      sequence_parallel=True)),
+            ("pp=2", dict(num_workers=2, pipeline_parallel_size=2))]
 
 
 def make_batch(rows: int, seq_len: int, vocab: int = 100, seed: int = 0) -> Batch:

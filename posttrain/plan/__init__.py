@@ -24,8 +24,8 @@ from posttrain.plan.fit import (
 from posttrain.plan.formulas import (
     CPU_RUNTIME_BYTES, DTYPE_BYTES, FUSED_LOGPROB_TILE_BYTES, PROMPTS_TOKENIZED, GiB, MiB,
     activation_bytes_per_token_layer, compute_dtype_bytes, head_bytes, kv_cache_bytes, logprob_activation_bytes,
-    first_pipeline_rank, longest_prompt_tokens, longest_row_tokens, micro_batch_tokens, optimizer_state_bytes,
-    per_rank_params, ring_attention_block_bytes, topk_logits_bytes, training_activation_bytes,
+    longest_prompt_tokens, longest_row_tokens, micro_batch_tokens, optimizer_state_bytes, per_rank_params,
+    ring_attention_block_bytes, topk_logits_bytes, training_activation_bytes,
 )
 from posttrain.plan.devices import PHASES, DevicePlan, Plan, WarmStart
 from posttrain.plan.engine import engine_rows, native_engine_bytes

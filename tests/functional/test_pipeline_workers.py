@@ -22,7 +22,7 @@ from posttrain.distributed.cluster import VirtualCluster
 from posttrain.models.generation.native import NativeGeneration
 from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.policy.policy import Policy
-from test_tensor_parallel import RTOL, WEIGHTS_ATOL, assert_same_run, make_batch, policy_cfg, run
+from test_tensor_parallel import RTOL, assert_same_run, make_batch, policy_cfg, run
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
 
@@ -70,16 +70,16 @@ def test_pp2_1f1b_equals_one_worker_and_refits_whole(one_worker, pp2):
     assert not stale, f"the refit left the initial value of {stale}"
 
 
-@pytest.mark.parametrize("layout", ["interleaved", "pp2_dp2"])
-def test_interleaved_and_pp2_by_dp2_equal_one_worker(cluster, one_worker, layout):
+@pytest.mark.parametrize("layout", ["interleaved", "pp2_dp2", "pp2_tp2"])
+def test_interleaved_pp2_by_dp2_and_pp2_by_tp2_equal_one_worker(cluster, one_worker, layout):
     """Interleaved 1F1B (2 workers x 2 virtual stages of one layer; stages 0 and 2 on the first
-    worker), and PP=2 x DP=2 (4 workers: each pipeline gets half the rows, FSDP2 shards each stage
-    over its 2 data-parallel ranks, micro-batches padded to the count the schedule needs): one
+    worker); PP=2 x DP=2 (4 workers: each pipeline gets half the rows, FSDP2 shards each stage
+    over its 2 data-parallel ranks, micro-batches padded to the count the schedule needs); PP=2 x
+    TP=2 (the mesh (dp 1, pp 2, tp 2): each stage's layers split by heads and MLP width): one
     worker's run."""
-    if layout == "interleaved":
-        cfg = policy_cfg(model_name=MODEL, num_workers=2, pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b")
-    else:
-        cfg = policy_cfg(model_name=MODEL, num_workers=4, pipeline_parallel_size=2)
+    sizes = {"interleaved": dict(num_workers=2, pipeline_schedule="interleaved_1f1b"),
+             "pp2_dp2": dict(num_workers=4), "pp2_tp2": dict(num_workers=4, tensor_parallel_size=2)}[layout]
+    cfg = policy_cfg(model_name=MODEL, pipeline_parallel_size=2, **sizes)
     assert_same_run(run(cluster, cfg, f"pp_{layout}"), one_worker)
 
 

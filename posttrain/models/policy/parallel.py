@@ -60,6 +60,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from posttrain.distributed import collective
 from posttrain.distributed.batch import Batch
 from posttrain.models.parallel_sizes import tensor_parallel_problem
 from posttrain.models.policy.forward import MicroBatch
@@ -247,23 +248,26 @@ def mixed_precision_policy(compute_dtype: torch.dtype) -> Optional[MixedPrecisio
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
 
-def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float, stage_group: Any = None) -> float:
     """Total gradient norm over every rank before clipping (clipped to `max_norm` when finite).
 
     Under TP + FSDP the gradients are DTensors on two meshes (`(dp, tp)` for TP-sharded
     parameters, `dp` for the rest); torch's `clip_grad_norm_` stacks them and refuses mixed meshes,
-    so the norm is taken per mesh and combined here."""
+    so the norm is taken per mesh and combined here. `stage_group` (pipeline parallelism): the
+    ranks holding the other stages, whose squares add up too (default None: none)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     groups: dict[Any, list[torch.Tensor]] = {}
     for grad in grads:
         groups.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
-    if len(groups) <= 1:
+    if len(groups) <= 1 and stage_group is None:
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     squares = 0.0
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group)
         squares += float(norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+    if stage_group is not None:
+        squares = float(collective.all_reduce(torch.tensor([squares], dtype=torch.float64), group=stage_group))
     total = math.sqrt(squares)
     if math.isfinite(max_norm) and math.isfinite(total):
         coef = max_norm / (total + 1e-6)

@@ -46,12 +46,10 @@ tests/functional/test_pipeline_workers.py).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from posttrain.distributed import collective
 from posttrain.distributed.batch import Batch
@@ -184,27 +182,6 @@ def split_and_shard(model: torch.nn.Module, cfg: Any, mesh: dict[str, Any], *, m
             fully_shard(layer, reshard_after_forward=False, **kwargs)
         fully_shard(chunk, reshard_after_forward=False, **kwargs)
     return chunks, stages
-
-
-def clip_grad_norm(parameters: list[torch.nn.Parameter], max_norm: float, pp_group: Any) -> float:
-    """Total gradient norm over every stage and rank before clipping (clipped to `max_norm` when
-    finite): each mesh's squares (`DTensor` grads gathered over their mesh), summed over the
-    pipeline ranks, which hold different parameters."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for grad in grads:
-        groups.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
-    squares = torch.zeros(1, dtype=torch.float64)
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group)
-        squares += float(norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
-    total = math.sqrt(float(collective.all_reduce(squares, group=pp_group)))
-    if math.isfinite(max_norm) and math.isfinite(total):
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for grad in grads:
-                grad.mul_(coef)
-    return total
 
 
 # ------------------------------------------------------------------------------ running a schedule

@@ -513,9 +513,8 @@ class PolicyWorker(pipeline.PipelineParallel, ModelLoading, Checkpointing, Weigh
     def _clip_grad_norm(self) -> float:
         """Total grad norm over all ranks before clipping; clips when `policy.max_grad_norm` is set."""
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
-        if self.pp_size > 1:  # stages hold different parameters: their squares add up
-            return pipeline.clip_grad_norm(list(self.model.parameters()), max_norm, self.pp_group)
-        return parallel.clip_grad_norm(list(self.model.parameters()), max_norm)
+        stages = self.pp_group if self.pp_size > 1 else None  # stages hold different parameters
+        return parallel.clip_grad_norm(list(self.model.parameters()), max_norm, stages)
 
     def _raise_if_not_finite(self, bad_microbatches: list[int], grad_norm: float, step_index: int) -> None:
         """Raise on every rank, before the optimizer step, if any rank saw a NaN/inf."""
