@@ -350,10 +350,11 @@ class PipelineParallel:
         width = max(mb.rows["input_ids"].shape[1] for mb in mbs)
         stacked = self._run_pipeline(mbs, rows, temperature, None)
         self._reshard()  # the stages keep their layers gathered after a forward (no backward frees them here)
-        values = torch.zeros(len(mbs) * rows, width)
+        values = torch.zeros(len(mbs) * rows, width, device=self.device)  # on the device: nccl broadcasts there
         if stacked is not None:
-            values = stacked[: len(mbs) * rows].float().cpu()
+            values = stacked[: len(mbs) * rows].float().contiguous()
         torch.distributed.broadcast(values, src=self._pipeline_last_rank(), group=self.pp_group)
+        values = values.cpu()
         for k, mb in enumerate(mbs):
             if mb.dummy:
                 continue
