@@ -129,3 +129,21 @@ def test_microbatches_are_padded_to_one_shape():
     stacked = pipeline.padded_inputs(mbs, 2)
     assert stacked.shape == (4, 5)
     assert stacked[2].tolist() == [11, 12, 13, 0, 0] and stacked[3].tolist() == [0] * 5
+
+
+def test_the_optimizer_state_format_is_read_from_the_checkpoint(tmp_path):
+    """Whole param groups (saved without PP) and groups flattened per parameter name (under PP) are
+    told apart by the DCP metadata, so a checkpoint of either kind loads whatever the PP size."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from posttrain.models.policy.checkpoint import OPTIM_DIR, optimizer_state_is_flat
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    for flat in (False, True):
+        _, state = get_state_dict(model, (optimizer,), options=StateDictOptions(flatten_optimizer_state_dict=flat))
+        dcp.save(state, checkpoint_id=str(tmp_path / str(flat) / OPTIM_DIR))
+        assert optimizer_state_is_flat(tmp_path / str(flat)) is flat

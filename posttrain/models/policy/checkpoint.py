@@ -143,8 +143,10 @@ def optimizer_state_is_flat(path: str | os.PathLike) -> bool:
     """Whether the optimizer state at `path` was saved flattened (`flatten_optimizer_state_dict`:
     hyperparameters per parameter name, as pipeline stages save it, since each stage's param
     groups list only its own parameters) rather than as whole param groups."""
-    metadata = dcp.FileSystemReader(str(Path(path) / OPTIM_DIR)).read_metadata()
-    return "param_groups" not in metadata.state_dict_metadata
+    keys = dcp.FileSystemReader(str(Path(path) / OPTIM_DIR)).read_metadata().state_dict_metadata
+    # Whole groups are stored by index (`param_groups.0.lr`), flattened ones by parameter name.
+    return not any(key == "param_groups" or key.split(".")[1:2] == ["0"] for key in keys
+                   if key.startswith("param_groups"))
 
 
 def check_checkpoint_dir(path: str | os.PathLike) -> Path:

@@ -64,7 +64,6 @@ from posttrain.models.policy.forward import MicroBatch, compute_autocast
 from posttrain.models.policy.linear_logprobs import fused_logprobs_problem, linear_logprobs
 
 
-
 # ------------------------------------------------------------------------------ the stage modules
 def model_problem(model: torch.nn.Module, num_stages: int = 1) -> Optional[str]:
     """Why `model` cannot be split into `num_stages` pipeline stages (None when it can)."""
