@@ -1,14 +1,15 @@
 """Pipeline parallelism (`policy.pipeline_parallel_size`) on CPU over gloo, with real Ray workers:
 two pipeline stages give the logprobs, losses, gradient norms, updated weights and reference
-logprobs of one worker, with 1F1B, interleaved 1F1B (2 stages per worker) and as PP=2 x DP=2
-(`models/policy/pipeline.py`); the trained stages refit a native engine whole, and a checkpoint
+logprobs of one worker, with 1F1B, interleaved 1F1B (2 stages per worker), as PP=2 x DP=2 and as
+PP=2 x TP=2 (`models/policy/pipeline.py`); the trained stages refit a native engine whole, and a checkpoint
 saved under PP=2 resumes under PP=1.
 
 The model is the `small` preset (4 layers: 2 stages of 2, or 4 of 1 interleaved); the batch and
 the two clipped-SGD train calls are `test_tensor_parallel.py`'s. Tolerances are its own (1e-5
 relative on logprobs, losses and gradient norms, 1e-6 absolute on weights): PP computes the same
 sums in float32, through the fused lm_head + logprob path and SDPA's causal kernel without a
-padding mask, so the values differ from one worker's by float rounding only (measured: about 1e-7).
+padding mask, so the values differ from one worker's by float rounding only (measured over the four
+layouts: logprobs within 1.4e-6, losses 8.3e-7 and gradient norms 5e-7 relative, weights 1.2e-7).
 """
 
 from __future__ import annotations
