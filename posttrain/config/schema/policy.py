@@ -612,8 +612,8 @@ class PolicyConfig(Section):
                    (self.batch_invariant, "policy.batch_invariant")]
         for refuse, key in refused:
             if refuse:
-                raise ValueError(f"policy.pipeline_parallel_size > 1 with {key} is not supported (pipeline.py); "
-                                 "turn one of them off")
+                raise ValueError(f"policy.pipeline_parallel_size > 1 with {key} is not supported "
+                                 "(docs/scaling.md, Parallelism); turn one of them off")
 
     @property
     def pipeline_stages_per_worker(self) -> int:
