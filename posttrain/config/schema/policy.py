@@ -445,6 +445,16 @@ class PolicyConfig(Section):
             "only."
         ),
     )
+    expert_parallel_size: int = Field(
+        1, ge=1,
+        description=(
+            "Mixture-of-experts models: workers that split each MoE layer's routed experts between them, tokens sent "
+            "to their experts' worker and back by all-to-all (models/policy/expert_parallel.py); the workers stay "
+            "data-parallel (each its own rows; everything but the experts FSDP-sharded over all of them), the "
+            "experts replicated over num_workers / expert_parallel_size groups. Must divide num_workers and the "
+            "number of routed experts; not with tensor or context parallelism or LoRA. 1 (default): off."
+        ),
+    )
     fsdp_cpu_offload: bool = Field(
         False,
         description=(
@@ -529,6 +539,8 @@ class PolicyConfig(Section):
                              "wrap the layers tensor parallelism splits); use data parallelism for LoRA")
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise ValueError("policy.sequence_parallel needs policy.tensor_parallel_size > 1")
+        if self.expert_parallel_size > 1:
+            self._check_expert_parallel()
         if self.fsdp_cpu_offload and self.num_workers == 1:
             raise ValueError("policy.fsdp_cpu_offload needs policy.num_workers > 1 (FSDP2 shards only then)")
         if self.precision == "float16":
@@ -547,6 +559,19 @@ class PolicyConfig(Section):
             raise ValueError(f"policy.num_workers={self.num_workers} must be a multiple of {sizes}")
         if self.lora.enabled:
             raise ValueError("policy.context_parallel_size > 1 with policy.lora.enabled is not supported")
+
+    def _check_expert_parallel(self) -> None:
+        """One line per combination expert parallelism refuses (expert_parallel.py's module doc)."""
+        ep = self.expert_parallel_size
+        if self.num_workers % ep:
+            raise ValueError(f"policy.num_workers={self.num_workers} must be a multiple of policy.expert_parallel_size={ep}")
+        for key, value in (("tensor_parallel_size", self.tensor_parallel_size),
+                           ("context_parallel_size", self.context_parallel_size)):
+            if value > 1:
+                raise ValueError(f"policy.expert_parallel_size={ep} with policy.{key}={value} is not supported; "
+                                 "use one of them")
+        if self.lora.enabled:
+            raise ValueError(f"policy.expert_parallel_size={ep} with policy.lora.enabled is not supported")
 
     @property
     def dp_size(self) -> int:
