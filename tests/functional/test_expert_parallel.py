@@ -2,7 +2,8 @@
 experts of the tiny Qwen3-MoE and DeepSeek-V3 presets split over 2 ranks (tokens dispatched and
 combined by all-to-all), alone and as 2 EP x 2 data-parallel replicas, give one worker's
 logprobs, losses, gradient norms (clipped SGD steps), reference logprobs and weights after two
-train calls of two optimizer steps each.
+train calls of two optimizer steps each; an EP=2 checkpoint resumes in one worker (EP=1) as the
+EP=2 run went on; GRPO with EP=2 refits the native engine (expert shards gathered) exactly.
 
 Tolerances (expert_parallel.py's module doc): float32; EP changes only the order in which a
 token's expert outputs are summed: 1e-5 relative on logprobs, losses and gradient norms, 1e-6
@@ -12,9 +13,13 @@ absolute on weights, as test_tensor_parallel.py allows.
 from __future__ import annotations
 
 import pytest
-from test_tensor_parallel import assert_same_run, policy_cfg, run
+import torch
+from test_tensor_parallel import assert_same_run, make_batch, policy_cfg, run
 
+from posttrain.algorithms.loss import ClippedPGLoss
+from posttrain.config.schema import LossConfig
 from posttrain.distributed.cluster import VirtualCluster
+from posttrain.models.policy.policy import Policy
 
 # The timeout is a hang guard, not a speed test.
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
@@ -28,14 +33,29 @@ def cluster(ray_cluster):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_ep2_equals_one_worker(cluster, arch):
-    """Two workers, each holding half the experts of every MoE layer and its own rows."""
+def test_ep2_equals_one_worker_and_resumes_in_one(cluster, arch, tmp_path):
+    """Two workers, each holding half the experts of every MoE layer and its own rows; the
+    DeepSeek-V3 checkpoint written after the first train call (experts as DTensor shards) loads into
+    one worker, whose next train call and weights are the EP=2 run's second."""
     model = f"tiny-{arch}"
     one = run(cluster, policy_cfg(model_name=model), f"ep1_{arch}")
-    ep2 = run(cluster, policy_cfg(model_name=model, num_workers=2, expert_parallel_size=2), f"ep2_{arch}")
+    ep2 = run(cluster, policy_cfg(model_name=model, num_workers=2, expert_parallel_size=2), f"ep2_{arch}",
+              tmp_path if arch == "deepseek_v3" else None)
     assert_same_run(ep2, one)
     if arch == "qwen3_moe":  # the router's load-balancing loss is in the loss, from each rank's own tokens
         assert ep2["metrics"][0]["router_aux_loss"] == pytest.approx(one["metrics"][0]["router_aux_loss"], rel=1e-5)
+        return
+    resumed = Policy(cluster, policy_cfg(model_name=model), init_reference_model=False,
+                     weights_path=ep2["checkpoint"], name=f"ep1_resumed_{arch}")
+    try:
+        metrics = resumed.train(make_batch(), ClippedPGLoss(LossConfig()))
+        weights = resumed.state_dict_for_export()
+    finally:
+        resumed.shutdown()
+    for name in ("loss", "grad_norm"):
+        assert metrics[name] == pytest.approx(ep2["metrics"][1][name], rel=1e-5), name
+    for name, value in ep2["weights"].items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_ep2_dp2_equals_one_worker(cluster):
@@ -44,3 +64,22 @@ def test_ep2_dp2_equals_one_worker(cluster):
     one = run(cluster, policy_cfg(model_name=model), "ep1_dp")
     ep2_dp2 = run(cluster, policy_cfg(model_name=model, num_workers=4, expert_parallel_size=2), "ep2_dp2")
     assert_same_run(ep2_dp2, one)
+
+
+def test_grpo_with_ep2_refits_the_native_engine_exactly(ray_cluster, tmp_path):
+    """`posttrain grpo policy.num_workers=2 policy.expert_parallel_size=2` on the tiny Qwen3-MoE: the
+    native engine gets every expert (gathered from the two ranks' shards) at each refit, checksum
+    verified, so its logprobs are the trainer's."""
+    from posttrain.algorithms import grpo
+    from test_grpo import read_metrics, small_cfg
+
+    ctx = grpo.setup(small_cfg(tmp_path, "policy.model_name=tiny-qwen3_moe", "policy.num_workers=2",
+                               "policy.expert_parallel_size=2", "cluster.backend=ray", "grpo.max_num_steps=2"))
+    try:
+        grpo.grpo_train(ctx)
+    finally:
+        ctx.shutdown()
+    metrics = read_metrics(tmp_path / "logs")
+    for step in (1, 2):
+        assert 1.0 <= metrics[step]["train/token_mult_prob_error"] < 1.001, metrics[step]
+        assert 1.0 <= metrics[step]["train/moe/expert_load_max_over_mean"] <= 2.0  # E / k = 4 / 2 at most

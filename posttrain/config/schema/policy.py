@@ -360,6 +360,17 @@ class PolicyConfig(Section):
             "as NeMo-RL's RL recipes keep routing; models without the bias refuse a rate > 0."
         ),
     )
+    moe_router_replay: bool = Field(
+        False,
+        description=(
+            "Mixture-of-experts models, router replay: the native engine records each token's chosen experts and "
+            "the trainer's logprob and training forwards route every generated token to those experts (gate weights "
+            "recomputed from the router's logits, so the router still learns; models/router_replay.py), so a flipped "
+            "top-k choice no longer adds to the generation/training mismatch. Native engine only (not vLLM, "
+            "speculative decoding or batch_invariant); not with sequence packing or context parallelism. "
+            "False (default): off."
+        ),
+    )
     precision: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "auto",
         description=(
@@ -541,6 +552,8 @@ class PolicyConfig(Section):
             raise ValueError("policy.sequence_parallel needs policy.tensor_parallel_size > 1")
         if self.expert_parallel_size > 1:
             self._check_expert_parallel()
+        if self.moe_router_replay:
+            self._check_router_replay()
         if self.fsdp_cpu_offload and self.num_workers == 1:
             raise ValueError("policy.fsdp_cpu_offload needs policy.num_workers > 1 (FSDP2 shards only then)")
         if self.precision == "float16":
@@ -572,6 +585,18 @@ class PolicyConfig(Section):
                                  "use one of them")
         if self.lora.enabled:
             raise ValueError(f"policy.expert_parallel_size={ep} with policy.lora.enabled is not supported")
+
+    def _check_router_replay(self) -> None:
+        """One line per combination router replay refuses (models/router_replay.py)."""
+        refused = [("policy.generation.backend=vllm", self.generation.backend == "vllm"),
+                   ("policy.generation.speculative", self.generation.speculative.method != "none"),
+                   ("policy.batch_invariant", self.batch_invariant),
+                   ("policy.sequence_packing.enabled", self.sequence_packing.enabled),
+                   ("policy.context_parallel_size > 1", self.context_parallel_size > 1)]
+        for what, on in refused:
+            if on:
+                raise ValueError(f"policy.moe_router_replay=true with {what} is not supported (the native engine "
+                                 "records routing in plain batched decoding; the trainer replays it on unpacked rows)")
 
     @property
     def dp_size(self) -> int:

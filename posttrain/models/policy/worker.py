@@ -39,7 +39,7 @@ from posttrain.config.schema import PolicyConfig
 from posttrain.distributed import collective
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
-from posttrain.models import lora, moe, moe_balance
+from posttrain.models import lora, moe, moe_balance, router_replay
 from posttrain.models.hf import load_tokenizer, pick_dtype, resolve_model_path
 from posttrain.models.policy import checkpoint as ckpt
 from posttrain.models.policy import context_parallel, expert_parallel, parallel, sharded_load
@@ -267,8 +267,10 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
                     sequence_parallel_size=self.tp_size if self.cfg.sequence_parallel else 1, packed=mb.packed)
         if input_type == "logits":  # full next-token logits [n, L, V] (distillation)
             return microbatch_logits(self.model, mb, self.device, self.compute_dtype, temperature)
-        return microbatch_logprobs(self.model, mb, self.device, self.compute_dtype, temperature,
-                                  fused=self.fused_logprobs, loss_positions_only=for_loss)
+        routed = mb.rows.get(router_replay.ROUTED_EXPERTS) if self.cfg.moe_router_replay and mb.packed is None else None
+        with router_replay.replaying(self.model, None if routed is None else routed.flatten(0, 1)):
+            return microbatch_logprobs(self.model, mb, self.device, self.compute_dtype, temperature,
+                                      fused=self.fused_logprobs, loss_positions_only=for_loss)
 
     # ------------------------------------------------------------------------------ logprobs
     @measured_phase("logprobs")
