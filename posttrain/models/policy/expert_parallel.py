@@ -107,10 +107,10 @@ def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> set[torch.nn.Parameter]:
+def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[torch.nn.Parameter]:
     """Keep this rank's experts of every MoE layer (DTensors `Shard(0)` over `ep_mesh`, on its
-    device) and dispatch tokens with `ep_experts_forward`. Returns the expert parameters (FSDP
-    ignores them). Raises ValueError when the model has no experts module transformers 5 builds."""
+    device) and dispatch tokens with `ep_experts_forward`. Returns the expert parameters in model
+    order, the same on every rank (FSDP ignores them; their gradients are all-reduced in this order). Raises ValueError when the model has no experts module transformers 5 builds."""
     modules = expert_modules(model)
     if not modules:
         raise ValueError(f"policy.expert_parallel_size: {type(model).__name__} has no experts module with 3-D "
@@ -119,7 +119,7 @@ def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> set[torch.nn.P
     local = num_routed_experts(model.config) // size
     shard = ExpertShard(ep_mesh.get_group(), size, rank, local)
     device = torch.device(ep_mesh.device_type, torch.cuda.current_device()) if ep_mesh.device_type == "cuda" else None
-    params: set[torch.nn.Parameter] = set()
+    params: list[torch.nn.Parameter] = []
     for module in modules:
         for name in EXPERT_WEIGHTS:
             full = getattr(module, name)
@@ -127,7 +127,7 @@ def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> set[torch.nn.P
             param = torch.nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False),
                                        requires_grad=full.requires_grad)
             setattr(module, name, param)
-            params.add(param)
+            params.append(param)
         module._expert_shard = shard
         module.forward = types.MethodType(ep_experts_forward, module)
     return params

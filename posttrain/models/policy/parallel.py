@@ -205,7 +205,7 @@ def shard_model(
     mixed_precision: Optional[MixedPrecisionPolicy] = None,
     cpu_offload: bool = False,
     ep_mesh: Optional[DeviceMesh] = None,
-) -> set[torch.nn.Parameter]:
+) -> list[torch.nn.Parameter]:
     """Tensor-parallelise `model` over `tp_mesh` (if any), then FSDP2 over `dp_mesh`: one unit per
     decoder layer (HF's `_no_split_modules`), then the root.
 
@@ -215,7 +215,8 @@ def shard_model(
     scattering rank 0's, a collective the meta ranks cannot serve (the pair deadlocked).
 
     `ep_mesh` (expert parallelism, `expert_parallel.py`): the routed experts are split over it
-    first and FSDP ignores them. Returns the expert parameters so split (empty without EP)."""
+    first and FSDP ignores them. Returns the expert parameters so split, in model order (empty
+    without EP)."""
     if tp_mesh is not None:
         # DTensor warns, once per process, that gathering a 2-D (dp, tp) sharded tensor (state
         # dicts, the gradient norm) takes two collectives instead of one: expected, and noise in a
@@ -232,13 +233,13 @@ def shard_model(
         raise ValueError(
             f"cannot find decoder layers to shard in {type(model).__name__}: _no_split_modules={sorted(layer_classes)}"
         )
-    expert_params: set[torch.nn.Parameter] = set()
+    expert_params: list[torch.nn.Parameter] = []
     kwargs: dict[str, Any] = {"mesh": dp_mesh}
     if ep_mesh is not None:
         from posttrain.models.policy.expert_parallel import shard_experts
 
         expert_params = shard_experts(model, ep_mesh)
-        kwargs["ignored_params"] = expert_params
+        kwargs["ignored_params"] = set(expert_params)
     if mixed_precision is not None:
         kwargs["mp_policy"] = mixed_precision
     if cpu_offload:

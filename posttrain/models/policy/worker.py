@@ -127,7 +127,7 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
         self.dp_size = self.world_size // (self.tp_size * self.cp_size)
         # Expert parallelism (expert_parallel.py): the experts split over groups of ep ranks; set by _shard_model.
         self.ep_size = self.cfg.expert_parallel_size
-        self.expert_params: set[torch.nn.Parameter] = set()
+        self.expert_params: list[torch.nn.Parameter] = []
         self.expert_replica_group: Any = None
         self.fsdp_size = self.dp_size * self.cp_size  # ranks FSDP averages gradients over
         self.dp_group: Any = None  # the data-parallel ranks' process group (None: all ranks, the default group)
@@ -509,7 +509,7 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
         """Total grad norm over all ranks before clipping; clips when `policy.max_grad_norm` is set."""
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
         if self.expert_params:  # summed over the expert replicas, FSDP's scaling undone (expert_parallel.py)
-            expert_parallel.reduce_expert_gradients(list(self.expert_params), self.expert_replica_group,
+            expert_parallel.reduce_expert_gradients(self.expert_params, self.expert_replica_group,
                                                     self.world_size // self.ep_size, self.fsdp_size)
         return parallel.clip_grad_norm(list(self.model.parameters()), max_norm)
 
