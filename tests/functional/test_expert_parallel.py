@@ -32,13 +32,25 @@ def cluster(ray_cluster):
     cluster.shutdown()
 
 
+@pytest.fixture(scope="module")
+def one_worker(cluster):
+    """One worker's run of each preset, computed once for the tests below."""
+    runs: dict[str, dict] = {}
+
+    def of(arch: str) -> dict:
+        if arch not in runs:
+            runs[arch] = run(cluster, policy_cfg(model_name=f"tiny-{arch}"), f"ep1_{arch}")
+        return runs[arch]
+    return of
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_ep2_equals_one_worker_and_resumes_in_one(cluster, arch, tmp_path):
+def test_ep2_equals_one_worker_and_resumes_in_one(cluster, one_worker, arch, tmp_path):
     """Two workers, each holding half the experts of every MoE layer and its own rows; the
     DeepSeek-V3 checkpoint written after the first train call (experts as DTensor shards) loads into
     one worker, whose next train call and weights are the EP=2 run's second."""
     model = f"tiny-{arch}"
-    one = run(cluster, policy_cfg(model_name=model), f"ep1_{arch}")
+    one = one_worker(arch)
     ep2 = run(cluster, policy_cfg(model_name=model, num_workers=2, expert_parallel_size=2), f"ep2_{arch}",
               tmp_path if arch == "deepseek_v3" else None)
     assert_same_run(ep2, one)
@@ -58,12 +70,10 @@ def test_ep2_equals_one_worker_and_resumes_in_one(cluster, arch, tmp_path):
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def test_ep2_dp2_equals_one_worker(cluster):
+def test_ep2_dp2_equals_one_worker(cluster, one_worker):
     """Four workers: two EP groups of two (experts split within each, replicated across them)."""
-    model = "tiny-qwen3_moe"
-    one = run(cluster, policy_cfg(model_name=model), "ep1_dp")
-    ep2_dp2 = run(cluster, policy_cfg(model_name=model, num_workers=4, expert_parallel_size=2), "ep2_dp2")
-    assert_same_run(ep2_dp2, one)
+    ep2_dp2 = run(cluster, policy_cfg(model_name="tiny-qwen3_moe", num_workers=4, expert_parallel_size=2), "ep2_dp2")
+    assert_same_run(ep2_dp2, one_worker("qwen3_moe"))
 
 
 def test_grpo_with_ep2_refits_the_native_engine_exactly(ray_cluster, tmp_path):
