@@ -92,3 +92,18 @@ def test_expert_parallel_problems_and_refusals():
                            (dict(expert_parallel_size=2, lora=dict(enabled=True)), "lora")):
         with pytest.raises(ValueError, match=message):
             PolicyConfig.model_validate(dict(base, **extra))
+
+
+def test_preflight_refuses_expert_parallelism_the_model_cannot_take():
+    from posttrain.errors import UserError
+    from posttrain.preflight import check_expert_parallel
+
+    def policy(model: str, ep: int, workers: int) -> PolicyConfig:
+        return PolicyConfig.model_validate(dict(model_name=model, num_workers=workers, expert_parallel_size=ep,
+                                                train_global_batch_size=workers))
+
+    check_expert_parallel(policy("tiny-deepseek_v3", 4, 4))  # 8 routed experts
+    with pytest.raises(UserError, match="dense"):
+        check_expert_parallel(policy("tiny", 2, 2))
+    with pytest.raises(UserError, match="does not divide the model's 4 routed experts"):
+        check_expert_parallel(policy("tiny-mixtral", 3, 3))

@@ -54,6 +54,8 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from posttrain.models.parallel_sizes import expert_parallel_problem, num_routed_experts  # noqa: F401 (re-exported)
+
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # transformers 5's 3-D expert tensors
 
 
@@ -70,30 +72,6 @@ class ExpertShard:
 def build_mesh(device_type: str, world_size: int, ep_size: int) -> DeviceMesh:
     """The `("edp", "ep")` mesh of all ranks (module doc); `mesh["ep"]` shards the experts."""
     return init_device_mesh(device_type, (world_size // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
-
-
-def num_routed_experts(config: Any) -> Optional[int]:
-    """Routed experts per MoE layer of a transformers config (None for a dense model)."""
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        value = getattr(config, key, None) if not isinstance(config, dict) else config.get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def expert_parallel_problem(config: Any, ep_size: int) -> Optional[str]:
-    """One line saying why the model of `config` (a transformers config or a config.json dict)
-    cannot split its experts over `ep_size` ranks; None when it can."""
-    if ep_size == 1:
-        return None
-    experts = num_routed_experts(config)
-    if experts is None:
-        return (f"policy.expert_parallel_size={ep_size}: the model is dense (no routed experts); expert parallelism "
-                "is for mixture-of-experts models (tiny-qwen3_moe, tiny-mixtral, tiny-deepseek_v3, ...)")
-    if experts % ep_size:
-        return (f"policy.expert_parallel_size={ep_size} does not divide the model's {experts} routed experts; pick an "
-                "expert_parallel_size that divides them")
-    return None
 
 
 def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -16,6 +16,7 @@ from transformers import AutoConfig
 
 from posttrain.config.schema import PolicyConfig
 from posttrain.models.hf import apply_rope_scaling, load_causal_lm, parse_tiny_name
+from posttrain.models.parallel_sizes import num_routed_experts
 from posttrain.models.policy import context_parallel, expert_parallel, parallel, sharded_load
 from posttrain.models.policy.checkpoint import MODEL_CLASSES
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
@@ -29,8 +30,7 @@ def is_mixture_of_experts(policy: PolicyConfig) -> bool:
     tiny = parse_tiny_name(policy.model_name, policy.tiny_arch)
     if tiny is not None:
         return tiny[1] in MOE_ARCHS
-    config = model_config_dict(policy.model_name) or {}
-    return bool(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts"))
+    return num_routed_experts(model_config_dict(policy.model_name) or {}) is not None
 
 
 class ModelLoading:
