@@ -46,13 +46,15 @@ def one_worker(cluster):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_ep2_equals_one_worker_and_resumes_in_one(cluster, one_worker, arch, tmp_path):
-    """Two workers, each holding half the experts of every MoE layer and its own rows; the
-    DeepSeek-V3 checkpoint written after the first train call (experts as DTensor shards) loads into
+    """Two workers, each holding half the experts of every MoE layer and its own rows (DeepSeek-V3
+    with activation checkpointing); the DeepSeek-V3 checkpoint written after the first train call (experts as DTensor shards) loads into
     one worker, whose next train call and weights are the EP=2 run's second."""
     model = f"tiny-{arch}"
     one = one_worker(arch)
-    ep2 = run(cluster, policy_cfg(model_name=model, num_workers=2, expert_parallel_size=2), f"ep2_{arch}",
-              tmp_path if arch == "deepseek_v3" else None)
+    # DeepSeek-V3 also checkpoints activations: the backward recomputes each layer, all-to-alls included.
+    cfg = policy_cfg(model_name=model, num_workers=2, expert_parallel_size=2,
+                     activation_checkpointing=arch == "deepseek_v3")
+    ep2 = run(cluster, cfg, f"ep2_{arch}", tmp_path if arch == "deepseek_v3" else None)
     assert_same_run(ep2, one)
     if arch == "qwen3_moe":  # the router's load-balancing loss is in the loss, from each rank's own tokens
         assert ep2["metrics"][0]["router_aux_loss"] == pytest.approx(one["metrics"][0]["router_aux_loss"], rel=1e-5)

@@ -88,7 +88,8 @@ def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[torch.nn.Parameter]:
     """Keep this rank's experts of every MoE layer (DTensors `Shard(0)` over `ep_mesh`, on its
     device) and dispatch tokens with `ep_experts_forward`. Returns the expert parameters in model
-    order, the same on every rank (FSDP ignores them; their gradients are all-reduced in this order). Raises ValueError when the model has no experts module transformers 5 builds."""
+    order, the same on every rank (FSDP ignores them; their gradients are all-reduced in this
+    order). Raises ValueError when the model has no experts module transformers 5 builds."""
     modules = expert_modules(model)
     if not modules:
         raise ValueError(f"policy.expert_parallel_size: {type(model).__name__} has no experts module with 3-D "
