@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from test_collectives import free_ports
 
 from posttrain.config.schema import PolicyConfig
+from posttrain.models.parallel_sizes import expert_parallel_problem
 from posttrain.models.policy import expert_parallel as ep
 
 ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
@@ -80,10 +81,10 @@ def test_ep2_dispatch_equals_one_process():
 def test_expert_parallel_problems_and_refusals():
     from transformers import LlamaConfig, Qwen3MoeConfig
 
-    assert ep.expert_parallel_problem(Qwen3MoeConfig(num_experts=4), 2) is None
-    assert ep.expert_parallel_problem({"n_routed_experts": 8}, 4) is None
-    assert "does not divide the model's 4 routed experts" in ep.expert_parallel_problem(Qwen3MoeConfig(num_experts=4), 3)
-    assert "dense" in ep.expert_parallel_problem(LlamaConfig(), 2)
+    assert expert_parallel_problem(Qwen3MoeConfig(num_experts=4), 2) is None
+    assert expert_parallel_problem({"n_routed_experts": 8}, 4) is None
+    assert "does not divide the model's 4 routed experts" in expert_parallel_problem(Qwen3MoeConfig(num_experts=4), 3)
+    assert "dense" in expert_parallel_problem(LlamaConfig(), 2)
     base = dict(model_name="tiny-qwen3_moe", num_workers=4, train_global_batch_size=4)
     assert PolicyConfig.model_validate(dict(base, expert_parallel_size=2)).expert_parallel_size == 2
     for extra, message in ((dict(expert_parallel_size=3), "must be a multiple of policy.expert_parallel_size=3"),

@@ -36,9 +36,9 @@ gradient norms agree with one worker to about 1e-6 relative and weights after tw
 1e-6 absolute (tests/functional/test_expert_parallel.py allows 1e-5 relative, 1e-6 absolute, as
 the tensor-parallel tests do).
 
-Refused in one line (config, `problem`): EP with tensor or context parallelism or LoRA, EP on a dense
-model, an EP size that does not divide `num_workers` or the number of routed experts, reward and
-value models. Every forward of the model is collective over the EP group, as FSDP's already are
+Refused in one line (the config; preflight and the worker by `parallel_sizes.expert_parallel_problem`):
+EP with tensor or context parallelism or LoRA, EP on a dense model, an EP size that does not divide
+`num_workers` or the number of routed experts, reward and value models. Every forward of the model is collective over the EP group, as FSDP's already are
 (the worker pads the micro-batch count with dummies).
 """
 
@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from posttrain.models.parallel_sizes import expert_parallel_problem, num_routed_experts  # noqa: F401 (re-exported)
+from posttrain.models.parallel_sizes import num_routed_experts
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # transformers 5's 3-D expert tensors
 

@@ -41,6 +41,7 @@ from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
 from posttrain.models import lora, moe, moe_balance, router_replay
 from posttrain.models.hf import load_tokenizer, pick_dtype, resolve_model_path
+from posttrain.models.parallel_sizes import expert_parallel_problem
 from posttrain.models.policy import checkpoint as ckpt
 from posttrain.models.policy import context_parallel, expert_parallel, parallel, sharded_load
 from posttrain.models.policy.checkpoint import Checkpointing
@@ -155,7 +156,7 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
         self.hf_config = self.model.config
         if self.ep_size > 1:
             problem = ("reward and value models are not supported" if model_type != "lm"
-                       else expert_parallel.expert_parallel_problem(self.hf_config, self.ep_size))
+                       else expert_parallel_problem(self.hf_config, self.ep_size))
             if problem:
                 raise ValueError(problem if problem.startswith("policy.") else f"policy.expert_parallel_size: {problem}")
         # Mixture of experts: weight of the router's load-balancing loss (0: dense, or turned off).
