@@ -14,22 +14,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_tensor_parallel import assert_same_run, make_batch, policy_cfg, run
+from test_tensor_parallel import cluster  # noqa: F401 (the module-scoped fixture of 4 bundles)
+from test_tensor_parallel import assert_same_run, make_batch, policy_cfg, run, two_grpo_steps
 
 from posttrain.algorithms.loss import ClippedPGLoss
 from posttrain.config.schema import LossConfig
-from posttrain.distributed.cluster import VirtualCluster
 from posttrain.models.policy.policy import Policy
 
 # The timeout is a hang guard, not a speed test.
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
-
-
-@pytest.fixture(scope="module")
-def cluster(ray_cluster):
-    cluster = VirtualCluster([4], max_colocated_worker_groups=2)
-    yield cluster
-    cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -82,16 +75,8 @@ def test_grpo_with_ep2_refits_the_native_engine_exactly(ray_cluster, tmp_path):
     """`posttrain grpo policy.num_workers=2 policy.expert_parallel_size=2` on the tiny Qwen3-MoE: the
     native engine gets every expert (gathered from the two ranks' shards) at each refit, checksum
     verified, so its logprobs are the trainer's."""
-    from posttrain.algorithms import grpo
-    from test_grpo import read_metrics, small_cfg
-
-    ctx = grpo.setup(small_cfg(tmp_path, "policy.model_name=tiny-qwen3_moe", "policy.num_workers=2",
-                               "policy.expert_parallel_size=2", "cluster.backend=ray", "grpo.max_num_steps=2"))
-    try:
-        grpo.grpo_train(ctx)
-    finally:
-        ctx.shutdown()
-    metrics = read_metrics(tmp_path / "logs")
+    metrics = two_grpo_steps(tmp_path, "policy.model_name=tiny-qwen3_moe", "policy.num_workers=2",
+                             "policy.expert_parallel_size=2")
     for step in (1, 2):
         assert 1.0 <= metrics[step]["train/token_mult_prob_error"] < 1.001, metrics[step]
         assert 1.0 <= metrics[step]["train/moe/expert_load_max_over_mean"] <= 2.0  # E / k = 4 / 2 at most
