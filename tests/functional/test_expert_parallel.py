@@ -3,7 +3,8 @@ experts of the tiny Qwen3-MoE and DeepSeek-V3 presets split over 2 ranks (tokens
 combined by all-to-all), alone and as 2 EP x 2 data-parallel replicas, give one worker's
 logprobs, losses, gradient norms (clipped SGD steps), reference logprobs and weights after two
 train calls of two optimizer steps each; an EP=2 checkpoint resumes in one worker (EP=1) as the
-EP=2 run went on; GRPO with EP=2 refits the native engine (expert shards gathered) exactly.
+EP=2 run went on; GRPO with EP=2 (and router replay) refits the native engine (expert shards
+gathered) exactly.
 
 Tolerances (expert_parallel.py's module doc): float32; EP changes only the order in which a
 token's expert outputs are summed: 1e-5 relative on logprobs, losses and gradient norms, 1e-6
@@ -74,9 +75,10 @@ def test_ep2_dp2_equals_one_worker(cluster, one_worker):
 def test_grpo_with_ep2_refits_the_native_engine_exactly(ray_cluster, tmp_path):
     """`posttrain grpo policy.num_workers=2 policy.expert_parallel_size=2` on the tiny Qwen3-MoE: the
     native engine gets every expert (gathered from the two ranks' shards) at each refit, checksum
-    verified, so its logprobs are the trainer's."""
+    verified, so its logprobs are the trainer's; with router replay on, the engine's recorded experts
+    reach the EP workers' forwards with the rows they were sharded with."""
     metrics = two_grpo_steps(tmp_path, "policy.model_name=tiny-qwen3_moe", "policy.num_workers=2",
-                             "policy.expert_parallel_size=2")
+                             "policy.expert_parallel_size=2", "policy.moe_router_replay=true")
     for step in (1, 2):
         assert 1.0 <= metrics[step]["train/token_mult_prob_error"] < 1.001, metrics[step]
         assert 1.0 <= metrics[step]["train/moe/expert_load_max_over_mean"] <= 2.0  # E / k = 4 / 2 at most
