@@ -4,9 +4,8 @@ experts the generation engine chose for it.
 Why: a MoE policy's logprob mismatch between the generation engine and the trainer is larger than a
 dense one's, because a tiny numerical difference (bf16 generation, another batch shape, another
 kernel) can flip a router's top-k choice, and a flipped expert changes the token's whole MLP output
-(Zheng et al. 2025, "Stabilizing Reinforcement Learning with LLMs: Formulation and Practices",
-"routing replay"; Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by Aligning Training and
-Inference Routers"). Replaying the generation's choices removes that source: only the continuous
+(Ma et al. 2025, "Stabilizing MoE Reinforcement Learning by Aligning Training and Inference
+Routers": Rollout Routing Replay). Replaying the generation's choices removes that source: only the continuous
 part of the mismatch is left.
 
 Recording (`RoutingRecorder`): forward hooks on the routers transformers names for
