@@ -45,7 +45,8 @@ def rank_main(rank: int, port: int, results) -> None:
         sum((l * w).sum() for l, w in zip(ref_logits, weights)).backward()
         logits = model(input_ids=rows_of(rank)).logits
         (logits * weights[rank]).sum().backward()
-        # FSDP's part: the other parameters' gradients averaged over 2 ranks of a loss multiplied by 2.
+        # One EP group (no replicas) and a loss not multiplied by the FSDP size: nothing to undo. The other
+        # parameters' gradients are summed over the ranks below, as FSDP's average of a loss x 2 gives.
         ep.reduce_expert_gradients(params, mesh["edp"].get_group(), 1, fsdp_size=1)
         worst = (logits - ref_logits[rank]).abs().max().item()
         grad_worst, experts_checked = 0.0, 0
