@@ -140,7 +140,8 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
     # data-parallel ranks; tensor parallelism also splits the decoder layers over its `tp` ranks,
     # not the embeddings and LM head. FSDP2 all-gathers one layer ahead while it computes one (2
     # layers' TP shards in float32). Context parallel ranks are FSDP shards too (over dp x cp).
-    per_rank = per_rank_params(shape, shards, tp)
+    ep = policy.expert_parallel_size  # routed experts split over EP groups, outside FSDP (expert_parallel.py)
+    per_rank = per_rank_params(shape, shards, tp, ep)
     stage = first_pipeline_rank(policy, shape, dp, tp, c, micro_batch_tokens(policy, True, row_tokens)) if pp > 1 else None
     if stage is not None:
         per_rank = stage["params"]
@@ -152,7 +153,8 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
         trainer.add("FSDP gathered stage layers", 4 * (shape.num_params - shape.embedding_params) * stage["layers"]
                     / shape.num_layers / tp, ("training",) + no_grad)
     elif dp > 1:
-        trainer.add("FSDP all-gathered layers", 2 * 4 * (shape.num_params - shape.embedding_params * (tp > 1))
+        trainer.add("FSDP all-gathered layers", 2 * 4 * (shape.num_params - shape.embedding_params * (tp > 1)
+                                                          - shape.expert_params * (ep > 1))
                     / shape.num_layers / tp, ("refit", "training") + no_grad)
     trainable_per_rank = trainable / shards if policy.lora.enabled else per_rank
     # Distillation's loss reads the student's full logits (`input_type="logits"`): no fused head.
