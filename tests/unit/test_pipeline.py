@@ -59,6 +59,8 @@ def test_config_sizes_and_one_line_refusals():
         "policy.sequence_packing.enabled": dict(sequence_packing=dict(enabled=True)),
         "policy.dynamic_batching.enabled": dict(dynamic_batching=dict(enabled=True)),
         "policy.batch_invariant": dict(batch_invariant=True),
+        "policy.expert_parallel_size > 1": dict(num_workers=4, expert_parallel_size=2),
+        "policy.moe_router_replay": dict(moe_router_replay=True),
     }
     for key, options in refused.items():
         with pytest.raises(ValueError, match=f"policy.pipeline_parallel_size > 1 with {key} is not supported"):
