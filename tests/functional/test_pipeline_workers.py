@@ -19,22 +19,15 @@ import torch
 
 from posttrain.algorithms.loss import ClippedPGLoss
 from posttrain.config.schema import LossConfig
-from posttrain.distributed.cluster import VirtualCluster
 from posttrain.models.generation.native import NativeGeneration
 from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.policy.policy import Policy
+from test_tensor_parallel import cluster  # noqa: F401 (the module-scoped fixture of 4 bundles)
 from test_tensor_parallel import RTOL, assert_same_run, make_batch, policy_cfg, run
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
 
 MODEL = "small"
-
-
-@pytest.fixture(scope="module")
-def cluster(ray_cluster):
-    cluster = VirtualCluster([4], max_colocated_worker_groups=2)
-    yield cluster
-    cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
