@@ -149,3 +149,30 @@ def test_the_optimizer_state_format_is_read_from_the_checkpoint(tmp_path):
         _, state = get_state_dict(model, (optimizer,), options=StateDictOptions(flatten_optimizer_state_dict=flat))
         dcp.save(state, checkpoint_id=str(tmp_path / str(flat) / OPTIM_DIR))
         assert optimizer_state_is_flat(tmp_path / str(flat)) is flat
+
+
+@pytest.mark.parametrize("max_shard_size", [None, "200KB"], ids=["one file", "indexed shards"])
+def test_each_stage_reads_only_its_tensors_from_safetensors(tmp_path, max_shard_size):
+    """A meta-built model pruned to stage 1 of 2 gets exactly the saved tensors of layer 1, the norm
+    and the head, in float32 (the checkpoint saved in bfloat16), and reads nothing else."""
+    from posttrain.models.policy import sharded_load
+
+    model, _ = make_tiny_model("tiny", "llama")
+    model.to(torch.bfloat16).save_pretrained(tmp_path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    files = sharded_load.safetensors_files(str(tmp_path))
+    assert set(files) == set(model.state_dict())
+    assert (len(set(files.values())) > 1) == bool(max_shard_size)
+    stage = sharded_load.empty_causal_lm(str(tmp_path))
+    pipeline.keep_stages(stage, [1], first=False, last=True)
+    sharded_load.fill_from_safetensors(stage, files)
+    saved = model.state_dict()
+    for name, tensor in stage.state_dict().items():
+        assert tensor.dtype == torch.float32 and not tensor.is_meta
+        assert torch.equal(tensor, saved[name].float()), name
+    assert not any(n.startswith(("model.layers.0.", "model.embed")) for n in stage.state_dict())
+    assert sharded_load.safetensors_files(str(tmp_path / "nowhere")) is None  # not local safetensors: read whole
+    broken = {n: f for n, f in files.items() if n != "lm_head.weight"}
+    fresh = sharded_load.empty_causal_lm(str(tmp_path))
+    pipeline.keep_stages(fresh, [1], first=False, last=True)
+    with pytest.raises(RuntimeError, match=r"no tensor for \['lm_head.weight'\]"):
+        sharded_load.fill_from_safetensors(fresh, broken)

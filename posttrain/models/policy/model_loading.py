@@ -46,7 +46,9 @@ class ModelLoading:
         # several workers only rank 0 reads the weights; the others receive their shards (sharded_load.py).
         rope_scaling = self.cfg.rope_scaling
         if self.model_type == "lm":
-            if self.loads_sharded and self.rank != 0:
+            # Pipeline stages: every rank reads only its own stages' tensors (`_shard_model`).
+            self.stage_weights = sharded_load.safetensors_files(model_path) if self.pp_size > 1 else None
+            if (self.loads_sharded and self.rank != 0) or self.stage_weights is not None:
                 return sharded_load.empty_causal_lm(model_path, self.cfg.tiny_arch, self.cfg.attn_implementation,
                                                     rope_scaling=rope_scaling)
             return load_causal_lm(model_path, dtype=torch.float32, device="cpu", tiny_arch=self.cfg.tiny_arch,
@@ -82,14 +84,17 @@ class ModelLoading:
         if self.pp_size > 1:  # this rank's stages only, each sharded over its dp sub-mesh (pipeline.py)
             mesh = pipeline.build_mesh(self.device.type, self.world_size, self.pp_size, self.tp_size)
             self.dp_group, self.pp_group, self.metrics_group = mesh["dp_group"], mesh["pp_group"], mesh["metrics_group"]
+            files = self.stage_weights
             self.pipeline_chunks, self.pipeline_stages = pipeline.split_and_shard(
                 self.model, self.cfg, mesh, mixed_precision=parallel.mixed_precision_policy(self.compute_dtype),
-                cpu_offload=self.cfg.fsdp_cpu_offload and self.device.type != "cpu")
+                cpu_offload=self.cfg.fsdp_cpu_offload and self.device.type != "cpu",
+                fill_stages=None if files is None else lambda model: sharded_load.fill_from_safetensors(model, files))
             self._gather_layout()
             if self.rank == 0:
+                reads = ("reads only its stages' tensors" if files is not None else
+                         "reads the whole checkpoint (not local safetensors) and keeps its stages")
                 print(f"[posttrain] pipeline parallel x{self.pp_size} ({self.cfg.pipeline_schedule}, "
-                      f"{self.cfg.pipeline_stages_per_worker} stage(s) per worker): every worker reads the checkpoint "
-                      "and keeps its stages", flush=True)
+                      f"{self.cfg.pipeline_stages_per_worker} stage(s) per worker): every worker {reads}", flush=True)
             return
         if self.cp_size > 1:
             dp_mesh, self.dp_group, self.cp_group, tp_mesh = context_parallel.build_mesh(

@@ -39,8 +39,10 @@ the last stage, broadcast to the other stages so every rank returns them.
 Not supported, refused in one line: with context parallelism, LoRA, sequence parallelism, sequence
 packing, dynamic batching or batch-invariant mode (config); reward / value models, mixtures of
 experts, tied input/output embeddings, models other than llama / qwen2 / qwen3 and full logits
-(distillation, `get_topk_logits`) (worker). Every rank reads the whole checkpoint at start-up and
-keeps its stages (no sharded loading). Tested on CPU over gloo (tests/unit/test_pipeline.py,
+(distillation, `get_topk_logits`) (worker). Every rank builds the model on the meta device and
+reads only its stages' tensors from the checkpoint's safetensors files
+(`sharded_load.fill_from_safetensors`); a checkpoint that is not local safetensors is read whole by
+every rank, which keeps its stages. Tested on CPU over gloo (tests/unit/test_pipeline.py,
 tests/functional/test_pipeline_workers.py).
 """
 
@@ -146,9 +148,13 @@ def build_mesh(device_type: str, world_size: int, pp_size: int, tp_size: int) ->
 
 
 def split_and_shard(model: torch.nn.Module, cfg: Any, mesh: dict[str, Any], *, mixed_precision: Any = None,
-                    cpu_offload: bool = False) -> tuple[list[StageChunk], list[int]]:
+                    cpu_offload: bool = False, fill_stages: Optional[Callable[[torch.nn.Module], None]] = None,
+                    ) -> tuple[list[StageChunk], list[int]]:
     """Prune `model` to this rank's stages, tensor-parallelise its layers (when `tp_mesh`), then
-    FSDP2 each layer and each stage chunk over `dp_mesh`. Returns the chunks and their stage indices."""
+    FSDP2 each layer and each stage chunk over `dp_mesh`. Returns the chunks and their stage indices.
+
+    `fill_stages` (a model built on the meta device): called on the pruned model to read its
+    stages' weights (`sharded_load.fill_from_safetensors`) before anything is sharded."""
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -163,6 +169,8 @@ def split_and_shard(model: torch.nn.Module, cfg: Any, mesh: dict[str, Any], *, m
     stages = local_stages(mesh["pp_rank"], pp, virtual)
     num_stages = pp * virtual
     keep_stages(model, [i for s in stages for i in layers[s]], first=0 in stages, last=num_stages - 1 in stages)
+    if fill_stages is not None:
+        fill_stages(model)
     chunks = [StageChunk(model, layers[s], first=s == 0, last=s == num_stages - 1) for s in stages]
     if mesh["tp_mesh"] is not None:
         problem = tensor_parallel_size_problem(model.config, mesh["tp_mesh"].size())
@@ -227,6 +235,7 @@ class PipelineParallel:
 
     pp_size: int = 1
     pipeline_chunks: list[StageChunk] = []
+    stage_weights: Optional[dict[str, Any]] = None  # {tensor name: safetensors file} when stages read only theirs
     pipeline_stages: list[int] = []
     pp_group: Any = None
     # `(name, full shape, dtype, owning pipeline rank)` of every tensor of the whole model (`_gather_layout`).

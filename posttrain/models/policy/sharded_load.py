@@ -10,11 +10,18 @@ from rank 0 after sharding, so a node's host memory holds about one model at sta
 
 Only parameters go to the meta device: buffers (rotary frequencies and other non-persistent
 ones, which no state dict carries) are built as usual on every rank.
+
+Pipeline parallelism loads differently: every rank builds the model on the meta device, prunes it
+to its own stages and reads only their tensors from the checkpoint's safetensors files
+(`fill_from_safetensors`), so the ranks of a node hold about one model between them and no rank
+sends weights to another.
 """
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
@@ -67,3 +74,42 @@ def fill_shards_from_rank0(model: torch.nn.Module, weights: dict[str, torch.Tens
     left = [name for name, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if left:
         raise RuntimeError(f"sharded loading left tensors on the meta device: {left[:5]}")
+
+
+def safetensors_files(model_path: str) -> Optional[dict[str, Path]]:
+    """`{tensor name: file}` of a local checkpoint directory saved as safetensors (one
+    `model.safetensors`, or shards listed by `model.safetensors.index.json`); None when the
+    directory has neither (a hub id, a `.bin` checkpoint): the caller then loads the whole model."""
+    root = Path(model_path)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: root / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    single = root / "model.safetensors"
+    if not single.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def fill_from_safetensors(model: torch.nn.Module, files: dict[str, Path], dtype: torch.dtype = torch.float32) -> None:
+    """Give every meta parameter of `model` its tensor from `files` (`safetensors_files`), read one
+    tensor at a time in `dtype`: only what the (pruned) model keeps is read. Raises naming the first
+    missing tensors, or any parameter left on the meta device."""
+    from safetensors import safe_open
+
+    wanted = [name for name, p in model.named_parameters() if p.is_meta]
+    missing = [name for name in wanted if name not in files]
+    if missing:
+        raise RuntimeError(f"the checkpoint has no tensor for {missing[:5]} ({len(missing)} missing)")
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted({files[name] for name in wanted}):
+        with safe_open(file, framework="pt") as f:
+            for name in wanted:
+                if files[name] == file:
+                    state[name] = f.get_tensor(name).to(dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    left = [name for name, p in model.named_parameters() if p.is_meta]
+    if left:
+        raise RuntimeError(f"stage loading left tensors on the meta device: {left[:5]}")
