@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from posttrain.data import packing
 from posttrain.distributed.batch import Batch
+from posttrain.models.vision_inputs import image_inputs, mask_image_positions
 from posttrain.models.policy.linear_logprobs import (
     attention_implementation,
     final_hidden_states,
@@ -125,7 +126,7 @@ def packed_forward(model: torch.nn.Module, mb: MicroBatch, device: torch.device)
     flex-attention block mask, or SDPA's boolean mask. No dense `T x T` float mask is built here.
     (transformers looks for the boundaries only without a KV cache, hence `use_cache=False`.)"""
     return model(input_ids=mb.packed["input_ids"].to(device), position_ids=mb.packed["position_ids"].to(device),
-                  use_cache=False).logits
+                  use_cache=False, **image_inputs(mb.rows, device)).logits
 
 
 def microbatch_logprobs(
@@ -158,10 +159,11 @@ def microbatch_logprobs(
             packed_logprobs = packing.zero_sequence_starts(
                 next_token_logprobs(logits, packed_ids, temperature), mb.packed["cu_seqlens"]
             )
-            return packing.unpack(packed_logprobs, mb.packed["cu_seqlens"], mb.packed["lengths"], seq_len)
+            return mask_image_positions(
+                packing.unpack(packed_logprobs, mb.packed["cu_seqlens"], mb.packed["lengths"], seq_len), input_ids, model)
         mask = (torch.arange(seq_len, device=device)[None, :] < lengths[:, None]).long()
-        logits = model(input_ids=input_ids, attention_mask=mask).logits
-    return next_token_logprobs(logits, input_ids, temperature) * mask
+        logits = model(input_ids=input_ids, attention_mask=mask, **image_inputs(mb.rows, device)).logits
+    return mask_image_positions(next_token_logprobs(logits, input_ids, temperature) * mask, input_ids, model)
 
 
 def logprob_positions(rows: Batch, loss_positions_only: bool) -> torch.Tensor:
@@ -201,7 +203,7 @@ def _fused_microbatch_logprobs(
         # logits_to_keep=1: transformers runs its head on one position per row; we do the rest.
         if mb.packed is not None:
             model(input_ids=mb.packed["input_ids"].to(device), position_ids=mb.packed["position_ids"].to(device),
-                  use_cache=False, logits_to_keep=1)
+                  use_cache=False, logits_to_keep=1, **image_inputs(mb.rows, device))
             hidden_index = mb.packed["cu_seqlens"].to(device).long()[row] + pos - 1
         else:
             # Right-padded rows need no attention mask with a causal model: no valid token sees the
@@ -212,12 +214,12 @@ def _fused_microbatch_logprobs(
             mask = (torch.arange(seq_len, device=device)[None, :] < lengths[:, None]).long()
             if attention_implementation(model) in ("sdpa", "eager"):
                 mask = None
-            model(input_ids=input_ids, attention_mask=mask, logits_to_keep=1)
+            model(input_ids=input_ids, attention_mask=mask, logits_to_keep=1, **image_inputs(mb.rows, device))
             hidden_index = row * seq_len + pos - 1
         hidden = captured[-1]
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, hidden_index)
         values = linear_logprobs(hidden, output_weight(model), input_ids[row, pos], temperature)
-    return values.new_zeros(n_rows, seq_len).index_put((row, pos), values)
+    return mask_image_positions(values.new_zeros(n_rows, seq_len).index_put((row, pos), values), input_ids, model)
 
 
 def microbatch_logits(
@@ -236,7 +238,7 @@ def microbatch_logits(
             logits = packed_forward(model, mb, device)
         else:
             attention = (torch.arange(seq_len, device=device)[None, :] < lengths[:, None]).long()
-            logits = model(input_ids=input_ids, attention_mask=attention).logits
+            logits = model(input_ids=input_ids, attention_mask=attention, **image_inputs(mb.rows, device)).logits
     logits = F.pad(logits[:, :-1].float(), (0, 0, 1, 0))  # shift right: position i predicts token i
     if temperature != 1.0:
         logits = logits / temperature
