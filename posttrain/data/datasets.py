@@ -293,6 +293,10 @@ def problem_key(record: dict) -> str:
     if truth is None:
         truth = env_metadata(record)
     parts = [record.get("task_name"), record.get("env_name"), record.get("messages"), record.get("prompt"), truth]
+    if record.get("images"):  # the pixels are part of the prompt: one question about two scenes is two problems
+        import hashlib
+
+        parts.append([hashlib.sha1(image.tobytes()).hexdigest() + str(image.size) for image in record["images"]])
     return json.dumps(parts, sort_keys=True, default=repr)
 
 

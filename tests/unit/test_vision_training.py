@@ -165,3 +165,22 @@ def test_a_visual_generator_with_a_text_model_is_one_line():
     cfg = load_config("grpo", overrides=["data.dataset=generated", "data.generator=shape_count"])
     with pytest.raises(UserError, match=r"^data.generator='shape_count' makes rows with images, and policy.model_name="):
         check_vision_language(cfg)
+
+
+def test_a_checkpoint_and_its_export_reload_as_the_vision_language_model(worker, prompts, tmp_path):
+    """save / load_checkpoint and the HF export (what an SFT warm start hands GRPO) keep the vision
+    tower and the processor: the export loads through the policy loader and the processor."""
+    policy = worker()
+    logprobs = policy.get_logprobs(prompts)["logprobs"]
+    policy.save_checkpoint(str(tmp_path / "ckpt"))
+    out = policy.export_hf(str(tmp_path / "hf"))
+    assert hf.load_processor(out).image_processor.crop_size == {"height": 64, "width": 64}
+    model = hf.load_policy_lm(out)
+    assert type(model).__name__ == "LlavaForConditionalGeneration"
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, policy.model.state_dict()[name]), name
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(0.01)
+    policy.load_checkpoint(str(tmp_path / "ckpt"))
+    assert torch.equal(policy.get_logprobs(prompts)["logprobs"], logprobs)
