@@ -12,7 +12,9 @@ with their rows.
 The model sees them by `model(input_ids, pixel_values=<the rows' images, concatenated in row
 order>)`: LLaVA-style models scatter the image features over the `<image>` tokens in row-major
 order, which is the rows' order. Logprobs are of text tokens only: an `<image>` token's position
-holds 0 (`mask_image_positions`), as no loss reads a prompt token anyway.
+holds 0 (`mask_image_positions`), as no loss reads a prompt token anyway; and the image token is
+out of the next-token distribution (`suppress_image_token`): the engine never samples it, the
+trainer's logprobs normalise without it.
 
 Under FSDP every rank must run every sharded unit (their all-gathers are collectives), the vision
 tower's too, also in a micro-batch without images (a rank's stand-in, or a text-only row):
@@ -73,6 +75,13 @@ def mask_image_positions(values: torch.Tensor, input_ids: torch.Tensor, model: t
     """`values [n, L]` with 0 where `input_ids` is the model's `<image>` token (logprobs of text tokens only)."""
     image_id = image_token_id(model)
     return values if image_id is None else values.masked_fill(input_ids == image_id, 0.0)
+
+
+def suppress_image_token(logits: torch.Tensor, token_id: int) -> torch.Tensor:
+    """`logits [..., V]` with the image token's at -inf: generation never samples it (an `<image>` with
+    no image behind it breaks the next forward), and the trainer's logprobs are over the same
+    distribution, so the two agree."""
+    return logits.index_fill(-1, torch.tensor([token_id], device=logits.device), float("-inf"))
 
 
 def vision_keepalive(model: torch.nn.Module, device: torch.device) -> torch.Tensor:

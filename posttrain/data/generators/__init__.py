@@ -15,8 +15,8 @@ same seed. Built in (docs/environments.md, "Generated tasks"):
 | `calculator` | `tools` | arithmetic for the calculator tool; `expression`, `answer` |
 
 Visual tasks (`visual.py`: count the shapes, a shape's colour, which shape is left of another, read
-a number or a word; rows with an image) are registered apart, in `VISUAL_TASK_GENERATORS`, until
-training and generation take images: `data.generator` refuses them in one line.
+a number or a word; rows with an image) are registered apart, in `VISUAL_TASK_GENERATORS`: they
+need a vision-language policy (preflight refuses them with a text model in one line).
 
 A generator is a function `(num_train, num_validation, seed, **options) -> (train rows, validation
 rows)`; one that also takes `phrasings` gets `data.phrasings` (`all`, `seen`, `unseen`: the built-in

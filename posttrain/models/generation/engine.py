@@ -27,7 +27,7 @@ from transformers import DynamicCache
 from posttrain.models.generation.decoders import LlamaLikeDecoder, ModelForwardDecoder, unsupported_reason
 from posttrain.models.generation.sampling import SamplingBuffers, process_logits, sample
 from posttrain.models.generation.speculative import Drafter, speculative_decode
-from posttrain.models.vision_inputs import image_inputs
+from posttrain.models.vision_inputs import image_inputs, image_token_id, suppress_image_token
 
 logger = logging.getLogger(__name__)
 
@@ -258,6 +258,9 @@ class NativeGenerationEngine:
         # Ask the model for the last position's logits only, when it supports it (saves a
         # [B, P, V] projection at prefill).
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # A vision-language model never generates its image token: one with no image behind it breaks
+        # the next forward (the trainer's logprobs leave it out of the distribution the same way).
+        self._image_token_id = image_token_id(model)
         self._llama_like: Optional[LlamaLikeDecoder] = None
         if llama_like_decoder and unsupported_reason(model) is None:
             self._llama_like = LlamaLikeDecoder(model)
@@ -446,6 +449,8 @@ class NativeGenerationEngine:
                     rows, step_logits = slot_rows[live_slots], logits[live_slots]
                 else:
                     live_slots, rows, step_logits = None, slot_rows, logits
+                if self._image_token_id is not None:
+                    step_logits = suppress_image_token(step_logits, self._image_token_id)
                 processed = process_logits(step_logits, temperature=temperature, top_k=top_k, top_p=top_p,
                                            buffers=buffers)
                 tokens, token_logprobs = sample(

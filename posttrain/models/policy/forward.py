@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from posttrain.data import packing
 from posttrain.distributed.batch import Batch
-from posttrain.models.vision_inputs import image_inputs, mask_image_positions
+from posttrain.models.vision_inputs import image_inputs, image_token_id, mask_image_positions, suppress_image_token
 from posttrain.models.policy.linear_logprobs import (
     attention_implementation,
     final_hidden_states,
@@ -125,8 +125,14 @@ def packed_forward(model: torch.nn.Module, mb: MicroBatch, device: torch.device)
     the model's attention kernel (`policy.attn_implementation`): flash-attention varlen, a
     flex-attention block mask, or SDPA's boolean mask. No dense `T x T` float mask is built here.
     (transformers looks for the boundaries only without a KV cache, hence `use_cache=False`.)"""
-    return model(input_ids=mb.packed["input_ids"].to(device), position_ids=mb.packed["position_ids"].to(device),
-                  use_cache=False, **image_inputs(mb.rows, device)).logits
+    return _text_logits(model(input_ids=mb.packed["input_ids"].to(device), position_ids=mb.packed["position_ids"].to(device),
+                              use_cache=False, **image_inputs(mb.rows, device)).logits, model)
+
+
+def _text_logits(logits: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    """A vision-language model's logits without its image token (`vision_inputs.suppress_image_token`)."""
+    image_id = image_token_id(model)
+    return logits if image_id is None else suppress_image_token(logits, image_id)
 
 
 def microbatch_logprobs(
@@ -162,7 +168,7 @@ def microbatch_logprobs(
             return mask_image_positions(
                 packing.unpack(packed_logprobs, mb.packed["cu_seqlens"], mb.packed["lengths"], seq_len), input_ids, model)
         mask = (torch.arange(seq_len, device=device)[None, :] < lengths[:, None]).long()
-        logits = model(input_ids=input_ids, attention_mask=mask, **image_inputs(mb.rows, device)).logits
+        logits = _text_logits(model(input_ids=input_ids, attention_mask=mask, **image_inputs(mb.rows, device)).logits, model)
     return mask_image_positions(next_token_logprobs(logits, input_ids, temperature) * mask, input_ids, model)
 
 
@@ -238,7 +244,8 @@ def microbatch_logits(
             logits = packed_forward(model, mb, device)
         else:
             attention = (torch.arange(seq_len, device=device)[None, :] < lengths[:, None]).long()
-            logits = model(input_ids=input_ids, attention_mask=attention, **image_inputs(mb.rows, device)).logits
+            logits = _text_logits(model(input_ids=input_ids, attention_mask=attention,
+                                        **image_inputs(mb.rows, device)).logits, model)
     logits = F.pad(logits[:, :-1].float(), (0, 0, 1, 0))  # shift right: position i predicts token i
     if temperature != 1.0:
         logits = logits / temperature
