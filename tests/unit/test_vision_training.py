@@ -184,3 +184,28 @@ def test_a_checkpoint_and_its_export_reload_as_the_vision_language_model(worker,
             p.add_(0.01)
     policy.load_checkpoint(str(tmp_path / "ckpt"))
     assert torch.equal(policy.get_logprobs(prompts)["logprobs"], logprobs)
+
+
+def test_a_reward_function_receives_the_images_of_its_rows(tokenizer):
+    """What an environment gets for an image row (the sample's `extra_env_info`) carries its images:
+    a reward function of the Python API receives them as the `images` column."""
+    from posttrain.config.schema import DataConfig
+    from posttrain.data.datasets import load_records
+    from posttrain.data.processors import build_prompt_message_log
+    from posttrain.environments.registry import resolve_env
+    from posttrain.environments.reward_fn_env import reward_fn_section
+
+    records = load_records(DataConfig(dataset="generated", generator="shape_count", num_train=2, num_validation=1,
+                                      seed=0), "train")
+    samples = [build_prompt_message_log(r, tokenizer, 256) for r in records]
+    seen = {}
+
+    def brightness(completions, images, answer):
+        seen["sizes"] = [image[0].size for image in images]
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    cls, cfg = resolve_env("rewards", reward_fn_section([brightness]))
+    logs = [[{"role": "user", "content": s.message_log[0]["content"]}, {"role": "assistant", "content": r["answer"]}]
+            for s, r in zip(samples, records)]
+    result = cls(cfg).step(logs, [s.extra_env_info for s in samples])
+    assert seen["sizes"] == [(64, 64), (64, 64)] and result.rewards.tolist() == [1.0, 1.0]
