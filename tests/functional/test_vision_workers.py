@@ -80,7 +80,7 @@ def test_two_fsdp_workers_give_one_workers_logprobs_and_sgd_step(ray_cluster, ba
         assert set(weights) == set(expected_weights)
         for name, value in expected_weights.items():  # the vision tower's and the projector's too
             torch.testing.assert_close(weights[name], value, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
-        tower = "model.vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight"
+        tower = "model.vision_tower.encoder.layers.0.mlp.fc1.weight"
         initial = hf.load_policy_lm("tiny-vl").state_dict()[tower]
         assert not torch.equal(weights[tower], initial)  # the images' gradient reached the tower
     finally:
