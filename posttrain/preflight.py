@@ -65,6 +65,7 @@ def preflight(cfg: Any, plan_memory: bool = True) -> None:
     check_model_name(policy.model_name, "policy.model_name", policy.tiny_arch)
     check_tensor_parallel(policy, "policy.model_name")
     check_router_balancing(policy)
+    check_expert_parallel(policy)
     check_rope_scaling(policy, "policy")
     check_vision_language(cfg)
     from posttrain.distributed.local_resources import local_resources_problem
@@ -176,6 +177,22 @@ def check_router_balancing(policy: Any) -> None:
         raise UserError(f"policy.tensor_parallel_size={policy.tensor_parallel_size}: {name} has multi-head latent "
                         "attention, which posttrain has no tensor-parallel plan for; use data parallelism "
                         "(policy.num_workers with tensor_parallel_size=1)")
+
+
+def check_expert_parallel(policy: Any) -> None:
+    """Refuse `policy.expert_parallel_size` for a dense model or one whose routed experts it does not
+    divide (read from the preset or `config.json`; a hub id not cached yet is checked by the workers)."""
+    if policy.expert_parallel_size == 1:
+        return
+    from posttrain.models.parallel_sizes import expert_parallel_problem
+    from posttrain.models.paths import model_config_dict, parse_tiny_name
+    from posttrain.models.presets import PRESET_EXPERTS
+
+    tiny = parse_tiny_name(policy.model_name, policy.tiny_arch)
+    config = {"num_experts": PRESET_EXPERTS.get(tiny[1])} if tiny is not None else model_config_dict(policy.model_name)
+    problem = expert_parallel_problem(config, policy.expert_parallel_size) if config is not None else None
+    if problem:
+        raise UserError(f"{problem} (policy.model_name={policy.model_name!r})")
 
 
 def check_rope_scaling(model: Any, section: str) -> None:

@@ -210,13 +210,15 @@ def _generate_and_launch(generation, batch: Batch, samples: list[Sample], runnin
 def _append_generation(sample: Sample, out: Batch, k: int, start: int, tokenizer, weight_version: int) -> None:
     """Append row `k` of a generation shard (its tokens from `start`) as the sample's next turn."""
     length = int(out["generation_lengths"][k])
+    routed = out.get("routed_experts")  # router replay (models/router_replay.py)
     append_turn(sample, out["output_ids"][k, start : start + length].clone(),
                 out["logprobs"][k, start : start + length].clone(), tokenizer, weight_version,
-                hit_max_new_tokens=bool(out["truncated"][k]))
+                hit_max_new_tokens=bool(out["truncated"][k]),
+                routed_experts=None if routed is None else routed[k, start : start + length].clone())
 
 
 def append_turn(sample: Sample, token_ids: torch.Tensor, logprobs: torch.Tensor, tokenizer, weight_version: int, *,
-                hit_max_new_tokens: bool) -> dict:
+                hit_max_new_tokens: bool, routed_experts: Optional[torch.Tensor] = None) -> dict:
     """Append a generated turn (its tokens and their generation logprobs) to the sample's
     conversation and count it; the new message."""
     append_message(
@@ -226,6 +228,7 @@ def append_turn(sample: Sample, token_ids: torch.Tensor, logprobs: torch.Tensor,
         token_ids,
         generation_logprobs=logprobs,
         weight_version=weight_version,
+        routed_experts=routed_experts,
     )
     sample.generated_tokens += len(token_ids)
     sample.turns += 1

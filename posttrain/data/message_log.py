@@ -39,11 +39,14 @@ def append_message(
     token_ids: Sequence[int] | torch.Tensor,
     generation_logprobs: Sequence[float] | torch.Tensor | None = None,
     weight_version: int | None = None,
+    routed_experts: torch.Tensor | None = None,
 ) -> MessageLog:
     """Append a message to `log` in place (and return `log`).
 
     `generation_logprobs`, when given, must have one value per token: it marks the message as
-    generated, so its tokens are trained on.
+    generated, so its tokens are trained on. `routed_experts` (`[n, layers, k]`, a mixture of
+    experts' generation's chosen experts per token, -1 where none; models/router_replay.py) is
+    kept for router replay.
     """
     message: Message = {"role": role, "content": content, "token_ids": _as_ids(token_ids, f"{role} message")}
     if generation_logprobs is not None:
@@ -55,6 +58,8 @@ def append_message(
         message["generation_logprobs"] = logprobs
     if weight_version is not None:
         message["weight_version"] = weight_version
+    if routed_experts is not None:
+        message["routed_experts"] = routed_experts
     log.append(message)
     return log
 
@@ -131,4 +136,24 @@ def flatten_message_logs(
     images = [[m["pixel_values"] for m in log if m.get("pixel_values") is not None] for log in message_logs]
     if any(images):  # a vision-language model's rows (models/vision_inputs.py): each row's images, in order
         batch["pixel_values"] = [torch.cat(row) if row else None for row in images]
+    routed = _routed_experts(message_logs, max_len)
+    if routed is not None:
+        batch["routed_experts"] = routed
     return batch
+
+
+def _routed_experts(message_logs: Sequence[MessageLog], width: int) -> torch.Tensor | None:
+    """`[B, width, layers, k]` int16: the generated messages' `routed_experts` at their tokens, -1
+    elsewhere (router replay, models/router_replay.py); None when no message has any."""
+    shape = next((m["routed_experts"].shape[1:] for log in message_logs for m in log if "routed_experts" in m), None)
+    if shape is None:
+        return None
+    out = torch.full((len(message_logs), width, *shape), -1, dtype=torch.int16)
+    for b, log in enumerate(message_logs):
+        start = 0
+        for message in log:
+            n = _as_ids(message["token_ids"], "message").numel()
+            if "routed_experts" in message:
+                out[b, start:start + n] = message["routed_experts"]
+            start += n
+    return out

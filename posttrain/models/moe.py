@@ -28,6 +28,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from posttrain.models.parallel_sizes import num_routed_experts
+
 
 def router_recorder_spec(model: torch.nn.Module):
     """transformers' `OutputRecorder` for router logits of `model` (None for a dense model)."""
@@ -46,11 +48,7 @@ def is_moe(model: torch.nn.Module) -> bool:
 
 
 def _num_experts(config) -> Optional[int]:
-    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    return num_routed_experts(config)
 
 
 def aux_loss_coef(model: torch.nn.Module, configured: Optional[float]) -> float:

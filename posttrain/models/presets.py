@@ -23,6 +23,9 @@ PRESETS: dict[str, dict[str, int]] = {
 # layer keeps a dense MLP, as DeepSeek-V3's first 3 do (tiny.py: tiny_config).
 MOE_ARCHS = ("qwen3_moe", "mixtral", "deepseek_v3")
 MOE_EXPERTS, MOE_TOP_K, MOE_ROUTER_AUX_LOSS_COEF = 4, 2, 0.01
+DEEPSEEK_V3_EXPERTS = 8  # routed experts of the deepseek_v3 presets (tiny.deepseek_v3_config)
+# Routed experts per MoE layer of each MoE arch's presets (what expert parallelism splits).
+PRESET_EXPERTS = {"qwen3_moe": MOE_EXPERTS, "mixtral": MOE_EXPERTS, "deepseek_v3": DEEPSEEK_V3_EXPERTS}
 ARCHS = ("llama", "qwen2", *MOE_ARCHS)
 
 # Pretrained models converted from a GGUF file that a registry package ships (no hub needed):

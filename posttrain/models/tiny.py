@@ -44,6 +44,7 @@ from posttrain.utils.cache import cache_dir, publish_entry
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.models.presets import (  # noqa: F401 (re-exported: tiny.PRESETS, tiny.ARCHS)
     ARCHS,
+    DEEPSEEK_V3_EXPERTS,
     MOE_ARCHS,
     MOE_EXPERTS,
     MOE_ROUTER_AUX_LOSS_COEF,
@@ -163,7 +164,7 @@ def deepseek_v3_config(common: dict[str, Any]) -> DeepseekV3Config:
     """
     hidden, heads = common["hidden_size"], common["num_attention_heads"]
     head_dim = hidden // heads
-    experts = 8
+    experts = DEEPSEEK_V3_EXPERTS
     return DeepseekV3Config(
         **{**common, "num_key_value_heads": heads},  # MLA: every head has its own keys and values
         q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4, qk_rope_head_dim=head_dim // 2,

@@ -113,6 +113,10 @@ def candidate_fixes(cfg: Any, shape: Optional[ModelShape] = None,
             if tp > policy.tensor_parallel_size and not policy.lora.enabled and policy.num_workers % tp == 0 \
                     and all(d % tp == 0 for d in dims) and shape is not None:
                 variant("policy.tensor_parallel_size", tp)
+        for ep in (2, 4, 8):  # mixtures of experts: experts split over EP ranks, not all-gathered per layer
+            if shape is not None and shape.num_experts and shape.num_experts % ep == 0 and ep > policy.expert_parallel_size \
+                    and policy.num_workers % ep == 0:
+                variant("policy.expert_parallel_size", ep)
         if gen.backend == "vllm" and gen.colocated.enabled:
             for util in (0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2):
                 if util < gen.vllm_cfg.gpu_memory_utilization:

@@ -179,10 +179,14 @@ def longest_prompt_tokens(cfg: Any, records: Optional[list[dict]] = None) -> Opt
         return None
 
 
-def per_rank_params(shape: ModelShape, workers: int, tp: int) -> float:
+def per_rank_params(shape: ModelShape, workers: int, tp: int, ep: int = 1) -> float:
     """Parameters one policy rank holds: the decoder layers split over all `workers` (FSDP2 over
     the data-parallel ranks times TP within a layer); under TP (`tp` > 1) the embeddings and LM
-    head only over the `workers / tp` data-parallel ranks (whole on every TP rank)."""
+    head only over the `workers / tp` data-parallel ranks (whole on every TP rank). Under expert
+    parallelism (`ep` > 1) the routed experts are split over the `ep` ranks of an EP group only
+    (whole experts, replicated across groups), the rest over all workers."""
+    if ep > 1:
+        return (shape.num_params - shape.expert_params) / workers + shape.expert_params / ep
     if tp == 1:
         return shape.num_params / workers
     return (shape.num_params - shape.embedding_params) / workers + shape.embedding_params / (workers // tp)

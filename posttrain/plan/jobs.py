@@ -138,13 +138,15 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
     # data-parallel ranks; tensor parallelism also splits the decoder layers over its `tp` ranks,
     # not the embeddings and LM head. FSDP2 all-gathers one layer ahead while it computes one (2
     # layers' TP shards in float32). Context parallel ranks are FSDP shards too (over dp x cp).
-    per_rank = per_rank_params(shape, shards, tp)
+    ep = policy.expert_parallel_size  # routed experts split over EP groups, outside FSDP (expert_parallel.py)
+    per_rank = per_rank_params(shape, shards, tp, ep)
     trainer.add("policy parameters (fp32)", 4 * per_rank, phases if lends_weights else resident)
     # Forward passes without gradients: RL's logprobs, DPO's reference logprobs, the offline jobs'
     # validation; none in distillation, whose logprobs phase is its teachers' (`add_teachers`).
     no_grad = () if job == "distill" else ("logprobs",) if has_generation else ("logprobs", "validation")
     if dp > 1:
-        trainer.add("FSDP all-gathered layers", 2 * 4 * (shape.num_params - shape.embedding_params * (tp > 1))
+        trainer.add("FSDP all-gathered layers", 2 * 4 * (shape.num_params - shape.embedding_params * (tp > 1)
+                                                          - shape.expert_params * (ep > 1))
                     / shape.num_layers / tp, ("refit", "training") + no_grad)
     trainable_per_rank = trainable / shards if policy.lora.enabled else per_rank
     # Distillation's loss reads the student's full logits (`input_type="logits"`): no fused head.

@@ -27,10 +27,11 @@ class ModelShape:
     lora_params: int = 0  # adapter parameters with the configured policy.lora (0 without LoRA)
     embedding_params: int = 0  # input embeddings and LM head (once if tied): whole on every TP rank
     kv_cache_width: int = 0  # KV-cache elements per token and layer; 0: keys and values, 2 x kv_heads x head_dim
+    expert_params: int = 0  # routed experts' elements (all MoE layers): what expert parallelism splits
 
 
 def shape_from_hf_config(config: dict, num_params: int, largest_tensor: int = 0, lora_params: int = 0,
-                         embedding_params: Optional[int] = None) -> ModelShape:
+                         embedding_params: Optional[int] = None, expert_params: int = 0) -> ModelShape:
     """`ModelShape` from a Hugging Face config dict (config.json's keys; llama / qwen / mixtral /
     deepseek_v3 names). `embedding_params` (default: vocabulary x hidden, twice unless
     `tie_word_embeddings`) are the embeddings' and LM head's elements, which tensor parallelism leaves whole.
@@ -59,7 +60,7 @@ def shape_from_hf_config(config: dict, num_params: int, largest_tensor: int = 0,
         num_experts=experts,
         experts_per_token=(config.get("num_experts_per_tok") or 0) + (config.get("n_shared_experts") or 0) if experts else 0,
         largest_tensor=largest_tensor, lora_params=lora_params, embedding_params=embedding_params,
-        kv_cache_width=latent + config["qk_rope_head_dim"] if latent else 0,
+        kv_cache_width=latent + config["qk_rope_head_dim"] if latent else 0, expert_params=expert_params,
     )
 
 
@@ -102,9 +103,11 @@ def model_shape(policy: Any) -> ModelShape:
                    if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets)
     heads = {id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings())
              if m is not None}  # one entry when tied
+    # Routed experts: transformers 5's 3-D expert tensors (models/policy/expert_parallel.py).
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name and p.ndim == 3)
     text_config = hf_config.get_text_config() if vision else hf_config
     return shape_from_hf_config(json.loads(text_config.to_json_string()), sum(p.numel() for p in params),
-                                max(p.numel() for p in params), lora, sum(heads.values()))
+                                max(p.numel() for p in params), lora, sum(heads.values()), experts)
 
 
 def shape_for(cfg: Any, shape: ModelShape) -> ModelShape:

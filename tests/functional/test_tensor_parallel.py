@@ -219,19 +219,23 @@ def test_dp2_tp2_equals_dp2(cluster):
     assert_same_run(dp2_tp2, dp2)
 
 
-def test_grpo_with_tp2_refits_the_native_engine_exactly(ray_cluster, tmp_path):
-    """GRPO with 2 workers in one TP group: the native engine gets the full weights at every
-    refit (checksum verified), so its logprobs are the trainer's (token_mult_prob_error ~ 1)."""
+def two_grpo_steps(tmp_path, *overrides: str) -> dict[int, dict]:
+    """The logged metrics by step of two steps of the small GRPO job on Ray workers, with `overrides`."""
     from posttrain.algorithms import grpo
     from test_grpo import read_metrics, small_cfg
 
-    ctx = grpo.setup(small_cfg(tmp_path, "policy.num_workers=2", "policy.tensor_parallel_size=2",
-                               "cluster.backend=ray", "grpo.max_num_steps=2"))
+    ctx = grpo.setup(small_cfg(tmp_path, *overrides, "cluster.backend=ray", "grpo.max_num_steps=2"))
     try:
         grpo.grpo_train(ctx)
     finally:
         ctx.shutdown()
-    metrics = read_metrics(tmp_path / "logs")
+    return read_metrics(tmp_path / "logs")
+
+
+def test_grpo_with_tp2_refits_the_native_engine_exactly(ray_cluster, tmp_path):
+    """GRPO with 2 workers in one TP group: the native engine gets the full weights at every
+    refit (checksum verified), so its logprobs are the trainer's (token_mult_prob_error ~ 1)."""
+    metrics = two_grpo_steps(tmp_path, "policy.num_workers=2", "policy.tensor_parallel_size=2")
     for step in (1, 2):
         assert 1.0 <= metrics[step]["train/token_mult_prob_error"] < 1.001, metrics[step]
         assert metrics[step]["train/num_samples"] == 16

@@ -360,6 +360,17 @@ class PolicyConfig(Section):
             "as NeMo-RL's RL recipes keep routing; models without the bias refuse a rate > 0."
         ),
     )
+    moe_router_replay: bool = Field(
+        False,
+        description=(
+            "Mixture-of-experts models, router replay: the native engine records each token's chosen experts and "
+            "the trainer's logprob and training forwards route every generated token to those experts (gate weights "
+            "recomputed from the router's logits, so the router still learns; models/router_replay.py), so a flipped "
+            "top-k choice no longer adds to the generation/training mismatch. Native engine only (not vLLM, "
+            "speculative decoding or batch_invariant); not with sequence packing or context parallelism. "
+            "False (default): off."
+        ),
+    )
     precision: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "auto",
         description=(
@@ -453,6 +464,16 @@ class PolicyConfig(Section):
             "only."
         ),
     )
+    expert_parallel_size: int = Field(
+        1, ge=1,
+        description=(
+            "Mixture-of-experts models: workers that split each MoE layer's routed experts between them, tokens sent "
+            "to their experts' worker and back by all-to-all (models/policy/expert_parallel.py); the workers stay "
+            "data-parallel (each its own rows; everything but the experts FSDP-sharded over all of them), the "
+            "experts replicated over num_workers / expert_parallel_size groups. Must divide num_workers and the "
+            "number of routed experts; not with tensor or context parallelism or LoRA. 1 (default): off."
+        ),
+    )
     fsdp_cpu_offload: bool = Field(
         False,
         description=(
@@ -537,6 +558,10 @@ class PolicyConfig(Section):
                              "wrap the layers tensor parallelism splits); use data parallelism for LoRA")
         if self.sequence_parallel and self.tensor_parallel_size == 1:
             raise ValueError("policy.sequence_parallel needs policy.tensor_parallel_size > 1")
+        if self.expert_parallel_size > 1:
+            self._check_expert_parallel()
+        if self.moe_router_replay:
+            self._check_router_replay()
         if self.fsdp_cpu_offload and self.num_workers == 1:
             raise ValueError("policy.fsdp_cpu_offload needs policy.num_workers > 1 (FSDP2 shards only then)")
         if self.precision == "float16":
@@ -555,6 +580,31 @@ class PolicyConfig(Section):
             raise ValueError(f"policy.num_workers={self.num_workers} must be a multiple of {sizes}")
         if self.lora.enabled:
             raise ValueError("policy.context_parallel_size > 1 with policy.lora.enabled is not supported")
+
+    def _check_expert_parallel(self) -> None:
+        """One line per combination expert parallelism refuses (expert_parallel.py's module doc)."""
+        ep = self.expert_parallel_size
+        if self.num_workers % ep:
+            raise ValueError(f"policy.num_workers={self.num_workers} must be a multiple of policy.expert_parallel_size={ep}")
+        for key, value in (("tensor_parallel_size", self.tensor_parallel_size),
+                           ("context_parallel_size", self.context_parallel_size)):
+            if value > 1:
+                raise ValueError(f"policy.expert_parallel_size={ep} with policy.{key}={value} is not supported; "
+                                 "use one of them")
+        if self.lora.enabled:
+            raise ValueError(f"policy.expert_parallel_size={ep} with policy.lora.enabled is not supported")
+
+    def _check_router_replay(self) -> None:
+        """One line per combination router replay refuses (models/router_replay.py)."""
+        refused = [("policy.generation.backend=vllm", self.generation.backend == "vllm"),
+                   ("policy.generation.speculative", self.generation.speculative.method != "none"),
+                   ("policy.batch_invariant", self.batch_invariant),
+                   ("policy.sequence_packing.enabled", self.sequence_packing.enabled),
+                   ("policy.context_parallel_size > 1", self.context_parallel_size > 1)]
+        for what, on in refused:
+            if on:
+                raise ValueError(f"policy.moe_router_replay=true with {what} is not supported (the native engine "
+                                 "records routing in plain batched decoding; the trainer replays it on unpacked rows)")
 
     @property
     def dp_size(self) -> int:

@@ -24,6 +24,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from transformers import DynamicCache
 
+from posttrain.models import router_replay
 from posttrain.models.generation.decoders import LlamaLikeDecoder, ModelForwardDecoder, unsupported_reason
 from posttrain.models.generation.sampling import SamplingBuffers, process_logits, sample
 from posttrain.models.generation.speculative import Drafter, speculative_decode
@@ -221,6 +222,9 @@ class NativeGenerationEngine:
             of the rows beside it or of their lengths (`policy.batch_invariant`; default False).
             Batched matmuls and padded attention round differently for different batches; this
             gives that up, for about the cost of decoding rows one at a time.
+        record_routing: a mixture of experts' chosen experts for every token fed to the model,
+            returned as `router_replay.ROUTED_EXPERTS [B, S+T, layers, k]` (`models/router_replay.py`;
+            default False).
 
     `UNOPTIMISED` turns the three optimisations off: the engine as it was before them.
     """
@@ -238,8 +242,14 @@ class NativeGenerationEngine:
         finished_rows_fraction: float = 0.25,
         speculative: Optional[Drafter] = None,
         batch_invariant: bool = False,
+        record_routing: bool = False,
     ):
         self.model = model
+        # Router replay (models/router_replay.py): each fed token's chosen experts, in the outputs.
+        self.record_routing = record_routing
+        if record_routing and (speculative is not None or batch_invariant):
+            raise ValueError("policy.moe_router_replay: the native engine records routing in plain batched decoding, "
+                             "not with speculative decoding or policy.batch_invariant")
         self.batch_invariant = batch_invariant
         self.tokenizer = tokenizer
         self.pad_token_id = int(pad_token_id)
@@ -265,6 +275,8 @@ class NativeGenerationEngine:
         if llama_like_decoder and unsupported_reason(model) is None:
             self._llama_like = LlamaLikeDecoder(model)
         self._llama_like_checked = self._llama_like is None  # its self-check runs on first use
+        self._recorder: Optional[router_replay.RoutingRecorder] = None  # set during a recording `generate`
+        self._routing: Optional[torch.Tensor] = None
 
     def _decoder(self):
         """The llama-like decoder once it passed its self-check (run on first use), else the model's forward."""
@@ -305,6 +317,8 @@ class NativeGenerationEngine:
             past_key_values=cache, use_cache=True, **extra,
         )
         decoder.start(cache, attention_mask, row_map, capacity)
+        if self._routing is not None:
+            router_replay.file_prefill(self._routing, self._recorder.take(), input_lengths[first_rows], row_map)
         return out.logits[:, -1, :].index_select(0, row_map), (position_ids[:, -1] + 1).index_select(0, row_map)
 
     def prefilled_decoder(self, input_ids: torch.Tensor, input_lengths: torch.Tensor, capacity: int):
@@ -415,6 +429,9 @@ class NativeGenerationEngine:
 
         decoder = self._decoder()
         drafts = self.speculative.num_draft_tokens + 1 if self.speculative is not None else 0
+        self._recorder = router_replay.RoutingRecorder(self.model).__enter__() if self.record_routing else None
+        self._routing = None if self._recorder is None else router_replay.empty_routing(
+            self._recorder, batch_size, prompt_width + max_new_tokens, device)
         try:
             logits, next_position = self._prefill(
                 input_ids.to(device), input_lengths.to(device), decoder, capacity=prompt_width + max_new_tokens + drafts,
@@ -484,10 +501,21 @@ class NativeGenerationEngine:
                         slot_rows, next_position, tokens = slot_rows[keep], next_position[keep], tokens[keep]
                         generating, num_finished_slots = generating[keep], 0
                 logits = decoder.step(tokens, next_position)
+                if self._routing is not None:  # the fed tokens sit at column input_length + step
+                    fed_rows = slot_rows[generating]
+                    self._routing[fed_rows, input_lengths.to(device)[fed_rows] + step] = \
+                        self._recorder.take()[generating].to(self._routing.dtype)
                 next_position = next_position + 1
         finally:
             decoder.release()  # the cache is this call's: not held into the phases after it
-        return self._assemble_outputs(input_ids, input_lengths, new_tokens, new_logprobs, generation_lengths, stopped)
+            if self._recorder is not None:
+                self._recorder.__exit__()
+        outputs = self._assemble_outputs(input_ids, input_lengths, new_tokens, new_logprobs, generation_lengths, stopped)
+        if self._routing is not None:
+            width = outputs["output_ids"].shape[1]
+            outputs[router_replay.ROUTED_EXPERTS] = self._routing[:, :width].to(input_ids.device)
+        self._routing = self._recorder = None
+        return outputs
 
     def _generate_rows_alone(
         self, input_ids: torch.Tensor, input_lengths: torch.Tensor, seeds: torch.Tensor, start_steps: torch.Tensor,

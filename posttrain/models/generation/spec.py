@@ -35,6 +35,8 @@ class GenerationSpec:
             no heartbeats; `WorkerGroup`).
         batch_invariant: the native engine generates each row alone (`policy.batch_invariant`;
             default False).
+        record_routing: the native engine returns each token's chosen experts for router replay
+            (`policy.moe_router_replay`, models/router_replay.py; default False).
     """
 
     model_name: str
@@ -48,6 +50,7 @@ class GenerationSpec:
     rope_scaling: Optional[dict[str, Any]] = None
     heartbeat_timeout_s: float = 0.0
     batch_invariant: bool = False
+    record_routing: bool = False
 
     def __post_init__(self) -> None:
         generation = self.generation
@@ -83,4 +86,5 @@ class GenerationSpec:
             max_model_len=cfg.policy.max_total_sequence_length, seed=seed,
             worker_timeout_s=cfg.cluster.worker_timeout_s, heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s,
             rope_scaling=getattr(model, "rope_scaling", None), batch_invariant=cfg.policy.batch_invariant,
+            record_routing=cfg.policy.moe_router_replay and model is cfg.policy,
         )

@@ -89,7 +89,7 @@ class GenerationWorker(MeasuresPhases, DistributedWorker):
         self.engine = NativeGenerationEngine(
             self.model, self.tokenizer,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
-            speculative=self.drafter, batch_invariant=spec.batch_invariant,
+            speculative=self.drafter, batch_invariant=spec.batch_invariant, record_routing=spec.record_routing,
         )
         self.refit_metadata: Optional[RefitMetadata] = None
         self.weights_version = 0  # the checkpoint loaded from model_name
@@ -130,7 +130,7 @@ class GenerationWorker(MeasuresPhases, DistributedWorker):
                 **options,
             )
             outputs.append(Batch({key: value.cpu() for key, value in out.items()}))
-        return Batch.cat(outputs, pad_values={"output_ids": self.tokenizer.pad_token_id})
+        return Batch.cat(outputs, pad_values={"output_ids": self.tokenizer.pad_token_id, "routed_experts": -1})
 
     # ------------------------------------------------------------------ memory
     def _models(self) -> list[torch.nn.Module]:

@@ -16,7 +16,8 @@ from transformers import AutoConfig
 
 from posttrain.config.schema import PolicyConfig
 from posttrain.models.hf import apply_rope_scaling, load_policy_lm, parse_tiny_name
-from posttrain.models.policy import context_parallel, parallel, sharded_load
+from posttrain.models.parallel_sizes import num_routed_experts
+from posttrain.models.policy import context_parallel, expert_parallel, parallel, sharded_load
 from posttrain.models.policy.checkpoint import MODEL_CLASSES
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 
@@ -29,15 +30,15 @@ def is_mixture_of_experts(policy: PolicyConfig) -> bool:
     tiny = parse_tiny_name(policy.model_name, policy.tiny_arch)
     if tiny is not None:
         return tiny[1] in MOE_ARCHS
-    config = model_config_dict(policy.model_name) or {}
-    return bool(config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts"))
+    return num_routed_experts(model_config_dict(policy.model_name) or {}) is not None
 
 
 class ModelLoading:
     """Mixin of `PolicyWorker`: reads `self.cfg`, `self.model_type`, `self.loads_sharded`,
     `self.tokenizer`, `self.rank`, `self.world_size`, `self.tp_size`, `self.cp_size`,
-    `self.compute_dtype`, `self.device`, `self.is_fsdp`, `self.model` and `self.load_host_memory`;
-    `_shard_model` sets `self.dp_group` and `self.cp_group`."""
+    `self.ep_size`, `self.compute_dtype`, `self.device`, `self.is_fsdp`, `self.model` and
+    `self.load_host_memory`; `_shard_model` sets `self.dp_group`, `self.cp_group`, `self.expert_params`
+    and `self.expert_replica_group` (expert parallelism)."""
 
     def _load_model(self, model_path: str) -> torch.nn.Module:
         # Loaded on the CPU in float32: FSDP moves only this rank's shard to the device. With
@@ -84,8 +85,13 @@ class ModelLoading:
             dp_mesh, tp_mesh = parallel.build_mesh(self.device.type, self.world_size, self.tp_size)
             if tp_mesh is not None:
                 self.dp_group = dp_mesh.get_group()
-        parallel.shard_model(
-            self.model, dp_mesh, tp_mesh, sequence_parallel=self.cfg.sequence_parallel,
+        ep_mesh = None
+        if self.ep_size > 1:  # experts split over neighbouring ranks, replicated over `edp` (expert_parallel.py)
+            ep_mesh = expert_parallel.build_mesh(self.device.type, self.world_size, self.ep_size)
+            self.expert_replica_group = ep_mesh["edp"].get_group()
+            ep_mesh = ep_mesh["ep"]
+        self.expert_params = parallel.shard_model(
+            self.model, dp_mesh, tp_mesh, ep_mesh=ep_mesh, sequence_parallel=self.cfg.sequence_parallel,
             activation_checkpointing=self.cfg.activation_checkpointing,
             weights_on_rank0_only=self.loads_sharded,
             mixed_precision=parallel.mixed_precision_policy(self.compute_dtype),

@@ -204,14 +204,19 @@ def shard_model(
     weights_on_rank0_only: bool = False,
     mixed_precision: Optional[MixedPrecisionPolicy] = None,
     cpu_offload: bool = False,
-) -> None:
+    ep_mesh: Optional[DeviceMesh] = None,
+) -> list[torch.nn.Parameter]:
     """Tensor-parallelise `model` over `tp_mesh` (if any), then FSDP2 over `dp_mesh`: one unit per
     decoder layer (HF's `_no_split_modules`), then the root.
 
     `weights_on_rank0_only` (sharded loading): the other ranks' parameters are on the meta device
     and their values arrive later (`sharded_load.fill_shards_from_rank0`), so TP takes each rank's
     shard of its own tensor (`src_data_rank=None`: real on rank 0, meta elsewhere) instead of
-    scattering rank 0's, a collective the meta ranks cannot serve (the pair deadlocked)."""
+    scattering rank 0's, a collective the meta ranks cannot serve (the pair deadlocked).
+
+    `ep_mesh` (expert parallelism, `expert_parallel.py`): the routed experts are split over it
+    first and FSDP ignores them. Returns the expert parameters so split, in model order (empty
+    without EP)."""
     if tp_mesh is not None:
         # DTensor warns, once per process, that gathering a 2-D (dp, tp) sharded tensor (state
         # dicts, the gradient norm) takes two collectives instead of one: expected, and noise in a
@@ -231,7 +236,13 @@ def shard_model(
     # A vision-language model's projector (LLaVA's multi_modal_projector) is a unit of its own, as the
     # vision tower's layers are (they are in `_no_split_modules`): gathered only while the images go through it.
     layers += [m for name, m in model.named_modules() if name.rpartition(".")[2] == "multi_modal_projector"]
+    expert_params: list[torch.nn.Parameter] = []
     kwargs: dict[str, Any] = {"mesh": dp_mesh}
+    if ep_mesh is not None:
+        from posttrain.models.policy.expert_parallel import shard_experts
+
+        expert_params = shard_experts(model, ep_mesh)
+        kwargs["ignored_params"] = set(expert_params)
     if mixed_precision is not None:
         kwargs["mp_policy"] = mixed_precision
     if cpu_offload:
@@ -239,6 +250,7 @@ def shard_model(
     for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    return expert_params
 
 
 def mixed_precision_policy(compute_dtype: torch.dtype) -> Optional[MixedPrecisionPolicy]:

@@ -39,10 +39,11 @@ from posttrain.config.schema import PolicyConfig
 from posttrain.distributed import collective
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
-from posttrain.models import lora, moe, moe_balance
+from posttrain.models import lora, moe, moe_balance, router_replay
 from posttrain.models.hf import load_tokenizer, pick_dtype, resolve_model_path
+from posttrain.models.parallel_sizes import expert_parallel_problem
 from posttrain.models.policy import checkpoint as ckpt
-from posttrain.models.policy import context_parallel, parallel, sharded_load
+from posttrain.models.policy import context_parallel, expert_parallel, parallel, sharded_load
 from posttrain.models.policy.checkpoint import Checkpointing
 from posttrain.models.policy.forward import (
     MicroBatch,
@@ -127,6 +128,10 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
             raise ValueError("policy.context_parallel_size > 1 is supported for language models, not reward or "
                              "value models")
         self.dp_size = self.world_size // (self.tp_size * self.cp_size)
+        # Expert parallelism (expert_parallel.py): the experts split over groups of ep ranks; set by _shard_model.
+        self.ep_size = self.cfg.expert_parallel_size
+        self.expert_params: list[torch.nn.Parameter] = []
+        self.expert_replica_group: Any = None
         self.fsdp_size = self.dp_size * self.cp_size  # ranks FSDP averages gradients over
         self.dp_group: Any = None  # the data-parallel ranks' process group (None: all ranks, the default group)
         self.cp_group: Any = None  # the context-parallel ranks' process group (None: no CP)
@@ -159,6 +164,11 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
             self.model = lora.apply_lora(self.model, self.cfg.lora)
             self.lora_scaling = lora.scaling(self.cfg.lora)
         self.hf_config = self.model.config
+        if self.ep_size > 1:
+            problem = ("reward and value models are not supported" if model_type != "lm"
+                       else expert_parallel_problem(self.hf_config, self.ep_size))
+            if problem:
+                raise ValueError(problem if problem.startswith("policy.") else f"policy.expert_parallel_size: {problem}")
         # Mixture of experts: weight of the router's load-balancing loss (0: dense, or turned off).
         self.router_aux_loss_coef = moe.aux_loss_coef(self.model, self.cfg.router_aux_loss_coef)
         # Routers balanced by a bias (DeepSeek-V3): moved after each optimizer step (models/moe_balance.py).
@@ -271,8 +281,11 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
             if input_type == "logits":  # full next-token logits [n, L, V] (distillation)
                 outputs = microbatch_logits(self.model, mb, self.device, self.compute_dtype, temperature)
             else:
-                outputs = microbatch_logprobs(self.model, mb, self.device, self.compute_dtype, temperature,
-                                              fused=self.fused_logprobs, loss_positions_only=for_loss)
+                routed = (mb.rows.get(router_replay.ROUTED_EXPERTS) if self.cfg.moe_router_replay and mb.packed is None
+                          else None)
+                with router_replay.replaying(self.model, None if routed is None else routed.flatten(0, 1)):
+                    outputs = microbatch_logprobs(self.model, mb, self.device, self.compute_dtype, temperature,
+                                                  fused=self.fused_logprobs, loss_positions_only=for_loss)
         return outputs + keepalive[0] if keepalive else outputs
 
     # ------------------------------------------------------------------------------ logprobs
@@ -511,6 +524,9 @@ class PolicyWorker(ModelLoading, Checkpointing, WeightExport, OffloadsDuringGene
     def _clip_grad_norm(self) -> float:
         """Total grad norm over all ranks before clipping; clips when `policy.max_grad_norm` is set."""
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
+        if self.expert_params:  # summed over the expert replicas, FSDP's scaling undone (expert_parallel.py)
+            expert_parallel.reduce_expert_gradients(self.expert_params, self.expert_replica_group,
+                                                    self.world_size // self.ep_size, self.fsdp_size)
         return parallel.clip_grad_norm(list(self.model.parameters()), max_norm)
 
     def _raise_if_not_finite(self, bad_microbatches: list[int], grad_norm: float, step_index: int) -> None:
