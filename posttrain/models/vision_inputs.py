@@ -160,6 +160,7 @@ def check_vision_policy(policy: Any) -> None:
         "policy.context_parallel_size > 1": policy.context_parallel_size > 1,
         "policy.lora.enabled": policy.lora.enabled,
         "policy.pipeline_parallel_size > 1": getattr(policy, "pipeline_parallel_size", 1) > 1,
+        "policy.expert_parallel_size > 1": getattr(policy, "expert_parallel_size", 1) > 1,
     }
     for option, on in refused.items():
         if on:
