@@ -133,13 +133,20 @@ def flatten_message_logs(
         token_mask=token_mask,
         generation_logprobs=generation_logprobs,
     )
-    images = [[m["pixel_values"] for m in log if m.get("pixel_values") is not None] for log in message_logs]
-    if any(images):  # a vision-language model's rows (models/vision_inputs.py): each row's images, in order
-        batch["pixel_values"] = [torch.cat(row) if row else None for row in images]
+    images = message_log_images(message_logs)
+    if images is not None:
+        batch["pixel_values"] = images
     routed = _routed_experts(message_logs, max_len)
     if routed is not None:
         batch["routed_experts"] = routed
     return batch
+
+
+def message_log_images(message_logs: Sequence[MessageLog]) -> list[torch.Tensor | None] | None:
+    """Each log's images (its messages' `pixel_values` concatenated; None for a log without any), a
+    vision-language model's (models/vision_inputs.py); None when no log has images."""
+    images = [[m["pixel_values"] for m in log if m.get("pixel_values") is not None] for log in message_logs]
+    return [torch.cat(row) if row else None for row in images] if any(images) else None
 
 
 def _routed_experts(message_logs: Sequence[MessageLog], width: int) -> torch.Tensor | None:

@@ -128,6 +128,8 @@ def test_worker_logprobs_equal_the_engines_on_the_same_images(worker, tokenizer,
     assert (logprobs[batch["input_ids"] == IMAGE_ID] == 0).all() and logprobs.isfinite().all()  # text tokens only
     policy.cfg.sequence_packing.enabled, policy.cfg.sequence_packing.logprob_mb_tokens = True, 2048
     torch.testing.assert_close(policy.get_logprobs(batch)["logprobs"], logprobs, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="the prompts hold image tokens but no pixel_values came with them"):
+        engine.generate(rows["input_ids"], rows["input_lengths"], max_new_tokens=2)
     # The images matter: the rows' images swapped give other logprobs.
     swapped = Batch({**batch, "pixel_values": batch["pixel_values"][2:] + batch["pixel_values"][:2]})
     assert (policy.get_logprobs(swapped)["logprobs"] - logprobs).abs().max() > 1e-3

@@ -393,6 +393,9 @@ class NativeGenerationEngine:
             raise ValueError("stop_strings need a tokenizer: pass one to NativeGenerationEngine")
         if pixel_values is not None and len(pixel_values) != batch_size:
             raise ValueError(f"pixel_values has {len(pixel_values)} entries but the batch has {batch_size} rows")
+        if self._image_token_id is not None and pixel_values is None and bool((input_ids == self._image_token_id).any()):
+            raise ValueError("the prompts hold image tokens but no pixel_values came with them (a batch builder "
+                             "dropped the images: flatten_message_logs / message_log_images carries them)")
         if pixel_values is not None and self.speculative is not None:
             raise ValueError("speculative decoding with images is not supported (the drafter does not see them)")
 
