@@ -68,6 +68,7 @@ def preflight(cfg: Any, plan_memory: bool = True) -> None:
     check_router_balancing(policy)
     check_expert_parallel(policy)
     check_rope_scaling(policy, "policy")
+    check_vision_language(cfg)
     from posttrain.distributed.local_resources import local_resources_problem
 
     problem = local_resources_problem(cfg)  # from the config and this machine: before the data's slower checks
@@ -97,6 +98,27 @@ def preflight(cfg: Any, plan_memory: bool = True) -> None:
     check_components(cfg)
     if plan_memory:
         check_memory_plan(cfg, records["train"] + records["validation"])
+
+
+def check_vision_language(cfg: Any) -> None:
+    """A vision-language policy: the options it does not train or generate with yet, one line each;
+    a text policy: no generator of rows with images."""
+    from posttrain.config.schema.data import VISUAL_TASK_GENERATORS
+    from posttrain.models.vision_inputs import check_vision_policy, is_vision_language_model
+
+    policy = cfg.policy
+    if not is_vision_language_model(policy.model_name, policy.tiny_arch):
+        generators = [cfg.data.generator] + [c.get("generator") for c in (cfg.data.blend or [])]
+        visual = next((g for g in generators if g in VISUAL_TASK_GENERATORS), None)
+        if visual:
+            raise UserError(f"data.generator={visual!r} makes rows with images, and policy.model_name="
+                            f"{policy.model_name!r} is a text model; use a vision-language model (e.g. tiny-vl)")
+        return
+    check_vision_policy(policy)
+    generation = getattr(policy, "generation", None)
+    if generation is not None and generation.backend != "native" and hasattr(cfg, "env"):
+        raise UserError(f"policy.generation.backend={generation.backend!r} with a vision-language model: only the "
+                        "native engine takes images yet; set policy.generation.backend=native")
 
 
 def check_memory_plan(cfg: Any, records: Optional[list[dict]] = None) -> None:
@@ -388,8 +410,7 @@ def check_model_name(name: str, key: str, tiny_arch: str = "llama") -> None:
     from posttrain.models.presets import PRESETS, PRETRAINED_PRESETS, VL_PRESETS
 
     if name in VL_PRESETS:
-        raise UserError(f"{key}={name!r} is a vision-language model, and training, generation and evaluation on "
-                        "images are not wired yet; it loads from the Python API (posttrain.models.hf.load_vision_model)")
+        return  # a built-in vision-language preset, built locally
     if parse_tiny_name(name, tiny_arch) is not None:
         return  # a built-in preset, built locally
     if name in PRETRAINED_PRESETS:

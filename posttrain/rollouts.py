@@ -168,6 +168,8 @@ def _turn_batch(samples: list[Sample], running: list[int], tokenizer, seeds: Opt
     turn's seeds."""
     flat = flatten_message_logs([samples[i].message_log for i in running], pad_token_id=tokenizer.pad_token_id)
     batch = Batch(input_ids=flat["input_ids"], input_lengths=flat["input_lengths"])
+    if "pixel_values" in flat:  # a vision-language model's images (models/vision_inputs.py)
+        batch["pixel_values"] = flat["pixel_values"]
     batch["stop_strings"] = [samples[i].stop_strings for i in running]
     if seeds is not None:
         batch["seeds"] = seeds[running] + turn * TURN_SEED_STRIDE

@@ -37,6 +37,7 @@ from typing import Any, Callable, Literal, Optional, Sequence
 
 from posttrain.config.schema import DataConfig
 from posttrain.data.arithmetic import generate_arithmetic
+from posttrain.data.images import has_images, image_row, prompt_text
 from posttrain.data.prompt_template import format_prompt
 from posttrain.errors import DataError
 
@@ -195,6 +196,10 @@ def _finish(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConfig
     records = []
     for row, at in zip(rows, locations):
         fields = dict(row)
+        if has_images(row):  # messages with image parts and the decoded images (posttrain.data.images)
+            fields = image_row(row, at)
+            fields["prompt"] = prompt_text(fields["messages"])
+            row = fields
         if "responses_create_params" in row:
             fields.update(_nemo_gym_fields(row, at))
             prompt_key, answer_key = "prompt", "answer"
@@ -215,7 +220,7 @@ def _finish(rows: Sequence[dict], locations: Sequence[str], data_cfg: DataConfig
         if answer is None and task_name == "math":  # caught here, not by the verifier mid-training
             raise DataError(f"{at}: {answer_key!r} (data.answer_key) is null; a math row needs its answer")
         prompt_value = fields[prompt_key]
-        if isinstance(prompt_value, list):  # chat messages (TRL's conversational format): the conversation
+        if isinstance(prompt_value, list) and "images" not in fields:  # chat messages (TRL's conversational format): the conversation
             fields["messages"] = chat_messages(prompt_value, f"{at}: {prompt_key}")
             users = [m["content"] for m in fields["messages"] if m["role"] == "user"]
             prompt_value = users[-1] if users else fields["messages"][-1]["content"]
@@ -288,6 +293,10 @@ def problem_key(record: dict) -> str:
     if truth is None:
         truth = env_metadata(record)
     parts = [record.get("task_name"), record.get("env_name"), record.get("messages"), record.get("prompt"), truth]
+    if record.get("images"):  # the pixels are part of the prompt: one question about two scenes is two problems
+        import hashlib
+
+        parts.append([hashlib.sha1(image.tobytes()).hexdigest() + str(image.size) for image in record["images"]])
     return json.dumps(parts, sort_keys=True, default=repr)
 
 

@@ -22,8 +22,8 @@ the `images` column in order, and their count must equal its length. Every probl
 bytes that are no image, an image over `max_pixels`, a count that does not match) is a `DataError`
 in one line naming the row (`file:line` for a JSONL file, else `row N`) and the image.
 
-Training and generation on images are not wired into the policy workers or engines yet; this
-module and `posttrain.data.generators.visual` are the data layer they will read.
+A data set's rows with images are put in this shape when read (`datasets.load_records`), and a
+vision-language model's processor turns them into tokens and pixels (`posttrain.models.vision_inputs`).
 """
 
 from __future__ import annotations
@@ -157,6 +157,27 @@ def _column_images(row: dict, at: str) -> list[Any]:
     if row.get("image") is not None:
         return [row["image"]]
     return []
+
+
+def has_images(row: dict) -> bool:
+    """Whether a row carries images: an `images` / `image` column, or image parts in its prompt / messages."""
+    if row.get("images") or row.get("image") is not None:
+        return True
+    for key in ("prompt", "messages"):
+        value = row.get(key)
+        if isinstance(value, list) and any(
+                isinstance(m, dict) and isinstance(m.get("content"), list) and any(
+                    isinstance(p, dict) and p.get("type") in ("image", "image_url") for p in m["content"])
+                for m in value):
+            return True
+    return False
+
+
+def prompt_text(messages: list[dict]) -> str:
+    """The text parts of the last user message (of `image_row`'s messages): a row's `prompt` for
+    prompt templates, logs and the environments that read it."""
+    users = [m for m in messages if m["role"] == "user"] or messages
+    return "".join(p.get("text", "") for p in users[-1]["content"] if p["type"] == "text")
 
 
 def image_row(row: dict, at: str, base_dir: Optional[str | os.PathLike] = None,

@@ -5,7 +5,9 @@ A conversation is a `list[dict]`; each message has
 - `token_ids` (LongTensor[n]): exactly the tokens the model saw or produced,
 - for generated turns: `generation_logprobs` (FloatTensor[n], the sampler's logprob of each
   token) and `weight_version` (int, the policy version that generated it),
-- optionally `loss: True` to train on a message that was not generated (SFT targets).
+- optionally `loss: True` to train on a message that was not generated (SFT targets),
+- for a message with images (a vision-language model's prompt): `pixel_values` (FloatTensor
+  [n_images, 3, H, W], the processor's), whose image tokens `token_ids` holds expanded.
 
 Generated text is never re-tokenised: `token_ids` is the source of truth and `content` is for
 people and environments.
@@ -90,7 +92,9 @@ def flatten_message_logs(
     Returns:
         `Batch` with `input_ids [B,S]` (long), `input_lengths [B]` (long), `token_mask [B,S]`
         (float, 1 on trained tokens) and `generation_logprobs [B,S]` (float, 0 off generated
-        messages), all aligned to `input_ids` (see docs/internals.md).
+        messages), all aligned to `input_ids` (see docs/internals.md); when a message carries
+        `pixel_values`, also `pixel_values`: a list with each row's images concatenated (None for
+        a row without images; `posttrain.models.vision_inputs`).
     """
     loss_roles = set(loss_roles) if loss_roles is not None else None
     rows = []
@@ -129,10 +133,20 @@ def flatten_message_logs(
         token_mask=token_mask,
         generation_logprobs=generation_logprobs,
     )
+    images = message_log_images(message_logs)
+    if images is not None:
+        batch["pixel_values"] = images
     routed = _routed_experts(message_logs, max_len)
     if routed is not None:
         batch["routed_experts"] = routed
     return batch
+
+
+def message_log_images(message_logs: Sequence[MessageLog]) -> list[torch.Tensor | None] | None:
+    """Each log's images (its messages' `pixel_values` concatenated; None for a log without any), a
+    vision-language model's (models/vision_inputs.py); None when no log has images."""
+    images = [[m["pixel_values"] for m in log if m.get("pixel_values") is not None] for log in message_logs]
+    return [torch.cat(row) if row else None for row in images] if any(images) else None
 
 
 def _routed_experts(message_logs: Sequence[MessageLog], width: int) -> torch.Tensor | None:

@@ -56,6 +56,7 @@ def _prompt_text(
     in the system message without a chat template.
     """
     if messages:
+        # content: a string, or (a row with images, posttrain.data.images) a list of text and image parts
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         if system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": system_prompt})
@@ -83,6 +84,31 @@ def _routing(record: dict) -> dict[str, Any]:
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"], dtype=torch.long)
+
+
+def _prompt_message(tokenizer: PreTrainedTokenizerBase, text: str, add_special: bool, record: dict, idx: int) -> dict:
+    """The prompt message: its text and tokens, and for a row with images (`images`, decoded by
+    `posttrain.data.images`) the `pixel_values` its expanded image tokens stand for (the model's
+    processor: `posttrain.models.vision_inputs.image_prompt`)."""
+    images = record.get("images")
+    if not images:
+        return {"role": "user", "content": text, "token_ids": _encode(tokenizer, text, add_special)}
+    if "messages" not in record:
+        raise DataError(f"sample idx {idx}: a row with images needs its prompt as chat messages with image parts")
+    from posttrain.models.vision_inputs import image_prompt
+
+    token_ids, pixel_values = image_prompt(tokenizer, text, images)
+    return {"role": "user", "content": text, "token_ids": token_ids, "pixel_values": pixel_values}
+
+
+def _without_image_tokens(tokenizer: PreTrainedTokenizerBase, token_ids: torch.Tensor, message: dict) -> torch.Tensor:
+    """A cut prompt's tokens with its image tokens made padding: the cut drops its images (it is
+    masked out of the loss, and a model needs every image whose tokens it sees)."""
+    if "pixel_values" not in message:
+        return token_ids
+    from posttrain.models.vision_inputs import processor_for
+
+    return token_ids.masked_fill(token_ids == processor_for(tokenizer).image_token_id, tokenizer.pad_token_id)
 
 
 @register_processor("math")
@@ -115,7 +141,8 @@ def build_prompt_message_log(
         _field(record, "answer", idx)  # math grades against it; other environments read other fields
     text, _, add_special = _prompt_text(prompt, tokenizer, use_chat_template, system_prompt, record.get("messages"),
                                         record.get("tools"))
-    token_ids = _encode(tokenizer, text, add_special)
+    message = _prompt_message(tokenizer, text, add_special, record, idx)
+    token_ids = message["token_ids"]
     loss_multiplier = 1.0
     if token_ids.numel() > max_seq_length:
         warnings.warn(
@@ -126,8 +153,9 @@ def build_prompt_message_log(
         token_ids = token_ids[: min(TRUNCATED_PROMPT_TOKENS, max_seq_length)]
         text = tokenizer.decode(token_ids)
         loss_multiplier = 0.0
+        message = {"role": "user", "content": text, "token_ids": _without_image_tokens(tokenizer, token_ids, message)}
     return Sample(
-        message_log=[{"role": "user", "content": text, "token_ids": token_ids}],
+        message_log=[message],
         prompt_length=token_ids.numel(),
         extra_env_info=env_metadata(record),
         loss_multiplier=loss_multiplier,
@@ -174,7 +202,8 @@ def build_sft_example(
     answer = str(_field(record, "answer", idx))
     prompt_text, messages, add_special = _prompt_text(prompt, tokenizer, use_chat_template, system_prompt,
                                                       record.get("messages"))
-    prompt_ids = _encode(tokenizer, prompt_text, add_special)
+    prompt_message = _prompt_message(tokenizer, prompt_text, add_special, record, idx)
+    prompt_ids = prompt_message["token_ids"]
     answer_text, append_eos = _assistant_text(tokenizer, messages, prompt_text, answer, use_chat_template)
     answer_ids = _encode(tokenizer, answer_text, False)
     if append_eos:
@@ -194,9 +223,11 @@ def build_sft_example(
         prompt_ids, answer_ids = prompt_ids[:keep], answer_ids[:keep]
         prompt_text, answer_text = tokenizer.decode(prompt_ids), tokenizer.decode(answer_ids)
         loss_multiplier = 0.0
+        prompt_message = {"role": "user", "content": prompt_text,
+                          "token_ids": _without_image_tokens(tokenizer, prompt_ids, prompt_message)}
     return {
         "message_log": [
-            {"role": "user", "content": prompt_text, "token_ids": prompt_ids},
+            prompt_message,
             {"role": "assistant", "content": answer_text, "token_ids": answer_ids, "loss": True},
         ],
         "length": prompt_ids.numel() + answer_ids.numel(),

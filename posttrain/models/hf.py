@@ -154,8 +154,23 @@ def load_causal_lm(
         options["config"] = apply_rope_scaling(AutoConfig.from_pretrained(path), rope_scaling)
     model = _from_pretrained(AutoModelForCausalLM, path, dtype, options, lambda kind: (
         f"model {os.fspath(name_or_path)!r} ({kind}) is not a causal language model (AutoModelForCausalLM has no "
-        "class for it); vision-language models load with load_vision_model and are not wired into training yet"))
+        "class for it); vision-language models load with load_vision_model (load_policy_lm picks either)"))
     return model.to(device).eval()
+
+
+def load_policy_lm(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                   device: str | torch.device = "cpu", tiny_arch: str = "llama", **options: Any) -> PreTrainedModel:
+    """The model a policy trains and generates with: a vision-language model (`tiny-vl`, or a
+    config with a vision tower; `load_vision_model`) or else a causal LM (`load_causal_lm`, which
+    takes `options`: `attn_implementation`, `rope_scaling`)."""
+    from posttrain.models.vision_inputs import is_vision_language_model
+
+    if is_vision_language_model(os.fspath(name_or_path), tiny_arch):
+        if options.get("rope_scaling"):
+            raise UserError("policy.rope_scaling is not supported for vision-language models")
+        return load_vision_model(name_or_path, dtype=dtype, device=device,
+                                 attn_implementation=options.get("attn_implementation"))
+    return load_causal_lm(name_or_path, dtype=dtype, device=device, tiny_arch=tiny_arch, **options)
 
 
 def _from_pretrained(auto_class: Any, path: str, dtype: torch.dtype, options: dict[str, Any], not_this_kind) -> PreTrainedModel:

@@ -21,7 +21,7 @@ has an `{"type": "image"}` part, the processor then expands each into 64.
 
 Real VLMs (Qwen2-VL, Qwen2.5-VL, LLaVA, Gemma 3, ...) load through the same functions by hub id or
 directory: `hf.load_vision_model` (`AutoModelForImageTextToText`) and `hf.load_processor` (`AutoProcessor`).
-Training and generation on images are not wired into the policy workers or engines yet.
+Training and generation on images (the policy workers, the native engine): `posttrain.models.vision_inputs`.
 """
 
 from __future__ import annotations

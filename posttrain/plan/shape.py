@@ -68,7 +68,7 @@ def model_shape(policy: Any) -> ModelShape:
     """Shape of `policy.model_name` (its config.json; a preset's config): the parameters are counted
     on torch's meta device, so nothing is allocated and no weights are read."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from posttrain.models.hf import parse_tiny_name, resolve_model_path
 
@@ -86,8 +86,15 @@ def model_shape(policy: Any) -> ModelShape:
         path = str(checkpoint / "hf") if checkpoint is not None else resolve_model_path(policy.model_name,
                                                                                        policy.tiny_arch)
         hf_config = AutoConfig.from_pretrained(path)
+    from posttrain.models.vision_inputs import is_vision_language_config
+
+    # A vision-language model: every parameter counts (the vision tower's too: weights, gradients,
+    # optimizer state); the activations are the language model's, over the prompt's expanded image
+    # tokens as well (`longest_prompt_tokens` builds prompts with them). The vision tower's own
+    # activations (one short sequence of patches per image) are left out.
+    vision = is_vision_language_config(hf_config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+        model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(hf_config)
     params = list(model.parameters())
     lora = 0
     if policy.lora.enabled:
@@ -98,7 +105,8 @@ def model_shape(policy: Any) -> ModelShape:
              if m is not None}  # one entry when tied
     # Routed experts: transformers 5's 3-D expert tensors (models/policy/expert_parallel.py).
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name and p.ndim == 3)
-    return shape_from_hf_config(json.loads(hf_config.to_json_string()), sum(p.numel() for p in params),
+    text_config = hf_config.get_text_config() if vision else hf_config
+    return shape_from_hf_config(json.loads(text_config.to_json_string()), sum(p.numel() for p in params),
                                 max(p.numel() for p in params), lora, sum(heads.values()), experts)
 
 

@@ -105,13 +105,13 @@ def test_load_errors_are_one_line(tmp_path):
         vision.ensure_tiny_vlm("tiny-vlm")
 
 
-def test_training_a_vision_language_model_is_refused_in_one_line():
-    """Until the workers and engines take images: the preflight names the key, and a text loader
-    given a VLM's directory names its config class."""
+def test_the_policy_loader_picks_the_vision_language_class_and_the_text_loader_names_it():
+    """`load_policy_lm` (what the policy workers and engines load with) takes a VLM; the text-only
+    `load_causal_lm` given a VLM's directory names its config class in one line."""
     from posttrain.preflight import check_model_name
 
-    with pytest.raises(UserError, match=r"^policy.model_name='tiny-vl' is a vision-language model, and training"):
-        check_model_name("tiny-vl", "policy.model_name")
+    check_model_name("tiny-vl", "policy.model_name")  # a preset: accepted
+    assert type(hf.load_policy_lm("tiny-vl")).__name__ == "LlavaForConditionalGeneration"
     with pytest.raises(UserError, match=r"\(LlavaConfig\) is not a causal language model") as e:
         hf.load_causal_lm(hf.resolve_model_path("tiny-vl"))
     assert "\n" not in str(e.value)

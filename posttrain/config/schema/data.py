@@ -72,8 +72,8 @@ class ReasoningGymTask(Section):
 # The built-in task generators of `data.dataset=generated` (`posttrain.data.generators`, which this
 # layer does not import; tests/unit/test_task_generators.py keeps the two lists equal).
 TASK_GENERATORS = ("word_problems", "multiple_choice", "json_output", "instructions", "functions", "calculator")
-# Generators of rows with images (`posttrain.data.generators.visual`): not selectable until training
-# and generation take images; named here so that `data.generator` says so in one line.
+# Generators of rows with images (`posttrain.data.generators.visual`), for a vision-language policy
+# (`policy.model_name: tiny-vl`); preflight refuses them with a text model in one line.
 VISUAL_TASK_GENERATORS = ("shape_count", "shape_color", "shape_position", "read_number", "read_word")
 
 
@@ -181,8 +181,7 @@ class DataConfig(Section):
             check_component_name(name or "", "data.generator")
             return name
         if name in VISUAL_TASK_GENERATORS:
-            raise ValueError(f"{name!r} makes rows with images, and training and generation on images are not wired "
-                             "yet; its rows are there from the Python API (posttrain.data.generators.visual)")
+            return name  # rows with images, for a vision-language policy (preflight checks the model)
         if name not in TASK_GENERATORS:
             close = difflib.get_close_matches(name, TASK_GENERATORS, n=1, cutoff=0.0)
             raise ValueError(f"{name!r} is not a task generator; did you mean {close[0]!r}? "

@@ -415,6 +415,14 @@ class PolicyConfig(Section):
             "full logits."
         ),
     )
+    freeze_vision_tower: bool = Field(
+        False,
+        description=(
+            "Vision-language models (tiny-vl, LLaVA-style): keep the vision tower's weights fixed and train the "
+            "projector and the language model (LLaVA's second stage, Liu et al. 2023, arXiv:2304.08485). Ignored "
+            "for a text model."
+        ),
+    )
     batch_invariant: bool = Field(
         False,
         description=(

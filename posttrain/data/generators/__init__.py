@@ -15,8 +15,8 @@ same seed. Built in (docs/environments.md, "Generated tasks"):
 | `calculator` | `tools` | arithmetic for the calculator tool; `expression`, `answer` |
 
 Visual tasks (`visual.py`: count the shapes, a shape's colour, which shape is left of another, read
-a number or a word; rows with an image) are registered apart, in `VISUAL_TASK_GENERATORS`, until
-training and generation take images: `data.generator` refuses them in one line.
+a number or a word; rows with an image) are registered apart, in `VISUAL_TASK_GENERATORS`: they
+need a vision-language policy (preflight refuses them with a text model in one line).
 
 A generator is a function `(num_train, num_validation, seed, **options) -> (train rows, validation
 rows)`; one that also takes `phrasings` gets `data.phrasings` (`all`, `seen`, `unseen`: the built-in
@@ -56,7 +56,7 @@ _RECENT: dict[tuple, tuple[list[dict], list[dict]]] = {}
 def get_task_generator(name: str) -> TaskGenerator:
     """The generator registered as `name`, or the function at an import path (`module:function`);
     a KeyError suggests the closest registered name."""
-    return resolve(TASK_GENERATORS, name, "task generator")
+    return resolve({**TASK_GENERATORS, **VISUAL_TASK_GENERATORS}, name, "task generator")
 
 
 def _check_options(fn: TaskGenerator, options: dict[str, Any], key: str) -> None:
@@ -113,4 +113,4 @@ def generated_split(data_cfg: Any, split: Literal["train", "validation"], key: s
     for i, row in enumerate(rows):
         if not isinstance(row, dict) or "prompt" not in row:
             raise DataError(f"{key}.generator={name!r}: {split} row {i} is not a dict with a 'prompt' ({row!r:.80})")
-    return rows, GENERATOR_ENVS.get(name)
+    return rows, GENERATOR_ENVS.get(name, VISUAL_GENERATOR_ENVS.get(name))

@@ -23,8 +23,8 @@ TASK_GENERATORS: dict[str, TaskGenerator] = {}
 GENERATOR_ENVS: dict[str, str] = {}  # generator name -> the environment its rows are made for
 
 _register = registrar(TASK_GENERATORS, "task generator")
-# Generators of rows with images (`posttrain.data.generators.visual`): kept apart until the policy
-# workers and engines take images (the config's `data.generator` refuses them in one line).
+# Generators of rows with images (`posttrain.data.generators.visual`): kept apart, for a
+# vision-language policy only (preflight refuses them with a text model in one line).
 VISUAL_TASK_GENERATORS: dict[str, TaskGenerator] = {}
 VISUAL_GENERATOR_ENVS: dict[str, str] = {}
 _register_visual = registrar(VISUAL_TASK_GENERATORS, "visual task generator")

@@ -23,9 +23,9 @@ validation drawn first; the question and the answer instruction come from severa
 of each held out of training (`phrasings`). The instructions are the text generators' (`word_problems`
 for `math`, `multiple_choice` for `mcqa`), so the same replies score.
 
-These are registered with `visual=True` (`base.VISUAL_TASK_GENERATORS`): training and generation on
-images are not wired into the policy workers or engines yet, so `data.generator` refuses them in
-one line; call them from Python.
+These are registered with `visual=True` (`base.VISUAL_TASK_GENERATORS`): `data.generator` takes them
+with a vision-language policy (`tiny-vl`; `posttrain/configs/grpo_vl_tiny.yaml`) and preflight
+refuses them with a text model in one line.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from posttrain.models import router_replay
 from posttrain.models.generation.decoders import LlamaLikeDecoder, ModelForwardDecoder, unsupported_reason
 from posttrain.models.generation.sampling import SamplingBuffers, process_logits, sample
 from posttrain.models.generation.speculative import Drafter, speculative_decode
+from posttrain.models.vision_inputs import image_inputs, image_token_id, suppress_image_token
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +130,11 @@ def assemble_outputs(
     }
 
 
-def distinct_prompts(input_ids: torch.Tensor, input_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group identical prompts (GRPO's generations of one prompt).
+def distinct_prompts(
+    input_ids: torch.Tensor, input_lengths: torch.Tensor, image_keys: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group identical prompts (GRPO's generations of one prompt); with `image_keys [B]` (ids that are
+    equal for rows with equal images, `image_groups`) the images must be identical too.
 
     Returns `(first_rows [U], row_map [B])`: one row holding each distinct prompt, and for every
     row the index of its prompt in `first_rows`.
@@ -138,11 +142,27 @@ def distinct_prompts(input_ids: torch.Tensor, input_lengths: torch.Tensor) -> tu
     batch_size, width = input_ids.shape
     beyond_prompt = torch.arange(width, device=input_ids.device).unsqueeze(0) >= input_lengths.unsqueeze(1)
     keys = torch.cat([input_lengths.unsqueeze(1), input_ids.masked_fill(beyond_prompt, -1)], dim=1)
+    if image_keys is not None:
+        keys = torch.cat([image_keys.to(keys.device).unsqueeze(1), keys], dim=1)
     _, row_map = torch.unique(keys, dim=0, return_inverse=True)
     rows = torch.arange(batch_size, device=input_ids.device)
     first_rows = torch.full((int(row_map.max()) + 1,), batch_size, dtype=torch.long, device=input_ids.device)
     first_rows.scatter_reduce_(0, row_map, rows, reduce="amin")
     return first_rows, row_map
+
+
+def image_groups(pixel_values: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """`[B]` ids, equal for rows whose images are bit-identical (-1: a row without images)."""
+    seen: dict[bytes, int] = {}
+    keys = []
+    for pixels in pixel_values:
+        if pixels is None or not pixels.numel():
+            keys.append(-1)
+            continue
+        data = pixels.detach().cpu().contiguous()
+        key = bytes(str(tuple(data.shape)), "ascii") + data.view(torch.uint8).flatten().numpy().tobytes()
+        keys.append(seen.setdefault(key, len(seen)))
+    return torch.tensor(keys, dtype=torch.long)
 
 
 @dataclass
@@ -248,6 +268,9 @@ class NativeGenerationEngine:
         # Ask the model for the last position's logits only, when it supports it (saves a
         # [B, P, V] projection at prefill).
         self._supports_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # A vision-language model never generates its image token: one with no image behind it breaks
+        # the next forward (the trainer's logprobs leave it out of the distribution the same way).
+        self._image_token_id = image_token_id(model)
         self._llama_like: Optional[LlamaLikeDecoder] = None
         if llama_like_decoder and unsupported_reason(model) is None:
             self._llama_like = LlamaLikeDecoder(model)
@@ -267,14 +290,18 @@ class NativeGenerationEngine:
             return self._llama_like
         return ModelForwardDecoder(self.model, self._supports_logits_to_keep)
 
-    def _prefill(self, input_ids, input_lengths, decoder, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the prompts through the model and hand their KV cache to `decoder`.
+    def _prefill(self, input_ids, input_lengths, decoder, capacity: int,
+                 pixel_values: Optional[Sequence[Optional[torch.Tensor]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the prompts (with their images: `pixel_values`, one entry per row, a vision-language
+        model's; `models/vision_inputs.py`) through the model and hand their KV cache to `decoder`.
+        Decoding then feeds text tokens only: the images are in the cache.
 
         Returns the next-token logits `[B, V]` and the position ids `[B]` of the first generated token.
         """
         batch_size = input_ids.shape[0]
         if self.share_prompts:
-            first_rows, row_map = distinct_prompts(input_ids, input_lengths)
+            first_rows, row_map = distinct_prompts(
+                input_ids, input_lengths, image_groups(pixel_values) if pixel_values is not None else None)
         else:
             first_rows = row_map = torch.arange(batch_size, device=input_ids.device)
         ids, attention_mask, position_ids = right_to_left_padding(
@@ -282,6 +309,9 @@ class NativeGenerationEngine:
         )
         cache = DynamicCache()
         extra = {"logits_to_keep": 1} if self._supports_logits_to_keep else {}
+        if pixel_values is not None:
+            dtype = next(self.model.parameters()).dtype
+            extra.update(image_inputs([pixel_values[row] for row in first_rows.tolist()], ids.device, dtype))
         out = self.model(
             input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=cache, use_cache=True, **extra,
@@ -313,6 +343,7 @@ class NativeGenerationEngine:
         stop_strings: StopStrings = None,
         seeds: Optional[torch.Tensor] = None,
         start_steps: Optional[torch.Tensor] = None,
+        pixel_values: Optional[Sequence[Optional[torch.Tensor]]] = None,
     ) -> dict[str, torch.Tensor]:
         """Generate up to `max_new_tokens` tokens for each right-padded prompt.
 
@@ -336,6 +367,8 @@ class NativeGenerationEngine:
                 stream starts at decoding step `start_steps` and its stop strings are looked for
                 across those tokens too, so generating a turn in chunks (partial rollouts) draws
                 the tokens one uninterrupted generation would under the same weights and seed.
+            pixel_values: a vision-language model's images, one entry per row (`[n_images, 3, H, W]`
+                or None; default None), whose image tokens the prompts hold (`models/vision_inputs.py`).
 
         Returns:
             dict with `output_ids [B, S+T]` (T = longest generation), `generation_lengths [B]`,
@@ -358,6 +391,13 @@ class NativeGenerationEngine:
         has_stop_strings = any(row_stop_strings)
         if has_stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass one to NativeGenerationEngine")
+        if pixel_values is not None and len(pixel_values) != batch_size:
+            raise ValueError(f"pixel_values has {len(pixel_values)} entries but the batch has {batch_size} rows")
+        if self._image_token_id is not None and pixel_values is None and bool((input_ids == self._image_token_id).any()):
+            raise ValueError("the prompts hold image tokens but no pixel_values came with them (a batch builder "
+                             "dropped the images: flatten_message_logs / message_log_images carries them)")
+        if pixel_values is not None and self.speculative is not None:
+            raise ValueError("speculative decoding with images is not supported (the drafter does not see them)")
 
         if batch_size == 0:  # e.g. an empty data-parallel shard
             return self._assemble_outputs(
@@ -377,7 +417,8 @@ class NativeGenerationEngine:
         if self.batch_invariant and (batch_size > 1 or int(input_lengths[0]) < prompt_width):
             sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             greedy=greedy, stop_token_ids=stop_token_ids)
-            return self._generate_rows_alone(input_ids, input_lengths, seeds, start_steps, row_stop_strings, sampling)
+            return self._generate_rows_alone(input_ids, input_lengths, seeds, start_steps, row_stop_strings, sampling,
+                                             pixel_values)
         # Each row's tokens of the turn generated before this call: stop strings may span them.
         earlier = [input_ids[row, int(input_lengths[row]) - n : int(input_lengths[row])].tolist() if n else []
                    for row, n in enumerate(start_steps.tolist())] if has_stop_strings else None
@@ -396,7 +437,8 @@ class NativeGenerationEngine:
             self._recorder, batch_size, prompt_width + max_new_tokens, device)
         try:
             logits, next_position = self._prefill(
-                input_ids.to(device), input_lengths.to(device), decoder, capacity=prompt_width + max_new_tokens + drafts
+                input_ids.to(device), input_lengths.to(device), decoder, capacity=prompt_width + max_new_tokens + drafts,
+                pixel_values=pixel_values,
             )
             buffers = SamplingBuffers(batch_size, logits.shape[-1], device) if self.reuse_buffers else None
             keep_fraction = self.finished_rows_fraction if decoder.keeps_finished_rows else 0.0
@@ -427,6 +469,8 @@ class NativeGenerationEngine:
                     rows, step_logits = slot_rows[live_slots], logits[live_slots]
                 else:
                     live_slots, rows, step_logits = None, slot_rows, logits
+                if self._image_token_id is not None:
+                    step_logits = suppress_image_token(step_logits, self._image_token_id)
                 processed = process_logits(step_logits, temperature=temperature, top_k=top_k, top_p=top_p,
                                            buffers=buffers)
                 tokens, token_logprobs = sample(
@@ -478,7 +522,7 @@ class NativeGenerationEngine:
 
     def _generate_rows_alone(
         self, input_ids: torch.Tensor, input_lengths: torch.Tensor, seeds: torch.Tensor, start_steps: torch.Tensor,
-        row_stop_strings: list[list[str]], sampling: dict,
+        row_stop_strings: list[list[str]], sampling: dict, pixel_values: Optional[Sequence] = None,
     ) -> dict[str, torch.Tensor]:
         """`generate` in batch-invariant mode: every row alone, its prompt cut to its length; the
         outputs put together as one batched call returns them (speculative counts row by row)."""
@@ -487,7 +531,8 @@ class NativeGenerationEngine:
             length = int(input_lengths[row])
             pieces.append(self.generate(
                 input_ids[row : row + 1, :length], input_lengths[row : row + 1], seeds=seeds[row : row + 1],
-                start_steps=start_steps[row : row + 1], stop_strings=[row_stop_strings[row] or None], **sampling,
+                start_steps=start_steps[row : row + 1], stop_strings=[row_stop_strings[row] or None],
+                pixel_values=None if pixel_values is None else [pixel_values[row]], **sampling,
             ))
         lengths = torch.cat([piece["generation_lengths"] for piece in pieces])
         width = max(int(lengths.max()), 1)

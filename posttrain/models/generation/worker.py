@@ -20,7 +20,7 @@ from posttrain.models.generation.engine import NativeGenerationEngine
 from posttrain.models.generation.low_precision import apply_generation_precision, requantize
 from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.generation.speculative import Drafter, make_drafter
-from posttrain.models.hf import load_causal_lm, load_tokenizer, pick_dtype
+from posttrain.models.hf import load_causal_lm, load_policy_lm, load_tokenizer, pick_dtype
 from posttrain.models.refit import RefitMetadata, check_metadata_matches, load_bucket, state_dict_checksum
 from posttrain.utils.phase_memory import MeasuresPhases, measured_phase
 
@@ -80,7 +80,7 @@ class GenerationWorker(MeasuresPhases, DistributedWorker):
         self.config = spec.config
         self.tokenizer = load_tokenizer(spec.tokenizer_name or spec.model_name, spec.tiny_arch)
         dtype = pick_dtype(spec.engine_precision, self.device)
-        self.model = load_causal_lm(spec.model_name, dtype=dtype, device=self.device, tiny_arch=spec.tiny_arch,
+        self.model = load_policy_lm(spec.model_name, dtype=dtype, device=self.device, tiny_arch=spec.tiny_arch,
                                     rope_scaling=spec.rope_scaling)
         # int8 / fp8: the linear layers compute with a quantized copy, rebuilt after every refit.
         apply_generation_precision(self.model, self.config.precision, self.device)
@@ -101,7 +101,8 @@ class GenerationWorker(MeasuresPhases, DistributedWorker):
     @measured_phase("generation")
     def generate(self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None) -> Batch:
         """Generate for `batch` (`input_ids`, `input_lengths`, optional `seeds [B]`, `start_steps [B]`
-        (`NativeGenerationEngine.generate`: continue a turn's generation) and per-row `stop_strings`), in pieces of `generation.batch_size` rows.
+        (`NativeGenerationEngine.generate`: continue a turn's generation), per-row `stop_strings` and, for a
+        vision-language model, `pixel_values` (a list, one entry per row)), in pieces of `generation.batch_size` rows.
 
         `params` overrides keys of the generation config for this call (e.g. the validation
         temperature); allowed keys: `SAMPLING_PARAMS`.
@@ -125,6 +126,7 @@ class GenerationWorker(MeasuresPhases, DistributedWorker):
                 stop_strings=merge_stop_strings(global_stops, piece.get("stop_strings")),
                 seeds=piece.get("seeds"),
                 start_steps=piece.get("start_steps"),
+                pixel_values=piece.get("pixel_values"),  # a vision-language model's images (models/vision_inputs.py)
                 **options,
             )
             outputs.append(Batch({key: value.cpu() for key, value in out.items()}))

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
@@ -55,6 +56,7 @@ from transformers import (
 
 from posttrain.distributed import collective
 from posttrain.models.saving import save_pretrained_here
+from posttrain.models.vision_inputs import is_vision_language_config, processor_for
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.utils.checkpoint import publish_dir
 
@@ -126,6 +128,7 @@ def save_sharded(
         torch.save(trainer_state, tmp / TRAINER_STATE_FILE)
         hf_config.save_pretrained(tmp / HF_DIR)
         tokenizer.save_pretrained(tmp / HF_DIR)
+        save_processor(tokenizer, hf_config, tmp / HF_DIR)
     collective.barrier()  # every rank's shards are on disk before the rename publishes them
     if rank == 0:
         publish_dir(tmp, final)
@@ -187,8 +190,11 @@ def save_hf(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    model_class = MODEL_CLASSES[model_type]
+    if model_type == "lm" and is_vision_language_config(hf_config):
+        model_class = AutoModelForImageTextToText
     with torch.device("meta"), MODEL_BUILD_LOCK:
-        model = MODEL_CLASSES[model_type].from_config(hf_config)
+        model = model_class.from_config(hf_config)
     missing, unexpected = model.load_state_dict(dict(state_dict), strict=False, assign=True)
     tied = set(getattr(model, "_tied_weights_keys", None) or ())
     missing = [k for k in missing if k not in tied]
@@ -202,7 +208,15 @@ def save_hf(
     save_pretrained_here(model, out, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
+        save_processor(tokenizer, hf_config, out)
     return out
+
+
+def save_processor(tokenizer: Any, hf_config: Any, out: str | os.PathLike) -> None:
+    """A vision-language model's processor (image processor, image-token expansion) beside its
+    tokenizer, so that the directory loads as the model did (`hf.load_processor`); nothing for a text model."""
+    if is_vision_language_config(hf_config):
+        processor_for(tokenizer).save_pretrained(out)
 
 
 def converted_checkpoint(checkpoint_dir: str | os.PathLike) -> Path:

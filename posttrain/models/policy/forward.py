@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from posttrain.data import packing
 from posttrain.distributed.batch import Batch
+from posttrain.models.vision_inputs import image_inputs, image_token_id, mask_image_positions, suppress_image_token
 from posttrain.models.policy.linear_logprobs import (
     attention_implementation,
     final_hidden_states,
@@ -124,8 +125,14 @@ def packed_forward(model: torch.nn.Module, mb: MicroBatch, device: torch.device)
     the model's attention kernel (`policy.attn_implementation`): flash-attention varlen, a
     flex-attention block mask, or SDPA's boolean mask. No dense `T x T` float mask is built here.
     (transformers looks for the boundaries only without a KV cache, hence `use_cache=False`.)"""
-    return model(input_ids=mb.packed["input_ids"].to(device), position_ids=mb.packed["position_ids"].to(device),
-                  use_cache=False).logits
+    return _text_logits(model(input_ids=mb.packed["input_ids"].to(device), position_ids=mb.packed["position_ids"].to(device),
+                              use_cache=False, **image_inputs(mb.rows, device)).logits, model)
+
+
+def _text_logits(logits: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    """A vision-language model's logits without its image token (`vision_inputs.suppress_image_token`)."""
+    image_id = image_token_id(model)
+    return logits if image_id is None else suppress_image_token(logits, image_id)
 
 
 def microbatch_logprobs(
@@ -158,10 +165,11 @@ def microbatch_logprobs(
             packed_logprobs = packing.zero_sequence_starts(
                 next_token_logprobs(logits, packed_ids, temperature), mb.packed["cu_seqlens"]
             )
-            return packing.unpack(packed_logprobs, mb.packed["cu_seqlens"], mb.packed["lengths"], seq_len)
+            return mask_image_positions(
+                packing.unpack(packed_logprobs, mb.packed["cu_seqlens"], mb.packed["lengths"], seq_len), input_ids, model)
         mask = (torch.arange(seq_len, device=device)[None, :] < lengths[:, None]).long()
-        logits = model(input_ids=input_ids, attention_mask=mask).logits
-    return next_token_logprobs(logits, input_ids, temperature) * mask
+        logits = _text_logits(model(input_ids=input_ids, attention_mask=mask, **image_inputs(mb.rows, device)).logits, model)
+    return mask_image_positions(next_token_logprobs(logits, input_ids, temperature) * mask, input_ids, model)
 
 
 def logprob_positions(rows: Batch, loss_positions_only: bool) -> torch.Tensor:
@@ -201,7 +209,7 @@ def _fused_microbatch_logprobs(
         # logits_to_keep=1: transformers runs its head on one position per row; we do the rest.
         if mb.packed is not None:
             model(input_ids=mb.packed["input_ids"].to(device), position_ids=mb.packed["position_ids"].to(device),
-                  use_cache=False, logits_to_keep=1)
+                  use_cache=False, logits_to_keep=1, **image_inputs(mb.rows, device))
             hidden_index = mb.packed["cu_seqlens"].to(device).long()[row] + pos - 1
         else:
             # Right-padded rows need no attention mask with a causal model: no valid token sees the
@@ -212,12 +220,12 @@ def _fused_microbatch_logprobs(
             mask = (torch.arange(seq_len, device=device)[None, :] < lengths[:, None]).long()
             if attention_implementation(model) in ("sdpa", "eager"):
                 mask = None
-            model(input_ids=input_ids, attention_mask=mask, logits_to_keep=1)
+            model(input_ids=input_ids, attention_mask=mask, logits_to_keep=1, **image_inputs(mb.rows, device))
             hidden_index = row * seq_len + pos - 1
         hidden = captured[-1]
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, hidden_index)
         values = linear_logprobs(hidden, output_weight(model), input_ids[row, pos], temperature)
-    return values.new_zeros(n_rows, seq_len).index_put((row, pos), values)
+    return mask_image_positions(values.new_zeros(n_rows, seq_len).index_put((row, pos), values), input_ids, model)
 
 
 def microbatch_logits(
@@ -236,7 +244,8 @@ def microbatch_logits(
             logits = packed_forward(model, mb, device)
         else:
             attention = (torch.arange(seq_len, device=device)[None, :] < lengths[:, None]).long()
-            logits = model(input_ids=input_ids, attention_mask=attention).logits
+            logits = _text_logits(model(input_ids=input_ids, attention_mask=attention,
+                                        **image_inputs(mb.rows, device)).logits, model)
     logits = F.pad(logits[:, :-1].float(), (0, 0, 1, 0))  # shift right: position i predicts token i
     if temperature != 1.0:
         logits = logits / temperature

@@ -48,7 +48,7 @@ MIN_VOCAB_BLOCK = 512  # narrower blocks make thin matmuls; beyond this many tok
 # Cohere logit_scale, Granite logits_scaling, ...) keep the plain logits path.
 PLAIN_HEAD_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "olmo2", "phi3", "gemma"}
-)
+)  # not llava: its logprobs leave the image token out of the distribution (vision_inputs.suppress_image_token)
 # Config attributes that change logits after the head; any of them set disables the fused path.
 LOGIT_TRANSFORM_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 

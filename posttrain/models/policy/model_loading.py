@@ -15,7 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig
 
 from posttrain.config.schema import PolicyConfig
-from posttrain.models.hf import apply_rope_scaling, load_causal_lm, parse_tiny_name
+from posttrain.models.hf import apply_rope_scaling, load_policy_lm, parse_tiny_name
 from posttrain.models.parallel_sizes import num_routed_experts
 from posttrain.models.policy import context_parallel, expert_parallel, parallel, pipeline, sharded_load
 from posttrain.models.policy.checkpoint import MODEL_CLASSES
@@ -51,7 +51,7 @@ class ModelLoading:
             if (self.loads_sharded and self.rank != 0) or self.stage_weights is not None:
                 return sharded_load.empty_causal_lm(model_path, self.cfg.tiny_arch, self.cfg.attn_implementation,
                                                     rope_scaling=rope_scaling)
-            return load_causal_lm(model_path, dtype=torch.float32, device="cpu", tiny_arch=self.cfg.tiny_arch,
+            return load_policy_lm(model_path, dtype=torch.float32, device="cpu", tiny_arch=self.cfg.tiny_arch,
                                   attn_implementation=self.cfg.attn_implementation, rope_scaling=rope_scaling)
         config = apply_rope_scaling(AutoConfig.from_pretrained(model_path, num_labels=1), rope_scaling)
         if config.pad_token_id is None:  # needed to find each row's last token

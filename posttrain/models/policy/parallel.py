@@ -234,6 +234,9 @@ def shard_model(
         raise ValueError(
             f"cannot find decoder layers to shard in {type(model).__name__}: _no_split_modules={sorted(layer_classes)}"
         )
+    # A vision-language model's projector (LLaVA's multi_modal_projector) is a unit of its own, as the
+    # vision tower's layers are (they are in `_no_split_modules`): gathered only while the images go through it.
+    layers += [m for name, m in model.named_modules() if name.rpartition(".")[2] == "multi_modal_projector"]
     expert_params: list[torch.nn.Parameter] = []
     kwargs: dict[str, Any] = {"mesh": dp_mesh}
     if ep_mesh is not None:

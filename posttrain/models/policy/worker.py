@@ -61,6 +61,8 @@ from posttrain.models.policy.linear_logprobs import use_fused_logprobs
 from posttrain.models.policy.model_loading import ModelLoading, is_mixture_of_experts
 from posttrain.models.policy.offload import OffloadsDuringGeneration
 from posttrain.models.policy.weight_export import WeightExport
+from posttrain.models import vision_inputs
+from posttrain.models.vision_inputs import check_vision_policy, is_vision_language_model
 from posttrain.utils import memory
 from posttrain.utils.lr_schedule import build_lr_scheduler
 from posttrain.utils.metrics import NEUTRAL, accumulate, average_over_steps, reduction, valid_counts
@@ -144,14 +146,22 @@ class PolicyWorker(pipeline.PipelineParallel, ModelLoading, Checkpointing, Weigh
         # Only rank 0 reads the weights and the others receive their FSDP / TP shards (sharded_load.py).
         # Not for mixtures of experts: their FSDP all-gathers disagreed in size between the rank that
         # loaded and the meta-built one (a gloo size mismatch killed the pair; tests/functional/test_moe_training.py).
+        # A vision-language model (models/vision_inputs.py): every rank reads it (sharded_load builds text models).
+        self.is_vision = model_type == "lm" and is_vision_language_model(self.cfg.model_name, self.cfg.tiny_arch)
+        if self.is_vision:
+            check_vision_policy(self.cfg)
         self.loads_sharded = (model_type == "lm" and self.world_size > 1 and self.cp_size == 1 and self.pp_size == 1
-                              and not self.cfg.lora.enabled and not is_mixture_of_experts(self.cfg))
+                              and not self.is_vision and not self.cfg.lora.enabled and not is_mixture_of_experts(self.cfg))
 
         model_path = resolve_model_path(self.cfg.model_name, self.cfg.tiny_arch)
         self.tokenizer = load_tokenizer(self.cfg.tokenizer_name or model_path, self.cfg.tiny_arch)
         memory.reset_peak_rss()  # the load's own high-water mark (`load_host_memory`)
         rss_before_load = memory.rss_bytes()
         self.model = self._load_model(model_path)
+        if self.is_vision and self.cfg.freeze_vision_tower:
+            frozen = vision_inputs.freeze_vision_tower(self.model)
+            if self.rank == 0:
+                print(f"[posttrain] policy.freeze_vision_tower: {frozen} vision-tower parameters fixed", flush=True)
         self.lora_scaling: Optional[float] = None
         if self.cfg.lora.enabled:
             if model_type != "lm":
@@ -272,12 +282,17 @@ class PolicyWorker(pipeline.PipelineParallel, ModelLoading, Checkpointing, Weigh
                     self.model, mb.rows, self.device, self.cp_group, self.cp_size, temperature,
                     fused=self.fused_logprobs, wanted=wanted.to(self.device),
                     sequence_parallel_size=self.tp_size if self.cfg.sequence_parallel else 1, packed=mb.packed)
-        if input_type == "logits":  # full next-token logits [n, L, V] (distillation)
-            return microbatch_logits(self.model, mb, self.device, self.compute_dtype, temperature)
-        routed = mb.rows.get(router_replay.ROUTED_EXPERTS) if self.cfg.moe_router_replay and mb.packed is None else None
-        with router_replay.replaying(self.model, None if routed is None else routed.flatten(0, 1)):
-            return microbatch_logprobs(self.model, mb, self.device, self.compute_dtype, temperature,
-                                      fused=self.fused_logprobs, loss_positions_only=for_loss)
+        with vision_inputs.keep_vision_tower_in_step(self.model, self.device, self.is_vision and self.is_fsdp
+                                                     and vision_inputs.rows_pixel_values(mb.rows) is None) as keepalive:
+            if input_type == "logits":  # full next-token logits [n, L, V] (distillation)
+                outputs = microbatch_logits(self.model, mb, self.device, self.compute_dtype, temperature)
+            else:
+                routed = (mb.rows.get(router_replay.ROUTED_EXPERTS) if self.cfg.moe_router_replay and mb.packed is None
+                          else None)
+                with router_replay.replaying(self.model, None if routed is None else routed.flatten(0, 1)):
+                    outputs = microbatch_logprobs(self.model, mb, self.device, self.compute_dtype, temperature,
+                                                  fused=self.fused_logprobs, loss_positions_only=for_loss)
+        return outputs + keepalive[0] if keepalive else outputs
 
     # ------------------------------------------------------------------------------ logprobs
     @measured_phase("logprobs")
