@@ -37,7 +37,7 @@ from typing import Any, Callable, Literal, Optional, Sequence
 
 from posttrain.config.schema import DataConfig
 from posttrain.data.arithmetic import generate_arithmetic
-from posttrain.data.images import has_images, image_row, prompt_text
+from posttrain.data.images import MAX_PIXELS, has_images, image_row, image_rows, prompt_text
 from posttrain.data.prompt_template import format_prompt
 from posttrain.errors import DataError
 
@@ -81,6 +81,14 @@ def read_jsonl_numbered(path: str | os.PathLike, required_keys: Sequence[str] = 
             records.append((lineno, record))
     return records
 
+
+
+def load_image_jsonl(path: str | os.PathLike, max_pixels: int = MAX_PIXELS) -> list[dict]:
+    """The rows of a JSONL file of image rows, each by `image_row`; relative image paths start at
+    the file's directory, errors name `file:line`."""
+    numbered = read_jsonl_numbered(path)
+    return image_rows([row for _, row in numbered], [f"{path}:{line}" for line, _ in numbered],
+                      base_dir=Path(path).resolve().parent, max_pixels=max_pixels)
 
 def _load_hf(spec: str, split: Split) -> tuple[list[dict], str]:
     """Rows of a Hugging Face data set (`name[:config][@split]` or a local file/dir) as dicts."""

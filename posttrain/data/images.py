@@ -241,12 +241,3 @@ def image_rows(rows: Iterable[dict], locations: Optional[Sequence[str]] = None,
         out.append(image_row(row, locations[i] if locations else f"row {i}", base_dir, max_pixels))
     return out
 
-
-def load_image_jsonl(path: str | os.PathLike, max_pixels: int = MAX_PIXELS) -> list[dict]:
-    """The rows of a JSONL file of image rows, each by `image_row`; relative image paths start at
-    the file's directory, errors name `file:line`."""
-    from posttrain.data.datasets import read_jsonl_numbered
-
-    numbered = read_jsonl_numbered(path)
-    return image_rows([row for _, row in numbered], [f"{path}:{line}" for line, _ in numbered],
-                      base_dir=Path(path).resolve().parent, max_pixels=max_pixels)

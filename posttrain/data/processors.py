@@ -89,13 +89,13 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: b
 def _prompt_message(tokenizer: PreTrainedTokenizerBase, text: str, add_special: bool, record: dict, idx: int) -> dict:
     """The prompt message: its text and tokens, and for a row with images (`images`, decoded by
     `posttrain.data.images`) the `pixel_values` its expanded image tokens stand for (the model's
-    processor: `posttrain.models.vision_inputs.image_prompt`)."""
+    processor: `posttrain.data.image_prompts.image_prompt`)."""
     images = record.get("images")
     if not images:
         return {"role": "user", "content": text, "token_ids": _encode(tokenizer, text, add_special)}
     if "messages" not in record:
         raise DataError(f"sample idx {idx}: a row with images needs its prompt as chat messages with image parts")
-    from posttrain.models.vision_inputs import image_prompt
+    from posttrain.data.image_prompts import image_prompt
 
     token_ids, pixel_values = image_prompt(tokenizer, text, images)
     return {"role": "user", "content": text, "token_ids": token_ids, "pixel_values": pixel_values}
@@ -106,7 +106,7 @@ def _without_image_tokens(tokenizer: PreTrainedTokenizerBase, token_ids: torch.T
     masked out of the loss, and a model needs every image whose tokens it sees)."""
     if "pixel_values" not in message:
         return token_ids
-    from posttrain.models.vision_inputs import processor_for
+    from posttrain.data.image_prompts import processor_for
 
     return token_ids.masked_fill(token_ids == processor_for(tokenizer).image_token_id, tokenizer.pad_token_id)
 

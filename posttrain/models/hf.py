@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 from transformers import (
-    AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, PreTrainedModel,
+    AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
+from posttrain.data.image_prompts import processor_from
 from posttrain.errors import UserError
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.models.presets import PRETRAINED_PRESETS, VL_PRESETS
@@ -211,19 +212,7 @@ def load_processor(name_or_path: str | os.PathLike) -> Any:
     environment lacks (Qwen2-VL's needs torchvision) is a one-line UserError naming it."""
     path = resolve_model_path(name_or_path)
     _require_files(path, ("preprocessor_config.json", "processor_config.json"), "processor")
-    try:
-        processor = AutoProcessor.from_pretrained(path)
-    except ImportError as e:
-        needs = next((p for p in ("torchvision", "av", "decord", "librosa") if p in str(e).lower()), "a package")
-        raise UserError(f"the processor of {os.fspath(name_or_path)!r} needs {needs}, which is not installed "
-                        f"({type(e).__name__}: {str(e).strip().splitlines()[0]})") from None
-    tokenizer = getattr(processor, "tokenizer", None)
-    if tokenizer is None:
-        raise UserError(f"the processor of {os.fspath(name_or_path)!r} has no tokenizer")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "right"
-    return processor
+    return processor_from(path, name_or_path)
 
 
 _PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

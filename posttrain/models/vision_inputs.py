@@ -1,6 +1,7 @@
 """Images through training and generation: how a row's images travel and reach a vision-language model.
 
-A prompt with images is tokenised by the model's processor (`image_prompt`): each `<image>` the
+A prompt with images is tokenised by the model's processor (`image_prompt`, in the data layer:
+`data/image_prompts.py`): each `<image>` the
 chat template writes is expanded into the model's image-token count (64 for `tiny-vl`), and the
 images become `pixel_values [n_images, 3, H, W]` (float32). That tensor rides on the prompt
 message of the message log (`message["pixel_values"]`), so it follows the sample through the
@@ -23,15 +24,13 @@ tower's too, also in a micro-batch without images (a rank's stand-in, or a text-
 
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 import torch
 
+from posttrain.data.image_prompts import PIXEL_VALUES
 from posttrain.errors import UserError
-
-PIXEL_VALUES = "pixel_values"
 
 
 def is_vision_language_config(config: Any) -> bool:
@@ -112,27 +111,6 @@ def freeze_vision_tower(model: torch.nn.Module) -> int:
     for p in tower.parameters():
         p.requires_grad_(False)
     return sum(p.numel() for p in tower.parameters())
-
-
-# ------------------------------------------------------------------------------- prompts
-@functools.lru_cache(maxsize=4)
-def _processor(path: str) -> Any:
-    from posttrain.models.hf import load_processor
-
-    return load_processor(path)
-
-
-def processor_for(tokenizer: Any) -> Any:
-    """The processor of the model `tokenizer` was loaded from (its directory: `tokenizer.name_or_path`)."""
-    return _processor(str(tokenizer.name_or_path))
-
-
-def image_prompt(tokenizer: Any, text: str, images: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(token_ids [n], pixel_values [len(images), 3, H, W])` of a rendered prompt whose `<image>`
-    marks (one per image) the processor expands into the model's image tokens."""
-    processor = processor_for(tokenizer)
-    out = processor(text=[text], images=list(images), return_tensors="pt", add_special_tokens=False)
-    return out["input_ids"][0].long(), out[PIXEL_VALUES].float()
 
 
 @contextmanager

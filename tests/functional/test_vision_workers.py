@@ -15,7 +15,8 @@ from posttrain.distributed.batch import Batch
 from posttrain.distributed.cluster import VirtualCluster
 from posttrain.models import hf
 from posttrain.models.policy.policy import Policy
-from posttrain.models.vision_inputs import image_inputs, image_prompt
+from posttrain.data.image_prompts import image_prompt
+from posttrain.models.vision_inputs import image_inputs
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(900)]
 

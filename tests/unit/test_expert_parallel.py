@@ -109,3 +109,14 @@ def test_preflight_refuses_expert_parallelism_the_model_cannot_take():
         check_expert_parallel(policy("tiny", 2, 2))
     with pytest.raises(UserError, match="does not divide the model's 4 routed experts"):
         check_expert_parallel(policy("tiny-mixtral", 3, 3))
+
+
+def test_vllm_generation_for_a_mixture_of_experts_is_refused_in_one_line():
+    from posttrain.errors import UserError
+    from posttrain.preflight import check_vllm_mixture_of_experts
+
+    vllm = {"generation": {"backend": "vllm"}}
+    with pytest.raises(UserError, match=r"backend=vllm with a mixture-of-experts model \('tiny-qwen3_moe'\)"):
+        check_vllm_mixture_of_experts(PolicyConfig(model_name="tiny-qwen3_moe", **vllm))
+    check_vllm_mixture_of_experts(PolicyConfig(model_name="tiny", **vllm))  # dense: vLLM is fine
+    check_vllm_mixture_of_experts(PolicyConfig(model_name="tiny-qwen3_moe"))  # the native engine

@@ -12,7 +12,8 @@ import json
 import pytest
 from PIL import Image
 
-from posttrain.data.images import image_row, image_rows, load_image, load_image_jsonl
+from posttrain.data.datasets import load_image_jsonl
+from posttrain.data.images import image_row, image_rows, load_image
 from posttrain.errors import DataError
 
 EXPECTED = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}]

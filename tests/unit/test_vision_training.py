@@ -14,7 +14,7 @@ from posttrain.distributed.batch import Batch
 from posttrain.errors import DataError, UserError
 from posttrain.models import hf
 from posttrain.models.generation.engine import NativeGenerationEngine, distinct_prompts, image_groups
-from posttrain.models.vision_inputs import image_prompt
+from posttrain.data.image_prompts import image_prompt
 
 IMAGE_ID = 103  # tiny-vl's <image>
 

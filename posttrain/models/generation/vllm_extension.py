@@ -128,6 +128,12 @@ _FUSED = {
 }
 
 
+# transformers 5 keeps each MoE layer's routed experts as two 3-D tensors (`experts.gate_up_proj`
+# [E, 2I, H], `experts.down_proj` [E, H, I]); vLLM's fused-MoE loader takes them as they are into
+# its `w13_weight` / `w2_weight` (under `routed_experts.` in vLLM 0.32).
+_FUSED_EXPERTS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+
+
 def _loadable_names(model: torch.nn.Module) -> set[str]:
     return {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
 
@@ -144,6 +150,11 @@ def _vllm_param_name(hf_name: str, known: set[str]) -> Optional[str]:
     candidate = ".".join(fused)
     if candidate in known:
         return candidate
+    if len(parts) > 2 and parts[-2] == "experts" and parts[-1] in _FUSED_EXPERTS:
+        for inner in ("", "routed_experts."):
+            candidate = f"{'.'.join(parts[:-1])}.{inner}{_FUSED_EXPERTS[parts[-1]]}"
+            if candidate in known:
+                return candidate
     # Tied or absent heads (vLLM drops lm_head when embeddings are tied; load_weights skips it).
     if parts[0] == "lm_head" and not any(n.startswith("lm_head") for n in known):
         return hf_name

@@ -56,7 +56,8 @@ from transformers import (
 
 from posttrain.distributed import collective
 from posttrain.models.saving import save_pretrained_here
-from posttrain.models.vision_inputs import is_vision_language_config, processor_for
+from posttrain.data.image_prompts import processor_for
+from posttrain.models.vision_inputs import is_vision_language_config
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.utils.checkpoint import publish_dir
 

@@ -33,7 +33,7 @@ from each rank's own tokens' router logits, as without EP.
 Tolerance: float32 throughout; EP changes only the order in which each token's expert outputs are
 summed (per token, in expert order instead of transformers' expert-major loop), so losses and
 gradient norms agree with one worker to about 1e-6 relative and weights after two SGD steps to
-1e-6 absolute (tests/functional/test_expert_parallel.py allows 1e-5 relative, 1e-6 absolute, as
+1e-6 absolute (tests/functional/test_expert_parallel_workers.py allows 1e-5 relative, 1e-6 absolute, as
 the tensor-parallel tests do).
 
 Refused in one line (the config; preflight and the worker by `parallel_sizes.expert_parallel_problem`):
