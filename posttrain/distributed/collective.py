@@ -101,6 +101,29 @@ def all_gather_tensor(tensor: torch.Tensor, group: Optional[Any] = None) -> list
     return [t.to(tensor.device) for t in gathered]
 
 
+def broadcast(tensor: torch.Tensor, src: int, group: Optional[Any] = None) -> torch.Tensor:
+    """Overwrite `tensor` on every rank of the group with global rank `src`'s, in place, and return
+    it; a tensor on a device the group has no backend for travels to one and back."""
+    if world_size(group) == 1:
+        return tensor
+    device = collective_device(tensor.device, backend_devices(group))
+    moved = tensor if device == tensor.device else tensor.to(device)
+    dist.broadcast(moved, src=src, group=group)
+    if moved is not tensor:
+        tensor.copy_(moved)
+    return tensor
+
+
+def all_to_all_single(out: torch.Tensor, tensor: torch.Tensor, out_splits: Optional[list[int]] = None,
+                      in_splits: Optional[list[int]] = None, group: Optional[Any] = None) -> torch.Tensor:
+    """Rank i's `in_splits[j]` rows of `tensor` land in rank j's `out` (its `out_splits[i]` rows),
+    in rank order (torch's `all_to_all_single`; even splits when None); returns `out`. Not
+    differentiable (expert parallelism wraps it in an autograd function). Both tensors are on a
+    device the group has a backend for (gloo: CPU, nccl: CUDA)."""
+    dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
 def ring_shift(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """Send `tensor` to the next rank of `group` (group rank + 1, wrapping) and return the one the
     previous rank sent (same shape and dtype): one step of a ring (ring attention's K/V pass)."""

@@ -49,11 +49,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from posttrain.distributed import collective
 from posttrain.models.parallel_sizes import num_routed_experts
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # transformers 5's 3-D expert tensors
@@ -119,14 +119,14 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+        collective.all_to_all_single(out, rows, out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        collective.all_to_all_single(back, grad, in_splits, out_splits, group=ctx.group)
         return back, None, None, None
 
 
@@ -160,10 +160,10 @@ def ep_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k
 
     send = torch.bincount(expert // shard.local, minlength=shard.size)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=shard.group)
+    collective.all_to_all_single(recv, send, group=shard.group)
     send_splits, recv_splits = send.tolist(), recv.tolist()
     recv_expert = expert.new_empty(sum(recv_splits))
-    dist.all_to_all_single(recv_expert, expert.contiguous(), recv_splits, send_splits, group=shard.group)
+    collective.all_to_all_single(recv_expert, expert, recv_splits, send_splits, group=shard.group)
 
     received = _AllToAll.apply(hidden_states[token], recv_splits, send_splits, shard.group)
     outputs = _run_local_experts(self, received, recv_expert - shard.rank * shard.local)
@@ -182,5 +182,5 @@ def reduce_expert_gradients(params: list[torch.nn.Parameter], replica_group: Any
             continue
         grad = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad
         if replicas > 1:
-            dist.all_reduce(grad, group=replica_group)
+            collective.all_reduce(grad, "sum", group=replica_group)
         grad.div_(fsdp_size)

@@ -269,7 +269,7 @@ class PipelineParallel:
         def tensor_of(name: str) -> torch.Tensor:
             shape, dtype, owner = layout[name]
             tensor = local(name).contiguous() if owner == me else torch.empty(shape, dtype=dtype, device=self.device)
-            torch.distributed.broadcast(tensor, src=ranks[owner], group=self.pp_group)
+            collective.broadcast(tensor, src=ranks[owner], group=self.pp_group)
             return tensor
 
         return tensor_of
@@ -361,7 +361,7 @@ class PipelineParallel:
         values = torch.zeros(len(mbs) * rows, width, device=self.device)  # on the device: nccl broadcasts there
         if stacked is not None:
             values = stacked[: len(mbs) * rows].float().contiguous()
-        torch.distributed.broadcast(values, src=self._pipeline_last_rank(), group=self.pp_group)
+        collective.broadcast(values, src=self._pipeline_last_rank(), group=self.pp_group)
         values = values.cpu()
         for k, mb in enumerate(mbs):
             if mb.dummy:
