@@ -47,7 +47,8 @@ class ModelLoading:
         rope_scaling = self.cfg.rope_scaling
         if self.model_type == "lm":
             # Pipeline stages: every rank reads only its own stages' tensors (`_shard_model`).
-            self.stage_weights = sharded_load.safetensors_files(model_path) if self.pp_size > 1 else None
+            self.stage_weights = (sharded_load.safetensors_files(model_path) if self.cfg.pipeline_parallel_size > 1
+                                  else None)
             if (self.loads_sharded and self.rank != 0) or self.stage_weights is not None:
                 return sharded_load.empty_causal_lm(model_path, self.cfg.tiny_arch, self.cfg.attn_implementation,
                                                     rope_scaling=rope_scaling)
