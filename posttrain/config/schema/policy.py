@@ -606,23 +606,25 @@ class PolicyConfig(Section):
             )
         return self
 
+    def _require_workers_multiple_of(self, key: str) -> None:
+        """num_workers must be a multiple of `policy.<key>` times tensor_parallel_size (the mesh
+        dp x <key> x tp); one line naming both sizes otherwise."""
+        size, tp = getattr(self, key), self.tensor_parallel_size
+        if self.num_workers % (size * tp):
+            sizes = (f"policy.{key}={size}" if tp == 1 else
+                     f"policy.{key} * policy.tensor_parallel_size = {size} * {tp}")
+            raise ValueError(f"policy.num_workers={self.num_workers} must be a multiple of {sizes}")
+
     def _check_context_parallel(self) -> None:
         """One line per combination context parallelism refuses (context_parallel.py's module doc)."""
-        cp, tp = self.context_parallel_size, self.tensor_parallel_size
-        if self.num_workers % (cp * tp):
-            sizes = (f"policy.context_parallel_size={cp}" if tp == 1 else
-                     f"policy.context_parallel_size * policy.tensor_parallel_size = {cp} * {tp}")
-            raise ValueError(f"policy.num_workers={self.num_workers} must be a multiple of {sizes}")
+        self._require_workers_multiple_of("context_parallel_size")
         if self.lora.enabled:
             raise ValueError("policy.context_parallel_size > 1 with policy.lora.enabled is not supported")
 
     def _check_pipeline_parallel(self) -> None:
         """One line per combination pipeline parallelism refuses (pipeline.py's module doc)."""
-        pp, tp = self.pipeline_parallel_size, self.tensor_parallel_size
-        if self.num_workers % (pp * tp):
-            sizes = (f"policy.pipeline_parallel_size={pp}" if tp == 1 else
-                     f"policy.pipeline_parallel_size * policy.tensor_parallel_size = {pp} * {tp}")
-            raise ValueError(f"policy.num_workers={self.num_workers} must be a multiple of {sizes}")
+        pp = self.pipeline_parallel_size
+        self._require_workers_multiple_of("pipeline_parallel_size")
         virtual = self.pipeline_virtual_stages
         if self.pipeline_schedule == "interleaved_1f1b" and virtual == 1:
             raise ValueError("policy.pipeline_schedule=interleaved_1f1b needs policy.pipeline_virtual_stages >= 2 "
