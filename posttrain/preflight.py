@@ -117,9 +117,9 @@ def check_vision_language(cfg: Any) -> None:
         return
     check_vision_policy(policy)
     generation = getattr(policy, "generation", None)
-    if generation is not None and generation.backend != "native" and hasattr(cfg, "env"):
+    if generation is not None and generation.backend not in ("native", "vllm") and hasattr(cfg, "env"):
         raise UserError(f"policy.generation.backend={generation.backend!r} with a vision-language model: only the "
-                        "native engine takes images yet; set policy.generation.backend=native")
+                        "native engine and vLLM take images; set policy.generation.backend=native or vllm")
 
 
 def check_memory_plan(cfg: Any, records: Optional[list[dict]] = None) -> None:

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 
 from posttrain.data.chat import observation_ids
-from posttrain.data.message_log import append_message, flatten_message_logs
+from posttrain.data.message_log import append_message, flatten_message_logs, message_log_source_images
 from posttrain.data.sample import Sample, SampleStatus
 from posttrain.distributed.batch import Batch
 from posttrain.environments.interface import EnvironmentReturn
@@ -170,6 +170,7 @@ def _turn_batch(samples: list[Sample], running: list[int], tokenizer, seeds: Opt
     batch = Batch(input_ids=flat["input_ids"], input_lengths=flat["input_lengths"])
     if "pixel_values" in flat:  # a vision-language model's images (models/vision_inputs.py)
         batch["pixel_values"] = flat["pixel_values"]
+        batch["images"] = message_log_source_images([samples[i].message_log for i in running])
     batch["stop_strings"] = [samples[i].stop_strings for i in running]
     if seeds is not None:
         batch["seeds"] = seeds[running] + turn * TURN_SEED_STRIDE

@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from posttrain.algorithms.experience import PromptGroup, score_groups
-from posttrain.data.message_log import message_log_images
+from posttrain.data.message_log import message_log_images, message_log_source_images
 from posttrain.data.sample import Sample, SampleStatus
 from posttrain.distributed.batch import Batch
 from posttrain.rollouts import (TURN_SEED_STRIDE, RolloutTotals, add_counts, add_speculative_counts, append_turn,
@@ -117,6 +117,7 @@ def _chunk_batch(active: list[SequenceProgress], pad_token_id: int) -> Batch:
     images = message_log_images([p.sample.message_log for p in active])  # a vision-language model's prompts
     if images is not None:
         batch["pixel_values"] = images
+        batch["images"] = message_log_source_images([p.sample.message_log for p in active])  # for vLLM
     return batch
 
 

@@ -7,7 +7,8 @@ A conversation is a `list[dict]`; each message has
   token) and `weight_version` (int, the policy version that generated it),
 - optionally `loss: True` to train on a message that was not generated (SFT targets),
 - for a message with images (a vision-language model's prompt): `pixel_values` (FloatTensor
-  [n_images, 3, H, W], the processor's), whose image tokens `token_ids` holds expanded.
+  [n_images, 3, H, W], the processor's), whose image tokens `token_ids` holds expanded, and
+  `images` (the PIL images themselves, for an engine that runs the processor: vLLM).
 
 Generated text is never re-tokenised: `token_ids` is the source of truth and `content` is for
 people and environments.
@@ -147,6 +148,14 @@ def message_log_images(message_logs: Sequence[MessageLog]) -> list[torch.Tensor 
     vision-language model's (models/vision_inputs.py); None when no log has images."""
     images = [[m["pixel_values"] for m in log if m.get("pixel_values") is not None] for log in message_logs]
     return [torch.cat(row) if row else None for row in images] if any(images) else None
+
+
+def message_log_source_images(message_logs: Sequence[MessageLog]) -> list[list | None] | None:
+    """Each log's images as its rows gave them (PIL; the messages' `images`, in order; None for a
+    log without any), for a generation batch whose engine runs the processor itself (vLLM); None
+    when no log has images. Training batches leave them out: the trainer reads `pixel_values`."""
+    images = [[image for m in log for image in (m.get("images") or [])] for log in message_logs]
+    return [row or None for row in images] if any(images) else None
 
 
 def _routed_experts(message_logs: Sequence[MessageLog], width: int) -> torch.Tensor | None:

@@ -89,7 +89,8 @@ def _encode(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: b
 def _prompt_message(tokenizer: PreTrainedTokenizerBase, text: str, add_special: bool, record: dict, idx: int) -> dict:
     """The prompt message: its text and tokens, and for a row with images (`images`, decoded by
     `posttrain.data.images`) the `pixel_values` its expanded image tokens stand for (the model's
-    processor: `posttrain.data.image_prompts.image_prompt`)."""
+    processor: `posttrain.data.image_prompts.image_prompt`) and the images themselves (`images`,
+    for vLLM, which runs the processor itself)."""
     images = record.get("images")
     if not images:
         return {"role": "user", "content": text, "token_ids": _encode(tokenizer, text, add_special)}
@@ -98,7 +99,8 @@ def _prompt_message(tokenizer: PreTrainedTokenizerBase, text: str, add_special: 
     from posttrain.data.image_prompts import image_prompt
 
     token_ids, pixel_values = image_prompt(tokenizer, text, images)
-    return {"role": "user", "content": text, "token_ids": token_ids, "pixel_values": pixel_values}
+    return {"role": "user", "content": text, "token_ids": token_ids, "pixel_values": pixel_values,
+            "images": list(images)}
 
 
 def _without_image_tokens(tokenizer: PreTrainedTokenizerBase, token_ids: torch.Tensor, message: dict) -> torch.Tensor:

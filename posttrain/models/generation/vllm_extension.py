@@ -22,7 +22,9 @@ module level (the driver imports it to name it).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import re
+from collections import Counter
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -38,13 +40,25 @@ class VllmWeightLoader:
         """Keep the packed-buffer layout (once per run) and check that the model takes every name."""
         model = self.model_runner.model
         known = _loadable_names(model)
-        unknown = [name for name in metadata.names if _vllm_param_name(name, known) is None]
+        mapper = getattr(model, "hf_to_vllm_mapper", None)  # vLLM's checkpoint-prefix renames (LLaVA: model.x -> x)
+
+        def vllm_name(name: str) -> Optional[str]:
+            name = vllm_checkpoint_name(name, known)
+            return name if mapper is None else mapper.map_name(name)
+
+        # A name the mapper maps to None is one vLLM's loader skips on purpose.
+        params = {name: None if (mapped := vllm_name(name)) is None else _vllm_param_name(mapped, known)
+                  for name in metadata.names}
+        unknown = [name for name, param in params.items() if param is None and vllm_name(name) is not None]
         if unknown:
             raise ValueError(
                 f"refit metadata names tensors the vLLM model cannot load, e.g. {unknown[:5]} "
                 f"(its parameters look like {sorted(known)[:3]})"
             )
         self._posttrain_refit_metadata = metadata
+        # The vLLM module each tensor loads into (the parameter's parent; a skipped name: its own).
+        self._posttrain_module_of = {name: (param or name).rpartition(".")[0] or name for name, param in params.items()}
+        self._posttrain_whole_modules = None
         return True
 
     def _posttrain_metadata(self) -> RefitMetadata:
@@ -57,7 +71,7 @@ class VllmWeightLoader:
     def posttrain_load_bucket(self, buffer: Any, bucket: int) -> int:
         """Load one packed CPU bucket (a numpy uint8 array from `refit.pack_bucket`); returns the
         tensors loaded."""
-        return self._posttrain_load(unpack_bucket(buffer, self._posttrain_metadata(), bucket))
+        return self._posttrain_load_bucket(unpack_bucket(buffer, self._posttrain_metadata(), bucket), bucket)
 
     @torch.no_grad()
     def posttrain_load_ipc(self, handles_by_device: dict[str, list[Any]], bucket: int) -> int:
@@ -76,7 +90,7 @@ class VllmWeightLoader:
         args = list(args)
         args[6] = self.device.index  # the handle names the sender's device ordinal; use ours (same GPU)
         buffer = rebuild(*args)
-        loaded = self._posttrain_load(unpack_bucket(buffer, self._posttrain_metadata(), bucket))
+        loaded = self._posttrain_load_bucket(unpack_bucket(buffer, self._posttrain_metadata(), bucket), bucket)
         torch.cuda.synchronize()
         return loaded
 
@@ -102,22 +116,117 @@ class VllmWeightLoader:
         for bucket, size in enumerate(metadata.bucket_sizes):
             buffer = receive[:size]
             group.broadcast(buffer, src=0)
-            loaded += self._posttrain_load(unpack_bucket(buffer, metadata, bucket))
+            loaded += self._posttrain_load_bucket(unpack_bucket(buffer, metadata, bucket), bucket)
             torch.cuda.synchronize()  # loaded before the next bucket overwrites the buffer
         return loaded
+
+    def posttrain_suppress_token(self, token_id: int) -> bool:
+        """Leave `token_id` out of every distribution the model gives (its logit at -inf): sampled
+        tokens, their logprobs and prompt logprobs (the refit probe) alike. A vision-language
+        model's image token: the trainer's logprobs and the native engine leave it out the same way
+        (`models/vision_inputs.suppress_image_token`); a sampling parameter would not reach the
+        prompt logprobs."""
+        model = self.model_runner.model
+        compute_logits = model.compute_logits
+
+        def without_token(*args, **kwargs):
+            logits = compute_logits(*args, **kwargs)
+            if logits is not None:  # None: not the last pipeline stage
+                logits[..., token_id] = float("-inf")
+            return logits
+
+        model.compute_logits = without_token
+        return True
 
     def posttrain_weights_fingerprint(self) -> float:
         """Sum of every parameter's float64 sum: a cheap number that changes when the weights do
         (used to report an engine that did not take a refit)."""
         return float(sum(p.detach().double().sum().item() for p in self.model_runner.model.parameters()))
 
-    def _posttrain_load(self, views: dict[str, torch.Tensor]) -> int:
+    def _posttrain_load_bucket(self, views: dict[str, torch.Tensor], bucket: int) -> int:
+        """Load one refit bucket's tensors, each vLLM module's only once all of them are in
+        (`WholeModules`); returns the tensors received."""
+        if bucket == 0:
+            previous = self._posttrain_whole_modules
+            if previous is not None and previous.held:
+                raise RuntimeError(f"refit: the previous refit never sent the rest of {sorted(previous.held)[:3]}")
+            self._posttrain_whole_modules = WholeModules(self._posttrain_module_of)
+        elif self._posttrain_whole_modules is None:
+            raise RuntimeError(f"refit: bucket {bucket} arrived before bucket 0")
+        ready = self._posttrain_whole_modules.add(views)
+        if ready:
+            self._posttrain_load(iter(ready))
+        return len(views)
+
+    @torch.no_grad()
+    def posttrain_load_checkpoint(self, model_path: str) -> int:
+        """Load every tensor of a local safetensors checkpoint (one file or indexed shards) through
+        the refit's name mapping (`vllm_checkpoint_name`); for a checkpoint vLLM's own loader
+        cannot name (the engine then starts with `load_format="dummy"`). Returns the tensors loaded."""
+        from safetensors import safe_open
+
+        from posttrain.models.policy.sharded_load import safetensors_files
+
+        files = safetensors_files(model_path)
+        if not files:
+            raise FileNotFoundError(f"{model_path}: no model.safetensors or model.safetensors.index.json")
+
+        def tensors():
+            for file in sorted(set(files.values())):
+                with safe_open(file, framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+
+        return self._posttrain_load(tensors())
+
+    def _posttrain_load(self, views: dict[str, torch.Tensor] | Iterator[tuple[str, torch.Tensor]]) -> int:
         # vLLM's in-place reload: after start-up a backend may have processed its weights into a
         # kernel layout (the CPU backend repacks linear weights, dropping their `weight_loader`),
         # so a plain `model.load_weights` of checkpoint-format tensors no longer fits; the reload
         # restores the checkpoint layout layer by layer, loads, and processes again.
-        self.model_runner.reload_weights(weights_iterator=iter(views.items()), is_checkpoint_format=True)
-        return len(views)
+        known = _loadable_names(self.model_runner.model)
+        counted = [0]
+
+        def renamed():
+            for name, tensor in (views.items() if isinstance(views, dict) else views):
+                counted[0] += 1
+                yield vllm_checkpoint_name(name, known), tensor
+
+        self.model_runner.reload_weights(weights_iterator=renamed(), is_checkpoint_format=True)
+        return counted[0]
+
+
+class WholeModules:
+    """Hands a refit's tensors on to vLLM one whole module at a time.
+
+    vLLM's in-place reload processes a module (its fused `qkv_proj`, `gate_up_proj`, a fused-MoE
+    layer's experts) as soon as one call has loaded all of its weights, and at the end of the call
+    processes a module that got only some of them with the rest uninitialised. A refit streams
+    buckets, one reload call each, and a bucket may end inside a module: its tensors so far are
+    held (copied out of the bucket, which the next one may overwrite) until the bucket with the
+    module's last tensor arrives, and go to vLLM together with it.
+
+    Args:
+        module_of: every tensor name of the refit -> the vLLM module it loads into.
+    """
+
+    def __init__(self, module_of: dict[str, str]) -> None:
+        self.module_of = module_of
+        self.waiting = Counter(module_of.values())  # tensors each module still waits for
+        self.held: dict[str, list[tuple[str, torch.Tensor]]] = {}
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """The tensors to load now: those of every module this bucket completes, in arrival order."""
+        ready = []
+        for name, tensor in tensors.items():
+            module = self.module_of[name]
+            self.waiting[module] -= 1
+            if self.waiting[module] == 0:
+                ready.extend(self.held.pop(module, []))
+                ready.append((name, tensor))
+            else:
+                self.held.setdefault(module, []).append((name, tensor.clone()))
+        return ready
 
 
 # vLLM fuses these Hugging Face projections into one parameter per layer (every decoder-only
@@ -132,6 +241,37 @@ _FUSED = {
 # [E, 2I, H], `experts.down_proj` [E, H, I]); vLLM's fused-MoE loader takes them as they are into
 # its `w13_weight` / `w2_weight` (under `routed_experts.` in vLLM 0.32).
 _FUSED_EXPERTS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+
+
+# transformers 5.2x names a CLIP / SigLIP vision tower's modules without the `vision_model.` level
+# that every LLaVA-style checkpoint before it has, and that vLLM's towers keep (its checkpoint
+# mappers only move prefixes): `model.vision_tower.encoder...` in memory, `vision_tower.encoder...`
+# in the checkpoints it saves, against vLLM's `vision_tower.vision_model.encoder...`.
+_TOWER = "vision_tower."
+_TOWER_LEVEL = "vision_model."
+
+
+def vllm_checkpoint_name(hf_name: str, known: set[str]) -> str:
+    """The checkpoint-format name vLLM's `load_weights` takes for a tensor posttrain names
+    `hf_name` (a trainer's name or one in a checkpoint transformers saved): itself, except that a
+    vision tower's tensors get the `vision_model.` level back when the vLLM model (parameter names
+    `known`) has it and the name lacks it."""
+    head, tower, rest = hf_name.partition(_TOWER)
+    if not tower or (head and not head.endswith(".")) or rest.startswith(_TOWER_LEVEL):
+        return hf_name
+    if not any(name.startswith(_TOWER + _TOWER_LEVEL) or f".{_TOWER}{_TOWER_LEVEL}" in name for name in known):
+        return hf_name
+    return f"{head}{_TOWER}{_TOWER_LEVEL}{rest}"
+
+
+def checkpoint_needs_vllm_names(tensor_names: Iterator[str] | set[str]) -> bool:
+    """Whether a checkpoint names its vision tower without the `vision_model.` level (see
+    `vllm_checkpoint_name`), which vLLM's own loader cannot place."""
+    for name in tensor_names:
+        head, tower, rest = name.partition(_TOWER)
+        if tower and (not head or head.endswith(".")) and not rest.startswith(_TOWER_LEVEL):
+            return True
+    return False
 
 
 def _loadable_names(model: torch.nn.Module) -> set[str]:
@@ -158,6 +298,14 @@ def _vllm_param_name(hf_name: str, known: set[str]) -> Optional[str]:
     # Tied or absent heads (vLLM drops lm_head when embeddings are tied; load_weights skips it).
     if parts[0] == "lm_head" and not any(n.startswith("lm_head") for n in known):
         return hf_name
+    # vLLM builds a LLaVA-style vision tower only up to the layer whose features the projector
+    # reads: its final norm and any later layers are unused, and its loader skips them.
+    _, level, rest = hf_name.partition(_TOWER_LEVEL)
+    if level and _TOWER in hf_name:
+        layer = re.match(r"encoder\.layers\.(\d+)\.", rest)
+        if rest.startswith("post_layernorm.") or (
+                layer and not any(f"{_TOWER_LEVEL}encoder.layers.{layer.group(1)}." in name for name in known)):
+            return hf_name
     # Rotary caches and similar non-persistent buffers vLLM recomputes.
     if parts[-1] in ("inv_freq", "cos_cached", "sin_cached"):
         return hf_name

@@ -47,6 +47,32 @@ VLLM_ENV_VARS = {
 }
 
 
+def collapse_image_tokens(token_ids: Sequence[int], image_token_id: int, n_images: int) -> list[int]:
+    """`token_ids` with each image's run of image tokens (as the trainer's processor expanded it)
+    back to the one placeholder vLLM's processor expands from the image itself (LLaVA's
+    `<image>`, Qwen2-VL's `<|image_pad|>`). Adjacent images form one run: a run is then split into
+    images of equal token counts. ValueError when the runs do not divide into `n_images` images."""
+    runs: list[tuple[int, int]] = []  # (start, length)
+    for i, token in enumerate(token_ids):
+        if token == image_token_id:
+            if runs and runs[-1][0] + runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((i, 1))
+    total = sum(length for _, length in runs)
+    per_image = total // n_images if n_images else 0
+    if not n_images or not per_image or total % n_images or any(length % per_image for _, length in runs):
+        raise ValueError(f"a prompt with {n_images} image(s) holds image-token runs of lengths "
+                         f"{[length for _, length in runs]}: they do not split into {n_images} equal images")
+    out, pos = [], 0
+    for start, length in runs:
+        out.extend(token_ids[pos:start])
+        out.extend([image_token_id] * (length // per_image))
+        pos = start + length
+    out.extend(token_ids[pos:])
+    return out
+
+
 class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
     """One vLLM engine (a data-parallel generation replica).
 
@@ -106,6 +132,7 @@ class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
             # and vLLM quantizes them on load (its layerwise reload re-quantizes): per-tensor weight
             # scales, dynamic per-token activation scales; its 128x128 blocks are for fp8 checkpoints only.
             engine_args["quantization"] = "fp8"
+        self.image_token_id = self._vision_language_args(engine_args)
         if spec.rope_scaling:  # the RoPE scaling the trainer applies (`policy.rope_scaling`)
             engine_args["hf_overrides"] = rope_config_overrides(engine_args["model"], spec.rope_scaling)
         if on_gpu:  # GPU only: docs/scaling.md, "GPU-only paths"
@@ -124,9 +151,40 @@ class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
         from vllm import LLM
 
         self.llm = LLM(**engine_args)
+        if engine_args.get("load_format") == "dummy":  # a checkpoint vLLM cannot name itself: see _vision_language_args
+            self.llm.collective_rpc("posttrain_load_checkpoint", args=(engine_args["model"],))
+        if self.image_token_id is not None:  # never sampled, out of every distribution, as the trainer's
+            self.llm.collective_rpc("posttrain_suppress_token", args=(self.image_token_id,))
         self.refit_metadata: Optional[RefitMetadata] = None
         self.weights_version = 0  # the checkpoint loaded from model_name
         self._asleep: list[str] = []  # what sleep released and is not awake again: "weights", "kv_cache"
+
+    def _vision_language_args(self, engine_args: dict[str, Any]) -> Optional[int]:
+        """For a vision-language model, the engine arguments it needs, and its image token's id
+        (None: a text model, no change).
+
+        - The image processor's PIL backend, as the trainer's environment has (no torchvision
+          there): the same pixels from the same images, not torchvision's slightly different resize.
+        - A checkpoint that names its vision tower as transformers 5.2x saves it (no `vision_model.`
+          level, which vLLM's tower has) starts from random weights (`load_format="dummy"`) and is
+          then loaded through the refit's name mapping (`vllm_extension.vllm_checkpoint_name`).
+        """
+        from posttrain.models.generation.vllm_extension import checkpoint_needs_vllm_names
+        from posttrain.models.paths import model_config_dict
+        from posttrain.models.policy.sharded_load import safetensors_files
+        from posttrain.models.vision_inputs import is_vision_language_config
+
+        config = model_config_dict(engine_args["model"]) or {}
+        if not is_vision_language_config(config):
+            return None
+        engine_args["mm_processor_kwargs"] = {"backend": "pil"}
+        files = safetensors_files(engine_args["model"])
+        if files and checkpoint_needs_vllm_names(files):
+            engine_args["load_format"] = "dummy"
+        token_id = config.get("image_token_id", config.get("image_token_index"))
+        if token_id is None:
+            raise ValueError(f"{engine_args['model']}: a vision-language config without image_token_id")
+        return int(token_id)
 
     def special_token_ids(self) -> dict[str, Optional[int]]:
         return {"pad_token_id": self.tokenizer.pad_token_id, "eos_token_id": self.tokenizer.eos_token_id}
@@ -165,6 +223,10 @@ class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
         if options["max_new_tokens"] < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {options['max_new_tokens']}")
 
+        images = batch.get("images")  # a vision-language model's rows: the images themselves (data/message_log.py)
+        if self.image_token_id is not None and images is None and bool((input_ids == self.image_token_id).any()):
+            raise ValueError("generate: the prompts hold image tokens but no images came with them (a batch "
+                             "builder must copy the message logs' `images`: data/message_log.py)")
         prompts, sampling = [], []
         for i in range(size):
             length = int(input_lengths[i])
@@ -174,7 +236,14 @@ class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
                     f"generate: a prompt of {length} tokens leaves no room in vLLM's max_model_len={self.max_model_len} "
                     "(policy.generation.vllm_cfg.max_model_len)"
                 )
-            prompts.append({"prompt_token_ids": input_ids[i, :length].tolist()})
+            prompt_ids = input_ids[i, :length].tolist()
+            if images is not None and images[i]:
+                # vLLM's processor expands each image's placeholder itself, from the images.
+                prompt = {"prompt_token_ids": collapse_image_tokens(prompt_ids, self.image_token_id, len(images[i])),
+                          "multi_modal_data": {"image": list(images[i])}}
+            else:
+                prompt = {"prompt_token_ids": prompt_ids}
+            prompts.append(prompt)
             sampling.append(SamplingParams(
                 n=1,
                 max_tokens=min(int(options["max_new_tokens"]), room),
