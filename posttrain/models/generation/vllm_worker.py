@@ -73,6 +73,10 @@ def collapse_image_tokens(token_ids: Sequence[int], image_token_id: int, n_image
     return out
 
 
+# Tokens a CPU engine step may process (prompts are never split across steps there, see __init__).
+CPU_BATCHED_TOKENS = 8192
+
+
 class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
     """One vLLM engine (a data-parallel generation replica).
 
@@ -148,6 +152,11 @@ class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
                 engine_args["distributed_executor_backend"] = "ray"
         else:
             engine_args["kv_cache_memory_bytes"] = vcfg.cpu_kv_cache_gb * 2**30
+            # vLLM 0.32 rewinds a seeded request's generator when it prefilled only part of a
+            # prompt (a step's token budget ended inside it), and a CPU generator cannot rewind
+            # ("CPU Generator does not use offset"): every prompt is prefilled whole instead.
+            engine_args.update(enable_chunked_prefill=False,
+                               max_num_batched_tokens=max(self.max_model_len, CPU_BATCHED_TOKENS))
         from vllm import LLM
 
         self.llm = LLM(**engine_args)
