@@ -13,7 +13,10 @@ Three ways the bytes arrive (after NeMo-RL's vLLM refit):
   filled;
 - a collective broadcast (split placement on GPU): policy rank 0 broadcasts the packed buckets
   over a process group it shares with every vLLM worker.
-Every way carries one bucket at a time (`refit.pack_bucket`), loaded before the next arrives.
+Every way carries one bucket at a time (`refit.pack_bucket`), loaded before the next arrives,
+except the tensors of a layer that goes on in the next bucket: vLLM's reload takes a layer in one
+call, so they are copied and loaded with the rest of their layer (`vllm_reload.py`, which also
+repacks CPU fused experts on every reload).
 The two GPU ways have not run yet (docs/scaling.md, "GPU-only paths").
 
 This module is imported by vLLM inside the isolated environment; it must not import vllm at
@@ -26,6 +29,7 @@ from typing import Any, Optional
 
 import torch
 
+from posttrain.models.generation.vllm_reload import HeldBack, repack_experts_on_reload
 from posttrain.models.refit import RefitMetadata, unpack_bucket
 
 EXTENSION_QUALNAME = "posttrain.models.generation.vllm_extension.VllmWeightLoader"
@@ -45,6 +49,8 @@ class VllmWeightLoader:
                 f"(its parameters look like {sorted(known)[:3]})"
             )
         self._posttrain_refit_metadata = metadata
+        self._posttrain_held = HeldBack(metadata)  # a vLLM layer split between buckets loads in one piece
+        repack_experts_on_reload(model)  # CPU fused experts: repack on every reload (vllm_reload.py)
         return True
 
     def _posttrain_metadata(self) -> RefitMetadata:
@@ -57,7 +63,7 @@ class VllmWeightLoader:
     def posttrain_load_bucket(self, buffer: Any, bucket: int) -> int:
         """Load one packed CPU bucket (a numpy uint8 array from `refit.pack_bucket`); returns the
         tensors loaded."""
-        return self._posttrain_load(unpack_bucket(buffer, self._posttrain_metadata(), bucket))
+        return self._posttrain_load_bucket(unpack_bucket(buffer, self._posttrain_metadata(), bucket), bucket)
 
     @torch.no_grad()
     def posttrain_load_ipc(self, handles_by_device: dict[str, list[Any]], bucket: int) -> int:
@@ -76,7 +82,7 @@ class VllmWeightLoader:
         args = list(args)
         args[6] = self.device.index  # the handle names the sender's device ordinal; use ours (same GPU)
         buffer = rebuild(*args)
-        loaded = self._posttrain_load(unpack_bucket(buffer, self._posttrain_metadata(), bucket))
+        loaded = self._posttrain_load_bucket(unpack_bucket(buffer, self._posttrain_metadata(), bucket), bucket)
         torch.cuda.synchronize()
         return loaded
 
@@ -102,7 +108,7 @@ class VllmWeightLoader:
         for bucket, size in enumerate(metadata.bucket_sizes):
             buffer = receive[:size]
             group.broadcast(buffer, src=0)
-            loaded += self._posttrain_load(unpack_bucket(buffer, metadata, bucket))
+            loaded += self._posttrain_load_bucket(unpack_bucket(buffer, metadata, bucket), bucket)
             torch.cuda.synchronize()  # loaded before the next bucket overwrites the buffer
         return loaded
 
@@ -110,6 +116,14 @@ class VllmWeightLoader:
         """Sum of every parameter's float64 sum: a cheap number that changes when the weights do
         (used to report an engine that did not take a refit)."""
         return float(sum(p.detach().double().sum().item() for p in self.model_runner.model.parameters()))
+
+    def _posttrain_load_bucket(self, views: dict[str, torch.Tensor], bucket: int) -> int:
+        """Load bucket `bucket`'s tensors, those of a block that goes on in a later bucket held back
+        until it arrives (`vllm_reload.HeldBack`); returns the number of tensors received."""
+        ready = self._posttrain_held.ready(views, bucket)
+        if ready:
+            self._posttrain_load(ready)
+        return len(views)
 
     def _posttrain_load(self, views: dict[str, torch.Tensor]) -> int:
         # vLLM's in-place reload: after start-up a backend may have processed its weights into a
