@@ -146,23 +146,26 @@ def test_vllm_generation_contract(split_generation, tokenizer):
     assert one["output_ids"].tolist() == greedy["output_ids"][3:4, : one["output_ids"].shape[1]].tolist()
 
 
-def _refit_cfg(*extra: str):
+def _refit_cfg(*extra: str, model: str = "tiny"):
     from posttrain.config.loader import load_config
 
     return load_config("grpo", overrides=[
-        "sft_warmup=null", "policy.model_name=tiny", "policy.precision=float32", "policy.train_global_batch_size=8",
+        "sft_warmup=null", f"policy.model_name={model}", "policy.precision=float32", "policy.train_global_batch_size=8",
         "policy.train_micro_batch_size=4", "policy.optimizer.lr=1e-2", "policy.generation.max_new_tokens=8",
         "policy.generation.temperature=0.7", "policy.generation.backend=vllm", "policy.max_total_sequence_length=64",
         *extra,
     ])
 
 
-@pytest.mark.parametrize("colocated, tp", [(True, 1), (False, 1), (False, 2)], ids=["colocated", "split", "split_tp2"])
-def test_vllm_refit_from_policy(ray_cluster, vllm_python, colocated, tp):
+@pytest.mark.parametrize("colocated, tp, model", [(True, 1, "tiny"), (False, 1, "tiny"), (False, 2, "tiny"),
+                                                 (False, 1, "tiny-qwen3_moe")],
+                         ids=["colocated", "split", "split_tp2", "split_moe"])
+def test_vllm_refit_from_policy(ray_cluster, vllm_python, colocated, tp, model):
     """Refit from real policy workers into a running vLLM engine, verified by the logprob probe;
     afterwards vLLM's processed logprobs match the trainer's (token_mult_prob_error ~ 1). With
     `tp=2` the policy is one tensor-parallel group of 2 workers: the engine (vLLM tensor parallel
-    size 1) must get full tensors gathered from the TP shards."""
+    size 1) must get full tensors gathered from the TP shards. The mixture of experts sends
+    transformers 5's fused expert tensors in buckets that split its layers (`vllm_reload.py`)."""
     from posttrain.job import make_cluster, make_generation
     from posttrain.algorithms.loss import NLLLoss
     from posttrain.models.generation.interface import RefitVerificationError
@@ -170,7 +173,7 @@ def test_vllm_refit_from_policy(ray_cluster, vllm_python, colocated, tp):
     from posttrain.models.refit import build_refit_metadata, refit_policy_generation
 
     cfg = _refit_cfg(f"policy.generation.colocated.enabled={str(colocated).lower()}", f"policy.num_workers={tp}",
-                     f"policy.tensor_parallel_size={tp}")
+                     f"policy.tensor_parallel_size={tp}", model=model)
     policy_cluster = make_cluster(cfg, tp, colocated_groups=2 if colocated else 1, name=f"vllm-policy-{colocated}-{tp}")
     gen_cluster = policy_cluster if colocated else make_cluster(cfg, 1, name="vllm-generation-split")
     policy = generation = None
@@ -179,8 +182,15 @@ def test_vllm_refit_from_policy(ray_cluster, vllm_python, colocated, tp):
         generation = make_generation(cfg, gen_cluster)
         assert type(generation).__name__ == "VllmGeneration"
         assert generation.weight_dtypes() == torch.float32
-        metadata = build_refit_metadata(policy.refit_info(), 1 << 20, dtypes=generation.weight_dtypes())
+        moe = model != "tiny"
+        metadata = build_refit_metadata(policy.refit_info(), 1 << (19 if moe else 20), dtypes=generation.weight_dtypes())
         assert len(metadata.bucket_sizes) > 1  # several buffers
+        if moe:  # an expert layer's tensors in two buckets: vLLM must still get the layer in one piece
+            layers: dict[str, set[int]] = {}
+            for slot in metadata.slots:
+                if ".experts." in slot.name:
+                    layers.setdefault(slot.name.split(".experts.")[0], set()).add(slot.bucket)
+            assert any(len(buckets) > 1 for buckets in layers.values()), layers
         generation.prepare_refit_info(metadata)
         generation.verify_refit(policy, 0)  # both start from model_name
 
@@ -195,6 +205,13 @@ def test_vllm_refit_from_policy(ray_cluster, vllm_python, colocated, tp):
 
         refit_policy_generation(policy, generation, metadata, version=1, verify=True)
         assert generation.weights_version == 1 and generation.get_weights_versions() == [1]
+        # The probe's logprobs as the policy computes them (verify_refit allows 1e-3 on average).
+        probe = generation.probe_token_ids()
+        expected = policy.get_logprobs(Batch(input_ids=torch.tensor([probe]), input_lengths=torch.tensor([len(probe)])),
+                                       temperature=1.0)["logprobs"][0, 1:]
+        got = generation.worker_group.run_all("prompt_logprobs", probe)[0][1:]
+        probe_error = (got - expected.float()).abs().max().item()
+        assert probe_error < 1e-5, probe_error
 
         prompts = Batch(input_ids=ids[:, :5], input_lengths=torch.full((8,), 5), seeds=torch.arange(8))
         out = generation.generate(prompts)
@@ -202,7 +219,8 @@ def test_vllm_refit_from_policy(ray_cluster, vllm_python, colocated, tp):
         train_lp = policy.get_logprobs(full, temperature=0.7)["logprobs"]
         mask = generated_mask(out, prompts["input_lengths"])
         error = torch.exp((out["logprobs"] - train_lp).abs())[mask].mean().item()
-        print(f"\n[vllm refit {'colocated' if colocated else 'split'}, policy tp={tp}] token_mult_prob_error {error:.7f}")
+        print(f"\n[vllm refit {'colocated' if colocated else 'split'}, policy tp={tp}, {model}] probe max |difference| "
+              f"{probe_error:.2g}, token_mult_prob_error {error:.7f}")
         assert 1.0 <= error < 1.001
     finally:
         for part in (generation, policy):

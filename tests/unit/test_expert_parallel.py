@@ -111,12 +111,15 @@ def test_preflight_refuses_expert_parallelism_the_model_cannot_take():
         check_expert_parallel(policy("tiny-mixtral", 3, 3))
 
 
-def test_vllm_generation_for_a_mixture_of_experts_is_refused_in_one_line():
+def test_vllm_generation_for_an_unverified_mixture_of_experts_is_refused_in_one_line():
     from posttrain.errors import UserError
     from posttrain.preflight import check_vllm_mixture_of_experts
 
     vllm = {"generation": {"backend": "vllm"}}
-    with pytest.raises(UserError, match=r"backend=vllm with a mixture-of-experts model \('tiny-qwen3_moe'\)"):
-        check_vllm_mixture_of_experts(PolicyConfig(model_name="tiny-qwen3_moe", **vllm))
+    for name, model_type in (("tiny-mixtral", "mixtral"), ("tiny-deepseek_v3", "deepseek_v3")):
+        with pytest.raises(UserError, match=rf"backend=vllm with the mixture-of-experts model '{name}' "
+                                            rf"\(model_type '{model_type}'\) is not supported yet"):
+            check_vllm_mixture_of_experts(PolicyConfig(model_name=name, **vllm))
+    check_vllm_mixture_of_experts(PolicyConfig(model_name="tiny-qwen3_moe", **vllm))  # refit verified
     check_vllm_mixture_of_experts(PolicyConfig(model_name="tiny", **vllm))  # dense: vLLM is fine
-    check_vllm_mixture_of_experts(PolicyConfig(model_name="tiny-qwen3_moe"))  # the native engine
+    check_vllm_mixture_of_experts(PolicyConfig(model_name="tiny-mixtral"))  # the native engine

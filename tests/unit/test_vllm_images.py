@@ -113,18 +113,3 @@ def test_torchvision_hook_declares_the_two_ops_only_when_torchvision_is_imported
                         "torchvision::qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
     assert lines[3] == "again: []"
 
-
-def test_refit_tensors_reach_vllm_one_whole_module_at_a_time():
-    """A bucket that ends inside a fused module (q and k in one bucket, v in the next) holds the
-    module's tensors back, copied, until its last one arrives."""
-    from posttrain.models.generation.vllm_extension import WholeModules
-
-    module_of = {"q": "layer0.qkv", "k": "layer0.qkv", "v": "layer0.qkv", "o": "layer0.o", "norm": "layer1.norm"}
-    whole = WholeModules(module_of)
-    first = {"q": torch.ones(2), "k": torch.full((2,), 2.0), "o": torch.zeros(1)}
-    ready = whole.add(first)
-    assert [name for name, _ in ready] == ["o"] and sorted(whole.held) == ["layer0.qkv"]
-    first["q"].fill_(-1)  # the bucket's buffer is reused by the next bucket
-    ready = whole.add({"v": torch.full((2,), 3.0), "norm": torch.ones(3)})
-    assert [name for name, _ in ready] == ["q", "k", "v", "norm"] and not whole.held
-    assert ready[0][1].tolist() == [1.0, 1.0]

@@ -13,7 +13,10 @@ Three ways the bytes arrive (after NeMo-RL's vLLM refit):
   filled;
 - a collective broadcast (split placement on GPU): policy rank 0 broadcasts the packed buckets
   over a process group it shares with every vLLM worker.
-Every way carries one bucket at a time (`refit.pack_bucket`), loaded before the next arrives.
+Every way carries one bucket at a time (`refit.pack_bucket`), loaded before the next arrives,
+except the tensors of a layer that goes on in the next bucket: vLLM's reload takes a layer in one
+call, so they are copied and loaded with the rest of their layer (`vllm_reload.py`, which also
+repacks CPU fused experts on every reload).
 The two GPU ways have not run yet (docs/scaling.md, "GPU-only paths").
 
 This module is imported by vLLM inside the isolated environment; it must not import vllm at
@@ -23,11 +26,11 @@ module level (the driver imports it to name it).
 from __future__ import annotations
 
 import re
-from collections import Counter
 from typing import Any, Iterator, Optional
 
 import torch
 
+from posttrain.models.generation.vllm_reload import HeldBack, repack_experts_on_reload
 from posttrain.models.refit import RefitMetadata, unpack_bucket
 
 EXTENSION_QUALNAME = "posttrain.models.generation.vllm_extension.VllmWeightLoader"
@@ -47,18 +50,16 @@ class VllmWeightLoader:
             return name if mapper is None else mapper.map_name(name)
 
         # A name the mapper maps to None is one vLLM's loader skips on purpose.
-        params = {name: None if (mapped := vllm_name(name)) is None else _vllm_param_name(mapped, known)
-                  for name in metadata.names}
-        unknown = [name for name, param in params.items() if param is None and vllm_name(name) is not None]
+        unknown = [name for name in metadata.names
+                   if (mapped := vllm_name(name)) is not None and _vllm_param_name(mapped, known) is None]
         if unknown:
             raise ValueError(
                 f"refit metadata names tensors the vLLM model cannot load, e.g. {unknown[:5]} "
                 f"(its parameters look like {sorted(known)[:3]})"
             )
         self._posttrain_refit_metadata = metadata
-        # The vLLM module each tensor loads into (the parameter's parent; a skipped name: its own).
-        self._posttrain_module_of = {name: (param or name).rpartition(".")[0] or name for name, param in params.items()}
-        self._posttrain_whole_modules = None
+        self._posttrain_held = HeldBack(metadata)  # a vLLM layer split between buckets loads in one piece
+        repack_experts_on_reload(model)  # CPU fused experts: repack on every reload (vllm_reload.py)
         return True
 
     def _posttrain_metadata(self) -> RefitMetadata:
@@ -144,18 +145,11 @@ class VllmWeightLoader:
         return float(sum(p.detach().double().sum().item() for p in self.model_runner.model.parameters()))
 
     def _posttrain_load_bucket(self, views: dict[str, torch.Tensor], bucket: int) -> int:
-        """Load one refit bucket's tensors, each vLLM module's only once all of them are in
-        (`WholeModules`); returns the tensors received."""
-        if bucket == 0:
-            previous = self._posttrain_whole_modules
-            if previous is not None and previous.held:
-                raise RuntimeError(f"refit: the previous refit never sent the rest of {sorted(previous.held)[:3]}")
-            self._posttrain_whole_modules = WholeModules(self._posttrain_module_of)
-        elif self._posttrain_whole_modules is None:
-            raise RuntimeError(f"refit: bucket {bucket} arrived before bucket 0")
-        ready = self._posttrain_whole_modules.add(views)
+        """Load bucket `bucket`'s tensors, those of a block that goes on in a later bucket held back
+        until it arrives (`vllm_reload.HeldBack`); returns the number of tensors received."""
+        ready = self._posttrain_held.ready(views, bucket)
         if ready:
-            self._posttrain_load(iter(ready))
+            self._posttrain_load(ready)
         return len(views)
 
     @torch.no_grad()
@@ -194,39 +188,6 @@ class VllmWeightLoader:
 
         self.model_runner.reload_weights(weights_iterator=renamed(), is_checkpoint_format=True)
         return counted[0]
-
-
-class WholeModules:
-    """Hands a refit's tensors on to vLLM one whole module at a time.
-
-    vLLM's in-place reload processes a module (its fused `qkv_proj`, `gate_up_proj`, a fused-MoE
-    layer's experts) as soon as one call has loaded all of its weights, and at the end of the call
-    processes a module that got only some of them with the rest uninitialised. A refit streams
-    buckets, one reload call each, and a bucket may end inside a module: its tensors so far are
-    held (copied out of the bucket, which the next one may overwrite) until the bucket with the
-    module's last tensor arrives, and go to vLLM together with it.
-
-    Args:
-        module_of: every tensor name of the refit -> the vLLM module it loads into.
-    """
-
-    def __init__(self, module_of: dict[str, str]) -> None:
-        self.module_of = module_of
-        self.waiting = Counter(module_of.values())  # tensors each module still waits for
-        self.held: dict[str, list[tuple[str, torch.Tensor]]] = {}
-
-    def add(self, tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        """The tensors to load now: those of every module this bucket completes, in arrival order."""
-        ready = []
-        for name, tensor in tensors.items():
-            module = self.module_of[name]
-            self.waiting[module] -= 1
-            if self.waiting[module] == 0:
-                ready.extend(self.held.pop(module, []))
-                ready.append((name, tensor))
-            else:
-                self.held.setdefault(module, []).append((name, tensor.clone()))
-        return ready
 
 
 # vLLM fuses these Hugging Face projections into one parameter per layer (every decoder-only
