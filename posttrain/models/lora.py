@@ -4,6 +4,17 @@ peft wraps the target linear layers; only the adapters train, the base weights s
 Everything that leaves the trainer (refit to the generation engine, weight checksums, Hugging
 Face exports, `posttrain convert`) sees *merged* weights under the base model's own names,
 `W + alpha / r * B @ A`, so the generation engine and any HF reader need no LoRA support.
+
+Which modules get adapters (`target_module_names`): an entry of `policy.lora.target_modules`
+matches a module whose full name is the entry or ends with `.<entry>` (peft's rule for a list).
+In a vision-language model the vision tower and the projector (`vision_inputs.vision_parts`) are
+left out unless an entry names them by path: `q_proj` matches the language model's attention
+only, not CLIP's `q_proj` of the same name, while `multi_modal_projector.linear_1` or
+`vision_tower.encoder.layers.0.mlp.fc1` reach those modules. LoRA then adapts the language model,
+as LLaVA-1.5's LoRA fine-tuning does (its `find_all_linear_names` leaves the vision tower and the
+projector out); whether the vision side's own weights train in full beside the adapters is
+`policy.freeze_vision_tower`'s choice (`vision_inputs.set_vision_training`). peft gets the
+resolved full names.
 """
 
 from __future__ import annotations
@@ -14,13 +25,15 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from posttrain.config.schema import LoraConfig
+from posttrain.models.vision_inputs import vision_parts
 
 PEFT_PREFIX = "base_model.model."  # what peft puts before the wrapped model's parameter names
 ADAPTER = "default"  # peft's name for the single adapter
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> torch.nn.Module:
-    """Wrap `model` with LoRA adapters on `cfg.target_modules` (peft `get_peft_model`).
+    """Wrap `model` with LoRA adapters on the modules `cfg.target_modules` resolves to
+    (`target_module_names`; peft `get_peft_model`), every other weight fixed.
 
     The adapters' random initialisation (A; B starts at zero, so the model is unchanged) is
     seeded, so every data-parallel rank and every run starts from the same adapters.
@@ -28,31 +41,55 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig, seed: int = 0) -> torch.
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    _refuse_tied_targets(model, cfg.target_modules)
-    peft_cfg = PeftLoraConfig(
-        r=cfg.dim, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules), bias="none"
-    )
+    targets = target_module_names(model, cfg.target_modules)
+    peft_cfg = PeftLoraConfig(r=cfg.dim, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                              bias="none")
     # peft 0.21 still asks transformers for the deprecated `is_gradient_checkpointing`.
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
             return get_peft_model(model, peft_cfg)
-        except ValueError as e:  # e.g. no module matches target_modules
+        except ValueError as e:  # e.g. a target that is not a layer type peft adapts
             raise ValueError(f"policy.lora.target_modules={list(cfg.target_modules)}: {e}") from None
 
 
-def _refuse_tied_targets(model: torch.nn.Module, targets: Iterable[str]) -> None:
+def target_module_names(model: torch.nn.Module, targets: Iterable[str]) -> list[str]:
+    """Full names of the modules of `model` (not yet wrapped) that `targets` give adapters (module
+    doc): a module matches an entry equal to its name or to a dotted suffix of it; one inside a
+    vision-language model's vision tower or projector only an entry that names that part.
+
+    Raises ValueError naming `policy.lora.target_modules` when nothing matches, or when an entry
+    hits one of two tied embeddings (they are one tensor: its adapter could not be merged)."""
+    targets = list(targets)
+    parts = list(vision_parts(model))
+    found = []
+    for name, _ in model.named_modules():
+        hits = [t for t in targets if name == t or name.endswith(f".{t}")]
+        part = next((p for p in parts if name.startswith(f"{p}.")), None)
+        if part is not None:  # e.g. "q_proj" stays out of CLIP; "vision_tower.<...>.q_proj" reaches it
+            hits = [t for t in hits if part.rpartition(".")[2] in t.split(".")]
+        if hits:
+            found.append(name)
+    if not found:
+        named = " or ".join(p.rpartition(".")[2] for p in parts)
+        where = (f"; in a vision-language model they match outside its vision tower and projector only, unless "
+                 f"an entry names {named} (e.g. multi_modal_projector.linear_1)" if parts else "")
+        raise ValueError(f"policy.lora.target_modules={targets} match no module of {type(model).__name__}{where}")
+    _refuse_tied_targets(model, targets, found)
+    return found
+
+
+def _refuse_tied_targets(model: torch.nn.Module, targets: list[str], found: list[str]) -> None:
     """An adapter on one of two tied embeddings cannot be merged: they are one tensor."""
     if not getattr(model.config, "tie_word_embeddings", False):
         return
-    tied = {module: name for name, module in model.named_modules()}
+    names = {module: name for name, module in model.named_modules()}
     for module in (model.get_input_embeddings(), model.get_output_embeddings()):
-        name = tied.get(module, "")
-        hit = [t for t in targets if name == t or name.endswith(f".{t}")]
-        if hit:
+        name = names.get(module, "")
+        if name in found:
             raise ValueError(
-                f"policy.lora.target_modules={list(targets)}: {name!r} is tied to the other embedding in this "
+                f"policy.lora.target_modules={targets}: {name!r} is tied to the other embedding in this "
                 "model (tie_word_embeddings), so its adapter could not be merged into the shared tensor; "
                 "leave it out of target_modules"
             )

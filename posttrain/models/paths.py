@@ -43,11 +43,13 @@ def model_split_sizes(name: str) -> Optional[dict[str, Optional[int]]]:
     """The sizes tensor parallelism divides (`parallel_sizes.TP_SPLIT_KEYS`) of `name`, from its
     preset or its `config.json` (see `model_vocab_size`); None when they cannot be known yet."""
     from posttrain.models.parallel_sizes import TP_SPLIT_KEYS
-    from posttrain.models.presets import PRESETS
+    from posttrain.models.presets import PRESETS, VL_PRESETS
 
     tiny = parse_tiny_name(name)
     if tiny is not None:
         config: Optional[dict] = PRESETS[tiny[0]]
+    elif name in VL_PRESETS:  # TP splits a vision-language model's language model only
+        config = VL_PRESETS[name]["text"]
     else:
         config = model_config_dict(name)
         if config is not None:

@@ -19,7 +19,14 @@ trainer's logprobs normalise without it.
 
 Under FSDP every rank must run every sharded unit (their all-gathers are collectives), the vision
 tower's too, also in a micro-batch without images (a rank's stand-in, or a text-only row):
-`vision_keepalive` runs the vision tower on one blank image and adds 0 times its output.
+`vision_keepalive` runs the vision tower on one blank image and adds 0 times its output to the
+language model's input embeddings.
+
+LoRA (`models/lora.py`) wraps the model in peft's `PeftModel`; the functions here reach the
+vision tower through it (`hf_model`). With LoRA the language model trains through its adapters
+and the vision tower and projector train or stay fixed by `policy.freeze_vision_tower`
+(`set_vision_training`). Tensor parallelism splits the language model only
+(`models/policy/parallel.py`); the vision tower and projector are replicated on the TP ranks.
 """
 
 from __future__ import annotations
@@ -83,10 +90,17 @@ def suppress_image_token(logits: torch.Tensor, token_id: int) -> torch.Tensor:
     return logits.index_fill(-1, torch.tensor([token_id], device=logits.device), float("-inf"))
 
 
+def hf_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside peft's LoRA wrapper (`model` itself otherwise): text or vision-language."""
+    get_base_model = getattr(model, "get_base_model", None)  # PeftModel's; transformers' models have none
+    return get_base_model() if callable(get_base_model) else model
+
+
 def vision_keepalive(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
     """0, computed through the vision tower and projector on one blank image: added to a forward
     without images under FSDP, so that this rank gathers (and reduces the gradients of) the same
     sharded units as a rank whose micro-batch has images."""
+    model = hf_model(model)
     config = model.config.vision_config
     blank = torch.zeros(1, 3, config.image_size, config.image_size, device=device)
     features = model.model.get_image_features(pixel_values=blank, return_dict=True).pooler_output
@@ -94,53 +108,76 @@ def vision_keepalive(model: torch.nn.Module, device: torch.device) -> torch.Tens
     return features.sum() * 0.0
 
 
-def vision_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The vision tower and the projector of a LLaVA-style model (what `policy.freeze_vision_tower` freezes)."""
-    inner = getattr(model, "model", model)
-    found = [getattr(inner, name) for name in ("vision_tower", "visual", "multi_modal_projector")
-             if isinstance(getattr(inner, name, None), torch.nn.Module)]
-    if not found:
+# Where LLaVA-style models keep the vision side, below the top-level model (`model.<name>`):
+# the vision tower (Qwen2-VL's `visual`, its merger included) and the projector into the language model.
+VISION_TOWERS = ("vision_tower", "visual")
+PROJECTORS = ("multi_modal_projector",)
+
+
+def vision_parts(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Full module name -> module of the vision tower and the projector of a LLaVA-style model
+    (peft's wrapper too, under its own names), tower first; empty for a text model."""
+    parts = {name: module for name, module in model.named_modules()
+             if name.rpartition(".")[2] in VISION_TOWERS + PROJECTORS}
+    # The outermost of each (a tower's own submodules may reuse a name, e.g. CLIPVisionModel.vision_model).
+    return dict(sorted(((name, module) for name, module in parts.items()
+                        if not any(name.startswith(other + ".") for other in parts)),
+                       key=lambda item: item[0].rpartition(".")[2] not in VISION_TOWERS))
+
+
+def set_vision_training(model: torch.nn.Module, train_tower: bool) -> int:
+    """The vision side's own weights train (`requires_grad`): the projector's always (LLaVA's
+    second stage trains it), the tower's when `train_tower` (False: `policy.freeze_vision_tower`).
+    LoRA adapters on them (named in target_modules) are left as peft set them: after `apply_lora`,
+    which fixes every weight but the adapters, this makes the vision side train as it would
+    without LoRA. Returns the number of parameters fixed (the tower's)."""
+    parts = vision_parts(model)
+    if not parts:
         raise ValueError(f"policy.freeze_vision_tower: {type(model).__name__} has no vision_tower / visual module")
-    return found
-
-
-def freeze_vision_tower(model: torch.nn.Module) -> int:
-    """Stop training the vision tower (the projector stays trainable, as LLaVA's second stage);
-    returns the number of parameters frozen."""
-    tower = vision_modules(model)[0]
-    for p in tower.parameters():
-        p.requires_grad_(False)
-    return sum(p.numel() for p in tower.parameters())
+    frozen = 0
+    for name, part in parts.items():
+        train = train_tower or name.rpartition(".")[2] not in VISION_TOWERS
+        for param_name, p in part.named_parameters():
+            if not param_name.startswith("lora_") and ".lora_" not in param_name:
+                p.requires_grad_(train)
+                frozen += 0 if train else p.numel()
+    return frozen
 
 
 @contextmanager
-def keep_vision_tower_in_step(model: torch.nn.Module, device: torch.device, enabled: bool) -> Iterator[list[torch.Tensor]]:
+def keep_vision_tower_in_step(model: torch.nn.Module, device: torch.device, enabled: bool) -> Iterator[None]:
     """Within the block, with `enabled` (an FSDP rank's forward without images), the model's forward
-    also runs `vision_keepalive`, where its images would go through the tower: just before the
-    language model, so the sharded units are gathered in the order a forward with images gathers
-    them. The yielded list holds the 0 to add to the forward's output (empty when not `enabled`)."""
-    kept: list[torch.Tensor] = []
+    also runs `vision_keepalive` where its images would go through the tower, just before the
+    language model, and adds its 0 to the language model's input embeddings, where image features
+    would enter: the sharded units are gathered in the order a forward with images gathers them,
+    and the backward reaches the projector from the same place. The place matters with LoRA: the
+    embeddings are fixed there, so without images nothing upstream of the first decoder layer
+    would need a gradient, and FSDP would reduce that layer's gradient at the end of the backward
+    instead of after its own backward, out of step with a rank that has images (a measured hang)."""
     if not enabled:
-        yield kept
+        yield
         return
-    handle = model.model.language_model.register_forward_pre_hook(
-        lambda module, args: kept.append(vision_keepalive(model, device)) and None)
+
+    def add_keepalive(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, {**kwargs, "inputs_embeds": kwargs["inputs_embeds"] + vision_keepalive(model, device)}
+
+    handle = hf_model(model).model.language_model.register_forward_pre_hook(add_keepalive, with_kwargs=True)
     try:
-        yield kept
+        yield
     finally:
         handle.remove()
 
 
 def check_vision_policy(policy: Any) -> None:
-    """One line for each policy option a vision-language model does not train with yet (`policy` a PolicyConfig)."""
+    """One line for each policy option a vision-language model does not train with yet (`policy` a PolicyConfig).
+    Tensor parallelism (the language model split, the vision side replicated) and LoRA (on the
+    language model) are supported; the other splits are not."""
     refused = {
-        "policy.tensor_parallel_size > 1": policy.tensor_parallel_size > 1,
         "policy.context_parallel_size > 1": policy.context_parallel_size > 1,
-        "policy.lora.enabled": policy.lora.enabled,
         "policy.pipeline_parallel_size > 1": getattr(policy, "pipeline_parallel_size", 1) > 1,
         "policy.expert_parallel_size > 1": getattr(policy, "expert_parallel_size", 1) > 1,
     }
     for option, on in refused.items():
         if on:
             raise UserError(f"{option} is not supported for a vision-language model ({policy.model_name!r}) yet; "
-                            "train it data-parallel (FSDP2 over policy.num_workers) with the full weights")
+                            "train it data-parallel (FSDP2 over policy.num_workers), tensor-parallel or with LoRA")

@@ -24,7 +24,7 @@ class ModelShape:
     num_experts: int = 0  # 0: dense
     experts_per_token: int = 0
     largest_tensor: int = 0  # elements of the largest parameter (one refit bucket must hold it)
-    lora_params: int = 0  # adapter parameters with the configured policy.lora (0 without LoRA)
+    lora_params: int = 0  # what trains with the configured policy.lora: adapters (+ a VLM's projector); 0 without
     embedding_params: int = 0  # input embeddings and LM head (once if tied): whole on every TP rank
     kv_cache_width: int = 0  # KV-cache elements per token and layer; 0: keys and values, 2 x kv_heads x head_dim
     expert_params: int = 0  # routed experts' elements (all MoE layers): what expert parallelism splits
@@ -97,10 +97,17 @@ def model_shape(policy: Any) -> ModelShape:
         model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_config(hf_config)
     params = list(model.parameters())
     lora = 0
-    if policy.lora.enabled:
-        targets = set(policy.lora.target_modules)
-        lora = sum(policy.lora.dim * (m.in_features + m.out_features) for name, m in model.named_modules()
-                   if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets)
+    if policy.lora.enabled:  # the adapters, on the modules LoRA resolves the targets to (models/lora.py)
+        from posttrain.models.lora import target_module_names
+        from posttrain.models.vision_inputs import VISION_TOWERS, vision_parts
+
+        modules = dict(model.named_modules())
+        lora = sum(policy.lora.dim * (modules[name].in_features + modules[name].out_features)
+                   for name in target_module_names(model, policy.lora.target_modules)
+                   if isinstance(modules[name], torch.nn.Linear))
+        # A vision-language model's projector (its tower too, unless frozen) trains in full beside them.
+        lora += sum(p.numel() for name, part in vision_parts(model).items() for p in part.parameters()
+                    if not (policy.vision_tower_frozen and name.rpartition(".")[2] in VISION_TOWERS))
     heads = {id(m.weight): m.weight.numel() for m in (model.get_input_embeddings(), model.get_output_embeddings())
              if m is not None}  # one entry when tied
     # Routed experts: transformers 5's 3-D expert tensors (models/policy/expert_parallel.py).

@@ -85,6 +85,25 @@ def test_plan_from_the_models_tp_plan_keeps_experts_replicated(arch):
         assert type(plan["model.layers.*.self_attn.q_norm"]) is SequenceParallel
 
 
+def test_a_vision_language_models_plan_splits_its_language_model_only():
+    """tiny-vl: the text preset's plan under `model.language_model`; the CLIP tower (whose attention
+    has q/k/v_proj of the same names) and the projector stay out of it (replicated); preflight checks
+    the language model's sizes."""
+    from posttrain.models.vision import make_tiny_vlm
+
+    model, _ = make_tiny_vlm()
+    text_plan = parallel.tp_plan(make_tiny_model("tiny", "llama")[0])
+    plan = parallel.tp_plan(model)
+    assert {k: type(v) for k, v in plan.items()} == {
+        k.replace("model.", "model.language_model.", 1): type(v) for k, v in text_plan.items()}
+    assert parallel.tensor_parallel_size_problem(model.config, 2) is None
+    vl = dict(model_name="tiny-vl", train_global_batch_size=8)
+    check_tensor_parallel(PolicyConfig(num_workers=2, tensor_parallel_size=2, **vl), "policy.model_name")
+    with pytest.raises(UserError, match=r"tensor_parallel_size=4 does not divide the model's num_key_value_heads=2 "
+                                        r"\(policy.model_name='tiny-vl'\)"):
+        check_tensor_parallel(PolicyConfig(num_workers=4, tensor_parallel_size=4, **vl), "policy.model_name")
+
+
 def test_model_without_a_plan_falls_back_to_posttrains_or_is_refused(monkeypatch):
     model, _ = make_tiny_model("tiny", "llama")
     monkeypatch.setattr(type(model.config), "base_model_tp_plan", None)  # a config class with no plan of its own

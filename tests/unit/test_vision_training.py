@@ -135,29 +135,64 @@ def test_worker_logprobs_equal_the_engines_on_the_same_images(worker, tokenizer,
     assert (policy.get_logprobs(swapped)["logprobs"] - logprobs).abs().max() > 1e-3
 
 
-def test_freeze_vision_tower_trains_the_projector_and_the_language_model_only(worker, prompts):
+def train_once(policy, prompts: Batch) -> set[str]:
+    """One NLL step on the prompts' text tokens; the names of the parameters it changed."""
     from posttrain.algorithms.loss import NLLLoss
 
-    policy = worker(freeze_vision_tower=True)
     before = {name: p.detach().clone() for name, p in policy.model.named_parameters()}
     batch = Batch({**prompts, "sample_mask": torch.ones(3)})
     batch["token_mask"] = (batch["input_ids"] != IMAGE_ID).float() * (
         torch.arange(batch["input_ids"].shape[1])[None] < batch["input_lengths"][:, None])
     policy.train(batch, NLLLoss())
-    changed = {name for name, p in policy.model.named_parameters() if not torch.equal(p, before[name])}
+    return {name for name, p in policy.model.named_parameters() if not torch.equal(p, before[name])}
+
+
+def test_freeze_vision_tower_trains_the_projector_and_the_language_model_only(worker, prompts):
+    changed = train_once(worker(freeze_vision_tower=True), prompts)
     assert changed and not any(".vision_tower." in name for name in changed)
     assert any(".multi_modal_projector." in name for name in changed)
     assert any(".language_model." in name for name in changed)
 
 
-@pytest.mark.parametrize("option, value", [("tensor_parallel_size", 2), ("lora", {"enabled": True})])
-def test_options_a_vision_language_model_does_not_train_with_are_one_line(option, value):
+def test_lora_trains_adapters_on_the_language_model_and_exports_the_merged_llava(worker, prompts):
+    """LoRA on tiny-vl (models/lora.py): by default the language model's adapters and the projector
+    train, the vision tower and the base weights stay (LLaVA-1.5's LoRA recipe); what leaves the
+    trainer (export, refit) is the plain LLaVA's names with the adapters merged, and gives the
+    trained model's logits. freeze_vision_tower=false trains the tower in full beside the adapters."""
+    from posttrain.models.vision_inputs import image_inputs
+
+    policy = worker(lora={"enabled": True, "dim": 4, "alpha": 8})
+    changed = train_once(policy, prompts)
+    assert all(".lora_" in name or ".multi_modal_projector." in name for name in changed)
+    adapted = {name.split(".layers.")[0] for name in changed if ".lora_B." in name}
+    assert adapted == {"base_model.model.model.language_model"}
+    assert any(".multi_modal_projector." in name for name in changed)
+    export = policy.state_dict_for_export()
+    plain = hf.load_policy_lm("tiny-vl")
+    assert list(export) == list(plain.state_dict()) == [name for name, _, _ in policy.refit_info()]
+    q = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(export[q], plain.state_dict()[q])  # the adapter, merged
+    assert torch.equal(policy._exported_tensor_getter()(q), export[q])  # refit's streamed tensors: the same
+    plain.load_state_dict(export)
+    valid = (torch.arange(prompts["input_ids"].shape[1])[None] < prompts["input_lengths"][:, None]).long()
+    inputs = dict(input_ids=prompts["input_ids"], attention_mask=valid, **image_inputs(prompts, torch.device("cpu")))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(**inputs).logits, policy.model(**inputs).logits, atol=1e-5, rtol=0)
+
+    changed = train_once(worker(lora={"enabled": True}, freeze_vision_tower=False), prompts)
+    assert any(".vision_tower." in name and ".lora_" not in name for name in changed)
+
+
+def test_options_a_vision_language_model_does_not_train_with_are_one_line():
     from posttrain.config.schema import PolicyConfig
     from posttrain.models.vision_inputs import check_vision_policy
 
-    cfg = PolicyConfig(model_name="tiny-vl", num_workers=2, train_global_batch_size=2, **{option: value})
-    with pytest.raises(UserError, match=r"is not supported for a vision-language model \('tiny-vl'\) yet"):
+    cfg = PolicyConfig(model_name="tiny-vl", num_workers=2, train_global_batch_size=2, context_parallel_size=2)
+    with pytest.raises(UserError, match=r"context_parallel_size > 1 is not supported for a vision-language model "
+                                        r"\('tiny-vl'\) yet"):
         check_vision_policy(cfg)
+    for allowed in (dict(tensor_parallel_size=2), dict(lora={"enabled": True})):  # the language model split / adapted
+        check_vision_policy(PolicyConfig(model_name="tiny-vl", num_workers=2, train_global_batch_size=2, **allowed))
 
 
 def test_a_visual_generator_with_a_text_model_is_one_line():

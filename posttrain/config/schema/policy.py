@@ -415,12 +415,14 @@ class PolicyConfig(Section):
             "full logits."
         ),
     )
-    freeze_vision_tower: bool = Field(
-        False,
+    freeze_vision_tower: Optional[bool] = Field(
+        None,
         description=(
-            "Vision-language models (tiny-vl, LLaVA-style): keep the vision tower's weights fixed and train the "
-            "projector and the language model (LLaVA's second stage, Liu et al. 2023, arXiv:2304.08485). Ignored "
-            "for a text model."
+            "Vision-language models (tiny-vl, LLaVA-style): true keeps the vision tower's weights fixed and trains the "
+            "projector and the language model (LLaVA's second stage, Liu et al. 2023, arXiv:2304.08485); false trains "
+            "all of it. None (default): false, and true with policy.lora.enabled, where the language model trains "
+            "through its adapters and the projector in full, the tower fixed (LLaVA-1.5's LoRA recipe); set false "
+            "with LoRA to train the tower in full beside the adapters. Ignored for a text model."
         ),
     )
     batch_invariant: bool = Field(
@@ -682,6 +684,11 @@ class PolicyConfig(Section):
             if on:
                 raise ValueError(f"policy.moe_router_replay=true with {what} is not supported (the native engine "
                                  "records routing in plain batched decoding; the trainer replays it on unpacked rows)")
+
+    @property
+    def vision_tower_frozen(self) -> bool:
+        """`freeze_vision_tower`, or its default: fixed with LoRA, trained without."""
+        return self.lora.enabled if self.freeze_vision_tower is None else self.freeze_vision_tower
 
     @property
     def dp_size(self) -> int:

@@ -36,6 +36,8 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
+from posttrain.models.vision_inputs import hf_model
+
 # One tile of float32 logits. Under 32 MiB, glibc's largest mmap threshold, so on CPU the buffer
 # comes from the reused heap instead of fresh pages. `benchmarks/train_step_135m.py --kernel`
 # reruns the measurement above.
@@ -225,16 +227,10 @@ def linear_logprobs(
 
 
 # -------------------------------------------------------------------------------- which models
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside a peft wrapper (the model itself otherwise)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
 def fused_logprobs_problem(model: torch.nn.Module) -> Optional[str]:
     """None when the model's logits are exactly `lm_head(decoder(...).last_hidden_state)` with a
     plain bias-free `nn.Linear` head (the fused path computes the same thing); otherwise why not."""
-    inner = _unwrapped(model)
+    inner = hf_model(model)
     config = getattr(inner, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in PLAIN_HEAD_MODEL_TYPES:
@@ -267,7 +263,7 @@ def final_hidden_states(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
     the head would get) to the yielded list. Call the model with `logits_to_keep=1` so that
     transformers computes the logits of one position only."""
     captured: list[torch.Tensor] = []
-    decoder = _unwrapped(model).get_decoder()
+    decoder = hf_model(model).get_decoder()
     handle = decoder.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
     try:
         yield captured
@@ -277,13 +273,13 @@ def final_hidden_states(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
 
 def attention_implementation(model: torch.nn.Module) -> Optional[str]:
     """transformers' attention kernel of `model` ("sdpa", "eager", "flash_attention_2", ...)."""
-    return getattr(_unwrapped(model).config, "_attn_implementation", None)
+    return getattr(hf_model(model).config, "_attn_implementation", None)
 
 
 def output_weight(model: torch.nn.Module) -> torch.Tensor:
     """The head's weight `[V, H]` as the forward just used it (FSDP: the unsharded parameter the
     root unit gathered; it stays gathered until backward, so its gradient is reduced as usual)."""
-    weight = _unwrapped(model).get_output_embeddings().weight
+    weight = hf_model(model).get_output_embeddings().weight
     if isinstance(weight, DTensor):
         raise RuntimeError("linear_logprobs: the output head's weight is still sharded after the forward")
     return weight

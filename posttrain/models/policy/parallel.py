@@ -12,6 +12,14 @@ plan is the model's own `base_model_tp_plan` (transformers) where its config has
 `LLAMA_LIKE_PLAN` for llama-like model types. Then FSDP2 (`fully_shard`) shards every decoder
 layer and the root over the `dp` sub-mesh, which also shards the TP shards further.
 
+A vision-language model (LLaVA): the plan splits its language model exactly as the text model's
+(the plan of its text config, under the language model's path, `language_model_path`); the vision
+tower and the projector are replicated on every TP rank (sharded over `dp` by FSDP only, each
+vision layer and the projector a unit, as without TP). The TP ranks get the same rows, so they run
+the tower on the same images, and the image features enter the language model replicated, where
+the embeddings would; the gradient that flows back into them is summed over the TP group by the
+column-wise projections' input redistribution, so the tower's gradient is one worker's too.
+
 Kept whole on every TP rank (sharded over `dp` by FSDP only): embeddings, norms, the LM head
 (the fused chunked lm_head + logprob path, `linear_logprobs.py`, needs the whole vocabulary;
 a vocabulary-parallel head would need a logsumexp over the shards) and mixture-of-experts
@@ -65,6 +73,7 @@ from posttrain.distributed.batch import Batch
 from posttrain.models.parallel_sizes import tensor_parallel_problem
 from posttrain.models.policy.forward import MicroBatch
 from posttrain.models.policy.sequence_parallel import GatherSequence
+from posttrain.models.vision_inputs import is_vision_language_config
 
 # posttrain's plan for llama-like decoders whose config carries no `base_model_tp_plan`
 # (the same as transformers 5.23's llama plan), relative to the decoder (`model.model`).
@@ -100,7 +109,7 @@ def tp_plan(model: torch.nn.Module, sequence_parallel: bool = False,
 
     Raises ValueError naming the model type when there is no plan, or the entries whose style
     posttrain does not apply."""
-    config = model.config
+    prefix, config = language_model_path(model)  # "model": the decoder inside XForCausalLM
     if getattr(config, "kv_lora_rank", None):  # transformers' DeepSeek-V3 plan splits only the MLPs
         raise ValueError(f"policy.tensor_parallel_size: {config.model_type}'s multi-head latent attention has no "
                          "tensor-parallel plan in posttrain; use data parallelism (tensor_parallel_size=1)")
@@ -112,7 +121,6 @@ def tp_plan(model: torch.nn.Module, sequence_parallel: bool = False,
                 f"config and is not one posttrain has a plan for ({sorted(LLAMA_LIKE_MODEL_TYPES)})"
             )
         base_plan = LLAMA_LIKE_PLAN
-    prefix = model.base_model_prefix  # "model": the decoder inside XForCausalLM
     plan: dict[str, ParallelStyle] = {}
     unsupported = []
     for pattern, style in base_plan.items():
@@ -140,6 +148,18 @@ def tp_plan(model: torch.nn.Module, sequence_parallel: bool = False,
     return plan
 
 
+def language_model_path(model: torch.nn.Module) -> tuple[str, Any]:
+    """`(path, config)` of the decoder that tensor parallelism splits: a causal LM's own decoder
+    (`model`) and config; a vision-language model's language model (LLaVA's `model.language_model`)
+    and its text config (the vision tower and the projector are not in the plan: replicated)."""
+    if is_vision_language_config(model.config):
+        paths = [name for name, _ in model.named_modules() if name.rpartition(".")[2] == "language_model"]
+        if not paths:
+            raise ValueError(f"policy.tensor_parallel_size: no language_model module in {type(model).__name__}")
+        return paths[0], model.config.get_text_config()
+    return model.base_model_prefix, model.config
+
+
 def _sequence_parallel_plan(model: torch.nn.Module, prefix: str) -> dict[str, ParallelStyle]:
     """The SP entries around the TP ones: the first layer takes its slice of the sequence, the
     layers' own norms run on their slice, the final norm gathers the sequence back."""
@@ -148,7 +168,7 @@ def _sequence_parallel_plan(model: torch.nn.Module, prefix: str) -> dict[str, Pa
     if moe.is_moe(model):
         raise ValueError("policy.sequence_parallel: mixture-of-experts models are not supported (their experts are "
                          "replicated over the TP group, not split by sequence); use tensor parallelism without it")
-    decoder = getattr(model, prefix)
+    decoder = model.get_submodule(prefix)
     layers = getattr(decoder, "layers", None)
     if layers is None or not isinstance(getattr(decoder, "norm", None), torch.nn.Module):
         raise ValueError(f"policy.sequence_parallel: {type(model).__name__} has no decoder layers and final norm "
@@ -190,7 +210,9 @@ def pad_for_sequence_parallel(mb: MicroBatch, multiple: int) -> MicroBatch:
 
 
 def tensor_parallel_size_problem(config: Any, tp_size: int) -> Optional[str]:
-    """Why the model of `config` cannot be split over `tp_size` ranks (None when it can)."""
+    """Why the model of `config` cannot be split over `tp_size` ranks (None when it can); a
+    vision-language model's sizes are its language model's (the part TP splits)."""
+    config = config.get_text_config()
     sizes = {key: getattr(config, key, None) for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size")}
     return tensor_parallel_problem(sizes, tp_size, "policy.model_name")
 

@@ -158,17 +158,18 @@ class PolicyWorker(pipeline.PipelineParallel, ModelLoading, Checkpointing, Weigh
         memory.reset_peak_rss()  # the load's own high-water mark (`load_host_memory`)
         rss_before_load = memory.rss_bytes()
         self.model = self._load_model(model_path)
-        if self.is_vision and self.cfg.freeze_vision_tower:
-            frozen = vision_inputs.freeze_vision_tower(self.model)
-            if self.rank == 0:
-                print(f"[posttrain] policy.freeze_vision_tower: {frozen} vision-tower parameters fixed", flush=True)
         self.lora_scaling: Optional[float] = None
         if self.cfg.lora.enabled:
             if model_type != "lm":
                 raise ValueError("policy.lora.enabled: LoRA is supported for language models, not reward or value "
                                  "models (yet)")
-            self.model = lora.apply_lora(self.model, self.cfg.lora)
+            self.model = lora.apply_lora(self.model, self.cfg.lora)  # adapters on the language model (lora.py)
             self.lora_scaling = lora.scaling(self.cfg.lora)
+        if self.is_vision and (self.cfg.lora.enabled or self.cfg.vision_tower_frozen):
+            # LoRA fixed every weight but the adapters: the vision side trains as freeze_vision_tower says.
+            frozen = vision_inputs.set_vision_training(self.model, train_tower=not self.cfg.vision_tower_frozen)
+            if self.rank == 0 and frozen:
+                print(f"[posttrain] policy.freeze_vision_tower: {frozen} vision-tower parameters fixed", flush=True)
         self.hf_config = self.model.config
         if self.ep_size > 1:
             problem = ("reward and value models are not supported" if model_type != "lm"
@@ -192,9 +193,10 @@ class PolicyWorker(pipeline.PipelineParallel, ModelLoading, Checkpointing, Weigh
                 print(f"[posttrain] context parallel x{self.cp_size}: ring attention over load-balanced sequence "
                       "chunks; FSDP2 shards over data x context parallel ranks", flush=True)
         if self.tp_size > 1 and self.rank == 0:
-            print(f"[posttrain] tensor parallel x{self.tp_size}: embeddings, LM head and MoE experts stay whole on "
-                  "every tensor-parallel rank (the fused chunked lm_head + logprob path needs the whole vocabulary)",
-                  flush=True)
+            whole = ("embeddings, LM head, vision tower and projector" if self.is_vision
+                     else "embeddings, LM head and MoE experts")
+            print(f"[posttrain] tensor parallel x{self.tp_size}: {whole} stay whole on every tensor-parallel rank "
+                  "(the fused chunked lm_head + logprob path needs the whole vocabulary)", flush=True)
         self.is_fsdp = self.world_size > 1
         if self.is_fsdp and self.loads_sharded:
             rank0_weights = sharded_load.rank0_weights(self.model, self.rank)
@@ -283,7 +285,7 @@ class PolicyWorker(pipeline.PipelineParallel, ModelLoading, Checkpointing, Weigh
                     fused=self.fused_logprobs, wanted=wanted.to(self.device),
                     sequence_parallel_size=self.tp_size if self.cfg.sequence_parallel else 1, packed=mb.packed)
         with vision_inputs.keep_vision_tower_in_step(self.model, self.device, self.is_vision and self.is_fsdp
-                                                     and vision_inputs.rows_pixel_values(mb.rows) is None) as keepalive:
+                                                     and vision_inputs.rows_pixel_values(mb.rows) is None):
             if input_type == "logits":  # full next-token logits [n, L, V] (distillation)
                 outputs = microbatch_logits(self.model, mb, self.device, self.compute_dtype, temperature)
             else:
@@ -292,7 +294,7 @@ class PolicyWorker(pipeline.PipelineParallel, ModelLoading, Checkpointing, Weigh
                 with router_replay.replaying(self.model, None if routed is None else routed.flatten(0, 1)):
                     outputs = microbatch_logprobs(self.model, mb, self.device, self.compute_dtype, temperature,
                                                   fused=self.fused_logprobs, loss_positions_only=for_loss)
-        return outputs + keepalive[0] if keepalive else outputs
+        return outputs
 
     # ------------------------------------------------------------------------------ logprobs
     @measured_phase("logprobs")
