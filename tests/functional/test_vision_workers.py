@@ -105,7 +105,7 @@ def check_one_step(policy: Policy, batch: Batch, lora: Optional[LoraConfig] = No
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster):
-    cluster = VirtualCluster([2], max_colocated_worker_groups=3)
+    cluster = VirtualCluster([2], max_colocated_worker_groups=2)  # one policy at a time
     yield cluster
     cluster.shutdown()
 
