@@ -101,10 +101,15 @@ def model_shape(policy: Any) -> ModelShape:
         from posttrain.models.lora import target_module_names
         from posttrain.models.vision_inputs import VISION_TOWERS, vision_parts
 
+        from posttrain.errors import UserError
+
         modules = dict(model.named_modules())
+        try:  # the preflight's plan is where a target list that matches nothing is first known
+            targets = target_module_names(model, policy.lora.target_modules)
+        except ValueError as e:
+            raise UserError(str(e)) from None
         lora = sum(policy.lora.dim * (modules[name].in_features + modules[name].out_features)
-                   for name in target_module_names(model, policy.lora.target_modules)
-                   if isinstance(modules[name], torch.nn.Linear))
+                   for name in targets if isinstance(modules[name], torch.nn.Linear))
         # A vision-language model's projector (its tower too, unless frozen) trains in full beside them.
         lora += sum(p.numel() for name, part in vision_parts(model).items() for p in part.parameters()
                     if not (policy.vision_tower_frozen and name.rpartition(".")[2] in VISION_TOWERS))

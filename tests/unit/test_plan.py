@@ -455,3 +455,14 @@ def test_lora_on_a_vision_language_model_counts_its_language_models_adapters_and
     assert shape.lora_params == 2 * 8 * ((128 + 128) * 2 + (128 + 64) * 2) + projector
     tower = mp.model_shape(PolicyConfig(model_name="tiny-vl", lora=dict(enabled=True), freeze_vision_tower=False))
     assert tower.lora_params - shape.lora_params == 116736  # the CLIP tower's parameters
+
+
+def test_lora_targets_that_match_no_module_are_one_line_at_preflight():
+    """The preflight's memory plan resolves `policy.lora.target_modules` on the meta model, as the
+    workers will: a list that matches nothing stops the run there, before any worker starts."""
+    from posttrain.config.loader import load_config
+    from posttrain.preflight import check_memory_plan
+
+    cfg = load_config("grpo", overrides=["sft_warmup=null", "policy.lora.enabled=true", "policy.lora.target_modules=[foo]"])
+    with pytest.raises(UserError, match=r"^policy.lora.target_modules=\['foo'\] match no module of LlamaForCausalLM$"):
+        check_memory_plan(cfg, records=[])
