@@ -44,6 +44,21 @@ COLLECTIVE_TIMEOUT_ENV = "POSTTRAIN_COLLECTIVE_TIMEOUT_S"
 NUM_THREADS_ENV = "POSTTRAIN_NUM_THREADS"
 SHUTDOWN_TIMEOUT_S = 5.0
 FAILURE_GRACE_S = 1.0  # after a failure, how long to wait for the other ranks' errors
+# The rendezvous port is one found free on rank 0's node just before the workers start; another
+# process (a parallel test, another job) may bind it first: the group then starts again on a new one.
+RENDEZVOUS_ATTEMPTS = 3
+
+
+def is_port_taken(error: BaseException) -> bool:
+    """Whether `error` (a worker group's start-up failure, its causes included) is rank 0's
+    rendezvous store failing to listen on a port another process took (EADDRINUSE)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if "EADDRINUSE" in str(error) or "address already in use" in str(error).lower():
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class WorkerError(RuntimeError):
@@ -247,17 +262,23 @@ class WorkerGroup:
 
     def _start_members(self) -> None:
         bundle_indices, init_kwargs, env_vars = self._start
-        try:
-            if self.is_local:
-                self._spawn_local(init_kwargs)
-            else:
-                self._wait_for_room(bundle_indices)
-                self._spawn(bundle_indices, init_kwargs, env_vars)
-            # Constructing = joining the process group; a failure in any __init__ surfaces here.
-            self.node_ips = self.run_all("get_node_ip")
-        except BaseException:
-            self.shutdown(timeout_s=1.0)  # ranks that did start wait in the rendezvous; kill them
-            raise
+        for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+            try:
+                if self.is_local:
+                    self._spawn_local(init_kwargs)
+                else:
+                    self._wait_for_room(bundle_indices)
+                    self._spawn(bundle_indices, init_kwargs, env_vars)
+                # Constructing = joining the process group; a failure in any __init__ surfaces here.
+                self.node_ips = self.run_all("get_node_ip")
+                return
+            except BaseException as error:
+                self.shutdown(timeout_s=1.0)  # ranks that did start wait in the rendezvous; kill them
+                if self.is_local or attempt == RENDEZVOUS_ATTEMPTS or not is_port_taken(error):
+                    raise
+                logger.warning("WorkerGroup %r: the rendezvous port was taken before rank 0 listened on it; "
+                               "starting the workers again on another port (attempt %d of %d)",
+                               self.name, attempt + 1, RENDEZVOUS_ATTEMPTS)
 
     def restart(self) -> None:
         """Start every member again: the recovery of a member that died or stopped answering.

@@ -250,3 +250,35 @@ def test_bad_arguments(ray_cluster):
             WorkerGroup(cluster, EchoWorker, bundle_indices=[1])
     finally:
         cluster.shutdown()
+
+
+def test_a_rendezvous_port_taken_before_rank_0_listens_starts_the_group_on_another(ray_cluster, monkeypatch):
+    """The port found free for the rendezvous can be bound by another process before rank 0's store
+    listens on it (a parallel test did it in CI): the group starts again on a new port."""
+    import socket
+
+    from posttrain.distributed.worker_group import is_port_taken
+
+    cluster = VirtualCluster([2], name="porttaken")
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    real = cluster.master_address_and_port
+    ports: list[int] = []
+
+    def first_the_taken_port(bundle: int = 0):
+        address, port = real(bundle)
+        ports.append(taken.getsockname()[1] if not ports else port)
+        return address, ports[-1]
+
+    monkeypatch.setattr(cluster, "master_address_and_port", first_the_taken_port)
+    try:
+        group = WorkerGroup(cluster, EchoWorker, name="echo-port")
+        envs = group.run_all("env")
+        assert len(ports) == 2 and [e["MASTER_PORT"] for e in envs] == [str(ports[1])] * 2
+        assert group.run_all("sum_of_ranks_plus_one") == [3.0, 3.0]
+        group.shutdown()
+    finally:
+        taken.close()
+        cluster.shutdown()
+    assert not is_port_taken(ValueError("model path does not exist"))
