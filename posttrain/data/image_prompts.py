@@ -15,9 +15,6 @@ from transformers import AutoProcessor
 from posttrain.errors import UserError
 
 PIXEL_VALUES = "pixel_values"  # the batch key, and the processor's output key, of a row's images
-# The prompt message's key, and the generation batch's, of the images themselves (PIL), as the row
-# gave them: an engine that runs the processor itself (vLLM) takes these rather than pixel_values.
-SOURCE_IMAGES = "images"
 
 
 def processor_from(path: str | os.PathLike, name: str | os.PathLike | None = None) -> Any:

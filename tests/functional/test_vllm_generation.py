@@ -231,32 +231,41 @@ def test_vllm_refit_from_policy(ray_cluster, vllm_python, colocated, tp, model):
             gen_cluster.shutdown()
 
 
-def test_grpo_with_vllm_backend(ray_cluster, vllm_python, tmp_path):
-    """A few GRPO steps with vLLM generating: refits are verified every step and the mismatch
-    between vLLM's processed logprobs and the trainer's stays numerical."""
+def _grpo_with_vllm(tmp_path, overrides: list[str], weights_version: int) -> tuple[list[dict], dict[int, dict]]:
+    """Run GRPO with `overrides` (vLLM generating, no checkpoints, quiet logs) and check the engine's
+    weights version after it; returns the metrics rows and the training steps' rows by step."""
     import json
 
     from posttrain.algorithms import grpo
     from posttrain.config.loader import load_config
 
     cfg = load_config("grpo", overrides=[
-        "sft_warmup=null", "policy.model_name=tiny", "policy.precision=float32", "policy.generation.backend=vllm",
-        "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=2",
-        "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=true", "grpo.max_val_samples=8",
-        "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8",
-        "policy.max_total_sequence_length=32", "policy.generation.max_new_tokens=6", "policy.optimizer.lr=1e-3",
-        "data.num_train=64", "data.num_validation=8", "logger.progress_bar=false", "logger.report=false",
-        "logger.tensorboard_enabled=false", f"logger.log_dir={tmp_path}/logs", "checkpointing.enabled=false",
+        "sft_warmup=null", "policy.precision=float32", "policy.generation.backend=vllm", *overrides,
+        "logger.progress_bar=false", "logger.report=false", "logger.tensorboard_enabled=false",
+        f"logger.log_dir={tmp_path}/logs", "checkpointing.enabled=false",
     ])
     ctx = grpo.setup(cfg)
     try:
         assert type(ctx.generation).__name__ == "VllmGeneration"
         grpo.grpo_train(ctx)
-        assert ctx.generation.weights_version == 2  # refits before step 2 and before the final validation
+        assert ctx.generation.weights_version == weights_version
     finally:
         ctx.shutdown()
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
-    steps = {row["step"]: row for row in rows if "train/token_mult_prob_error" in row}
+    return rows, {row["step"]: row for row in rows if "train/token_mult_prob_error" in row}
+
+
+def test_grpo_with_vllm_backend(ray_cluster, vllm_python, tmp_path):
+    """A few GRPO steps with vLLM generating: refits are verified every step and the mismatch
+    between vLLM's processed logprobs and the trainer's stays numerical."""
+    rows, steps = _grpo_with_vllm(tmp_path, [
+        "policy.model_name=tiny",
+        "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=2",
+        "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=true", "grpo.max_val_samples=8",
+        "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "policy.logprob_batch_size=8",
+        "policy.max_total_sequence_length=32", "policy.generation.max_new_tokens=6", "policy.optimizer.lr=1e-3",
+        "data.num_train=64", "data.num_validation=8",
+    ], weights_version=2)  # refits before step 2 and before the final validation
     assert sorted(steps) == [1, 2]
     for row in steps.values():
         assert 1.0 <= row["train/token_mult_prob_error"] < 1.001, row["train/token_mult_prob_error"]
@@ -270,31 +279,15 @@ def test_grpo_on_images_with_vllm_backend(ray_cluster, vllm_python, tmp_path):
     from the checkpoint through posttrain's loader (transformers 5 names its vision tower without
     vLLM's `vision_model.` level), refits vision tower and language model every step (verified by
     the probe), and its logprobs match the trainer's on the same images."""
-    import json
-
-    from posttrain.algorithms import grpo
-    from posttrain.config.loader import load_config
-
-    cfg = load_config("grpo", overrides=[
-        "sft_warmup=null", "policy.model_name=tiny-vl", "policy.precision=float32", "policy.generation.backend=vllm",
+    _, steps = _grpo_with_vllm(tmp_path, [
+        "policy.model_name=tiny-vl",
         "data.dataset=generated", "data.generator=shape_count", "data.generator_options={max_count: 4}",
         "grpo.num_prompts_per_step=4", "grpo.num_generations_per_prompt=4", "grpo.max_num_steps=2",
         "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false",
         "policy.train_global_batch_size=16", "policy.train_micro_batch_size=16", "policy.logprob_batch_size=16",
         "policy.max_total_sequence_length=192", "policy.generation.max_new_tokens=6", "policy.optimizer.lr=1e-3",
-        "data.num_train=32", "data.num_validation=8", "env.math.answer_format=last_number", "logger.progress_bar=false",
-        "logger.report=false", "logger.tensorboard_enabled=false", f"logger.log_dir={tmp_path}/logs",
-        "checkpointing.enabled=false",
-    ])
-    ctx = grpo.setup(cfg)
-    try:
-        assert type(ctx.generation).__name__ == "VllmGeneration"
-        grpo.grpo_train(ctx)
-        assert ctx.generation.weights_version == 1  # the refit before step 2, verified by the probe
-    finally:
-        ctx.shutdown()
-    rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
-    steps = {row["step"]: row for row in rows if "train/token_mult_prob_error" in row}
+        "data.num_train=32", "data.num_validation=8", "env.math.answer_format=last_number",
+    ], weights_version=1)  # the refit before step 2, verified by the probe
     assert sorted(steps) == [1, 2]
     for row in steps.values():
         print(f"\n[vllm images] step {row['step']}: token_mult_prob_error {row['train/token_mult_prob_error']:.7f}")

@@ -26,7 +26,7 @@ module level (the driver imports it to name it).
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -149,7 +149,7 @@ class VllmWeightLoader:
         until it arrives (`vllm_reload.HeldBack`); returns the number of tensors received."""
         ready = self._posttrain_held.ready(views, bucket)
         if ready:
-            self._posttrain_load(ready)
+            self._posttrain_load(ready.items())
         return len(views)
 
     @torch.no_grad()
@@ -171,23 +171,17 @@ class VllmWeightLoader:
                     for name in f.keys():
                         yield name, f.get_tensor(name)
 
-        return self._posttrain_load(tensors())
+        self._posttrain_load(tensors())
+        return len(files)
 
-    def _posttrain_load(self, views: dict[str, torch.Tensor] | Iterator[tuple[str, torch.Tensor]]) -> int:
+    def _posttrain_load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # vLLM's in-place reload: after start-up a backend may have processed its weights into a
         # kernel layout (the CPU backend repacks linear weights, dropping their `weight_loader`),
         # so a plain `model.load_weights` of checkpoint-format tensors no longer fits; the reload
         # restores the checkpoint layout layer by layer, loads, and processes again.
         known = _loadable_names(self.model_runner.model)
-        counted = [0]
-
-        def renamed():
-            for name, tensor in (views.items() if isinstance(views, dict) else views):
-                counted[0] += 1
-                yield vllm_checkpoint_name(name, known), tensor
-
-        self.model_runner.reload_weights(weights_iterator=renamed(), is_checkpoint_format=True)
-        return counted[0]
+        renamed = ((vllm_checkpoint_name(name, known), tensor) for name, tensor in tensors)
+        self.model_runner.reload_weights(weights_iterator=renamed, is_checkpoint_format=True)
 
 
 # vLLM fuses these Hugging Face projections into one parameter per layer (every decoder-only
@@ -212,27 +206,28 @@ _TOWER = "vision_tower."
 _TOWER_LEVEL = "vision_model."
 
 
+def _lacks_tower_level(name: str) -> bool:
+    """Whether `name` is a vision tower's tensor named without the `vision_model.` level."""
+    head, tower, rest = name.partition(_TOWER)
+    return bool(tower) and (not head or head.endswith(".")) and not rest.startswith(_TOWER_LEVEL)
+
+
 def vllm_checkpoint_name(hf_name: str, known: set[str]) -> str:
     """The checkpoint-format name vLLM's `load_weights` takes for a tensor posttrain names
     `hf_name` (a trainer's name or one in a checkpoint transformers saved): itself, except that a
     vision tower's tensors get the `vision_model.` level back when the vLLM model (parameter names
     `known`) has it and the name lacks it."""
-    head, tower, rest = hf_name.partition(_TOWER)
-    if not tower or (head and not head.endswith(".")) or rest.startswith(_TOWER_LEVEL):
+    if not _lacks_tower_level(hf_name) or not any(
+            name.startswith(_TOWER + _TOWER_LEVEL) or f".{_TOWER}{_TOWER_LEVEL}" in name for name in known):
         return hf_name
-    if not any(name.startswith(_TOWER + _TOWER_LEVEL) or f".{_TOWER}{_TOWER_LEVEL}" in name for name in known):
-        return hf_name
+    head, _, rest = hf_name.partition(_TOWER)
     return f"{head}{_TOWER}{_TOWER_LEVEL}{rest}"
 
 
-def checkpoint_needs_vllm_names(tensor_names: Iterator[str] | set[str]) -> bool:
+def checkpoint_needs_vllm_names(tensor_names: Iterable[str]) -> bool:
     """Whether a checkpoint names its vision tower without the `vision_model.` level (see
     `vllm_checkpoint_name`), which vLLM's own loader cannot place."""
-    for name in tensor_names:
-        head, tower, rest = name.partition(_TOWER)
-        if tower and (not head or head.endswith(".")) and not rest.startswith(_TOWER_LEVEL):
-            return True
-    return False
+    return any(_lacks_tower_level(name) for name in tensor_names)
 
 
 def _loadable_names(model: torch.nn.Module) -> set[str]:
