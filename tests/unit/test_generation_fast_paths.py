@@ -121,6 +121,52 @@ def test_llama_like_decoder_steps_match_the_model_forward_across_dropped_rows(ar
             positions = positions + 1
 
 
+@pytest.mark.parametrize("padded", [True, False])
+def test_grouped_decode_attention_is_sdpa_over_the_filled_columns(padded):
+    """The CPU 16-bit decode attention reads the whole cache buffers: columns from `length` on (NaN keys,
+    zero values, as in a fresh cache) change nothing."""
+    g = torch.Generator().manual_seed(3)
+    rows, heads, kv_heads, d, capacity, length = 5, 6, 2, 8, 12, 7
+    q = torch.randn(rows, heads, 1, d, generator=g)
+    keys, values = torch.randn(rows, kv_heads, capacity, d, generator=g), torch.randn(rows, kv_heads, capacity, d, generator=g)
+    keys[:, :, length:], values[:, :, length:] = float("nan"), 0.0
+    bias = torch.zeros(rows, 1, 1, capacity)
+    if padded:
+        bias[1, ..., :3] = bias[4, ..., :1] = float("-inf")
+    ours = decoders.grouped_decode_attention(q, keys, values, length, bias if padded else None, 0.3)
+    theirs = torch.nn.functional.scaled_dot_product_attention(
+        q, keys[:, :, :length], values[:, :, :length], attn_mask=bias[..., :length] if padded else None, scale=0.3,
+        enable_gqa=True)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_bfloat16_decoder_steps_track_the_model_forward(arch):
+    """In bfloat16 on CPU the decoder attends with `grouped_decode_attention`: its logits stay within
+    bfloat16 rounding of the model's own forward, across left padding and dropped rows."""
+    model, _ = tiny.make_tiny_model("tiny", arch, seed=1)
+    model = model.to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(4)
+    ids, lengths = right_padded([torch.randint(2, 100, (n,), generator=g).tolist() for n in (5, 2, 7, 3)])
+    engine = engine_for(model, share_prompts=False)
+    ours, theirs = LlamaLikeDecoder(model), ModelForwardDecoder(model, supports_logits_to_keep=True)
+    with torch.inference_mode():
+        _, positions = engine._prefill(ids, lengths, ours, capacity=ids.shape[1] + 6)
+        engine._prefill(ids, lengths, theirs, capacity=0)
+        assert ours.cpu_16bit and ours.has_padding
+        tokens = torch.randint(2, 100, (6, 4), generator=g)
+        for step in range(6):
+            if step == 2:
+                keep = torch.tensor([0, 2])
+                ours.keep_rows(keep)
+                theirs.keep_rows(keep)
+                positions, tokens = positions[keep], tokens[:, keep]
+            a, b = ours.step(tokens[step], positions).float(), theirs.step(tokens[step], positions).float()
+            assert (a - b).abs().max() <= 0.02 * b.abs().max()
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+            positions = positions + 1
+
+
 @pytest.mark.parametrize("fraction", [0.0, 0.1, 0.5, 1.0])
 def test_when_finished_rows_are_dropped_does_not_change_the_output(fraction):
     model, _ = tiny.make_tiny_model("tiny", "llama", seed=1)

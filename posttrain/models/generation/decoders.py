@@ -131,6 +131,34 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
     return None
 
 
+def grouped_decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int, bias: Optional[torch.Tensor], scale: float
+) -> torch.Tensor:
+    """Attention of one query token per row over the first `length` cache columns, as two batched matmuls
+    around a float32 softmax.
+
+    Args:
+        q: `[rows, heads, 1, d]`; keys, values: the whole cache buffers `[rows, kv_heads, capacity, d]`
+            (heads a multiple of kv_heads). Columns from `length` on are ignored; those of `values`
+            must be finite (they are multiplied by 0).
+        bias: `[rows, 1, 1, >= length]` additive mask (0 or -inf), or None.
+
+    Returns `[rows, heads, 1, d]` in q's dtype. The heads sharing a KV head are that head's queries (as
+    pack_gqa), so no KV head is copied; the matmuls run over the whole buffers because a slice of
+    them is strided, which CPU 16-bit matmuls would copy to contiguous memory first (as slow as the
+    attention itself). Scores and probabilities round once to q's dtype, as a fused kernel's do.
+    """
+    rows, heads, _, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(rows, kv_heads, heads // kv_heads, head_dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2))[..., :length].float() * scale  # [rows, kv, group, length]
+    if bias is not None:
+        scores = scores + bias[..., :length]
+    probabilities = scores.new_zeros(*scores.shape[:3], keys.shape[2], dtype=q.dtype)
+    probabilities[..., :length] = scores.softmax(-1)
+    return torch.matmul(probabilities, values).reshape(rows, heads, 1, head_dim)
+
+
 class LlamaLikeDecoder:
     """One-token decode steps over a preallocated KV cache, for a model `unsupported_reason` accepts.
 
@@ -169,6 +197,9 @@ class LlamaLikeDecoder:
         self.cleared = 0  # columns below this hold finite values in every row (`extend`)
         self.rows = 0
         self.has_padding = False  # some running row has a masked (left-padding) position
+        # CPU SDPA is slow for one bfloat16/float16 query per head (2.4 ms a call at 32 rows and 150
+        # positions on SmolLM2's heads, 12x two batched matmuls): `step` attends with the matmuls there.
+        self.cpu_16bit = False  # set by `start` from the cache
 
     def start(
         self, prefill_cache: DynamicCache, prompt_mask: torch.Tensor, row_map: torch.Tensor, capacity: int
@@ -182,10 +213,14 @@ class LlamaLikeDecoder:
             capacity: positions to hold, at least P + the tokens that will be fed.
         """
         rows, width = row_map.numel(), prompt_mask.shape[1]
+        prefilled = prefill_cache.layers[0].keys
+        self.cpu_16bit = prefilled.device.type == "cpu" and prefilled.dtype in (torch.bfloat16, torch.float16)
         self.keys, self.values = [], []
         for layer in prefill_cache.layers:
             for store, prefilled in ((self.keys, layer.keys), (self.values, layer.values)):
-                buffer = prefilled.new_empty(rows, prefilled.shape[1], capacity, prefilled.shape[3])
+                # `grouped_decode_attention` multiplies the unwritten value columns by 0: they must be finite.
+                new = prefilled.new_zeros if self.cpu_16bit and store is self.values else prefilled.new_empty
+                buffer = new(rows, prefilled.shape[1], capacity, prefilled.shape[3])
                 buffer[:, :, :width] = prefilled.index_select(0, row_map)
                 store.append(buffer)
         padding = prompt_mask.index_select(0, row_map) == 0
@@ -236,18 +271,22 @@ class LlamaLikeDecoder:
             keys, values = self.keys[index], self.values[index]
             keys[:rows, :, column] = k[:, :, 0]
             values[:rows, :, column] = v[:, 0]
-            keys, values = keys[:rows, :, : column + 1], values[:rows, :, : column + 1]
-            # The two SDPA calls transformers makes for one query token (integrations/sdpa_attention.py), so
-            # both round alike: without padding, no mask and the KV-head groups inside SDPA; with padding,
-            # the mask, and the heads sharing a KV head packed as that head's queries (pack_gqa).
-            if self.has_padding:
+            # On CPU in 16 bits, two matmuls (`grouped_decode_attention`). Elsewhere the two SDPA calls
+            # transformers makes for one query token (integrations/sdpa_attention.py), so both round alike:
+            # without padding, no mask and the KV-head groups inside SDPA; with padding, the mask, and the
+            # heads sharing a KV head packed as that head's queries (pack_gqa).
+            if self.cpu_16bit:
+                out = grouped_decode_attention(q, keys[:rows], values[:rows], column + 1,
+                                               bias if self.has_padding else None, attention.scaling)
+            elif self.has_padding:
                 out = F.scaled_dot_product_attention(
-                    q.reshape(rows, kv_heads, heads // kv_heads, head_dim), keys, values,
-                    attn_mask=bias, scale=attention.scaling,
+                    q.reshape(rows, kv_heads, heads // kv_heads, head_dim), keys[:rows, :, : column + 1],
+                    values[:rows, :, : column + 1], attn_mask=bias, scale=attention.scaling,
                 )
             else:
                 out = F.scaled_dot_product_attention(
-                    q, keys, values, scale=attention.scaling, enable_gqa=heads != kv_heads
+                    q, keys[:rows, :, : column + 1], values[:rows, :, : column + 1], scale=attention.scaling,
+                    enable_gqa=heads != kv_heads,
                 )
             x = x + attention.o_proj(out.reshape(rows, heads * head_dim))
             # [rows, 1, hidden] as in the model: mixture-of-experts blocks expect a sequence dimension.
