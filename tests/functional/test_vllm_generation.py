@@ -158,14 +158,15 @@ def _refit_cfg(*extra: str, model: str = "tiny"):
 
 
 @pytest.mark.parametrize("colocated, tp, model", [(True, 1, "tiny"), (False, 1, "tiny"), (False, 2, "tiny"),
-                                                 (False, 1, "tiny-qwen3_moe")],
-                         ids=["colocated", "split", "split_tp2", "split_moe"])
+                                                 (False, 1, "tiny-qwen3_moe"), (False, 1, "tiny-mixtral")],
+                         ids=["colocated", "split", "split_tp2", "split_moe", "split_mixtral"])
 def test_vllm_refit_from_policy(ray_cluster, vllm_python, colocated, tp, model):
     """Refit from real policy workers into a running vLLM engine, verified by the logprob probe;
     afterwards vLLM's processed logprobs match the trainer's (token_mult_prob_error ~ 1). With
     `tp=2` the policy is one tensor-parallel group of 2 workers: the engine (vLLM tensor parallel
-    size 1) must get full tensors gathered from the TP shards. The mixture of experts sends
-    transformers 5's fused expert tensors in buckets that split its layers (`vllm_reload.py`)."""
+    size 1) must get full tensors gathered from the TP shards. The mixtures of experts send
+    transformers 5's fused expert tensors in buckets that split their layers (`vllm_reload.py`);
+    Mixtral's under vLLM's names (`vllm_extension.mixtral_moe_name`)."""
     from posttrain.job import make_cluster, make_generation
     from posttrain.algorithms.loss import NLLLoss
     from posttrain.models.generation.interface import RefitVerificationError

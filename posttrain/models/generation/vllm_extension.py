@@ -194,8 +194,16 @@ _FUSED = {
 
 # transformers 5 keeps each MoE layer's routed experts as two 3-D tensors (`experts.gate_up_proj`
 # [E, 2I, H], `experts.down_proj` [E, H, I]); vLLM's fused-MoE loader takes them as they are into
-# its `w13_weight` / `w2_weight` (under `routed_experts.` in vLLM 0.32).
-_FUSED_EXPERTS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+# its `w13_weight` / `w2_weight` (under `routed_experts.` in vLLM 0.32), by the names of the
+# model's checkpoints: Qwen3-MoE's `gate_up_proj` / `down_proj`, Mixtral's `w13` / `w2`.
+_FUSED_EXPERTS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight", "w13": "w13_weight", "w2": "w2_weight"}
+
+# Mixtral: transformers 5 names a layer's mixture `mlp` (`mlp.gate.weight`, `mlp.experts.gate_up_proj`,
+# `mlp.experts.down_proj`), while vLLM 0.32's Mixtral keeps the checkpoints' `block_sparse_moe`, whose
+# fused-MoE loader takes the fused tensors as `experts.w13` / `experts.w2` (its expert names are
+# w1 = gate, w3 = up, w2 = down; `w13` is [gate; up] stacked as transformers stacks `gate_up_proj`).
+_MIXTRAL_MOE = "block_sparse_moe"
+_MIXTRAL_EXPERTS = {"gate_up_proj": "w13", "down_proj": "w2"}
 
 
 # transformers 5.2x names a CLIP / SigLIP vision tower's modules without the `vision_model.` level
@@ -214,14 +222,36 @@ def _lacks_tower_level(name: str) -> bool:
 
 def vllm_checkpoint_name(hf_name: str, known: set[str]) -> str:
     """The checkpoint-format name vLLM's `load_weights` takes for a tensor posttrain names
-    `hf_name` (a trainer's name or one in a checkpoint transformers saved): itself, except that a
-    vision tower's tensors get the `vision_model.` level back when the vLLM model (parameter names
-    `known`) has it and the name lacks it."""
+    `hf_name` (a trainer's name or one in a checkpoint transformers saved): itself, except that
+    - a vision tower's tensors get the `vision_model.` level back when the vLLM model (parameter
+      names `known`) has it and the name lacks it;
+    - a Mixtral layer's router and fused experts (transformers 5's `mlp.gate.weight`,
+      `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) get vLLM's Mixtral names
+      (`block_sparse_moe.gate.weight`, `block_sparse_moe.experts.w13`, `...experts.w2`) when the
+      vLLM model has that layer's `block_sparse_moe`."""
+    mixtral = mixtral_moe_name(hf_name, known)
+    if mixtral is not None:
+        return mixtral
     if not _lacks_tower_level(hf_name) or not any(
             name.startswith(_TOWER + _TOWER_LEVEL) or f".{_TOWER}{_TOWER_LEVEL}" in name for name in known):
         return hf_name
     head, _, rest = hf_name.partition(_TOWER)
     return f"{head}{_TOWER}{_TOWER_LEVEL}{rest}"
+
+
+def mixtral_moe_name(hf_name: str, known: set[str]) -> Optional[str]:
+    """vLLM's Mixtral name of a transformers 5 Mixtral router or fused-experts tensor (see
+    `vllm_checkpoint_name`), or None for any other tensor or a vLLM model without that layer's
+    `block_sparse_moe`."""
+    layer, mlp, rest = hf_name.partition(".mlp.")
+    if not mlp or not any(name.startswith(f"{layer}.{_MIXTRAL_MOE}.") for name in known):
+        return None
+    if rest == "gate.weight":
+        return f"{layer}.{_MIXTRAL_MOE}.{rest}"
+    kind, _, fused = rest.partition(".")
+    if kind == "experts" and fused in _MIXTRAL_EXPERTS:
+        return f"{layer}.{_MIXTRAL_MOE}.experts.{_MIXTRAL_EXPERTS[fused]}"
+    return None
 
 
 def checkpoint_needs_vllm_names(tensor_names: Iterable[str]) -> bool:
