@@ -9,7 +9,7 @@ from typing import Any, Optional
 from posttrain.plan.formulas import GiB, longest_prompt_tokens
 from posttrain.plan.devices import Plan, WarmStart
 from posttrain.plan.jobs import memory_plan, validates
-from posttrain.plan.shape import ModelShape, model_shape, shape_for
+from posttrain.plan.shape import ModelShape, hf_config_of, model_shape, shape_for
 
 # A plan must leave this share of the device free (CUDA context, fragmentation, optimizer temporaries).
 HEADROOM = 0.10
@@ -160,16 +160,13 @@ def candidate_fixes(cfg: Any, shape: Optional[ModelShape] = None,
 
 
 def splits_into_stages(cfg: Any) -> bool:
-    """Whether `cfg`'s model can be cut into its `policy.pipeline_parallel_size` stages (preflight's
-    check of its config: model type, untied embeddings, full attention, enough layers)."""
-    from posttrain.errors import UserError
-    from posttrain.preflight import check_pipeline_parallel
+    """Whether `cfg`'s model can be cut into its pipeline stages (`parallel_sizes.pipeline_problem`
+    on its config: model type, untied embeddings, full attention, enough layers)."""
+    from posttrain.models.parallel_sizes import pipeline_problem
 
-    try:
-        check_pipeline_parallel(cfg.policy)
-    except UserError:
-        return False
-    return True
+    policy = cfg.policy
+    return pipeline_problem(hf_config_of(policy).to_dict(), policy.pipeline_parallel_size
+                            * policy.pipeline_stages_per_worker, policy.pipeline_layer_split) is None
 
 
 def fit_problem(cfg: Any, shape: ModelShape, plan: Plan) -> Optional[str]:
