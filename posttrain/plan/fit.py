@@ -190,7 +190,8 @@ def fit_problem(cfg: Any, shape: ModelShape, plan: Plan) -> Optional[str]:
             found[key] = prefix + change
     advice = ("it would fit with any one of: " + ", ".join(found.values())) if found else \
         "no single change of policy.activation_checkpointing, micro-batch sizes, policy.num_workers, " \
-        "policy.tensor_parallel_size, policy.pipeline_parallel_size, policy.precision, policy.lora.enabled or generation settings" + \
+        "policy.tensor_parallel_size, policy.pipeline_parallel_size, policy.precision, policy.lora.enabled or " \
+        "generation settings" + \
         (" (or the teachers' logprob batches, num_workers and tensor_parallel_size)" if plan.teacher_shapes else "") + \
         " makes it fit"
     job = f"{prefix[:-1]} (SFT warm start), " if prefix else ""

@@ -18,7 +18,8 @@ Phases, as the jobs run them:
   without gradients over `val_batch_size` examples, in the logprob micro-batches);
 - `posttrain eval`: evaluation, one generation worker decoding `eval.batch_size` prompts per call.
 
-A generation engine's rows are `engine.py`'s, a distillation's teachers' `teachers.py`'s.
+A generation engine's rows are `engine.py`'s, a distillation's teachers' `teachers.py`'s. Under
+pipeline parallelism the policy's ranks hold different things, so each is planned (`pipeline_plan`).
 """
 
 from __future__ import annotations

@@ -110,8 +110,8 @@ def checkpoint_names(files: dict[str, Path], model_type: str) -> dict[str, str]:
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     from transformers.core_model_loading import WeightRenaming
 
-    renamings = [(source, target) for rule in get_checkpoint_conversion_mapping(model_type) or ()
-                 if isinstance(rule, WeightRenaming) for source, target in zip(rule.source_patterns, rule.target_patterns)]
+    renamings = [pair for rule in get_checkpoint_conversion_mapping(model_type) or ()
+                 if isinstance(rule, WeightRenaming) for pair in zip(rule.source_patterns, rule.target_patterns)]
     names = {}
     for key in files:
         renamed = key
@@ -134,7 +134,8 @@ def fill_from_safetensors(model: torch.nn.Module, files: dict[str, Path], dtype:
     skip = set(skip)
     tied = getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None
     # A tied head is the input embeddings (tied below), which checkpoints keep once.
-    head = {name for name, p in model.named_parameters() if p is model.get_output_embeddings().weight} if tied else set()
+    head_weight = model.get_output_embeddings().weight if tied else None
+    head = {name for name, p in model.named_parameters() if p is head_weight}
     wanted = [name for name, p in model.named_parameters() if p.is_meta and name not in skip | head]
     missing = [name for name in wanted if name not in names]
     if missing:
