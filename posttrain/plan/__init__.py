@@ -25,7 +25,7 @@ from posttrain.plan.formulas import (
     CPU_RUNTIME_BYTES, DTYPE_BYTES, FUSED_LOGPROB_TILE_BYTES, PROMPTS_TOKENIZED, GiB, MiB,
     activation_bytes_per_token_layer, compute_dtype_bytes, head_bytes, kv_cache_bytes, logprob_activation_bytes,
     longest_prompt_tokens, longest_row_tokens, micro_batch_tokens, optimizer_state_bytes, per_rank_params,
-    ring_attention_block_bytes, topk_logits_bytes, training_activation_bytes,
+    pipeline_rank, ring_attention_block_bytes, topk_logits_bytes, training_activation_bytes,
 )
 from posttrain.plan.devices import PHASES, DevicePlan, Plan, WarmStart
 from posttrain.plan.engine import engine_rows, native_engine_bytes
@@ -39,7 +39,8 @@ __all__ = [
     "candidate_fixes", "check_memory", "compute_dtype_bytes", "detect_device_bytes", "engine_rows", "fit_problem",
     "fits", "format_job", "format_plan", "head_bytes", "job_name", "job_phases", "kv_cache_bytes",
     "logprob_activation_bytes", "longest_prompt_tokens", "longest_row_tokens", "memory_plan", "micro_batch_tokens",
-    "model_shape", "native_engine_bytes", "optimizer_state_bytes", "per_rank_params", "read_teacher_shapes",
+    "model_shape", "native_engine_bytes", "optimizer_state_bytes", "per_rank_params", "pipeline_rank",
+    "read_teacher_shapes",
     "ring_attention_block_bytes", "run_plan", "shape_for", "shape_from_hf_config", "topk_logits_bytes",
     "training_activation_bytes", "validates",
 ]

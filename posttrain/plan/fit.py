@@ -9,7 +9,7 @@ from typing import Any, Optional
 from posttrain.plan.formulas import GiB, longest_prompt_tokens
 from posttrain.plan.devices import Plan, WarmStart
 from posttrain.plan.jobs import memory_plan, validates
-from posttrain.plan.shape import ModelShape, model_shape, shape_for
+from posttrain.plan.shape import ModelShape, hf_config_of, model_shape, shape_for
 
 # A plan must leave this share of the device free (CUDA context, fragmentation, optimizer temporaries).
 HEADROOM = 0.10
@@ -117,6 +117,13 @@ def candidate_fixes(cfg: Any, shape: Optional[ModelShape] = None,
             if shape is not None and shape.num_experts and shape.num_experts % ep == 0 and ep > policy.expert_parallel_size \
                     and policy.num_workers % ep == 0:
                 variant("policy.expert_parallel_size", ep)
+        for pp in (2, 4, 8):  # dense llama / qwen2 / qwen3, untied (`pipeline_problem`): layers split into stages
+            if shape is not None and not shape.num_experts and pp > policy.pipeline_parallel_size \
+                    and policy.num_workers % (pp * policy.tensor_parallel_size) == 0:
+                before = len(fixes)
+                variant("policy.pipeline_parallel_size", pp)
+                if len(fixes) > before and not splits_into_stages(fixes[-1][1]):
+                    fixes.pop()
         if gen.backend == "vllm" and gen.colocated.enabled:
             for util in (0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2):
                 if util < gen.vllm_cfg.gpu_memory_utilization:
@@ -152,6 +159,16 @@ def candidate_fixes(cfg: Any, shape: Optional[ModelShape] = None,
 
 
 
+def splits_into_stages(cfg: Any) -> bool:
+    """Whether `cfg`'s model can be cut into its pipeline stages (`parallel_sizes.pipeline_problem`
+    on its config: model type, untied embeddings, full attention, enough layers)."""
+    from posttrain.models.parallel_sizes import pipeline_problem
+
+    policy = cfg.policy
+    return pipeline_problem(hf_config_of(policy).to_dict(), policy.pipeline_parallel_size
+                            * policy.pipeline_stages_per_worker, policy.pipeline_layer_split) is None
+
+
 def fit_problem(cfg: Any, shape: ModelShape, plan: Plan) -> Optional[str]:
     """None when `plan` fits; else one line: the job and phase, the need, the memory, and the single
     changes that fit (for each key, the first value tried that fits: the mildest change). A warm
@@ -173,7 +190,8 @@ def fit_problem(cfg: Any, shape: ModelShape, plan: Plan) -> Optional[str]:
             found[key] = prefix + change
     advice = ("it would fit with any one of: " + ", ".join(found.values())) if found else \
         "no single change of policy.activation_checkpointing, micro-batch sizes, policy.num_workers, " \
-        "policy.tensor_parallel_size, policy.precision, policy.lora.enabled or generation settings" + \
+        "policy.tensor_parallel_size, policy.pipeline_parallel_size, policy.precision, policy.lora.enabled or " \
+        "generation settings" + \
         (" (or the teachers' logprob batches, num_workers and tensor_parallel_size)" if plan.teacher_shapes else "") + \
         " makes it fit"
     job = f"{prefix[:-1]} (SFT warm start), " if prefix else ""

@@ -204,31 +204,60 @@ def topk_logits_bytes(shape: ModelShape, tokens: int, dtype_bytes: int, k: int) 
 
 
 
-def first_pipeline_rank(policy: Any, shape: ModelShape, dp: int, tp: int, dtype_bytes: int,
-                        tokens: int) -> dict[str, float]:
-    """Under pipeline parallelism (`models/policy/pipeline.py`), what the first pipeline rank holds
-    (the embeddings, the first stages, which take the extra layers of an uneven split, and the most
-    micro-batches in flight under 1F1B and interleaved 1F1B): `params` (its layers over its `dp`
-    FSDP ranks and `tp` TP ranks, the input embeddings, half of `embedding_params` since pipeline
-    stages need them untied, over `dp`), `layers` (its decoder layers), `in_flight` (stage forwards
-    whose activations it holds at its peak, `pipeline_in_flight`, for `train_global_batch_size / dp`
-    rows in micro-batches of `train_micro_batch_size`) and `activations` (bytes: each in-flight stage
-    forward keeps its layers' activations, or with activation checkpointing their inputs, for a
-    micro-batch of `tokens`, plus the layer computed in backward; the first stage has no head)."""
+def pipeline_rank(policy: Any, shape: ModelShape, dp: int, tp: int, dtype_bytes: int, tokens: int,
+                  pp_rank: int) -> dict[str, Any]:
+    """Under pipeline parallelism (`models/policy/pipeline.py`), what pipeline rank `pp_rank` holds.
+    Which rank holds the most depends on the model and the split: the first rank has the input
+    embeddings, the most micro-batches in flight under 1F1B and interleaved 1F1B (`pp - rank`) and,
+    in an even split, the extra layers; the last has the LM head and the logprob head's working
+    memory, which grow with the vocabulary; an uneven `policy.pipeline_layer_split` can make any
+    rank the largest. Returns
+
+    - `first`, `last`: whether it holds the first / last stage;
+    - `params`: its stages' layers over its `dp` FSDP ranks and `tp` TP ranks, plus the input
+      embeddings (first) and the LM head (last), each half of `embedding_params` (pipeline stages
+      need them untied), whole on every TP rank, over `dp`;
+    - `gathered`: what FSDP keeps all-gathered from a micro-batch's forward to its backward
+      (`split_and_shard`: every layer and each chunk's root, reshard_after_forward=False), in fp32:
+      its layers' TP shards and its embeddings / head;
+    - `layers` (its decoder layers), `in_flight` (stage forwards whose activations it holds at its
+      peak, `pipeline_in_flight` for this rank, for `train_global_batch_size / dp` rows in
+      micro-batches of `train_micro_batch_size`);
+    - `activations` (bytes): each in-flight stage forward keeps its layers' activations (its
+      largest local stage's), or with activation checkpointing their inputs, for a micro-batch of
+      `tokens`, plus the layer computed in backward;
+    - `head` (bytes, last rank only, else 0): the final hidden states the fused chunked lm_head +
+      logprob kernel saves (`StageChunk` always takes that path, `linear_logprobs.py`: no
+      `[tokens, vocab]` logits) for each micro-batch whose head forward waits for its backward (1
+      under 1F1B and interleaved 1F1B, where the last stage turns each forward straight into its
+      backward; every micro-batch under GPipe) plus its float32 tile (`head_bytes`), and its
+      backward's float32 `[vocab, hidden]` weight-gradient accumulator (and its cast to the compute
+      dtype below float32), alive while every saved activation still is."""
     from posttrain.models.parallel_sizes import (
         local_stages, microbatches_needed, pipeline_in_flight, stage_layer_counts,
     )
 
     pp, virtual = policy.pipeline_parallel_size, policy.pipeline_stages_per_worker
-    counts = stage_layer_counts(shape.num_layers, pp * virtual, policy.pipeline_layer_split)
-    layers = sum(counts[s] for s in local_stages(0, pp, virtual))
-    dense = shape.num_params - shape.embedding_params
-    params = (dense * layers / shape.num_layers / tp + shape.embedding_params / 2) / dp
+    num_stages = pp * virtual
+    counts = stage_layer_counts(shape.num_layers, num_stages, policy.pipeline_layer_split)
+    stages = local_stages(pp_rank, pp, virtual)
+    first, last = 0 in stages, num_stages - 1 in stages
+    layers = sum(counts[s] for s in stages)
+    layer_params = (shape.num_params - shape.embedding_params) * layers / shape.num_layers / tp
+    ends = shape.embedding_params / 2 * (first + last)  # input embeddings, LM head
     microbatches = -(-(policy.train_global_batch_size // dp) // policy.train_micro_batch_size)
-    in_flight = pipeline_in_flight(policy.pipeline_schedule, pp, virtual,
-                                   microbatches_needed(microbatches, policy.pipeline_schedule, pp, pp * virtual), 0)
+    needed = microbatches_needed(microbatches, policy.pipeline_schedule, pp, num_stages)
+    in_flight = pipeline_in_flight(policy.pipeline_schedule, pp, virtual, needed, pp_rank)
     per_layer = activation_bytes_per_token_layer(shape, dtype_bytes, tp)
     kept = dtype_bytes * shape.hidden_size if policy.activation_checkpointing else per_layer
     working = 2 * per_layer if policy.activation_checkpointing else per_layer
-    activations = tokens * (in_flight * counts[0] * kept + working)
-    return dict(params=params, layers=layers, in_flight=in_flight, activations=activations)
+    activations = tokens * (in_flight * max(counts[s] for s in stages) * kept + working)
+    head = 0.0
+    if last:
+        waiting = needed if policy.pipeline_schedule == "gpipe" else 1
+        weight = shape.vocab_size * shape.hidden_size
+        head = (head_bytes(shape, tokens, dtype_bytes, fused_logprobs=True, backward=True)
+                + (waiting - 1) * tokens * dtype_bytes * shape.hidden_size
+                + (4 + (dtype_bytes if dtype_bytes < 4 else 0)) * weight)
+    return dict(first=first, last=last, params=(layer_params + ends) / dp, gathered=4 * (layer_params + ends),
+                layers=layers, in_flight=in_flight, activations=activations, head=head)

@@ -18,7 +18,8 @@ Phases, as the jobs run them:
   without gradients over `val_batch_size` examples, in the logprob micro-batches);
 - `posttrain eval`: evaluation, one generation worker decoding `eval.batch_size` prompts per call.
 
-A generation engine's rows are `engine.py`'s, a distillation's teachers' `teachers.py`'s.
+A generation engine's rows are `engine.py`'s, a distillation's teachers' `teachers.py`'s. Under
+pipeline parallelism the policy's ranks hold different things, so each is planned (`pipeline_plan`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from posttrain.plan.devices import DevicePlan, Plan
 from posttrain.plan.engine import add_engine, engine_dtype_bytes, engine_shares_dtype, has_quantized_copy
 from posttrain.plan.formulas import (
     CPU_RUNTIME_BYTES, GiB, compute_dtype_bytes, logprob_activation_bytes, longest_row_tokens,
-    first_pipeline_rank, micro_batch_tokens, optimizer_state_bytes, per_rank_params, ring_attention_block_bytes,
+    micro_batch_tokens, optimizer_state_bytes, per_rank_params, pipeline_rank, ring_attention_block_bytes,
     training_activation_bytes,
 )
 from posttrain.plan.shape import ModelShape
@@ -84,12 +85,16 @@ def job_phases(cfg: Any) -> tuple[str, ...]:
 
 
 def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
-                longest_prompt: Optional[int] = None, teacher_shapes: Optional[dict[str, ModelShape]] = None) -> Plan:
+                longest_prompt: Optional[int] = None, teacher_shapes: Optional[dict[str, ModelShape]] = None,
+                pp_rank: Optional[int] = None) -> Plan:
     """What each device holds in each phase of `cfg`'s job (a validated master config) for `shape`;
     `longest_prompt` (tokens, default None: unknown) bounds RL rows (`longest_row_tokens`).
     `teacher_shapes` (distillation; default: read from each teacher section's model, `model_shape`)
     are the teachers' shapes by key (`teacher`, `teachers.<task>`). Warm starts are jobs of their
-    own (`run_plan`)."""
+    own (`run_plan`). Under pipeline parallelism the policy's devices are its pipeline ranks'
+    (`pipeline_plan`); `pp_rank` plans that one rank's policy device only."""
+    if cfg.policy.pipeline_parallel_size > 1 and pp_rank is None and not hasattr(cfg, "eval"):
+        return pipeline_plan(cfg, shape, device_bytes, longest_prompt, teacher_shapes)
     from posttrain.config.schema import resolve_backend
     from posttrain.models.policy.offload import offloads_during_generation
     from posttrain.models.refit import MAX_BUCKET_BYTES
@@ -116,7 +121,7 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
 
     shards, tp, sp = policy.num_workers, policy.tensor_parallel_size, policy.sequence_parallel
     cp = policy.context_parallel_size  # CP ranks hold 1/cp of every row's tokens
-    pp = policy.pipeline_parallel_size  # the plan is the first pipeline rank's (formulas.first_pipeline_rank)
+    pp = policy.pipeline_parallel_size  # with pp > 1 this plans pipeline rank `pp_rank` (formulas.pipeline_rank)
     dp = shards // (tp * pp)
     trainable = shape.lora_params if policy.lora.enabled else shape.num_params  # LoRA is refused under TP
     colocated = gen.colocated.enabled
@@ -132,8 +137,7 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
     engine_in_place = local and colocated and gen.backend == "native" and shards == 1 and engine_shares_dtype(cfg)
     lends_weights = engine_in_place and not policy.lora.enabled
     resident = tuple(p for p in phases if p not in ("generation", "validation")) if offloaded else phases
-    trainer = DevicePlan("policy worker" + (" (first pipeline stage)" if pp > 1 else "")
-                         + (" (+ generation)" if colocated and has_generation else ""), phases)
+    trainer = DevicePlan("policy worker" + (" (+ generation)" if colocated and has_generation else ""), phases)
     if not on_gpu:
         trainer.add("runtime (python, torch)", CPU_RUNTIME_BYTES)
     # Master weights are float32 (autocast computes in policy.precision), sharded by FSDP2 over the
@@ -142,7 +146,8 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
     # layers' TP shards in float32). Context parallel ranks are FSDP shards too (over dp x cp).
     ep = policy.expert_parallel_size  # routed experts split over EP groups, outside FSDP (expert_parallel.py)
     per_rank = per_rank_params(shape, shards, tp, ep)
-    stage = first_pipeline_rank(policy, shape, dp, tp, c, micro_batch_tokens(policy, True, row_tokens)) if pp > 1 else None
+    stage = pipeline_rank(policy, shape, dp, tp, c, micro_batch_tokens(policy, True, row_tokens), pp_rank or 0) \
+        if pp > 1 else None
     if stage is not None:
         per_rank = stage["params"]
     trainer.add("policy parameters (fp32)", 4 * per_rank, phases if lends_weights else resident)
@@ -150,8 +155,8 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
     # validation; none in distillation, whose logprobs phase is its teachers' (`add_teachers`).
     no_grad = () if job == "distill" else ("logprobs",) if has_generation else ("logprobs", "validation")
     if dp > 1 and stage is not None:  # stages keep their layers gathered from forward to backward (pipeline.py)
-        trainer.add("FSDP gathered stage layers", 4 * (shape.num_params - shape.embedding_params) * stage["layers"]
-                    / shape.num_layers / tp, ("training",) + no_grad)
+        trainer.add("FSDP gathered stage (layers" + (", embeddings" if stage["first"] else "")
+                    + (", head" if stage["last"] else "") + ")", stage["gathered"], ("training",) + no_grad)
     elif dp > 1:
         trainer.add("FSDP all-gathered layers", 2 * 4 * (shape.num_params - shape.embedding_params * (tp > 1)
                                                           - shape.expert_params * (ep > 1))
@@ -165,12 +170,15 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
     if stage is not None:
         trainer.add(f"activations ({stage['in_flight']} stage forwards in flight"
                     + (", checkpointed)" if policy.activation_checkpointing else ")"), stage["activations"], ("training",))
+        if stage["last"]:
+            trainer.add("LM head: fused logprobs + fp32 weight gradient", stage["head"], ("training",))
     else:
         trainer.add("activations" + (" (checkpointed)" if policy.activation_checkpointing else ""),
                     training_activation_bytes(shape, micro_batch_tokens(policy, True, row_tokens) // cp, c,
                                           policy.activation_checkpointing, fused_head, tp, sp), ("training",))
+    # Pipeline stages always compute logprobs with the fused head (`pipeline.StageChunk`).
     trainer.add("logprob forward", logprob_activation_bytes(shape, micro_batch_tokens(policy, False, row_tokens) // cp, c,
-                                                             policy.fused_logprobs, tp, sp), no_grad)
+                                                             policy.fused_logprobs or pp > 1, tp, sp), no_grad)
     if cp > 1 and on_gpu and c == 4:  # no fused CUDA kernel for float32 blocks (attention_blocks.block_kernel)
         trainer.add("ring attention blocks (fp32)", ring_attention_block_bytes(
             shape, micro_batch_tokens(policy, True), policy.max_total_sequence_length, cp), ("training",))
@@ -213,6 +221,28 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
                      longest_prompt=longest_prompt, in_process=local)
     return Plan(devices, device_bytes, on_gpu, counts, cfg.cluster.num_nodes, row_tokens, longest_prompt, bound, job,
                 phases, teacher_shapes=shapes)
+
+
+def pipeline_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int], longest_prompt: Optional[int],
+                  teacher_shapes: Optional[dict[str, ModelShape]]) -> Plan:
+    """`memory_plan` under pipeline parallelism: every pipeline rank is planned (`formulas.pipeline_rank`)
+    and the policy's devices are the first rank's, the last rank's and, with more than 2 ranks, the
+    largest of the ranks between them standing for all of those (on CPU, where a node's processes
+    add up, an upper bound for them); the rest of the plan (engines, teachers) is the first rank's.
+    Fit (`Plan.node_peak`) and the fixes that would make it fit are decided by the largest."""
+    pp = cfg.policy.pipeline_parallel_size
+    plans = [memory_plan(cfg, shape, device_bytes, longest_prompt, teacher_shapes, pp_rank=r) for r in range(pp)]
+    peaks = [p.devices[0].peak()[1] for p in plans]
+    middle = max(range(1, pp - 1), key=lambda r: peaks[r], default=None)  # the first of equals
+    plan, per_rank = plans[0], plans[0].process_counts[0] // pp
+    ranks = [0] + ([middle] if middle is not None else []) + [pp - 1]
+    for r in ranks:
+        place = ("first pipeline stage" if r == 0 else "last pipeline stage" if r == pp - 1 else
+                 f"pipeline rank {r}, the largest of ranks 1-{pp - 2}")
+        plans[r].devices[0].name = plans[r].devices[0].name.replace("policy worker", f"policy worker ({place})", 1)
+    plan.devices[:1] = [plans[r].devices[0] for r in ranks]
+    plan.process_counts[:1] = [per_rank * (pp - 2 if r == middle else 1) for r in ranks]
+    return plan
 
 
 def add_critic(cfg: Any, shape: ModelShape, trainer: DevicePlan, devices: list[DevicePlan], counts: list[int], *,

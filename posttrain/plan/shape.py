@@ -64,11 +64,9 @@ def shape_from_hf_config(config: dict, num_params: int, largest_tensor: int = 0,
     )
 
 
-def model_shape(policy: Any) -> ModelShape:
-    """Shape of `policy.model_name` (its config.json; a preset's config): the parameters are counted
-    on torch's meta device, so nothing is allocated and no weights are read."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+def hf_config_of(policy: Any) -> Any:
+    """The Hugging Face config of `policy.model_name`: a preset's, a training checkpoint's or config.json's."""
+    from transformers import AutoConfig
 
     from posttrain.models.hf import parse_tiny_name, resolve_model_path
 
@@ -86,6 +84,16 @@ def model_shape(policy: Any) -> ModelShape:
         path = str(checkpoint / "hf") if checkpoint is not None else resolve_model_path(policy.model_name,
                                                                                        policy.tiny_arch)
         hf_config = AutoConfig.from_pretrained(path)
+    return hf_config
+
+
+def model_shape(policy: Any) -> ModelShape:
+    """Shape of `policy.model_name` (its config.json; a preset's config): the parameters are counted
+    on torch's meta device, so nothing is allocated and no weights are read."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    hf_config = hf_config_of(policy)
     from posttrain.models.vision_inputs import is_vision_language_config
 
     # A vision-language model: every parameter counts (the vision tower's too: weights, gradients,

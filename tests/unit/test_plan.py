@@ -196,28 +196,6 @@ def test_context_parallel_divides_the_sequence_proportional_activations_by_hand(
         assert "ring attention blocks (fp32)" not in fused, extra
 
 
-def test_pipeline_parallel_plans_the_first_stage_by_hand():
-    """PP=2 x DP=2 on 4 GPUs, 8 rows per step (4 micro-batches of one 2048-token row per pipeline):
-    the first pipeline rank holds 2 of the 4 layers and the input embeddings (half of 12 800), over
-    its 2 FSDP ranks, keeps its layers gathered through the step, and holds the activations of the
-    stage forwards in flight at its peak: 1F1B 2 (pp - rank), GPipe all 4, interleaved 1F1B
-    (2 virtual stages of one layer) torch's warm-up (2 - 1) * 2 + 2 * 1 = 4 plus one."""
-    shape = mp.ModelShape(**{**SHAPE.__dict__, "embedding_params": 2 * 100 * 64})
-    common = ["cluster.gpus_per_node=4", "policy.num_workers=4", "policy.pipeline_parallel_size=2",
-              "policy.train_global_batch_size=8", "policy.train_micro_batch_size=1",
-              "policy.max_total_sequence_length=2048", "grpo.num_prompts_per_step=1",
-              "grpo.num_generations_per_prompt=8"]
-    per_layer = mp.activation_bytes_per_token_layer(shape, 4)
-    for schedule, in_flight, chunk_layers in (("1f1b", 2, 2), ("gpipe", 4, 2), ("interleaved_1f1b", 5, 1)):
-        plan = mp.memory_plan(grpo(*common, f"policy.pipeline_schedule={schedule}"), shape, device_bytes=80 * GiB)
-        rows = plan.devices[0].rows
-        assert plan.devices[0].name.startswith("policy worker (first pipeline stage)")
-        assert rows["policy parameters (fp32)"]["training"] == 4 * ((1_000_000 - 12_800) * 2 / 4 + 6_400) / 2
-        assert rows["FSDP gathered stage layers"]["training"] == 4 * (1_000_000 - 12_800) * 2 / 4
-        assert rows[f"activations ({in_flight} stage forwards in flight)"]["training"] == \
-            2048 * per_layer * (in_flight * chunk_layers + 1), schedule
-
-
 def test_a_sequence_too_long_for_one_gpu_is_told_the_tensor_parallel_size_that_fits():
     big = mp.ModelShape(num_params=7_000_000_000, hidden_size=4096, num_layers=32, vocab_size=32000,
                         num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,

@@ -40,13 +40,18 @@ Refused in one line (the config; preflight and the worker by `parallel_sizes.exp
 EP with tensor or context parallelism or LoRA, EP on a dense model, an EP size that does not divide
 `num_workers` or the number of routed experts, reward and value models. Every forward of the model is collective over the EP group, as FSDP's already are
 (the worker pads the micro-batch count with dummies).
+
+Loading: from a local safetensors checkpoint every rank reads the tensors outside the routed experts
+and only its own experts' (`sharded_load.ExpertSliceReader`, called by `shard_experts`), so a node's
+ranks read the experts once between them; a checkpoint that is not local safetensors is read whole
+by every rank, which keeps its experts.
 """
 
 from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -85,11 +90,22 @@ def expert_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[torch.nn.Parameter]:
+def expert_weight_names(model: torch.nn.Module) -> list[str]:
+    """The names of the routed experts' 3-D tensors of `model` (`expert_modules`), in model order."""
+    modules = {id(module) for module in expert_modules(model)}
+    return [f"{name}.{weight}" for name, module in model.named_modules() if id(module) in modules
+            for weight in EXPERT_WEIGHTS]
+
+
+def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh,
+                  read: Optional[Callable[[str, int, int], torch.Tensor]] = None) -> list[torch.nn.Parameter]:
     """Keep this rank's experts of every MoE layer (DTensors `Shard(0)` over `ep_mesh`, on its
     device) and dispatch tokens with `ep_experts_forward`. Returns the expert parameters in model
     order, the same on every rank (FSDP ignores them; their gradients are all-reduced in this
-    order). Raises ValueError when the model has no experts module transformers 5 builds."""
+    order). Raises ValueError when the model has no experts module transformers 5 builds.
+
+    Experts still on the meta device (a model built by `sharded_load`) are read by
+    `read(parameter name, first expert, end)` (`sharded_load.ExpertSliceReader`): this rank's only."""
     modules = expert_modules(model)
     if not modules:
         raise ValueError(f"policy.expert_parallel_size: {type(model).__name__} has no experts module with 3-D "
@@ -99,10 +115,17 @@ def shard_experts(model: torch.nn.Module, ep_mesh: DeviceMesh) -> list[torch.nn.
     shard = ExpertShard(ep_mesh.get_group(), size, rank, local)
     device = torch.device(ep_mesh.device_type, torch.cuda.current_device()) if ep_mesh.device_type == "cuda" else None
     params: list[torch.nn.Parameter] = []
+    module_names = {id(m): name for name, m in model.named_modules()}
     for module in modules:
         for name in EXPERT_WEIGHTS:
             full = getattr(module, name)
-            mine = full.detach()[rank * local:(rank + 1) * local].to(device or full.device, copy=True)
+            if full.is_meta:
+                if read is None:
+                    raise ValueError(f"{module_names[id(module)]}.{name} is on the meta device and nothing reads it")
+                mine = read(f"{module_names[id(module)]}.{name}", rank * local, (rank + 1) * local)
+                mine = mine.to(device or "cpu", dtype=full.dtype)
+            else:
+                mine = full.detach()[rank * local:(rank + 1) * local].to(device or full.device, copy=True)
             param = torch.nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False),
                                        requires_grad=full.requires_grad)
             setattr(module, name, param)

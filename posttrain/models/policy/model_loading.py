@@ -3,12 +3,16 @@
 The model is read on the CPU in float32 (a causal LM, a sequence classifier with one label for
 a reward model, or a token classifier with one label for a value model); with several workers
 only rank 0 reads the weights and the others build the skeleton on the meta device and receive
-their shards (`sharded_load.py`). It is then sharded: tensor parallel within each TP group and
-FSDP2 over the data-parallel ranks (`parallel.py`), or FSDP2 over data x context-parallel ranks
+their shards (`sharded_load.py`); from local safetensors, under pipeline parallelism every rank
+reads its stages' tensors, under expert parallelism every tensor but the routed experts and then
+its own experts. It is then sharded: tensor parallel within each TP group and FSDP2 over the
+data-parallel ranks (`parallel.py`), or FSDP2 over data x context-parallel ranks
 (`context_parallel.py`).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -39,7 +43,11 @@ class ModelLoading:
     `self.ep_size`, `self.pp_size`, `self.compute_dtype`, `self.device`, `self.is_fsdp`, `self.model` and
     `self.load_host_memory`; `_shard_model` sets `self.dp_group`, `self.cp_group`, `self.metrics_group`,
     `self.expert_params` and `self.expert_replica_group` (expert parallelism), and with pipeline
-    parallelism `self.pp_group`, `self.pipeline_chunks` and `self.pipeline_stages`."""
+    parallelism `self.pp_group`, `self.pipeline_chunks` and `self.pipeline_stages`. Under expert
+    parallelism from local safetensors, `_load_model` sets `self.expert_reader` (each rank's experts
+    are read when `_shard_model` splits them)."""
+
+    expert_reader: Optional[sharded_load.ExpertSliceReader] = None
 
     def _load_model(self, model_path: str) -> torch.nn.Module:
         # Loaded on the CPU in float32: FSDP moves only this rank's shard to the device. With
@@ -49,9 +57,17 @@ class ModelLoading:
             # Pipeline stages: every rank reads only its own stages' tensors (`_shard_model`).
             self.stage_weights = (sharded_load.safetensors_files(model_path) if self.cfg.pipeline_parallel_size > 1
                                   else None)
-            if (self.loads_sharded and self.rank != 0) or self.stage_weights is not None:
-                return sharded_load.empty_causal_lm(model_path, self.cfg.tiny_arch, self.cfg.attn_implementation,
-                                                    rope_scaling=rope_scaling)
+            # Expert parallelism: every rank reads the tensors outside the routed experts, and its own experts only.
+            files = (sharded_load.safetensors_files(model_path) if self.ep_size > 1 and not self.is_vision else None)
+            if (self.loads_sharded and self.rank != 0) or self.stage_weights is not None or files is not None:
+                model = sharded_load.empty_causal_lm(model_path, self.cfg.tiny_arch, self.cfg.attn_implementation,
+                                                     rope_scaling=rope_scaling)
+                if files is not None:
+                    names = sharded_load.checkpoint_names(files, model.config.model_type)
+                    sharded_load.fill_from_safetensors(model, files, skip=expert_parallel.expert_weight_names(model),
+                                                       names=names)
+                    self.expert_reader = sharded_load.ExpertSliceReader(files, model.config.model_type)
+                return model
             return load_policy_lm(model_path, dtype=torch.float32, device="cpu", tiny_arch=self.cfg.tiny_arch,
                                   attn_implementation=self.cfg.attn_implementation, rope_scaling=rope_scaling)
         config = apply_rope_scaling(AutoConfig.from_pretrained(model_path, num_labels=1), rope_scaling)
@@ -111,12 +127,18 @@ class ModelLoading:
             self.expert_replica_group = ep_mesh["edp"].get_group()
             ep_mesh = ep_mesh["ep"]
         self.expert_params = parallel.shard_model(
-            self.model, dp_mesh, tp_mesh, ep_mesh=ep_mesh, sequence_parallel=self.cfg.sequence_parallel,
+            self.model, dp_mesh, tp_mesh, ep_mesh=ep_mesh, expert_reader=self.expert_reader,
+            sequence_parallel=self.cfg.sequence_parallel,
             activation_checkpointing=self.cfg.activation_checkpointing,
             weights_on_rank0_only=self.loads_sharded,
             mixed_precision=parallel.mixed_precision_policy(self.compute_dtype),
             cpu_offload=self.cfg.fsdp_cpu_offload and self.device.type != "cpu",
         )
+        if self.ep_size > 1 and self.rank == 0:
+            reads = ("reads the tensors outside the routed experts and only its own experts' slices"
+                     if self.expert_reader is not None else
+                     "reads the whole checkpoint (not local safetensors) and keeps its experts")
+            print(f"[posttrain] expert parallel x{self.ep_size}: every worker {reads}", flush=True)
         if self.cfg.fsdp_cpu_offload and self.device.type == "cpu" and self.rank == 0:
             # FSDP2's CPUOffloadPolicy needs an accelerator to offload from.
             print("[posttrain] policy.fsdp_cpu_offload: nothing to offload on CPU workers (weights already live in "

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch.nn.functional as F
 
@@ -228,6 +228,7 @@ def shard_model(
     mixed_precision: Optional[MixedPrecisionPolicy] = None,
     cpu_offload: bool = False,
     ep_mesh: Optional[DeviceMesh] = None,
+    expert_reader: Optional[Callable[[str, int, int], torch.Tensor]] = None,
 ) -> list[torch.nn.Parameter]:
     """Tensor-parallelise `model` over `tp_mesh` (if any), then FSDP2 over `dp_mesh`: one unit per
     decoder layer (HF's `_no_split_modules`), then the root.
@@ -238,8 +239,9 @@ def shard_model(
     scattering rank 0's, a collective the meta ranks cannot serve (the pair deadlocked).
 
     `ep_mesh` (expert parallelism, `expert_parallel.py`): the routed experts are split over it
-    first and FSDP ignores them. Returns the expert parameters so split, in model order (empty
-    without EP)."""
+    first and FSDP ignores them; experts on the meta device are read by `expert_reader` (this
+    rank's only, `sharded_load.ExpertSliceReader`). Returns the expert parameters so split, in
+    model order (empty without EP)."""
     if tp_mesh is not None:
         # DTensor warns, once per process, that gathering a 2-D (dp, tp) sharded tensor (state
         # dicts, the gradient norm) takes two collectives instead of one: expected, and noise in a
@@ -264,7 +266,7 @@ def shard_model(
     if ep_mesh is not None:
         from posttrain.models.policy.expert_parallel import shard_experts
 
-        expert_params = shard_experts(model, ep_mesh)
+        expert_params = shard_experts(model, ep_mesh, expert_reader)
         kwargs["ignored_params"] = set(expert_params)
     if mixed_precision is not None:
         kwargs["mp_policy"] = mixed_precision

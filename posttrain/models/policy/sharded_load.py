@@ -15,14 +15,24 @@ Pipeline parallelism loads differently: every rank builds the model on the meta 
 to its own stages and reads only their tensors from the checkpoint's safetensors files
 (`fill_from_safetensors`), so the ranks of a node hold about one model between them and no rank
 sends weights to another.
+
+So does expert parallelism (mixtures of experts, which rank-0 loading does not serve: worker.py):
+every rank builds the model on the meta device, reads every tensor but the routed experts
+(`fill_from_safetensors` with `skip`), and then only its own experts (`ExpertSliceReader`, called
+by `expert_parallel.shard_experts`): checkpoints keep one tensor per expert (`...experts.<j>.gate_proj.weight`,
+Mixtral's `w1` / `w3` / `w2`), which it reads for its experts only and fuses as transformers 5 does
+(`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`); a checkpoint saved with the fused tensors is
+read by a slice of its expert dimension (safetensors' `get_slice`). Checkpoint names are mapped to
+the model's by transformers' own renamings for the model type (Mixtral's `block_sparse_moe` -> `mlp`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -93,23 +103,96 @@ def safetensors_files(model_path: str) -> Optional[dict[str, Path]]:
         return {name: single for name in f.keys()}
 
 
-def fill_from_safetensors(model: torch.nn.Module, files: dict[str, Path], dtype: torch.dtype = torch.float32) -> None:
-    """Give every meta parameter of `model` its tensor from `files` (`safetensors_files`), read one
-    tensor at a time in `dtype`: only what the (pruned) model keeps is read. Raises naming the first
+def checkpoint_names(files: dict[str, Path], model_type: str) -> dict[str, str]:
+    """`{the model's name for a tensor: its name in the checkpoint}` for every tensor of `files`,
+    by transformers' renamings for `model_type` (`conversion_mapping`; none: the same names).
+    Per-expert tensors keep their expert index (`...mlp.experts.0.w1.weight`)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    renamings = [pair for rule in get_checkpoint_conversion_mapping(model_type) or ()
+                 if isinstance(rule, WeightRenaming) for pair in zip(rule.source_patterns, rule.target_patterns)]
+    names = {}
+    for key in files:
+        renamed = key
+        for source, target in renamings:
+            renamed = re.sub(source, target, renamed)
+        names[renamed] = key
+    return names
+
+
+def fill_from_safetensors(model: torch.nn.Module, files: dict[str, Path], dtype: torch.dtype = torch.float32,
+                          skip: Iterable[str] = (), names: Optional[dict[str, str]] = None) -> None:
+    """Give every meta parameter of `model` but those named in `skip` its tensor from `files`
+    (`safetensors_files`), read one tensor at a time in `dtype`: only what the (pruned) model keeps
+    is read; with `names` (`checkpoint_names`: the model's names to the checkpoint's) also the
+    persistent buffers the checkpoint holds (DeepSeek-V3's routing bias). Raises naming the first
     missing tensors, or any parameter left on the meta device."""
     from safetensors import safe_open
 
-    wanted = [name for name, p in model.named_parameters() if p.is_meta]
-    missing = [name for name in wanted if name not in files]
+    names = names if names is not None else {name: name for name in files}
+    skip = set(skip)
+    tied = getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None
+    # A tied head is the input embeddings (tied below), which checkpoints keep once.
+    head_weight = model.get_output_embeddings().weight if tied else None
+    head = {name for name, p in model.named_parameters() if p is head_weight}
+    wanted = [name for name, p in model.named_parameters() if p.is_meta and name not in skip | head]
+    missing = [name for name in wanted if name not in names]
     if missing:
         raise RuntimeError(f"the checkpoint has no tensor for {missing[:5]} ({len(missing)} missing)")
+    params = {name for name, _ in model.named_parameters()}
+    wanted += [name for name in model.state_dict() if name not in params and name in names]  # persistent buffers
     state: dict[str, torch.Tensor] = {}
-    for file in sorted({files[name] for name in wanted}):
+    for file in sorted({files[names[name]] for name in wanted}):
         with safe_open(file, framework="pt") as f:
             for name in wanted:
-                if files[name] == file:
-                    state[name] = f.get_tensor(name).to(dtype)
+                if files[names[name]] == file:
+                    state[name] = f.get_tensor(names[name]).to(dtype)
     model.load_state_dict(state, strict=False, assign=True)
-    left = [name for name, p in model.named_parameters() if p.is_meta]
+    if tied:
+        model.tie_weights()  # `assign` replaced the input embeddings' parameter: the head shares the new one
+    left = [name for name, p in model.named_parameters() if p.is_meta and name not in skip]
     if left:
-        raise RuntimeError(f"stage loading left tensors on the meta device: {left[:5]}")
+        raise RuntimeError(f"sharded loading left tensors on the meta device: {left[:5]}")
+
+
+class ExpertSliceReader:
+    """Reads experts `[start, stop)` of one fused expert tensor of the model (`...experts.gate_up_proj`
+    or `...experts.down_proj`, named as the model names it) from a checkpoint's safetensors files,
+    in float32 (module doc). `reads` lists what was read, `(checkpoint name, first, end)` (a
+    per-expert tensor: None, None: the whole of it), and `bytes_read` its bytes as stored."""
+
+    def __init__(self, files: dict[str, Path], model_type: str) -> None:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+
+        self.files, self.names = files, checkpoint_names(files, model_type)
+        # (fused target, its per-expert sources in order): gate_up_proj <- (gate, up), down_proj <- (down,)
+        self.converters = [(rule.target_patterns[0].lstrip("."), [s.lstrip(".") for s in rule.source_patterns])
+                           for rule in get_checkpoint_conversion_mapping(model_type) or ()
+                           if isinstance(rule, WeightConverter)]
+        self.reads: list[tuple[str, Optional[int], Optional[int]]] = []
+        self.bytes_read = 0
+
+    def _read(self, key: str, start: Optional[int] = None, stop: Optional[int] = None) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.files[key], framework="pt") as f:
+            tensor = f.get_tensor(key) if start is None else f.get_slice(key)[start:stop]
+        self.reads.append((key, start, stop))
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor.float()
+
+    def __call__(self, name: str, start: int, stop: int) -> torch.Tensor:
+        if name in self.names:  # saved fused (transformers 5's own layout): a slice of the expert dimension
+            return self._read(self.names[name], start, stop)
+        for target, sources in self.converters:
+            if name.endswith(target):
+                prefix = name[: len(name) - len(target)]
+                keys = [[prefix + source.replace("*", str(j)) for j in range(start, stop)] for source in sources]
+                missing = [key for group in keys for key in group if key not in self.names]
+                if missing:
+                    raise RuntimeError(f"the checkpoint has no tensor for the experts {missing[:3]} of {name}")
+                # Each source stacked over the experts, then the sources concatenated (gate, up): [E, 2I, H].
+                return torch.cat([torch.stack([self._read(self.names[key]) for key in group]) for group in keys], dim=1)
+        raise RuntimeError(f"no per-expert checkpoint layout is known for {name} (transformers' conversion mapping)")
