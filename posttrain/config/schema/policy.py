@@ -363,11 +363,12 @@ class PolicyConfig(Section):
     moe_router_replay: bool = Field(
         False,
         description=(
-            "Mixture-of-experts models, router replay: the native engine records each token's chosen experts and "
+            "Mixture-of-experts models, router replay: the generation engine records each token's chosen experts and "
             "the trainer's logprob and training forwards route every generated token to those experts (gate weights "
             "recomputed from the router's logits, so the router still learns; models/router_replay.py), so a flipped "
-            "top-k choice no longer adds to the generation/training mismatch. Native engine only (not vLLM, "
-            "speculative decoding or batch_invariant); not with sequence packing or context parallelism. "
+            "top-k choice no longer adds to the generation/training mismatch. The native engine, or vLLM on GPUs only "
+            "(vLLM 0.32 returns routed experts from its Triton model runner); not with speculative decoding, "
+            "batch_invariant, sequence packing or context parallelism. "
             "False (default): off."
         ),
     )
@@ -674,9 +675,8 @@ class PolicyConfig(Section):
             raise ValueError(f"policy.expert_parallel_size={ep} with policy.lora.enabled is not supported")
 
     def _check_router_replay(self) -> None:
-        """One line per combination router replay refuses (models/router_replay.py)."""
-        refused = [("policy.generation.backend=vllm", self.generation.backend == "vllm"),
-                   ("policy.generation.speculative", self.generation.speculative.method != "none"),
+        """One line per combination router replay refuses (models/router_replay.py; vLLM on CPU: jobs.py)."""
+        refused = [("policy.generation.speculative", self.generation.speculative.method != "none"),
                    ("policy.batch_invariant", self.batch_invariant),
                    ("policy.sequence_packing.enabled", self.sequence_packing.enabled),
                    ("policy.context_parallel_size > 1", self.context_parallel_size > 1)]

@@ -35,8 +35,8 @@ class GenerationSpec:
             no heartbeats; `WorkerGroup`).
         batch_invariant: the native engine generates each row alone (`policy.batch_invariant`;
             default False).
-        record_routing: the native engine returns each token's chosen experts for router replay
-            (`policy.moe_router_replay`, models/router_replay.py; default False).
+        record_routing: the engine (native, or vLLM on GPUs) returns each token's chosen experts for
+            router replay (`policy.moe_router_replay`, models/router_replay.py; default False).
     """
 
     model_name: str

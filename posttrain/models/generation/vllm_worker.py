@@ -17,6 +17,10 @@ memory, KV cache dropped) and wakes in stages, as NeMo-RL: its weights first, wh
 to load new ones (`wake_up(tags=["weights"])`), and its KV cache only when generation begins
 (`wake_up(tags=["kv_cache"])`), so a refit never has the KV cache and the incoming weights on the
 GPU at once (tests/unit/test_vllm_sleep.py checks the call order with a fake engine).
+
+Router replay (`spec.record_routing`, GPUs only: docs/scaling.md, "GPU-only paths"): vLLM returns each
+request's experts (`enable_return_routed_experts`, which needs its model runner V2 and prefix
+caching), converted to the native engine's `ROUTED_EXPERTS` by `router_replay.from_vllm`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import RENDEZVOUS_ENV_VARS, DistributedWorker
+from posttrain.models import router_replay
 from posttrain.models.generation.engine import assemble_outputs, per_row_stop_strings
 from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.generation.vllm_extension import EXTENSION_QUALNAME
@@ -137,6 +142,16 @@ class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
             # scales, dynamic per-token activation scales; its 128x128 blocks are for fp8 checkpoints only.
             engine_args["quantization"] = "fp8"
         self.image_token_id = self._vision_language_args(engine_args)
+        self.moe_layers: Optional[list[int]] = None  # router replay: the decoder layers with routers
+        if spec.record_routing:
+            from posttrain.models.paths import model_config_dict
+
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # vLLM returns routing from runner V2 only
+            engine_args.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+            config = model_config_dict(engine_args["model"])
+            if config is None:
+                raise ValueError(f"router replay: {engine_args['model']} has no config.json to find its MoE layers in")
+            self.moe_layers = router_replay.moe_layer_indices(config)
         if spec.rope_scaling:  # the RoPE scaling the trainer applies (`policy.rope_scaling`)
             engine_args["hf_overrides"] = rope_config_overrides(engine_args["model"], spec.rope_scaling)
         if on_gpu:  # GPU only: docs/scaling.md, "GPU-only paths"
@@ -285,9 +300,14 @@ class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
                     [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
                 )
             stopped[i] = completion.finish_reason == "stop"
-        return Batch(assemble_outputs(
+        outputs = assemble_outputs(
             input_ids, input_lengths, new_tokens, new_logprobs, lengths, stopped, self.tokenizer.pad_token_id
-        ))
+        )
+        if self.moe_layers is not None:
+            outputs[router_replay.ROUTED_EXPERTS] = router_replay.from_vllm(
+                [r.outputs[0].routed_experts for r in results], input_lengths, lengths,
+                outputs["output_ids"].shape[1], self.moe_layers)
+        return Batch(outputs)
 
     def get_max_model_len(self) -> int:
         return self.max_model_len

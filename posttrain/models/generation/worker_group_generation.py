@@ -13,6 +13,7 @@ from posttrain.distributed import actors
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import WorkerGroup
 from posttrain.models.generation.interface import GenerationInterface
+from posttrain.models.router_replay import NOT_RECORDED, ROUTED_EXPERTS
 from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.refit import RefitMetadata
 from posttrain.utils.phase_memory import merge_peaks
@@ -34,7 +35,8 @@ class WorkerGroupGeneration(GenerationInterface):
     def generate(self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None) -> Batch:
         refs = self.worker_group.run_sharded_async("generate", self._seeded(batch, greedy), greedy=greedy,
                                                    params=params)
-        return self.worker_group.gather(refs, pad_values={"output_ids": self.pad_token_id})
+        return self.worker_group.gather(refs, pad_values={"output_ids": self.pad_token_id,
+                                                          ROUTED_EXPERTS: NOT_RECORDED})  # 0 is an expert
 
     def _seeded(self, batch: Batch, greedy: bool) -> Batch:
         """`batch` with a seed for every row of a sampled batch that came without seeds."""
