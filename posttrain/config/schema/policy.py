@@ -366,9 +366,8 @@ class PolicyConfig(Section):
             "Mixture-of-experts models, router replay: the generation engine records each token's chosen experts and "
             "the trainer's logprob and training forwards route every generated token to those experts (gate weights "
             "recomputed from the router's logits, so the router still learns; models/router_replay.py), so a flipped "
-            "top-k choice no longer adds to the generation/training mismatch. The native engine, or vLLM on GPUs only "
-            "(vLLM 0.32 returns routed experts from its Triton model runner); not with speculative decoding, "
-            "batch_invariant, sequence packing or context parallelism. "
+            "top-k choice no longer adds to the generation/training mismatch. The native engine or vLLM; not with "
+            "speculative decoding, batch_invariant, sequence packing or context parallelism. "
             "False (default): off."
         ),
     )
@@ -675,7 +674,7 @@ class PolicyConfig(Section):
             raise ValueError(f"policy.expert_parallel_size={ep} with policy.lora.enabled is not supported")
 
     def _check_router_replay(self) -> None:
-        """One line per combination router replay refuses (models/router_replay.py; vLLM on CPU: jobs.py)."""
+        """One line per combination router replay refuses (models/router_replay.py)."""
         refused = [("policy.generation.speculative", self.generation.speculative.method != "none"),
                    ("policy.batch_invariant", self.batch_invariant),
                    ("policy.sequence_packing.enabled", self.sequence_packing.enabled),

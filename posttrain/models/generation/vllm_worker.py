@@ -18,9 +18,10 @@ to load new ones (`wake_up(tags=["weights"])`), and its KV cache only when gener
 (`wake_up(tags=["kv_cache"])`), so a refit never has the KV cache and the incoming weights on the
 GPU at once (tests/unit/test_vllm_sleep.py checks the call order with a fake engine).
 
-Router replay (`spec.record_routing`, GPUs only: docs/scaling.md, "GPU-only paths"): vLLM returns each
-request's experts (`enable_return_routed_experts`, which needs its model runner V2 and prefix
-caching), converted to the native engine's `ROUTED_EXPERTS` by `router_replay.from_vllm`.
+Router replay (`spec.record_routing`): each request's experts, converted to the native engine's
+`ROUTED_EXPERTS` by `router_replay.from_vllm`. On GPUs vLLM returns them itself
+(`enable_return_routed_experts`, which needs its model runner V2 and prefix caching: docs/scaling.md,
+"GPU-only paths"); on CPU `vllm_routing.py` records them from vLLM's router hooks.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from posttrain.distributed.worker_group import RENDEZVOUS_ENV_VARS, DistributedW
 from posttrain.models import router_replay
 from posttrain.models.generation.engine import assemble_outputs, per_row_stop_strings
 from posttrain.models.generation.spec import GenerationSpec
+from posttrain.models.generation import vllm_routing
 from posttrain.models.generation.vllm_extension import EXTENSION_QUALNAME
 from posttrain.models.generation.worker import SAMPLING_PARAMS, merge_stop_strings
 from posttrain.models.hf import load_tokenizer, pick_dtype, resolve_model_path, rope_config_overrides
@@ -144,14 +146,7 @@ class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
         self.image_token_id = self._vision_language_args(engine_args)
         self.moe_layers: Optional[list[int]] = None  # router replay: the decoder layers with routers
         if spec.record_routing:
-            from posttrain.models.paths import model_config_dict
-
-            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # vLLM returns routing from runner V2 only
-            engine_args.update(enable_return_routed_experts=True, enable_prefix_caching=True)
-            config = model_config_dict(engine_args["model"])
-            if config is None:
-                raise ValueError(f"router replay: {engine_args['model']} has no config.json to find its MoE layers in")
-            self.moe_layers = router_replay.moe_layer_indices(config)
+            self._record_routing_args(engine_args, on_gpu)
         if spec.rope_scaling:  # the RoPE scaling the trainer applies (`policy.rope_scaling`)
             engine_args["hf_overrides"] = rope_config_overrides(engine_args["model"], spec.rope_scaling)
         if on_gpu:  # GPU only: docs/scaling.md, "GPU-only paths"
@@ -179,9 +174,35 @@ class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
             self.llm.collective_rpc("posttrain_load_checkpoint", args=(engine_args["model"],))
         if self.image_token_id is not None:  # never sampled, out of every distribution, as the trainer's
             self.llm.collective_rpc("posttrain_suppress_token", args=(self.image_token_id,))
+        if self.moe_layers is not None and not on_gpu:
+            self.llm.collective_rpc(vllm_routing.install_recorder)
         self.refit_metadata: Optional[RefitMetadata] = None
         self.weights_version = 0  # the checkpoint loaded from model_name
         self._asleep: list[str] = []  # what sleep released and is not awake again: "weights", "kv_cache"
+
+    def _record_routing_args(self, engine_args: dict[str, Any], on_gpu: bool) -> None:
+        """Router replay's engine arguments (module doc) and the model's MoE layers."""
+        from posttrain.models.paths import model_config_dict
+
+        config = model_config_dict(engine_args["model"])
+        if config is None:
+            raise ValueError(f"router replay: {engine_args['model']} has no config.json to find its MoE layers in")
+        self.moe_layers = router_replay.moe_layer_indices(config)
+        self.num_layers = int(config["num_hidden_layers"])
+        if on_gpu:
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # vLLM returns routing from runner V2 only
+            engine_args.update(enable_return_routed_experts=True, enable_prefix_caching=True)
+        else:  # a prompt read from the prefix cache never reaches the routers vllm_routing hooks
+            engine_args["enable_prefix_caching"] = False
+
+    def _routed_experts(self, results: list) -> list:
+        """Each result's `[fed tokens, decoder layers, k]` experts (module doc), in `results`' order."""
+        if self.device.type == "cuda":
+            return [r.outputs[0].routed_experts for r in results]
+        taken = self.llm.collective_rpc(vllm_routing.take_routing, args=(self.num_layers,))[0]
+        # vLLM's engine names a request `<LLM.generate's id>-<8 random characters>`.
+        by_id = {request.rsplit("-", 1)[0]: routed for request, routed in taken.items()}
+        return [by_id.get(r.request_id) for r in results]
 
     def _vision_language_args(self, engine_args: dict[str, Any]) -> Optional[int]:
         """For a vision-language model, the engine arguments it needs, and its image token's id
@@ -305,8 +326,7 @@ class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
         )
         if self.moe_layers is not None:
             outputs[router_replay.ROUTED_EXPERTS] = router_replay.from_vllm(
-                [r.outputs[0].routed_experts for r in results], input_lengths, lengths,
-                outputs["output_ids"].shape[1], self.moe_layers)
+                self._routed_experts(results), input_lengths, lengths, outputs["output_ids"].shape[1], self.moe_layers)
         return Batch(outputs)
 
     def get_max_model_len(self) -> int:
