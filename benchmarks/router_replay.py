@@ -2,8 +2,10 @@
 without replaying the engine's expert choices, beside a dense model's.
 
     ./run.sh python benchmarks/router_replay.py      # --models tiny-qwen3_moe tiny-deepseek_v3 tiny
+    ./run.sh python benchmarks/router_replay.py --engine vllm --models tiny-qwen3_moe tiny
 
-For each model the native engine generates one GRPO-shaped rollout (`--prompts` arithmetic prompts x
+For each model the generation engine (`--engine`: the native engine, default, or vLLM as one Ray
+generation worker in its own environment) generates one GRPO-shaped rollout (`--prompts` arithmetic prompts x
 `--generations` samples, temperature 1, up to `--max-new-tokens`, fixed seeds) in bfloat16 (the usual
 engine precision on GPUs, and what makes engine and trainer round apart), recording each fed token's
 experts (`record_routing`). The float32 trainer's logprobs of the generated tokens (what
@@ -59,26 +61,54 @@ def flipped_share(recorded: torch.Tensor, trainer: torch.Tensor) -> float:
     return 1.0 - same[fed].float().mean().item()
 
 
+def generate(name: str, reference: torch.nn.Module, tokenizer, moe: bool, args) -> dict:
+    """One bf16 rollout of `name` with `args.engine`, recording routing for a mixture of experts."""
+    input_ids, input_lengths = rollout_prompts(tokenizer, args.prompts, args.generations)
+    seeds = torch.arange(input_ids.shape[0], dtype=torch.long) + 1000
+    if args.engine == "native":
+        engine = NativeGenerationEngine(copy.deepcopy(reference).to(torch.bfloat16), tokenizer,
+                                        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                        record_routing=moe)
+        out = engine.generate(input_ids, input_lengths, max_new_tokens=args.max_new_tokens, temperature=1.0,
+                              seeds=seeds)
+        return {key: value.clone() for key, value in out.items()}  # out of inference mode
+    from posttrain.distributed.batch import Batch
+    from posttrain.distributed.cluster import VirtualCluster
+    from posttrain.models.generation.spec import GenerationSpec
+    from posttrain.models.generation.vllm_generation import VllmGeneration
+
+    cluster = VirtualCluster([1], cpus_per_bundle=1.0, name="bench-router-replay")
+    spec = GenerationSpec(name, {"backend": "vllm", "max_new_tokens": args.max_new_tokens, "temperature": 1.0,
+                                 "precision": "bfloat16", "colocated": {"enabled": False}}, precision="float32",
+                          max_model_len=input_ids.shape[1] + args.max_new_tokens + 1, record_routing=moe)
+    generation = VllmGeneration(cluster, spec)
+    try:
+        return dict(generation.generate(Batch(input_ids=input_ids, input_lengths=input_lengths, seeds=seeds)))
+    finally:
+        generation.shutdown()
+        cluster.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["tiny-qwen3_moe", "tiny-mixtral", "tiny-deepseek_v3", "tiny"])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--generations", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--engine", choices=["native", "vllm"], default="native")
     args = parser.parse_args()
+    if args.engine == "vllm":
+        from posttrain.distributed.ray_utils import init_ray
+
+        init_ray()
+    print(f"engine: {args.engine}")
     print("| model | replay | token_mult_prob_error | mean abs | gen_kl_error (k3) | top-k sets flipped |")
     print("|---|---|---|---|---|---|")
     for name in args.models:
         tokenizer = load_tokenizer(name)
         reference = load_causal_lm(name)
         moe = bool(router_replay.moe_balance.routers(reference))
-        engine = NativeGenerationEngine(copy.deepcopy(reference).to(torch.bfloat16), tokenizer,
-                                        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                                        record_routing=moe)
-        input_ids, input_lengths = rollout_prompts(tokenizer, args.prompts, args.generations)
-        seeds = torch.arange(input_ids.shape[0], dtype=torch.long) + 1000
-        out = engine.generate(input_ids, input_lengths, max_new_tokens=args.max_new_tokens, temperature=1.0, seeds=seeds)
-        out = {key: value.clone() for key, value in out.items()}  # out of inference mode
+        out = generate(name, reference, tokenizer, moe, args)
         for replay in ((False, True) if moe else (False,)):
             logprobs, routes = trainer_pass(reference, out, replay)
             row = mismatch(out["logprobs"], logprobs, out)
