@@ -172,7 +172,8 @@ def from_vllm(routed: Sequence[Optional[np.ndarray]], prompt_lengths: torch.Tens
     """vLLM's per-request routed experts as the native engine's `ROUTED_EXPERTS [B, width, layers, k]`
     (int16, -1 where nothing was fed).
 
-    vLLM (`enable_return_routed_experts`, `CompletionOutput.routed_experts`) gives each request
+    vLLM (`enable_return_routed_experts`: `CompletionOutput.routed_experts`; on CPU
+    `generation/vllm_routing.py`) gives each request
     `[P + T - 1, all decoder layers, k]`: every token it fed, the prompt's `P` (also those read from
     its prefix cache) and the generated `T` but the last, for every decoder layer (dense layers'
     rows are meaningless). Row i's tokens sit at columns `0 .. P + T - 2`, as in `output_ids`;
@@ -185,7 +186,7 @@ def from_vllm(routed: Sequence[Optional[np.ndarray]], prompt_lengths: torch.Tens
         if experts is None or experts.shape[0] != fed:
             got = None if experts is None else tuple(experts.shape)
             raise ValueError(f"router replay: vLLM returned routed experts of shape {got} for a request of {fed} fed "
-                             "tokens (enable_return_routed_experts)")
+                             "tokens")
         if out is None:
             out = torch.full((rows, width, len(layers), experts.shape[2]), NOT_RECORDED, dtype=torch.int16)
         out[i, :fed] = torch.from_numpy(experts[:, layers].astype(np.int16))

@@ -36,9 +36,9 @@ import torch
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import RENDEZVOUS_ENV_VARS, DistributedWorker
 from posttrain.models import router_replay
+from posttrain.models.generation import vllm_routing
 from posttrain.models.generation.engine import assemble_outputs, per_row_stop_strings
 from posttrain.models.generation.spec import GenerationSpec
-from posttrain.models.generation import vllm_routing
 from posttrain.models.generation.vllm_extension import EXTENSION_QUALNAME
 from posttrain.models.generation.worker import SAMPLING_PARAMS, merge_stop_strings
 from posttrain.models.hf import load_tokenizer, pick_dtype, resolve_model_path, rope_config_overrides
@@ -174,8 +174,8 @@ class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
             self.llm.collective_rpc("posttrain_load_checkpoint", args=(engine_args["model"],))
         if self.image_token_id is not None:  # never sampled, out of every distribution, as the trainer's
             self.llm.collective_rpc("posttrain_suppress_token", args=(self.image_token_id,))
-        if self.moe_layers is not None and not on_gpu:
-            self.llm.collective_rpc(vllm_routing.install_recorder)
+        if self.moe_layers is not None and not on_gpu and not self.llm.collective_rpc(vllm_routing.install_recorder)[0]:
+            raise ValueError(f"router replay: vLLM's {engine_args['model']} has no routers to record (a dense model)")
         self.refit_metadata: Optional[RefitMetadata] = None
         self.weights_version = 0  # the checkpoint loaded from model_name
         self._asleep: list[str] = []  # what sleep released and is not awake again: "weights", "kv_cache"

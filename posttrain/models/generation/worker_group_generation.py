@@ -13,9 +13,9 @@ from posttrain.distributed import actors
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import WorkerGroup
 from posttrain.models.generation.interface import GenerationInterface
-from posttrain.models.router_replay import NOT_RECORDED, ROUTED_EXPERTS
 from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.refit import RefitMetadata
+from posttrain.models.router_replay import NOT_RECORDED, ROUTED_EXPERTS
 from posttrain.utils.phase_memory import merge_peaks
 
 
