@@ -17,11 +17,10 @@ from posttrain.models.hf import load_causal_lm
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
 
 
-def test_grpo_with_router_replay_carries_the_engines_experts_into_training(tmp_path):
+def grpo_train_batches(ctx) -> list[Batch]:
+    """Run GRPO on `ctx`; the batches its policy trained on."""
     from posttrain.algorithms import grpo
 
-    ctx = grpo.setup(small_cfg(tmp_path, "policy.model_name=tiny-qwen3_moe", "policy.moe_router_replay=true",
-                               "cluster.backend=local", "grpo.max_num_steps=1"))
     trained: list[Batch] = []
     train = ctx.policy.train
 
@@ -30,8 +29,17 @@ def test_grpo_with_router_replay_carries_the_engines_experts_into_training(tmp_p
         return train(batch, *args, **kwargs)
 
     ctx.policy.train = spy
+    grpo.grpo_train(ctx)
+    return trained
+
+
+def test_grpo_with_router_replay_carries_the_engines_experts_into_training(tmp_path):
+    from posttrain.algorithms import grpo
+
+    ctx = grpo.setup(small_cfg(tmp_path, "policy.model_name=tiny-qwen3_moe", "policy.moe_router_replay=true",
+                               "cluster.backend=local", "grpo.max_num_steps=1"))
     try:
-        grpo.grpo_train(ctx)
+        trained = grpo_train_batches(ctx)
         metrics = read_metrics(tmp_path / "logs")
         assert 1.0 <= metrics[1]["train/token_mult_prob_error"] < 1.001
         [batch] = trained

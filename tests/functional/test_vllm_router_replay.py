@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_router_replay_grpo import grpo_train_batches
 from test_vllm_generation import prompt_batch, tokenizer, vllm_python  # noqa: F401 - fixtures
 
 from posttrain.models import router_replay
@@ -67,17 +68,9 @@ def test_grpo_with_vllm_replays_the_engines_experts(ray_cluster, vllm_python, tm
         f"logger.log_dir={tmp_path}/logs", "checkpointing.enabled=false",
     ])
     ctx = grpo.setup(cfg)
-    trained = []
-    train = ctx.policy.train
-
-    def spy(batch, *args, **kwargs):
-        trained.append(batch)
-        return train(batch, *args, **kwargs)
-
-    ctx.policy.train = spy
     try:
         assert type(ctx.generation).__name__ == "VllmGeneration"
-        grpo.grpo_train(ctx)
+        trained = grpo_train_batches(ctx)
     finally:
         ctx.shutdown()
     [batch] = trained
