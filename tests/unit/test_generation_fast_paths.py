@@ -100,12 +100,14 @@ def test_optimised_engine_gives_the_unoptimised_output(arch_model, prompt_length
         assert len(set(reference["generation_lengths"].tolist())) > 1
 
 
-def test_llama_like_decoder_steps_match_the_model_forward_across_dropped_rows(arch_model):
-    _, model = arch_model
+def decoder_and_forward_steps(model) -> list[tuple[LlamaLikeDecoder, torch.Tensor, torch.Tensor]]:
+    """The llama-like decoder's and the model forward's logits over 6 decode steps of 4 left-padded
+    prompts, rows 1 and 3 dropped after step 2: `[(decoder, ours, theirs)]` per step."""
     g = torch.Generator().manual_seed(4)
     ids, lengths = right_padded([torch.randint(2, 100, (n,), generator=g).tolist() for n in (5, 2, 7, 3)])
     engine = engine_for(model, share_prompts=False)
     ours, theirs = LlamaLikeDecoder(model), ModelForwardDecoder(model, supports_logits_to_keep=True)
+    steps = []
     with torch.inference_mode():
         _, positions = engine._prefill(ids, lengths, ours, capacity=ids.shape[1] + 6)
         engine._prefill(ids, lengths, theirs, capacity=0)
@@ -116,9 +118,14 @@ def test_llama_like_decoder_steps_match_the_model_forward_across_dropped_rows(ar
                 ours.keep_rows(keep)
                 theirs.keep_rows(keep)
                 positions, tokens = positions[keep], tokens[:, keep]
-            torch.testing.assert_close(ours.step(tokens[step], positions), theirs.step(tokens[step], positions),
-                                       atol=1e-5, rtol=0)
+            steps.append((ours, ours.step(tokens[step], positions), theirs.step(tokens[step], positions)))
             positions = positions + 1
+    return steps
+
+
+def test_llama_like_decoder_steps_match_the_model_forward_across_dropped_rows(arch_model):
+    for _, ours, theirs in decoder_and_forward_steps(arch_model[1]):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("padded", [True, False])
@@ -145,26 +152,11 @@ def test_bfloat16_decoder_steps_track_the_model_forward(arch):
     """In bfloat16 on CPU the decoder attends with `grouped_decode_attention`: its logits stay within
     bfloat16 rounding of the model's own forward, across left padding and dropped rows."""
     model, _ = tiny.make_tiny_model("tiny", arch, seed=1)
-    model = model.to(torch.bfloat16).eval()
-    g = torch.Generator().manual_seed(4)
-    ids, lengths = right_padded([torch.randint(2, 100, (n,), generator=g).tolist() for n in (5, 2, 7, 3)])
-    engine = engine_for(model, share_prompts=False)
-    ours, theirs = LlamaLikeDecoder(model), ModelForwardDecoder(model, supports_logits_to_keep=True)
-    with torch.inference_mode():
-        _, positions = engine._prefill(ids, lengths, ours, capacity=ids.shape[1] + 6)
-        engine._prefill(ids, lengths, theirs, capacity=0)
-        assert ours.cpu_16bit and ours.has_padding
-        tokens = torch.randint(2, 100, (6, 4), generator=g)
-        for step in range(6):
-            if step == 2:
-                keep = torch.tensor([0, 2])
-                ours.keep_rows(keep)
-                theirs.keep_rows(keep)
-                positions, tokens = positions[keep], tokens[:, keep]
-            a, b = ours.step(tokens[step], positions).float(), theirs.step(tokens[step], positions).float()
-            assert (a - b).abs().max() <= 0.02 * b.abs().max()
-            assert torch.equal(a.argmax(-1), b.argmax(-1))
-            positions = positions + 1
+    for decoder, ours, theirs in decoder_and_forward_steps(model.to(torch.bfloat16).eval()):
+        assert decoder.cpu_16bit
+        ours, theirs = ours.float(), theirs.float()
+        assert (ours - theirs).abs().max() <= 0.02 * theirs.abs().max()
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
 
 
 @pytest.mark.parametrize("fraction", [0.0, 0.1, 0.5, 1.0])
