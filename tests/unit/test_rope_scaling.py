@@ -48,7 +48,7 @@ def test_policy_workers_and_generation_engines_get_it_from_the_config(tmp_path):
                                          '"original_max_position_embeddings": 64}'])
     assert cfg.policy.rope_scaling == YARN
     path = resolve_model_path("tiny")
-    worker = SimpleNamespace(model_type="lm", loads_sharded=False, rank=0, cfg=cfg.policy)
+    worker = SimpleNamespace(model_type="lm", loads_sharded=False, rank=0, ep_size=1, is_vision=False, cfg=cfg.policy)
     assert ModelLoading._load_model(worker, path).config.rope_parameters["rope_type"] == "yarn"
     reward = SimpleNamespace(model_type="reward", loads_sharded=False, rank=1, cfg=cfg.policy,
                              tokenizer=SimpleNamespace(pad_token_id=0))
