@@ -244,7 +244,8 @@ def mixtral_moe_name(hf_name: str, known: set[str]) -> Optional[str]:
     `vllm_checkpoint_name`), or None for any other tensor or a vLLM model without that layer's
     `block_sparse_moe`."""
     layer, mlp, rest = hf_name.partition(".mlp.")
-    if not mlp or not any(name.startswith(f"{layer}.{_MIXTRAL_MOE}.") for name in known):
+    # A set lookup (every vLLM Mixtral block has its router): this runs for every tensor of every refit.
+    if not mlp or f"{layer}.{_MIXTRAL_MOE}.gate.weight" not in known:
         return None
     if rest == "gate.weight":
         return f"{layer}.{_MIXTRAL_MOE}.{rest}"

@@ -63,10 +63,9 @@ class ModelLoading:
                 model = sharded_load.empty_causal_lm(model_path, self.cfg.tiny_arch, self.cfg.attn_implementation,
                                                      rope_scaling=rope_scaling)
                 if files is not None:
-                    names = sharded_load.checkpoint_names(files, model.config.model_type)
-                    sharded_load.fill_from_safetensors(model, files, skip=expert_parallel.expert_weight_names(model),
-                                                       names=names)
                     self.expert_reader = sharded_load.ExpertSliceReader(files, model.config.model_type)
+                    sharded_load.fill_from_safetensors(model, files, skip=expert_parallel.expert_weight_names(model),
+                                                       names=self.expert_reader.names)
                 return model
             return load_policy_lm(model_path, dtype=torch.float32, device="cpu", tiny_arch=self.cfg.tiny_arch,
                                   attn_implementation=self.cfg.attn_implementation, rope_scaling=rope_scaling)
