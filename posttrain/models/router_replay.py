@@ -141,16 +141,18 @@ def empty_routing(recorder: RoutingRecorder, rows: int, width: int, device: torc
 
 
 def file_prefill(routing: torch.Tensor, taken: torch.Tensor, prompt_lengths: torch.Tensor,
-                 row_map: torch.Tensor) -> None:
+                 row_map: torch.Tensor, rows: Optional[torch.Tensor] = None) -> None:
     """File a prefill's routing (`taken [U * P, layers, k]` of `U` left-padded prompts of width `P`,
-    `prompt_lengths [U]`) into `routing [B, ...]` at each row's right-padded prompt columns;
-    `row_map [B]`: each row's prompt among the `U`."""
+    `prompt_lengths [U]`) into `routing` at each row's right-padded prompt columns; `row_map [R]`:
+    each row's prompt among the `U`; `rows [R]`: the rows' indices in `routing` (default: 0..R-1)."""
     prompts = prompt_lengths.numel()
     width = taken.shape[0] // prompts
     taken = taken.reshape(prompts, width, *taken.shape[1:])[row_map]
     columns = torch.arange(width, device=taken.device)[None, :] - (width - prompt_lengths[row_map])[:, None]
     real = columns >= 0  # left padding holds no token
-    rows = torch.arange(row_map.numel(), device=taken.device)[:, None].expand(-1, width)
+    if rows is None:
+        rows = torch.arange(row_map.numel(), device=taken.device)
+    rows = rows.to(taken.device)[:, None].expand(-1, width)
     routing[rows[real], columns[real]] = taken[real].to(routing.dtype)
 
 

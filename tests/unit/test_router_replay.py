@@ -72,18 +72,20 @@ def test_replay_of_own_choices_changes_nothing_and_forced_choices_keep_the_route
     assert router.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("max_running_rows", [None, 2], ids=["one-batch", "two-at-a-time"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
-def test_native_engine_records_the_experts_the_trainer_routes_to(arch):
+def test_native_engine_records_the_experts_the_trainer_routes_to(arch, max_running_rows):
     """Prompts of three lengths (two rows share one: their prefill is shared), 5 greedy tokens: every
     fed token's record equals a plain forward's choice on the output rows; the last token of each
-    row (never fed) and the padding stay -1. qwen3_moe decodes with the llama-like decoder,
-    deepseek_v3 with the model's forward."""
+    row (never fed) and the padding stay -1. qwen3_moe decodes with the llama-like decoder (two rows at
+    a time: continuous batching, the last two prefilled into the running batch), deepseek_v3 with the
+    model's forward (two rows at a time: in two pieces)."""
     model, tokenizer = make_tiny_model("tiny", arch)
     engine = NativeGenerationEngine(model, tokenizer, pad_token_id=0, eos_token_id=None, record_routing=True)
     prompts = torch.randint(7, 100, (4, 7), generator=torch.Generator().manual_seed(1))
     prompts[3] = prompts[1]
     lengths = torch.tensor([7, 4, 6, 4])
-    out = engine.generate(prompts, lengths, max_new_tokens=5, greedy=True)
+    out = engine.generate(prompts, lengths, max_new_tokens=5, greedy=True, max_running_rows=max_running_rows)
     recorded = out[router_replay.ROUTED_EXPERTS]
     ids, total = out["output_ids"], out["unpadded_sequence_lengths"]
     assert recorded.dtype == torch.int16 and recorded.shape[:2] == ids.shape

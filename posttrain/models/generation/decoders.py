@@ -194,9 +194,9 @@ class LlamaLikeDecoder:
         self.attention_bias: Optional[torch.Tensor] = None  # [rows, 1, 1, capacity]: 0 or -inf (padding)
         self.length = 0  # cache positions filled: prompt width + tokens fed so far (`step`)
         self.fill: Optional[torch.Tensor] = None  # [rows] positions filled per row (`extend` / `rewind`)
-        self.cleared = 0  # columns below this hold finite values in every row (`extend`)
         self.rows = 0
         self.has_padding = False  # some running row has a masked (left-padding) position
+        self.first_column: Optional[torch.Tensor] = None  # [rows] the row's first unmasked cache column
         # CPU SDPA is slow for one bfloat16/float16 query per head (2.4 ms a call at 32 rows and 150
         # positions on SmolLM2's heads, 12x two batched matmuls): `step` attends with the matmuls there.
         self.cpu_16bit = False  # set by `start` from the cache
@@ -218,9 +218,9 @@ class LlamaLikeDecoder:
         self.keys, self.values = [], []
         for layer in prefill_cache.layers:
             for store, prefilled in ((self.keys, layer.keys), (self.values, layer.values)):
-                # `grouped_decode_attention` multiplies the unwritten value columns by 0: they must be finite.
-                new = prefilled.new_zeros if self.cpu_16bit and store is self.values else prefilled.new_empty
-                buffer = new(rows, prefilled.shape[1], capacity, prefilled.shape[3])
+                # Zeros, not empty memory: `grouped_decode_attention` multiplies unwritten value columns by 0,
+                # and a row admitted later (`admit`) masks columns it never wrote: both must be finite.
+                buffer = prefilled.new_zeros(rows, prefilled.shape[1], capacity, prefilled.shape[3])
                 buffer[:, :, :width] = prefilled.index_select(0, row_map)
                 store.append(buffer)
         padding = prompt_mask.index_select(0, row_map) == 0
@@ -228,25 +228,57 @@ class LlamaLikeDecoder:
         self.attention_bias[:, 0, 0, :width].masked_fill_(padding, float("-inf"))
         self.length, self.rows = width, rows
         self.fill = torch.full((rows,), width, dtype=torch.long, device=row_map.device)
-        self.cleared = width
+        self.first_column = padding.cumprod(1).sum(1)  # the leading masked run
         self.has_padding = bool(padding.any())
 
-    def keep_rows(self, keep: torch.Tensor) -> None:
-        """Keep only the running rows `keep` (indices into the running rows), moved to the front."""
+    def admit(self, prefill_cache: DynamicCache, prompt_mask: torch.Tensor, row_map: torch.Tensor) -> None:
+        """Add rows after the running ones (continuous batching): the prompts of a prefill, right-aligned so
+        that their first fed token goes to the next column, as every running row's does.
+
+        Args as `start`; the prompts' width must be at most `length`, and the buffers must have room for the
+        rows (`keep_rows` freed it). The new rows' columns before their prompts are masked.
+        """
+        count, width = row_map.numel(), prompt_mask.shape[1]
+        first, end, slots = self.length - width, self.length, slice(self.rows, self.rows + row_map.numel())
+        if first < 0 or self.rows + count > self.keys[0].shape[0]:
+            raise ValueError(f"cannot admit {count} rows of {width} positions: the cache holds {self.rows} of "
+                             f"{self.keys[0].shape[0]} rows and is filled to {self.length}")
+        for layer, keys, values in zip(prefill_cache.layers, self.keys, self.values):
+            keys[slots, :, first:end] = layer.keys.index_select(0, row_map)
+            values[slots, :, first:end] = layer.values.index_select(0, row_map)
+        padding = prompt_mask.index_select(0, row_map) == 0
+        bias = self.attention_bias[slots, 0, 0]
+        bias[:, :first] = float("-inf")
+        bias[:, first:] = 0
+        bias[:, first:end].masked_fill_(padding, float("-inf"))
+        self.fill[slots] = end
+        self.first_column[slots] = first + padding.cumprod(1).sum(1)
+        self.rows += count
+        self.has_padding = self.has_padding or first > 0 or bool(padding.any())
+
+    def keep_rows(self, keep: torch.Tensor, shift: int = 0) -> None:
+        """Keep only the running rows `keep` (indices into the running rows), moved to the front, and with
+        `shift` > 0 their columns moved `shift` to the left (the first `shift` columns must be masked in
+        every kept row: `first_column`), so that attention spans fewer columns and the cache gains room."""
         count, filled = keep.numel(), max(self.length, int(self.fill[: self.rows].max()))
+        if shift and count and shift > int(self.first_column[keep].min()):
+            raise ValueError(f"shift {shift} would drop cache columns a kept row attends to")
         for buffer in self.keys + self.values:
-            buffer[:count, :, :filled] = buffer[keep, :, :filled]
-        self.attention_bias[:count] = self.attention_bias[keep]
-        self.fill[:count] = self.fill[keep]
+            buffer[:count, :, : filled - shift] = buffer[keep, :, shift:filled]
+        self.attention_bias[:count, :, :, : filled - shift] = self.attention_bias[keep, :, :, shift:filled]
+        self.attention_bias[:count, :, :, filled - shift : filled] = 0  # columns the rows will write next
+        self.fill[:count] = self.fill[keep] - shift
+        self.first_column[:count] = self.first_column[keep] - shift
+        self.length -= shift
         self.rows = count
-        self.has_padding = bool(self.attention_bias[:count, :, :, :filled].isinf().any())
+        self.has_padding = bool(self.attention_bias[:count, :, :, : filled - shift].isinf().any())
 
     def release(self) -> None:
         """Drop the cache at the end of a generation. The engine keeps its decoder from one
         generation to the next: without this, a generation's KV cache stayed allocated through the
         phases after it (a 32-row call of SmolLM2 at 528 positions: 0.73 GiB held through training)
         and through the next generation's prefill."""
-        self.keys, self.values, self.attention_bias, self.fill = [], [], None, None
+        self.keys, self.values, self.attention_bias, self.fill, self.first_column = [], [], None, None, None
         self.length = self.rows = 0
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -328,12 +360,6 @@ class LlamaLikeDecoder:
         span = int(columns.max()) + 1
         if span > self.keys[0].shape[2]:
             raise RuntimeError(f"KV cache full ({span} positions)")
-        if span > self.cleared:
-            # A row attends up to its own fill, but the batch's span reaches past it into columns this
-            # generation never wrote (`new_empty`): a NaN there would leak through the mask (0 x NaN).
-            for buffer in self.keys + self.values:
-                buffer[:, :, self.cleared : span].zero_()
-            self.cleared = span
         cache_column = torch.arange(span, device=tokens.device)
         # [rows, 1, m, span]: not left padding, and not after the query (stale columns past a row's
         # fill, left by `rewind`, are after every query of the row).

@@ -26,6 +26,7 @@ from transformers import DynamicCache
 
 from posttrain.models import router_replay
 from posttrain.models.generation.decoders import LlamaLikeDecoder, ModelForwardDecoder, unsupported_reason
+from posttrain.models.generation.running_batch import RunningBatch
 from posttrain.models.generation.sampling import SamplingBuffers, process_logits, sample
 from posttrain.models.generation.speculative import Drafter, speculative_decode
 from posttrain.models.vision_inputs import image_inputs, image_token_id, suppress_image_token
@@ -41,14 +42,14 @@ _STOP_STRING_TOKEN_MARGIN = 8
 
 
 def right_to_left_padding(
-    input_ids: torch.Tensor, input_lengths: torch.Tensor, pad_token_id: int
+    input_ids: torch.Tensor, input_lengths: torch.Tensor, pad_token_id: int, width: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Convert right-padded prompts to left-padded ones of width `max(input_lengths)`.
+    """Convert right-padded prompts to left-padded ones of width `max(input_lengths)` (at least `width`).
 
     Returns `(left_ids [B, P], attention_mask [B, P], position_ids [B, P])`; positions count from
     0 at each row's first real token (padding positions hold 0 and are masked out).
     """
-    width = int(input_lengths.max())
+    width = max(width, int(input_lengths.max()))
     shift = (width - input_lengths).unsqueeze(1)  # left padding per row
     source_col = torch.arange(width, device=input_ids.device).unsqueeze(0) - shift
     attention_mask = (source_col >= 0).long()
@@ -151,6 +152,16 @@ def distinct_prompts(
     return first_rows, row_map
 
 
+def shared_prefix_length(input_ids: torch.Tensor, input_lengths: torch.Tensor) -> int:
+    """The number of first tokens every right-padded prompt shares (a chat template's system prompt, a
+    task's instructions), short of each prompt's last token, whose logits the prefill must compute."""
+    longest = int(input_lengths.min()) - 1
+    if input_ids.shape[0] < 2 or longest < 1:
+        return 0
+    agree = (input_ids[:, :longest] == input_ids[:1, :longest]).all(0)
+    return int(agree.long().cumprod(0).sum())
+
+
 def image_groups(pixel_values: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
     """`[B]` ids, equal for rows whose images are bit-identical (-1: a row without images)."""
     seen: dict[bytes, int] = {}
@@ -191,11 +202,14 @@ class DecodeRun:
 
 
 # The engine before the prefill/decode/sampling optimisations, for benchmarks and equivalence tests.
-UNOPTIMISED = {"share_prompts": False, "llama_like_decoder": False, "reuse_buffers": False}
+UNOPTIMISED = {"share_prompts": False, "llama_like_decoder": False, "reuse_buffers": False, "share_prompt_prefix": False}
 
 
 class NativeGenerationEngine:
     """Batched KV-cache decoding with per-row seeds and processed logprobs.
+
+    A shared prompt prefix is prefilled on its own when that saves `min_shared_prefix_tokens` token
+    positions: the extra forward reads every weight once, which fewer tokens do not repay.
 
     Args:
         model: a Hugging Face causal LM (anything whose forward accepts `input_ids`,
@@ -214,6 +228,9 @@ class NativeGenerationEngine:
         finished_rows_fraction: a decoder that can keep finished rows in its batch (the llama-like
             one) drops them once they are at least this fraction of it, so the cache is copied a few
             times per generation instead of once per finishing step (default 0.25; 0: at once).
+        share_prompt_prefix: prefill the first tokens all of a prefill's distinct prompts share (a system
+            prompt, a task's instructions) once, for a single row, and copy their cache to every row
+            (when that saves at least `min_shared_prefix_tokens` token positions; default True).
         speculative: a `speculative.Drafter` (`speculative.make_drafter`): speculative sampling,
             which emits the tokens plain decoding emits for the same seeds, and adds the per-row
             `speculative.SPECULATIVE_COUNTS` to the outputs (default None: plain decoding).
@@ -229,6 +246,8 @@ class NativeGenerationEngine:
     `UNOPTIMISED` turns the three optimisations off: the engine as it was before them.
     """
 
+    min_shared_prefix_tokens = 64
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -240,6 +259,7 @@ class NativeGenerationEngine:
         llama_like_decoder: bool = True,
         reuse_buffers: bool = True,
         finished_rows_fraction: float = 0.25,
+        share_prompt_prefix: bool = True,
         speculative: Optional[Drafter] = None,
         batch_invariant: bool = False,
         record_routing: bool = False,
@@ -264,6 +284,7 @@ class NativeGenerationEngine:
         self.share_prompts = share_prompts
         self.reuse_buffers = reuse_buffers
         self.finished_rows_fraction = finished_rows_fraction
+        self.share_prompt_prefix = share_prompt_prefix
         self.speculative = speculative
         # Ask the model for the last position's logits only, when it supports it (saves a
         # [B, P, V] projection at prefill).
@@ -291,10 +312,15 @@ class NativeGenerationEngine:
         return ModelForwardDecoder(self.model, self._supports_logits_to_keep)
 
     def _prefill(self, input_ids, input_lengths, decoder, capacity: int,
-                 pixel_values: Optional[Sequence[Optional[torch.Tensor]]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 pixel_values: Optional[Sequence[Optional[torch.Tensor]]] = None, *, width: int = 0,
+                 rows: Optional[torch.Tensor] = None, admit: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the prompts (with their images: `pixel_values`, one entry per row, a vision-language
-        model's; `models/vision_inputs.py`) through the model and hand their KV cache to `decoder`.
-        Decoding then feeds text tokens only: the images are in the cache.
+        model's; `models/vision_inputs.py`) through the model and hand their KV cache to `decoder`, left
+        padded to at least `width` positions. Decoding then feeds text tokens only: the images are in the cache.
+
+        `rows`: the prompts' rows in the `generate` call (default: all, in order), where recorded routing
+        goes. With `admit`, the prompts join the rows the decoder runs (continuous batching); without,
+        they start its batch.
 
         Returns the next-token logits `[B, V]` and the position ids `[B]` of the first generated token.
         """
@@ -304,21 +330,36 @@ class NativeGenerationEngine:
                 input_ids, input_lengths, image_groups(pixel_values) if pixel_values is not None else None)
         else:
             first_rows = row_map = torch.arange(batch_size, device=input_ids.device)
-        ids, attention_mask, position_ids = right_to_left_padding(
-            input_ids[first_rows], input_lengths[first_rows], self.pad_token_id
-        )
+        prompts, prompt_lengths = input_ids[first_rows], input_lengths[first_rows]
         cache = DynamicCache()
         extra = {"logits_to_keep": 1} if self._supports_logits_to_keep else {}
+        shared = 0
+        if self.share_prompt_prefix and pixel_values is None and self._routing is None:
+            shared = shared_prefix_length(prompts, prompt_lengths)
+            if shared * (prompts.shape[0] - 1) < self.min_shared_prefix_tokens:
+                shared = 0
+        if shared:  # the prefix once, its cache copied to every prompt, then the rest of each prompt after it
+            self.model(input_ids=prompts[:1, :shared], position_ids=torch.arange(shared, device=prompts.device)[None],
+                       past_key_values=cache, use_cache=True, **extra)
+            cache.batch_repeat_interleave(prompts.shape[0])
+        ids, attention_mask, position_ids = right_to_left_padding(
+            prompts[:, shared:], prompt_lengths - shared, self.pad_token_id, max(width - shared, 0))
         if pixel_values is not None:
             dtype = next(self.model.parameters()).dtype
             extra.update(image_inputs([pixel_values[row] for row in first_rows.tolist()], ids.device, dtype))
+        if shared:  # [prefix][left padding][rest]: the padding sits in the middle, masked
+            attention_mask = torch.cat([attention_mask.new_ones(ids.shape[0], shared), attention_mask], dim=1)
+            position_ids = position_ids + shared
         out = self.model(
             input_ids=ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=cache, use_cache=True, **extra,
         )
-        decoder.start(cache, attention_mask, row_map, capacity)
+        if admit:
+            decoder.admit(cache, attention_mask, row_map)
+        else:
+            decoder.start(cache, attention_mask, row_map, capacity)
         if self._routing is not None:
-            router_replay.file_prefill(self._routing, self._recorder.take(), input_lengths[first_rows], row_map)
+            router_replay.file_prefill(self._routing, self._recorder.take(), input_lengths[first_rows], row_map, rows)
         return out.logits[:, -1, :].index_select(0, row_map), (position_ids[:, -1] + 1).index_select(0, row_map)
 
     def prefilled_decoder(self, input_ids: torch.Tensor, input_lengths: torch.Tensor, capacity: int):
@@ -344,6 +385,7 @@ class NativeGenerationEngine:
         seeds: Optional[torch.Tensor] = None,
         start_steps: Optional[torch.Tensor] = None,
         pixel_values: Optional[Sequence[Optional[torch.Tensor]]] = None,
+        max_running_rows: Optional[int] = None,
     ) -> dict[str, torch.Tensor]:
         """Generate up to `max_new_tokens` tokens for each right-padded prompt.
 
@@ -369,6 +411,10 @@ class NativeGenerationEngine:
                 the tokens one uninterrupted generation would under the same weights and seed.
             pixel_values: a vision-language model's images, one entry per row (`[n_images, 3, H, W]`
                 or None; default None), whose image tokens the prompts hold (`models/vision_inputs.py`).
+            max_running_rows: rows decoded at once (default None: all). With more rows than this, the
+                llama-like decoder batches continuously (`running_batch.py`: finished rows leave its batch
+                and waiting ones are prefilled into their places); other decoders, and speculative
+                decoding, generate the rows in consecutive pieces of this many.
 
         Returns:
             dict with `output_ids [B, S+T]` (T = longest generation), `generation_lengths [B]`,
@@ -414,11 +460,18 @@ class NativeGenerationEngine:
         start_steps = start_steps.long().to(device)
         if start_steps.shape != (batch_size,) or bool((start_steps < 0).any()) or bool((start_steps >= input_lengths.to(device)).any()):
             raise ValueError(f"start_steps must be [{batch_size}] in [0, input_lengths), got {start_steps.tolist()}")
+        if max_running_rows is not None and max_running_rows < 1:
+            raise ValueError(f"max_running_rows must be >= 1, got {max_running_rows}")
+        sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                        greedy=greedy, stop_token_ids=stop_token_ids)
         if self.batch_invariant and (batch_size > 1 or int(input_lengths[0]) < prompt_width):
-            sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            greedy=greedy, stop_token_ids=stop_token_ids)
-            return self._generate_rows_alone(input_ids, input_lengths, seeds, start_steps, row_stop_strings, sampling,
-                                             pixel_values)
+            return self._generate_in_pieces(input_ids, input_lengths, seeds, start_steps, row_stop_strings, sampling,
+                                            pixel_values, piece_rows=1)
+        decoder = self._decoder()
+        continuous = max_running_rows is not None and batch_size > max_running_rows
+        if continuous and (self.speculative is not None or not isinstance(decoder, LlamaLikeDecoder)):
+            return self._generate_in_pieces(input_ids, input_lengths, seeds, start_steps, row_stop_strings, sampling,
+                                            pixel_values, piece_rows=max_running_rows)
         # Each row's tokens of the turn generated before this call: stop strings may span them.
         earlier = [input_ids[row, int(input_lengths[row]) - n : int(input_lengths[row])].tolist() if n else []
                    for row, n in enumerate(start_steps.tolist())] if has_stop_strings else None
@@ -430,85 +483,39 @@ class NativeGenerationEngine:
         generation_lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         stopped = torch.zeros(batch_size, dtype=torch.bool, device=device)
 
-        decoder = self._decoder()
+        run = DecodeRun(
+            new_tokens, new_logprobs, generation_lengths, stopped, seeds, start_steps, end_ids, max_new_tokens,
+            temperature, top_k, top_p, greedy, None, self.pad_token_id, row_stop_strings, has_stop_strings,
+            earlier, self._hits_stop_string,
+        )
         drafts = self.speculative.num_draft_tokens + 1 if self.speculative is not None else 0
         self._recorder = router_replay.RoutingRecorder(self.model).__enter__() if self.record_routing else None
         self._routing = None if self._recorder is None else router_replay.empty_routing(
             self._recorder, batch_size, prompt_width + max_new_tokens, device)
+        ids, lengths = input_ids.to(device), input_lengths.to(device)
+        # Continuous batching: every prompt fits before the first fed column, and the cache has room for a
+        # row admitted late to generate all its tokens after the longest running row's (`_decode` compacts
+        # it so that no row spans more than width + max_new_tokens columns).
+        width = int(lengths.max()) if continuous else 0
+        capacity = prompt_width + max_new_tokens + (max_new_tokens if continuous else drafts)
         try:
-            logits, next_position = self._prefill(
-                input_ids.to(device), input_lengths.to(device), decoder, capacity=prompt_width + max_new_tokens + drafts,
-                pixel_values=pixel_values,
-            )
-            buffers = SamplingBuffers(batch_size, logits.shape[-1], device) if self.reuse_buffers else None
-            keep_fraction = self.finished_rows_fraction if decoder.keeps_finished_rows else 0.0
             if self.speculative is not None:
-                run = DecodeRun(
-                    new_tokens, new_logprobs, generation_lengths, stopped, seeds, start_steps, end_ids, max_new_tokens,
-                    temperature, top_k, top_p, greedy, buffers, self.pad_token_id, row_stop_strings, has_stop_strings,
-                    earlier, self._hits_stop_string,
-                )
+                logits, _ = self._prefill(ids, lengths, decoder, capacity, pixel_values)
+                run.buffers = SamplingBuffers(batch_size, logits.shape[-1], device) if self.reuse_buffers else None
+                keep_fraction = self.finished_rows_fraction if decoder.keeps_finished_rows else 0.0
                 try:
-                    counts = speculative_decode(self.speculative, decoder, logits, input_ids.to(device),
-                                                input_lengths.to(device), run, keep_fraction)
+                    counts = speculative_decode(self.speculative, decoder, logits, ids, lengths, run, keep_fraction)
                 finally:
                     self.speculative.release()
                 outputs = self._assemble_outputs(input_ids, input_lengths, new_tokens, new_logprobs,
                                                  generation_lengths, stopped)
                 return {**outputs, **{name: count.to(input_ids.device) for name, count in counts.items()}}
-            # The decoder's batch: `slot_rows` maps its rows to original rows; `generating` marks those not finished
-            # (finished rows may stay in it a while, fed padding, their outputs ignored).
-            slot_rows = torch.arange(batch_size, device=device)
-            generating = torch.ones(batch_size, dtype=torch.bool, device=device)
-            num_finished_slots = 0
-
-            for step in range(max_new_tokens):
-                # Sample for the decoder rows still generating.
-                if num_finished_slots:
-                    live_slots = generating.nonzero().squeeze(1)
-                    rows, step_logits = slot_rows[live_slots], logits[live_slots]
-                else:
-                    live_slots, rows, step_logits = None, slot_rows, logits
-                if self._image_token_id is not None:
-                    step_logits = suppress_image_token(step_logits, self._image_token_id)
-                processed = process_logits(step_logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                                           buffers=buffers)
-                tokens, token_logprobs = sample(
-                    processed, seeds[rows], start_steps[rows] + step, greedy=greedy, buffers=buffers
-                )
-                new_tokens[rows, step] = tokens
-                new_logprobs[rows, step] = token_logprobs
-                generation_lengths[rows] = step + 1
-
-                finished = torch.isin(tokens, end_ids)
-                if has_stop_strings and any(row_stop_strings[i] for i in rows.tolist()):
-                    finished |= self._hits_stop_string(new_tokens, rows, step + 1, row_stop_strings, earlier)
-                stopped[rows] = finished
-                if step + 1 == max_new_tokens:
-                    break
-
-                # Next step's input: each row's new token; rows that finished earlier but are still in the
-                # decoder's batch are fed padding (their outputs are ignored).
-                if live_slots is not None:
-                    fed = torch.full_like(slot_rows, self.pad_token_id)
-                    fed[live_slots] = tokens
-                    tokens = fed
-                if finished.any():
-                    generating[finished.nonzero().squeeze(1) if live_slots is None else live_slots[finished]] = False
-                    num_finished_slots = int((~generating).sum())
-                    if num_finished_slots == slot_rows.numel():
-                        break
-                    if num_finished_slots >= keep_fraction * slot_rows.numel():  # drop the finished rows
-                        keep = generating.nonzero().squeeze(1)
-                        decoder.keep_rows(keep)
-                        slot_rows, next_position, tokens = slot_rows[keep], next_position[keep], tokens[keep]
-                        generating, num_finished_slots = generating[keep], 0
-                logits = decoder.step(tokens, next_position)
-                if self._routing is not None:  # the fed tokens sit at column input_length + step
-                    fed_rows = slot_rows[generating]
-                    self._routing[fed_rows, input_lengths.to(device)[fed_rows] + step] = \
-                        self._recorder.take()[generating].to(self._routing.dtype)
-                next_position = next_position + 1
+            # Continuous batching admits the longest prompts first (`running_batch.py`).
+            order = torch.argsort(lengths, descending=True, stable=True) if continuous else torch.arange(batch_size, device=device)
+            running = RunningBatch.empty(order, max_running_rows if continuous else batch_size)
+            logits = self._admit(running, decoder, ids, lengths, pixel_values, capacity, width, start=True)
+            run.buffers = SamplingBuffers(running.size, logits.shape[-1], device) if self.reuse_buffers else None
+            self._decode(decoder, running, logits, run, ids, lengths, pixel_values, capacity, continuous)
         finally:
             decoder.release()  # the cache is this call's: not held into the phases after it
             if self._recorder is not None:
@@ -520,30 +527,110 @@ class NativeGenerationEngine:
         self._routing = self._recorder = None
         return outputs
 
-    def _generate_rows_alone(
+    def _admit(self, running: RunningBatch, decoder, input_ids: torch.Tensor, input_lengths: torch.Tensor,
+               pixel_values: Optional[Sequence], capacity: int, width: int = 0, start: bool = False) -> torch.Tensor:
+        """Prefill the waiting rows that fit into the decoder's batch (with `start`, the first ones, which
+        start it); their next-token logits."""
+        rows = running.take_waiting()
+        logits, positions = self._prefill(
+            input_ids[rows], input_lengths[rows], decoder, capacity,
+            None if pixel_values is None else [pixel_values[row] for row in rows.tolist()],
+            width=width, rows=rows, admit=not start,
+        )
+        running.add(rows, positions)
+        return logits
+
+    def _decode(self, decoder, running: RunningBatch, logits: torch.Tensor, run: DecodeRun, input_ids: torch.Tensor,
+                input_lengths: torch.Tensor, pixel_values: Optional[Sequence], capacity: int, continuous: bool) -> None:
+        """Plain decoding: sample a token for every running row from `logits`, feed it, repeat until every
+        row of the call finished; rows waiting for a place in the decoder's batch (`continuous`) are
+        prefilled into it as others leave. Writes `run`'s outputs."""
+        keep_fraction = self.finished_rows_fraction if decoder.keeps_finished_rows else 0.0
+        while True:
+            live = running.live()  # None: every slot
+            rows = running.slot_rows if live is None else running.slot_rows[live]
+            steps = running.steps if live is None else running.steps[live]
+            step_logits = logits if live is None else logits[live]
+            if self._image_token_id is not None:
+                step_logits = suppress_image_token(step_logits, self._image_token_id)
+            processed = process_logits(step_logits, temperature=run.temperature, top_k=run.top_k, top_p=run.top_p,
+                                       buffers=run.buffers)
+            tokens, token_logprobs = sample(processed, run.seeds[rows], run.start_steps[rows] + steps, greedy=run.greedy,
+                                            buffers=run.buffers)
+            run.new_tokens[rows, steps] = tokens
+            run.new_logprobs[rows, steps] = token_logprobs
+            run.generation_lengths[rows] = steps + 1
+            finished = torch.isin(tokens, run.end_ids)
+            if run.has_stop_strings and any(run.row_stop_strings[i] for i in rows.tolist()):
+                finished |= self._hits_stop_string(run.new_tokens, rows, (steps + 1).tolist(), run.row_stop_strings,
+                                                   run.earlier)
+            run.stopped[rows] = finished
+            finished |= steps + 1 >= run.max_new_tokens  # the budget: truncated, not stopped
+            tokens = running.advance(live, tokens, finished, self.pad_token_id)
+            if running.done:
+                break
+            full = continuous and decoder.length >= capacity
+            if running.num_finished and (running.num_finished >= keep_fraction * running.size or full):
+                keep = running.generating.nonzero().squeeze(1)
+                if continuous:  # columns every kept row masks, short of what the longest waiting prompt needs
+                    room = decoder.length - (int(input_lengths[running.waiting].max()) if running.waiting.numel() else 0)
+                    masked = int(decoder.first_column[keep].min()) if keep.numel() else room
+                    decoder.keep_rows(keep, shift=max(0, min(masked, room)))
+                else:
+                    decoder.keep_rows(keep)
+                running.keep(keep)
+                tokens = tokens[keep]
+            if running.size:
+                logits = decoder.step(tokens, running.positions)
+                running.positions += 1
+                if self._routing is not None:  # each fed token sits at column input_length + (its step - 1)
+                    fed = running.generating
+                    fed_rows = running.slot_rows[fed]
+                    self._routing[fed_rows, input_lengths[fed_rows] + running.steps[fed] - 1] = \
+                        self._recorder.take()[fed].to(self._routing.dtype)
+            if running.waiting.numel() and running.size < running.max_running_rows:
+                admitted = self._admit(running, decoder, input_ids, input_lengths, pixel_values, capacity)
+                logits = torch.cat([logits, admitted]) if running.size > admitted.shape[0] else admitted
+
+    def _generate_in_pieces(
         self, input_ids: torch.Tensor, input_lengths: torch.Tensor, seeds: torch.Tensor, start_steps: torch.Tensor,
-        row_stop_strings: list[list[str]], sampling: dict, pixel_values: Optional[Sequence] = None,
+        row_stop_strings: list[list[str]], sampling: dict, pixel_values: Optional[Sequence], piece_rows: int,
     ) -> dict[str, torch.Tensor]:
-        """`generate` in batch-invariant mode: every row alone, its prompt cut to its length; the
-        outputs put together as one batched call returns them (speculative counts row by row)."""
+        """`generate` over consecutive pieces of `piece_rows` rows, each piece's prompts cut to its longest
+        (1: batch-invariant mode, every row alone and unpadded); the outputs put together as one batched
+        call returns them (speculative counts row by row, recorded routing at each row's columns)."""
         pieces = []
-        for row in range(input_ids.shape[0]):
-            length = int(input_lengths[row])
+        for start in range(0, input_ids.shape[0], piece_rows):
+            rows = slice(start, start + piece_rows)
+            width = int(input_lengths[rows].max())
             pieces.append(self.generate(
-                input_ids[row : row + 1, :length], input_lengths[row : row + 1], seeds=seeds[row : row + 1],
-                start_steps=start_steps[row : row + 1], stop_strings=[row_stop_strings[row] or None],
-                pixel_values=None if pixel_values is None else [pixel_values[row]], **sampling,
+                input_ids[rows, :width], input_lengths[rows], seeds=seeds[rows], start_steps=start_steps[rows],
+                stop_strings=[stops or None for stops in row_stop_strings[rows]],
+                pixel_values=None if pixel_values is None else pixel_values[rows], **sampling,
             ))
         lengths = torch.cat([piece["generation_lengths"] for piece in pieces])
         width = max(int(lengths.max()), 1)
-        new_tokens = torch.full((len(pieces), width), self.pad_token_id, dtype=torch.long)
-        new_logprobs = torch.zeros(len(pieces), width)
-        for row, piece in enumerate(pieces):
-            start, count = int(input_lengths[row]), int(lengths[row])
-            new_tokens[row, :count] = piece["output_ids"][0, start : start + count]
-            new_logprobs[row, :count] = piece["logprobs"][0, start : start + count]
+        new_tokens = torch.full((len(lengths), width), self.pad_token_id, dtype=torch.long)
+        new_logprobs = torch.zeros(len(lengths), width)
+        row = 0
+        for piece in pieces:
+            for k in range(piece["generation_lengths"].numel()):
+                start, count = int(input_lengths[row]), int(lengths[row])
+                new_tokens[row, :count] = piece["output_ids"][k, start : start + count]
+                new_logprobs[row, :count] = piece["logprobs"][k, start : start + count]
+                row += 1
         stopped = ~torch.cat([piece["truncated"] for piece in pieces])
         outputs = self._assemble_outputs(input_ids, input_lengths, new_tokens, new_logprobs, lengths, stopped)
+        if router_replay.ROUTED_EXPERTS in pieces[0]:  # right-padded per piece: a row's columns are the same
+            parts = [piece[router_replay.ROUTED_EXPERTS] for piece in pieces]
+            total = outputs["output_ids"].shape[1]
+            routing = parts[0].new_full((len(lengths), total, *parts[0].shape[2:]), router_replay.NOT_RECORDED)
+            row = 0
+            for part in parts:
+                columns = min(total, part.shape[1])
+                routing[row : row + part.shape[0], :columns] = part[:, :columns]
+                row += part.shape[0]
+            outputs[router_replay.ROUTED_EXPERTS] = routing
         extra = set(pieces[0]) - set(outputs)  # speculative sampling's per-row counts
         return {**outputs, **{name: torch.cat([piece[name] for piece in pieces]) for name in sorted(extra)}}
 

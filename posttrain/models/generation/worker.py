@@ -102,7 +102,8 @@ class GenerationWorker(MeasuresPhases, DistributedWorker):
     def generate(self, batch: Batch, greedy: bool = False, params: Optional[dict[str, Any]] = None) -> Batch:
         """Generate for `batch` (`input_ids`, `input_lengths`, optional `seeds [B]`, `start_steps [B]`
         (`NativeGenerationEngine.generate`: continue a turn's generation), per-row `stop_strings` and, for a
-        vision-language model, `pixel_values` (a list, one entry per row)), in pieces of `generation.batch_size` rows.
+        vision-language model, `pixel_values` (a list, one entry per row)), `generation.batch_size` rows decoded at
+        once (continuous batching: `NativeGenerationEngine.generate`'s `max_running_rows`).
 
         `params` overrides keys of the generation config for this call (e.g. the validation
         temperature); allowed keys: `SAMPLING_PARAMS`.
@@ -117,20 +118,18 @@ class GenerationWorker(MeasuresPhases, DistributedWorker):
         options.update(params or {})
         global_stops = options.pop("stop_strings")
 
-        outputs = []
-        for piece in batch.chunk(self.config.batch_size) if batch.size else [batch]:
-            out = self.engine.generate(
-                piece["input_ids"].to(self.device),
-                piece["input_lengths"].to(self.device),
-                greedy=greedy,
-                stop_strings=merge_stop_strings(global_stops, piece.get("stop_strings")),
-                seeds=piece.get("seeds"),
-                start_steps=piece.get("start_steps"),
-                pixel_values=piece.get("pixel_values"),  # a vision-language model's images (models/vision_inputs.py)
-                **options,
-            )
-            outputs.append(Batch({key: value.cpu() for key, value in out.items()}))
-        return Batch.cat(outputs, pad_values={"output_ids": self.tokenizer.pad_token_id, "routed_experts": -1})
+        out = self.engine.generate(
+            batch["input_ids"].to(self.device),
+            batch["input_lengths"].to(self.device),
+            greedy=greedy,
+            stop_strings=merge_stop_strings(global_stops, batch.get("stop_strings")),
+            seeds=batch.get("seeds"),
+            start_steps=batch.get("start_steps"),
+            pixel_values=batch.get("pixel_values"),  # a vision-language model's images (models/vision_inputs.py)
+            max_running_rows=self.config.batch_size,  # continuous batching beyond it
+            **options,
+        )
+        return Batch({key: value.cpu() for key, value in out.items()})
 
     # ------------------------------------------------------------------ memory
     def _models(self) -> list[torch.nn.Module]:
