@@ -1,7 +1,8 @@
 """A generation engine's rows in the memory plan (`add_engine`): its weights and, per decoding
 phase, the working memory of one call (`native_engine_bytes`; vLLM's own share). A native engine
-decodes a call's rows in pieces of `policy.generation.batch_size` (`GenerationWorker.generate`):
-its KV cache is that of the piece (`engine_rows`), at most."""
+decodes at most `policy.generation.batch_size` of a call's rows at once (`engine_rows`), admitting
+the others as rows finish (continuous batching, `running_batch.py`): its KV cache holds that many
+rows, each `max_new_tokens` columns longer when rows wait (the room compaction needs)."""
 
 from __future__ import annotations
 
@@ -43,14 +44,14 @@ def engine_shares_dtype(cfg: Any) -> bool:
 
 def engine_rows(rows_per_call: int, engines: int, batch_size: int) -> int:
     """Rows one engine decodes at once: its share of a call's rows (`Batch.shard` over `engines`),
-    in pieces of at most `batch_size` (`policy.generation.batch_size`)."""
+    at most `batch_size` (`policy.generation.batch_size`) of them."""
     return max(1, min(batch_size, math.ceil(rows_per_call / engines)))
 
 
 def native_engine_bytes(shape: ModelShape, rows: int, prompts: int, prompt_tokens: int, row_tokens: int,
                         dtype_bytes: int) -> dict[str, float]:
     """Working memory of one native-engine call (`NativeGenerationEngine.generate`) of `rows` rows
-    of at most `row_tokens` tokens whose `prompts` distinct prompts are `prompt_tokens` long:
+    of `row_tokens` cache columns each, whose `prompts` distinct prompts are `prompt_tokens` long:
 
     - the decoder's KV cache, preallocated for every row's prompt and new tokens (`LlamaLikeDecoder.start`);
     - the prefill's own cache of the distinct prompts (a row shares its prompt's prefill,
@@ -98,8 +99,10 @@ def add_engine(engine: DevicePlan, cfg: Any, shape: ModelShape, c: int, device_b
     prompt_tokens = min(longest_prompt, row_tokens) if single_turn and longest_prompt else row_tokens
     for phase, (rows_per_call, group) in calls.items():
         rows = engine_rows(rows_per_call, engines, gen.batch_size)
+        waiting = math.ceil(rows_per_call / engines) > rows  # continuous batching: `LlamaLikeDecoder.keep_rows`' room
+        cache_tokens = row_tokens + (gen.max_new_tokens if waiting else 0)
         # Rows share their prompt's prefill; later turns of a multi-turn rollout prefill each row's own conversation.
         prompts = math.ceil(rows / group) if single_turn else rows
-        for item, nbytes in native_engine_bytes(shape, rows, prompts, prompt_tokens, row_tokens, c).items():
+        for item, nbytes in native_engine_bytes(shape, rows, prompts, prompt_tokens, cache_tokens, c).items():
             engine.add(item, nbytes, (phase,))
     return weights

@@ -312,8 +312,8 @@ def test_preflight_reads_the_training_data_once(monkeypatch):
 
 
 def test_validation_decodes_val_batch_size_rows_and_can_set_the_peak():
-    """Validation decodes `grpo.val_batch_size` prompts per call (in pieces of
-    `policy.generation.batch_size` rows), each its own prompt, where a step decodes its
+    """Validation decodes `grpo.val_batch_size` prompts per call (at most
+    `policy.generation.batch_size` rows at once), each its own prompt, where a step decodes its
     num_prompts_per_step x num_generations_per_prompt rows sharing a prompt per group: a larger
     validation batch is a larger KV cache and prefill, planned as a phase of its own, which here
     sets the peak (the nemotron_mini recipe validates 140 prompts against steps of 32 rows)."""
@@ -338,10 +338,11 @@ def test_validation_decodes_val_batch_size_rows_and_can_set_the_peak():
     assert device.peak()[0] == plan.peak_phase() == "validation"
     assert plan.run_peak() == ("grpo", "validation", device.phase_total("validation"))
     assert "GiB (validation);" in mp.format_plan(plan).splitlines()[-1]
-    # A validation batch larger than generation.batch_size decodes in pieces of that many rows.
-    pieces = mp.memory_plan(grpo(*common, "grpo.val_batch_size=500", "policy.generation.batch_size=64"), SHAPE,
-                            device_bytes=16 * GiB, longest_prompt=100)
-    assert pieces.devices[0].rows["KV cache"]["validation"] == rows["KV cache"]["validation"]
+    # A validation batch larger than generation.batch_size decodes that many rows at once, the others
+    # admitted as rows finish (continuous batching), in a cache max_new_tokens columns longer per row.
+    continuous = mp.memory_plan(grpo(*common, "grpo.val_batch_size=500", "policy.generation.batch_size=64"), SHAPE,
+                                device_bytes=16 * GiB, longest_prompt=100)
+    assert continuous.devices[0].rows["KV cache"]["validation"] == int(mp.kv_cache_bytes(SHAPE, 64, 356 + 256, 4))
     # Without validation in the schedule there is no such phase.
     never = grpo(*common, "grpo.val_period=0", "grpo.val_at_start=false", "grpo.val_at_end=false")
     assert mp.memory_plan(never, SHAPE, longest_prompt=100).phases == ("generation", "refit", "training")
@@ -381,7 +382,8 @@ def test_offline_jobs_validate_with_a_forward_and_eval_decodes_without_a_policy(
     assert set(engine.rows) == {"runtime (python, torch)", "generation weights", "KV cache",
                                 "prefill KV cache (distinct prompts)", "prefill forward"}
     assert engine.rows["generation weights"]["evaluation"] == 4 * SHAPE.num_params  # no optimizer, no gradients
-    assert engine.rows["KV cache"]["evaluation"] == int(mp.kv_cache_bytes(SHAPE, 16, plan.row_tokens, 4))
+    assert engine.rows["KV cache"]["evaluation"] == int(  # 32 prompts, 16 at once: continuous batching's longer rows
+        mp.kv_cache_bytes(SHAPE, 16, plan.row_tokens + ev.policy.generation.max_new_tokens, 4))
 
 
 def test_an_sft_warm_start_is_a_job_of_its_own_unless_its_export_is_cached(tmp_path, monkeypatch):

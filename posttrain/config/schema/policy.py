@@ -248,7 +248,20 @@ class GenerationConfig(Section):
         None,
         description="Strings that end a response (kept in it); environments may add per-turn ones.",
     )
-    batch_size: int = Field(256, ge=1, description="Sequences decoded together per worker.")
+    batch_size: int = Field(
+        256, ge=1,
+        description=(
+            "Rows a worker decodes at once. The native engine admits a call's further rows as running ones finish "
+            "(continuous batching, docs/generation.md); vLLM batches by its own limits."
+        ),
+    )
+    share_prompt_prefix: bool = Field(
+        True,
+        description=(
+            "Native engine: prefill the first tokens all prompts of a prefill share (a system prompt, a task's "
+            "instructions) once and copy their KV cache to every row, when that saves at least 64 token positions."
+        ),
+    )
     precision: Literal["auto", "float32", "bfloat16", "int8", "fp8"] = Field(
         "auto",
         description=(

@@ -90,6 +90,7 @@ class GenerationWorker(MeasuresPhases, DistributedWorker):
             self.model, self.tokenizer,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=self.tokenizer.eos_token_id,
             speculative=self.drafter, batch_invariant=spec.batch_invariant, record_routing=spec.record_routing,
+            share_prompt_prefix=self.config.share_prompt_prefix,
         )
         self.refit_metadata: Optional[RefitMetadata] = None
         self.weights_version = 0  # the checkpoint loaded from model_name
