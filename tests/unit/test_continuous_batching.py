@@ -80,19 +80,35 @@ def test_rows_admitted_as_others_finish_generate_what_one_batch_does(model, runn
     assert counting.shifted > 0  # rows admitted late: the cache was compacted
 
 
-def test_a_cache_full_of_long_rows_is_compacted_without_dropping_a_row():
-    """No row stops early, so the cache fills with every slot generating: compaction moves the rows to the
-    left (the columns all of them mask) and decoding goes on."""
+@pytest.mark.parametrize("margin", [0, 2])
+def test_a_full_cache_is_compacted_while_rows_generate(margin, monkeypatch):
+    """The longest prompt starts at column 0 and runs to its budget, while rows that stop at once make
+    room for rows that run long too: when it ends, the cache is full (prompt + max_new_tokens + `margin`
+    columns; with margin 0) with rows still generating beside it, so compaction drops it and moves them left, and
+    decoding goes on to the tokens of one batch."""
     model = tiny.make_tiny_model("tiny", "llama", seed=1)[0].eval()
-    ids, lengths = right_padded([[5, 6, 7, 8, 9, 10, 11, 12], [3, 4], [13, 14, 15], [16, 17, 18, 19, 20], [21]])
-    engine = NativeGenerationEngine(model, None, pad_token_id=PAD, eos_token_id=None)
-    kwargs = dict(max_new_tokens=12, temperature=1.0, seeds=torch.arange(5))
+    monkeypatch.setattr(NativeGenerationEngine, "compaction_margin", margin)
+    g = torch.Generator().manual_seed(11)
+    # Admitted longest first: row 0 (16 tokens) with rows 1-3 (10 tokens), then rows 4-9 (3 tokens).
+    ids, lengths = right_padded([torch.randint(2, 100, (n,), generator=g).tolist() for n in [16] + [10] * 3 + [3] * 6])
+    engine = NativeGenerationEngine(model, None, pad_token_id=PAD, eos_token_id=None, finished_rows_fraction=0.5)
+    kwargs = dict(max_new_tokens=12, greedy=True)
+    free = engine.generate(ids, lengths, **kwargs)["output_ids"]
+    # Rows 1-3 stop at their first token; row 0 and rows 4-9 run to the budget.
+    running_long = {token for row in [0, *range(4, 10)] for token in free[row, lengths[row]:].tolist()}
+    kwargs["stop_token_ids"] = sorted({int(free[row, lengths[row]]) for row in range(1, 4)} - running_long)
     reference = engine.generate(ids, lengths, **kwargs)
+    assert reference["generation_lengths"].tolist() == [12, 1, 1, 1] + [12] * 6
     counting = CountingDecoder(model)
     engine._llama_like, engine._llama_like_checked = counting, True
-    out = engine.generate(ids, lengths, max_running_rows=2, **kwargs)
+    full = []
+    original_keep = counting.keep_rows
+    monkeypatch.setattr(counting, "keep_rows", lambda keep, shift=0: (
+        full.append(counting.length >= counting.keys[0].shape[2]), original_keep(keep, shift)))
+    out = engine.generate(ids, lengths, max_running_rows=4, **kwargs)
     assert_same_generation(out, reference)
-    assert out["truncated"].all() and counting.shifted >= 12
+    if margin == 0:  # compacted because the cache was full, not because enough rows finished
+        assert any(full)
 
 
 def test_stop_strings_with_continuous_batching():

@@ -247,6 +247,9 @@ class NativeGenerationEngine:
     """
 
     min_shared_prefix_tokens = 64
+    # Continuous batching's cache columns per row beyond prompt + max_new_tokens (None: max_new_tokens): a
+    # full cache is compacted at most every margin + 1 steps, each time copying it.
+    compaction_margin: Optional[int] = None
 
     def __init__(
         self,
@@ -493,11 +496,12 @@ class NativeGenerationEngine:
         self._routing = None if self._recorder is None else router_replay.empty_routing(
             self._recorder, batch_size, prompt_width + max_new_tokens, device)
         ids, lengths = input_ids.to(device), input_lengths.to(device)
-        # Continuous batching: every prompt fits before the first fed column, and the cache has room for a
-        # row admitted late to generate all its tokens after the longest running row's (`_decode` compacts
-        # it so that no row spans more than width + max_new_tokens columns).
+        # Continuous batching: every prompt fits before the first fed column. A running row spans at most
+        # width + max_new_tokens - 1 columns, so once the cache is full its first `margin` + 1 columns are
+        # masked in every running row, and `_decode` moves the rows left past them (compaction).
         width = int(lengths.max()) if continuous else 0
-        capacity = prompt_width + max_new_tokens + (max_new_tokens if continuous else drafts)
+        margin = (max_new_tokens if self.compaction_margin is None else self.compaction_margin) if continuous else drafts
+        capacity = prompt_width + max_new_tokens + margin
         try:
             if self.speculative is not None:
                 logits, _ = self._prefill(ids, lengths, decoder, capacity, pixel_values)
@@ -569,8 +573,8 @@ class NativeGenerationEngine:
             tokens = running.advance(live, tokens, finished, self.pad_token_id)
             if running.done:
                 break
-            full = continuous and decoder.length >= capacity
-            if running.num_finished and (running.num_finished >= keep_fraction * running.size or full):
+            full = continuous and decoder.length >= capacity  # compaction makes room (`generate`'s capacity)
+            if full or (running.num_finished and running.num_finished >= keep_fraction * running.size):
                 keep = running.generating.nonzero().squeeze(1)
                 if continuous:  # columns every kept row masks, short of what the longest waiting prompt needs
                     room = decoder.length - (int(input_lengths[running.waiting].max()) if running.waiting.numel() else 0)
