@@ -192,8 +192,8 @@ class LlamaLikeDecoder:
         self.keys: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
         self.attention_bias: Optional[torch.Tensor] = None  # [rows, 1, 1, capacity]: 0 or -inf (padding)
-        self.length = 0  # cache positions filled: prompt width + tokens fed so far (`step`)
-        self.fill: Optional[torch.Tensor] = None  # [rows] positions filled per row (`extend` / `rewind`)
+        self.length = 0  # the column `step` writes next, the same for every row (admission right-aligns to it)
+        self.fill: Optional[torch.Tensor] = None  # [rows] positions filled per row (`extend` / `rewind` only)
         self.rows = 0
         self.has_padding = False  # some running row has a masked (left-padding) position
         self.first_column: Optional[torch.Tensor] = None  # [rows] the row's first unmasked cache column
@@ -259,7 +259,8 @@ class LlamaLikeDecoder:
     def keep_rows(self, keep: torch.Tensor, shift: int = 0) -> None:
         """Keep only the running rows `keep` (indices into the running rows), moved to the front, and with
         `shift` > 0 their columns moved `shift` to the left (the first `shift` columns must be masked in
-        every kept row: `first_column`), so that attention spans fewer columns and the cache gains room."""
+        every kept row: `first_column`), so that the cache gains room (and SDPA, which attends up to
+        `length`, spans fewer columns; the CPU 16-bit attention runs over the whole buffers)."""
         count, filled = keep.numel(), max(self.length, int(self.fill[: self.rows].max()))
         if shift and count and shift > int(self.first_column[keep].min()):
             raise ValueError(f"shift {shift} would drop cache columns a kept row attends to")

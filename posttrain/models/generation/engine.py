@@ -243,7 +243,7 @@ class NativeGenerationEngine:
             returned as `router_replay.ROUTED_EXPERTS [B, S+T, layers, k]` (`models/router_replay.py`;
             default False).
 
-    `UNOPTIMISED` turns the three optimisations off: the engine as it was before them.
+    `UNOPTIMISED` turns the four prefill, decode and sampling optimisations off: the engine as it was before them.
     """
 
     min_shared_prefix_tokens = 64
@@ -501,7 +501,7 @@ class NativeGenerationEngine:
         # masked in every running row, and `_decode` moves the rows left past them (compaction).
         width = int(lengths.max()) if continuous else 0
         margin = (max_new_tokens if self.compaction_margin is None else self.compaction_margin) if continuous else drafts
-        capacity = prompt_width + max_new_tokens + margin
+        capacity = (width if continuous else prompt_width) + max_new_tokens + margin
         try:
             if self.speculative is not None:
                 logits, _ = self._prefill(ids, lengths, decoder, capacity, pixel_values)

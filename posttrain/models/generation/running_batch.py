@@ -8,11 +8,10 @@ instead of running on with the few rows that generate longest. Static batches sp
 cost, which on a CPU is mostly reading every weight once, on ever fewer rows: in the nemotron_mini
 recipe's validation half the steps had 8 rows or fewer, at 60-70 ms each against 106 ms for 32.
 
-Every row counts its own tokens (`steps`), so its random stream (`sampling.counter_uniform`) and its
-budget are its own: a row's tokens do not depend on when it was admitted or what ran beside it.
-The engine admits the longest prompts first: rows of similar length then prefill together (less
-padding) and, as the longest leave, compaction (`LlamaLikeDecoder.keep_rows`'s shift) narrows the
-columns every step attends over.
+Every row counts its own tokens (`steps`), so its random stream (`sampling.counter_uniform`), stop
+checks and budget are its own, whenever it was admitted: in float32 its tokens are those of one batch
+of all rows (in 16 bits another batch rounds differently, as any change of batch does). The engine
+admits the longest prompts first: rows of similar length then prefill together, with less padding.
 """
 
 from __future__ import annotations
