@@ -187,3 +187,16 @@ def test_shared_prefix_length_leaves_every_prompt_its_last_token():
     assert shared_prefix_length(*right_padded([[5, 6, 7], [5, 6, 7]])) == 2  # not the whole prompt
     assert shared_prefix_length(*right_padded([[5, 6, 7]])) == 0  # one prompt: nothing to share
     assert shared_prefix_length(*right_padded([[5, 6], [4, 6]])) == 0
+
+
+def test_continued_turns_keep_their_random_streams_when_admitted_late(model):
+    """Partial rollouts continue a turn with `start_steps` (tokens of it already generated): rows admitted
+    after others finish draw from their streams at the same counters as in one batch."""
+    ids, lengths = right_padded(mixed_rows(12, seed=5))
+    kwargs = dict(max_new_tokens=10, temperature=1.0, seeds=torch.arange(12) + 3, stop_token_ids=list(range(20, 32)),
+                  start_steps=torch.minimum(torch.arange(12) % 4, lengths - 1))
+    engine = NativeGenerationEngine(model, None, pad_token_id=PAD, eos_token_id=EOS)
+    reference = engine.generate(ids, lengths, **kwargs)
+    assert_same_generation(engine.generate(ids, lengths, max_running_rows=3, **kwargs), reference)
+    without = engine.generate(ids, lengths, **{**kwargs, "start_steps": None})
+    assert not torch.equal(without["output_ids"], reference["output_ids"])  # the counters matter
