@@ -215,21 +215,19 @@ class LlamaLikeDecoder:
         rows, width = row_map.numel(), prompt_mask.shape[1]
         prefilled = prefill_cache.layers[0].keys
         self.cpu_16bit = prefilled.device.type == "cpu" and prefilled.dtype in (torch.bfloat16, torch.float16)
-        self.keys, self.values = [], []
-        for layer in prefill_cache.layers:
-            for store, prefilled in ((self.keys, layer.keys), (self.values, layer.values)):
-                # Zeros, not empty memory: `grouped_decode_attention` multiplies unwritten value columns by 0,
-                # and a row admitted later (`admit`) masks columns it never wrote: both must be finite.
-                buffer = prefilled.new_zeros(rows, prefilled.shape[1], capacity, prefilled.shape[3])
-                buffer[:, :, :width] = prefilled.index_select(0, row_map)
-                store.append(buffer)
-        padding = prompt_mask.index_select(0, row_map) == 0
+        # Zeros, not empty memory: `grouped_decode_attention` multiplies unwritten value columns by 0, and a
+        # row admitted later masks columns it never wrote: both must be finite. The running rows then are
+        # the prompts admitted into the empty buffers.
+        def zeros_like_layer(prefilled: torch.Tensor) -> torch.Tensor:
+            return prefilled.new_zeros(rows, prefilled.shape[1], capacity, prefilled.shape[3])
+
+        self.keys = [zeros_like_layer(layer.keys) for layer in prefill_cache.layers]
+        self.values = [zeros_like_layer(layer.values) for layer in prefill_cache.layers]
         self.attention_bias = self.keys[0].new_zeros(rows, 1, 1, capacity)
-        self.attention_bias[:, 0, 0, :width].masked_fill_(padding, float("-inf"))
-        self.length, self.rows = width, rows
+        self.length, self.rows, self.has_padding = width, 0, False
         self.fill = torch.full((rows,), width, dtype=torch.long, device=row_map.device)
-        self.first_column = padding.cumprod(1).sum(1)  # the leading masked run
-        self.has_padding = bool(padding.any())
+        self.first_column = torch.zeros(rows, dtype=torch.long, device=row_map.device)
+        self._place(prefill_cache, prompt_mask, row_map)
 
     def admit(self, prefill_cache: DynamicCache, prompt_mask: torch.Tensor, row_map: torch.Tensor) -> None:
         """Add rows after the running ones (continuous batching): the prompts of a prefill, right-aligned so
@@ -239,10 +237,16 @@ class LlamaLikeDecoder:
         rows (`keep_rows` freed it). The new rows' columns before their prompts are masked.
         """
         count, width = row_map.numel(), prompt_mask.shape[1]
-        first, end, slots = self.length - width, self.length, slice(self.rows, self.rows + row_map.numel())
-        if first < 0 or self.rows + count > self.keys[0].shape[0]:
+        if self.length < width or self.rows + count > self.keys[0].shape[0]:
             raise ValueError(f"cannot admit {count} rows of {width} positions: the cache holds {self.rows} of "
                              f"{self.keys[0].shape[0]} rows and is filled to {self.length}")
+        self._place(prefill_cache, prompt_mask, row_map)
+
+    def _place(self, prefill_cache: DynamicCache, prompt_mask: torch.Tensor, row_map: torch.Tensor) -> None:
+        """Write the prompts' cache into the slots after the running rows, ending at column `length`, and mask
+        what is not theirs (`start`, `admit`)."""
+        first, end = self.length - prompt_mask.shape[1], self.length
+        count, slots = row_map.numel(), slice(self.rows, self.rows + row_map.numel())
         for layer, keys, values in zip(prefill_cache.layers, self.keys, self.values):
             keys[slots, :, first:end] = layer.keys.index_select(0, row_map)
             values[slots, :, first:end] = layer.values.index_select(0, row_map)
