@@ -6,7 +6,10 @@ side by side in one run.
 The step is the embedded default's SFT warm start (`sft_warmup` of `posttrain grpo`: the tiny
 model, 64 rows in micro-batches of 32), run as `posttrain sft` on that section in a fresh process,
 as a user would, with no validation or checkpoints. Settings:
-- default: what posttrain does by itself (every core, OpenMP threads wait passively);
+- default: what posttrain does by itself (every core; OpenMP threads spin about 0.1 ms, then
+  sleep: `OMP_WAIT_POLICY=PASSIVE` with `GOMP_SPINCOUNT=10000`);
+- passive: threads sleep as soon as they wait (`OMP_WAIT_POLICY=PASSIVE` alone: posttrain's
+  default before 2026-11-28);
 - spinning: the same threads with OpenMP's active waiting (`OMP_WAIT_POLICY=ACTIVE`: what torch
   does when nothing sets the variable, and posttrain's behaviour before it did);
 - one_thread: `cluster.cpus_per_worker=1`, the old advice for shared machines.
@@ -27,8 +30,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from posttrain import OMP_WAIT_DEFAULTS
+
 SETTINGS = {
     "default": ({}, []),
+    "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, []),
     "spinning": ({"OMP_WAIT_POLICY": "ACTIVE"}, []),
     "one_thread": ({}, ["cluster.cpus_per_worker=1"]),
 }
@@ -45,7 +51,7 @@ def median_step(config: Path, workdir: Path, name: str, steps: int) -> float:
     env_vars, overrides = SETTINGS[name]
     log_dir = workdir / name
     workdir.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | env_vars
+    env = {k: v for k, v in os.environ.items() if k not in OMP_WAIT_DEFAULTS} | env_vars
     cmd = [sys.executable, "-m", "posttrain", "sft", "--config", str(config), f"sft.max_num_steps={steps}",
            "sft.val_period=0", "sft.val_at_end=false", "checkpointing.enabled=false", f"logger.log_dir={log_dir}",
            "logger.progress_bar=false", *overrides]

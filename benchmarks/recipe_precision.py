@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import posttrain  # noqa: F401 - first: it sets OpenMP's passive wait before torch loads OpenMP
+from posttrain import OMP_WAIT_DEFAULTS  # first: it sets OpenMP's waiting before torch loads OpenMP
 from step_breakdown import EXAMPLES, breakdown, measure_machine, model_shape, print_table
 
 RECIPE = EXAMPLES.parent / "recipes" / "nemotron_mini.yaml"
@@ -45,7 +48,12 @@ VARIANTS = {
     "bfloat16-nocorr": ["policy.generation.precision=bfloat16", "loss_fn.use_importance_sampling_correction=false"],
     "int8": ["policy.generation.precision=int8"],
     "bfloat16-train": ["policy.precision=bfloat16"],
+    "bfloat16-train-passive": ["policy.precision=bfloat16"],
 }
+# Each variant runs in a process of its own, since OpenMP reads its settings once, when torch loads.
+# `-passive`: OpenMP threads sleep as soon as they wait (posttrain's setting before 2026-11-28),
+# against its default's short bounded spin (posttrain/__init__.py).
+VARIANT_ENV = {"bfloat16-train-passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
 QUIET = ["checkpointing.enabled=false", "logger.tensorboard_enabled=false", "logger.progress_bar=false",
          "logger.report=false", "grpo.val_period=0", "grpo.val_at_end=true"]
 SETS = ("validation", "validation_unseen_phrasing")
@@ -80,6 +88,36 @@ def accuracies(row: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+def run_alone(args) -> None:
+    """One variant, in this process (the parent's `--variant-alone`): its tables, and its results as JSON."""
+    from posttrain.config.loader import load_config
+    from posttrain.models.hf import resolve_model_path
+
+    name = args.variant_alone
+    shape = model_shape(resolve_model_path(load_config("grpo", RECIPE).policy.model_name))
+    with tempfile.TemporaryDirectory(prefix=f"recipe_{name}_") as tmp:
+        log_dir = args.logs / name if args.logs else Path(tmp)
+        run_cfg, metrics, wall = run_variant(name, args, log_dir, validate_start=args.validate_start)
+    table = breakdown(run_cfg, metrics, shape, args.gflops, args.memcpy_gbs)
+    print_table(name, run_cfg.policy.model_name, shape, table, args.steps)
+    steps = sorted(s for s in metrics if s >= 1)
+    result = {
+        "wall_s": wall,
+        "step_s": table["total step"]["measured"],
+        "generation_s": table["generation"]["measured"],
+        "training_s": table["policy_training"]["measured"],
+        "floor_s": table["generation"]["bound"],
+        "mismatch": statistics.mean(metrics[s]["train/token_mult_prob_error"] for s in steps
+                                    if "train/token_mult_prob_error" in metrics[s]),
+        "accuracy": accuracies(metrics[max(metrics)]),
+    }
+    print(f"[{name}] {wall:.0f} s; median step {result['step_s']:.1f} s, generation {result['generation_s']:.1f} s "
+          f"against a {result['floor_s']:.1f} s floor ({result['generation_s'] / result['floor_s']:.1f}x); "
+          f"token_mult_prob_error {result['mismatch']:.4f}", flush=True)
+    start_accuracy = accuracies(metrics.get(0, {})) if args.validate_start else {}
+    args.out.write_text(json.dumps({"result": result, "start_accuracy": start_accuracy}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", default=["float32", "bfloat16", "bfloat16-nocorr"], choices=list(VARIANTS))
@@ -87,7 +125,13 @@ def main() -> None:
     parser.add_argument("--val-samples", type=int, default=None, help="problems per task and set (default: the recipe's 80)")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--logs", type=Path, default=None, help="keep each variant's logs in LOGS/<variant> (default: dropped)")
+    parser.add_argument("--variant-alone", choices=list(VARIANTS), help=argparse.SUPPRESS)  # a child's one variant
+    parser.add_argument("--validate-start", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gflops", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--memcpy-gbs", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.variant_alone:
+        return run_alone(args)
 
     from posttrain.config.loader import load_config
     from posttrain.job import worker_threads
@@ -105,29 +149,21 @@ def main() -> None:
     results: dict[str, dict] = {}
     start_accuracy: dict = {}
     for index, name in enumerate(args.variants):
+        print(f"\n== {name}: {' '.join(VARIANTS[name]) or 'the recipe as it is'} "
+              f"{' '.join(f'{k}={v}' for k, v in VARIANT_ENV.get(name, {}).items())}, {args.steps} steps", flush=True)
         with tempfile.TemporaryDirectory(prefix=f"recipe_{name}_") as tmp:
-            print(f"\n== {name}: {' '.join(VARIANTS[name]) or 'the recipe as it is'}, {args.steps} steps", flush=True)
-            log_dir = args.logs / name if args.logs else Path(tmp)
-            run_cfg, metrics, wall = run_variant(name, args, log_dir, validate_start=index == 0)
+            out = Path(tmp) / "result.json"
+            command = [sys.executable, __file__, "--variant-alone", name, "--steps", str(args.steps), "--out", str(out),
+                       "--gflops", str(gflops), "--memcpy-gbs", str(machine["memcpy_gbs"])]
+            command += ["--validate-start"] if index == 0 else []
+            command += ["--val-samples", str(args.val_samples)] if args.val_samples else []
+            command += ["--logs", str(args.logs)] if args.logs else []
+            env = {k: v for k, v in os.environ.items() if k not in OMP_WAIT_DEFAULTS} | VARIANT_ENV.get(name, {})
+            subprocess.run(command, env=env, check=True)
+            alone = json.loads(out.read_text())
+        results[name] = alone["result"]
         if index == 0:
-            start_accuracy = accuracies(metrics.get(0, {}))
-        table = breakdown(run_cfg, metrics, shape, gflops, machine["memcpy_gbs"])
-        print_table(name, run_cfg.policy.model_name, shape, table, args.steps)
-        steps = sorted(s for s in metrics if s >= 1)
-        results[name] = {
-            "wall_s": wall,
-            "step_s": table["total step"]["measured"],
-            "generation_s": table["generation"]["measured"],
-            "training_s": table["policy_training"]["measured"],
-            "floor_s": table["generation"]["bound"],
-            "mismatch": statistics.mean(metrics[s]["train/token_mult_prob_error"] for s in steps
-                                        if "train/token_mult_prob_error" in metrics[s]),
-            "accuracy": accuracies(metrics[max(metrics)]),
-        }
-        r = results[name]
-        print(f"[{name}] {wall:.0f} s; median step {r['step_s']:.1f} s, generation {r['generation_s']:.1f} s "
-              f"against a {r['floor_s']:.1f} s floor ({r['generation_s'] / r['floor_s']:.1f}x); "
-              f"token_mult_prob_error {r['mismatch']:.4f}", flush=True)
+            start_accuracy = alone["start_accuracy"]
 
     validations = {name: r["wall_s"] - r["step_s"] * args.steps for name, r in results.items()}
     print(f"\n{'variant':16s} {'step s':>7s} {'train s':>7s} {'gen s':>6s} {'floor s':>8s} {'gen/floor':>9s} {'wall s':>7s} "

@@ -32,6 +32,8 @@ from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from typing import Any, Mapping, Optional, Sequence
 
+from posttrain.utils.openmp import release_thread_team
+
 _actor_ids = itertools.count()
 _identity = threading.local()  # the rank variables of the local actor whose thread this is
 _live_actors: "weakref.WeakSet[LocalActor]" = weakref.WeakSet()
@@ -140,6 +142,10 @@ class LocalActor:
             # daemon thread must not do once the interpreter is shutting down (it is then ended
             # mid-free, and the C++ below it aborts the process).
             del item
+            if self._calls.empty():
+                # Idle from here on: end this thread's OpenMP team, so that the threads still
+                # computing are not throttled by it (posttrain.utils.openmp says why).
+                release_thread_team()
         self._instance = None  # the worker (its model) is freed on its own thread, before the exit
         while True:  # killed: fail whatever is still queued
             try:
@@ -260,6 +266,7 @@ def wait(refs: Sequence[Any], num_returns: int = 1, timeout: Optional[float] = N
     if not refs or not _all_local(refs):
         return _ray().wait(refs, num_returns=num_returns, timeout=timeout) if refs else ([], [])
     deadline = None if timeout is None else time.monotonic() + timeout
+    release_thread_team()  # this thread waits: its OpenMP team must not slow the actors'
     while True:
         done = [ref for ref in refs if ref.future.done()]
         remaining = None if deadline is None else deadline - time.monotonic()
@@ -279,6 +286,8 @@ class GetTimeoutError(TimeoutError):
 def get(refs: Any, timeout: Optional[float] = None) -> Any:
     """`ray.get` for either kind: the result of one ref, or the results of a list of refs."""
     if isinstance(refs, LocalRef):
+        if not refs.future.done():
+            release_thread_team()  # this thread waits: its OpenMP team must not slow the actor's
         try:
             return refs.future.result(timeout=timeout)
         except TimeoutError as error:

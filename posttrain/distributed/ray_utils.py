@@ -76,9 +76,12 @@ def init_ray(
     for key, value in _RAY_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
 
-    # The OpenMP wait policy travels too: a joined cluster's workers were not started by this
-    # process, so they would not inherit it (posttrain/__init__.py says why it matters).
-    worker_env = {"PYTHONPATH": driver_pythonpath(), "OMP_WAIT_POLICY": os.environ["OMP_WAIT_POLICY"]}
+    # OpenMP's wait settings travel too: a joined cluster's workers were not started by this
+    # process, so they would not inherit them (posttrain/__init__.py says why they matter).
+    from posttrain import OMP_WAIT_DEFAULTS
+
+    worker_env = {"PYTHONPATH": driver_pythonpath()}
+    worker_env.update({name: os.environ[name] for name in OMP_WAIT_DEFAULTS if name in os.environ})
     worker_env.update(env_vars or {})
     # Only a few chosen variables travel: a full copy of os.environ in runtime_env breaks Ray
     # (NeMo-RL issue #309).

@@ -1,5 +1,5 @@
-"""Defaults that keep a run fast on a machine other jobs are using (issue: first use II, item 1):
-OpenMP threads wait passively, and the top level's cluster settings reach the nested warm starts."""
+"""Defaults that keep a run fast on a machine other jobs are using: OpenMP threads wait passively
+after a short bounded spin, and the top level's cluster settings reach the nested warm starts."""
 
 from __future__ import annotations
 
@@ -16,23 +16,27 @@ PROBE = """
 import json, os, sys
 {first}
 import posttrain
-print(json.dumps({{"policy": os.environ.get("OMP_WAIT_POLICY"), "too_late": posttrain.OMP_WAIT_POLICY_SET_TOO_LATE}}))
+print(json.dumps({{"policy": os.environ.get("OMP_WAIT_POLICY"), "spin": os.environ.get("GOMP_SPINCOUNT"),
+                  "too_late": posttrain.OMP_WAIT_POLICY_SET_TOO_LATE}}))
 """
 
 
 def probe(first: str = "", **env: str) -> dict:
-    environ = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | env
+    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")} | env
     out = subprocess.run([sys.executable, "-c", PROBE.format(first=first)], env=environ, capture_output=True,
                          text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_importing_posttrain_makes_openmp_threads_wait_passively():
-    assert probe() == {"policy": "PASSIVE", "too_late": False}
+def test_importing_posttrain_makes_openmp_threads_wait_passively_after_a_short_spin():
+    assert probe() == {"policy": "PASSIVE", "spin": "10000", "too_late": False}
 
 
-def test_the_users_own_wait_policy_wins():
-    assert probe(OMP_WAIT_POLICY="ACTIVE") == {"policy": "ACTIVE", "too_late": False}
+@pytest.mark.parametrize("env", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "5"}])
+def test_the_users_own_wait_settings_win_and_nothing_is_added(env):
+    # GOMP_SPINCOUNT would override a wait policy the user chose: it is set only with ours.
+    expected = {"policy": env.get("OMP_WAIT_POLICY"), "spin": env.get("GOMP_SPINCOUNT"), "too_late": False}
+    assert probe(**env) == expected
 
 
 def test_torch_imported_first_is_noticed():
