@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-import posttrain  # noqa: F401 - first: it sets OpenMP's passive wait before torch loads OpenMP
+import posttrain  # noqa: F401 - first: it sets how OpenMP threads wait before torch loads OpenMP
 import torch
 
 from posttrain.models.generation.engine import right_to_left_padding

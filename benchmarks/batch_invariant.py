@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import time
 
-import posttrain  # noqa: F401 - first: it sets OpenMP's passive wait before torch loads OpenMP
+import posttrain  # noqa: F401 - first: it sets how OpenMP threads wait before torch loads OpenMP
 import torch
 from generation_135m import rollout_prompts
 

@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from posttrain import OMP_WAIT_DEFAULTS
+from posttrain.utils.openmp import OMP_WAIT_DEFAULTS
 
 SETTINGS = {
     "default": ({}, []),

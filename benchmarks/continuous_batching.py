@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import posttrain  # noqa: F401 - first: it sets OpenMP's passive wait before torch loads OpenMP
+import posttrain  # noqa: F401 - first: it sets how OpenMP threads wait before torch loads OpenMP
 
 EVAL = Path(__file__).resolve().parent.parent / "examples" / "recipes" / "nemotron_mini_eval.yaml"
 VARIANTS = {  # name: (eval.batch_size, shared prompt prefix)

@@ -28,7 +28,7 @@ import argparse
 import statistics
 import time
 
-import posttrain  # noqa: F401 - first: it sets OpenMP's passive wait before torch loads OpenMP
+import posttrain  # noqa: F401 - first: it sets how OpenMP threads wait before torch loads OpenMP
 import torch
 
 from baselines import HFGenerateBaseline

@@ -32,7 +32,7 @@ import argparse
 import copy
 import time
 
-import posttrain  # noqa: F401 - first: it sets OpenMP's passive wait before torch loads OpenMP
+import posttrain  # noqa: F401 - first: it sets how OpenMP threads wait before torch loads OpenMP
 import torch
 import torch.nn.functional as F
 

@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from posttrain import OMP_WAIT_DEFAULTS  # first: it sets OpenMP's waiting before torch loads OpenMP
+from posttrain.utils.openmp import OMP_WAIT_DEFAULTS  # first: it sets OpenMP's waiting before torch loads OpenMP
 from step_breakdown import EXAMPLES, breakdown, measure_machine, model_shape, print_table
 
 RECIPE = EXAMPLES.parent / "recipes" / "nemotron_mini.yaml"

@@ -21,7 +21,7 @@ import argparse
 import time
 
 import ray
-import posttrain  # noqa: F401 - first: it sets OpenMP's passive wait before torch loads OpenMP
+import posttrain  # noqa: F401 - first: it sets how OpenMP threads wait before torch loads OpenMP
 import torch
 
 from baselines import naive_load_state_dict, naive_put_state_dict

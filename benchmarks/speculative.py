@@ -27,7 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
-import posttrain  # noqa: F401 - first: it sets OpenMP's passive wait before torch loads OpenMP
+import posttrain  # noqa: F401 - first: it sets how OpenMP threads wait before torch loads OpenMP
 import torch
 
 from posttrain.algorithms.on_policy import sft_warm_start_dir

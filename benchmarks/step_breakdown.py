@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import posttrain  # noqa: F401 - first: it sets OpenMP's passive wait before torch loads OpenMP
+import posttrain  # noqa: F401 - first: it sets how OpenMP threads wait before torch loads OpenMP
 import torch
 from bench_timing import best_seconds
 

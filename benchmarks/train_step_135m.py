@@ -40,7 +40,7 @@ import statistics
 import time
 from typing import Callable
 
-import posttrain  # noqa: F401 - first: it sets OpenMP's passive wait before torch loads OpenMP
+import posttrain  # noqa: F401 - first: it sets how OpenMP threads wait before torch loads OpenMP
 import torch
 
 from posttrain.algorithms.loss import ClippedPGLoss

@@ -39,9 +39,9 @@ def worker_threads(cfg: MasterConfig) -> int:
 
 
 def warn_if_threads_spin() -> None:
-    """Say once when torch was loaded before posttrain could make OpenMP threads wait passively
-    (`posttrain/__init__.py`): then this process's threads spin, and a busy machine slows it
-    several-fold."""
+    """Say once when torch was loaded before posttrain could set how OpenMP threads wait
+    (`posttrain/__init__.py`): then this process's threads spin for milliseconds, and a busy machine
+    slows it several-fold."""
     import posttrain
 
     if posttrain.OMP_WAIT_POLICY_SET_TOO_LATE and not getattr(warn_if_threads_spin, "said", False):
@@ -49,7 +49,7 @@ def warn_if_threads_spin() -> None:
         log.warning(
             "torch was imported before posttrain, so its OpenMP threads spin while they wait: beside other CPU "
             "work each step can be several times slower. Import posttrain first, or set OMP_WAIT_POLICY=PASSIVE "
-            "in the environment."
+            "and GOMP_SPINCOUNT=10000 in the environment."
         )
 
 

@@ -78,7 +78,7 @@ def init_ray(
 
     # OpenMP's wait settings travel too: a joined cluster's workers were not started by this
     # process, so they would not inherit them (posttrain/__init__.py says why they matter).
-    from posttrain import OMP_WAIT_DEFAULTS
+    from posttrain.utils.openmp import OMP_WAIT_DEFAULTS
 
     worker_env = {"PYTHONPATH": driver_pythonpath()}
     worker_env.update({name: os.environ[name] for name in OMP_WAIT_DEFAULTS if name in os.environ})

@@ -1,4 +1,13 @@
-"""Releasing a thread's idle OpenMP team, so that the threads still computing keep spinning briefly.
+"""How OpenMP threads wait: a short bounded spin, and idle threads releasing their team.
+
+OpenMP threads that spin while they wait for work make every parallel region wait for a thread the
+OS has not scheduled when other processes hold the cores: a 2-thread training step went from 0.32 s
+to 5.1 s beside a CPU hog, and stays at 0.74 s with passive waiting. Sleeping at once costs too: a
+decode step of a 135M model is hundreds of small parallel regions, and waking a sleeping thread for
+each made it 1.6x slower (58 ms against 36). So threads wait passively after a short bounded spin
+of GNU OpenMP's (`OMP_WAIT_DEFAULTS`, which `posttrain/__init__.py` sets; GOMP_SPINCOUNT=10000 is
+about 0.1 ms). docs/performance.md, "A busy machine, and how OpenMP threads wait";
+benchmarks/busy_machine.py and openmp_wait.py.
 
 GNU OpenMP (the runtime of torch's Linux wheels) gives each thread that starts a parallel region a
 team of worker threads of its own, kept until that thread ends. The local backend runs every worker
@@ -6,9 +15,12 @@ and environment on a thread of its own (`posttrain.distributed.actors`), so a sy
 one team per worker thread, idle or not. Once a process has more OpenMP threads than cores, GNU
 OpenMP cuts every waiting thread's spin to its throttled count (none with passive waiting), and each
 of the hundreds of small parallel regions of a decode step pays a thread wake-up: a 135M model's
-step took 52 ms beside another thread's idle team against 36 ms alone (`posttrain/__init__.py` sets
-the spin). `omp_pause_resource_all` (OpenMP 5.0) ends the calling thread's team; the next parallel
-region on that thread starts a new one, for the cost of creating a thread.
+step took 52 ms beside another thread's idle team against 36 ms alone.
+`omp_pause_resource_all` (OpenMP 5.0) ends the calling thread's team; the next parallel region on
+that thread starts a new one, for the cost of creating a thread.
+
+Imported by `posttrain/__init__.py` before anything else: it must stay free of posttrain imports
+and of torch.
 
 Other OpenMP runtimes (LLVM's libomp on macOS, Intel's) keep one pool for the whole process, where a
 pause would stop the threads of every caller: this does nothing there.
@@ -20,6 +32,7 @@ import ctypes
 import sys
 from typing import Callable, Optional
 
+OMP_WAIT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 OMP_PAUSE_SOFT = 1  # omp_pause_soft: end the threads, keep what a restart needs
 _pause: Optional[Callable[[int], int]] = None
 _looked_up = False
