@@ -1,19 +1,24 @@
 """The nemotron_mini recipe with each generation precision, side by side in one run: generation time
 per step against its floor, wall time, and per-task accuracy at equal steps.
 
-    ./run.sh python benchmarks/recipe_precision.py                      # the whole recipe per variant
+    ./run.sh python benchmarks/recipe_precision.py                      # float32 against the recipe
     ./run.sh python benchmarks/recipe_precision.py --steps 15 --val-samples 40 --variants float32 bfloat16
 
-Variants (`--variants`, each the recipe `examples/recipes/nemotron_mini.yaml` with overrides):
-- `float32`: the recipe as it is (generation in the policy's float32);
-- `bfloat16`: `policy.generation.precision=bfloat16`, the importance-sampling correction on (its
-  default when the precisions differ);
+Variants (`--variants`, each the recipe `examples/recipes/nemotron_mini.yaml` with overrides, in a
+process of its own):
+- `float32`: `policy.precision=float32`, the recipe before 2026-11-28 (training and generation in
+  float32);
+- `bfloat16`: float32 training, `policy.generation.precision=bfloat16`, the importance-sampling
+  correction on (its default when the precisions differ);
 - `bfloat16-nocorr`: the same without the correction (`loss_fn.use_importance_sampling_correction=false`);
-- `int8`: `policy.generation.precision=int8` (W8A16 on CPU), the correction on.
-- `bfloat16-train`: `policy.precision=bfloat16`: training under bfloat16 autocast (float32 master
-  weights and optimizer state) and generation in the same bfloat16 (`auto`), so the precisions
-  match and the correction stays off, as it would on a GPU. This CPU's AVX512-BF16 matmuls run
-  about 2x the float32 rate.
+- `int8`: float32 training, `policy.generation.precision=int8` (W8A16 on CPU), the correction on.
+- `bfloat16-train`: the recipe as it is (`policy.precision=bfloat16`): training under bfloat16
+  autocast (float32 master weights and optimizer state) and generation in the same bfloat16
+  (`auto`), so the precisions match and the correction stays off, as it would on a GPU. This CPU's
+  AVX512-BF16 matmuls run about 2x the float32 rate.
+- `bfloat16-train-passive`: the same with OpenMP threads that sleep as soon as they wait
+  (`OMP_WAIT_POLICY=PASSIVE` alone, posttrain's setting before 2026-11-28), against the default's
+  bounded spin (posttrain/utils/openmp.py).
 
 Each variant trains `--steps` GRPO steps (default: the recipe's 60) from the same start and
 validates at its end on both validation sets of the recipe (seen and held-out wordings,
@@ -42,13 +47,15 @@ from posttrain.utils.openmp import OMP_WAIT_DEFAULTS  # first: it sets OpenMP's 
 from step_breakdown import EXAMPLES, breakdown, measure_machine, model_shape, print_table
 
 RECIPE = EXAMPLES.parent / "recipes" / "nemotron_mini.yaml"
+FLOAT32_TRAINING = "policy.precision=float32"  # the recipe's training precision before 2026-11-28
 VARIANTS = {
-    "float32": [],
-    "bfloat16": ["policy.generation.precision=bfloat16"],
-    "bfloat16-nocorr": ["policy.generation.precision=bfloat16", "loss_fn.use_importance_sampling_correction=false"],
-    "int8": ["policy.generation.precision=int8"],
-    "bfloat16-train": ["policy.precision=bfloat16"],
-    "bfloat16-train-passive": ["policy.precision=bfloat16"],
+    "float32": [FLOAT32_TRAINING],
+    "bfloat16": [FLOAT32_TRAINING, "policy.generation.precision=bfloat16"],
+    "bfloat16-nocorr": [FLOAT32_TRAINING, "policy.generation.precision=bfloat16",
+                        "loss_fn.use_importance_sampling_correction=false"],
+    "int8": [FLOAT32_TRAINING, "policy.generation.precision=int8"],
+    "bfloat16-train": [],  # the recipe as it is: policy.precision=bfloat16
+    "bfloat16-train-passive": [],
 }
 # Each variant runs in a process of its own, since OpenMP reads its settings once, when torch loads.
 # `-passive`: OpenMP threads sleep as soon as they wait (posttrain's setting before 2026-11-28),
@@ -120,7 +127,7 @@ def run_alone(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", default=["float32", "bfloat16", "bfloat16-nocorr"], choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["float32", "bfloat16-train"], choices=list(VARIANTS))
     parser.add_argument("--steps", type=int, default=60, help="GRPO steps per variant (default: the recipe's 60)")
     parser.add_argument("--val-samples", type=int, default=None, help="problems per task and set (default: the recipe's 80)")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")

@@ -25,7 +25,7 @@ def threads():
 def settle(target, deadline_s=60.0):
     # A released team's threads end on their own schedule: wait for the count, never race a clock.
     end = time.monotonic() + deadline_s
-    while threads() != target and time.monotonic() < end:
+    while threads() > target and time.monotonic() < end:
         time.sleep(0.01)
     return threads()
 
@@ -66,8 +66,8 @@ def test_idle_threads_give_their_openmp_team_back():
     assert out["before_torch_work"] in (True, False)
     if not out["released"]:
         pytest.skip("torch's OpenMP here is not GNU OpenMP with omp_pause_resource_all")
-    assert out["threads_ended"] == 1, "releasing the team did not end its worker thread"
-    assert out["actor_threads_ended"] == 1, "a local actor kept its OpenMP team after its last call"
+    assert out["threads_ended"] >= 1, "releasing the team did not end its worker thread"
+    assert out["actor_threads_ended"] >= 1, "a local actor kept its OpenMP team after its last call"
 
 
 def test_release_is_a_no_op_before_torch_is_loaded():
