@@ -42,7 +42,9 @@ def _gnu_openmp_pause() -> Optional[Callable[[int], int]]:
     """`omp_pause_resource_all` of the GNU OpenMP library loaded in this process, or None."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libgomp" in line and "/" in line}
+            # Fields: address, perms, offset, device, inode, then the path (which may hold spaces).
+            paths = {fields[5].strip() for fields in (line.split(None, 5) for line in maps if "libgomp" in line)
+                     if len(fields) == 6 and fields[5].startswith("/")}
     except OSError:  # not Linux
         return None
     for path in sorted(paths):
