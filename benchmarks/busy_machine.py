@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from posttrain.utils.openmp import OMP_WAIT_DEFAULTS
+from posttrain.utils.openmp import environment_with_wait
 
 SETTINGS = {
     "default": ({}, []),
@@ -51,7 +51,7 @@ def median_step(config: Path, workdir: Path, name: str, steps: int) -> float:
     env_vars, overrides = SETTINGS[name]
     log_dir = workdir / name
     workdir.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in OMP_WAIT_DEFAULTS} | env_vars
+    env = environment_with_wait(env_vars)
     cmd = [sys.executable, "-m", "posttrain", "sft", "--config", str(config), f"sft.max_num_steps={steps}",
            "sft.val_period=0", "sft.val_at_end=false", "checkpointing.enabled=false", f"logger.log_dir={log_dir}",
            "logger.progress_bar=false", *overrides]

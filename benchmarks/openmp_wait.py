@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 
-from posttrain.utils.openmp import OMP_WAIT_DEFAULTS  # first: it sets OpenMP's waiting before torch loads OpenMP
+from posttrain.utils.openmp import environment_with_wait  # first: it sets OpenMP's waiting before torch loads OpenMP
 
 SETTINGS = {
     "default": {},
@@ -95,9 +95,8 @@ def main() -> None:
 
     results = {}
     for name in args.settings:
-        env = {k: v for k, v in os.environ.items() if k not in OMP_WAIT_DEFAULTS} | SETTINGS[name]
-        child = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], env=env, capture_output=True,
-                               text=True)
+        child = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]],
+                               env=environment_with_wait(SETTINGS[name]), capture_output=True, text=True)
         if child.returncode:
             sys.exit(f"[openmp_wait] {name} failed:\n{child.stderr[-3000:]}")
         results[name] = json.loads(child.stdout.strip().splitlines()[-1])

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -43,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from posttrain.utils.openmp import OMP_WAIT_DEFAULTS  # first: it sets OpenMP's waiting before torch loads OpenMP
+from posttrain.utils.openmp import environment_with_wait  # first: it sets OpenMP's waiting before torch loads OpenMP
 from step_breakdown import EXAMPLES, breakdown, measure_machine, model_shape, print_table
 
 RECIPE = EXAMPLES.parent / "recipes" / "nemotron_mini.yaml"
@@ -165,8 +164,7 @@ def main() -> None:
             command += ["--validate-start"] if index == 0 else []
             command += ["--val-samples", str(args.val_samples)] if args.val_samples else []
             command += ["--logs", str(args.logs)] if args.logs else []
-            env = {k: v for k, v in os.environ.items() if k not in OMP_WAIT_DEFAULTS} | VARIANT_ENV.get(name, {})
-            subprocess.run(command, env=env, check=True)
+            subprocess.run(command, env=environment_with_wait(VARIANT_ENV.get(name, {})), check=True)
             alone = json.loads(out.read_text())
         results[name] = alone["result"]
         if index == 0:

@@ -29,10 +29,19 @@ pause would stop the threads of every caller: this does nothing there.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from typing import Callable, Optional
 
 OMP_WAIT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
+
+
+def environment_with_wait(settings: dict[str, str]) -> dict[str, str]:
+    """This process's environment for a child that waits as `settings` say ({} for posttrain's defaults):
+    both variables are dropped first, since posttrain adds its own only when neither is set."""
+    return {k: v for k, v in os.environ.items() if k not in OMP_WAIT_DEFAULTS} | settings
+
+
 OMP_PAUSE_SOFT = 1  # omp_pause_soft: end the threads, keep what a restart needs
 _pause: Optional[Callable[[int], int]] = None
 _looked_up = False
