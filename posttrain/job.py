@@ -79,6 +79,9 @@ def start_run(cfg: MasterConfig, *, seed: int, max_num_steps: Optional[int] = No
     from posttrain.run_config import with_checkpoint_model, with_schedule_horizon
 
     set_seed(seed)
+    line = precision_line(cfg)
+    if line:
+        print(line, flush=True)
     if max_num_steps is not None:
         cfg = with_schedule_horizon(cfg, max_num_steps)
     ray = resolve_backend(cfg) == "ray"
@@ -89,6 +92,25 @@ def start_run(cfg: MasterConfig, *, seed: int, max_num_steps: Optional[int] = No
     tokenizer_name = cfg.policy.tokenizer_name or cfg.policy.model_name
     with startup.doing(f"loading the tokenizer {tokenizer_name}"):  # part of the data phase (build_splits)
         return cfg, load_tokenizer(tokenizer_name)
+
+
+def precision_line(cfg: MasterConfig) -> Optional[str]:
+    """The start-up line that says what a CPU run computes in and why, when the CPU decided it
+    (`policy.precision=auto`) or cannot do what was asked fast (bfloat16 without bfloat16 matmul
+    instructions); None on GPUs and for float32."""
+    from posttrain.utils.cpu_precision import bfloat16_matmul_support
+
+    precision = cfg.policy.precision
+    if cfg.cluster.gpus_per_node > 0 or precision not in ("auto", "bfloat16"):
+        return None
+    fast, why = bfloat16_matmul_support()
+    if precision == "auto":
+        return f"[posttrain] policy.precision=auto: {'bfloat16' if fast else 'float32'}, since {why}"
+    if not fast:
+        return (f"[posttrain] policy.precision=bfloat16: {why}, so linear layers multiply in float32 (PyTorch's "
+                "bfloat16 GEMM is scalar code there, ~45x slower) and round to bfloat16; "
+                "policy.precision=auto trains in float32 here")
+    return None
 
 
 def prepare_run_dirs(cfg: MasterConfig) -> None:

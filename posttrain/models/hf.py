@@ -215,20 +215,23 @@ def load_processor(name_or_path: str | os.PathLike) -> Any:
     return processor_from(path, name_or_path)
 
 
+from posttrain.utils.cpu_precision import auto_cpu_precision  # noqa: E402
+
 _PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def pick_dtype(precision: str, device: str | torch.device) -> torch.dtype:
     """Map `policy.precision` to a dtype.
 
-    `auto` means bfloat16 on a CUDA device that supports it and float32 elsewhere (CPU bf16
-    matmuls are slow and lossy, and tests compare against float32 references).
+    `auto` means bfloat16 on a CUDA device that supports it, bfloat16 on a CPU with bfloat16
+    matmul instructions (AVX512-BF16 or AMX: `utils/cpu_precision.py`), float32 elsewhere (there
+    PyTorch's bfloat16 GEMM is scalar code, ~45x slower than float32).
     """
     if precision == "auto":
         device = torch.device(device)
-        if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+        return _PRECISIONS[auto_cpu_precision()[0]]
     if precision not in _PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of auto, {', '.join(_PRECISIONS)}")
     return _PRECISIONS[precision]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from posttrain.plan.shape import ModelShape
+from posttrain.utils.cpu_precision import auto_cpu_precision
 
 GiB = 2**30
 MiB = 2**20
@@ -18,9 +19,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def compute_dtype_bytes(precision: str, on_gpu: bool) -> int:
-    """Bytes per element of the compute dtype: `auto` is bfloat16 on a GPU, float32 on CPU (`models/hf.py`, pick_dtype)."""
+    """Bytes per element of the compute dtype: `auto` is bfloat16 on a GPU and on a CPU with bfloat16
+    matmul instructions, else float32 (`models/hf.py`, pick_dtype)."""
     if precision == "auto":
-        return 2 if on_gpu else 4
+        return 2 if on_gpu or auto_cpu_precision()[0] == "bfloat16" else 4
     return DTYPE_BYTES[precision]
 
 

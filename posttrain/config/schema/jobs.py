@@ -18,18 +18,45 @@ from posttrain.config.schema.data import DataConfig, EnvConfig
 from posttrain.config.schema.loss import LossConfig, loss_option_problem
 from posttrain.config.schema.outputs import CheckpointingConfig, LoggerConfig
 from posttrain.config.schema.policy import PolicyConfig
+from posttrain.utils.cpu_precision import auto_cpu_precision
 
 
 # Jobs run inside a job (warm starts, a teacher's warm start), each a whole config of its own.
 NESTED_JOBS = ("sft_warmup", "teacher_warmup")
+# The sections whose `seed` drives a job's random choices (prompt order, sampling, data order).
+SEEDED_SECTIONS = ("grpo", "sft", "dpo", "rm", "eval", "distillation")
 
 
 class MasterConfig(Section):
+    seed: Optional[int] = Field(
+        None,
+        description=(
+            "One seed for every random choice of the run: when set, it replaces the seed of this job's algorithm "
+            "section (grpo.seed, sft.seed, dpo.seed, rm.seed, eval.seed, distillation.seed) and of its nested jobs "
+            "(sft_warmup, teacher_warmup): prompt and data order, sampling, the warm start's order. The problems "
+            "(data.seed, validation included) and the model's initial weights stay, so runs with different seeds "
+            "are scored on the same validation set (benchmarks/seeds.py). None (default): each section's own seed."
+        ),
+    )
     policy: PolicyConfig = PolicyConfig()
     data: DataConfig = DataConfig()
     logger: LoggerConfig = LoggerConfig()
     checkpointing: CheckpointingConfig = CheckpointingConfig()
     cluster: ClusterConfig = ClusterConfig()
+
+    @model_validator(mode="after")
+    def _run_seed_reaches_every_section(self):
+        if self.seed is None:
+            return self
+        for name in SEEDED_SECTIONS:
+            section = getattr(self, name, None)
+            if section is not None and section.seed != self.seed:
+                section.seed = self.seed
+        for key in NESTED_JOBS:
+            nested = getattr(self, key, None)
+            if nested is not None and nested.seed != self.seed:
+                nested.seed = self.seed  # validated on assignment: reaches the nested job's own sections
+        return self
 
     @model_validator(mode="after")
     def _cluster_reaches_nested_jobs(self):
@@ -81,12 +108,13 @@ class MasterConfig(Section):
 
 
 def training_precision(cfg: MasterConfig) -> str:
-    """`policy.precision` as the trainer resolves it: `auto` is bfloat16 on GPUs (those that
-    support it, `models/hf.py` `pick_dtype`: every GPU posttrain targets) and float32 on CPU."""
+    """`policy.precision` as the trainer resolves it (`models/hf.py` `pick_dtype`): `auto` is
+    bfloat16 on GPUs (every GPU posttrain targets supports it) and on CPUs with bfloat16 matmul
+    instructions, float32 on other CPUs (`utils/cpu_precision.py`)."""
     precision = cfg.policy.precision
     if precision != "auto":
         return precision
-    return "bfloat16" if cfg.cluster.gpus_per_node > 0 else "float32"
+    return "bfloat16" if cfg.cluster.gpus_per_node > 0 else auto_cpu_precision()[0]
 
 
 def generation_precision(cfg: MasterConfig) -> str:

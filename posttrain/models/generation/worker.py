@@ -21,6 +21,7 @@ from posttrain.models.generation.low_precision import apply_generation_precision
 from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.generation.speculative import Drafter, make_drafter
 from posttrain.models.hf import load_causal_lm, load_policy_lm, load_tokenizer, pick_dtype
+from posttrain.utils.cpu_precision import float32_matmuls_where_bfloat16_is_slow
 from posttrain.models.refit import RefitMetadata, check_metadata_matches, load_bucket, state_dict_checksum
 from posttrain.utils.phase_memory import MeasuresPhases, measured_phase
 
@@ -84,6 +85,7 @@ class GenerationWorker(MeasuresPhases, DistributedWorker):
                                     rope_scaling=spec.rope_scaling)
         # int8 / fp8: the linear layers compute with a quantized copy, rebuilt after every refit.
         apply_generation_precision(self.model, self.config.precision, self.device)
+        float32_matmuls_where_bfloat16_is_slow(self.model, dtype, self.device)
         self.drafter = build_drafter(self.config.speculative, self.tokenizer, dtype=dtype, device=self.device,
                                      tiny_arch=spec.tiny_arch)
         self.engine = NativeGenerationEngine(

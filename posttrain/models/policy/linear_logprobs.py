@@ -37,6 +37,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
 from posttrain.models.vision_inputs import hf_model
+from posttrain.utils.cpu_precision import matmul_dtype
 
 # One tile of float32 logits. Under 32 MiB, glibc's largest mmap threshold, so on CPU the buffer
 # comes from the reused heap instead of fresh pages. `benchmarks/train_step_135m.py --kernel`
@@ -216,6 +217,7 @@ def linear_logprobs(
         dtype = torch.get_autocast_dtype(device_type)
     else:
         dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    dtype = matmul_dtype(dtype, hidden.device)  # float32 where bfloat16 GEMMs are scalar code
     default_chunk, default_block = tile_shape(hidden.shape[0], weight.shape[0])
     # The casts stay outside the Function so autograd takes their gradients back to each dtype.
     hidden, weight = hidden.to(dtype), weight.to(dtype)

@@ -41,6 +41,7 @@ from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
 from posttrain.models import lora, moe, moe_balance, router_replay
 from posttrain.models.hf import load_tokenizer, pick_dtype, resolve_model_path
+from posttrain.utils.cpu_precision import float32_matmuls_where_bfloat16_is_slow
 from posttrain.models.parallel_sizes import expert_parallel_problem
 from posttrain.models.policy import checkpoint as ckpt
 from posttrain.models.policy import context_parallel, expert_parallel, parallel, pipeline, sharded_load
@@ -165,6 +166,7 @@ class PolicyWorker(pipeline.PipelineParallel, ModelLoading, Checkpointing, Weigh
                                  "models (yet)")
             self.model = lora.apply_lora(self.model, self.cfg.lora)  # adapters on the language model (lora.py)
             self.lora_scaling = lora.scaling(self.cfg.lora)
+        float32_matmuls_where_bfloat16_is_slow(self.model, self.compute_dtype, self.device)
         if self.is_vision and (self.cfg.lora.enabled or self.cfg.vision_tower_frozen):
             # LoRA fixed every weight but the adapters: the vision side trains as freeze_vision_tower says.
             frozen = vision_inputs.set_vision_training(self.model, train_tower=not self.cfg.vision_tower_frozen)

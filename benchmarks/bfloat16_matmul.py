@@ -1,0 +1,70 @@
+"""Training precision on this CPU: one forward + backward of a SmolLM2-sized MLP block in float32,
+in plain bfloat16, and in bfloat16 with float32 matmuls (what posttrain does where bfloat16 is
+slow), side by side, with what `policy.precision=auto` picks here.
+
+    ./run.sh python benchmarks/bfloat16_matmul.py [--tokens 2048] [--repeats 5]
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ./run.sh python benchmarks/bfloat16_matmul.py   # as an AVX2 CPU
+
+The block is two linear layers of SmolLM2-135M's shapes (hidden 576, MLP 1536) over `--tokens`
+tokens, as one training micro-batch. It prints the median seconds per step of each variant, the
+ratios to float32, and the share of the plain bfloat16 step spent in matmuls (torch.profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from posttrain.utils.cpu_precision import auto_cpu_precision, compute_linears_in_float32
+
+
+def block(dtype: torch.dtype, tokens: int, float32_matmuls: bool) -> tuple[torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(576, 1536, bias=False), torch.nn.SiLU(),
+                                torch.nn.Linear(1536, 576, bias=False)).to(dtype)
+    if float32_matmuls:
+        compute_linears_in_float32(model)
+    return model, torch.randn(tokens, 576, dtype=dtype, requires_grad=True)
+
+
+def step(model: torch.nn.Module, x: torch.Tensor) -> None:
+    model(x).float().pow(2).mean().backward()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    variants = {"float32": (torch.float32, False), "bfloat16": (torch.bfloat16, False),
+                "bfloat16, float32 matmuls": (torch.bfloat16, True)}
+    built = {name: block(dtype, args.tokens, f32) for name, (dtype, f32) in variants.items()}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for name, (model, x) in built.items():
+        step(model, x)  # warm-up
+    for _ in range(args.repeats):  # interleaved, so a busy moment hits every variant alike
+        for name, (model, x) in built.items():
+            start = time.perf_counter()
+            step(model, x)
+            times[name].append(time.perf_counter() - start)
+    precision, why = auto_cpu_precision()
+    print(f"CPU kernels: {torch.backends.cpu.get_cpu_capability()}; policy.precision=auto -> {precision} ({why})")
+    base = statistics.median(times["float32"])
+    for name, seconds in times.items():
+        median = statistics.median(seconds)
+        print(f"{name:28s} {median * 1e3:9.1f} ms/step   {median / base:6.2f}x float32")
+    from torch.profiler import ProfilerActivity, profile
+
+    model, x = built["bfloat16"]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(model, x)
+    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+    matmuls = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm"))
+    print(f"plain bfloat16: {100 * matmuls / max(total, 1):.0f}% of the step in aten::mm/addmm")
+
+
+if __name__ == "__main__":
+    main()

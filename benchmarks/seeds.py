@@ -1,0 +1,184 @@
+"""A showcase job over several seeds: mean, standard deviation, min and max of every accuracy it
+reports (before and after, per task where there are tasks) and of its wall time.
+
+    ./run.sh python benchmarks/seeds.py main --seeds 1 2 3 4 5
+    ./run.sh python benchmarks/seeds.py vl --seeds 1 2 3 4 5 --cpu avx2      # as on an AVX2-only CPU
+    ./run.sh python benchmarks/seeds.py recipe --seeds 1 2 3 --json results/recipe_seeds.json
+
+Each run is the showcase's own command with `seed=S` (the one key that reseeds every random
+choice of training: prompt order, sampling, the SFT warm start's data order; the problems and the
+validation set stay: docs/getting-started.md, "Seeds"), its logs and checkpoints in a directory
+of its own, one run after the other. All runs share one empty posttrain cache, made for this
+script, so the first run's time includes building the tiny model (a few seconds).
+
+`--cpu avx2` runs every job with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`: on an
+AVX-512 machine PyTorch's vectorised kernels and oneDNN's matmuls then take their AVX2 code, as
+on an AVX2-only CPU (docs/performance.md, "CPU kinds", says how close that comes). `--cpu native`
+(default) leaves the kernels alone. The printed header names the CPU and the kernels used.
+
+Showcases (`--list` prints them with their commands): main (`posttrain grpo`, the embedded
+default), vl (the vision example), custom (the custom-environment example), ppo, dpo, rm,
+distill, api (the README's Python API example, from scratch) and recipe (the nemotron_mini
+recipe, about 30 minutes a seed on 2 AVX-512 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+AVX2_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+# The README's Python API example (from scratch, 20 steps), seeded through the config dict.
+API_EXAMPLE = """
+import sys
+from posttrain import GRPO
+
+def first_digit(prompts, completions, answer, **columns):
+    return [float(c.strip()[:1] == a[0]) for c, a in zip(completions, answer)]
+
+rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 100) for b in (13, 47, 81)]
+trainer = GRPO(model="tiny", reward_funcs=[first_digit], train_dataset=rows[::2], eval_dataset=rows[1::2],
+               config={"sft_warmup": None, "grpo.max_num_steps": 20, "policy.optimizer.lr": 1e-3,
+                       "seed": int(sys.argv[1]), "logger.log_dir": sys.argv[2] + "/logs",
+                       "checkpointing.checkpoint_dir": sys.argv[2] + "/checkpoints"})
+trainer.train()
+"""
+
+
+@dataclass(frozen=True)
+class Showcase:
+    """A job as the docs run it: a `posttrain` command and its config (relative to the repository),
+    run in `cwd` (relative to the repository)."""
+
+    command: str
+    config: str | None = None
+    cwd: str = "."
+
+    def argv(self, seed: int, workdir: Path) -> list[str]:
+        if self.command == "api":
+            return [sys.executable, "-c", API_EXAMPLE, str(seed), str(workdir)]
+        argv = [sys.executable, "-m", "posttrain", self.command]
+        if self.config:
+            argv += ["--config", str(REPO / self.config)]
+        return argv + [f"seed={seed}", f"logger.log_dir={workdir}/logs", "logger.progress_bar=false",
+                       f"checkpointing.checkpoint_dir={workdir}/checkpoints"]
+
+
+SHOWCASES = {
+    "main": Showcase("grpo"),
+    "vl": Showcase("grpo", "examples/configs/grpo_vl_tiny.yaml"),
+    "custom": Showcase("grpo", "examples/custom/grpo_custom.yaml", cwd="examples/custom"),
+    "ppo": Showcase("ppo", "examples/configs/ppo_tiny.yaml"),
+    "dpo": Showcase("dpo", "examples/configs/dpo_tiny.yaml"),
+    "rm": Showcase("rm", "examples/configs/rm_tiny.yaml"),
+    "distill": Showcase("distill", "examples/configs/distill_tiny.yaml"),
+    "api": Showcase("api"),
+    "recipe": Showcase("grpo", "examples/recipes/nemotron_mini.yaml"),
+}
+
+
+def accuracies(metrics_file: Path) -> dict[str, float]:
+    """Every validation accuracy of a run (`validation*/accuracy*`, per task too), in percent, as
+    `NAME@first` (the first validation: before training) and `NAME@last` (the last one)."""
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for line in metrics_file.read_text().splitlines():
+        row = json.loads(line)
+        for key, value in row.items():
+            if key.startswith("validation") and "/accuracy" in key and isinstance(value, (int, float)):
+                first.setdefault(key, 100 * value)
+                last[key] = 100 * value
+    out = {}
+    for key in first:
+        out[f"{key}@first"], out[f"{key}@last"] = first[key], last[key]
+        out[f"{key}@gain"] = last[key] - first[key]
+    return out
+
+
+def run_one(showcase: Showcase, seed: int, workdir: Path, env: dict[str, str]) -> dict[str, float]:
+    """One seed of a showcase: wall seconds and `accuracies` of its metrics.jsonl (the main job's,
+    not its warm start's)."""
+    workdir.mkdir(parents=True)
+    started = time.monotonic()
+    out = subprocess.run(showcase.argv(seed, workdir), cwd=REPO / showcase.cwd, env=env,
+                         capture_output=True, text=True)
+    seconds = time.monotonic() - started
+    (workdir / "output.log").write_text(out.stdout + out.stderr)
+    if out.returncode:
+        sys.exit(f"[seeds] seed {seed} failed (rc {out.returncode}); its output: {workdir / 'output.log'}\n"
+                 f"{(out.stdout + out.stderr)[-2000:]}")
+    metrics = workdir / "logs" / "metrics.jsonl"
+    if not metrics.exists():
+        sys.exit(f"[seeds] seed {seed} wrote no {metrics}")
+    return {"seconds": seconds, **accuracies(metrics)}
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """mean, sd (sample; 0 for one value), min, max, n."""
+    return {"mean": statistics.fmean(values), "sd": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values), "n": len(values)}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("showcase", nargs="?", choices=sorted(SHOWCASES))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    parser.add_argument("--cpu", choices=["native", "avx2"], default="native",
+                        help="avx2: PyTorch's and oneDNN's AVX2 kernels (as on an AVX2-only CPU)")
+    parser.add_argument("--json", type=Path, help="also write every run and the summary here")
+    parser.add_argument("--list", action="store_true", help="print the showcases and their commands")
+    args = parser.parse_args()
+    if args.list or args.showcase is None:
+        for name, showcase in SHOWCASES.items():
+            print(f"{name:8s} {' '.join(showcase.argv(0, Path('RUN'))[1:])}  (in {showcase.cwd})")
+        return
+    showcase = SHOWCASES[args.showcase]
+    env = {key: value for key, value in os.environ.items() if key not in AVX2_KERNELS}
+    if args.cpu == "avx2":
+        env.update(AVX2_KERNELS)
+    from posttrain.utils.cpu_precision import bfloat16_matmul_support
+
+    print(f"[seeds] {args.showcase} over seeds {args.seeds}; CPU: {cpu_name()}, {os.cpu_count()} cores; kernels: "
+          f"{args.cpu}; bfloat16 matmuls: {bfloat16_matmul_support(environ=env)[1]}", flush=True)
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="posttrain_seeds_") as tmp:
+        env["POSTTRAIN_CACHE"] = f"{tmp}/cache"
+        for seed in args.seeds:
+            runs[seed] = run_one(showcase, seed, Path(tmp) / f"seed_{seed}", env)
+            shown = {k: round(v, 1) for k, v in runs[seed].items() if k == "seconds" or k.endswith("accuracy_greedy@last")
+                     or k.endswith("accuracy@last") or k.endswith("accuracy_greedy@first") or k.endswith("accuracy@first")}
+            print(f"[seeds] seed {seed}: {shown}", flush=True)
+    names = sorted(set().union(*runs.values()), key=lambda k: (k != "seconds", k))
+    table = {name: summary([run[name] for run in runs.values() if name in run]) for name in names}
+    print(f"\n{'metric':64s} {'mean':>7s} {'sd':>6s} {'min':>7s} {'max':>7s}  n")
+    for name, row in table.items():
+        print(f"{name:64s} {row['mean']:7.1f} {row['sd']:6.1f} {row['min']:7.1f} {row['max']:7.1f}  {row['n']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"showcase": args.showcase, "cpu": cpu_name(), "kernels": args.cpu,
+                                         "seeds": args.seeds, "runs": runs, "summary": table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
