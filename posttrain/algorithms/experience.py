@@ -175,7 +175,8 @@ def update_policy(ctx: Any, train_data: Batch, timer: Timer, *, off_policy: bool
     temperature = cfg.policy.generation.temperature  # compared with the generation's processed logprobs
     gbs = cfg.policy.train_global_batch_size
     with timer.time("logprobs"):
-        if off_policy or train_data.size > gbs:
+        # (PPO's KL in the reward computed them on these weights already.)
+        if (off_policy or train_data.size > gbs) and "prev_logprobs" not in train_data:
             train_data["prev_logprobs"] = ctx.policy.get_logprobs(train_data, temperature)["logprobs"]
         if cfg.loss_fn.reference_policy_kl_penalty > 0 and "reference_policy_logprobs" not in train_data:
             ref = ctx.policy.get_reference_logprobs(train_data, temperature)  # (PPO's KL in the reward has them)
