@@ -53,14 +53,15 @@ def check_run_dirs(cfg: Any) -> Optional[str]:
     return None
 
 
-def preflight(cfg: Any, plan_memory: bool = True) -> None:
+def preflight(cfg: Any, plan_memory: bool = True, key_prefix: str = "") -> None:
     """Check `cfg`'s model, tokenizer and data (and its SFT warm start's, if any); see the module
-    doc. `plan_memory` (default True): check the memory plan too (a warm start's is part of its run's)."""
+    doc. `plan_memory` (default True): check the memory plan too (a warm start's is part of its run's).
+    `key_prefix`: the section a warm start's config is under (`sft_warmup.`), for the keys named."""
     from posttrain.config.schema import DistillMasterConfig
 
     for warm_start in ("sft_warmup", "teacher_warmup"):  # GRPO's and distillation's SFT warm starts
         if getattr(cfg, warm_start, None) is not None:
-            preflight(getattr(cfg, warm_start), plan_memory=False)
+            preflight(getattr(cfg, warm_start), plan_memory=False, key_prefix=f"{key_prefix}{warm_start}.")
     policy = cfg.policy
     check_model_name(policy.model_name, "policy.model_name", policy.tiny_arch)
     check_tensor_parallel(policy, "policy.model_name")
@@ -97,6 +98,9 @@ def preflight(cfg: Any, plan_memory: bool = True) -> None:
     if hasattr(cfg, "env"):
         check_envs(cfg, [r for split in records.values() for r in split if "task_name" in r])
     check_components(cfg)
+    from posttrain.data.row_lengths import check_row_lengths
+
+    check_row_lengths(cfg, records, key_prefix)  # tokenizes every row (up to a sample of a large file)
     if plan_memory:
         check_memory_plan(cfg, records["train"] + records["validation"])
 

@@ -95,8 +95,8 @@ def score_groups(ctx: Any, result: Any, num_groups: int, version: int) -> list[P
         )
     # DAPO: a group whose (unshaped) rewards all agree teaches nothing.
     signal = adv.filter_zero_variance_groups(result.rewards, group_ids, num_groups=num_groups)
-    for sample, advantage, mask in zip(samples, advantages.tolist(), sample_mask.tolist()):
-        sample.advantage, sample.sample_mask = advantage, mask
+    for sample, reward, advantage, mask in zip(samples, rewards.tolist(), advantages.tolist(), sample_mask.tolist()):
+        sample.shaped_reward, sample.advantage, sample.sample_mask = reward, advantage, mask
     return [
         PromptGroup(samples[p * n_gen:(p + 1) * n_gen], bool(signal[p]), version,
                     bool(result.timed_out[p * n_gen:(p + 1) * n_gen].any()))
@@ -141,8 +141,9 @@ def training_batch(
     seq_adv = torch.tensor([s.advantage for s in rows], dtype=torch.float32)
     train_data = flatten_message_logs([s.message_log for s in rows], pad_token_id=ctx.tokenizer.pad_token_id)
     train_data["sample_mask"] = torch.tensor([s.sample_mask for s in rows], dtype=torch.float32)
-    # [B] shaped rewards: a critic's estimator (PPO) places them on each row's last generated token.
-    train_data["rewards"] = shaped_rewards(ctx.cfg, torch.tensor([s.reward for s in rows], dtype=torch.float32), rows)
+    # [B] the rewards the advantages were computed from (every shaping, the group's length reward
+    # included): a critic's estimator (PPO's GAE) places them on each row's last generated token.
+    train_data["rewards"] = torch.tensor([s.shaped_reward for s in rows], dtype=torch.float32)
     train_data["advantages"] = adv.broadcast_to_tokens(seq_adv, train_data["token_mask"])
 
     valid = train_data["sample_mask"] > 0
@@ -174,7 +175,8 @@ def update_policy(ctx: Any, train_data: Batch, timer: Timer, *, off_policy: bool
     temperature = cfg.policy.generation.temperature  # compared with the generation's processed logprobs
     gbs = cfg.policy.train_global_batch_size
     with timer.time("logprobs"):
-        if off_policy or train_data.size > gbs:
+        # (PPO's KL in the reward computed them on these weights already.)
+        if (off_policy or train_data.size > gbs) and "prev_logprobs" not in train_data:
             train_data["prev_logprobs"] = ctx.policy.get_logprobs(train_data, temperature)["logprobs"]
         if cfg.loss_fn.reference_policy_kl_penalty > 0 and "reference_policy_logprobs" not in train_data:
             ref = ctx.policy.get_reference_logprobs(train_data, temperature)  # (PPO's KL in the reward has them)

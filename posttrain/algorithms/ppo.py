@@ -172,15 +172,22 @@ def gae_targets(cfg: Any, train_data: Batch, values: torch.Tensor,
 
 
 def kl_rewards(ctx: OnPolicyContext, train_data: Batch, timer: Timer) -> tuple[torch.Tensor, dict[str, float]]:
-    """`critic.kl_in_reward`: the per-token reward -beta * KL_t between the generating policy and
-    the reference model on the sampled tokens (`loss_fn.reference_policy_kl_type`, k1 being
-    InstructGPT's log-ratio), and its token mean as `train/reward_kl`. The reference logprobs stay
-    in `train_data`, so the policy update does not compute them again."""
-    loss_cfg = ctx.cfg.loss_fn
+    """`critic.kl_in_reward`: the per-token reward -beta * KL_t between the policy and the reference
+    model on the sampled tokens (`loss_fn.reference_policy_kl_type`, k1 being InstructGPT's
+    log-ratio), and its token mean as `train/reward_kl`.
+
+    Both sides are the trainer's forwards (`get_logprobs`, `get_reference_logprobs`), never the
+    generation engine's logprobs: with bfloat16, int8 or fp8 generation, or vLLM, the engine's
+    mismatch to the trainer (`train/token_mult_prob_error`) would otherwise be rewarded or
+    penalised as if it were a KL to the reference. The policy's logprobs are the batch's
+    `prev_logprobs` (its weights do not move before the policy update) and the reference's its
+    `reference_policy_logprobs`, so the update computes neither again."""
+    loss_cfg, temperature = ctx.cfg.loss_fn, ctx.cfg.policy.generation.temperature
     with timer.time("logprobs"):
-        reference = ctx.policy.get_reference_logprobs(train_data, ctx.cfg.policy.generation.temperature)["logprobs"]
-    train_data["reference_policy_logprobs"] = reference
-    kl = per_token_kl(train_data["generation_logprobs"], reference, loss_cfg.reference_policy_kl_type,
+        current = ctx.policy.get_logprobs(train_data, temperature)["logprobs"]
+        reference = ctx.policy.get_reference_logprobs(train_data, temperature)["logprobs"]
+    train_data["prev_logprobs"], train_data["reference_policy_logprobs"] = current, reference
+    kl = per_token_kl(current, reference, loss_cfg.reference_policy_kl_type,
                       loss_cfg.kl_input_clamp_value, loss_cfg.kl_output_clamp_value)
     mask = train_data["token_mask"] * (train_data["sample_mask"][:, None] > 0)
     return -loss_cfg.reference_policy_kl_penalty * kl * mask, {"train/reward_kl": masked_mean(kl, mask).item()}

@@ -4,7 +4,11 @@
 
 Resolution order (later wins): the schema's defaults, the YAML file (after its own `defaults:`
 files, merged underneath it), then the command-line overrides. Dicts merge key by key; every
-other value (lists included) replaces what was there.
+other value (lists included) replaces what was there. Two YAML tags change that for one key (in a
+file or an override's value): `!replace` (a mapping replaces the inherited one whole instead of
+merging into it) and `!delete` (the inherited key is dropped, so the schema's default applies);
+`~dotted.key` on the command line deletes as `!delete` does (Hydra's syntax). docs/configuration.md,
+"Replacing or dropping an inherited key".
 
 Every value remembers where it came from (file and line, or "command line"), so an error names the
 full dotted key, its source and, for an unknown key, the closest valid one. All problems are
@@ -69,6 +73,28 @@ _Loader.add_implicit_resolver(
 )
 
 
+REPLACE_TAG, DELETE_TAG = "!replace", "!delete"
+
+
+class _Replace:
+    """A value tagged `!replace`: it replaces the inherited value whole (a mapping is not merged)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+class _Delete:
+    """A key tagged `!delete` (or `~key` on the command line): the inherited key is dropped."""
+
+    def __repr__(self) -> str:
+        return DELETE_TAG
+
+
+DELETE = _Delete()
+
+
 def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, str]]:
     """Parse one YAML document; returns (data, {key path: "source, line N"}) for every mapping key.
 
@@ -91,7 +117,17 @@ def _parse_yaml(text: str, source: str) -> tuple[Any, dict[KeyPath, str]]:
 
 
 def _construct(loader: _Loader, node: yaml.Node, path: KeyPath, lines: dict[KeyPath, str], source: str) -> Any:
-    """Build Python data from a node tree, recording the line of each mapping key on the way."""
+    """Build Python data from a node tree, recording the line of each mapping key on the way;
+    a node tagged `!replace` or `!delete` becomes `_Replace(value)` or `DELETE`."""
+    if node.tag == DELETE_TAG:
+        if not isinstance(node, yaml.ScalarNode) or node.value != "":
+            where = f"{source}, line {node.start_mark.line + 1}"
+            raise ConfigError(f"'{_dotted(path) or 'the document'}: {DELETE_TAG}' takes no value, in {where} "
+                              f"(write `{path[-1] if path else 'key'}: {DELETE_TAG}`)")
+        return DELETE
+    if node.tag == REPLACE_TAG:
+        node.tag = _untagged(loader, node)
+        return _Replace(_construct(loader, node, path, lines, source))
     if not isinstance(node, yaml.MappingNode):
         return loader.construct_object(node, deep=True)
     loader.flatten_mapping(node)  # resolves `<<: *anchor` merge keys
@@ -106,6 +142,25 @@ def _construct(loader: _Loader, node: yaml.Node, path: KeyPath, lines: dict[KeyP
         lines[path + (key,)] = f"{source}, line {line}"
         result[key] = _construct(loader, value_node, path + (key,), lines, source)
     return result
+
+
+def _untagged(loader: _Loader, node: yaml.Node) -> str:
+    """The tag `node` would have without an explicit one (`!replace` marks a value, not its type)."""
+    if isinstance(node, yaml.MappingNode):
+        return yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG
+    if isinstance(node, yaml.SequenceNode):
+        return yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG
+    return loader.resolve(yaml.ScalarNode, node.value, (True, False))
+
+
+def _plain(value: Any) -> Any:
+    """`value` with its `!replace` / `!delete` marks applied to nothing inherited: a replacing value
+    is just its value, a deleted key is left out."""
+    if isinstance(value, _Replace):
+        return _plain(value.value)
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items() if item is not DELETE}
+    return value
 
 
 # ---------------------------------------------------------------------------- files and defaults
@@ -167,6 +222,8 @@ def _beside_the_file(value: Any, directory: Path) -> Any:
     folder: `my_task:ParityEnv` for `my_task.py`, or `my_task.py:ParityEnv`) made absolute, so a
     config finds the user's module beside it from any working directory. Other values, and
     import paths of modules that are not there (installed packages), are left as they are."""
+    if isinstance(value, _Replace):
+        return _Replace(_beside_the_file(value.value, directory))
     if isinstance(value, dict):
         return {key: _beside_the_file(item, directory) for key, item in value.items()}
     if isinstance(value, list):
@@ -180,7 +237,8 @@ def _beside_the_file(value: Any, directory: Path) -> Any:
 
 
 def _merge(base: dict, base_sources: dict[KeyPath, str], upper: dict, upper_sources: dict[KeyPath, str], path: KeyPath = ()):
-    """Deep-merge `upper` into `base` in place: dicts merge, anything else replaces."""
+    """Deep-merge `upper` into `base` in place: dicts merge, anything else replaces; a `!replace`
+    value replaces even a dict, a `!delete` key is dropped from `base` (with its sources)."""
     for key, value in upper.items():
         here = path + (key,)
         if isinstance(value, dict) and isinstance(base.get(key), dict):
@@ -188,7 +246,10 @@ def _merge(base: dict, base_sources: dict[KeyPath, str], upper: dict, upper_sour
             continue
         for stale in [p for p in base_sources if p[: len(here)] == here]:
             del base_sources[stale]
-        base[key] = value
+        if value is DELETE:
+            base.pop(key, None)
+            continue
+        base[key] = _plain(value)
         base_sources.update({p: s for p, s in upper_sources.items() if p[: len(here)] == here})
 
 
@@ -197,8 +258,15 @@ _OVERRIDE_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`"a.b=1e-4"` -> `("a.b", 1e-4)`. Values are YAML (`true`, `null`, `[1, 2]`, `{a: 1}`);
-    an empty value is the empty string. A leading `+` on the key is accepted and ignored."""
+    """`"a.b=1e-4"` -> `("a.b", 1e-4)`. Values are YAML (`true`, `null`, `[1, 2]`, `{a: 1}`, and
+    `!replace {a: 1}`); an empty value is the empty string. A leading `+` on the key is accepted and
+    ignored. `"~a.b"` -> `("a.b", DELETE)`: the key is dropped (Hydra's deletion syntax)."""
+    if text.startswith("~"):
+        key = text[1:].strip()
+        if "=" in key or not _OVERRIDE_KEY.match(key):
+            raise ConfigError(f"Malformed override '{text}' (from {COMMAND_LINE}): expected ~dotted.key (no value), "
+                              "e.g. ~data.generator_options")
+        return key, DELETE
     key, sep, raw = text.partition("=")
     key = key.strip().removeprefix("+")
     if not sep or not _OVERRIDE_KEY.match(key):
@@ -235,7 +303,13 @@ def _apply_overrides(schema_cls: type[BaseModel], data: dict, sources: dict[KeyP
             problems.append(str(e))
             continue
         path = tuple(key.split("."))
-        if not isinstance(value, (str, dict, list)) and value is not None and _field_wants_str(schema_cls, path):
+        if value is DELETE:
+            problem = _delete(schema_cls, data, sources, path)
+            if problem:
+                problems.append(problem)
+            continue
+        if (not isinstance(value, (str, dict, list, _Replace)) and value is not None
+                and _field_wants_str(schema_cls, path)):
             value = text.partition("=")[2].strip()  # `policy.model_name=1234` is a name, not a number
         node = data
         for i, part in enumerate(path[:-1]):
@@ -250,10 +324,29 @@ def _apply_overrides(schema_cls: type[BaseModel], data: dict, sources: dict[KeyP
                 break
             node = node[part]
         else:
-            value_sources = {path + p: COMMAND_LINE for p in _key_paths(value)} if isinstance(value, dict) else {}
+            inner = value.value if isinstance(value, _Replace) else value
+            value_sources = {path + p: COMMAND_LINE for p in _key_paths(inner)} if isinstance(inner, dict) else {}
             _merge(node, sources, {path[-1]: value}, {path: COMMAND_LINE, **value_sources}, path[:-1])
     if problems:
         raise ConfigError(problems)
+
+
+def _delete(schema_cls: type[BaseModel], data: dict, sources: dict[KeyPath, str], path: KeyPath) -> str | None:
+    """`~key`: drop `path` from the merged files' `data` (its schema default then applies); a
+    problem for a key that no file sets and the schema does not know (a typo), else None."""
+    node = data
+    for part in path[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict) and path[-1] in node:
+        _merge(node, sources, {path[-1]: DELETE}, {}, path[:-1])
+        return None
+    key = _dotted(path)
+    valid = all_keys(schema_cls)
+    if key in valid:
+        return None  # no file sets it: its schema default applies already
+    hint = suggest_key(key, valid)
+    return (f"Cannot delete '~{key}' (from {COMMAND_LINE}): no config file sets it and it is not a config key."
+            + (f" Did you mean '~{hint}'?" if hint else ""))
 
 
 def _key_paths(d: dict, path: KeyPath = ()) -> list[KeyPath]:

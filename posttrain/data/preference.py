@@ -23,7 +23,6 @@ Batches interleave the two rows of every pair, `[c0, r0, c1, r1, ...]`, which is
 from __future__ import annotations
 
 import random
-import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -184,33 +183,24 @@ def build_preference_example(
         record: needs `prompt`, `chosen` and `rejected` (strings).
         tokenizer: a Hugging Face tokenizer.
         max_seq_length: when either sequence (prompt + response) is longer, both are truncated
-            (as `build_sft_example` does) and the pair gets `loss_multiplier` 0.0, with one
-            warning naming `idx`: the pair is masked out of the loss, never a crash.
+            (as `build_sft_example` does) and the pair gets `loss_multiplier` 0.0: the pair is
+            masked out of the loss, never a crash (the preflight counts such pairs per data file:
+            `posttrain.data.row_lengths`).
         use_chat_template: wrap the prompt with the tokenizer's chat template (default True).
         system_prompt: optional system message (default None).
-        idx: the pair's index, kept in the datum and used in warnings.
+        idx: the pair's index, kept in the datum.
     """
     for key in ("prompt", "chosen", "rejected"):
         if key not in record:
             raise DataError(f"preference pair idx {idx}: record has no {key!r} key (keys: {sorted(record)})")
     sides = {}
     for side in ("chosen", "rejected"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the pair gets one warning of its own below
-            sides[side] = build_sft_example(
-                {"prompt": record["prompt"], "answer": record[side]}, tokenizer, max_seq_length,
-                use_chat_template=use_chat_template, system_prompt=system_prompt, idx=idx,
-            )
+        sides[side] = build_sft_example(
+            {"prompt": record["prompt"], "answer": record[side]}, tokenizer, max_seq_length,
+            use_chat_template=use_chat_template, system_prompt=system_prompt, idx=idx,
+        )
     chosen, rejected = sides["chosen"], sides["rejected"]
     loss_multiplier = min(chosen["loss_multiplier"], rejected["loss_multiplier"])
-    if loss_multiplier == 0.0:
-        lengths = {side: sum(m["token_ids"].numel() for m in d["message_log"]) for side, d in sides.items()}
-        warnings.warn(
-            f"preference pair idx {idx}: prompt + chosen or prompt + rejected is longer than max_seq_length "
-            f"{max_seq_length} tokens; truncating both to {lengths['chosen']} / {lengths['rejected']} tokens "
-            "and masking the pair out (loss_multiplier=0)",
-            stacklevel=2,
-        )
     return {
         "message_log_chosen": chosen["message_log"],
         "message_log_rejected": rejected["message_log"],

@@ -13,7 +13,6 @@ over-long sample is dropped without crashing the run. Processors are registered 
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -129,14 +128,14 @@ def build_prompt_message_log(
             `extra_env_info["ground_truth"]`); `task_name` routes it to an environment
             (default `"math"`).
         tokenizer: a Hugging Face tokenizer.
-        max_seq_length: a longer prompt is cut to 4 tokens and gets `loss_multiplier` 0.0, with a
-            warning naming `idx`.
+        max_seq_length: a longer prompt is cut to 4 tokens and gets `loss_multiplier` 0.0 (the
+            preflight counts such rows per data file: `posttrain.data.row_lengths`).
         use_chat_template: wrap the prompt with the tokenizer's chat template, ending in the
             generation prompt (default True). A record's `tools` (function schemas) are described
             in the prompt, and its `stop_strings` end the first generated turn. The single `user` message's content is the whole
             templated text, so the message log holds exactly the tokens the model sees.
         system_prompt: optional system message (default None).
-        idx: the sample's index, kept in the datum and used in warnings.
+        idx: the sample's index, kept in the datum.
     """
     prompt = _field(record, "prompt", idx)
     if _routing(record)["env_name"] == DEFAULT_TASK_NAME:
@@ -146,12 +145,7 @@ def build_prompt_message_log(
     message = _prompt_message(tokenizer, text, add_special, record, idx)
     token_ids = message["token_ids"]
     loss_multiplier = 1.0
-    if token_ids.numel() > max_seq_length:
-        warnings.warn(
-            f"sample idx {idx}: prompt has {token_ids.numel()} tokens > max_seq_length {max_seq_length}; "
-            f"keeping {TRUNCATED_PROMPT_TOKENS} tokens and masking it out (loss_multiplier=0)",
-            stacklevel=2,
-        )
+    if token_ids.numel() > max_seq_length:  # said once per data file by the preflight (data/row_lengths.py)
         token_ids = token_ids[: min(TRUNCATED_PROMPT_TOKENS, max_seq_length)]
         text = tokenizer.decode(token_ids)
         loss_multiplier = 0.0
@@ -197,7 +191,8 @@ def build_sft_example(
     end-of-turn / eos tokens, "loss": True)]`; `flatten_message_logs` sets `token_mask` to 1 on
     messages with `loss: True`. Each message is tokenised on its own, as the model would see the
     prompt at generation time. A pair longer than `max_seq_length` keeps at most
-    `max_seq_length // 2` tokens of each message and gets `loss_multiplier` 0.0, with a warning.
+    `max_seq_length // 2` tokens of each message and gets `loss_multiplier` 0.0 (counted per data
+    file by the preflight: `posttrain.data.row_lengths`).
     Arguments as in `build_prompt_message_log`.
     """
     prompt = _field(record, "prompt", idx)
@@ -215,12 +210,7 @@ def build_sft_example(
         answer_text += tokenizer.eos_token
 
     loss_multiplier = 1.0
-    if prompt_ids.numel() + answer_ids.numel() > max_seq_length:
-        warnings.warn(
-            f"sample idx {idx}: prompt + answer have {prompt_ids.numel() + answer_ids.numel()} tokens > "
-            f"max_seq_length {max_seq_length}; truncating and masking it out (loss_multiplier=0)",
-            stacklevel=2,
-        )
+    if prompt_ids.numel() + answer_ids.numel() > max_seq_length:  # said per data file by the preflight
         keep = max(max_seq_length // 2, 1)
         prompt_ids, answer_ids = prompt_ids[:keep], answer_ids[:keep]
         prompt_text, answer_text = tokenizer.decode(prompt_ids), tokenizer.decode(answer_ids)

@@ -54,6 +54,9 @@ class Sample:
             the first, then those its environment gives (`EnvironmentReturn.next_stop_strings`).
         source, source_weight: the blend component the row came from, and its weight.
         reward: the rollout's reward, summed over turns (before any shaping).
+        shaped_reward: the reward the advantages are computed from, set when its group is scored
+            (`algorithms.experience.score_groups`): `reward` after reward shaping (DAPO's overlong
+            penalty, Kimi's length reward); None before. A critic's estimator (PPO's GAE) reads it too.
         advantage: GRPO's advantage of the sample (same for all of its tokens).
         sample_mask: the weight of the sample in the loss: `loss_multiplier` times the filters
             (DAPO overlong filtering; 0 for padding rows).
@@ -82,6 +85,7 @@ class Sample:
     source: Optional[str] = None
     source_weight: float = 1.0
     reward: float = 0.0
+    shaped_reward: Optional[float] = None
     advantage: float = 0.0
     sample_mask: float = 1.0
     status: SampleStatus = SampleStatus.PENDING
@@ -99,6 +103,7 @@ class Sample:
         """Set the rollout's state to that of a rollout starting: RUNNING, no reward, counts zero."""
         self.status = SampleStatus.RUNNING
         self.reward, self.turns, self.generated_tokens, self.observation_tokens = 0.0, 0, 0, 0
+        self.shaped_reward = None
         self.answer, self.hit_max_new_tokens, self.timed_out = None, False, False
 
     @property

@@ -365,3 +365,75 @@ def test_grpo_refuses_filtered_sampling_the_trainer_cannot_match():
         with pytest.raises(ConfigError, match="GRPO trains on the full distribution"):
             load_config("grpo", overrides=[override])
     assert load_config("eval", overrides=["policy.generation.top_p=0.9"]).policy.generation.top_p == 0.9
+
+
+# ------------------------------------------------------------------ replacing or dropping a key
+VL_EXAMPLE = EXAMPLE_CONFIG_DIR / "grpo_vl_tiny.yaml"  # data.generator_options: {max_count: 4}
+TEXT_DATA = ["data.dataset=arithmetic", "data.generator=null"]
+
+
+def test_a_derived_file_drops_an_inherited_mapping_with_delete(tmp_path):
+    derived = write(tmp_path / "derived.yaml", f"""
+        defaults: {VL_EXAMPLE}
+        data:
+          dataset: arithmetic
+          generator: null
+          generator_options: !delete
+        """)
+    cfg = load_config("grpo", derived)
+    assert cfg.data.generator_options == {}  # the schema's default, not the example's {max_count: 4}
+    assert cfg.grpo.max_num_steps == 250  # everything else is still inherited
+    # Without the tag the inherited mapping stays and the run is refused, as before.
+    write(derived, derived.read_text().replace(" !delete", " {}"))
+    with pytest.raises(ConfigError, match="generator_options is read only with data.dataset=generated"):
+        load_config("grpo", derived)
+
+
+def test_a_derived_file_replaces_an_inherited_mapping_whole(tmp_path):
+    base = write(tmp_path / "base.yaml", """
+        policy: {optimizer: {name: adamw, lr: 2.0e-4, weight_decay: 0.5}}
+        env: {math: {num_workers: 1, answer_format: last_number}}
+        """)
+    derived = write(tmp_path / "derived.yaml", """
+        defaults: base.yaml
+        policy:
+          optimizer: !replace {name: adamw, lr: 1.0e-3}
+        env:
+          math: !replace
+            num_workers: 2
+        """)
+    cfg = load_config("grpo", derived)
+    default_wd = SCHEMAS["grpo"].model_fields["policy"].default.optimizer.weight_decay
+    assert (cfg.policy.optimizer.lr, cfg.policy.optimizer.weight_decay) == (1e-3, default_wd)
+    assert cfg.env.section("math").get("answer_format") != "last_number"
+    # Plain merging, for comparison: the inherited keys stay.
+    write(derived, derived.read_text().replace(" !replace", ""))
+    assert load_config("grpo", derived).policy.optimizer.weight_decay == 0.5
+
+
+def test_the_command_line_deletes_with_a_tilde_and_replaces_with_the_tag():
+    cfg = load_config("grpo", VL_EXAMPLE, [*TEXT_DATA, "~data.generator_options"])
+    assert cfg.data.generator_options == {}
+    cfg = load_config("grpo", VL_EXAMPLE, [*TEXT_DATA, "data.generator_options=!delete"])
+    assert cfg.data.generator_options == {}
+    cfg = load_config("grpo", VL_EXAMPLE, ["policy.optimizer=!replace {name: adamw, lr: 1e-3}"])
+    assert cfg.policy.optimizer.weight_decay != 0.0 and cfg.policy.optimizer.lr == 1e-3
+    with pytest.raises(ConfigError, match="generator_options is read only"):
+        load_config("grpo", VL_EXAMPLE, TEXT_DATA)
+    # A key no file sets but the schema knows: nothing to drop. A typo: named, with the key meant.
+    assert load_config("grpo", VL_EXAMPLE, ["~policy.generation.top_k"]).policy.generation.top_k is None
+    with pytest.raises(ConfigError) as e:
+        load_config("grpo", VL_EXAMPLE, ["~data.generator_option"])
+    assert problems_of(e) == ["Cannot delete '~data.generator_option' (from command line): no config file sets it "
+                              "and it is not a config key. Did you mean '~data.generator_options'?"]
+    with pytest.raises(ConfigError, match=r"expected ~dotted.key \(no value\)"):
+        load_config("grpo", VL_EXAMPLE, ["~data.generator_options=1"])
+
+
+def test_delete_takes_no_value_and_names_the_line(tmp_path):
+    bad = write(tmp_path / "bad.yaml", """
+        data:
+          generator_options: !delete {max_count: 3}
+        """)
+    with pytest.raises(ConfigError, match=r"'data.generator_options: !delete' takes no value, in .*bad.yaml, line 2"):
+        load_config("grpo", bad)

@@ -176,9 +176,10 @@ def test_prompt_datum_without_chat_template(tokenizer):
     assert datum.message_log[0]["content"] == "1+2=" and datum.prompt_length == 4
 
 
-def test_over_long_prompt_is_truncated_and_masked_with_warning(tokenizer):
+def test_over_long_prompt_is_truncated_and_masked_without_a_warning_per_row(tokenizer):
     record = {"prompt": "1+" * 50 + "1=", "answer": "51"}
-    with pytest.warns(UserWarning, match="sample idx 17: prompt has 105 tokens > max_seq_length 32"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the preflight counts such rows per file (data/row_lengths.py)
         datum = build_prompt_message_log(record, tokenizer, max_seq_length=32, idx=17)
     assert datum.loss_multiplier == 0.0 and datum.prompt_length == 4
     assert datum.message_log[0]["token_ids"].tolist() == [5, 25, 19, 25]  # <|user|>1+1
@@ -200,10 +201,9 @@ def test_sft_example_trains_on_answer_and_end_token(tokenizer):
 
 
 def test_over_long_sft_example_is_masked(tokenizer):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning per row: the preflight counts them per file
         datum = build_sft_example({"prompt": "9" * 30, "answer": "1" * 30}, tokenizer, max_seq_length=20, idx=4)
-    assert any("sample idx 4" in str(w.message) for w in caught)
     assert datum["loss_multiplier"] == 0.0
     assert [m["token_ids"].numel() for m in datum["message_log"]] == [10, 10] and datum["length"] == 20
 

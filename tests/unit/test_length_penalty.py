@@ -61,3 +61,37 @@ def test_grpo_adds_the_weighted_length_reward_before_the_advantages(step, applie
     mean = sum(shaped) / 4
     assert [s.advantage for s in group.samples] == pytest.approx([r - mean for r in shaped])  # Dr.GRPO: r - mean
     assert group.has_signal  # judged on the environment's rewards, before shaping
+
+
+def test_ppo_gae_reads_the_length_reward():
+    """PPO: the rewards GAE reads (`training_batch`'s `rewards`, placed on each row's last generated
+    token) are the ones the group's advantages would use, length reward included: with values 0,
+    gamma 1 and lambda 1 each generated token's advantage is its row's shaped reward."""
+    from posttrain.algorithms.experience import training_batch
+    from posttrain.algorithms.ppo import gae_targets
+    from posttrain.data.sample import Sample
+
+    cfg = load_config("ppo", overrides=[
+        "sft_warmup=null", "grpo.num_prompts_per_step=1", "grpo.num_generations_per_prompt=4",
+        "policy.train_global_batch_size=4", "reward_shaping.length_penalty.enabled=true",
+        "reward_shaping.length_penalty.weight=0.5", "critic.gamma=1.0", "critic.lambda_actor=1.0",
+        "critic.lambda_critic=1.0",
+    ])
+    lengths, rewards = [4, 6, 8, 12], [1.0, 1.0, 0.0, 1.0]
+    samples = [Sample(message_log=[
+        {"role": "user", "content": "q", "token_ids": torch.ones(3, dtype=torch.long)},
+        {"role": "assistant", "content": "a", "token_ids": torch.ones(n, dtype=torch.long),
+         "generation_logprobs": torch.zeros(n)}], prompt_length=3, reward=r) for n, r in zip(lengths, rewards)]
+    rollout = SimpleNamespace(samples=samples, rewards=torch.tensor(rewards), overlong=torch.zeros(4, dtype=torch.bool),
+                              timed_out=torch.zeros(4, dtype=torch.bool))
+    ctx = SimpleNamespace(cfg=cfg, step=1, tokenizer=SimpleNamespace(pad_token_id=0), envs={})
+    groups = score_groups(ctx, rollout, 1, version=1)
+    train_data, _ = training_batch(ctx, groups, groups, [{}])
+    shaped = [1.25, 1.125, 0.0, 0.75]  # as in the GRPO test above: weight 0.5 of [0.5, 0.25, 0.0, -0.5]
+    assert train_data["rewards"].tolist() == pytest.approx(shaped)
+    values = torch.zeros_like(train_data["token_mask"], dtype=torch.float32)
+    advantages, returns = gae_targets(cfg, train_data, values, None)
+    mask = train_data["token_mask"] > 0
+    for row, reward in enumerate(shaped):
+        assert advantages[row][mask[row]].tolist() == pytest.approx([reward] * lengths[row])
+        assert returns[row][mask[row]].tolist() == pytest.approx([reward] * lengths[row])

@@ -205,3 +205,47 @@ def test_the_python_api_runs_ppo_with_its_config(tmp_path, monkeypatch):
     assert trainer.command == "ppo" and isinstance(trainer.config, PPOMasterConfig)
     assert trainer.config == load_config("ppo", overrides=["critic.warmup_steps=3"])
     assert PPO(config=trainer.config).config == trainer.config
+
+
+def test_the_kl_reward_compares_the_trainers_logprobs_not_the_engines():
+    """`critic.kl_in_reward`: the per-token KL is between the policy's `get_logprobs` and the
+    reference's, both trainer forwards; the engine's `generation_logprobs` (bf16 / vLLM, off by
+    their mismatch) never enter it. The policy's logprobs become the batch's `prev_logprobs`, so
+    the policy update does not run that forward again."""
+    from types import SimpleNamespace
+
+    from posttrain.algorithms.experience import update_policy
+    from posttrain.algorithms.ppo import kl_rewards
+    from posttrain.config import load_config
+    from posttrain.distributed.batch import Batch
+    from posttrain.utils.timer import Timer
+
+    cfg = load_config("ppo", overrides=["sft_warmup=null", "critic.kl_in_reward=true",
+                                        "loss_fn.reference_policy_kl_penalty=0.5", "loss_fn.reference_policy_kl_type=k1",
+                                        "policy.train_global_batch_size=1"])
+    trainer, reference = torch.tensor([[0.0, -1.0, -2.0, 0.0]]), torch.tensor([[0.0, -1.5, -1.0, 0.0]])
+    calls = []
+
+    class Policy:
+        def get_logprobs(self, batch, temperature):
+            calls.append("policy")
+            return Batch(logprobs=trainer.clone())
+
+        def get_reference_logprobs(self, batch, temperature):
+            calls.append("reference")
+            return Batch(logprobs=reference.clone())
+
+        def train(self, batch, loss_fn, global_batch_size, temperature):
+            return {"loss": 0.0}
+
+    train_data = Batch(input_ids=torch.zeros(2, 4, dtype=torch.long), token_mask=torch.tensor([[0.0, 1, 1, 0]] * 2),
+                       sample_mask=torch.ones(2), generation_logprobs=torch.full((2, 4), -9.0))
+    trainer, reference = trainer.repeat(2, 1), reference.repeat(2, 1)
+    ctx = SimpleNamespace(cfg=cfg, policy=Policy(), loss_fn=None)
+    rewards, metrics = kl_rewards(ctx, train_data, Timer())
+    # k1 = logp - logp_ref: [0.5, -1.0] on the generated tokens, times -beta.
+    assert rewards[0].tolist() == pytest.approx([0.0, -0.25, 0.5, 0.0])
+    assert metrics["train/reward_kl"] == pytest.approx(-0.25)
+    assert torch.equal(train_data["prev_logprobs"], trainer)
+    update_policy(ctx, train_data, Timer(), off_policy=False)  # 2 rows, 1 per optimizer step: needs prev_logprobs
+    assert calls == ["policy", "reference"]  # neither forward runs twice

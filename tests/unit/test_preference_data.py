@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import warnings
 
 import pytest
 import torch
@@ -104,7 +105,8 @@ def test_pair_message_logs_and_interleaved_batch(tokenizer):
 def test_overlong_pair_masked_as_a_pair(tokenizer):
     # Chosen fits in 12 tokens (7 prompt + answer + end), rejected does not: the whole pair is masked.
     pairs = [{"prompt": "1+2=", "chosen": "3", "rejected": "3333333"}, {"prompt": "1+3=", "chosen": "4", "rejected": "44"}]
-    with pytest.warns(UserWarning, match="preference pair idx 0: .* masking the pair out"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning per pair: the preflight counts them per file
         d0 = build_preference_example(pairs[0], tokenizer, 12, idx=0)
     d1 = build_preference_example(pairs[1], tokenizer, 12, idx=1)
     assert d0["loss_multiplier"] == 0.0 and d1["loss_multiplier"] == 1.0

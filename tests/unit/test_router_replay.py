@@ -109,3 +109,31 @@ def test_router_replay_refusals():
     with pytest.raises(ValueError, match="speculative"):
         NativeGenerationEngine(make_tiny_model("tiny", "qwen3_moe")[0], pad_token_id=0, eos_token_id=None,
                                record_routing=True, batch_invariant=True)
+
+
+def test_the_reference_routes_itself_unless_moe_router_replay_reference(monkeypatch):
+    """One policy worker in this thread (the local backend's way), before any update (the reference
+    weights are the policy's): the policy's logprobs follow the batch's recorded experts; the
+    reference's ignore them by default (its own routing: the same logprobs as without a record)
+    and follow them with `policy.moe_router_replay_reference=true`."""
+    from posttrain.distributed import actors
+    from posttrain.distributed.batch import Batch
+    from posttrain.models.policy.worker import PolicyWorker
+
+    monkeypatch.setattr(actors._identity, "values", {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, raising=False)
+    worker = PolicyWorker(dict(model_name="tiny-qwen3_moe", train_global_batch_size=2, train_micro_batch_size=2,
+                               moe_router_replay=True), init_reference_model=True)
+    ids = torch.randint(7, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    forced = torch.full((2, 8, 2, 2), -1, dtype=torch.int16)  # 2 MoE layers, top-2
+    forced[:, 3:] = torch.tensor([2, 3], dtype=torch.int16)
+    plain = Batch(input_ids=ids, input_lengths=torch.tensor([8, 8]))
+    replayed = Batch(plain, **{router_replay.ROUTED_EXPERTS: forced})
+
+    own_routes = worker.get_logprobs(plain)["logprobs"]
+    forced_routes = worker.get_logprobs(replayed)["logprobs"]
+    assert (forced_routes[:, 4:] - own_routes[:, 4:]).abs().max() > 1e-3  # the record changes the policy's
+    assert torch.equal(worker.get_reference_logprobs(replayed)["logprobs"], own_routes)
+    worker.cfg.moe_router_replay_reference = True
+    assert torch.equal(worker.get_reference_logprobs(replayed)["logprobs"], forced_routes)
+    with pytest.raises(ValueError, match="moe_router_replay_reference=true needs policy.moe_router_replay=true"):
+        PolicyConfig.model_validate(dict(model_name="tiny-qwen3_moe", moe_router_replay_reference=True))

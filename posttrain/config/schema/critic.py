@@ -82,6 +82,7 @@ class CriticConfig(Section):
         description=(
             "The KL to the reference model as a per-token reward, -beta * KL_t on every generated token "
             "(InstructGPT, verl), instead of a loss term (GRPO's); beta is loss_fn.reference_policy_kl_penalty, "
-            "the estimator loss_fn.reference_policy_kl_type (default false: a loss term)."
+            "the estimator loss_fn.reference_policy_kl_type, of the trainer's logprobs (not the generation engine's) "
+            "against the reference's (default false: a loss term)."
         ),
     )

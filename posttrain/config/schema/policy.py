@@ -384,6 +384,17 @@ class PolicyConfig(Section):
             "False (default): off."
         ),
     )
+    moe_router_replay_reference: bool = Field(
+        False,
+        description=(
+            "With policy.moe_router_replay: whether the reference model's logprobs (the KL penalty, PPO's KL in the "
+            "reward) also route by the rollout's recorded experts. False (default): the reference routes each token "
+            "itself, so the KL is to the reference model as it is (NeMo-RL's choice: its Megatron worker replays for "
+            "the previous logprobs and training, not the reference). True: the reference takes the policy's experts "
+            "too (verl's R3 replays in every forward of its actor engine, the reference of a LoRA policy included): "
+            "the KL then measures the weights' change on fixed routes, without the routes' change."
+        ),
+    )
     precision: Literal["float32", "bfloat16", "float16", "auto"] = Field(
         "auto",
         description=(
@@ -612,6 +623,9 @@ class PolicyConfig(Section):
             self._check_expert_parallel()
         if self.moe_router_replay:
             self._check_router_replay()
+        elif self.moe_router_replay_reference:
+            raise ValueError("policy.moe_router_replay_reference=true needs policy.moe_router_replay=true (there are no "
+                             "recorded experts to replay otherwise)")
         if self.fsdp_cpu_offload and self.num_workers == 1:
             raise ValueError("policy.fsdp_cpu_offload needs policy.num_workers > 1 (FSDP2 shards only then)")
         if self.precision == "float16":

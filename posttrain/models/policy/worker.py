@@ -377,6 +377,12 @@ class PolicyWorker(pipeline.PipelineParallel, ModelLoading, Checkpointing, Weigh
         """Like `get_logprobs`, from the frozen initial weights (needs `init_reference_model`)."""
         if self.reference_params is None:
             raise RuntimeError("get_reference_logprobs needs a Policy created with init_reference_model=True")
+        if router_replay.ROUTED_EXPERTS in batch and not self.cfg.moe_router_replay_reference:
+            # The reference routes each token itself (policy.moe_router_replay_reference, default False): the KL is
+            # to the reference model as it is, not to one forced onto the rollout's experts. NeMo-RL skips the
+            # replay for reference logprobs on purpose (its Megatron worker, `_should_use_router_replay`); verl's R3
+            # replays in every forward of its actor engine, so a LoRA policy's reference follows the rollout's routes.
+            batch = Batch({key: value for key, value in batch.items() if key != router_replay.ROUTED_EXPERTS})
         with self._reference_weights():
             return self.get_logprobs(batch, temperature)
 
