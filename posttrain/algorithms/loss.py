@@ -28,6 +28,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, Protocol, Union
 
 import torch
 
+from posttrain.algorithms import pg_terms
 from posttrain.config.schema import LossConfig, loss_option_problem
 from posttrain.utils.registry import registrar, resolve
 
@@ -271,6 +272,9 @@ class ClippedPGLoss:
             cfg = cfg.model_copy(update=overrides)
         self.cfg = cfg
         self.loss_type: Literal["token", "sequence"] = "token" if cfg.token_level_loss else "sequence"
+        # The entropy bonus's coefficient; under `loss_fn.adaptive_entropy` the controller
+        # (`posttrain.algorithms.adaptive_entropy`) sets it before each training step.
+        self.entropy_coef = cfg.entropy_coef
         problem = loss_option_problem(cfg)  # the config check, for losses built in code
         if problem:
             raise ValueError(problem)
@@ -281,7 +285,10 @@ class ClippedPGLoss:
     ) -> torch.Tensor:
         if self.loss_type == "token":
             return masked_mean(values, mask, global_normalization_factor=toks)
-        per_sequence = masked_mean(values, mask, dim=-1)
+        if self.cfg.sequence_token_reduction == "sum":  # LUSPO: each sequence weighs by its length
+            per_sequence = masked_sum(values, mask, dim=-1)
+        else:
+            per_sequence = masked_mean(values, mask, dim=-1)
         return masked_mean(per_sequence, sample_mask, global_normalization_factor=seqs)
 
     def _importance_weights(
@@ -353,10 +360,27 @@ class ClippedPGLoss:
             ratio = log_ratio.exp()
             ratio_clamped = ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
 
+        raw_weights, weights, is_metrics = self._importance_weights(prev, gen, mask, sample_mask, seqs, toks)
+        weights_reported = weights  # without correction, the weights that would be used
+        if not cfg.use_importance_sampling_correction:
+            weights = torch.ones_like(weights)
+
         if cfg.use_cispo:
             # CISPO: the clipped ratio is a constant weight on -A * logp, so a token whose ratio left
             # the range still pulls (with the bound as its weight) instead of dropping out.
             pg_loss = -advantages * ratio_clamped.detach() * logprobs
+            clipped = (ratio != ratio_clamped).float()
+        elif cfg.ratio_gate == "sapo":
+            pg_loss = pg_terms.sapo_gated_loss(ratio, advantages, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+            clipped = (ratio != ratio_clamped).float()  # where PPO's clip would bind (the gate only fades)
+        elif cfg.ratio_gate == "vespo":
+            # The importance weights enter VESPO's sequence weight (in log space), not the loss.
+            phi = pg_terms.vespo_weights(
+                torch.where(mask != 0, logprobs - prev, 0.0), torch.log(weights.clamp(min=1e-30)), advantages, mask,
+                cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg,
+            )
+            pg_loss = -phi * advantages * logprobs
+            weights = torch.ones_like(weights)
             clipped = (ratio != ratio_clamped).float()
         else:
             loss_unclipped = -advantages * ratio
@@ -367,10 +391,11 @@ class ClippedPGLoss:
             # The clipped branch binds (no gradient flows through the token).
             clipped = (loss_clipped > loss_unclipped).float()
 
-        raw_weights, weights, is_metrics = self._importance_weights(prev, gen, mask, sample_mask, seqs, toks)
-        weights_reported = weights  # without correction, the weights that would be used
-        if not cfg.use_importance_sampling_correction:
-            weights = torch.ones_like(weights)
+        if cfg.off_policy_mask_threshold is not None:
+            kept = pg_terms.off_policy_sequence_mask(logprobs, gen, advantages, mask, cfg.off_policy_mask_threshold)
+            pg_loss = pg_loss * kept
+            is_metrics["off_policy_masked_fraction"] = masked_mean(
+                1 - kept[:, 0], sample_mask, global_normalization_factor=seqs).item()
         actor_loss = self._reduce(weights * pg_loss, mask, sample_mask, seqs, toks)
 
         if cfg.reference_policy_kl_penalty > 0:
@@ -379,6 +404,11 @@ class ClippedPGLoss:
         else:
             kl_term = torch.zeros((), device=logprobs.device)
         loss = actor_loss + cfg.reference_policy_kl_penalty * kl_term
+        if self.entropy_coef > 0:
+            # The mean per-token entropy over the step's tokens, whatever the actor loss's aggregation
+            # (TRL's convention), so the coefficient means the same for every preset.
+            entropy = masked_mean(pg_terms.entropy_surrogate(logprobs, gen), mask, global_normalization_factor=toks)
+            loss = loss - self.entropy_coef * entropy
 
         with torch.no_grad():
             metrics = self._metrics(

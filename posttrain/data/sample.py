@@ -54,6 +54,10 @@ class Sample:
             the first, then those its environment gives (`EnvironmentReturn.next_stop_strings`).
         source, source_weight: the blend component the row came from, and its weight.
         reward: the rollout's reward, summed over turns (before any shaping).
+        reward_components: the named parts of the reward its environment reported
+            (`EnvironmentReturn.reward_components`), each summed over turns; a part that never
+            applied is absent. GDPO's input.
+        reward_component_weights: the environment's weight of each component in `reward`.
         advantage: GRPO's advantage of the sample (same for all of its tokens).
         sample_mask: the weight of the sample in the loss: `loss_multiplier` times the filters
             (DAPO overlong filtering; 0 for padding rows).
@@ -82,6 +86,8 @@ class Sample:
     source: Optional[str] = None
     source_weight: float = 1.0
     reward: float = 0.0
+    reward_components: dict[str, float] = field(default_factory=dict)
+    reward_component_weights: dict[str, float] = field(default_factory=dict)
     advantage: float = 0.0
     sample_mask: float = 1.0
     status: SampleStatus = SampleStatus.PENDING
@@ -99,6 +105,7 @@ class Sample:
         """Set the rollout's state to that of a rollout starting: RUNNING, no reward, counts zero."""
         self.status = SampleStatus.RUNNING
         self.reward, self.turns, self.generated_tokens, self.observation_tokens = 0.0, 0, 0, 0
+        self.reward_components, self.reward_component_weights = {}, {}
         self.answer, self.hit_max_new_tokens, self.timed_out = None, False, False
 
     @property
