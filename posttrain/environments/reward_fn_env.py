@@ -250,11 +250,12 @@ class RewardFunctionEnv(Environment):
 
 
 def component_names(functions: list[str]) -> list[str]:
-    """The reward component name of each function name: what follows the module ('my_rewards:accuracy'
-    -> 'accuracy'), with '#2', '#3', ... where two functions would share one."""
+    """The reward component name of each function name: the function's own name, without its module
+    or enclosing scopes ('my_rewards:accuracy' -> 'accuracy', 'mod:main.<locals>.brevity' -> 'brevity'),
+    with '#2', '#3', ... where two functions would share one."""
     names: list[str] = []
     for function in functions:
-        base = function.rsplit(":", 1)[-1].split("#")[0]
+        base = function.rsplit(":", 1)[-1].split("#")[0].rsplit(".", 1)[-1]
         name, n = base, 1
         while name in names:
             n += 1
