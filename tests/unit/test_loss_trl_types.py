@@ -80,7 +80,7 @@ def trl(loss_type, **kw):
 @pytest.mark.parametrize("preset, trl_options", [
     ("grpo", {}),
     ("bnpo", {}),
-    ("dapo", {"eps_high": 0.28}),
+    ("dapo", {}),
     ("sapo", {}),
     ("luspo", {"level": "sequence"}),
     ("vespo", {}),
@@ -110,7 +110,7 @@ def test_sapo_temperatures_and_vespo_parameters_are_used():
 def test_off_policy_mask_matches_trl():
     """Row 1 (A < 0) has mean KL(gen - logp) = (0.5 + 1.1 + 0.3) / 3 = 0.633 > 0.5: masked. Row 2
     (A < 0, KL 0.1) and row 0 (A > 0) are kept."""
-    loss, grad, metrics = ours(LossConfig(preset="dapo", off_policy_mask_threshold=0.5))
+    loss, grad, metrics = ours(LossConfig(preset="dapo", ratio_clip_max=0.28, off_policy_mask_threshold=0.5))
     expected_loss, expected_grad = trl("dapo", eps_high=0.28, off_policy_threshold=0.5)
     assert loss.item() == pytest.approx(expected_loss.item(), rel=1e-6)
     assert grad.flatten().tolist() == pytest.approx(expected_grad.flatten().tolist(), rel=1e-5, abs=1e-7)
@@ -118,14 +118,15 @@ def test_off_policy_mask_matches_trl():
     assert grad[1].abs().sum().item() == 0.0 and grad[2].abs().sum().item() > 0
 
 
-def test_preset_keys_yield_to_the_config_and_bad_values_fail_in_one_line():
-    assert LossConfig(preset="dapo").ratio_clip_max == 0.28
-    assert LossConfig(preset="dapo", ratio_clip_max=0.3).ratio_clip_max == 0.3
+def test_preset_sets_its_variant_over_the_section_and_bad_values_fail_in_one_line():
+    # The embedded default sets token_level_loss=true; preset 'grpo' still means the per-sequence mean.
+    assert LossConfig(preset="grpo", token_level_loss=True).token_level_loss is False
+    assert LossConfig(preset="dapo", ratio_clip_max=0.28).ratio_clip_max == 0.28  # hyperparameters stay
     with pytest.raises(ValueError, match=r"loss_fn.preset='sapoo' is not one of .*did you mean 'sapo'"):
         LossConfig(preset="sapoo")
     with pytest.raises(ValueError, match="loss_fn.ratio_gate='vespo' cannot be combined with "
                                          "loss_fn.sequence_level_importance_ratios"):
-        LossConfig(preset="vespo", sequence_level_importance_ratios=True, token_level_loss=False)
+        LossConfig(ratio_gate="vespo", sequence_level_importance_ratios=True, token_level_loss=False)
     with pytest.raises(ValueError, match="loss_fn.ratio_gate='sapo' cannot be combined with loss_fn.use_cispo"):
         LossConfig(ratio_gate="sapo", use_cispo=True)
     with pytest.raises(ValueError, match="sequence_token_reduction='sum' .* needs loss_fn.token_level_loss=false"):

@@ -9,18 +9,20 @@ from pydantic import Field, model_validator
 from posttrain.config.schema.base import Section, check_component_name
 
 
-# TRL's GRPO `loss_type` names as presets of the one clipped policy-gradient loss: each sets the
-# keys below (a key the config sets itself wins). A new variant is one entry here.
+# TRL's GRPO `loss_type` names as presets of the one clipped policy-gradient loss: each sets the keys
+# that make the variant, over the section's own values (the embedded default sets token_level_loss,
+# and a preset must still mean the same loss there). Hyperparameters (clip bounds, temperatures)
+# stay the config's. A new variant is one entry here.
 LOSS_PRESETS: dict[str, dict[str, Any]] = {
     # Per-sequence token mean, then mean over sequences (Shao et al. 2024).
     "grpo": {"token_level_loss": False},
-    # Token mean over the step's tokens (Yu et al. 2025) with clip-higher.
-    "dapo": {"token_level_loss": True, "ratio_clip_max": 0.28},
+    # Token mean over the step's tokens (Yu et al. 2025); its clip-higher is ratio_clip_max (e.g. 0.28).
+    "dapo": {"token_level_loss": True},
     # TRL's bnpo divides by the tokens of the local batch; posttrain always divides by the optimizer
     # step's global token count (exact normalisation), so BNPO is the token-level loss.
     "bnpo": {"token_level_loss": True},
     "gspo": {"token_level_loss": False, "sequence_level_importance_ratios": True},
-    "cispo": {"use_cispo": True, "ratio_clip_min": 1.0, "ratio_clip_max": 5.0},
+    "cispo": {"use_cispo": True, "token_level_loss": True},
     # SAPO aggregates per sequence, as TRL's loss_type='sapo'.
     "sapo": {"ratio_gate": "sapo", "token_level_loss": False},
     # LUSPO: GSPO's sequence ratio, each sequence's loss times its length (token sum per sequence).
@@ -36,11 +38,12 @@ class LossConfig(Section):
     preset: Optional[str] = Field(
         None,
         description=(
-            "A named set of the keys below, TRL's GRPO loss_type names (default None: the keys as given; a key set "
-            "in the config wins over its preset): 'grpo' (per-sequence mean), 'dapo' (token mean, ratio_clip_max "
-            "0.28; Yu et al. 2025, arXiv:2503.14476), 'bnpo' (token mean; TRL divides by the local batch's tokens, "
-            "posttrain always by the step's global count, so it equals the token-level loss), 'gspo' (Zheng et al. "
-            "2025, arXiv:2507.18071), 'cispo' (MiniMax 2025, arXiv:2506.13585), 'sapo' (ratio_gate=sapo, per-sequence "
+            "A loss variant by TRL's GRPO loss_type name (default None: the keys as given). It sets the keys that "
+            "make the variant, over the section's values; clip bounds, temperatures and the rest stay the config's: "
+            "'grpo' (per-sequence mean), 'dapo' (token mean; Yu et al. 2025, arXiv:2503.14476, with e.g. "
+            "ratio_clip_max=0.28), 'bnpo' (token mean; TRL divides by the local batch's tokens, posttrain always by "
+            "the step's global count, so it is the token-level loss), 'gspo' (Zheng et al. 2025, arXiv:2507.18071), "
+            "'cispo' (use_cispo; MiniMax 2025, arXiv:2506.13585), 'sapo' (ratio_gate=sapo, per-sequence "
             "mean; SAPO, arXiv:2511.20347), 'luspo' (GSPO ratios, sequence_token_reduction=sum; "
             "arXiv:2602.05261), 'vespo' (ratio_gate=vespo, token mean; arXiv:2602.10693)."
         ),
@@ -212,7 +215,6 @@ class LossConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
-        # The preset fills the keys the config does not set; the keys it sets win.
         if isinstance(data, dict) and data.get("preset") is not None:
             preset = data["preset"]
             if preset not in LOSS_PRESETS:
@@ -221,7 +223,7 @@ class LossConfig(Section):
                 close = get_close_matches(str(preset), LOSS_PRESETS, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ValueError(f"loss_fn.preset={preset!r} is not one of {sorted(LOSS_PRESETS)}{hint}")
-            data = {**LOSS_PRESETS[preset], **data}
+            data = {**data, **LOSS_PRESETS[preset]}
         return data
 
     @model_validator(mode="after")
