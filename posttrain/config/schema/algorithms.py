@@ -44,7 +44,7 @@ class AdvantageEstimatorConfig(Section):
         check_component_name(self.name, "grpo.adv_estimator.name")
         if self.name != "gdpo":
             for key in ("reward_component_weights", "batch_normalize"):
-                if key in self.model_fields_set:
+                if getattr(self, key) != type(self).model_fields[key].default:
                     raise ValueError(f"grpo.adv_estimator.{key} is a GDPO option; set grpo.adv_estimator.name=gdpo")
         return self
 
