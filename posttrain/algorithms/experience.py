@@ -130,7 +130,7 @@ def advantage_options(g, samples: list[Sample]) -> dict[str, Any]:
         options = dict(normalize_rewards=g.normalize_rewards, leave_one_out=g.use_leave_one_out_baseline,
                        group_std=g.group_std)
     if g.adv_estimator.name == "gdpo":
-        names = component_names(samples)
+        names = reward_component_names(samples)
         if names:  # else the reward itself is the one component
             options["reward_components"] = component_matrix(samples, names)
             options["component_weights"] = component_weights(samples, names, g.adv_estimator.reward_component_weights)
@@ -138,7 +138,7 @@ def advantage_options(g, samples: list[Sample]) -> dict[str, Any]:
     return {**options, **g.adv_estimator.kwargs}
 
 
-def component_names(samples: list[Sample]) -> list[str]:
+def reward_component_names(samples: list[Sample]) -> list[str]:
     """The reward components any of the samples has, sorted by name."""
     return sorted({name for sample in samples for name in sample.reward_components})
 
@@ -194,7 +194,7 @@ def training_batch(
         "train/mean_prompt_length": sum(s.prompt_length for s in rows) / len(rows),
     }
     generated_samples = [s for group in generated for s in group.samples]
-    for name in component_names(generated_samples):  # each reward component's mean where it applies
+    for name in reward_component_names(generated_samples):  # each reward component's mean where it applies
         values = [s.reward_components[name] for s in generated_samples if name in s.reward_components]
         metrics[f"train/reward_components/{name}"] = sum(values) / len(values)
     for key in {key for m in rollout_metrics for key in m}:  # environments' counts may differ per rollout

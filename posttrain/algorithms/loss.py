@@ -514,6 +514,6 @@ class ClippedPGLoss:
             "sampling_importance_ratio": weight_mean(weights),
             "sampling_importance_ratio_untruncated": weight_mean(raw_weights),
             # Entropy of pi estimated from tokens sampled by pi_gen: -E_gen[(pi / pi_gen) log pi].
-            "approx_entropy": token_mean(-_finite_or_zero((logprobs - gen).exp()) * logprobs),
+            "approx_entropy": token_mean(pg_terms.entropy_surrogate(logprobs, gen)),
             "num_valid_samples": sample_mask.sum().item(),
         }

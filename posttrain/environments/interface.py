@@ -117,15 +117,16 @@ class Environment(abc.ABC):
 
 
 def ended(n: int, metadata: list[Any], rewards: Optional[list[float]] = None,
-          answers: Optional[list[Optional[str]]] = None, metrics: Optional[dict[str, float]] = None) -> EnvironmentReturn:
+          answers: Optional[list[Optional[str]]] = None, metrics: Optional[dict[str, float]] = None,
+          reward_components: Optional[list[dict[str, float]]] = None) -> EnvironmentReturn:
     """The `EnvironmentReturn` of `n` episodes that are over: empty observations, `rewards`
-    (default 0) and `answers` (default None)."""
+    (default 0), `answers` (default None) and `reward_components` (default None)."""
     return EnvironmentReturn(
         observations=[{"role": "environment", "content": ""} for _ in range(n)], metadata=list(metadata),
         next_stop_strings=[None] * n,
         rewards=torch.tensor(rewards if rewards is not None else [0.0] * n, dtype=torch.float32),
         terminateds=torch.ones(n, dtype=torch.bool), answers=list(answers) if answers is not None else [None] * n,
-        metrics=metrics,
+        metrics=metrics, reward_components=reward_components,
     )
 
 
