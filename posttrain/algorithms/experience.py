@@ -30,6 +30,8 @@ from posttrain.utils.timer import Timer
 
 log = logging.getLogger("posttrain.grpo")
 
+SHAPING_COMPONENT = "shaping"  # GDPO's component for what reward shaping adds to the environments' rewards
+
 
 @dataclass
 class PromptGroup:
@@ -96,10 +98,16 @@ def score_groups(ctx: Any, result: Any, num_groups: int, version: int) -> list[P
         advantages = torch.zeros_like(rewards)
     else:
         advantages = adv.compute_advantages(
-            g.adv_estimator.name, rewards, group_ids, sample_mask, **advantage_options(g, samples),
+            g.adv_estimator.name, rewards, group_ids, sample_mask,
+            **advantage_options(g, samples, shaping=rewards - result.rewards),
         )
-    # DAPO: a group whose (unshaped) rewards all agree teaches nothing.
+    # DAPO: a group whose (unshaped) rewards all agree teaches nothing; under GDPO, nor do its components.
     signal = adv.filter_zero_variance_groups(result.rewards, group_ids, num_groups=num_groups)
+    names = reward_component_names(samples) if g.adv_estimator.name == "gdpo" else []
+    for column in component_matrix(samples, names).T if names else []:
+        applies = ~torch.isnan(column)
+        signal = signal | adv.filter_zero_variance_groups(column.nan_to_num(0.0), group_ids, num_groups=num_groups,
+                                                          sample_mask=applies.float())
     for sample, advantage, mask in zip(samples, advantages.tolist(), sample_mask.tolist()):
         sample.advantage, sample.sample_mask = advantage, mask
     return [
@@ -122,18 +130,25 @@ def shaped_rewards(cfg: Any, rewards: torch.Tensor, samples: list[Sample]) -> to
     )
 
 
-def advantage_options(g, samples: list[Sample]) -> dict[str, Any]:
-    """Keyword options of the configured estimator: the `grpo.*` keys of the built-in ones (GDPO's
-    also the samples' reward components and their weights), plus `grpo.adv_estimator.kwargs`."""
+def advantage_options(g, samples: list[Sample], shaping: Optional[torch.Tensor] = None) -> dict[str, Any]:
+    """Keyword options of the configured estimator: the `grpo.*` keys of the built-in ones, plus
+    `grpo.adv_estimator.kwargs`. GDPO's also carry the samples' reward components and their weights,
+    with the reward shaping's share of each reward (`shaping`, [B], default None: none) as one more
+    component, `shaping` (weight `reward_component_weights.shaping`, default 1), when it is not all 0
+    (DAPO's overlong penalty, Kimi's length penalty)."""
     options: dict[str, Any] = {}
     if g.adv_estimator.name in ("grpo", "gdpo"):
         options = dict(normalize_rewards=g.normalize_rewards, leave_one_out=g.use_leave_one_out_baseline,
                        group_std=g.group_std)
     if g.adv_estimator.name == "gdpo":
         names = reward_component_names(samples)
-        if names:  # else the reward itself is the one component
-            options["reward_components"] = component_matrix(samples, names)
-            options["component_weights"] = component_weights(samples, names, g.adv_estimator.reward_component_weights)
+        if names:  # else the (shaped) reward itself is the one component
+            matrix = component_matrix(samples, names)
+            weights = component_weights(samples, names, g.adv_estimator.reward_component_weights)
+            if shaping is not None and bool((shaping != 0).any()):
+                matrix = torch.cat([matrix, shaping.to(matrix.dtype)[:, None]], dim=1)
+                weights = [*weights, g.adv_estimator.reward_component_weights.get(SHAPING_COMPONENT, 1.0)]
+            options["reward_components"], options["component_weights"] = matrix, weights
         options["batch_normalize"] = g.adv_estimator.batch_normalize
     return {**options, **g.adv_estimator.kwargs}
 
@@ -154,7 +169,7 @@ def component_weights(samples: list[Sample], names: list[str], configured: dict[
     declared: dict[str, float] = {}
     for sample in samples:
         declared.update(sample.reward_component_weights)
-    unknown = sorted(set(configured) - set(names))
+    unknown = sorted(set(configured) - set(names) - {SHAPING_COMPONENT})
     if unknown:  # a typo, or a task this step did not sample: said, not fatal
         log.warning("grpo.adv_estimator.reward_component_weights names %s, which no sample of this step has as "
                     "a reward component (they have %s)", unknown, names)

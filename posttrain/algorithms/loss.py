@@ -234,6 +234,13 @@ class ClippedPGLoss:
     - Dual clip (Ye et al. 2020): ``ratio_clip_c = c > 1`` bounds the loss by -A*c where A < 0.
     - CISPO (MiniMax-M1, MiniMax 2025, arXiv:2506.13585): ``use_cispo=True``: ``L = -sg(r_hat) A logp``, the clipped
       ratio as a detached weight, so every token keeps a gradient (token-level loss only).
+    - SAPO (arXiv:2511.20347): ``ratio_gate="sapo"``, a soft gate instead of the clip; VESPO
+      (arXiv:2602.10693): ``ratio_gate="vespo"``, a detached Gamma weight of the sequence's ratio on
+      -A logp; LUSPO (arXiv:2602.05261): GSPO with ``sequence_token_reduction="sum"``
+      (`pg_terms`; TRL's loss types are ``loss_fn.preset`` names, docs/algorithms.md).
+    - DeepSeek-V3.2's off-policy sequence mask: ``off_policy_mask_threshold``.
+    - An entropy bonus ``- entropy_coef * H`` (H: the token mean of `pg_terms.entropy_surrogate`);
+      ``self.entropy_coef`` is the coefficient, which `adaptive_entropy` sets each step when adaptive.
 
     Per token, with r the ratio and r_hat = clamp(r, 1 - ratio_clip_min, 1 + ratio_clip_max):
     ``L = max(-A r, -A r_hat)``. The train/inference mismatch is corrected with importance weights

@@ -108,3 +108,15 @@ def test_gdpo_keys_need_the_gdpo_estimator():
     with pytest.raises(ValueError, match="5 component weights for 2 reward components"):
         compute_advantages("gdpo", torch.zeros(6), GROUP_IDS, reward_components=torch.zeros(6, 2),
                            component_weights=[1.0] * 5)
+
+
+def test_reward_shaping_is_one_more_component():
+    samples = [Sample([{"role": "user", "content": "q"}], 1) for _ in range(2)]
+    for sample, c in zip(samples, (1.0, 0.0)):
+        sample.reward_components = {"correct": c}
+    g = SimpleNamespace(normalize_rewards=True, use_leave_one_out_baseline=False, group_std="sample",
+                        adv_estimator=AdvantageEstimatorConfig(name="gdpo", reward_component_weights={"shaping": 0.5}))
+    options = advantage_options(g, samples, shaping=torch.tensor([0.0, -0.3]))
+    assert options["reward_components"].flatten().tolist() == pytest.approx([1.0, 0.0, 0.0, -0.3])
+    assert options["component_weights"] == [1.0, 0.5]
+    assert advantage_options(g, samples, shaping=torch.zeros(2))["component_weights"] == [1.0]
