@@ -22,6 +22,7 @@ however the generation workers split the batch.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -276,7 +277,7 @@ def take_env_step(sample: Sample, env_out: EnvironmentReturn, row: int, tokenize
     observation does not fit (TRUNCATED), or with the observation appended for its next turn."""
     if sample.status is not SampleStatus.RUNNING:  # timed out: its step has no results
         return
-    _add_reward(sample, float(env_out.rewards[row]))
+    _add_reward(sample, env_out, row)
     if env_out.answers is not None:
         sample.answer = env_out.answers[row]
     sample.extra_env_info = env_out.metadata[row]
@@ -306,15 +307,21 @@ def finish_episodes(envs: dict[str, Any], samples: list[Sample], deadline: Optio
     env_out = collect_env(launch_env(envs, samples, unfinished, method="finish"), deadline, samples, unfinished, totals)
     for row, i in enumerate(unfinished):
         if not samples[i].timed_out:
-            _add_reward(samples[i], float(env_out.rewards[row]))
+            _add_reward(samples[i], env_out, row)
             if env_out.answers[row] is not None:
                 samples[i].answer = env_out.answers[row]
     totals.env_seconds += time.perf_counter() - t0
 
 
-def _add_reward(sample: Sample, reward: float) -> None:
+def _add_reward(sample: Sample, env_out: EnvironmentReturn, row: int) -> None:
+    """Add row `row` of `env_out`'s reward (and its named components) to the sample's."""
     # Summed in float32, as a reward tensor would be, so that `reward` is its entry of `rewards`.
-    sample.reward = (torch.tensor(sample.reward, dtype=torch.float32) + reward).item()
+    sample.reward = (torch.tensor(sample.reward, dtype=torch.float32) + float(env_out.rewards[row])).item()
+    components = getattr(env_out, "reward_components", None)
+    for name, value in (components[row] if components is not None else {}).items():
+        if value is not None and not math.isnan(value):  # NaN: the component does not apply to this sample
+            sample.reward_components[name] = sample.reward_components.get(name, 0.0) + float(value)
+    sample.reward_component_weights.update(getattr(env_out, "reward_component_weights", None) or {})
 
 
 def rollout_result(samples: list[Sample], totals: RolloutTotals) -> RolloutResult:

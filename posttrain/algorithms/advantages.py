@@ -14,7 +14,7 @@ valued the batch's tokens and returns one advantage per token ``[B, S]`` (`takes
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -190,6 +190,70 @@ def grpo_advantages(
     if sample_mask is not None:
         advantages = advantages * (sample_mask > 0)
     return advantages
+
+
+@register_advantage_estimator("gdpo")
+def gdpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    sample_mask: Optional[torch.Tensor] = None,
+    *,
+    reward_components: Optional[torch.Tensor] = None,
+    component_weights: Optional[Sequence[float]] = None,
+    batch_normalize: bool = True,
+    normalize_rewards: bool = True,
+    leave_one_out: bool = False,
+    group_std: str = "sample",
+    epsilon: float = 1e-6,
+) -> torch.Tensor:
+    """GDPO (NVIDIA 2026, "GDPO: Group reward-Decoupled Normalization Policy Optimization for
+    Multi-reward RL Optimization", arXiv:2601.05242; NeMo-RL's ``gdpo`` estimator): each reward
+    component is normalised within its group on its own, then the components are weighted and
+    summed, and the sum is normalised over the batch:
+
+        A_k = grpo_advantages(r_k)            (group baseline, / (group std + epsilon) where std > 0)
+        A   = sum_k w_k A_k
+        A^  = (A - mean(A)) / std(A)          (over the batch's valid samples, sample std; centred
+                                               only when std is 0; skipped if not batch_normalize)
+
+    Summing first (GRPO on sum_k w_k r_k) lets a component with a large spread drown the others
+    and maps different reward combinations to the same advantage; GDPO keeps each component's
+    resolution.
+
+    Args:
+        reward_components: ``[B, K]`` raw component rewards; NaN where a component does not apply
+            to a sample (it then stays out of that component's group statistics and adds 0, as TRL's
+            ``normalize_then_sum``). Default None: ``rewards`` is the one component.
+        component_weights: K weights w_k (default 1.0 each). Config
+            ``grpo.adv_estimator.reward_component_weights``.
+        batch_normalize: the final batch normalisation (default True, the paper's).
+        normalize_rewards, leave_one_out, group_std, epsilon: as `grpo_advantages`, per component.
+
+    Samples with ``sample_mask == 0`` get advantage 0 and enter no statistic.
+    """
+    components = rewards[:, None] if reward_components is None else reward_components
+    if components.ndim != 2 or components.shape[0] != rewards.shape[0]:
+        raise ValueError(f"reward_components must be [B, K] with B = {rewards.shape[0]}, got {tuple(components.shape)}")
+    weights = [1.0] * components.shape[1] if component_weights is None else list(component_weights)
+    if len(weights) != components.shape[1]:
+        raise ValueError(f"{len(weights)} component weights for {components.shape[1]} reward components")
+    mask = torch.ones_like(rewards) if sample_mask is None else sample_mask
+    valid = mask > 0
+    total = torch.zeros(rewards.shape, dtype=torch.float64, device=rewards.device)
+    for k, weight in enumerate(weights):
+        values = components[:, k].double()
+        applies = ~torch.isnan(values)
+        per_component = grpo_advantages(
+            torch.where(applies, values, 0.0), group_ids, (valid & applies).double(),
+            normalize_rewards=normalize_rewards, leave_one_out=leave_one_out, group_std=group_std, epsilon=epsilon,
+        )
+        total = total + weight * per_component
+    if batch_normalize and valid.sum() > 0:
+        selected = total[valid]
+        total = total - selected.mean()
+        if selected.numel() > 1 and selected.std() > 0:
+            total = total / selected.std()
+    return (total * valid).to(rewards.dtype)
 
 
 @register_advantage_estimator("reinforce_pp")

@@ -10,12 +10,15 @@ This module imports neither loop, so neither loop imports the other (tests/unit/
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
 
+from posttrain.algorithms import adaptive_entropy
 from posttrain.algorithms import advantages as adv
 from posttrain.algorithms.loop import SIGNAL_METRIC
 from posttrain.data.message_log import flatten_message_logs
@@ -24,6 +27,10 @@ from posttrain.distributed.batch import Batch
 from posttrain.rollouts import run_multi_turn_rollout, sample_seeds
 from posttrain.utils.metrics import per_task_means, response_lengths
 from posttrain.utils.timer import Timer
+
+log = logging.getLogger("posttrain.grpo")
+
+SHAPING_COMPONENT = "shaping"  # GDPO's component for what reward shaping adds to the environments' rewards
 
 
 @dataclass
@@ -91,10 +98,16 @@ def score_groups(ctx: Any, result: Any, num_groups: int, version: int) -> list[P
         advantages = torch.zeros_like(rewards)
     else:
         advantages = adv.compute_advantages(
-            g.adv_estimator.name, rewards, group_ids, sample_mask, **advantage_options(g),
+            g.adv_estimator.name, rewards, group_ids, sample_mask,
+            **advantage_options(g, samples, shaping=rewards - result.rewards),
         )
-    # DAPO: a group whose (unshaped) rewards all agree teaches nothing.
+    # DAPO: a group whose (unshaped) rewards all agree teaches nothing; under GDPO, nor do its components.
     signal = adv.filter_zero_variance_groups(result.rewards, group_ids, num_groups=num_groups)
+    names = reward_component_names(samples) if g.adv_estimator.name == "gdpo" else []
+    for column in component_matrix(samples, names).T if names else []:
+        applies = ~torch.isnan(column)
+        signal = signal | adv.filter_zero_variance_groups(column.nan_to_num(0.0), group_ids, num_groups=num_groups,
+                                                          sample_mask=applies.float())
     for sample, reward, advantage, mask in zip(samples, rewards.tolist(), advantages.tolist(), sample_mask.tolist()):
         sample.shaped_reward, sample.advantage, sample.sample_mask = reward, advantage, mask
     return [
@@ -117,14 +130,50 @@ def shaped_rewards(cfg: Any, rewards: torch.Tensor, samples: list[Sample]) -> to
     )
 
 
-def advantage_options(g) -> dict[str, Any]:
-    """Keyword options of the configured estimator: the `grpo.*` keys of the built-in one, plus
-    `grpo.adv_estimator.kwargs`."""
+def advantage_options(g, samples: list[Sample], shaping: Optional[torch.Tensor] = None) -> dict[str, Any]:
+    """Keyword options of the configured estimator: the `grpo.*` keys of the built-in ones, plus
+    `grpo.adv_estimator.kwargs`. GDPO's also carry the samples' reward components and their weights,
+    with the reward shaping's share of each reward (`shaping`, [B], default None: none) as one more
+    component, `shaping` (weight `reward_component_weights.shaping`, default 1), when it is not all 0
+    (DAPO's overlong penalty, Kimi's length penalty)."""
     options: dict[str, Any] = {}
-    if g.adv_estimator.name == "grpo":
+    if g.adv_estimator.name in ("grpo", "gdpo"):
         options = dict(normalize_rewards=g.normalize_rewards, leave_one_out=g.use_leave_one_out_baseline,
                        group_std=g.group_std)
+    if g.adv_estimator.name == "gdpo":
+        names = reward_component_names(samples)
+        if names:  # else the (shaped) reward itself is the one component
+            matrix = component_matrix(samples, names)
+            weights = component_weights(samples, names, g.adv_estimator.reward_component_weights)
+            if shaping is not None and bool((shaping != 0).any()):
+                matrix = torch.cat([matrix, shaping.to(matrix.dtype)[:, None]], dim=1)
+                weights = [*weights, g.adv_estimator.reward_component_weights.get(SHAPING_COMPONENT, 1.0)]
+            options["reward_components"], options["component_weights"] = matrix, weights
+        options["batch_normalize"] = g.adv_estimator.batch_normalize
     return {**options, **g.adv_estimator.kwargs}
+
+
+def reward_component_names(samples: list[Sample]) -> list[str]:
+    """The reward components any of the samples has, sorted by name."""
+    return sorted({name for sample in samples for name in sample.reward_components})
+
+
+def component_matrix(samples: list[Sample], names: list[str]) -> torch.Tensor:
+    """``[B, K]`` the samples' reward components `names`; NaN where a sample lacks one."""
+    return torch.tensor([[s.reward_components.get(name, math.nan) for name in names] for s in samples],
+                        dtype=torch.float32)
+
+
+def component_weights(samples: list[Sample], names: list[str], configured: dict[str, float]) -> list[float]:
+    """The weight of each component: the configured one, else the environment's, else 1.0."""
+    declared: dict[str, float] = {}
+    for sample in samples:
+        declared.update(sample.reward_component_weights)
+    unknown = sorted(set(configured) - set(names) - {SHAPING_COMPONENT})
+    if unknown:  # a typo, or a task this step did not sample: said, not fatal
+        log.warning("grpo.adv_estimator.reward_component_weights names %s, which no sample of this step has as "
+                    "a reward component (they have %s)", unknown, names)
+    return [configured.get(name, declared.get(name, 1.0)) for name in names]
 
 
 def training_batch(
@@ -160,6 +209,10 @@ def training_batch(
         "train/num_samples": float(train_data.size),
         "train/mean_prompt_length": sum(s.prompt_length for s in rows) / len(rows),
     }
+    generated_samples = [s for group in generated for s in group.samples]
+    for name in reward_component_names(generated_samples):  # each reward component's mean where it applies
+        values = [s.reward_components[name] for s in generated_samples if name in s.reward_components]
+        metrics[f"train/reward_components/{name}"] = sum(values) / len(values)
     for key in {key for m in rollout_metrics for key in m}:  # environments' counts may differ per rollout
         metrics[f"train/{key}"] = sum(m.get(key, 0.0) for m in rollout_metrics) / len(rollout_metrics)
     return train_data, metrics
@@ -182,4 +235,8 @@ def update_policy(ctx: Any, train_data: Batch, timer: Timer, *, off_policy: bool
             ref = ctx.policy.get_reference_logprobs(train_data, temperature)  # (PPO's KL in the reward has them)
             train_data["reference_policy_logprobs"] = ref["logprobs"]
     with timer.time("policy_training"):
-        return ctx.policy.train(train_data, ctx.loss_fn, global_batch_size=gbs, temperature=temperature)
+        # The entropy bonus's coefficient (fixed, or adaptive with its state in the loop's checkpointed state).
+        return adaptive_entropy.train_with_entropy_bonus(
+            cfg.loss_fn, ctx.loop.state, ctx.loss_fn,
+            lambda: ctx.policy.train(train_data, ctx.loss_fn, global_batch_size=gbs, temperature=temperature),
+        )

@@ -28,6 +28,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, Protocol, Union
 
 import torch
 
+from posttrain.algorithms import pg_terms
 from posttrain.config.schema import LossConfig, loss_option_problem
 from posttrain.utils.registry import registrar, resolve
 
@@ -233,6 +234,13 @@ class ClippedPGLoss:
     - Dual clip (Ye et al. 2020): ``ratio_clip_c = c > 1`` bounds the loss by -A*c where A < 0.
     - CISPO (MiniMax-M1, MiniMax 2025, arXiv:2506.13585): ``use_cispo=True``: ``L = -sg(r_hat) A logp``, the clipped
       ratio as a detached weight, so every token keeps a gradient (token-level loss only).
+    - SAPO (arXiv:2511.20347): ``ratio_gate="sapo"``, a soft gate instead of the clip; VESPO
+      (arXiv:2602.10693): ``ratio_gate="vespo"``, a detached Gamma weight of the sequence's ratio on
+      -A logp; LUSPO (arXiv:2602.05261): GSPO with ``sequence_token_reduction="sum"``
+      (`pg_terms`; TRL's loss types are ``loss_fn.preset`` names, docs/algorithms.md).
+    - DeepSeek-V3.2's off-policy sequence mask: ``off_policy_mask_threshold``.
+    - An entropy bonus ``- entropy_coef * H`` (H: the token mean of `pg_terms.entropy_surrogate`);
+      ``self.entropy_coef`` is the coefficient, which `adaptive_entropy` sets each step when adaptive.
 
     Per token, with r the ratio and r_hat = clamp(r, 1 - ratio_clip_min, 1 + ratio_clip_max):
     ``L = max(-A r, -A r_hat)``. The train/inference mismatch is corrected with importance weights
@@ -271,6 +279,9 @@ class ClippedPGLoss:
             cfg = cfg.model_copy(update=overrides)
         self.cfg = cfg
         self.loss_type: Literal["token", "sequence"] = "token" if cfg.token_level_loss else "sequence"
+        # The entropy bonus's coefficient; under `loss_fn.adaptive_entropy` the controller
+        # (`posttrain.algorithms.adaptive_entropy`) sets it before each training step.
+        self.entropy_coef = cfg.entropy_coef
         problem = loss_option_problem(cfg)  # the config check, for losses built in code
         if problem:
             raise ValueError(problem)
@@ -281,7 +292,10 @@ class ClippedPGLoss:
     ) -> torch.Tensor:
         if self.loss_type == "token":
             return masked_mean(values, mask, global_normalization_factor=toks)
-        per_sequence = masked_mean(values, mask, dim=-1)
+        if self.cfg.sequence_token_reduction == "sum":  # LUSPO: each sequence weighs by its length
+            per_sequence = masked_sum(values, mask, dim=-1)
+        else:
+            per_sequence = masked_mean(values, mask, dim=-1)
         return masked_mean(per_sequence, sample_mask, global_normalization_factor=seqs)
 
     def _importance_weights(
@@ -353,10 +367,27 @@ class ClippedPGLoss:
             ratio = log_ratio.exp()
             ratio_clamped = ratio.clamp(1.0 - cfg.ratio_clip_min, 1.0 + cfg.ratio_clip_max)
 
+        raw_weights, weights, is_metrics = self._importance_weights(prev, gen, mask, sample_mask, seqs, toks)
+        weights_reported = weights  # without correction, the weights that would be used
+        if not cfg.use_importance_sampling_correction:
+            weights = torch.ones_like(weights)
+
         if cfg.use_cispo:
             # CISPO: the clipped ratio is a constant weight on -A * logp, so a token whose ratio left
             # the range still pulls (with the bound as its weight) instead of dropping out.
             pg_loss = -advantages * ratio_clamped.detach() * logprobs
+            clipped = (ratio != ratio_clamped).float()
+        elif cfg.ratio_gate == "sapo":
+            pg_loss = pg_terms.sapo_gated_loss(ratio, advantages, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+            clipped = (ratio != ratio_clamped).float()  # where PPO's clip would bind (the gate only fades)
+        elif cfg.ratio_gate == "vespo":
+            # The importance weights enter VESPO's sequence weight (in log space), not the loss.
+            phi = pg_terms.vespo_weights(
+                torch.where(mask != 0, logprobs - prev, 0.0), torch.log(weights.clamp(min=1e-30)), advantages, mask,
+                cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg,
+            )
+            pg_loss = -phi * advantages * logprobs
+            weights = torch.ones_like(weights)
             clipped = (ratio != ratio_clamped).float()
         else:
             loss_unclipped = -advantages * ratio
@@ -367,10 +398,11 @@ class ClippedPGLoss:
             # The clipped branch binds (no gradient flows through the token).
             clipped = (loss_clipped > loss_unclipped).float()
 
-        raw_weights, weights, is_metrics = self._importance_weights(prev, gen, mask, sample_mask, seqs, toks)
-        weights_reported = weights  # without correction, the weights that would be used
-        if not cfg.use_importance_sampling_correction:
-            weights = torch.ones_like(weights)
+        if cfg.off_policy_mask_threshold is not None:
+            kept = pg_terms.off_policy_sequence_mask(logprobs, gen, advantages, mask, cfg.off_policy_mask_threshold)
+            pg_loss = pg_loss * kept
+            is_metrics["off_policy_masked_fraction"] = masked_mean(
+                1 - kept[:, 0], sample_mask, global_normalization_factor=seqs).item()
         actor_loss = self._reduce(weights * pg_loss, mask, sample_mask, seqs, toks)
 
         if cfg.reference_policy_kl_penalty > 0:
@@ -379,6 +411,11 @@ class ClippedPGLoss:
         else:
             kl_term = torch.zeros((), device=logprobs.device)
         loss = actor_loss + cfg.reference_policy_kl_penalty * kl_term
+        if self.entropy_coef > 0:
+            # The mean per-token entropy over the step's tokens, whatever the actor loss's aggregation
+            # (TRL's convention), so the coefficient means the same for every preset.
+            entropy = masked_mean(pg_terms.entropy_surrogate(logprobs, gen), mask, global_normalization_factor=toks)
+            loss = loss - self.entropy_coef * entropy
 
         with torch.no_grad():
             metrics = self._metrics(
@@ -484,6 +521,6 @@ class ClippedPGLoss:
             "sampling_importance_ratio": weight_mean(weights),
             "sampling_importance_ratio_untruncated": weight_mean(raw_weights),
             # Entropy of pi estimated from tokens sampled by pi_gen: -E_gen[(pi / pi_gen) log pi].
-            "approx_entropy": token_mean(-_finite_or_zero((logprobs - gen).exp()) * logprobs),
+            "approx_entropy": token_mean(pg_terms.entropy_surrogate(logprobs, gen)),
             "num_valid_samples": sample_mask.sum().item(),
         }

@@ -39,7 +39,9 @@ class GRPO(Trainer):
             `{"grpo.max_num_steps": 50}`); default None: the embedded default
             (`grpo_math_tiny.yaml`).
         reward_weights: one weight per reward function (default None: 1.0 each); the reward is
-            their weighted sum.
+            their weighted sum. Under GDPO (`{"grpo.adv_estimator.name": "gdpo"}`, TRL's
+            `multi_objective_aggregation="normalize_then_sum"`) each function's rewards are a
+            component normalised within its group first, then weighted by these.
         callbacks: objects with `on_step_end(step, metrics) -> bool` or such functions, called
             after each GRPO step (not the warm start's); True stops the run after that step
             (`posttrain.algorithms.loop.step_callbacks`). Default None.

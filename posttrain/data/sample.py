@@ -57,6 +57,10 @@ class Sample:
         shaped_reward: the reward the advantages are computed from, set when its group is scored
             (`algorithms.experience.score_groups`): `reward` after reward shaping (DAPO's overlong
             penalty, Kimi's length reward); None before. A critic's estimator (PPO's GAE) reads it too.
+        reward_components: the named parts of the reward its environment reported
+            (`EnvironmentReturn.reward_components`), each summed over turns; a part that never
+            applied is absent. GDPO's input.
+        reward_component_weights: the environment's weight of each component in `reward`.
         advantage: GRPO's advantage of the sample (same for all of its tokens).
         sample_mask: the weight of the sample in the loss: `loss_multiplier` times the filters
             (DAPO overlong filtering; 0 for padding rows).
@@ -86,6 +90,8 @@ class Sample:
     source_weight: float = 1.0
     reward: float = 0.0
     shaped_reward: Optional[float] = None
+    reward_components: dict[str, float] = field(default_factory=dict)
+    reward_component_weights: dict[str, float] = field(default_factory=dict)
     advantage: float = 0.0
     sample_mask: float = 1.0
     status: SampleStatus = SampleStatus.PENDING
@@ -104,6 +110,7 @@ class Sample:
         self.status = SampleStatus.RUNNING
         self.reward, self.turns, self.generated_tokens, self.observation_tokens = 0.0, 0, 0, 0
         self.shaped_reward = None
+        self.reward_components, self.reward_component_weights = {}, {}
         self.answer, self.hit_max_new_tokens, self.timed_out = None, False, False
 
     @property

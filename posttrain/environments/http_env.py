@@ -228,6 +228,7 @@ class HttpEnvironment(Environment):
             observations=[r[0] for r in results], metadata=[r[1] for r in results], next_stop_strings=[None] * n,
             rewards=torch.tensor([r[2] for r in results], dtype=torch.float32),
             terminateds=torch.tensor([r[3] for r in results], dtype=torch.bool), answers=[None] * n, metrics=counts,
+            reward_components=[_reward_components(r[4]) for r in results],
         )
 
     def finish(self, message_logs: list[MessageLog], metadata: list[dict]) -> EnvironmentReturn:
@@ -235,7 +236,8 @@ class HttpEnvironment(Environment):
         with self._lock:
             episodes = [self._episode_key(meta) for meta in metadata]
         results = self._each_episode(self._finish_one, message_logs, metadata, episodes)
-        return ended(len(message_logs), metadata, rewards=[r[0] for r in results], metrics=_summed([r[1] for r in results]))
+        return ended(len(message_logs), metadata, rewards=[r[0] for r in results], metrics=_summed([r[1] for r in results]),
+                     reward_components=[_reward_components(r[1]) for r in results])
 
     def _each_episode(self, work, message_logs: list[MessageLog], metadata: list[dict], episodes: list) -> list:
         """`work(log, meta, episode)` of every episode; they are independent, so their requests run
@@ -352,6 +354,11 @@ _COUNTS = ("tool_calls", "tool_errors", "http_errors", "timeouts", "seed_failure
 
 def _new_counts() -> dict[str, float]:
     return dict.fromkeys(_COUNTS, 0.0)
+
+
+def _reward_components(counts: dict[str, float]) -> dict[str, float]:
+    """An episode's reward components (its `reward/<name>` counts) by name: GDPO's input."""
+    return {key[len("reward/"):]: value for key, value in counts.items() if key.startswith("reward/")}
 
 
 def _summed(per_episode: list[dict[str, float]]) -> dict[str, float]:

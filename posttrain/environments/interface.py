@@ -44,6 +44,13 @@ class EnvironmentReturn(NamedTuple):
             of a rollout and logged as `train/env/<task>/<key>` (default None). Keys starting
             with `reward/` (`reward/<component>`) are per-episode values summed over the call's
             episodes instead; they are logged as their mean per episode of the task.
+        reward_components: optional B dicts `{name: value}`, the named parts of each sample's reward
+            (e.g. one per reward function, raw: before the environment's weights; NaN or absent
+            where a part does not apply). Summed over turns per sample; GDPO
+            (`grpo.adv_estimator.name=gdpo`) normalises each within its group (default None).
+        reward_component_weights: optional `{name: weight}`, the weight of each component in
+            `rewards`; GDPO weighs the normalised components by it unless
+            `grpo.adv_estimator.reward_component_weights` sets one (default None: 1.0 each).
     """
 
     observations: list[dict[str, str]]
@@ -53,6 +60,8 @@ class EnvironmentReturn(NamedTuple):
     terminateds: torch.Tensor
     answers: list[Optional[str]]
     metrics: Optional[dict[str, float]] = None
+    reward_components: Optional[list[dict[str, float]]] = None
+    reward_component_weights: Optional[dict[str, float]] = None
 
 
 class Environment(abc.ABC):
@@ -108,15 +117,16 @@ class Environment(abc.ABC):
 
 
 def ended(n: int, metadata: list[Any], rewards: Optional[list[float]] = None,
-          answers: Optional[list[Optional[str]]] = None, metrics: Optional[dict[str, float]] = None) -> EnvironmentReturn:
+          answers: Optional[list[Optional[str]]] = None, metrics: Optional[dict[str, float]] = None,
+          reward_components: Optional[list[dict[str, float]]] = None) -> EnvironmentReturn:
     """The `EnvironmentReturn` of `n` episodes that are over: empty observations, `rewards`
-    (default 0) and `answers` (default None)."""
+    (default 0), `answers` (default None) and `reward_components` (default None)."""
     return EnvironmentReturn(
         observations=[{"role": "environment", "content": ""} for _ in range(n)], metadata=list(metadata),
         next_stop_strings=[None] * n,
         rewards=torch.tensor(rewards if rewards is not None else [0.0] * n, dtype=torch.float32),
         terminateds=torch.ones(n, dtype=torch.bool), answers=list(answers) if answers is not None else [None] * n,
-        metrics=metrics,
+        metrics=metrics, reward_components=reward_components,
     )
 
 

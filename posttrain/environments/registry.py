@@ -184,6 +184,8 @@ class PendingStep:
         for i in self.timed_out:
             observations[i], out_metadata[i], terminateds[i] = {"role": "environment", "content": ""}, {}, True
         metrics: dict[str, float] = {}
+        components: list[dict[str, float]] = [{} for _ in range(batch_size)]
+        component_weights: dict[str, float] = {}
         for task, indices in groups.items():
             result: EnvironmentReturn = launched[task]
             for key, value in (getattr(result, "metrics", None) or {}).items():  # per task: "<task>/<key>"
@@ -201,7 +203,11 @@ class PendingStep:
                 out_metadata[i] = result.metadata[j]
                 stop_strings[i] = result.next_stop_strings[j]
                 answers[i] = result.answers[j] if result.answers is not None else None
-        return EnvironmentReturn(observations, out_metadata, stop_strings, rewards, terminateds, answers, metrics)
+                if getattr(result, "reward_components", None) is not None:
+                    components[i] = dict(result.reward_components[j])
+            component_weights.update(getattr(result, "reward_component_weights", None) or {})
+        return EnvironmentReturn(observations, out_metadata, stop_strings, rewards, terminateds, answers, metrics,
+                                 components, component_weights)
 
     def _raise_if_hung(self, refs: list, tasks: list[str]) -> None:
         """Wait for the steps at most `envs.step_timeout_s` (`EnvironmentActors`; no limit for a

@@ -10,6 +10,9 @@ the model's answers (a string each; for chat-message prompts `[{"role": "assista
 per completion (the `data.answer_key` column as `answer`, as text). A function that takes no
 `**kwargs` gets only the columns it names. It may be `async`; several functions are summed, each
 times its weight. A value of None means "does not apply" and adds nothing (TRL's convention).
+Each function's raw rewards are also the reward's named components (`component_names`: the
+function's name without its module), which GDPO (`grpo.adv_estimator.name=gdpo`) normalises one by
+one before weighting them (TRL's `multi_objective_aggregation="normalize_then_sum"`).
 
 Config (`env.<name>`, the section serving task `<name>`):
 
@@ -194,6 +197,7 @@ class RewardFunctionEnv(Environment):
     def __init__(self, cfg: RewardFnConfig):
         self.cfg = cfg
         self.weights = cfg.weights or [1.0] * len(cfg.reward_fn)
+        self.component_names = component_names(cfg.reward_fn)
 
     def step(self, message_logs, metadata) -> EnvironmentReturn:
         n = len(message_logs)
@@ -208,10 +212,13 @@ class RewardFunctionEnv(Environment):
             for i, reward in enumerate(rewards):
                 if reward is not None and not math.isnan(reward):
                     total[i] += weight * reward
+        components = [{name: (math.nan if rewards[i] is None else rewards[i])
+                       for name, rewards in zip(self.component_names, per_function)} for i in range(n)]
         return EnvironmentReturn(
             observations=[{"role": "environment", "content": ""} for _ in range(n)], metadata=list(metadata),
             next_stop_strings=[None] * n, rewards=torch.tensor(total, dtype=torch.float32),
             terminateds=torch.ones(n, dtype=torch.bool), answers=[text.strip() or None for text in texts],
+            reward_components=components, reward_component_weights=dict(zip(self.component_names, self.weights)),
         )
 
     def call_all(self, arguments: dict[str, list], count: int) -> list[list[Optional[float]]]:
@@ -240,6 +247,21 @@ class RewardFunctionEnv(Environment):
                     ) from value
                 results[i] = value
         return [_rewards(name, value, count) for name, value in zip(self.cfg.reward_fn, results)]
+
+
+def component_names(functions: list[str]) -> list[str]:
+    """The reward component name of each function name: the function's own name, without its module
+    or enclosing scopes ('my_rewards:accuracy' -> 'accuracy', 'mod:main.<locals>.brevity' -> 'brevity'),
+    with '#2', '#3', ... where two functions would share one."""
+    names: list[str] = []
+    for function in functions:
+        base = function.rsplit(":", 1)[-1].split("#")[0].rsplit(".", 1)[-1]
+        name, n = base, 1
+        while name in names:
+            n += 1
+            name = f"{base}#{n}"
+        names.append(name)
+    return names
 
 
 def columns(metadata: list[dict]) -> dict[str, list]:

@@ -73,9 +73,11 @@ def evaluate(
     one sample per prompt) or `validation/accuracy_sampled` (the mean reward of all `k` samples,
     i.e. pass@1), per task too with several environments; `validation/avg_length`; and for k > 1
     `validation/pass@k` (the unbiased estimator of Chen et al. 2021), `validation/cons@k` (majority
-    vote) and `validation/mean_reward`.
+    vote) and `validation/mean_reward`; and `validation/reward_components/<name>`, the mean of each
+    reward component the environments reported (`EnvironmentReturn.reward_components`) where it applied.
     """
     rewards, lengths, answers = [], [], []
+    components: dict[str, list[float]] = {}  # each reward component's values where it applied
     for start in range(0, len(samples), batch_size):
         chunk = [s.fresh_copy() for s in samples[start : start + batch_size] for _ in range(k)]
         result = run_multi_turn_rollout(
@@ -87,6 +89,9 @@ def evaluate(
         rewards.append(result.rewards)
         answers.extend(result.answers)
         lengths.append(response_lengths(chunk))
+        for sample in chunk:
+            for name, value in sample.reward_components.items():
+                components.setdefault(name, []).append(value)
         if start == 0 and num_samples_to_print > 0:
             rows = completion_rows(chunk[::k][:num_samples_to_print], tokenizer)
             if log_samples is not None:
@@ -103,6 +108,8 @@ def evaluate(
         "validation/avg_length": torch.cat(lengths).mean().item(),
     }
     metrics.update(per_task_means(per_prompt, [s.task_name for s in samples], accuracy, list(envs)))
+    metrics.update({f"validation/reward_components/{name}": sum(values) / len(values)
+                    for name, values in sorted(components.items())})
     if k > 1:
         correct = (r > 0.5).sum(dim=1)
         metrics[f"validation/pass@{k}"] = pass_at_k(k, correct, k).float().mean().item()

@@ -48,6 +48,7 @@ def test_episode_seeds_a_session_calls_a_tool_and_verifies(servers):
     out = env.step([log(("assistant", CALL), ("tool", "42"), ("assistant", "It is 42."))], out.metadata)
     assert out.terminateds.tolist() == [True] and out.rewards.tolist() == [1.5]  # correct + 0.5 * used_tool
     assert out.metrics["reward/correct"] == 1.0 and out.metrics["reward/used_tool"] == 1.0
+    assert out.reward_components == [{"correct": 1.0, "used_tool": 1.0}]  # per episode: GDPO's input
     assert env.sessions == {}  # closed at the end of the episode
     # A new episode that answers without a tool and wrongly
     out = env.step([log(("assistant", "It is 41."))], [meta])

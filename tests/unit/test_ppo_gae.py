@@ -241,7 +241,7 @@ def test_the_kl_reward_compares_the_trainers_logprobs_not_the_engines():
     train_data = Batch(input_ids=torch.zeros(2, 4, dtype=torch.long), token_mask=torch.tensor([[0.0, 1, 1, 0]] * 2),
                        sample_mask=torch.ones(2), generation_logprobs=torch.full((2, 4), -9.0))
     trainer, reference = trainer.repeat(2, 1), reference.repeat(2, 1)
-    ctx = SimpleNamespace(cfg=cfg, policy=Policy(), loss_fn=None)
+    ctx = SimpleNamespace(cfg=cfg, policy=Policy(), loss_fn=None, loop=SimpleNamespace(state={}))
     rewards, metrics = kl_rewards(ctx, train_data, Timer())
     # k1 = logp - logp_ref: [0.5, -1.0] on the generated tokens, times -beta.
     assert rewards[0].tolist() == pytest.approx([0.0, -0.25, 0.5, 0.0])

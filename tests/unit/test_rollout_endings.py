@@ -67,3 +67,26 @@ def test_reward_components_are_a_mean_per_episode_and_counts_stay_sums():
     # each episode got component "correct" 1 per turn (2 turns): 2 per episode, not 8 for the step
     assert result.metrics["env/t/reward/correct"] == 2.0 and result.metrics["env/t/reward/format"] == 0.0
     assert result.metrics["env/t/steps"] == 8.0
+
+
+def test_per_sample_reward_components_are_summed_over_turns_and_finish():
+    """GDPO's input: each sample's components, summed over its turns and its `finish`; NaN (does not
+    apply) adds nothing, and a component that never applied is absent."""
+
+    class Components(NeverDone):
+        def step(self, message_logs, metadata):
+            out = super().step(message_logs, metadata)
+            return out._replace(reward_components=[{"correct": 1.0, "format": 0.5 if m["row"] == "a" else float("nan")}
+                                                   for m in metadata], reward_component_weights={"format": 0.2})
+
+        def finish(self, message_logs, metadata):
+            out = super().finish(message_logs, metadata)
+            return out._replace(reward_components=[{"correct": 0.25} for _ in metadata])
+
+    tokenizer = build_tokenizer()
+    rolled = samples(tokenizer, "a", "b")
+    run_multi_turn_rollout(OneTokenGeneration(), rolled, tokenizer, {"t": Components()}, max_seq_len=256,
+                           max_rollout_turns=2)
+    assert rolled[0].reward_components == {"correct": 2.25, "format": 1.0}
+    assert rolled[1].reward_components == {"correct": 2.25}
+    assert rolled[0].reward_component_weights == {"format": 0.2}

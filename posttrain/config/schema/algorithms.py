@@ -16,16 +16,36 @@ class AdvantageEstimatorConfig(Section):
         "grpo",
         description=(
             "'grpo' (default: group baseline, optional std normalisation, from grpo.normalize_rewards, "
-            "grpo.group_std, grpo.use_leave_one_out_baseline), 'reinforce_pp' (Hu et al. 2025), or a user's "
+            "grpo.group_std, grpo.use_leave_one_out_baseline), 'gdpo' (several reward components, each normalised "
+            "within its group, then weighted and summed, then normalised over the batch: 'GDPO: Group reward-"
+            "Decoupled Normalization Policy Optimization for Multi-reward RL Optimization', NVIDIA 2026, "
+            "arXiv:2601.05242; the components are the environments' reward_components, e.g. one per reward "
+            "function), 'reinforce_pp' (Hu et al. 2025), or a user's "
             "function as an import path 'module:function' / 'file.py:function' with the signature "
             "fn(rewards [B], group_ids [B], sample_mask [B], **kwargs) -> advantages [B]."
         ),
     )
     kwargs: dict[str, Any] = Field({}, description="Extra keyword options passed to the estimator.")
+    reward_component_weights: dict[str, float] = Field(
+        {},
+        description=(
+            "GDPO only: the weight w_k of each reward component by name in A = sum_k w_k A_k (default {}: the "
+            "weight the environment gives the component, e.g. env.<name>.weights of reward functions or the "
+            "Python API's reward_weights, else 1.0)."
+        ),
+    )
+    batch_normalize: bool = Field(
+        True,
+        description="GDPO only: normalise the weighted sum of the components over the batch (default true, the paper's).",
+    )
 
     @model_validator(mode="after")
     def _check(self):
         check_component_name(self.name, "grpo.adv_estimator.name")
+        if self.name != "gdpo":
+            for key in ("reward_component_weights", "batch_normalize"):
+                if getattr(self, key) != type(self).model_fields[key].default:
+                    raise ValueError(f"grpo.adv_estimator.{key} is a GDPO option; set grpo.adv_estimator.name=gdpo")
         return self
 
 

@@ -9,9 +9,45 @@ from pydantic import Field, model_validator
 from posttrain.config.schema.base import Section, check_component_name
 
 
-class LossConfig(Section):
-    """Clipped policy-gradient loss; presets for GRPO, DAPO, GSPO, Dr.GRPO are example configs."""
+# TRL's GRPO `loss_type` names as presets of the one clipped policy-gradient loss: each sets the keys
+# that make the variant, over the section's own values (the embedded default sets token_level_loss,
+# and a preset must still mean the same loss there). Hyperparameters (clip bounds, temperatures)
+# stay the config's. A new variant is one entry here.
+LOSS_PRESETS: dict[str, dict[str, Any]] = {
+    # Per-sequence token mean, then mean over sequences (Shao et al. 2024).
+    "grpo": {"token_level_loss": False},
+    # Token mean over the step's tokens (Yu et al. 2025); its clip-higher is ratio_clip_max (e.g. 0.28).
+    "dapo": {"token_level_loss": True},
+    # TRL's bnpo divides by the tokens of the local batch; posttrain always divides by the optimizer
+    # step's global token count (exact normalisation), so BNPO is the token-level loss.
+    "bnpo": {"token_level_loss": True},
+    "gspo": {"token_level_loss": False, "sequence_level_importance_ratios": True},
+    "cispo": {"use_cispo": True, "token_level_loss": True},
+    # SAPO aggregates per sequence, as TRL's loss_type='sapo'.
+    "sapo": {"ratio_gate": "sapo", "token_level_loss": False},
+    # LUSPO: GSPO's sequence ratio, each sequence's loss times its length (token sum per sequence).
+    "luspo": {"token_level_loss": False, "sequence_level_importance_ratios": True, "sequence_token_reduction": "sum"},
+    "vespo": {"ratio_gate": "vespo", "token_level_loss": True},
+}
 
+
+class LossConfig(Section):
+    """Clipped policy-gradient loss; presets for GRPO, DAPO, GSPO, Dr.GRPO are example configs, and
+    TRL's loss types are `loss_fn.preset` names."""
+
+    preset: Optional[str] = Field(
+        None,
+        description=(
+            "A loss variant by TRL's GRPO loss_type name (default None: the keys as given). It sets the keys that "
+            "make the variant, over the section's values; clip bounds, temperatures and the rest stay the config's: "
+            "'grpo' (per-sequence mean), 'dapo' (token mean; Yu et al. 2025, arXiv:2503.14476, with e.g. "
+            "ratio_clip_max=0.28), 'bnpo' (token mean; TRL divides by the local batch's tokens, posttrain always by "
+            "the step's global count, so it is the token-level loss), 'gspo' (Zheng et al. 2025, arXiv:2507.18071), "
+            "'cispo' (use_cispo; MiniMax 2025, arXiv:2506.13585), 'sapo' (ratio_gate=sapo, per-sequence "
+            "mean; SAPO, arXiv:2511.20347), 'luspo' (GSPO ratios, sequence_token_reduction=sum; "
+            "arXiv:2602.05261), 'vespo' (ratio_gate=vespo, token mean; arXiv:2602.10693)."
+        ),
+    )
     name: str = Field(
         "clipped_pg",
         description=(
@@ -110,6 +146,86 @@ class LossConfig(Section):
         ),
     )
 
+    sequence_token_reduction: Literal["mean", "sum"] = Field(
+        "mean",
+        description=(
+            "With token_level_loss=false, how a sequence's tokens are reduced before the mean over sequences: "
+            "'mean' (default; GRPO, GSPO) or 'sum' (each sequence's loss times its length: LUSPO, "
+            "'Length-Unbiased Sequence Policy Optimization', arXiv:2602.05261; preset 'luspo')."
+        ),
+    )
+    ratio_gate: Literal["clip", "sapo", "vespo"] = Field(
+        "clip",
+        description=(
+            "How the ratio r = pi / pi_old weighs the advantage. 'clip' (default): PPO's hard clip "
+            "max(-A r, -A clip(r)) (or CISPO with use_cispo). 'sapo': a soft gate instead of the hard clip, "
+            "-A * sigmoid(tau (r - 1)) * 4 / tau with tau = sapo_temperature_pos where A > 0, else "
+            "sapo_temperature_neg (SAPO, 'Soft Adaptive Policy Optimization', arXiv:2511.20347; TRL's loss_type="
+            "'sapo'). 'vespo': -sg(phi(w)) A log pi with w the sequence's ratio prod_t r_t (times the importance "
+            "weights under use_importance_sampling_correction) and phi(w) = exp(lambda (1 - w)) w^k, k and lambda "
+            "by the sign of A (VESPO, 'Variational Sequence-Level Soft Policy Optimization', arXiv:2602.10693; "
+            "TRL's loss_type='vespo'); needs token-level ratios."
+        ),
+    )
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0, description="SAPO's gate temperature where the advantage is positive (default 1.0, the paper's).",
+    )
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0,
+        description="SAPO's gate temperature where the advantage is not positive (default 1.05, the paper's).",
+    )
+    vespo_k_pos: float = Field(2.0, ge=0, description="VESPO's power k where A >= 0 (default 2.0, TRL's).")
+    vespo_lambda_pos: float = Field(3.0, gt=0, description="VESPO's decay lambda where A >= 0 (default 3.0, TRL's).")
+    vespo_k_neg: float = Field(3.0, ge=0, description="VESPO's power k where A < 0 (default 3.0, TRL's).")
+    vespo_lambda_neg: float = Field(2.0, gt=0, description="VESPO's decay lambda where A < 0 (default 2.0, TRL's).")
+    off_policy_mask_threshold: Optional[float] = Field(
+        None, gt=0,
+        description=(
+            "Off-policy sequence mask (DeepSeek-V3.2, arXiv:2512.02556, eq. 9; TRL's off_policy_mask_threshold): a "
+            "sequence with a negative advantage whose mean per-token KL from the generating policy, mean_t(logp_gen "
+            "- logp), exceeds this is left out of the policy-gradient term. Default None: off. E.g. 0.5."
+        ),
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0,
+        description=(
+            "Entropy bonus: loss -= entropy_coef * H, with H the mean per-token entropy of the policy over the "
+            "step's tokens (estimated from the sampled tokens, see docs/algorithms.md), whatever the loss's "
+            "aggregation (TRL's entropy_coef). Default 0: off. With adaptive_entropy, the starting coefficient."
+        ),
+    )
+    adaptive_entropy: bool = Field(
+        False,
+        description=(
+            "Adapt entropy_coef each step toward entropy_target (Skywork-OR1, arXiv:2505.22312; TRL's "
+            "use_adaptive_entropy): +entropy_coef_delta when the last step's entropy was at or below the target, "
+            "-entropy_coef_delta above it, within [entropy_coef_min, entropy_coef_max]; the bonus applies only "
+            "while the entropy is at or below the target. Saved in checkpoints. Default false."
+        ),
+    )
+    entropy_target: float = Field(
+        0.2, gt=0, description="Target mean per-token entropy in nats of adaptive_entropy (default 0.2, TRL's).",
+    )
+    entropy_coef_delta: float = Field(
+        0.005, gt=0, description="Step of adaptive_entropy's coefficient per training step (default 0.005, TRL's).",
+    )
+    entropy_coef_min: float = Field(0.0, ge=0, description="Lower bound of adaptive_entropy's coefficient (default 0).")
+    entropy_coef_max: float = Field(1.0, ge=0, description="Upper bound of adaptive_entropy's coefficient (default 1).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") is not None:
+            preset = data["preset"]
+            if preset not in LOSS_PRESETS:
+                from difflib import get_close_matches
+
+                close = get_close_matches(str(preset), LOSS_PRESETS, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"loss_fn.preset={preset!r} is not one of {sorted(LOSS_PRESETS)}{hint}")
+            data = {**data, **LOSS_PRESETS[preset]}
+        return data
+
     @model_validator(mode="after")
     def _check(self):
         # Left unset, the correction may still default to true (a generation precision other than
@@ -162,6 +278,27 @@ def loss_option_problem(cfg: LossConfig, correction_known: bool = True) -> Optio
                 "loss_fn.truncated_importance_sampling_type='seq-mask-tis' masks sequences of token-level "
                 "weights and cannot be combined with loss_fn.sequence_level_importance_ratios"
             )
+    if cfg.name != "clipped_pg":
+        set_here = [key for key in ("entropy_coef", "adaptive_entropy", "off_policy_mask_threshold", "ratio_gate")
+                    if getattr(cfg, key) != LossConfig.model_fields[key].default]
+        if set_here:
+            return f"loss_fn.{set_here[0]} is a key of the clipped_pg loss, not of loss_fn.name={cfg.name!r}"
+    if cfg.entropy_coef_min > cfg.entropy_coef_max:
+        return (f"loss_fn.entropy_coef_min={cfg.entropy_coef_min} is greater than "
+                f"loss_fn.entropy_coef_max={cfg.entropy_coef_max}")
+    if cfg.sequence_token_reduction == "sum" and cfg.token_level_loss:
+        return "loss_fn.sequence_token_reduction='sum' reduces per sequence and needs loss_fn.token_level_loss=false"
+    if cfg.ratio_gate != "clip":
+        clashes = [key for key, on in (
+            ("use_cispo", cfg.use_cispo),
+            ("ratio_clip_c", cfg.ratio_clip_c is not None),
+            ("disable_ppo_ratio", cfg.disable_ppo_ratio),
+            ("sequence_level_importance_ratios", cfg.ratio_gate == "vespo" and cfg.sequence_level_importance_ratios),
+        ) if on]
+        if clashes:
+            return (f"loss_fn.ratio_gate={cfg.ratio_gate!r} cannot be combined with loss_fn.{clashes[0]} "
+                    "(it replaces the hard clip" + (" and forms its own sequence ratio)" if cfg.ratio_gate == "vespo"
+                                                    else ")"))
     if cfg.force_on_policy_ratio and cfg.disable_ppo_ratio:
         return "loss_fn.force_on_policy_ratio and loss_fn.disable_ppo_ratio are exclusive"
     if cfg.use_cispo:
