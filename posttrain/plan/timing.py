@@ -36,11 +36,13 @@ from posttrain.plan.shape import ModelShape
 # The efficiency constants: what fraction of a peak each kind of work reaches. One set for all
 # devices and models; benchmarks/plan_vs_published.py prints how well it predicts published runs.
 EFFICIENCY = {
-    "train_mfu": 0.35,  # training and logprob matmuls: fraction of dense peak (Megatron / FSDP2 reach 0.3-0.5)
+    "train_mfu": 0.4,  # training and logprob matmuls: fraction of dense peak (Megatron / FSDP2 report 0.3-0.5)
     "prefill_mfu": 0.5,  # prefill and compute-bound decode matmuls (vLLM)
-    "decode_bandwidth": 0.6,  # decode's share of memory bandwidth (weights and KV cache reads)
+    "decode_bandwidth": 0.7,  # decode's share of memory bandwidth (weights and KV cache reads)
     "link": 0.7,  # collectives' share of link bandwidth (NCCL bus bandwidth / link peak)
-    "decode_tail": 2.0,  # decode steps run past the mean response: the longest rows end a call
+    "decode_tail": 2.5,  # decode steps run past the mean response: the longest rows end a call
+    "moe": 0.35,  # routed experts' matmuls and weight reads against dense ones' (small grouped GEMMs, permutes)
+    "vllm_step_s": 0.015,  # vLLM's host work per decode step (scheduling, sampling, outputs), not on the GPU
 }
 # Latency of one collective call (NCCL, small messages on NVLink: ~10-30 us); it bounds tensor-
 # parallel decoding, whose all-reduces are a few KiB each.
@@ -142,6 +144,16 @@ def matmul_params(shape: ModelShape, experts_touched: Optional[float] = None) ->
     return dense - shape.expert_params + per_expert * used
 
 
+def timed_matmul_params(shape: ModelShape, experts_touched: Optional[float] = None) -> float:
+    """`matmul_params` as they cost time: the routed experts' at 1 / EFFICIENCY["moe"] the dense rate."""
+    params = matmul_params(shape, experts_touched)
+    if not shape.num_experts:
+        return params
+    used = routed_experts_per_token(shape) if experts_touched is None else experts_touched
+    experts = shape.expert_params / shape.num_experts * used
+    return params + experts * (1 / EFFICIENCY["moe"] - 1)
+
+
 def experts_touched(shape: ModelShape, tokens: float) -> float:
     """Expected distinct routed experts `tokens` tokens route to, each to k of E uniformly:
     E x (1 - (1 - k/E)^tokens). One decoding row reads k experts' weights; 64 rows read most of them."""
@@ -157,9 +169,11 @@ def attention_flops_per_token(shape: ModelShape, context: float) -> float:
     return 4 * shape.num_layers * shape.num_heads * shape.head_dim * context
 
 
-def forward_flops(shape: ModelShape, tokens: float, mean_context: float) -> float:
-    """Forward FLOPs over `tokens` tokens whose mean attention context is `mean_context`."""
-    return tokens * (2 * matmul_params(shape) + attention_flops_per_token(shape, mean_context))
+def forward_flops(shape: ModelShape, tokens: float, mean_context: float, timed: bool = False) -> float:
+    """Forward FLOPs over `tokens` tokens whose mean attention context is `mean_context` (`timed`:
+    the experts' counted at their slower rate, `timed_matmul_params`)."""
+    params = timed_matmul_params(shape) if timed else matmul_params(shape)
+    return tokens * (2 * params + attention_flops_per_token(shape, mean_context))
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> float:
@@ -193,7 +207,7 @@ def collective_s(nbytes: float, group: int, spec: DeviceSpec, span: int, layout:
 
 def generation_s(shape: ModelShape, spec: DeviceSpec, layout: Layout, rows: int, prompts: int, lengths: Lengths,
                  dtype_bytes: int, max_new_tokens: int, max_running_rows: Optional[int],
-                 kv_budget_bytes: Optional[float]) -> tuple[float, str, dict[str, float]]:
+                 kv_budget_bytes: Optional[float], vllm: bool = False) -> tuple[float, str, dict[str, float]]:
     """Seconds to generate `rows` responses to `prompts` distinct prompts on the layout's engines
     (each `gen_tp` devices, rows split evenly); `max_running_rows`: the engine's own cap on rows
     decoding at once (native engine's batch size), `kv_budget_bytes` its KV-cache memory (vLLM), either None."""
@@ -202,7 +216,7 @@ def generation_s(shape: ModelShape, spec: DeviceSpec, layout: Layout, rows: int,
     prompts_per_engine = math.ceil(prompts / engines)
     flops = spec.flops(dtype_bytes) * EFFICIENCY["prefill_mfu"] * gtp
     bandwidth = spec.memory_bw * EFFICIENCY["decode_bandwidth"] * gtp
-    prefill = forward_flops(shape, prompts_per_engine * lengths.prompt, lengths.prompt / 2) / flops
+    prefill = forward_flops(shape, prompts_per_engine * lengths.prompt, lengths.prompt / 2, timed=True) / flops
     kv_row = kv_bytes_per_token(shape, dtype_bytes) * (lengths.prompt + lengths.response)
     running = rows_per_engine
     if max_running_rows:
@@ -216,14 +230,15 @@ def generation_s(shape: ModelShape, spec: DeviceSpec, layout: Layout, rows: int,
                 waves * max_new_tokens)
     batch = rows_per_engine * lengths.response / steps if steps else 0.0  # mean rows decoding per step
     context = lengths.prompt + lengths.response / 2
-    weights = matmul_params(shape, experts_touched(shape, batch) if shape.num_experts else None) * dtype_bytes
+    weights = timed_matmul_params(shape, experts_touched(shape, batch) if shape.num_experts else None) * dtype_bytes
     step_bytes = weights + batch * context * kv_bytes_per_token(shape, dtype_bytes)
-    step_flops = batch * (2 * matmul_params(shape) + attention_flops_per_token(shape, context))
+    step_flops = batch * (2 * timed_matmul_params(shape) + attention_flops_per_token(shape, context))
     memory_s, compute_s = step_bytes / bandwidth, step_flops / flops
     # Two all-reduces of the step's hidden states per layer inside a tensor-parallel engine.
     tp_s = collective_s(batch * shape.hidden_size * dtype_bytes, gtp, spec, gtp, layout, "all_reduce",
                         2 * shape.num_layers)
-    decode = steps * (max(memory_s, compute_s) + tp_s)
+    host_s = EFFICIENCY["vllm_step_s"] if vllm else 0.0
+    decode = steps * (max(memory_s, compute_s) + tp_s + host_s)
     bound = "memory" if memory_s >= compute_s else "compute"
     if tp_s > max(memory_s, compute_s):
         bound = "TP all-reduce latency"
@@ -259,7 +274,7 @@ def policy_pass_s(shape: ModelShape, spec: DeviceSpec, layout: Layout, rows: int
     forward and backward with the optimizer step (`backward`), on the layout's training devices."""
     tokens = rows * (lengths.prompt + lengths.response)
     forwards = (4 if checkpointing else 3) if backward else 1
-    flops = forwards * forward_flops(shape, tokens, (lengths.prompt + lengths.response) / 2)
+    flops = forwards * forward_flops(shape, tokens, (lengths.prompt + lengths.response) / 2, timed=True)
     compute = flops / (layout.train_devices * spec.flops(dtype_bytes) * EFFICIENCY["train_mfu"])
     # FSDP over dp x cp: each micro-batch all-gathers the rank's layers (forward, and again for
     # backward) and reduce-scatters fp32 gradients; prefetching overlaps them with compute.
@@ -333,7 +348,7 @@ def step_time(cfg: Any, shape: ModelShape, spec: DeviceSpec, lengths: Lengths,
     phases, bounds, detail = {}, {}, {}
     phases["generation"], bounds["generation"], gen_detail = generation_s(
         shape, spec, layout, rows, prompts if gen.backend == "vllm" and gen.vllm_cfg.enable_prefix_caching else rows,
-        lengths, gen_bytes, gen.max_new_tokens, max_running, kv_budget)
+        lengths, gen_bytes, gen.max_new_tokens, max_running, kv_budget, gen.backend == "vllm")
     detail.update(gen_detail)
     in_place = layout.train_devices == 1 and layout.colocated and gen.backend == "native" and gen_bytes == train_bytes
     phases["refit"], bounds["refit"] = (0.0, "weights shared in place") if in_place else \
@@ -365,7 +380,7 @@ def step_time(cfg: Any, shape: ModelShape, spec: DeviceSpec, lengths: Lengths,
         greedy = Lengths(lengths.prompt, lengths.response)
         result.validation_s, bounds["validation"], _ = generation_s(
             shape, spec, layout, val_rows * val_k, val_rows, greedy, gen_bytes, gen.max_new_tokens,
-            max_running, kv_budget)
+            max_running, kv_budget, gen.backend == "vllm")
         result.validations_per_step = 1 / section.val_period if section.val_period else 0.0
     return result
 

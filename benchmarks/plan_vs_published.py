@@ -1,0 +1,120 @@
+"""The time plan (`posttrain plan`, posttrain/plan/timing.py) against published step times.
+
+    PYTHONPATH=. python benchmarks/plan_vs_published.py            # GPU rows and this project's CPU rows
+    PYTHONPATH=. python benchmarks/plan_vs_published.py --gpu-only # without the CPU rows (no measuring)
+
+For each published run it plans the config written for it (examples/plans/*.yaml; each says in a
+comment its source and what of the published config it could not express) with the mean prompt
+and response lengths the source gives, and prints predicted against published step time and
+tokens/s per GPU, and predicted / published. One set of efficiency constants
+(`timing.EFFICIENCY`) for every row. The CPU rows plan this project's own measured runs on this
+machine's measured CPU (`gpus.cpu_spec`): their published numbers are the docs' measurements.
+
+Tokens/s per GPU is NeMo-RL's: the step's prompt and response tokens / step time / GPUs. The
+summary gives the mean generated length; the prompt, ~100-130 tokens, is what its tokens/s x step
+time x GPUs / rows leaves over the mean response (OpenMathInstruct-2 with the chat template).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+NEMO_RL_V04 = "https://github.com/NVIDIA-NeMo/RL/blob/main/docs/about/performance-summary.md (v0.4 table)"
+NEMO_RL_V06 = "https://docs.nvidia.com/nemo/rl/0.6.0/about/performance-summary.html (peers-2026-11.md)"
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    label: str
+    config: str  # under examples/
+    step_s: float
+    tokens_per_s_per_gpu: float
+    prompt: float  # mean prompt tokens
+    response: float  # mean generated tokens
+    source: str
+    overrides: tuple[str, ...] = ()
+
+
+GPU_RUNS = (
+    PublishedRun("Llama-3.1-8B, 16 H100", "plans/nemo_rl_v0.4_llama3.1_8b_h100x16.yaml", 97.7, 1562, 132, 1060,
+                 NEMO_RL_V04),
+    PublishedRun("Qwen3-32B, 32 H100", "plans/nemo_rl_v0.4_qwen3_32b_h100x32.yaml", 393, 540, 110, 3206, NEMO_RL_V04),
+    PublishedRun("Qwen3-30B-A3B, 32 H100 (v0.4)", "plans/nemo_rl_v0.4_qwen3_30b_a3b_h100x32.yaml", 225, 925, 98, 3154,
+                 NEMO_RL_V04),
+    PublishedRun("Qwen3-30B-A3B, 32 H100 (v0.6)", "plans/nemo_rl_v0.6_qwen3_30b_a3b_h100x32.yaml", 192, 1102, 106,
+                 3200, NEMO_RL_V06),
+    PublishedRun("Qwen3-30B-A3B, 16 GB200 (v0.6)", "plans/nemo_rl_v0.6_qwen3_30b_a3b_gb200x16.yaml", 221, 1910, 97,
+                 3200, NEMO_RL_V06),
+    PublishedRun("Qwen3-235B-A22B, 128 H100", "plans/nemo_rl_v0.4_qwen3_235b_a22b_h100x128.yaml", 506, 45.7, 110,
+                 5671, NEMO_RL_V04),
+    PublishedRun("DeepSeek-V3, 256 H100", "plans/nemo_rl_v0.4_deepseek_v3_h100x256.yaml", 154, 11, 102, 745,
+                 NEMO_RL_V04),
+)
+# This project's own measured CPU runs (2-core AVX-512 machine; the docs' numbers).
+CPU_RUNS = (
+    PublishedRun("tiny default GRPO, CPU", "configs/grpo_math_tiny.yaml", 0.133, 0.0, 9, 6,
+                 "docs/performance.md, step_breakdown.py: median step 0.133 s (generation 0.033, training 0.086)"),
+    PublishedRun("nemotron_mini (SmolLM2-135M, bf16), CPU", "recipes/nemotron_mini.yaml", 20.5, 0.0, 70, 48,
+                 "docs/recipes/nemotron-mini.md: median step 20.5 s (generation 7.0, training 13.5); "
+                 "70 prompt + 48 generated tokens (step_breakdown.py)",
+                 ("policy.model_name=examples/plans/models/smollm2-135m", "cluster.backend=local")),
+)
+
+
+def plan_run(run: PublishedRun):
+    from posttrain.cli import config_algorithm
+    from posttrain.config import load_config
+    from posttrain.plan.gpus import device_spec
+    from posttrain.plan.shape import model_shape
+    from posttrain.plan.timing import Lengths, step_time
+
+    path = ROOT / "examples" / run.config
+    cfg = load_config(config_algorithm(str(path)), str(path), list(run.overrides))
+    spec = device_spec(cfg)
+    return step_time(cfg, model_shape(cfg.policy), spec, Lengths(run.prompt, run.response, "published")), spec
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu-only", action="store_true", help="skip this project's CPU rows")
+    args = parser.parse_args()
+    import os
+
+    os.chdir(ROOT)  # the plan configs name their models relative to the repository
+    from posttrain.plan.timing import EFFICIENCY
+
+    print("constants: " + ", ".join(f"{k}={v:g}" for k, v in EFFICIENCY.items()))
+    header = (f"{'run':42s} {'pred s':>8s} {'publ s':>8s} {'ratio':>6s} {'pred tok/s/GPU':>15s} "
+              f"{'publ':>8s} {'ratio':>6s}  phases (gen / refit / logprobs / train s)")
+    print(header)
+    ratios = []
+    for run in GPU_RUNS + (() if args.gpu_only else CPU_RUNS):
+        t, _ = plan_run(run)
+        ratio = t.step_s / run.step_s
+        ratios.append((run.label, ratio))
+        tok = t.tokens_per_s_per_device
+        tok_ratio = f"{tok / run.tokens_per_s_per_gpu:6.2f}" if run.tokens_per_s_per_gpu else f"{'-':>6s}"
+        publ_tok = f"{run.tokens_per_s_per_gpu:8,.1f}" if run.tokens_per_s_per_gpu else f"{'-':>8s}"
+        phases = " / ".join(f"{t.phases.get(p, 0):.3g}" for p in ("generation", "refit", "logprobs", "training"))
+        print(f"{run.label:42s} {t.step_s:8.3g} {run.step_s:8.3g} {ratio:6.2f} {tok:15,.1f} {publ_tok} {tok_ratio}  "
+              f"{phases}")
+    gpu = [r for label, r in ratios if "CPU" not in label]
+    import math
+
+    spread = math.exp(sum(abs(math.log(r)) for r in gpu) / len(gpu))
+    print(f"GPU rows: predicted / published step time {min(gpu):.2f} - {max(gpu):.2f}, "
+          f"geometric mean error x{spread:.2f}")
+    print("sources:")
+    for run in GPU_RUNS + (() if args.gpu_only else CPU_RUNS):
+        print(f"  {run.label}: {run.source}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
