@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 NEMO_RL_V04 = "https://github.com/NVIDIA-NeMo/RL/blob/main/docs/about/performance-summary.md (v0.4 table)"
-NEMO_RL_V06 = "https://docs.nvidia.com/nemo/rl/0.6.0/about/performance-summary.html (peers-2026-11.md)"
+NEMO_RL_V06 = "https://docs.nvidia.com/nemo/rl/0.6.0/about/performance-summary.html"
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,9 @@ SEARCH_GPUS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 SEARCH_SIZES = (1, 2, 4, 8)
 # A vLLM engine needs room for its KV cache beside its weights: at most this share of its memory on weights.
 ENGINE_WEIGHTS_SHARE = 0.8
+# vLLM's share of a GPU of its own in the shapes tried: its default 0.9 leaves nothing of the 10%
+# the memory plan keeps free (fit.HEADROOM) once a refit bucket arrives.
+SPLIT_GPU_MEMORY_UTILIZATION = 0.8
 
 
 def has_time_plan(cfg: Any) -> bool:
@@ -64,7 +67,7 @@ class Candidate:
         dims = " ".join(f"{n}{self.overrides[k]}" for k, n in zip(keys, names) if self.overrides.get(k, 1) > 1)
         where = "colocated" if self.colocated else \
             f"{self.overrides['policy.num_workers']} train + {self.overrides['policy.generation.colocated.num_workers']} generate"
-        return f"{self.gpus} GPUs, {where}" + (f", {dims}" if dims else "") + \
+        return f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}, {where}" + (f", {dims}" if dims else "") + \
             f", DP{self.overrides.get('dp', 1)}"
 
 
@@ -87,7 +90,7 @@ def shapes_to_try(cfg: Any, shape: ModelShape) -> list[Candidate]:
     """Every cluster shape --search weighs: a GPU count, colocated or half the GPUs generating,
     tensor / pipeline / expert parallel sizes that divide the model and the workers, and the
     engines' tensor parallel size."""
-    from posttrain.config.schema.policy import COLOCATED_GPU_MEMORY_UTILIZATION, DEDICATED_GPU_MEMORY_UTILIZATION
+    from posttrain.config.schema.policy import COLOCATED_GPU_MEMORY_UTILIZATION
 
     gpn = cfg.cluster.gpus_per_node
     vllm = cfg.policy.generation.backend == "vllm"
@@ -119,7 +122,7 @@ def shapes_to_try(cfg: Any, shape: ModelShape) -> list[Candidate]:
                             if vllm:
                                 overrides["policy.generation.vllm_cfg.tensor_parallel_size"] = gen_tp
                                 overrides["policy.generation.vllm_cfg.gpu_memory_utilization"] = \
-                                    COLOCATED_GPU_MEMORY_UTILIZATION if colocated else DEDICATED_GPU_MEMORY_UTILIZATION
+                                    COLOCATED_GPU_MEMORY_UTILIZATION if colocated else SPLIT_GPU_MEMORY_UTILIZATION
                             out.append(Candidate(gpus, colocated, overrides))
     return out
 
@@ -168,16 +171,16 @@ def search_shapes(cfg: Any, shape: ModelShape, lengths: Lengths, target_s: Optio
     for (gpus, colocated), c in sorted(best_of.items()):
         if c is best:
             continue
-        placement = "colocated" if colocated else "split"
+        placement = ("GPU" if gpus == 1 else "GPUs") + (" colocated" if colocated else " split")
         if not c.step:
             smallest = min(groups[(gpus, colocated)], key=lambda m: float(m.problem.split()[1]) if
                            m.problem.startswith("needs") else math.inf)
-            lines.append(f"{gpus} GPUs {placement}: no layout fits ({smallest.problem})")
+            lines.append(f"{gpus} {placement}: no layout fits ({smallest.problem})")
         elif target_s is not None and c.step.step_s > target_s:
-            lines.append(f"{gpus} GPUs {placement}: fastest layout ({c.describe()}) {c.step.step_s:.1f} s a step > "
+            lines.append(f"{gpus} {placement}: fastest layout ({c.describe()}) {c.step.step_s:.1f} s a step > "
                          f"target {target_s:g} s")
         else:
-            lines.append(f"{gpus} GPUs {placement}: fits in {c.step.step_s:.1f} s ({c.describe()}) but costs "
+            lines.append(f"{gpus} {placement}: fits in {c.step.step_s:.1f} s ({c.describe()}) but costs "
                          f"{c.gpu_seconds / 3600:.2f} GPU-hours a step against {best.gpu_seconds / 3600:.2f}")
     return best, lines
 
