@@ -58,13 +58,29 @@ GPU_RUNS = (
 )
 # This project's own measured CPU runs (2-core AVX-512 machine; the docs' numbers).
 CPU_RUNS = (
-    PublishedRun("tiny default GRPO, CPU", "configs/grpo_math_tiny.yaml", 0.133, 0.0, 9, 6,
-                 "docs/performance.md, step_breakdown.py: median step 0.133 s (generation 0.033, training 0.086)"),
+    PublishedRun("tiny default GRPO, CPU", "configs/grpo_math_tiny.yaml", 0.133, 0.0, 8, 3,
+                 "docs/performance.md, step_breakdown.py: median step 0.133 s (generation 0.033, training 0.086); "
+                 "lengths from the tokenized data, not a run's metrics: '19+14=' is 6 tokens + BOS, "
+                 "an answer 2-3 digits + EOS"),
     PublishedRun("nemotron_mini (SmolLM2-135M, bf16), CPU", "recipes/nemotron_mini.yaml", 20.5, 0.0, 70, 48,
                  "docs/recipes/nemotron-mini.md: median step 20.5 s (generation 7.0, training 13.5); "
                  "70 prompt + 48 generated tokens (step_breakdown.py)",
                  ("policy.model_name=examples/plans/models/smollm2-135m", "cluster.backend=local")),
 )
+
+
+def quiet_cpu():
+    """This project's 2-core AVX-512 machine when quiet, as its docs measured it: float32 matmuls
+    at 151 GFLOP/s (docs/recipes/nemotron-mini.md, step_breakdown.py's bound), bfloat16 2.4x that
+    (AVX512-BF16; 173 against 71 GFLOP/s measured side by side, same page), weights read at 12.5
+    GB/s (docs/performance.md)."""
+    from posttrain.plan.gpus import CPU_NETWORK_BW, DeviceSpec
+
+    return DeviceSpec("CPU (quiet 2-core AVX-512, docs)", 2.4 * 151e9, 151e9, 24, 12.5e9, 12.5e9, CPU_NETWORK_BW,
+                      nvlink_domain=1 << 30)
+
+
+QUIET_CPU = quiet_cpu()
 
 
 def plan_run(run: PublishedRun):
@@ -83,13 +99,27 @@ def plan_run(run: PublishedRun):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu-only", action="store_true", help="skip this project's CPU rows")
+    parser.add_argument("--cpu", choices=("measured", "quiet"), default="quiet",
+                        help="the CPU rows' device: 'quiet' (default) the rates this project's docs measured on its "
+                        "quiet 2-core machine (QUIET_CPU), 'measured' this machine now (gpus.cpu_spec)")
     args = parser.parse_args()
+    if args.cpu == "quiet":
+        from posttrain.plan import gpus
+
+        gpus.cpu_spec = lambda: QUIET_CPU  # device_spec reads the module's cpu_spec
     import os
 
     os.chdir(ROOT)  # the plan configs name their models relative to the repository
     from posttrain.plan.timing import EFFICIENCY
 
     print("constants: " + ", ".join(f"{k}={v:g}" for k, v in EFFICIENCY.items()))
+    if not args.gpu_only:
+        from posttrain.plan import gpus
+
+        cpu = gpus.cpu_spec()
+        print(f"CPU ({args.cpu}): float32 {cpu.fp32_flops / 1e9:.0f} GFLOP/s, bfloat16 {cpu.bf16_flops / 1e9:.0f} "
+              f"GFLOP/s, memory {cpu.memory_bw / 1e9:.1f} GB/s" + (" (a busy machine measures less)" if args.cpu == "measured"
+                                                                else ""))
     header = (f"{'run':42s} {'pred s':>8s} {'publ s':>8s} {'ratio':>6s} {'pred tok/s/GPU':>15s} "
               f"{'publ':>8s} {'ratio':>6s}  phases (gen / refit / logprobs / train s)")
     print(header)

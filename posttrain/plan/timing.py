@@ -110,11 +110,16 @@ class StepTime:
     validations_per_step: float = 0.0  # 1 / val_period
     tokens_per_step: float = 0.0  # prompt + response tokens of the step's rows
     devices: int = 1
+    overlapped: bool = False  # async GRPO: generation runs beside refit, logprobs and training
     detail: dict[str, float] = field(default_factory=dict)
 
     @property
     def step_s(self) -> float:
-        """A step as NeMo-RL's performance summary times it: generation, refit, logprobs, training."""
+        """A step as NeMo-RL's performance summary times it: generation, refit, logprobs, training;
+        with async GRPO (`overlapped`) generation on its own GPUs hides behind the rest or the rest behind it."""
+        if self.overlapped:
+            rest = sum(v for k, v in self.phases.items() if k != "generation")
+            return max(self.phases.get("generation", 0.0), rest)
         return sum(self.phases.values())
 
     @property
@@ -329,7 +334,7 @@ def step_time(cfg: Any, shape: ModelShape, spec: DeviceSpec, lengths: Lengths,
     from posttrain.config.schema import training_precision
     from posttrain.plan.engine import engine_dtype_bytes
     from posttrain.plan.formulas import DTYPE_BYTES
-    from posttrain.plan.jobs import computes_logprobs, loop_section, validates
+    from posttrain.plan.jobs import logprob_passes, loop_section, validates
 
     policy, gen = cfg.policy, cfg.policy.generation
     layout = layout_of(cfg)
@@ -355,12 +360,7 @@ def step_time(cfg: Any, shape: ModelShape, spec: DeviceSpec, lengths: Lengths,
         refit_s(shape, spec, layout, gen_bytes)
     tokens_per_row = lengths.prompt + lengths.response
     rows_per_rank = rows / layout.dp
-    passes = 0
-    if computes_logprobs(cfg):
-        g = getattr(cfg, "grpo", None)
-        kl = getattr(getattr(cfg, "loss_fn", None), "reference_policy_kl_penalty", 0) > 0
-        previous = g is None or g.async_grpo.enabled or rows > policy.train_global_batch_size
-        passes = int(previous) + int(kl)
+    passes = logprob_passes(cfg)  # distillation's: planned as the student's forward (teachers' shapes aside)
     if passes:
         mbs = micro_batches_per_rank(policy, rows_per_rank, tokens_per_row, training=False)
         one, bounds["logprobs"], _ = policy_pass_s(shape, spec, layout, rows, lengths, train_bytes, mbs, False,
@@ -373,13 +373,14 @@ def step_time(cfg: Any, shape: ModelShape, spec: DeviceSpec, lengths: Lengths,
         shape, spec, layout, rows, lengths, train_bytes, mbs, True, policy.activation_checkpointing,
         trained * optimizer_steps)
     detail.update({f"training {key}": value for key, value in train_parts.items()})
-    result = StepTime(phases, bounds, tokens_per_step=rows * tokens_per_row, devices=layout.devices, detail=detail)
+    g = getattr(cfg, "grpo", None)
+    result = StepTime(phases, bounds, tokens_per_step=rows * tokens_per_row, devices=layout.devices, detail=detail,
+                      overlapped=bool(g is not None and g.async_grpo.enabled))
     if validates(cfg):
         val_rows = validation_rows(cfg, section)
         val_k = getattr(section, "val_num_generations_per_prompt", 1)
-        greedy = Lengths(lengths.prompt, lengths.response)
         result.validation_s, bounds["validation"], _ = generation_s(
-            shape, spec, layout, val_rows * val_k, val_rows, greedy, gen_bytes, gen.max_new_tokens,
+            shape, spec, layout, val_rows * val_k, val_rows, lengths, gen_bytes, gen.max_new_tokens,
             max_running, kv_budget, gen.backend == "vllm")
         result.validations_per_step = 1 / section.val_period if section.val_period else 0.0
     return result
@@ -401,8 +402,11 @@ def format_step_time(t: StepTime, spec: DeviceSpec, layout: Layout, lengths: Len
     lines = [f"Time plan per step on {layout.devices} x {spec.name} ({lengths.source}: mean prompt "
              f"{lengths.prompt:.0f}, mean response {lengths.response:.0f} tokens):"]
     for phase, seconds in t.phases.items():
-        lines.append(f"  {phase:12s} {seconds:10.3f} s  {seconds / t.step_s:6.1%}  {t.bounds.get(phase, '')}")
-    lines.append(f"  {'step':12s} {t.step_s:10.3f} s  (generation + refit + logprobs + training)")
+        share = f"{seconds / t.step_s:6.1%}" if t.step_s else f"{'':6s}"
+        lines.append(f"  {phase:12s} {seconds:10.3f} s  {share}  {t.bounds.get(phase, '')}")
+    summed = "max(generation, refit + logprobs + training): async GRPO" if t.overlapped else \
+        "generation + refit + logprobs + training"
+    lines.append(f"  {'step':12s} {t.step_s:10.3f} s  ({summed})")
     if t.validations_per_step:
         lines.append(f"  {'validation':12s} {t.validation_s:10.3f} s  per validation ({t.bounds.get('validation', '')}); "
                      f"step with validation amortised: {t.step_with_validation_s:.3f} s")
