@@ -25,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-NEMO_RL_V04 = "https://github.com/NVIDIA-NeMo/RL/blob/main/docs/about/performance-summary.md (v0.4 table)"
+NEMO_RL_V04 = ("https://docs.nvidia.com/nemo/rl/latest/about/performance-summary.html (v0.4 table; its source: "
+               "about/performance-summary.md in NVIDIA-NeMo/RL at commit 06beed91)")
 NEMO_RL_V06 = "https://docs.nvidia.com/nemo/rl/0.6.0/about/performance-summary.html"
 
 
