@@ -200,10 +200,11 @@ def collective_s(nbytes: float, group: int, spec: DeviceSpec, span: int, layout:
                  calls: float = 1.0) -> float:
     """Seconds of `calls` collectives of `nbytes` each (the full tensor) over `group` devices
     spanning `span`: ring all-reduce moves 2 (g-1)/g of it per device, all-gather, reduce-scatter
-    and all-to-all (g-1)/g."""
+    and all-to-all (g-1)/g, a pipeline `send` all of it."""
     if group <= 1 or calls <= 0:
         return 0.0
-    factor = (2 if kind == "all_reduce" else 1) * (group - 1) / group
+    # A pipeline stage's send to the next moves the whole tensor once.
+    factor = 1.0 if kind == "send" else (2 if kind == "all_reduce" else 1) * (group - 1) / group
     bw = link_bandwidth(spec, span, layout) * EFFICIENCY["link"]
     return calls * (COLLECTIVE_LATENCY_S + factor * nbytes / bw)
 
@@ -258,7 +259,8 @@ def mesh_collectives_s(shape: ModelShape, spec: DeviceSpec, layout: Layout, toke
     micro-batches holding `tokens_per_rank` tokens of one data-parallel rank: tensor parallelism's
     all-reduces of the hidden states (2 per layer and pass), expert parallelism's dispatch and
     combine all-to-alls of each token's k copies (2 per MoE layer and pass), context parallelism's
-    ring of keys and values (an all-gather's volume per layer and pass)."""
+    ring of keys and values (an all-gather's volume per layer and pass), pipeline stages' sends of
+    the hidden states (a micro-batch's forward, and its gradients backward)."""
     tp, ep, cp = layout.tp, layout.ep, layout.cp
     layers = shape.num_layers / layout.pp
     calls = layers * passes * micro_batches
@@ -269,14 +271,19 @@ def mesh_collectives_s(shape: ModelShape, spec: DeviceSpec, layout: Layout, toke
                                  2 * calls)
     kv = tokens_per_rank / micro_batches * kv_bytes_per_token(shape, dtype_bytes) / shape.num_layers
     out["CP"] = collective_s(kv * cp, cp, spec, tp * cp, layout, "all_gather", calls)
+    # Pipeline stages hand a micro-batch's hidden states (and, backward, their gradients) to the next.
+    out["PP"] = collective_s(hidden, layout.pp, spec, tp * cp * layout.pp, layout, "send",
+                             micro_batches * min(passes, 2))
     return {k: v for k, v in out.items() if v}
 
 
 def policy_pass_s(shape: ModelShape, spec: DeviceSpec, layout: Layout, rows: int, lengths: Lengths,
                   dtype_bytes: int, micro_batches: float, backward: bool, checkpointing: bool,
-                  trained_params: float) -> tuple[float, str, dict[str, float]]:
-    """Seconds of one pass of the policy over the step's `rows` rows: a forward (logprobs) or a
-    forward and backward with the optimizer step (`backward`), on the layout's training devices."""
+                  trained_params: float, flushes: int = 1) -> tuple[float, str, dict[str, float]]:
+    """Seconds of one pass of the policy over the step's `rows` rows in `micro_batches` micro-batches
+    per data-parallel rank: a forward (logprobs) or a forward and backward with the optimizer step
+    (`backward`), on the layout's training devices. `flushes`: times the pipeline drains (once per
+    optimizer step), each a bubble of (P - 1) micro-batches' time."""
     tokens = rows * (lengths.prompt + lengths.response)
     forwards = (4 if checkpointing else 3) if backward else 1
     flops = forwards * forward_flops(shape, tokens, (lengths.prompt + lengths.response) / 2, timed=True)
@@ -294,7 +301,7 @@ def policy_pass_s(shape: ModelShape, spec: DeviceSpec, layout: Layout, rows: int
                              "reduce_scatter", micro_batches)
     mesh = mesh_collectives_s(shape, spec, layout, tokens / layout.dp, micro_batches, dtype_bytes,
                               (3 if checkpointing else 2) if backward else 1)
-    bubble = compute * (layout.pp - 1) / micro_batches if layout.pp > 1 else 0.0
+    bubble = compute * flushes * (layout.pp - 1) / micro_batches if layout.pp > 1 else 0.0
     optimizer = trained_params / layout.train_devices * OPTIMIZER_BYTES_PER_PARAM / spec.memory_bw if backward else 0.0
     seconds = max(compute, fsdp) + sum(mesh.values()) + bubble + optimizer
     parts = {"compute": compute, "FSDP": fsdp, **mesh, "pipeline bubble": bubble, "optimizer": optimizer}
@@ -371,7 +378,7 @@ def step_time(cfg: Any, shape: ModelShape, spec: DeviceSpec, lengths: Lengths,
     mbs = micro_batches_per_rank(policy, rows_per_rank, tokens_per_row, training=True)
     phases["training"], bounds["training"], train_parts = policy_pass_s(
         shape, spec, layout, rows, lengths, train_bytes, mbs, True, policy.activation_checkpointing,
-        trained * optimizer_steps)
+        trained * optimizer_steps, flushes=optimizer_steps)
     detail.update({f"training {key}": value for key, value in train_parts.items()})
     g = getattr(cfg, "grpo", None)
     result = StepTime(phases, bounds, tokens_per_step=rows * tokens_per_row, devices=layout.devices, detail=detail,

@@ -154,3 +154,24 @@ def test_plan_lengths_default_to_the_configs_bounds():
     assert (lengths.prompt, lengths.response) == (9, cfg.policy.generation.max_new_tokens)
     assert "upper bound" in lengths.source
     assert math.isclose(plan_lengths(cfg, 5, 7).response, 7)
+
+
+def test_pipeline_stages_pay_a_bubble_per_optimizer_step_and_their_sends():
+    lengths = Lengths(100, 900)
+    layout = one_gpu(8, dp=2, pp=4)
+    once, _, parts = policy_pass_s(LLAMA_8B, H100, layout, 64, lengths, 2, 16, True, False, 0, flushes=1)
+    twice, _, parts2 = policy_pass_s(LLAMA_8B, H100, layout, 64, lengths, 2, 16, True, False, 0, flushes=2)
+    assert parts["pipeline bubble"] == pytest.approx(parts["compute"] * 3 / 16)
+    assert twice - once == pytest.approx(parts["pipeline bubble"])
+    # 16 micro-batches of 32 rows x 1000 tokens / 16 hidden states, forward and backward, one send each.
+    sends = 16 * 2 * (COLLECTIVE_LATENCY_S + 2000 * 4096 * 2 / (450e9 * 0.7))
+    assert parts["PP"] == pytest.approx(sends)
+
+
+def test_async_grpo_hides_generation_behind_training_or_the_reverse():
+    from posttrain.plan.timing import StepTime
+
+    sync = StepTime({"generation": 10.0, "refit": 1.0, "training": 4.0}, {})
+    overlapped = StepTime({"generation": 10.0, "refit": 1.0, "training": 4.0}, {}, overlapped=True)
+    assert (sync.step_s, overlapped.step_s) == (15.0, 10.0)
+    assert StepTime({"generation": 2.0, "refit": 1.0, "training": 4.0}, {}, overlapped=True).step_s == 5.0
