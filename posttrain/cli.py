@@ -249,6 +249,8 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         if args.target_step_s is not None and args.target_step_s <= 0:
             raise UserError(f"--target-step-s={args.target_step_s:g}: give a positive number of seconds")
+        if args.target_step_s is not None and not args.search:
+            raise UserError("--target-step-s is the step time --search aims for: add --search")
         cfg = load_config(algorithm, args.config, args.overrides)
         from posttrain.plan import check_memory, format_plan
         from posttrain.plan.time_plan import print_search, time_report

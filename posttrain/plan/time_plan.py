@@ -10,7 +10,7 @@ from typing import Any, Optional
 from posttrain.errors import UserError
 from posttrain.plan.devices import Plan
 from posttrain.plan.formulas import GiB
-from posttrain.plan.gpus import DeviceSpec, device_spec
+from posttrain.plan.gpus import GPU_SPECS, DeviceSpec, device_spec
 from posttrain.plan.jobs import ON_POLICY_SECTIONS, job_name
 from posttrain.plan.lengths import plan_lengths
 from posttrain.plan.shape import ModelShape, model_shape
@@ -43,7 +43,10 @@ def time_report(cfg: Any, plan: Plan, prompt: Optional[float], response: Optiona
     shape = shape or model_shape(cfg.policy)
     spec = device_spec(cfg)
     times = step_time(cfg, shape, spec, lengths, plan.device_bytes)
-    return format_step_time(times, spec, layout_of(cfg), lengths), lengths
+    text = format_step_time(times, spec, layout_of(cfg), lengths)
+    if cfg.cluster.gpus_per_node > 0 and cfg.cluster.gpu_type == "auto":
+        text += f"\n  GPU type: cluster.gpu_type=auto planned {spec.name} (set it to plan another: {', '.join(GPU_SPECS)})"
+    return text, lengths
 
 
 @dataclass

@@ -175,3 +175,13 @@ def test_async_grpo_hides_generation_behind_training_or_the_reverse():
     overlapped = StepTime({"generation": 10.0, "refit": 1.0, "training": 4.0}, {}, overlapped=True)
     assert (sync.step_s, overlapped.step_s) == (15.0, 10.0)
     assert StepTime({"generation": 2.0, "refit": 1.0, "training": 4.0}, {}, overlapped=True).step_s == 5.0
+
+
+def test_a_gpu_config_names_the_gpu_type_it_planned_and_a_target_needs_search(capsys):
+    assert cli.main(["plan", "sft_warmup=null", "cluster.gpus_per_node=1", "--response-length", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "Time plan per step on 1 x H100 " in out  # no GPU here: auto plans the default
+    assert "GPU type: cluster.gpu_type=auto planned H100" in out
+    assert cli.main(["plan", "sft_warmup=null", "--target-step-s", "10"]) == cli.EXIT_CONFIG_ERROR
+    assert capsys.readouterr().err.strip() == \
+        "posttrain plan: --target-step-s is the step time --search aims for: add --search"
