@@ -49,6 +49,7 @@ class DeviceSpec:
     nvlink_bw: float  # bytes/s per GPU, each way, inside an NVLink domain (0: none)
     network_bw: float  # bytes/s per GPU, each way, between nodes (or NVLink domains)
     nvlink_domain: int = 8  # GPUs one NVLink domain joins (an HGX board: 8; GB200 NVL72: 72)
+    nvlink_spans_nodes: bool = False  # the domain joins several nodes (GB200 NVL72's 18 trays of 4 GPUs)
 
     def flops(self, dtype_bytes: int) -> float:
         """Peak FLOP/s of matmuls in a dtype of `dtype_bytes` bytes (4: float32, else bfloat16/float16)."""
@@ -59,7 +60,8 @@ GPU_SPECS = {
     "H100": DeviceSpec("H100", 989 * TB, 67 * TB, 80, 3.35 * TB, 450 * GB, 50 * GB),
     "H200": DeviceSpec("H200", 989 * TB, 67 * TB, 141, 4.8 * TB, 450 * GB, 50 * GB),
     "B200": DeviceSpec("B200", 2250 * TB, 75 * TB, 180, 8.0 * TB, 900 * GB, 50 * GB),
-    "GB200": DeviceSpec("GB200", 2500 * TB, 80 * TB, 186, 8.0 * TB, 900 * GB, 100 * GB, nvlink_domain=72),
+    "GB200": DeviceSpec("GB200", 2500 * TB, 80 * TB, 186, 8.0 * TB, 900 * GB, 100 * GB, nvlink_domain=72,
+                        nvlink_spans_nodes=True),
     "A100": DeviceSpec("A100", 312 * TB, 19.5 * TB, 80, 2.039 * TB, 300 * GB, 25 * GB),
     "L40S": DeviceSpec("L40S", 362 * TB, 91.6 * TB, 48, 0.864 * TB, 0.0, 25 * GB, nvlink_domain=1),
 }

@@ -78,6 +78,13 @@ class Layout:
         """Devices the job holds (tokens/s per GPU divides by these)."""
         return self.train_devices if self.colocated else self.train_devices + self.gen_devices
 
+    def share(self, processes: int) -> float:
+        """The part of one device's peaks each of `processes` busy processes gets: 1 on GPUs (a GPU
+        each); on CPU a node's processes split its cores (the CPU is measured with all of them)."""
+        if self.gpus_per_node:
+            return 1.0
+        return min(1.0, self.num_nodes / max(1, processes))
+
 
 def layout_of(cfg: Any) -> Layout:
     policy, gen = cfg.policy, cfg.policy.generation
@@ -190,8 +197,8 @@ def link_bandwidth(spec: DeviceSpec, span: int, layout: Layout) -> float:
     """Bytes/s each way per device of a group spanning `span` consecutive devices: NVLink (or
     shared memory) inside one domain and one node, the network beyond."""
     per_node = layout.gpus_per_node or max(1, math.ceil(layout.devices / layout.num_nodes))
-    inside = span <= min(spec.nvlink_domain, max(per_node, spec.nvlink_domain if spec.nvlink_domain > 8 else per_node))
-    if inside and spec.nvlink_bw:
+    domain = spec.nvlink_domain if spec.nvlink_spans_nodes else min(spec.nvlink_domain, per_node)
+    if span <= domain and spec.nvlink_bw:
         return spec.nvlink_bw
     return spec.network_bw if span > 1 else spec.memory_bw
 
@@ -220,8 +227,9 @@ def generation_s(shape: ModelShape, spec: DeviceSpec, layout: Layout, rows: int,
     engines, gtp = layout.engines, layout.gen_tp
     rows_per_engine = math.ceil(rows / engines)
     prompts_per_engine = math.ceil(prompts / engines)
-    flops = spec.flops(dtype_bytes) * EFFICIENCY["prefill_mfu"] * gtp
-    bandwidth = spec.memory_bw * EFFICIENCY["decode_bandwidth"] * gtp
+    busy = layout.share(layout.gen_devices)
+    flops = spec.flops(dtype_bytes) * EFFICIENCY["prefill_mfu"] * gtp * busy
+    bandwidth = spec.memory_bw * EFFICIENCY["decode_bandwidth"] * gtp * busy
     prefill = forward_flops(shape, prompts_per_engine * lengths.prompt, lengths.prompt / 2, timed=True) / flops
     kv_row = kv_bytes_per_token(shape, dtype_bytes) * (lengths.prompt + lengths.response)
     running = rows_per_engine
@@ -287,7 +295,8 @@ def policy_pass_s(shape: ModelShape, spec: DeviceSpec, layout: Layout, rows: int
     tokens = rows * (lengths.prompt + lengths.response)
     forwards = (4 if checkpointing else 3) if backward else 1
     flops = forwards * forward_flops(shape, tokens, (lengths.prompt + lengths.response) / 2, timed=True)
-    compute = flops / (layout.train_devices * spec.flops(dtype_bytes) * EFFICIENCY["train_mfu"])
+    busy = layout.share(layout.train_devices)
+    compute = flops / (layout.train_devices * busy * spec.flops(dtype_bytes) * EFFICIENCY["train_mfu"])
     # FSDP over dp x cp: each micro-batch all-gathers the rank's layers (forward, and again for
     # backward) and reduce-scatters fp32 gradients; prefetching overlaps them with compute.
     shard_group = layout.dp * layout.cp
@@ -299,10 +308,11 @@ def policy_pass_s(shape: ModelShape, spec: DeviceSpec, layout: Layout, rows: int
     if backward:
         fsdp += collective_s(gathered / dtype_bytes * 4, shard_group, spec, layout.train_devices, layout,
                              "reduce_scatter", micro_batches)
-    mesh = mesh_collectives_s(shape, spec, layout, tokens / layout.dp, micro_batches, dtype_bytes,
+    mesh = mesh_collectives_s(shape, spec, layout, tokens / (layout.dp * layout.cp), micro_batches, dtype_bytes,
                               (3 if checkpointing else 2) if backward else 1)
     bubble = compute * flushes * (layout.pp - 1) / micro_batches if layout.pp > 1 else 0.0
-    optimizer = trained_params / layout.train_devices * OPTIMIZER_BYTES_PER_PARAM / spec.memory_bw if backward else 0.0
+    optimizer = trained_params / layout.train_devices * OPTIMIZER_BYTES_PER_PARAM / (spec.memory_bw * busy) \
+        if backward else 0.0
     seconds = max(compute, fsdp) + sum(mesh.values()) + bubble + optimizer
     parts = {"compute": compute, "FSDP": fsdp, **mesh, "pipeline bubble": bubble, "optimizer": optimizer}
     top = max(parts, key=parts.get)

@@ -185,3 +185,16 @@ def test_a_gpu_config_names_the_gpu_type_it_planned_and_a_target_needs_search(ca
     assert cli.main(["plan", "sft_warmup=null", "--target-step-s", "10"]) == cli.EXIT_CONFIG_ERROR
     assert capsys.readouterr().err.strip() == \
         "posttrain plan: --target-step-s is the step time --search aims for: add --search"
+
+
+def test_cpu_workers_of_one_node_share_its_measured_cores():
+    from posttrain.plan.gpus import DeviceSpec
+
+    cpu = DeviceSpec("CPU", 300e9, 150e9, 24, 12e9, 12e9, 3e9, nvlink_domain=1 << 30)
+    one = Layout(1, 1, 1, 1, 1, 1, 1, 1, True, gpus_per_node=0, num_nodes=1)
+    two = Layout(2, 2, 1, 1, 1, 1, 2, 1, True, gpus_per_node=0, num_nodes=1)
+    lengths = Lengths(10, 10)
+    _, _, alone = policy_pass_s(LLAMA_8B, cpu, one, 4, lengths, 4, 1, True, False, 0)
+    _, _, shared = policy_pass_s(LLAMA_8B, cpu, two, 4, lengths, 4, 1, True, False, 0)
+    assert shared["compute"] == pytest.approx(alone["compute"])  # twice the workers, the same cores
+    assert two.share(2) == 0.5 and one_gpu(8).share(8) == 1.0
