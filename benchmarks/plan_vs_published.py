@@ -84,6 +84,35 @@ def quiet_cpu():
 QUIET_CPU = quiet_cpu()
 
 
+# This project's own phases measured on one H200 (docs/performance.md, "On one GPU";
+# benchmarks/gpu_one.py): (label, preset, what, measured seconds). Decoding: batch 64, random prompts
+# of 64-128 tokens (mean 96), 256 new tokens greedy, the native engine; training: one PolicyWorker
+# step of 64 rows, 28,407 tokens (prompts 96-128, mean 112, the rest completions), bfloat16.
+H200_PHASES = (
+    ("100m decode, batch 64 x 256 new tokens (7,190 tok/s)", "100m", "decode", 64 * 256 / 7190),
+    ("1b decode, batch 64 x 256 new tokens (5,203 tok/s)", "1b", "decode", 64 * 256 / 5203),
+    ("100m training step, 64 rows, 28,407 tokens", "100m", "training", 0.298),
+    ("1b training step, 64 rows, 28,407 tokens", "1b", "training", 0.731),
+)
+
+
+def plan_h200_phase(preset: str, what: str) -> float:
+    """The time plan of one of `H200_PHASES` on an H200, its phase alone."""
+    from posttrain.config import load_config
+    from posttrain.plan.gpus import GPU_SPECS
+    from posttrain.plan.shape import model_shape
+    from posttrain.plan.timing import Lengths, generation_s, layout_of, policy_pass_s
+
+    cfg = load_config("grpo", overrides=[f"policy.model_name={preset}", "cluster.gpus_per_node=1", "sft_warmup=null",
+                                         "cluster.gpu_type=H200", "policy.precision=bfloat16"])
+    shape, layout, h200 = model_shape(cfg.policy), layout_of(cfg), GPU_SPECS["H200"]
+    if what == "decode":
+        return generation_s(shape, h200, layout, 64, 64, Lengths(96, 256), 2, 256, 64, None)[0]
+    rows, tokens = 64, 28_407
+    return policy_pass_s(shape, h200, layout, rows, Lengths(112, tokens / rows - 112), 2, 1, True, False,
+                         shape.num_params)[0]
+
+
 def plan_run(run: PublishedRun):
     from posttrain.cli import config_algorithm
     from posttrain.config import load_config
@@ -135,6 +164,10 @@ def main() -> int:
         phases = " / ".join(f"{t.phases.get(p, 0):.3g}" for p in ("generation", "refit", "logprobs", "training"))
         print(f"{run.label:42s} {t.step_s:8.3g} {run.step_s:8.3g} {ratio:6.2f} {tok:15,.1f} {publ_tok} {tok_ratio}  "
               f"{phases}")
+    print("this project's phases on one H200 (docs/performance.md, \"On one GPU\"):")
+    for label, preset, what, measured in H200_PHASES:
+        predicted = plan_h200_phase(preset, what)
+        print(f"  {label:52s} predicted {predicted:7.3f} s, measured {measured:7.3f} s, ratio {predicted / measured:5.2f}")
     gpu = [r for label, r in ratios if "CPU" not in label]
     import math
 

@@ -44,6 +44,11 @@ EFFICIENCY = {
     "moe": 0.35,  # routed experts' matmuls and weight reads against dense ones' (small grouped GEMMs, permutes)
     "vllm_step_s": 0.015,  # vLLM's host work per decode step (scheduling, sampling, outputs), not on the GPU
 }
+# The native engine on a GPU decodes without CUDA graphs: each layer's kernels are launched from
+# Python every step, about 0.75 ms a layer whatever the bytes (docs/performance.md, "On one GPU":
+# 9 ms a step for 12 layers on an H200). On CPU the same ops run in the caller's thread and their
+# overhead is inside the measured rates.
+NATIVE_GPU_LAYER_S = 0.75e-3
 # Latency of one collective call (NCCL, small messages on NVLink: ~10-30 us); it bounds tensor-
 # parallel decoding, whose all-reduces are a few KiB each.
 COLLECTIVE_LATENCY_S = 20e-6
@@ -251,11 +256,14 @@ def generation_s(shape: ModelShape, spec: DeviceSpec, layout: Layout, rows: int,
     # Two all-reduces of the step's hidden states per layer inside a tensor-parallel engine.
     tp_s = collective_s(batch * shape.hidden_size * dtype_bytes, gtp, spec, gtp, layout, "all_reduce",
                         2 * shape.num_layers)
-    host_s = EFFICIENCY["vllm_step_s"] if vllm else 0.0
+    host_s = EFFICIENCY["vllm_step_s"] if vllm else \
+        NATIVE_GPU_LAYER_S * shape.num_layers if layout.gpus_per_node else 0.0
     decode = steps * (max(memory_s, compute_s) + tp_s + host_s)
     bound = "memory" if memory_s >= compute_s else "compute"
     if tp_s > max(memory_s, compute_s):
         bound = "TP all-reduce latency"
+    if host_s > max(memory_s, compute_s, tp_s):
+        bound = "vLLM host" if vllm else "kernel-launch"
     return prefill + decode, f"decode {bound}-bound, {batch:.0f} rows x {steps:.0f} steps", {
         "decode_steps": steps, "decode_rows": batch, "prefill_s": prefill, "decode_s": decode}
 

@@ -32,15 +32,23 @@ def one_gpu(gpus: int = 1, gpus_per_node: int = 8, **dims) -> Layout:
                   num_nodes=max(1, gpus // gpus_per_node), **d)
 
 
-def test_one_row_decoding_llama_8b_on_an_h100_is_its_weights_read_once_a_step():
+def test_one_row_decoding_llama_8b_on_an_h100_is_its_weights_read_once_a_step(monkeypatch):
     # One row of 100 prompt + 1000 new tokens, max_new_tokens 1000: 1000 decode steps (the tail is
     # capped by max_new_tokens), each reading the 15.0 GB of bfloat16 weights it multiplies by and
     # the row's KV cache at its mean context (100 + 500 tokens x 32 layers x 2 x 8 x 128 x 2 bytes),
-    # at 0.7 of 3.35 TB/s; the prefill is 100 tokens' FLOPs at 0.5 of 989 TFLOP/s.
+    # at 0.7 of 3.35 TB/s, plus vLLM's host work a step; the prefill is 100 tokens' FLOPs at 0.5 of
+    # 989 TFLOP/s. Without the host work (0 here) the step is the bandwidth bound.
     seconds, bound, detail = generation_s(LLAMA_8B, H100, one_gpu(), rows=1, prompts=1, lengths=Lengths(100, 1000),
                                           dtype_bytes=2, max_new_tokens=1000, max_running_rows=None,
-                                          kv_budget_bytes=None)
+                                          kv_budget_bytes=None, vllm=True)
     step_bytes = MATMUL_PARAMS * 2 + 600 * 32 * 2 * 8 * 128 * 2
+    decode = 1000 * (step_bytes / (3.35e12 * 0.7) + 0.015)
+    assert EFFICIENCY["vllm_step_s"] == 0.015
+    assert seconds - decode == pytest.approx(100 * (2 * MATMUL_PARAMS + 4 * 32 * 32 * 128 * 50) / (989e12 * 0.5))
+    monkeypatch.setitem(EFFICIENCY, "vllm_step_s", 0.0)
+    seconds, bound, detail = generation_s(LLAMA_8B, H100, one_gpu(), rows=1, prompts=1, lengths=Lengths(100, 1000),
+                                          dtype_bytes=2, max_new_tokens=1000, max_running_rows=None,
+                                          kv_budget_bytes=None, vllm=True)
     decode = 1000 * step_bytes / (3.35e12 * 0.7)
     prefill = 100 * (2 * MATMUL_PARAMS + 4 * 32 * 32 * 128 * 50) / (989e12 * 0.5)
     assert EFFICIENCY["decode_bandwidth"] == 0.7 and EFFICIENCY["prefill_mfu"] == 0.5
@@ -51,9 +59,10 @@ def test_one_row_decoding_llama_8b_on_an_h100_is_its_weights_read_once_a_step():
 
 def test_decoding_ends_with_the_tail_and_large_batches_turn_compute_bound():
     lengths = Lengths(100, 1000)
-    _, _, few = generation_s(LLAMA_8B, H100, one_gpu(), 1, 1, lengths, 2, 4096, None, None)
+    _, _, few = generation_s(LLAMA_8B, H100, one_gpu(), 1, 1, lengths, 2, 4096, None, None, vllm=True)
     assert few["decode_steps"] == EFFICIENCY["decode_tail"] * 1000  # the longest rows: 2.5 x the mean
-    _, bound, many = generation_s(LLAMA_8B, H100, one_gpu(), 4096, 4096, Lengths(100, 100), 2, 4096, None, None)
+    _, bound, many = generation_s(LLAMA_8B, H100, one_gpu(), 4096, 4096, Lengths(100, 100), 2, 4096, None, None,
+                                  vllm=True)
     assert "compute-bound" in bound and many["decode_rows"] > 1000
 
 
@@ -198,3 +207,17 @@ def test_cpu_workers_of_one_node_share_its_measured_cores():
     _, _, shared = policy_pass_s(LLAMA_8B, cpu, two, 4, lengths, 4, 1, True, False, 0)
     assert shared["compute"] == pytest.approx(alone["compute"])  # twice the workers, the same cores
     assert two.share(2) == 0.5 and one_gpu(8).share(8) == 1.0
+
+
+def test_the_native_engine_on_a_gpu_pays_its_kernel_launches_every_layer_and_step():
+    from posttrain.plan.timing import NATIVE_GPU_LAYER_S
+
+    lengths = Lengths(100, 1000)
+    vllm_s, _, _ = generation_s(LLAMA_8B, H100, one_gpu(), 1, 1, lengths, 2, 1000, None, None, vllm=True)
+    native_s, bound, _ = generation_s(LLAMA_8B, H100, one_gpu(), 1, 1, lengths, 2, 1000, None, None, vllm=False)
+    # 1000 steps x 32 layers x 0.75 ms against vLLM's 15 ms of host work a step.
+    assert native_s - vllm_s == pytest.approx(1000 * (32 * NATIVE_GPU_LAYER_S - EFFICIENCY["vllm_step_s"]))
+    assert "kernel-launch-bound" in bound
+    cpu = Layout(1, 1, 1, 1, 1, 1, 1, 1, True, gpus_per_node=0, num_nodes=1)
+    _, cpu_bound, _ = generation_s(LLAMA_8B, H100, cpu, 1, 1, lengths, 2, 1000, None, None)
+    assert "kernel-launch" not in cpu_bound
