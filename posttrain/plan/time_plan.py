@@ -75,18 +75,19 @@ class Candidate:
 
 
 def reshaped(cfg: Any, overrides: dict[str, Any]) -> Any:
-    """A copy of `cfg` with `overrides` (dotted keys) set without re-validating each on its own:
-    --search checks the sizes' divisibility itself, and one key at a time would fail between two."""
-    changed = cfg.model_copy(deep=True)
+    """A copy of `cfg` with `overrides` (dotted keys) set, validated as a whole (the schema's own
+    checks refuse the combinations posttrain cannot run, e.g. expert with tensor parallelism);
+    raises pydantic's ValidationError for those."""
+    data = cfg.model_dump()
     for key, value in overrides.items():
         if key == "dp":
             continue
         *path, leaf = key.split(".")
-        node = changed
+        node = data
         for part in path:
-            node = getattr(node, part)
-        object.__setattr__(node, leaf, value)
-    return changed
+            node = node[part]
+        node[leaf] = value
+    return type(cfg).model_validate(data)
 
 
 def shapes_to_try(cfg: Any, shape: ModelShape) -> list[Candidate]:
@@ -136,7 +137,13 @@ def weigh(cfg: Any, shape: ModelShape, spec: DeviceSpec, lengths: Lengths, candi
     from posttrain.plan.fit import usable_bytes
     from posttrain.plan.jobs import memory_plan
 
-    changed = reshaped(cfg, candidate.overrides)
+    from pydantic import ValidationError
+
+    try:
+        changed = reshaped(cfg, candidate.overrides)
+    except ValidationError as e:
+        candidate.problem = "posttrain cannot run it: " + str(e.errors()[0]["msg"]).removeprefix("Value error, ")
+        return candidate
     device_bytes = int(spec.memory_gb * 1e9)
     plan = memory_plan(changed, shape, device_bytes, longest_prompt)
     if plan.node_peak() > usable_bytes(plan):
@@ -178,7 +185,8 @@ def search_shapes(cfg: Any, shape: ModelShape, lengths: Lengths, target_s: Optio
         if not c.step:
             smallest = min(groups[(gpus, colocated)], key=lambda m: float(m.problem.split()[1]) if
                            m.problem.startswith("needs") else math.inf)
-            lines.append(f"{gpus} {placement}: no layout fits ({smallest.problem})")
+            lines.append(f"{gpus} {placement}: no layout fits ({smallest.problem})" if smallest.problem.startswith(
+                "needs") else f"{gpus} {placement}: no layout runs ({smallest.problem})")
         elif target_s is not None and c.step.step_s > target_s:
             lines.append(f"{gpus} {placement}: fastest layout ({c.describe()}) {c.step.step_s:.1f} s a step > "
                          f"target {target_s:g} s")
