@@ -221,3 +221,18 @@ def test_the_native_engine_on_a_gpu_pays_its_kernel_launches_every_layer_and_ste
     cpu = Layout(1, 1, 1, 1, 1, 1, 1, 1, True, gpus_per_node=0, num_nodes=1)
     _, cpu_bound, _ = generation_s(LLAMA_8B, H100, cpu, 1, 1, lengths, 2, 1000, None, None)
     assert "kernel-launch" not in cpu_bound
+
+
+def test_search_leaves_out_what_posttrain_refuses_to_run():
+    from posttrain.config import load_config
+    from posttrain.plan import time_plan
+
+    cfg = load_config("grpo", "examples/plans/nemo_rl_v0.4_qwen3_30b_a3b_h100x32.yaml")
+    moe = ModelShape(num_params=30_532_122_624, hidden_size=2048, num_layers=48, vocab_size=151_936, num_heads=32,
+                     num_kv_heads=4, head_dim=128, intermediate_size=768, num_experts=128, experts_per_token=8,
+                     embedding_params=2 * 151_936 * 2048, expert_params=28_991_029_248)
+    both = time_plan.Candidate(32, True, {"cluster.num_nodes": 4, "policy.num_workers": 32,
+                                          "policy.tensor_parallel_size": 2, "policy.expert_parallel_size": 8})
+    weighed = time_plan.weigh(cfg, moe, H100, Lengths(98, 3154), both, None)
+    assert weighed.step is None
+    assert weighed.problem.startswith("posttrain cannot run it: ") and "expert_parallel_size=8" in weighed.problem
