@@ -306,16 +306,20 @@ def policy_pass_s(shape: ModelShape, spec: DeviceSpec, layout: Layout, rows: int
     busy = layout.share(layout.train_devices)
     compute = flops / (layout.train_devices * busy * spec.flops(dtype_bytes) * EFFICIENCY["train_mfu"])
     # FSDP over dp x cp: each micro-batch all-gathers the rank's layers (forward, and again for
-    # backward) and reduce-scatters fp32 gradients; prefetching overlaps them with compute.
+    # backward) and reduce-scatters fp32 gradients; prefetching overlaps them with compute. Under
+    # expert parallelism the routed experts stay whole on their EP rank, outside FSDP
+    # (models/policy/expert_parallel.py): their fp32 gradients are all-reduced over the EP groups'
+    # replicas once per optimizer step (`flushes`).
     shard_group = layout.dp * layout.cp
-    non_expert = shape.num_params - (shape.expert_params if layout.ep > 1 else 0)
-    gathered = (non_expert / (layout.tp * layout.pp) + (shape.expert_params / layout.ep if layout.ep > 1 else 0)) \
-        * dtype_bytes
-    fsdp = collective_s(gathered, shard_group, spec, layout.train_devices, layout, "all_gather",
+    sharded = (shape.num_params - (shape.expert_params if layout.ep > 1 else 0)) / (layout.tp * layout.pp)
+    fsdp = collective_s(sharded * dtype_bytes, shard_group, spec, layout.train_devices, layout, "all_gather",
                         micro_batches * (2 if backward else 1))
     if backward:
-        fsdp += collective_s(gathered / dtype_bytes * 4, shard_group, spec, layout.train_devices, layout,
-                             "reduce_scatter", micro_batches)
+        fsdp += collective_s(sharded * 4, shard_group, spec, layout.train_devices, layout, "reduce_scatter",
+                             micro_batches)
+        if layout.ep > 1:
+            fsdp += collective_s(shape.expert_params / layout.ep * 4, layout.train_devices // layout.ep, spec,
+                                 layout.train_devices, layout, "all_reduce", flushes)
     mesh = mesh_collectives_s(shape, spec, layout, tokens / (layout.dp * layout.cp), micro_batches, dtype_bytes,
                               (3 if checkpointing else 2) if backward else 1)
     bubble = compute * flushes * (layout.pp - 1) / micro_batches if layout.pp > 1 else 0.0
