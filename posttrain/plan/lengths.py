@@ -58,9 +58,11 @@ def plan_lengths(cfg: Any, prompt: Optional[float] = None, response: Optional[fl
         response = gen.max_new_tokens
         sources.append("response = max_new_tokens (an upper bound: pass --response-length or --metrics)")
     if prompt is None:
-        prompt = longest_prompt if longest_prompt else max(1, cfg.policy.max_total_sequence_length - gen.max_new_tokens)
+        room = cfg.policy.max_total_sequence_length - gen.max_new_tokens
+        prompt = longest_prompt or max(1, room)
         sources.append("prompt = the longest prompt" if longest_prompt else
-                       "prompt = max_total_sequence_length - max_new_tokens")
+                       "prompt = max_total_sequence_length - max_new_tokens" if room > 0 else
+                       "prompt unknown (the data could not be read here): 1 token, pass --prompt-length")
     if prompt + response > cfg.policy.max_total_sequence_length:
         response = max(1.0, cfg.policy.max_total_sequence_length - prompt)
     return Lengths(float(prompt), float(response), "; ".join(sources) or "given")
