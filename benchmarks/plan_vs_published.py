@@ -164,6 +164,15 @@ def main() -> int:
         phases = " / ".join(f"{t.phases.get(p, 0):.3g}" for p in ("generation", "refit", "logprobs", "training"))
         print(f"{run.label:42s} {t.step_s:8.3g} {run.step_s:8.3g} {ratio:6.2f} {tok:15,.1f} {publ_tok} {tok_ratio}  "
               f"{phases}")
+    if not args.gpu_only:
+        # The default job end to end: 86 s for the command, less its SFT warm start (20.5 s) and
+        # start-up (about 4.5 s), is 250 GRPO steps with validations at steps 0, 25, ..., 250
+        # (docs/getting-started.md).
+        t, _ = plan_run(CPU_RUNS[0])
+        validations = 250 // 25 + 1
+        predicted = 250 * t.step_s + validations * t.validation_s
+        print(f"{'tiny default, 250 steps + 11 validations':42s} {predicted:8.3g} {61.0:8.3g} {predicted / 61.0:6.2f}"
+              f"  (measured: 86 s less the 20.5 s warm start and ~4.5 s start-up)")
     print("this project's phases on one H200 (docs/performance.md, \"On one GPU\"):")
     for label, preset, what, measured in H200_PHASES:
         predicted = plan_h200_phase(preset, what)
