@@ -30,6 +30,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from posttrain.plan.engine import engine_rows
+from posttrain.plan.formulas import kv_cache_bytes
 from posttrain.plan.gpus import DeviceSpec
 from posttrain.plan.shape import ModelShape
 
@@ -194,8 +196,8 @@ def forward_flops(shape: ModelShape, tokens: float, mean_context: float, timed: 
 
 
 def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> float:
-    width = shape.kv_cache_width or 2 * shape.num_kv_heads * shape.head_dim
-    return shape.num_layers * width * dtype_bytes
+    """KV-cache bytes of one token over all layers (`formulas.kv_cache_bytes`)."""
+    return kv_cache_bytes(shape, 1, 1, dtype_bytes)
 
 
 def link_bandwidth(spec: DeviceSpec, span: int, layout: Layout) -> float:
@@ -237,9 +239,7 @@ def generation_s(shape: ModelShape, spec: DeviceSpec, layout: Layout, rows: int,
     bandwidth = spec.memory_bw * EFFICIENCY["decode_bandwidth"] * gtp * busy
     prefill = forward_flops(shape, prompts_per_engine * lengths.prompt, lengths.prompt / 2, timed=True) / flops
     kv_row = kv_bytes_per_token(shape, dtype_bytes) * (lengths.prompt + lengths.response)
-    running = rows_per_engine
-    if max_running_rows:
-        running = min(running, max_running_rows)
+    running = engine_rows(rows, engines, max_running_rows) if max_running_rows else rows_per_engine
     if kv_budget_bytes is not None:
         running = max(1, min(running, int(kv_budget_bytes * gtp / kv_row)))
     tail = min(EFFICIENCY["decode_tail"] * lengths.response, max_new_tokens)
@@ -346,14 +346,12 @@ def refit_s(shape: ModelShape, spec: DeviceSpec, layout: Layout, dtype_bytes: in
 # --- a config's step --------------------------------------------------------------------------------
 
 def micro_batches_per_rank(policy: Any, rows_per_rank: float, tokens_per_row: float, training: bool) -> float:
-    """Micro-batches one data-parallel rank runs over its rows in a pass: the token budget of
-    dynamic batching or packing when on, else the micro-batch size in rows."""
-    for budgeted in (policy.dynamic_batching, policy.sequence_packing):
-        if budgeted.enabled:
-            budget = budgeted.train_mb_tokens if training else budgeted.logprob_mb_tokens
-            return max(1.0, math.ceil(rows_per_rank * tokens_per_row / budget))
-    size = policy.train_micro_batch_size if training else policy.logprob_batch_size
-    return max(1.0, math.ceil(rows_per_rank / size))
+    """Micro-batches one data-parallel rank runs over its rows in a pass: its tokens over a
+    micro-batch's (`formulas.micro_batch_tokens`: the token budget of dynamic batching or packing,
+    else the micro-batch size in rows of `tokens_per_row`)."""
+    from posttrain.plan.formulas import micro_batch_tokens
+
+    return max(1.0, math.ceil(rows_per_rank * tokens_per_row / micro_batch_tokens(policy, training, tokens_per_row)))
 
 
 def step_time(cfg: Any, shape: ModelShape, spec: DeviceSpec, lengths: Lengths,
