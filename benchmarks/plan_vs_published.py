@@ -113,22 +113,65 @@ def plan_h200_phase(preset: str, what: str) -> float:
                          shape.num_params)[0]
 
 
-def plan_run(run: PublishedRun):
+def load_run(run: PublishedRun):
+    """(config, model shape) of a published run's plan config."""
     from posttrain.cli import config_algorithm
     from posttrain.config import load_config
-    from posttrain.plan.gpus import device_spec
     from posttrain.plan.shape import model_shape
-    from posttrain.plan.timing import Lengths, step_time
 
     path = ROOT / "examples" / run.config
     cfg = load_config(config_algorithm(str(path)), str(path), list(run.overrides))
+    return cfg, model_shape(cfg.policy)
+
+
+def plan_run(run: PublishedRun, loaded=None):
+    from posttrain.plan.gpus import device_spec
+    from posttrain.plan.timing import Lengths, step_time
+
+    cfg, shape = loaded or load_run(run)
     spec = device_spec(cfg)
-    return step_time(cfg, model_shape(cfg.policy), spec, Lengths(run.prompt, run.response, "published")), spec
+    return step_time(cfg, shape, spec, Lengths(run.prompt, run.response, "published")), spec
+
+
+# The grid --leave-one-out refits the constants over (the others stay as timing.EFFICIENCY has them).
+GRID = {"train_mfu": (0.3, 0.35, 0.4, 0.45, 0.5), "decode_bandwidth": (0.6, 0.7, 0.8), "decode_tail": (2, 2.5, 3),
+        "moe": (0.25, 0.35, 0.5), "vllm_step_s": (0.005, 0.01, 0.015, 0.02)}
+
+
+def leave_one_out() -> None:
+    """For each GPU row: the constants of `GRID` that fit the other rows best (least mean |log
+    ratio|), and that row's predicted / published step time under them: what to expect of a run
+    the constants were not chosen on."""
+    import itertools
+    import math
+
+    from posttrain.plan.timing import EFFICIENCY
+
+    loaded = [load_run(run) for run in GPU_RUNS]
+    kept = dict(EFFICIENCY)
+    logs = []
+    try:
+        for values in itertools.product(*GRID.values()):
+            EFFICIENCY.update(zip(GRID, values))
+            logs.append([math.log(plan_run(run, one)[0].step_s / run.step_s) for run, one in zip(GPU_RUNS, loaded)])
+    finally:
+        EFFICIENCY.update(kept)
+    combos = list(itertools.product(*GRID.values()))
+    errors = []
+    print("leave one out (constants refitted on the other rows over " + ", ".join(
+        f"{k} {min(v):g}-{max(v):g}" for k, v in GRID.items()) + "):")
+    for i, run in enumerate(GPU_RUNS):
+        best = min(range(len(combos)), key=lambda c: sum(abs(x) for j, x in enumerate(logs[c]) if j != i))
+        errors.append(abs(logs[best][i]))
+        print(f"  {run.label:40s} {math.exp(logs[best][i]):5.2f}  ({', '.join(f'{v:g}' for v in combos[best])})")
+    print(f"  held-out geometric mean error x{math.exp(sum(errors) / len(errors)):.2f}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu-only", action="store_true", help="skip this project's CPU rows")
+    parser.add_argument("--leave-one-out", action="store_true",
+                        help="also refit the constants without each GPU row over GRID and predict that row")
     parser.add_argument("--cpu", choices=("measured", "quiet"), default="quiet",
                         help="the CPU rows' device: 'quiet' (default) the rates this project's docs measured on its "
                         "quiet 2-core machine (QUIET_CPU), 'measured' this machine now (gpus.cpu_spec)")
@@ -183,6 +226,8 @@ def main() -> int:
     spread = math.exp(sum(abs(math.log(r)) for r in gpu) / len(gpu))
     print(f"GPU rows: predicted / published step time {min(gpu):.2f} - {max(gpu):.2f}, "
           f"geometric mean error x{spread:.2f}")
+    if args.leave_one_out:
+        leave_one_out()
     print("sources:")
     for run in GPU_RUNS + (() if args.gpu_only else CPU_RUNS):
         print(f"  {run.label}: {run.source}")
