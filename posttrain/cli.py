@@ -112,12 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser(
         "plan",
-        help="print the memory plan of a config per GPU (or CPU worker) and phase; exit 2 if it cannot fit",
+        help="print the memory and time plan of a config per GPU (or CPU worker) and phase; exit 2 if it cannot fit",
         description="Print what each GPU (or CPU worker process) holds in each phase of a run (generation, refit, "
         "logprobs, training, validation; eval's evaluation; an SFT warm start as its own job) for a config, from "
         "the model's config alone (no weights loaded), and the phase that sets the peak; refuse (exit 2) a config "
         "that cannot fit, naming the keys that would make it fit. GPU memory: cluster.gpu_memory_gb or torch.cuda; "
-        "CPU: cluster.host_memory_gb or this machine's RAM.",
+        "CPU: cluster.host_memory_gb or this machine's RAM. Then, for on-policy jobs, the predicted seconds of each phase of a "
+        "step and tokens/s per GPU on cluster.gpu_type (docs/plan-time.md); --search proposes a cluster shape.",
     )
     plan.add_argument("--config", metavar="FILE", help="YAML config (default: the embedded example of the algorithm)")
     plan.add_argument("--algorithm", choices=list(JOBS), default=None,
