@@ -236,3 +236,19 @@ def test_search_leaves_out_what_posttrain_refuses_to_run():
     weighed = time_plan.weigh(cfg, moe, H100, Lengths(98, 3154), both, None)
     assert weighed.step is None
     assert weighed.problem.startswith("posttrain cannot run it: ") and "expert_parallel_size=8" in weighed.problem
+
+
+def test_each_published_run_config_loads_and_names_its_source_and_what_it_could_not_express():
+    from pathlib import Path
+
+    from posttrain.config import load_config
+
+    plans = sorted(p for p in Path("examples/plans").glob("nemo_rl_v*.yaml"))
+    assert len(plans) >= 7
+    for path in plans:
+        text = path.read_text()
+        assert "https://docs.nvidia.com/nemo/rl/" in text, path
+        assert "Not expressed" in text or "not expressible" in text.lower() or "as the v0.4 row" in text \
+            or "not published" in text, path
+        cfg = load_config("grpo", str(path))
+        assert cfg.cluster.gpu_type in ("H100", "GB200") and cfg.policy.generation.backend == "vllm"
