@@ -112,16 +112,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser(
         "plan",
-        help="print the memory plan of a config per GPU (or CPU worker) and phase; exit 2 if it cannot fit",
+        help="print the memory and time plan of a config per GPU (or CPU worker) and phase; exit 2 if it cannot fit",
         description="Print what each GPU (or CPU worker process) holds in each phase of a run (generation, refit, "
         "logprobs, training, validation; eval's evaluation; an SFT warm start as its own job) for a config, from "
         "the model's config alone (no weights loaded), and the phase that sets the peak; refuse (exit 2) a config "
         "that cannot fit, naming the keys that would make it fit. GPU memory: cluster.gpu_memory_gb or torch.cuda; "
-        "CPU: cluster.host_memory_gb or this machine's RAM.",
+        "CPU: cluster.host_memory_gb or this machine's RAM. Then, for on-policy jobs, the predicted seconds of each phase of a "
+        "step and tokens/s per GPU on cluster.gpu_type (docs/plan-time.md); --search proposes a cluster shape.",
     )
     plan.add_argument("--config", metavar="FILE", help="YAML config (default: the embedded example of the algorithm)")
     plan.add_argument("--algorithm", choices=list(JOBS), default=None,
                       help="the config's algorithm (default: the config's top-level section among these, else grpo)")
+    plan.add_argument("--response-length", type=float, metavar="TOKENS",
+                      help="mean generated tokens per response, for the time plan (default: --metrics', else "
+                      "policy.generation.max_new_tokens, an upper bound)")
+    plan.add_argument("--prompt-length", type=float, metavar="TOKENS",
+                      help="mean prompt tokens (default: --metrics', else the longest prompt)")
+    plan.add_argument("--metrics", metavar="FILE",
+                      help="a previous run's metrics.jsonl (or its log dir): its mean train/mean_gen_tokens_per_sample "
+                      "and train/mean_prompt_length are the lengths")
+    plan.add_argument("--search", action="store_true",
+                      help="propose the cheapest cluster shape (GPUs, TP/PP/EP/DP, colocated or not) that fits memory "
+                      "within --target-step-s, and say why each other shape does not")
+    plan.add_argument("--target-step-s", type=float, metavar="S", help="step time to meet with --search (default: none)")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, applied last")
     plan.set_defaults(handler=_plan)
 
@@ -235,16 +248,26 @@ def _plan(args: argparse.Namespace) -> int:
 
     algorithm = args.algorithm or config_algorithm(args.config)
     try:
+        if args.target_step_s is not None and args.target_step_s <= 0:
+            raise UserError(f"--target-step-s={args.target_step_s:g}: give a positive number of seconds")
+        if args.target_step_s is not None and not args.search:
+            raise UserError("--target-step-s is the step time --search aims for: add --search")
         cfg = load_config(algorithm, args.config, args.overrides)
         from posttrain.plan import check_memory, format_plan
+        from posttrain.plan.time_plan import print_search, time_report
 
         plan, problem = check_memory(cfg)
+        times, lengths = time_report(cfg, plan, args.prompt_length, args.response_length, args.metrics)
+        if args.search:
+            return print_search(cfg, plan, lengths, args.target_step_s)
     except UserError as e:
         print(f"posttrain plan: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     workers = "1 generation worker" if algorithm == "eval" else f"{cfg.policy.num_workers} policy worker(s)"
     print(f"Memory plan of posttrain {algorithm} ({cfg.policy.model_name}, {workers}):")
     print(format_plan(plan))
+    if times:
+        print(times)
     if problem:
         print(f"posttrain plan: {problem}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

@@ -12,6 +12,13 @@ the job has them; a distillation's teachers where they run, `teachers.py`), `run
 `fit_problem` (`fit.py`) checks the run's peak against the device memory and names the config keys
 that would make it fit. The printed plan ends with the peak and the job and phase that set it.
 
+Beside the memory, a time plan (docs/plan-time.md): `timing.step_time` predicts the seconds of
+each phase of an on-policy step (generation, refit, logprobs, training; validation apart) and
+tokens/s per GPU from FLOPs, bytes and collective volumes against the GPU type's published peaks
+(`gpus.py`, `cluster.gpu_type`) and a few efficiency constants (`timing.EFFICIENCY`); the mean
+prompt and response lengths come from `lengths.py`; `time_plan.py` prints it and runs
+`posttrain plan --search` (the cheapest cluster shape within a target step time).
+
 What is and is not counted: allocator bytes of tensors (what `torch.cuda.max_memory_allocated`
 reports) plus, on CPU, the interpreter with torch and transformers imported (`CPU_RUNTIME_BYTES`);
 not the CUDA context (about 0.5-1 GiB per process, outside torch's allocator), fragmentation,

@@ -17,13 +17,20 @@ HEADROOM = 0.10
 
 def detect_device_bytes(cfg: Any) -> Optional[int]:
     """Memory of one device: `cluster.gpu_memory_gb` / `cluster.host_memory_gb` when set, else
-    torch.cuda's first device (GPU jobs) or this machine's RAM (CPU jobs); None when unknown."""
+    torch.cuda's first device or the datasheet memory of `cluster.gpu_type` (GPU jobs) or this
+    machine's RAM (CPU jobs); None when unknown."""
     if cfg.cluster.gpus_per_node > 0:
         if cfg.cluster.gpu_memory_gb is not None:
             return int(cfg.cluster.gpu_memory_gb * GiB)
         import torch
 
-        return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory
+        if cfg.cluster.gpu_type != "auto":  # a named GPU type: its datasheet memory (gpus.GPU_SPECS, GB)
+            from posttrain.plan.gpus import GPU_SPECS
+
+            return int(GPU_SPECS[cfg.cluster.gpu_type].memory_gb * 1e9)
+        return None
     if cfg.cluster.host_memory_gb is not None:
         return int(cfg.cluster.host_memory_gb * GiB)
     import psutil

@@ -61,15 +61,22 @@ def validates(cfg: Any) -> bool:
     return s is not None and (s.val_at_start or s.val_period > 0 or s.val_at_end)
 
 
-def computes_logprobs(cfg: Any) -> bool:
-    """Whether an on-policy step has a logprobs phase: GRPO computes the previous logprobs only
-    when the generating weights are older (async) or the batch spans several optimizer steps, and
-    the reference's under a KL penalty (`experience.update_policy`); distillation always."""
+def logprob_passes(cfg: Any) -> int:
+    """Forward passes an on-policy step's logprobs phase makes: GRPO computes the previous
+    logprobs only when the generating weights are older (async) or the batch spans several
+    optimizer steps, and the reference's under a KL penalty (`experience.update_policy`);
+    distillation one (its teachers' top-k forwards)."""
     g = getattr(cfg, "grpo", None)
     if g is None:
-        return True
+        return 1
     rows = g.num_prompts_per_step * g.num_generations_per_prompt
-    return g.async_grpo.enabled or rows > cfg.policy.train_global_batch_size or cfg.loss_fn.reference_policy_kl_penalty > 0
+    previous = g.async_grpo.enabled or rows > cfg.policy.train_global_batch_size
+    return int(previous) + int(cfg.loss_fn.reference_policy_kl_penalty > 0)
+
+
+def computes_logprobs(cfg: Any) -> bool:
+    """Whether an on-policy step has a logprobs phase (`logprob_passes`)."""
+    return logprob_passes(cfg) > 0
 
 
 def job_phases(cfg: Any) -> tuple[str, ...]:

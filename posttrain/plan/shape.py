@@ -28,6 +28,7 @@ class ModelShape:
     embedding_params: int = 0  # input embeddings and LM head (once if tied): whole on every TP rank
     kv_cache_width: int = 0  # KV-cache elements per token and layer; 0: keys and values, 2 x kv_heads x head_dim
     expert_params: int = 0  # routed experts' elements (all MoE layers): what expert parallelism splits
+    shared_experts: int = 0  # experts every token goes through (DeepSeek's n_shared_experts), in experts_per_token
 
 
 def shape_from_hf_config(config: dict, num_params: int, largest_tensor: int = 0, lora_params: int = 0,
@@ -61,6 +62,7 @@ def shape_from_hf_config(config: dict, num_params: int, largest_tensor: int = 0,
         experts_per_token=(config.get("num_experts_per_tok") or 0) + (config.get("n_shared_experts") or 0) if experts else 0,
         largest_tensor=largest_tensor, lora_params=lora_params, embedding_params=embedding_params,
         kv_cache_width=latent + config["qk_rope_head_dim"] if latent else 0, expert_params=expert_params,
+        shared_experts=(config.get("n_shared_experts") or 0) if experts else 0,
     )
 
 

@@ -240,8 +240,10 @@ def test_cli_prints_the_plan_per_phase(capsys):
     assert {"policy parameters (fp32)", "gradients (fp32)", "optimizer state (adamw)", "activations",
             "KV cache", "prefill KV cache (distinct prompts)", "total"} <= set(items)
     assert "logprob forward" not in items
-    assert out[-1].startswith("peak on the node (all processes): ") and out[-1].endswith("fits (keeping 10% free)")
-    assert "GiB (training);" in out[-1]  # the phase that sets the peak
+    (peak,) = [line for line in out if line.startswith("peak on the node (all processes): ")]
+    assert peak.endswith("fits (keeping 10% free)")
+    assert "GiB (training);" in peak  # the phase that sets the peak
+    assert out[out.index(peak) + 1].startswith("Time plan per step on 1 x CPU (measured)")  # docs/plan-time.md
 
 
 def test_cli_refuses_a_plan_that_cannot_fit_naming_keys(capsys):

@@ -159,7 +159,10 @@ def test_cli_prints_the_teachers_rows(capsys):
     assert out[2].split() == ["generation", "refit", "logprobs", "training", "validation", "teacher", "eval"]
     items = {line[:38].strip() for line in out[3:]}
     assert {"teacher parameters (fp32)", "teacher top-k forward", "teacher engine: KV cache"} <= items
-    assert out[-1].endswith("fits (keeping 10% free)")
+    (peak,) = [line for line in out if line.startswith("peak ")]
+    assert peak.endswith("fits (keeping 10% free)")
+    # The time plan follows; distillation's logprobs phase is planned as one student forward.
+    assert out[out.index(peak) + 1].startswith("Time plan per step on ")
 
 
 @pytest.mark.parametrize("two", [False, True])

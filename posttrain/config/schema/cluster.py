@@ -31,6 +31,14 @@ class ClusterConfig(Section):
             "torch.cuda's first device where the controller has one, else the plan is printed but not checked."
         ),
     )
+    gpu_type: Literal["auto", "H100", "H200", "B200", "GB200", "A100", "L40S"] = Field(
+        "auto",
+        description=(
+            "GPU model, for the time plan (`posttrain plan`: peak compute, memory and link bandwidth of each, "
+            "docs/plan-time.md) and, when cluster.gpu_memory_gb is unset, the memory plan's GPU memory. 'auto': "
+            "torch.cuda's first device where the controller has one, else H100."
+        ),
+    )
     host_memory_gb: Optional[float] = Field(
         None, gt=0,
         description="RAM of one node in GiB, for the memory plan of a CPU job; None: this machine's RAM.",
