@@ -1,0 +1,66 @@
+"""`benchmarks/seeds.py`: what it reads from a run's metrics, how it summarises seeds, and the
+commands it runs (every showcase's config loads with `seed=S`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+from posttrain.config.loader import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def seeds():
+    spec = importlib.util.spec_from_file_location("seeds_script", REPO / "benchmarks" / "seeds.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["seeds_script"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_accuracies_are_the_first_and_last_validation_per_metric(seeds, tmp_path):
+    rows = [
+        {"step": 0, "validation/accuracy_greedy": 0.4, "validation/accuracy_greedy/arith": 0.25,
+         "validation_unseen/accuracy_greedy": 0.3},
+        {"step": 1, "train/reward": 0.5},
+        {"step": 25, "validation/accuracy_greedy": 0.6, "validation/accuracy_greedy/arith": 0.5,
+         "validation_unseen/accuracy_greedy": 0.45, "train/loss": 1.0},
+    ]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(r) for r in rows))
+    got = seeds.accuracies(metrics)
+    assert got["validation/accuracy_greedy@first"] == pytest.approx(40.0)
+    assert got["validation/accuracy_greedy@last"] == pytest.approx(60.0)
+    assert got["validation/accuracy_greedy@gain"] == pytest.approx(20.0)
+    assert got["validation/accuracy_greedy/arith@gain"] == pytest.approx(25.0)
+    assert got["validation_unseen/accuracy_greedy@last"] == pytest.approx(45.0)
+    assert not any(k.startswith("train/") for k in got)
+
+
+def test_summary_is_mean_sample_sd_min_max(seeds):
+    values = [61.8, 63.6, 65.4, 84.2]
+    got = seeds.summary(values)
+    assert got == {"mean": pytest.approx(statistics.fmean(values)), "sd": pytest.approx(statistics.stdev(values)),
+                   "min": 61.8, "max": 84.2, "n": 4}
+    assert seeds.summary([50.0])["sd"] == 0.0
+
+
+@pytest.mark.parametrize("name", ["main", "vl", "custom", "ppo", "dpo", "rm", "distill", "recipe"])
+def test_every_showcase_command_takes_the_seed(seeds, name, tmp_path):
+    showcase = seeds.SHOWCASES[name]
+    argv = showcase.argv(7, tmp_path)
+    assert argv[1:3] == ["-m", "posttrain"] and "seed=7" in argv
+    config = argv[argv.index("--config") + 1] if "--config" in argv else None
+    overrides = [a for a in argv[3:] if "=" in a]
+    cfg = load_config(showcase.command, config, overrides)
+    assert cfg.seed == 7
+    section = {"grpo": "grpo", "ppo": "grpo", "dpo": "dpo", "rm": "rm", "distill": "distillation"}[showcase.command]
+    assert getattr(cfg, section).seed == 7
+    assert cfg.logger.log_dir == f"{tmp_path}/logs"
