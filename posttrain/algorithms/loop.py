@@ -167,10 +167,15 @@ class TrainingLoop:
     def rewind(self) -> None:
         """Go back to the latest complete checkpoint (`resume`), or to the very start when there is
         none yet: in this process, what a rerun of the command would do (after the policy workers
-        were rebuilt)."""
-        if self.resume():
+        were rebuilt). The start keeps the validation before the first step (`val_at_start`): it
+        measured the initial weights, which the rebuilt groups start from again, and it is the
+        run's "before"."""
+        if self.cfg.checkpointing.enabled and self.checkpointer.latest() is not None:
+            self.resume()
             return
-        self.step, self.history, self.state = 0, [], {}
+        self.step, self.state = 0, {}
+        self.history = [(step, metrics) for step, metrics in self.history if step == 0]
+        self.logger.truncate_after(0)
         self.loader.load_state_dict(copy.deepcopy(self._start_loader_state))
         print("[posttrain] no checkpoint yet: starting again at step 1", flush=True)
 
@@ -211,6 +216,7 @@ class TrainingLoop:
             startup.begin(f"running {self.name} step {self.step + 1}")  # off a terminal there is no bar until it ends
         try:
             while self.step < self.last_step:
+                bar.go_to(self.step)  # a recovery may have sent the run back to its last checkpoint
                 step, timer = self.step + 1, Timer()
                 before = self._snapshot() if recovery is not None else None
                 try:
@@ -256,16 +262,21 @@ class TrainingLoop:
 
     # ------------------------------------------------------------------------------ recovery
     def _snapshot(self) -> tuple:
-        """What a step changes in the loop, taken before it (for a replay), and the policy's count
-        of updates (`Policy.updates`), to tell whether the step failed after training."""
+        """What a step changes in the loop, taken before it (for a replay), and the counts of
+        updates of the policy and the models trained beside it (`Policy.updates`), to tell whether
+        the step failed after training."""
         return (copy.deepcopy(self.loader.state_dict()), copy.deepcopy(self.state), len(self.history),
-                getattr(self.policy, "updates", None))
+                self._updates())
+
+    def _updates(self) -> tuple:
+        """The update counts of the policy and the models `trained_beside` it (None: not counted)."""
+        return tuple(getattr(model, "updates", None) for model in (self.policy, *self.trained_beside.values()))
 
     def _recover(self, recovery: Any, error: Exception, what: str, before: Optional[tuple]) -> Replay:
         """Recover from `error`, raised by `what` ("step 3"), and put the loop where the replay
         starts: before it (`before`, the step's snapshot) or at the last checkpoint. Raises `error`
         when there is no recovery or nothing to recover (a bug, a NaN loss: no worker died)."""
-        trained = before is not None and getattr(self.policy, "updates", None) != before[3]
+        trained = before is not None and self._updates() != before[3]
         replay = recovery.recover(error, what, trained=trained) if recovery is not None else None
         if replay is None:
             raise error

@@ -6,7 +6,7 @@ the `Policy` reloads its state from the last checkpoint, the generation engine t
 weights by a refit, and `EnvironmentActors` starts a dead environment again. This module holds
 what they share and what can be tested without Ray: a `Fault` (who failed and why), the cause of
 an actor's death in words (`death_cause`), and the run's `RestartBudget` (`cluster.max_restarts`).
-The run's recovery (`posttrain.algorithms.recovery`) puts them together; the training loop only
+The run's recovery (`posttrain.algorithms.run_recovery`) puts them together; the training loop only
 sees "this step failed, replay it" and the restart counts.
 
 Recovery needs the Ray backend: with `cluster.backend: local` every worker is a thread of the
@@ -20,7 +20,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Iterable, Optional
 
-KINDS = ("policy", "generation", "environment")  # what a run rebuilds
+KINDS = ("policy", "critic", "teacher", "generation", "environment")  # what a run rebuilds
+BASE_KINDS = ("policy", "generation", "environment")  # what every on-policy run has
+# The kinds whose members hold trained state that only a checkpoint restores: rebuilding one sends
+# the run back to its last checkpoint.
+TRAINED_KINDS = ("policy", "critic")
 
 
 class Replay(Enum):
@@ -35,11 +39,12 @@ class Fault:
     """One failed member of a run.
 
     Args:
-        kind: "policy", "generation" or "environment" (`KINDS`).
+        kind: one of `KINDS` ("policy", "critic", "teacher", "generation", "environment").
         who: the member in words, e.g. "policy worker rank 1 (node 10.0.0.2)" or "environment 'math'".
         cause: why, in words, e.g. "its process died (killed, out of memory or crashed)".
         lost_node: the IP of the node that was lost with it, when that is why (else None).
-        name: the environment's name, for an environment (else "").
+        name: the environment's name for an environment, the teacher's key ("teacher",
+            "teachers.<task>") for a teacher (else "").
     """
 
     kind: str
@@ -80,15 +85,19 @@ class RestartBudget:
     """The restarts one run may make: at most `max_restarts` recoveries (`cluster.max_restarts`),
     each counted once in all and once for every kind of member it rebuilt.
 
-    `recovery/restarts` (cumulative) and `recovery/restarts/<kind>` go to every logged step.
+    `recovery/restarts` (cumulative) and `recovery/restarts/<kind>` for each of `kinds` (the run's:
+    default `BASE_KINDS`; PPO adds "critic", distillation "teacher") go to every logged step.
     """
 
-    def __init__(self, max_restarts: int) -> None:
+    def __init__(self, max_restarts: int, kinds: Iterable[str] = BASE_KINDS) -> None:
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        unknown = set(kinds) - set(KINDS)
+        if unknown:
+            raise ValueError(f"a run rebuilds members of {KINDS}, got {sorted(unknown)}")
         self.max_restarts = max_restarts
         self.total = 0
-        self.per_kind = dict.fromkeys(KINDS, 0)
+        self.per_kind = {kind: 0 for kind in KINDS if kind in set(kinds)}
 
     def exhausted(self) -> bool:
         """No restart left."""
@@ -99,9 +108,9 @@ class RestartBudget:
         if self.exhausted():
             raise RuntimeError(f"no restart left (max_restarts={self.max_restarts})")
         kinds = set(kinds)
-        unknown = kinds - set(KINDS)
+        unknown = kinds - set(self.per_kind)
         if not kinds or unknown:
-            raise ValueError(f"a restart rebuilds members of {KINDS}, got {sorted(kinds)}")
+            raise ValueError(f"a restart of this run rebuilds members of {tuple(self.per_kind)}, got {sorted(kinds)}")
         self.total += 1
         for kind in kinds:
             self.per_kind[kind] += 1

@@ -349,6 +349,15 @@ class ProgressBar:
             shown = " ".join(f"{label}={value}" for label, value in self.postfix().items())
             print(f"{self.desc} step {self.step}/{self.total} {shown}".rstrip(), file=sys.stderr, flush=True)
 
+    def go_to(self, step: int) -> None:
+        """Show `step` steps done (a run that went back to an earlier checkpoint), without a line."""
+        if step == self.step:
+            return
+        self.step = step
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.refresh()
+
     def write(self, line: str) -> None:
         """Print `line` on stdout above the bar (a plain print would land inside the drawn bar)."""
         if self._bar is not None:

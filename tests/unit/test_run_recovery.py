@@ -32,7 +32,11 @@ def test_the_budget_counts_recoveries_in_all_and_per_kind_up_to_its_bound():
         budget.record(["environment"])
     assert RestartBudget(0).exhausted()
     with pytest.raises(ValueError, match="teacher"):
-        RestartBudget(1).record(["teacher"])
+        RestartBudget(1).record(["teacher"])  # a run without teachers
+    ppo = RestartBudget(1, ["policy", "generation", "environment", "critic"])
+    assert ppo.record(["critic"]) == 1 and ppo.metrics()["recovery/restarts/critic"] == 1.0
+    with pytest.raises(ValueError, match="referee"):
+        RestartBudget(1, ["policy", "referee"])
 
 
 @pytest.mark.parametrize("reason, oom, expected, lost", [
@@ -130,11 +134,30 @@ class FakeCtx:
     def __init__(self, policy_dead=(), generation_dead=(), env_dead=(), checkpointing=True, max_restarts=3):
         self.policy = FakeRestartable(FakeGroup("policy", policy_dead))
         self.generation = FakeRestartable(FakeGroup("generation", generation_dead))
+        self.critic = None
         self.envs = FakeEnvs(env_dead)
         self.loop, self.refit_metadata, self.generation_stale = FakeLoop(), "metadata", False
         self.cfg = type("Cfg", (), {"checkpointing": type("C", (), {"enabled": checkpointing,
                                                                     "checkpoint_dir": "/nonexistent"})(),
                                      "cluster": type("K", (), {"max_restarts": max_restarts})()})()
+
+
+class FakeDistillCtx(FakeCtx):
+    """Distillation's context: two teachers (`DistillContext.teacher_groups`)."""
+
+    def __init__(self, teacher_dead=(), **kwargs):
+        super().__init__(**kwargs)
+        self.teachers = {"teacher": FakeRestartable(FakeGroup("teacher", teacher_dead)),
+                         "teachers.code": FakeRestartable(FakeGroup("teachers_code"))}
+
+    def teacher_groups(self):
+        return self.teachers
+
+
+def with_critic(ctx, dead=()):
+    """PPO's context: a critic beside the policy."""
+    ctx.critic = FakeRestartable(FakeGroup("critic", dead))
+    return ctx
 
 
 DIED = "died: its process exited (killed by a signal, out of memory, or crashed)"
@@ -198,6 +221,51 @@ def test_a_lost_node_moves_its_workers_when_the_others_can_hold_them_else_the_ru
                                          r"VirtualCluster 'generation' .* cannot hold .*; GRPO stopped after step 4"):
         RunRecovery.for_run(ctx).recover(RuntimeError("actor unavailable"), "step 2")
     assert ctx.generation.restarts == []
+
+
+def test_a_dead_critic_worker_is_rebuilt_and_the_run_goes_back_to_its_checkpoint(tmp_path, capsys):
+    ctx = with_critic(FakeCtx(), dead=[(0, DIED, None)])
+    (tmp_path / "ckpt" / "step_2").mkdir(parents=True)
+    (tmp_path / "ckpt" / "step_2" / "training_info.json").write_text('{"step": 2}')
+    ctx.cfg.checkpointing.checkpoint_dir = tmp_path / "ckpt"
+    recovery = RunRecovery.for_run(ctx)
+    assert recovery.recover(RuntimeError("actor died"), "step 3") is Replay.FROM_CHECKPOINT
+    # The loop loads the checkpoint into both trained groups; only the dead one is rebuilt.
+    assert ctx.critic.restarts == [()] and ctx.policy.restarts == [] and ctx.generation_stale
+    assert capsys.readouterr().out == (
+        f"[posttrain] recovery 1 of 3: critic worker rank 0 (node 10.0.0.1) {DIED}; rebuilding the critic workers, "
+        "then loading the last checkpoint, replaying from the last checkpoint\n")
+    assert recovery.metrics()["recovery/restarts/critic"] == 1.0 and "recovery/restarts/teacher" not in recovery.metrics()
+    hung = WorkerTimeoutError("WorkerGroup 'critic': stopped answering: rank 0", group="critic", ranks=[0])
+    assert recovery.recover(hung, "step 3") is Replay.FROM_CHECKPOINT and ctx.critic.restarts == [(), ()]
+    ctx = with_critic(FakeCtx(checkpointing=False), dead=[(1, DIED, None)])
+    with pytest.raises(RunStopped, match=r"^critic worker rank 1 .*rebuilding a critic worker needs a checkpoint"):
+        RunRecovery.for_run(ctx).recover(RuntimeError("actor died"), "step 3")
+
+
+def test_going_back_before_the_first_checkpoint_restarts_every_trained_group():
+    # A generation worker died after the update of step 1 (no checkpoint yet): the policy and the
+    # critic both trained since their initial weights, so both start again from them.
+    ctx = with_critic(FakeCtx(generation_dead=[(0, DIED, None)]))
+    assert RunRecovery.for_run(ctx).recover(RuntimeError("actor died"), "step 1", trained=True) is Replay.FROM_CHECKPOINT
+    assert ctx.policy.restarts == [()] and ctx.critic.restarts == [()]
+    ctx = with_critic(FakeCtx(policy_dead=[(0, DIED, None)]))
+    assert RunRecovery.for_run(ctx).recover(RuntimeError("actor died"), "step 1") is Replay.FROM_CHECKPOINT
+    assert ctx.policy.restarts == [()] and ctx.critic.restarts == [()]
+
+
+def test_a_dead_teacher_is_rebuilt_from_its_model_and_the_step_replayed(capsys):
+    ctx = FakeDistillCtx(teacher_dead=[(0, DIED, None)])
+    recovery = RunRecovery.for_run(ctx)
+    assert recovery.recover(WorkerError("WorkerGroup 'teacher': rank 0 failed"), "step 4") is Replay.STEP
+    assert ctx.teachers["teacher"].restarts == [()] and ctx.teachers["teachers.code"].restarts == []
+    assert ctx.policy.restarts == [] and ctx.generation.restarts == []
+    assert capsys.readouterr().out == (
+        f"[posttrain] recovery 1 of 3: teacher worker rank 0 (node 10.0.0.1) {DIED}; rebuilding the teacher workers "
+        "(weights from the teacher's model), replaying step 4\n")
+    hung = WorkerTimeoutError("WorkerGroup 'teachers_code': no answer", group="teachers_code", ranks=[0])
+    assert recovery.recover(hung, "step 4") is Replay.STEP and ctx.teachers["teachers.code"].restarts == [()]
+    assert recovery.metrics()["recovery/restarts/teacher"] == 2.0
 
 
 # ------------------------------------------------------------------------------ the loop's side
@@ -292,3 +360,52 @@ def test_a_step_that_failed_after_its_update_goes_back_to_the_checkpoint_rather_
 def test_an_error_recovery_cannot_fix_is_raised_as_it_was(tmp_path):
     with pytest.raises(RuntimeError, match="a worker died in step 2"):
         run_with_failures(tmp_path, [2], [])
+
+
+def test_going_back_to_the_start_keeps_the_first_validation_and_the_step_labels(tmp_path, capsys):
+    # Step 2 fails before the first checkpoint (the run starts again at step 1), step 5 after the
+    # one of step 3 (back to step 3).
+    cfg = cfg_for(tmp_path, "sft.val_at_start=true", "sft.val_period=0", "sft.val_at_end=true",
+                  "checkpointing.save_period=3", "logger.progress_bar=true")
+    policy, loader = FakePolicy(), FakeLoader()
+    failures = [2, 5]
+
+    def step_fn(step, timer):
+        loader.next_batch()
+        if failures and failures[0] == step:
+            failures.pop(0)
+            raise RuntimeError(f"a worker died in step {step}")
+        policy.weights += 1
+        return {"train/loss": 1.0}
+
+    loop = make_loop(cfg, policy, loader)
+    recovery = ScriptedRecovery(policy, [Replay.FROM_CHECKPOINT] * 2)
+    loop.run(step_fn, lambda: {"validation/accuracy": 0.2 + 0.1 * policy.weights}, recovery=recovery)
+    labels = [line.split()[2] for line in capsys.readouterr().err.splitlines() if line.startswith("SFT step ")]
+    assert labels == ["1/5", "1/5", "2/5", "3/5", "4/5", "4/5", "5/5"]  # each step's own number, after each rewind
+    metrics = read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl")
+    assert sorted(metrics) == [0, 1, 2, 3, 4, 5] and metrics[0]["validation/accuracy"] == pytest.approx(0.2)
+    assert [step for step, _ in loop.history] == [0, 5]
+    assert loop.headline_change() == (pytest.approx(0.2), pytest.approx(0.7))  # "before" is the initial weights'
+
+
+def test_a_step_that_failed_after_only_the_critic_trained_is_not_trained_twice(tmp_path):
+    # PPO's warm-up: the critic trains, the policy does not; the loop counts both.
+    cfg = cfg_for(tmp_path, "sft.val_at_start=false", "sft.val_period=0", "sft.val_at_end=false")
+    policy, critic, loader = FakePolicy(), FakePolicy(), FakeLoader()
+    policy.updates = critic.updates = 0
+    failures = [2]
+
+    def step_fn(step, timer):
+        loader.next_batch()
+        critic.updates += 1
+        if failures and failures[0] == step:
+            failures.pop(0)
+            raise RuntimeError("a generation worker died after the critic's update")
+        return {"train/loss": 1.0}
+
+    loop = make_loop(cfg, policy, loader)
+    loop.trained_beside["critic"] = critic
+    recovery = ScriptedRecovery(policy, [Replay.FROM_CHECKPOINT])
+    loop.run(step_fn, lambda: {}, recovery=recovery)
+    assert [seen[2] for seen in recovery.seen] == [True]
