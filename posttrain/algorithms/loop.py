@@ -123,6 +123,7 @@ class TrainingLoop:
         self.started = time.perf_counter()
         self._start_loader_state: Optional[dict] = None  # where `rewind` goes without a checkpoint (`run`)
         self.config_saved = False  # the run's config is saved once it has trained a step
+        self.recovery: Any = None  # the recovery `run` was given (its failures go into the summary)
         self.steps_without_signal = 0  # consecutive steps whose groups all had uniform rewards
 
     @property
@@ -201,6 +202,7 @@ class TrainingLoop:
         logged step carries the restart counts (`recovery/restarts`, `recovery/restarts/<kind>`).
         """
         s = self.schedule
+        self.recovery = recovery
         if recovery is not None and self._start_loader_state is None:
             self._start_loader_state = copy.deepcopy(self.loader.state_dict())
         if self.step == 0 and s.val_at_start:
@@ -238,9 +240,11 @@ class TrainingLoop:
                     if validation is None:
                         continue  # the policy was rebuilt: the run went back to its last checkpoint
                     metrics.update(validation)
+                records = {}
                 if recovery is not None:
                     metrics.update(recovery.metrics())
-                self.logger.log_metrics(metrics, step)
+                    records = recovery.records()
+                self.logger.log_metrics(metrics, step, records=records)
                 saving = self.checkpointer.should_save(step, is_last_step=step == self.last_step)
                 if saving and not self._save_recovering(recovery):
                     continue
@@ -410,7 +414,15 @@ class TrainingLoop:
             write_report(log_dir / "metrics.jsonl", log_dir / "report.png")
         seconds = time.perf_counter() - self.started
         print(f"[posttrain] {self.name} finished at step {self.step} in {seconds:.0f}s: "
-              f"{self.summary()}{details}; logs in {log_dir}", flush=True)
+              f"{self.summary()}{details}{self._recoveries()}; logs in {log_dir}", flush=True)
+
+    def _recoveries(self) -> str:
+        """The run's recoveries in words, for the summary ("" without any)."""
+        budget = getattr(self.recovery, "budget", None)
+        if budget is None or not budget.total:
+            return ""
+        return (f"; recovered {budget.total} time(s) (cluster.max_restarts={budget.max_restarts}; each failure in "
+                f"metrics.jsonl as recovery/failures)")
 
     def summary(self) -> str:
         """The validation results in words: the headline's change from the first to the last

@@ -18,6 +18,12 @@ stops with `RunStopped`: one line, and the last checkpoint whole.
 
 A run that goes back before its first checkpoint starts every trained group (policy and critic)
 again from its initial weights, as a rerun would.
+
+With `checkpointing.enabled`, the restart counts and each failure's line are kept beside the
+checkpoints (`<checkpoint_dir>/recovery.json`, written at every failure), so a rerun of the command
+goes on counting: `cluster.max_restarts` bounds the run, not each process (a fresh checkpoint
+directory starts at 0). Every logged step carries the counts; the first one after a failure also
+carries `recovery/failures`, every failure's line so far.
 """
 
 from __future__ import annotations
@@ -27,7 +33,17 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from posttrain.distributed import actors
-from posttrain.distributed.recovery import BASE_KINDS, TRAINED_KINDS, Fault, Replay, RestartBudget, describe
+from posttrain.distributed.recovery import (
+    BASE_KINDS,
+    RECORD_FILE,
+    TRAINED_KINDS,
+    Fault,
+    Replay,
+    RestartBudget,
+    describe,
+    load_record,
+    save_record,
+)
 from posttrain.errors import RunStopped
 
 # How long to wait for Ray to say whether an actor that cannot be reached is dead: a lost node is
@@ -64,6 +80,12 @@ class RunRecovery:
     def __init__(self, ctx: Any, max_restarts: int, settle_s: float = SETTLE_S) -> None:
         self.ctx, self.settle_s = ctx, settle_s
         self.budget = RestartBudget(max_restarts, {*BASE_KINDS, *(member.kind for member in self.rebuildable())})
+        checkpointing = ctx.cfg.checkpointing
+        self.record_dir = checkpointing.checkpoint_dir if checkpointing.enabled else None
+        record = load_record(self.record_dir) if self.record_dir is not None else None
+        if record is not None:
+            self.budget.load_state_dict(record)
+        self._failures_logged = len(self.budget.failures)
 
     @classmethod
     def for_run(cls, ctx: Any) -> Optional["RunRecovery"]:
@@ -78,6 +100,21 @@ class RunRecovery:
         """`recovery/restarts` (cumulative) and `recovery/restarts/<kind>`, for every logged step."""
         return self.budget.metrics()
 
+    def records(self) -> dict[str, list[str]]:
+        """`{"recovery/failures": every failure's line so far}` for the first step logged after a
+        failure (else {}). A rewind drops the logged steps after its checkpoint, and always comes
+        with a new failure, so the last step logged with the list has it whole."""
+        if len(self.budget.failures) == self._failures_logged:
+            return {}
+        self._failures_logged = len(self.budget.failures)
+        return {"recovery/failures": list(self.budget.failures)}
+
+    def _note(self, what: str, failed: str) -> None:
+        """Add the failure's line to the record and keep the record beside the checkpoints."""
+        self.budget.failures.append(f"{what}: {failed}")
+        if self.record_dir is not None:
+            save_record(self.record_dir, self.budget.state_dict())
+
     # ------------------------------------------------------------------------------ recover
     def recover(self, error: BaseException, what: str, trained: bool = False) -> Optional[Replay]:
         """Rebuild what failed in `error`, raised by `what` ("step 3", "the validation at step 3"),
@@ -91,12 +128,18 @@ class RunRecovery:
         failed = describe(faults)
         kinds = {fault.kind for fault in faults}
         if self.budget.exhausted():
-            raise RunStopped(f"{failed}; no restart left (cluster.max_restarts={self.budget.max_restarts}); "
+            self._note(what, failed)
+            earlier = ""
+            if self.budget.earlier:
+                earlier = (f", {self.budget.earlier} of them made by earlier runs of this command ("
+                           f"{self.record_dir}/{RECORD_FILE}); raise cluster.max_restarts to allow more")
+            raise RunStopped(f"{failed}; no restart left (cluster.max_restarts={self.budget.max_restarts}{earlier}); "
                              f"{self.ctx.loop.resume_point()}") from None
         # First whether the lost work can be placed at all: when it cannot, that is the reason,
         # whichever phase of the step the failure came in.
         problem = self._placement_problem(faults)
         if problem is not None:
+            self._note(what, failed)
             raise RunStopped(f"{failed}; {problem}; {self.ctx.loop.resume_point()}") from None
         lost_state = [kind for kind in TRAINED_KINDS if kind in kinds]
         rewind = bool(lost_state) or trained
@@ -104,8 +147,10 @@ class RunRecovery:
             why = (f"rebuilding a {lost_state[0]} worker needs a checkpoint to restore the weights and optimizer from"
                    if lost_state else f"the policy had already trained in {what}, so replaying it needs a "
                    "checkpoint to go back to")
+            self._note(what, failed)
             raise RunStopped(f"{failed}; {why}, and checkpointing.enabled=false; {self.ctx.loop.resume_point()}") from None
         number = self.budget.record(kinds)
+        self._note(what, failed)
         print(f"[posttrain] recovery {number} of {self.budget.max_restarts}: {failed}; "
               f"{self._plan(kinds, what, trained)}", flush=True)
         from posttrain.distributed.cluster import ClusterError

@@ -5,7 +5,8 @@ The parts that rebuild live with what they rebuild: a `WorkerGroup` restarts its
 the `Policy` reloads its state from the last checkpoint, the generation engine takes the policy's
 weights by a refit, and `EnvironmentActors` starts a dead environment again. This module holds
 what they share and what can be tested without Ray: a `Fault` (who failed and why), the cause of
-an actor's death in words (`death_cause`), and the run's `RestartBudget` (`cluster.max_restarts`).
+an actor's death in words (`death_cause`), and the run's `RestartBudget` (`cluster.max_restarts`),
+kept across reruns in `<checkpointing.checkpoint_dir>/recovery.json` (`load_record`, `save_record`).
 The run's recovery (`posttrain.algorithms.run_recovery`) puts them together; the training loop only
 sees "this step failed, replay it" and the restart counts.
 
@@ -16,15 +17,21 @@ checkpoint).
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterable, Optional
+from pathlib import Path
+from typing import Any, Iterable, Optional
 
 KINDS = ("policy", "critic", "teacher", "generation", "environment")  # what a run rebuilds
 BASE_KINDS = ("policy", "generation", "environment")  # what every on-policy run has
 # The kinds whose members hold trained state that only a checkpoint restores: rebuilding one sends
 # the run back to its last checkpoint.
 TRAINED_KINDS = ("policy", "critic")
+# Beside the checkpoints (`checkpointing.checkpoint_dir`): the run's restarts and failures so far,
+# so that `cluster.max_restarts` bounds the run across reruns of its command.
+RECORD_FILE = "recovery.json"
 
 
 class Replay(Enum):
@@ -86,7 +93,10 @@ class RestartBudget:
     each counted once in all and once for every kind of member it rebuilt.
 
     `recovery/restarts` (cumulative) and `recovery/restarts/<kind>` for each of `kinds` (the run's:
-    default `BASE_KINDS`; PPO adds "critic", distillation "teacher") go to every logged step.
+    default `BASE_KINDS`; PPO adds "critic", distillation "teacher") go to every logged step;
+    `failures` holds each failure in one line ("step 3: generation worker rank 0 ... died: ..."),
+    also those that stopped the run. `state_dict` / `load_state_dict` carry all of it to a rerun
+    (`earlier`: the restarts made by earlier runs).
     """
 
     def __init__(self, max_restarts: int, kinds: Iterable[str] = BASE_KINDS) -> None:
@@ -98,6 +108,8 @@ class RestartBudget:
         self.max_restarts = max_restarts
         self.total = 0
         self.per_kind = {kind: 0 for kind in KINDS if kind in set(kinds)}
+        self.failures: list[str] = []
+        self.earlier = 0
 
     def exhausted(self) -> bool:
         """No restart left."""
@@ -119,6 +131,43 @@ class RestartBudget:
     def metrics(self) -> dict[str, float]:
         return {"recovery/restarts": float(self.total),
                 **{f"recovery/restarts/{kind}": float(n) for kind, n in self.per_kind.items()}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"restarts": self.total, "per_kind": dict(self.per_kind), "failures": list(self.failures)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from an earlier run's counts (kinds this run does not have are dropped)."""
+        self.total = self.earlier = int(state.get("restarts", 0))
+        for kind, count in dict(state.get("per_kind", {})).items():
+            if kind in self.per_kind:
+                self.per_kind[kind] = int(count)
+        self.failures = [str(line) for line in state.get("failures", [])]
+
+
+def load_record(checkpoint_dir: str | os.PathLike) -> Optional[dict[str, Any]]:
+    """The restart record an earlier run left in `checkpoint_dir` (None: a fresh directory).
+    Raises ValueError naming the file when it is not a record."""
+    path = Path(checkpoint_dir) / RECORD_FILE
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict):
+            raise ValueError("not a JSON object")
+        return record
+    except ValueError as error:
+        raise ValueError(f"{path}: not a restart record ({error}); delete it to count restarts from 0") from None
+
+
+def save_record(checkpoint_dir: str | os.PathLike, record: dict[str, Any]) -> Path:
+    """Write `record` to `checkpoint_dir`/recovery.json atomically (a temporary file renamed)."""
+    directory = Path(checkpoint_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / RECORD_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def describe(faults: list[Fault]) -> str:

@@ -180,14 +180,17 @@ class Logger:
             log.info("dropped %d metric lines after step %d from %s", dropped, step, self.metrics_path)
         return dropped
 
-    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str = "") -> None:
+    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str = "",
+                    records: Optional[Mapping[str, Any]] = None) -> None:
         """Record `metrics` at `step`; names get `prefix` prepended (e.g. `"timing/train/"`).
 
         Values must be numbers (python, numpy or single-element torch); NaN / inf are written as
-        null in JSONL and skipped by the other backends.
+        null in JSONL and skipped by the other backends. `records` (default None) are JSON values
+        that are no numbers (e.g. `recovery/failures`, a list of lines), written to the same JSONL
+        line only.
         """
         values = {f"{prefix}{key}": _to_float(f"{prefix}{key}", value) for key, value in metrics.items()}
-        self._jsonl.write(json.dumps({"step": int(step), **values}) + "\n")
+        self._jsonl.write(json.dumps({"step": int(step), **values, **(records or {})}) + "\n")
         self._jsonl.flush()
         finite = {key: value for key, value in values.items() if value is not None}
         if self._tensorboard is not None:

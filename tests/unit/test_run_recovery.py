@@ -131,6 +131,8 @@ class FakeLoop:
 
 
 class FakeCtx:
+    checkpoint_dir = None  # each test's own (`own_checkpoint_dir`)
+
     def __init__(self, policy_dead=(), generation_dead=(), env_dead=(), checkpointing=True, max_restarts=3):
         self.policy = FakeRestartable(FakeGroup("policy", policy_dead))
         self.generation = FakeRestartable(FakeGroup("generation", generation_dead))
@@ -138,7 +140,7 @@ class FakeCtx:
         self.envs = FakeEnvs(env_dead)
         self.loop, self.refit_metadata, self.generation_stale = FakeLoop(), "metadata", False
         self.cfg = type("Cfg", (), {"checkpointing": type("C", (), {"enabled": checkpointing,
-                                                                    "checkpoint_dir": "/nonexistent"})(),
+                                                                    "checkpoint_dir": self.checkpoint_dir})(),
                                      "cluster": type("K", (), {"max_restarts": max_restarts})()})()
 
 
@@ -161,6 +163,12 @@ def with_critic(ctx, dead=()):
 
 
 DIED = "died: its process exited (killed by a signal, out of memory, or crashed)"
+
+
+@pytest.fixture(autouse=True)
+def own_checkpoint_dir(tmp_path, monkeypatch):
+    """The fake runs' checkpoint directory, empty (no checkpoint, no restart record yet)."""
+    monkeypatch.setattr(FakeCtx, "checkpoint_dir", tmp_path / "ckpt")
 
 
 def test_a_dead_generation_worker_is_rebuilt_and_the_step_replayed(capsys):
@@ -227,7 +235,6 @@ def test_a_dead_critic_worker_is_rebuilt_and_the_run_goes_back_to_its_checkpoint
     ctx = with_critic(FakeCtx(), dead=[(0, DIED, None)])
     (tmp_path / "ckpt" / "step_2").mkdir(parents=True)
     (tmp_path / "ckpt" / "step_2" / "training_info.json").write_text('{"step": 2}')
-    ctx.cfg.checkpointing.checkpoint_dir = tmp_path / "ckpt"
     recovery = RunRecovery.for_run(ctx)
     assert recovery.recover(RuntimeError("actor died"), "step 3") is Replay.FROM_CHECKPOINT
     # The loop loads the checkpoint into both trained groups; only the dead one is rebuilt.
@@ -286,6 +293,13 @@ class ScriptedRecovery:
     def metrics(self):
         return {"recovery/restarts": float(len(self.seen))}
 
+    def records(self):
+        """As `RunRecovery.records`: the failures so far, on the first step logged after one."""
+        if len(self.seen) == getattr(self, "logged", 0):
+            return {}
+        self.logged = len(self.seen)
+        return {"recovery/failures": [f"{what}: {error}" for error, what, _ in self.seen]}
+
 
 def run_with_failures(tmp_path, fail_at, replays):
     """Five steps, `step_fn` failing once at each step of `fail_at`; (steps drawn, metrics by step, policy)."""
@@ -315,6 +329,11 @@ def test_a_failed_step_is_replayed_with_the_prompts_it_drew(tmp_path):
     assert recovery.seen == [("a worker died in step 3", "step 3", False)]
     assert sorted(metrics) == [1, 2, 3, 4, 5] and policy.weights == 5 and loop.state["trained"] == 5
     assert [metrics[s]["recovery/restarts"] for s in (2, 3)] == [0.0, 1.0]
+    assert metrics[3]["recovery/failures"] == ["step 3: a worker died in step 3"]  # the first step logged after it
+    assert "recovery/failures" not in metrics[4]
+    from posttrain.utils.report import recovery_failures
+
+    assert recovery_failures(metrics) == ["step 3: a worker died in step 3"]
 
 
 def test_a_rebuilt_policy_sends_the_loop_back_to_its_last_checkpoint(tmp_path):
@@ -348,9 +367,10 @@ def test_a_step_that_failed_after_its_update_goes_back_to_the_checkpoint_rather_
     assert policy.weights == 5  # step 3's update counted once: back to step 2's checkpoint, then 3 to 5
     # ...which rebuilds what died, goes back to the checkpoint, and says why.
     ctx = FakeCtx(generation_dead=[(0, DIED, None)])
+    ctx.cfg.checkpointing.checkpoint_dir = tmp_path / "no-checkpoint-yet"
     assert RunRecovery.for_run(ctx).recover(RuntimeError("actor died"), "step 3", trained=True) is Replay.FROM_CHECKPOINT
     assert ctx.generation.restarts == ["forget", ("metadata",)]
-    assert ctx.policy.restarts == [()]  # no checkpoint yet (/nonexistent): the policy starts from its initial weights
+    assert ctx.policy.restarts == [()]  # no checkpoint yet: the policy starts from its initial weights
     assert "replaying from the last checkpoint (the policy had already trained in step 3)" in capsys.readouterr().out
     ctx = FakeCtx(generation_dead=[(0, DIED, None)], checkpointing=False)
     with pytest.raises(RunStopped, match="already trained in step 3, so replaying it needs a checkpoint"):
@@ -409,3 +429,32 @@ def test_a_step_that_failed_after_only_the_critic_trained_is_not_trained_twice(t
     recovery = ScriptedRecovery(policy, [Replay.FROM_CHECKPOINT])
     loop.run(step_fn, lambda: {}, recovery=recovery)
     assert [seen[2] for seen in recovery.seen] == [True]
+
+
+def test_restart_counts_and_failures_are_kept_beside_the_checkpoints_for_a_rerun(tmp_path, monkeypatch):
+    import json
+
+    recovery = RunRecovery.for_run(FakeCtx(env_dead=[("math", DIED)], max_restarts=2))
+    assert recovery.recover(RuntimeError("actor died"), "step 3") is Replay.STEP
+    assert recovery.records() == {"recovery/failures": [f"step 3: environment 'math' {DIED}"]}
+    assert recovery.records() == {}  # on the first step logged after the failure only
+    # A rerun of the command (the same checkpoint directory) goes on counting...
+    rerun = RunRecovery.for_run(FakeCtx(env_dead=[("math", DIED)], max_restarts=2))
+    assert rerun.metrics()["recovery/restarts"] == 1.0 and rerun.metrics()["recovery/restarts/environment"] == 1.0
+    assert rerun.records() == {}  # logged by the run that made it
+    assert rerun.recover(RuntimeError("actor died"), "step 4") is Replay.STEP
+    assert rerun.budget.exhausted()
+    # ...so max_restarts bounds the run, not each process.
+    with pytest.raises(RunStopped) as stopped:
+        RunRecovery.for_run(FakeCtx(env_dead=[("math", DIED)], max_restarts=2)).recover(RuntimeError("actor died"), "step 5")
+    assert f"no restart left (cluster.max_restarts=2, 2 of them made by earlier runs of this command ({tmp_path}" \
+           "/ckpt/recovery.json); raise cluster.max_restarts to allow more)" in str(stopped.value)
+    record = json.loads((tmp_path / "ckpt" / "recovery.json").read_text())
+    assert record["restarts"] == 2 and record["per_kind"]["environment"] == 2
+    assert record["failures"] == [f"step {step}: environment 'math' {DIED}" for step in (3, 4, 5)]
+    # A fresh checkpoint directory starts at 0; without checkpointing nothing is kept.
+    monkeypatch.setattr(FakeCtx, "checkpoint_dir", tmp_path / "fresh")
+    assert RunRecovery.for_run(FakeCtx()).metrics()["recovery/restarts"] == 0.0
+    unkept = RunRecovery.for_run(FakeCtx(env_dead=[("math", DIED)], checkpointing=False))
+    assert unkept.recover(RuntimeError("actor died"), "step 1") is Replay.STEP
+    assert not (tmp_path / "fresh").exists()
