@@ -5,7 +5,8 @@ on shards of a `Batch` (`run_sharded`, results gathered back in the original row
 wait goes through `get`, which fails fast: the first worker whose call raises or whose process
 dies ends the wait with a `WorkerError` naming it, instead of waiting for the other ranks, which
 may be blocked forever in a collective with the dead one; a worker whose process stops answering
-(no heartbeat for `cluster.heartbeat_timeout_s`, `heartbeat.py`) ends it with a
+(no heartbeat for `cluster.heartbeat_timeout_s`, `heartbeat.py`), or whose call makes no progress
+(past its phase's bound, `progress.py`: the error says where it was stuck), ends it with a
 `WorkerTimeoutError`. `restart` starts every member again (a new process group, on bundles placed
 again after a lost node): the recovery of a run (`posttrain.distributed.recovery`) builds on it.
 Modelled on NeMo-RL's `RayWorkerGroup`.
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from posttrain.distributed import actors, collective, heartbeat
+from posttrain.distributed import actors, collective, heartbeat, progress
 from posttrain.distributed.actors import LocalCluster
 from posttrain.distributed.batch import Batch
 
@@ -47,6 +48,9 @@ FAILURE_GRACE_S = 1.0  # after a failure, how long to wait for the other ranks' 
 # The rendezvous port is one found free on rank 0's node just before the workers start; another
 # process (a parallel test, another job) may bind it first: the group then starts again on a new one.
 RENDEZVOUS_ATTEMPTS = 3
+# Ray counts resources in units of 1e-4: a third of a CPU shows as 0.3333 free when 0.333333 is
+# asked (a group of three colocated groups, PPO's policy, critic and engine, restarting).
+RAY_RESOURCE_UNIT = 1e-4
 
 
 def is_port_taken(error: BaseException) -> bool:
@@ -208,6 +212,8 @@ class WorkerGroup:
         heartbeat_timeout_s: a worker whose process has not beaten for this long while the group
             waits for it has stopped answering (`heartbeat.py`; default 0.0: no heartbeats;
             `cluster.heartbeat_timeout_s`). Ray backend only.
+        progress_limits: the bounds of its calls' phases (`progress.ProgressLimits`,
+            `cluster.progress_timeout_*`; default None: none). Ray backend only.
     """
 
     def __init__(
@@ -223,6 +229,7 @@ class WorkerGroup:
         python_executable: str | os.PathLike | None = None,
         actor_resources: Mapping[str, float] | None = None,
         heartbeat_timeout_s: float = 0.0,
+        progress_limits: progress.ProgressLimits | None = None,
     ) -> None:
         if not (isinstance(actor_cls, type) and issubclass(actor_cls, DistributedWorker)):
             raise TypeError(
@@ -244,7 +251,11 @@ class WorkerGroup:
         # Heartbeats (Ray only: a local worker is this process, which cannot stop without us).
         beats = heartbeat_timeout_s > 0 and not self.is_local
         self._watch = heartbeat.HeartbeatWatch(heartbeat_timeout_s) if beats else None
-        self._beat_period = heartbeat.period_for(heartbeat_timeout_s) if self._watch else 0.0
+        watched = progress_limits is not None and progress_limits.enabled and not self.is_local
+        self._progress = progress.ProgressWatch(progress_limits) if watched else None
+        # The heartbeat thread also answers requests for stacks: it runs when either needs it.
+        self._beat_period = heartbeat.period_for(heartbeat_timeout_s) if self._watch else \
+            heartbeat.STACKS_POLL_S if self._progress else 0.0
 
         size = cluster.world_size()
         bundle_indices = list(range(size) if bundle_indices is None else bundle_indices)
@@ -339,7 +350,7 @@ class WorkerGroup:
                 MASTER_PORT=str(master_port),
             )
             env[COLLECTIVE_TIMEOUT_ENV] = str(self.worker_timeout_s)
-            if self._watch is not None:
+            if self._beat_period:
                 env[heartbeat.HEARTBEAT_ENV] = str(self._beat_period)
             if not self.cluster.use_gpus:
                 env[NUM_THREADS_ENV] = str(max(1, int(self.cluster.cpus_per_bundle)))
@@ -380,7 +391,7 @@ class WorkerGroup:
                 pg, index = locations[bundle]
                 for resource, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
                     free = available.get(f"{resource}_group_{index}_{pg.id.hex()}", 0.0)
-                    if key in need and free + 1e-6 < need[key]:
+                    if key in need and free + RAY_RESOURCE_UNIT < need[key]:
                         short.append(f"bundle {bundle}: {resource} free {free:g}, needed {need[key]:g}")
             if not short:
                 return
@@ -400,6 +411,8 @@ class WorkerGroup:
             raise AttributeError(f"{self._actor_cls.__name__} (WorkerGroup {self.name!r}) has no method {method!r}")
         ref = getattr(self.workers[rank], method).remote(*args, **kwargs)
         self._pending[ref] = (rank, method)
+        if self._progress is not None:
+            self._progress.started(ref, method)
         return ref
 
     def run_all_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -508,20 +521,27 @@ class WorkerGroup:
                         group=self.name, ranks=self._ranks(waiting),
                     )
                 # num_returns=1: wake up on the first finished (or failed) call, not the last; with
-                # heartbeats, at least every beat period, to check on the workers still running.
-                slice_s = min(remaining, self._beat_period) if self._watch is not None else remaining
+                # heartbeats or progress bounds, at least every beat period, to check on the calls
+                # still running.
+                slice_s = min(remaining, self._beat_period) if self._beat_period else remaining
                 ready, waiting = actors.wait(waiting, num_returns=1, timeout=slice_s)
                 if not ready and self._watch is not None:
                     self._check_heartbeats(waiting)
+                if not ready and self._progress is not None:
+                    self._check_progress(waiting)
                 for ref in ready:
                     try:
                         result = actors.get(ref)
                     except Exception as error:
                         self._raise_failure(ref, error, waiting)
+                    if self._progress is not None:
+                        self._progress.finished(ref)
                     yield ref, result
         finally:
             for ref in refs:
                 self._pending.pop(ref, None)
+            if self._progress is not None:
+                self._progress.forget(refs)
 
     def _ranks(self, refs: Sequence[Any]) -> list[int]:
         return sorted({self._pending[ref][0] for ref in refs if ref in self._pending})
@@ -538,6 +558,20 @@ class WorkerGroup:
                 f"WorkerGroup {self.name!r}: stopped answering: {names} (cluster.heartbeat_timeout_s="
                 f"{self._watch.timeout_s:g})", group=self.name, ranks=sorted(ranks[actor] for actor in stopped),
             )
+
+    def _check_progress(self, waiting: Sequence[Any]) -> None:
+        """Raise a WorkerTimeoutError naming the calls among `waiting` past their phase's bound
+        (`progress.ProgressWatch`) and where each was stuck (the stacks its worker sends)."""
+        late = self._progress.overdue(waiting)
+        if not late:
+            return
+        ids = {ref: actors.actor_id(self.workers[self._pending[ref][0]]) for ref, *_ in late}
+        stacks = progress.request_stacks(set(ids.values()))
+        names = [progress.describe_overdue(self.describe_rank(self._pending[ref][0]), phase, self._pending[ref][1],
+                                           running, bound, why, stacks.get(ids[ref]))
+                 for ref, phase, running, bound, why in late]
+        raise WorkerTimeoutError(f"WorkerGroup {self.name!r}: no progress: " + "; ".join(names),
+                                 group=self.name, ranks=self._ranks([ref for ref, *_ in late]))
 
     def _raise_failure(self, ref: Any, error: Exception, waiting: list[Any]) -> None:
         """Raise a WorkerError for the failure of `ref`, putting the likely root cause first.

@@ -33,13 +33,14 @@ def test_a_ppo_run_rebuilds_a_dead_generation_worker_environment_policy_worker_a
     pids = {name: tmp_path / f"{name}.pid" for name in ("generation", "policy", "critic")}
     # Two policy workers (an FSDP group), the critic's two beside them and, colocated, two generation
     # workers: the environment is called once per generation shard, so twice a step (once in a step
-    # cut short), and checkpoints come every 2 steps. Call 1 kills generation rank 0 in step 1 (the
-    # step is replayed). Call 5 kills policy rank 1 in step 2, after the policy's update of step 1
-    # and before the first checkpoint: the run starts again at step 1 with the policy and the critic
-    # at their initial weights. Call 11 kills the environment itself in step 3 (the step is
-    # replayed), call 14 critic rank 0 in step 4 (the run goes back to step 2's checkpoint). Each
-    # call lands in its step whether step 1's second call came before its failure or not.
-    plan = {1: pids["generation"], 5: pids["policy"], 11: "self", 14: pids["critic"]}
+    # cut short) and twice in the validation before the first step (calls 1 and 2); checkpoints
+    # come every 2 steps. Call 3 kills generation rank 0 in step 1 (the step is replayed). Call 7
+    # kills policy rank 1 in step 2, after the policy's update of step 1 and before the first
+    # checkpoint: the run starts again at step 1 with the policy and the critic at their initial
+    # weights, keeping the validation before it. Call 13 kills the environment itself in step 3 (the
+    # step is replayed), call 16 critic rank 0 in step 4 (the run goes back to step 2's checkpoint).
+    # Each call lands in its step whether step 1's second call came before its failure or not.
+    plan = {3: pids["generation"], 7: pids["policy"], 13: "self", 16: pids["critic"]}
     cfg = load_config("ppo", overrides=[
         *SMALL, *RECOVERY, f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
         "checkpointing.save_period=2", "policy.num_workers=2", "cluster.max_restarts=4", "grpo.val_at_start=true",
