@@ -108,6 +108,7 @@ def test_past_max_restarts_the_run_stops_in_one_line_and_resumes_from_its_checkp
     assert cli.main(["grpo", "--config", str(config), "cluster.max_restarts=2"]) == 0
     out = capfd.readouterr().out
     assert "resumed from" in out and "[posttrain] recovery 2 of 2: environment 'math' died" in out, out
+    assert "recovered 2 time(s) (cluster.max_restarts=2" in out  # the summary line
     metrics = read_metrics(tmp_path / "logs")
     assert sorted(metrics) == [1, 2, 3, 4] and metrics[4]["recovery/restarts"] == 2
     failures = metrics[3]["recovery/failures"]  # every failure so far, on the first step logged after one
