@@ -146,7 +146,9 @@ class RestartBudget:
 
 def load_record(checkpoint_dir: str | os.PathLike) -> Optional[dict[str, Any]]:
     """The restart record an earlier run left in `checkpoint_dir` (None: a fresh directory).
-    Raises ValueError naming the file when it is not a record."""
+    Raises `UserError` (one line, before any step) naming the file when it is not a record."""
+    from posttrain.errors import UserError
+
     path = Path(checkpoint_dir) / RECORD_FILE
     if not path.exists():
         return None
@@ -156,7 +158,7 @@ def load_record(checkpoint_dir: str | os.PathLike) -> Optional[dict[str, Any]]:
             raise ValueError("not a JSON object")
         return record
     except ValueError as error:
-        raise ValueError(f"{path}: not a restart record ({error}); delete it to count restarts from 0") from None
+        raise UserError(f"{path}: not a restart record ({error}); delete it to count restarts from 0") from None
 
 
 def save_record(checkpoint_dir: str | os.PathLike, record: dict[str, Any]) -> Path:

@@ -13,7 +13,7 @@ from posttrain.distributed.cluster import placement_after_loss
 from posttrain.distributed.heartbeat import HeartbeatWatch, period_for
 from posttrain.distributed.recovery import Replay, RestartBudget, death_cause
 from posttrain.distributed.worker_group import WorkerError, WorkerTimeoutError
-from posttrain.errors import RunStopped
+from posttrain.errors import RunStopped, UserError
 from posttrain.utils.logger import read_metrics_jsonl
 
 
@@ -458,3 +458,7 @@ def test_restart_counts_and_failures_are_kept_beside_the_checkpoints_for_a_rerun
     unkept = RunRecovery.for_run(FakeCtx(env_dead=[("math", DIED)], checkpointing=False))
     assert unkept.recover(RuntimeError("actor died"), "step 1") is Replay.STEP
     assert not (tmp_path / "fresh").exists()
+    (tmp_path / "ckpt" / "recovery.json").write_text("[1, 2")  # a torn or foreign file: one line, no traceback
+    monkeypatch.setattr(FakeCtx, "checkpoint_dir", tmp_path / "ckpt")
+    with pytest.raises(UserError, match=r"recovery.json: not a restart record .*delete it to count restarts from 0"):
+        RunRecovery.for_run(FakeCtx())
