@@ -119,9 +119,9 @@ class RunRecovery:
     def recover(self, error: BaseException, what: str, trained: bool = False) -> Optional[Replay]:
         """Rebuild what failed in `error`, raised by `what` ("step 3", "the validation at step 3"),
         and say what to replay; None when no member failed (the caller raises `error`). Raises
-        `RunStopped` when it cannot go on. `trained`: the policy had already trained in the failed
-        step, so replaying the step on top of it would train twice: the run goes back to the last
-        checkpoint instead (default False)."""
+        `RunStopped` when it cannot go on. `trained`: the policy or the critic had already trained
+        in the failed step, so replaying the step on top of it would train twice: the run goes back
+        to the last checkpoint instead (default False)."""
         faults = self.find_faults(error)
         if not faults:
             return None
@@ -145,7 +145,7 @@ class RunRecovery:
         rewind = bool(lost_state) or trained
         if rewind and not self.ctx.cfg.checkpointing.enabled:
             why = (f"rebuilding a {lost_state[0]} worker needs a checkpoint to restore the weights and optimizer from"
-                   if lost_state else f"the policy had already trained in {what}, so replaying it needs a "
+                   if lost_state else f"training had already begun in {what}, so replaying it needs a "
                    "checkpoint to go back to")
             self._note(what, failed)
             raise RunStopped(f"{failed}; {why}, and checkpointing.enabled=false; {self.ctx.loop.resume_point()}") from None
@@ -178,7 +178,7 @@ class RunRecovery:
         if kinds & set(TRAINED_KINDS):
             replay = "replaying from the last checkpoint"
         elif trained:
-            replay = f"replaying from the last checkpoint (the policy had already trained in {what})"
+            replay = f"replaying from the last checkpoint (training had already begun in {what})"
         else:
             replay = f"replaying {what}"
         return ", ".join(parts) + f", {replay}"

@@ -371,9 +371,9 @@ def test_a_step_that_failed_after_its_update_goes_back_to_the_checkpoint_rather_
     assert RunRecovery.for_run(ctx).recover(RuntimeError("actor died"), "step 3", trained=True) is Replay.FROM_CHECKPOINT
     assert ctx.generation.restarts == ["forget", ("metadata",)]
     assert ctx.policy.restarts == [()]  # no checkpoint yet: the policy starts from its initial weights
-    assert "replaying from the last checkpoint (the policy had already trained in step 3)" in capsys.readouterr().out
+    assert "replaying from the last checkpoint (training had already begun in step 3)" in capsys.readouterr().out
     ctx = FakeCtx(generation_dead=[(0, DIED, None)], checkpointing=False)
-    with pytest.raises(RunStopped, match="already trained in step 3, so replaying it needs a checkpoint"):
+    with pytest.raises(RunStopped, match="training had already begun in step 3, so replaying it needs a checkpoint"):
         RunRecovery.for_run(ctx).recover(RuntimeError("actor died"), "step 3", trained=True)
 
 
