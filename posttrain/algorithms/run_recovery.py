@@ -226,7 +226,8 @@ class RunRecovery:
         return faults
 
     def _hung_members(self, error: BaseException) -> list[Fault]:
-        """Members named by a `WorkerTimeoutError` in `error`'s chain (no heartbeat, or no answer in time)."""
+        """Members named by a `WorkerTimeoutError` in `error`'s chain (no heartbeat, no progress within
+        its phase's bound, or no answer in time)."""
         from posttrain.distributed.worker_group import WorkerTimeoutError
         from posttrain.environments.registry import ENV_GROUP_PREFIX
 
