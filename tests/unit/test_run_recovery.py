@@ -205,6 +205,21 @@ def test_a_timeout_names_the_hung_members_and_a_plain_error_is_not_recovered():
     assert recovery.budget.total == 2
 
 
+def test_a_call_without_progress_is_recovered_like_a_death_and_says_where_it_was_stuck(capsys):
+    ctx = FakeCtx()
+    stuck = WorkerTimeoutError(
+        "WorkerGroup 'policy': no progress: rank 1 (node 10.0.0.2), no progress in train for 41s (bound 40s: "
+        "cluster.progress_timeout_s.train=40), stuck in acquire (my_loss.py:88) <- train (worker.py:12)",
+        group="policy", ranks=[1])
+    assert RunRecovery.for_run(ctx).recover(stuck, "step 2") is Replay.FROM_CHECKPOINT
+    assert ctx.policy.restarts == [()]
+    assert capsys.readouterr().out == (
+        "[posttrain] recovery 1 of 3: policy workers hung: no progress: rank 1 (node 10.0.0.2), no progress in train "
+        "for 41s (bound 40s: cluster.progress_timeout_s.train=40), stuck in acquire (my_loss.py:88) <- train "
+        "(worker.py:12); rebuilding the policy workers, then loading the last checkpoint, replaying from the last "
+        "checkpoint\n")
+
+
 def test_the_run_stops_in_one_line_past_the_bound_or_without_checkpoints():
     ctx = FakeCtx(env_dead=[("math", DIED)], max_restarts=0)
     with pytest.raises(RunStopped) as stopped:
