@@ -3,7 +3,8 @@
 A heartbeat (`heartbeat.py`) says that a worker's process runs; it does not say that the call it
 runs gets anywhere. A Python-level deadlock, an endless loop, or a collective waiting for a peer
 that is alive but stuck elsewhere all beat on. So the controller also bounds each call by its
-phase (the worker method it calls, e.g. `train`, `generate`; `env_step` for an environment's step):
+phase (the worker method it calls, e.g. `train`, `generate`; `env_step` for an environment's step,
+`env_finish` for its `finish`):
 
 - the bound the user set for the phase (`cluster.progress_timeout_s.<phase>`), else
 - `cluster.progress_timeout_factor` times the slowest call of that phase finished so far in the
@@ -28,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 NAMESPACE = "posttrain-progress"
-ENV_STEP_PHASE = "env_step"  # the phase of an environment's step (its bound: progress_timeout_s.env_step)
 STACK_WAIT_S = 10.0  # how long the controller waits for a stuck worker's stacks before naming it without
 
 

@@ -168,11 +168,12 @@ class PendingStep:
     """Environment steps launched by `launch_step`: actor calls already running (plain instances
     have already stepped); `result()` waits for them and reassembles the batch."""
 
-    def __init__(self, envs: dict[str, Any], groups: dict[str, list[int]], launched: dict[str, Any], batch_size: int):
+    def __init__(self, envs: dict[str, Any], groups: dict[str, list[int]], launched: dict[str, Any], batch_size: int,
+                 method: str = "step"):
         self.envs, self.groups, self.launched, self.batch_size = envs, groups, launched, batch_size
         self.timed_out: list[int] = []  # indices `result(timeout)` left behind
         if isinstance(envs, EnvironmentActors):  # its calls' progress is watched from their launch
-            envs.started(launched)
+            envs.started(launched, method)
 
     def result(self, timeout: Optional[float] = None) -> EnvironmentReturn:
         """Wait for the steps and reassemble them in input order.
@@ -259,7 +260,7 @@ def launch_step(
         group_meta = [metadata[i] for i in indices]
         call = getattr(env, method)
         launched[task] = call(group_logs, group_meta) if _is_plain_instance(env) else call.remote(group_logs, group_meta)
-    return PendingStep(envs, groups, launched, batch_size)
+    return PendingStep(envs, groups, launched, batch_size, method)
 
 
 ENV_SHUTDOWN_TIMEOUT_S = 5.0  # an environment's own clean-up, at most, before its actor is killed
@@ -329,14 +330,13 @@ class EnvironmentActors(dict):
 
 
     # ------------------------------------------------------------------ watching steps
-    def started(self, launched: dict[str, Any]) -> None:
-        """Steps were launched (`launch_step`: task -> its future): their progress counts from now."""
-        from posttrain.distributed.progress import ENV_STEP_PHASE
-
+    def started(self, launched: dict[str, Any], method: str = "step") -> None:
+        """Calls of `method` were launched (`launch_step`: task -> its future): their progress counts
+        from now, in the phase `env_<method>` (`env_step`, `env_finish`)."""
         if self.progress is not None:
             for task, ref in launched.items():
                 if not _is_plain_instance(self[task]):
-                    self.progress.started(ref, ENV_STEP_PHASE)
+                    self.progress.started(ref, f"env_{method}")
 
     def wait_steps(self, refs: list, tasks: list[str]) -> None:
         """Wait until every step of `refs` (those of `tasks`) is done; raise a `WorkerTimeoutError`

@@ -76,7 +76,8 @@ class ClusterConfig(Section):
             "endless loop, a collective whose peer is alive but stuck): the controller asks the worker for its "
             "Python stacks, names in one line where the call was stuck, and recovers from it as from a dead "
             "worker (cluster.max_restarts). A phase is the worker method called (train, generate, get_logprobs, "
-            "get_values, save_checkpoint, broadcast_for_refit, ...) or env_step for an environment's step, e.g. "
+            "get_values, save_checkpoint, broadcast_for_refit, ...), env_step for an environment's step (env_finish "
+            "for its finish), e.g. "
             "{train: 900, env_step: 120}. A phase without one here gets cluster.progress_timeout_factor times its "
             "slowest call so far. Ray backend only."
         ),
