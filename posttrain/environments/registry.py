@@ -328,7 +328,6 @@ class EnvironmentActors(dict):
             if name == env:
                 self[task] = fresh
 
-
     # ------------------------------------------------------------------ watching steps
     def started(self, launched: dict[str, Any], method: str = "step") -> None:
         """Calls of `method` were launched (`launch_step`: task -> its future): their progress counts
