@@ -149,22 +149,25 @@ class RunRecovery:
                    "checkpoint to go back to")
             self._note(what, failed)
             raise RunStopped(f"{failed}; {why}, and checkpointing.enabled=false; {self.ctx.loop.resume_point()}") from None
+        from posttrain.utils.checkpoint import complete_checkpoints
+
+        from_start = rewind and not complete_checkpoints(self.ctx.cfg.checkpointing.checkpoint_dir)
         number = self.budget.record(kinds)
         self._note(what, failed)
         print(f"[posttrain] recovery {number} of {self.budget.max_restarts}: {failed}; "
-              f"{self._plan(kinds, what, trained)}", flush=True)
+              f"{self._plan(kinds, what, trained, from_start)}", flush=True)
         from posttrain.distributed.cluster import ClusterError
         from posttrain.distributed.worker_group import WorkerError
 
         try:
-            self._rebuild(faults, trained)
+            self._rebuild(faults, rewind, from_start)
         except (ClusterError, WorkerError) as rebuild_error:
             reason = str(rebuild_error).splitlines()[0]
             raise RunStopped(f"{failed}; rebuilding failed: {reason}; {self.ctx.loop.resume_point()}") from None
         return Replay.FROM_CHECKPOINT if rewind else Replay.STEP
 
-    def _plan(self, kinds: set[str], what: str, trained: bool) -> str:
-        """What recovery does next, in words."""
+    def _plan(self, kinds: set[str], what: str, trained: bool, from_start: bool) -> str:
+        """What recovery does next, in words (`from_start`: there is no checkpoint to go back to yet)."""
         parts = []
         if "environment" in kinds:
             parts.append("restarting the environment")
@@ -181,6 +184,11 @@ class RunRecovery:
             replay = f"replaying from the last checkpoint (training had already begun in {what})"
         else:
             replay = f"replaying {what}"
+        if from_start:
+            groups = [member.kind for member in self.rebuildable() if member.kind in TRAINED_KINDS]
+            again = (f"the {groups[0]} starts again from its" if len(groups) == 1 else
+                     f"the {' and the '.join(groups)} start again from their")
+            replay += f" (none yet: {again} initial weights, at step 1)"
         return ", ".join(parts) + f", {replay}"
 
     def find_faults(self, error: BaseException) -> list[Fault]:
@@ -258,21 +266,17 @@ class RunRecovery:
         return None
 
     # ------------------------------------------------------------------------------ rebuild
-    def _rebuild(self, faults: list[Fault], trained: bool) -> None:
+    def _rebuild(self, faults: list[Fault], rewind: bool, from_start: bool) -> None:
         """Environments first (they hold no state), then the teachers (their weights are their
         model's), then the trained groups (new process groups; the loop loads the last checkpoint
-        into them), then generation, which the next step refits. A run going back to its last
-        checkpoint with none yet starts every trained group again from its initial weights, as a
-        rerun would (also those that did not fail: they trained since)."""
+        into them: `rewind`), then generation, which the next step refits. A run going back to its
+        last checkpoint with none yet (`from_start`) starts every trained group again from its
+        initial weights, as a rerun would (also those that did not fail: they trained since)."""
         ctx = self.ctx
         for env in sorted({fault.name for fault in faults if fault.kind == "environment"}):
             ctx.envs.restart(env)
         failed = {fault.name for fault in faults if fault.kind != "environment"}
         kinds = {fault.kind for fault in faults}
-        from posttrain.utils.checkpoint import complete_checkpoints
-
-        rewind = bool(kinds & set(TRAINED_KINDS)) or trained
-        from_start = rewind and not complete_checkpoints(ctx.cfg.checkpointing.checkpoint_dir)
         members = self.rebuildable()
         for member in members:
             if member.kind == "teacher" and member.label in failed:

@@ -206,7 +206,7 @@ def test_a_timeout_names_the_hung_members_and_a_plain_error_is_not_recovered():
 
 
 def test_a_call_without_progress_is_recovered_like_a_death_and_says_where_it_was_stuck(capsys):
-    ctx = FakeCtx()
+    ctx = FakeCtx()  # no checkpoint yet: the policy starts again from its initial weights
     stuck = WorkerTimeoutError(
         "WorkerGroup 'policy': no progress: rank 1 (node 10.0.0.2), no progress in train for 41s (bound 40s: "
         "cluster.progress_timeout_s.train=40), stuck in acquire (my_loss.py:88) <- train (worker.py:12)",
@@ -217,7 +217,7 @@ def test_a_call_without_progress_is_recovered_like_a_death_and_says_where_it_was
         "[posttrain] recovery 1 of 3: policy workers hung: no progress: rank 1 (node 10.0.0.2), no progress in train "
         "for 41s (bound 40s: cluster.progress_timeout_s.train=40), stuck in acquire (my_loss.py:88) <- train "
         "(worker.py:12); rebuilding the policy workers, then loading the last checkpoint, replaying from the last "
-        "checkpoint\n")
+        "checkpoint (none yet: the policy starts again from its initial weights, at step 1)\n")
 
 
 def test_the_run_stops_in_one_line_past_the_bound_or_without_checkpoints():
@@ -265,12 +265,15 @@ def test_a_dead_critic_worker_is_rebuilt_and_the_run_goes_back_to_its_checkpoint
         RunRecovery.for_run(ctx).recover(RuntimeError("actor died"), "step 3")
 
 
-def test_going_back_before_the_first_checkpoint_restarts_every_trained_group():
+def test_going_back_before_the_first_checkpoint_restarts_every_trained_group(capsys):
     # A generation worker died after the update of step 1 (no checkpoint yet): the policy and the
     # critic both trained since their initial weights, so both start again from them.
     ctx = with_critic(FakeCtx(generation_dead=[(0, DIED, None)]))
     assert RunRecovery.for_run(ctx).recover(RuntimeError("actor died"), "step 1", trained=True) is Replay.FROM_CHECKPOINT
     assert ctx.policy.restarts == [()] and ctx.critic.restarts == [()]
+    assert capsys.readouterr().out.endswith(
+        "replaying from the last checkpoint (training had already begun in step 1) (none yet: the policy and the "
+        "critic start again from their initial weights, at step 1)\n")
     ctx = with_critic(FakeCtx(policy_dead=[(0, DIED, None)]))
     assert RunRecovery.for_run(ctx).recover(RuntimeError("actor died"), "step 1") is Replay.FROM_CHECKPOINT
     assert ctx.policy.restarts == [()] and ctx.critic.restarts == [()]
