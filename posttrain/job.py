@@ -177,14 +177,16 @@ def make_generation(cfg: MasterConfig, cluster, *, seed: int = 0, model: Any = N
 
 def make_policy(cfg: MasterConfig, cluster, policy_cfg: Optional[PolicyConfig] = None, **options):
     """A `Policy` worker group for `policy_cfg` (default `cfg.policy`) on `cluster`, with the run's
-    `cluster.worker_timeout_s` and `cluster.heartbeat_timeout_s`; `options` go to `Policy`
+    `cluster.worker_timeout_s`, `cluster.heartbeat_timeout_s` and `cluster.progress_timeout_*`; `options` go to `Policy`
     (`init_reference_model`, `init_optimizer`, `model_type`, `name`). The one place every algorithm
     makes its policy (and a teacher) from."""
+    from posttrain.distributed.progress import ProgressLimits
     from posttrain.models.policy.policy import Policy
 
     options.setdefault("init_reference_model", False)
     return Policy(cluster, policy_cfg or cfg.policy, worker_timeout_s=cfg.cluster.worker_timeout_s,
-                  heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s, **options)
+                  heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s,
+                  progress_limits=ProgressLimits.from_config(cfg.cluster), **options)
 
 
 def start_concurrently(*makers: Callable[[], Any], description: str = "starting the workers") -> list[Any]:
@@ -346,8 +348,11 @@ def make_envs(cfg, tasks):
     (`dataloader.routes`); a sample's `env_name` says which `env.<name>` section serves its task (a
     built-in, a registered environment, or a user's class by `env.<name>.class_path`). Tasks served
     by the same section share one actor (a Ray actor, or a thread of this process with the local
-    backend); a step that takes longer than `cluster.worker_timeout_s` fails as hung."""
+    backend); a step that takes longer than `cluster.worker_timeout_s`, whose actor stops beating
+    (`cluster.heartbeat_timeout_s`) or that makes no progress (`cluster.progress_timeout_*`) fails as hung."""
     from posttrain.config.schema import resolve_backend
+    from posttrain.distributed.heartbeat import STACKS_POLL_S, period_for
+    from posttrain.distributed.progress import ProgressLimits
     from posttrain.environments.registry import EnvironmentActors, create_env, resolve_env
 
     env_of_task = {}
@@ -361,9 +366,15 @@ def make_envs(cfg, tasks):
         env_of_task[task] = env
     names = sorted(set(env_of_task.values()))
     actors, recipes = {}, {}
+    # Ray actors beat (and answer requests for their stacks) when heartbeats or progress bounds watch them.
+    c, limits = cfg.cluster, ProgressLimits.from_config(cfg.cluster)
+    watched = resolve_backend(cfg) == "ray" and (c.heartbeat_timeout_s > 0 or limits.enabled)
+    beat_period_s = (period_for(c.heartbeat_timeout_s) if c.heartbeat_timeout_s > 0 else STACKS_POLL_S) if watched else 0.0
     with startup.phase("environments", f"starting the environments ({', '.join(names)})"):
         for env_name in names:
             cls, env_cfg = resolve_env(env_name, cfg.env.section(env_name))
             recipes[env_name] = (cls, env_cfg, resolve_backend(cfg))
-            actors[env_name] = create_env(env_name, env_cfg, cls=cls, backend=recipes[env_name][2])
-    return EnvironmentActors(actors, env_of_task, recipes, step_timeout_s=cfg.cluster.worker_timeout_s)
+            actors[env_name] = create_env(env_name, env_cfg, cls=cls, backend=recipes[env_name][2],
+                                          beat_period_s=beat_period_s)
+    return EnvironmentActors(actors, env_of_task, recipes, step_timeout_s=c.worker_timeout_s,
+                             heartbeat_timeout_s=c.heartbeat_timeout_s, progress_limits=limits, beat_period_s=beat_period_s)

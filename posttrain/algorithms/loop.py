@@ -123,6 +123,7 @@ class TrainingLoop:
         self.started = time.perf_counter()
         self._start_loader_state: Optional[dict] = None  # where `rewind` goes without a checkpoint (`run`)
         self.config_saved = False  # the run's config is saved once it has trained a step
+        self.recovery: Any = None  # the recovery `run` was given (its failures go into the summary)
         self.steps_without_signal = 0  # consecutive steps whose groups all had uniform rewards
 
     @property
@@ -167,10 +168,15 @@ class TrainingLoop:
     def rewind(self) -> None:
         """Go back to the latest complete checkpoint (`resume`), or to the very start when there is
         none yet: in this process, what a rerun of the command would do (after the policy workers
-        were rebuilt)."""
-        if self.resume():
+        were rebuilt). The start keeps the validation before the first step (`val_at_start`): it
+        measured the initial weights, which the rebuilt groups start from again, and it is the
+        run's "before"."""
+        if self.cfg.checkpointing.enabled and self.checkpointer.latest() is not None:
+            self.resume()
             return
-        self.step, self.history, self.state = 0, [], {}
+        self.step, self.state = 0, {}
+        self.history = [(step, metrics) for step, metrics in self.history if step == 0]
+        self.logger.truncate_after(0)
         self.loader.load_state_dict(copy.deepcopy(self._start_loader_state))
         print("[posttrain] no checkpoint yet: starting again at step 1", flush=True)
 
@@ -196,6 +202,7 @@ class TrainingLoop:
         logged step carries the restart counts (`recovery/restarts`, `recovery/restarts/<kind>`).
         """
         s = self.schedule
+        self.recovery = recovery
         if recovery is not None and self._start_loader_state is None:
             self._start_loader_state = copy.deepcopy(self.loader.state_dict())
         if self.step == 0 and s.val_at_start:
@@ -211,6 +218,7 @@ class TrainingLoop:
             startup.begin(f"running {self.name} step {self.step + 1}")  # off a terminal there is no bar until it ends
         try:
             while self.step < self.last_step:
+                bar.go_to(self.step)  # a recovery may have sent the run back to its last checkpoint
                 step, timer = self.step + 1, Timer()
                 before = self._snapshot() if recovery is not None else None
                 try:
@@ -232,9 +240,11 @@ class TrainingLoop:
                     if validation is None:
                         continue  # the policy was rebuilt: the run went back to its last checkpoint
                     metrics.update(validation)
+                records = {}
                 if recovery is not None:
                     metrics.update(recovery.metrics())
-                self.logger.log_metrics(metrics, step)
+                    records = recovery.records()
+                self.logger.log_metrics(metrics, step, records=records)
                 saving = self.checkpointer.should_save(step, is_last_step=step == self.last_step)
                 if saving and not self._save_recovering(recovery):
                     continue
@@ -256,16 +266,21 @@ class TrainingLoop:
 
     # ------------------------------------------------------------------------------ recovery
     def _snapshot(self) -> tuple:
-        """What a step changes in the loop, taken before it (for a replay), and the policy's count
-        of updates (`Policy.updates`), to tell whether the step failed after training."""
+        """What a step changes in the loop, taken before it (for a replay), and the counts of
+        updates of the policy and the models trained beside it (`Policy.updates`), to tell whether
+        the step failed after training."""
         return (copy.deepcopy(self.loader.state_dict()), copy.deepcopy(self.state), len(self.history),
-                getattr(self.policy, "updates", None))
+                self._updates())
+
+    def _updates(self) -> tuple:
+        """The update counts of the policy and the models `trained_beside` it (None: not counted)."""
+        return tuple(getattr(model, "updates", None) for model in (self.policy, *self.trained_beside.values()))
 
     def _recover(self, recovery: Any, error: Exception, what: str, before: Optional[tuple]) -> Replay:
         """Recover from `error`, raised by `what` ("step 3"), and put the loop where the replay
         starts: before it (`before`, the step's snapshot) or at the last checkpoint. Raises `error`
         when there is no recovery or nothing to recover (a bug, a NaN loss: no worker died)."""
-        trained = before is not None and getattr(self.policy, "updates", None) != before[3]
+        trained = before is not None and self._updates() != before[3]
         replay = recovery.recover(error, what, trained=trained) if recovery is not None else None
         if replay is None:
             raise error
@@ -399,7 +414,15 @@ class TrainingLoop:
             write_report(log_dir / "metrics.jsonl", log_dir / "report.png")
         seconds = time.perf_counter() - self.started
         print(f"[posttrain] {self.name} finished at step {self.step} in {seconds:.0f}s: "
-              f"{self.summary()}{details}; logs in {log_dir}", flush=True)
+              f"{self.summary()}{details}{self._recoveries()}; logs in {log_dir}", flush=True)
+
+    def _recoveries(self) -> str:
+        """The run's recoveries in words, for the summary ("" without any)."""
+        budget = getattr(self.recovery, "budget", None)
+        if budget is None or not budget.total:
+            return ""
+        return (f"; recovered {budget.total} time(s) (cluster.max_restarts={budget.max_restarts}; each failure in "
+                f"metrics.jsonl as recovery/failures)")
 
     def summary(self) -> str:
         """The validation results in words: the headline's change from the first to the last

@@ -101,7 +101,8 @@ def setup(cfg: PPOMasterConfig) -> OnPolicyContext:
 # --------------------------------------------------------------------------------- the loop
 def ppo_train(ctx: OnPolicyContext) -> dict[str, float]:
     """Train from the context's step to its last step (`TrainingLoop` runs the schedule)."""
-    return ctx.loop.run(lambda step, timer: ppo_step(ctx, step, timer), lambda: validate_grpo(ctx))
+    return ctx.loop.run(lambda step, timer: ppo_step(ctx, step, timer), lambda: validate_grpo(ctx),
+                        recovery=ctx.recovery)
 
 
 def ppo_step(ctx: OnPolicyContext, step: int, timer: Timer) -> dict[str, float]:

@@ -13,6 +13,10 @@ a collective that never completes ends at `cluster.worker_timeout_s`.
 
 A worker that has not beaten yet (still importing torch, say) is not judged: a process that hangs
 before its first beat is caught by `cluster.worker_timeout_s`, which covers start-up.
+
+The same thread answers the controller's request for the Python stacks of the worker's threads
+(`progress.serve_stacks`), which says where a call that makes no progress is stuck (`progress.py`).
+Environment actors beat too (`registry.create_env`).
 """
 
 from __future__ import annotations
@@ -35,23 +39,32 @@ def key(actor_id: str) -> bytes:
     return f"beat/{actor_id}".encode()
 
 
+STACKS_POLL_S = 1.0  # how often the thread looks for a request for stacks (between beats)
+
+
 def start_beating(period_s: float) -> None:
     """In a Ray worker: beat every `period_s` seconds from a daemon thread, for as long as the
-    process runs."""
+    process runs, and answer requests for its stacks (`progress.serve_stacks`) within a second."""
     import ray
     from ray.experimental import internal_kv
 
-    my_key = key(ray.get_runtime_context().get_actor_id())
+    from posttrain.distributed.progress import serve_stacks
+
+    actor_id = ray.get_runtime_context().get_actor_id()
+    my_key = key(actor_id)
 
     def beat() -> None:
-        count = 0
+        count, next_beat = 0, 0.0
         while True:
-            count += 1
             try:
-                internal_kv._internal_kv_put(my_key, str(count).encode(), overwrite=True, namespace=NAMESPACE)
-            except Exception:  # the GCS is briefly unreachable: the next beat tries again
+                if time.monotonic() >= next_beat:
+                    count += 1
+                    internal_kv._internal_kv_put(my_key, str(count).encode(), overwrite=True, namespace=NAMESPACE)
+                    next_beat = time.monotonic() + period_s
+                serve_stacks(actor_id)
+            except Exception:  # the GCS is briefly unreachable: the next round tries again
                 pass
-            time.sleep(period_s)
+            time.sleep(min(period_s, STACKS_POLL_S))
 
     threading.Thread(target=beat, name="posttrain-heartbeat", daemon=True).start()
 

@@ -5,8 +5,9 @@ The parts that rebuild live with what they rebuild: a `WorkerGroup` restarts its
 the `Policy` reloads its state from the last checkpoint, the generation engine takes the policy's
 weights by a refit, and `EnvironmentActors` starts a dead environment again. This module holds
 what they share and what can be tested without Ray: a `Fault` (who failed and why), the cause of
-an actor's death in words (`death_cause`), and the run's `RestartBudget` (`cluster.max_restarts`).
-The run's recovery (`posttrain.algorithms.recovery`) puts them together; the training loop only
+an actor's death in words (`death_cause`), and the run's `RestartBudget` (`cluster.max_restarts`),
+kept across reruns in `<checkpointing.checkpoint_dir>/recovery.json` (`load_record`, `save_record`).
+The run's recovery (`posttrain.algorithms.run_recovery`) puts them together; the training loop only
 sees "this step failed, replay it" and the restart counts.
 
 Recovery needs the Ray backend: with `cluster.backend: local` every worker is a thread of the
@@ -16,11 +17,21 @@ checkpoint).
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterable, Optional
+from pathlib import Path
+from typing import Any, Iterable, Optional
 
-KINDS = ("policy", "generation", "environment")  # what a run rebuilds
+KINDS = ("policy", "critic", "teacher", "generation", "environment")  # what a run rebuilds
+BASE_KINDS = ("policy", "generation", "environment")  # what every on-policy run has
+# The kinds whose members hold trained state that only a checkpoint restores: rebuilding one sends
+# the run back to its last checkpoint.
+TRAINED_KINDS = ("policy", "critic")
+# Beside the checkpoints (`checkpointing.checkpoint_dir`): the run's restarts and failures so far,
+# so that `cluster.max_restarts` bounds the run across reruns of its command.
+RECORD_FILE = "recovery.json"
 
 
 class Replay(Enum):
@@ -35,11 +46,12 @@ class Fault:
     """One failed member of a run.
 
     Args:
-        kind: "policy", "generation" or "environment" (`KINDS`).
+        kind: one of `KINDS` ("policy", "critic", "teacher", "generation", "environment").
         who: the member in words, e.g. "policy worker rank 1 (node 10.0.0.2)" or "environment 'math'".
         cause: why, in words, e.g. "its process died (killed, out of memory or crashed)".
         lost_node: the IP of the node that was lost with it, when that is why (else None).
-        name: the environment's name, for an environment (else "").
+        name: the environment's name for an environment, the teacher's key ("teacher",
+            "teachers.<task>") for a teacher (else "").
     """
 
     kind: str
@@ -80,15 +92,24 @@ class RestartBudget:
     """The restarts one run may make: at most `max_restarts` recoveries (`cluster.max_restarts`),
     each counted once in all and once for every kind of member it rebuilt.
 
-    `recovery/restarts` (cumulative) and `recovery/restarts/<kind>` go to every logged step.
+    `recovery/restarts` (cumulative) and `recovery/restarts/<kind>` for each of `kinds` (the run's:
+    default `BASE_KINDS`; PPO adds "critic", distillation "teacher") go to every logged step;
+    `failures` holds each failure in one line ("step 3: generation worker rank 0 ... died: ..."),
+    also those that stopped the run. `state_dict` / `load_state_dict` carry all of it to a rerun
+    (`earlier`: the restarts made by earlier runs).
     """
 
-    def __init__(self, max_restarts: int) -> None:
+    def __init__(self, max_restarts: int, kinds: Iterable[str] = BASE_KINDS) -> None:
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        unknown = set(kinds) - set(KINDS)
+        if unknown:
+            raise ValueError(f"a run rebuilds members of {KINDS}, got {sorted(unknown)}")
         self.max_restarts = max_restarts
         self.total = 0
-        self.per_kind = dict.fromkeys(KINDS, 0)
+        self.per_kind = {kind: 0 for kind in KINDS if kind in set(kinds)}
+        self.failures: list[str] = []
+        self.earlier = 0
 
     def exhausted(self) -> bool:
         """No restart left."""
@@ -99,9 +120,9 @@ class RestartBudget:
         if self.exhausted():
             raise RuntimeError(f"no restart left (max_restarts={self.max_restarts})")
         kinds = set(kinds)
-        unknown = kinds - set(KINDS)
+        unknown = kinds - set(self.per_kind)
         if not kinds or unknown:
-            raise ValueError(f"a restart rebuilds members of {KINDS}, got {sorted(kinds)}")
+            raise ValueError(f"a restart of this run rebuilds members of {tuple(self.per_kind)}, got {sorted(kinds)}")
         self.total += 1
         for kind in kinds:
             self.per_kind[kind] += 1
@@ -110,6 +131,45 @@ class RestartBudget:
     def metrics(self) -> dict[str, float]:
         return {"recovery/restarts": float(self.total),
                 **{f"recovery/restarts/{kind}": float(n) for kind, n in self.per_kind.items()}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"restarts": self.total, "per_kind": dict(self.per_kind), "failures": list(self.failures)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from an earlier run's counts (kinds this run does not have are dropped)."""
+        self.total = self.earlier = int(state.get("restarts", 0))
+        for kind, count in dict(state.get("per_kind", {})).items():
+            if kind in self.per_kind:
+                self.per_kind[kind] = int(count)
+        self.failures = [str(line) for line in state.get("failures", [])]
+
+
+def load_record(checkpoint_dir: str | os.PathLike) -> Optional[dict[str, Any]]:
+    """The restart record an earlier run left in `checkpoint_dir` (None: a fresh directory).
+    Raises `UserError` (one line, before any step) naming the file when it is not a record."""
+    from posttrain.errors import UserError
+
+    path = Path(checkpoint_dir) / RECORD_FILE
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict):
+            raise ValueError("not a JSON object")
+        return record
+    except ValueError as error:
+        raise UserError(f"{path}: not a restart record ({error}); delete it to count restarts from 0") from None
+
+
+def save_record(checkpoint_dir: str | os.PathLike, record: dict[str, Any]) -> Path:
+    """Write `record` to `checkpoint_dir`/recovery.json atomically (a temporary file renamed)."""
+    directory = Path(checkpoint_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / RECORD_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def describe(faults: list[Fault]) -> str:

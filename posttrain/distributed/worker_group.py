@@ -5,7 +5,8 @@ on shards of a `Batch` (`run_sharded`, results gathered back in the original row
 wait goes through `get`, which fails fast: the first worker whose call raises or whose process
 dies ends the wait with a `WorkerError` naming it, instead of waiting for the other ranks, which
 may be blocked forever in a collective with the dead one; a worker whose process stops answering
-(no heartbeat for `cluster.heartbeat_timeout_s`, `heartbeat.py`) ends it with a
+(no heartbeat for `cluster.heartbeat_timeout_s`, `heartbeat.py`), or whose call makes no progress
+(past its phase's bound, `progress.py`: the error says where it was stuck), ends it with a
 `WorkerTimeoutError`. `restart` starts every member again (a new process group, on bundles placed
 again after a lost node): the recovery of a run (`posttrain.distributed.recovery`) builds on it.
 Modelled on NeMo-RL's `RayWorkerGroup`.
@@ -18,35 +19,33 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-import torch
-import torch.distributed as dist
-
-from posttrain.distributed import actors, collective, heartbeat
+from posttrain.distributed import actors, collective, heartbeat, progress
 from posttrain.distributed.actors import LocalCluster
 from posttrain.distributed.batch import Batch
+from posttrain.distributed.distributed_worker import (  # noqa: F401 (DistributedWorker: part of this module's interface)
+    COLLECTIVE_TIMEOUT_ENV,
+    LOCAL_IDENTITY_VARS,
+    NUM_THREADS_ENV,
+    RENDEZVOUS_ENV_VARS,
+    DistributedWorker,
+)
 
 if TYPE_CHECKING:
     from posttrain.distributed.cluster import VirtualCluster
 
 logger = logging.getLogger(__name__)
 
-# Set by WorkerGroup for every actor; the timeout also bounds each torch.distributed collective.
-RENDEZVOUS_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-LOCAL_IDENTITY_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # a local worker joins no process group
-COLLECTIVE_TIMEOUT_ENV = "POSTTRAIN_COLLECTIVE_TIMEOUT_S"
-# torch threads of a CPU worker: its bundle's CPUs. Colocated groups share a bundle but take turns
-# (generation, then training), so each may use all of them; Ray alone would give an actor holding
-# half a CPU one thread.
-NUM_THREADS_ENV = "POSTTRAIN_NUM_THREADS"
 SHUTDOWN_TIMEOUT_S = 5.0
 FAILURE_GRACE_S = 1.0  # after a failure, how long to wait for the other ranks' errors
 # The rendezvous port is one found free on rank 0's node just before the workers start; another
 # process (a parallel test, another job) may bind it first: the group then starts again on a new one.
 RENDEZVOUS_ATTEMPTS = 3
+# Ray counts resources in units of 1e-4: a third of a CPU shows as 0.3333 free when 0.333333 is
+# asked (a group of three colocated groups, PPO's policy, critic and engine, restarting).
+RAY_RESOURCE_UNIT = 1e-4
 
 
 def is_port_taken(error: BaseException) -> bool:
@@ -76,114 +75,6 @@ class WorkerTimeoutError(WorkerError):
     """Workers did not answer within the wall-clock limit (`worker_timeout_s`)."""
 
 
-class DistributedWorker:
-    """Base class of worker actors: joins the process group of its WorkerGroup on construction.
-
-    Reads `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` from the environment
-    (WorkerGroup sets them) and joins the group's process group (`collective.init_worker_process_group`:
-    gloo on CPU; gloo for CPU tensors beside nccl when the actor was given a GPU). Subclasses call `super().__init__()` first, then build models.
-    """
-
-    is_local = False  # set in __init__; a subclass that builds itself without it (vLLM's) runs under Ray
-
-    def __init__(self) -> None:
-        local = actors.worker_identity()  # a local actor's ranks; a Ray worker's are in its environment
-        env = local if local is not None else os.environ
-        needed = LOCAL_IDENTITY_VARS if local is not None else RENDEZVOUS_ENV_VARS
-        missing = [name for name in needed if name not in env]
-        if missing:
-            raise RuntimeError(
-                f"{type(self).__name__} needs the environment variables {missing}; "
-                "create workers through posttrain.distributed.worker_group.WorkerGroup"
-            )
-        self.rank = int(env["RANK"])
-        self.world_size = int(env["WORLD_SIZE"])
-        self.local_rank = int(env["LOCAL_RANK"])
-        self.is_local = local is not None
-        if not self.is_local and env.get(heartbeat.HEARTBEAT_ENV):
-            heartbeat.start_beating(float(env[heartbeat.HEARTBEAT_ENV]))  # first: a long model load beats too
-        if env.get(NUM_THREADS_ENV):
-            torch.set_num_threads(int(env[NUM_THREADS_ENV]))
-        if _has_gpu():
-            # Ray shows each actor only its own GPU, so this is device 0; the modulo covers the rest.
-            torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
-        if self.is_local:
-            # A local group has one worker, which needs no process group (every collective in the
-            # workers is skipped at world size 1); the process-wide default group could not be
-            # initialised once per local group anyway.
-            return
-        collective.init_worker_process_group(self.device.type, self.rank, self.world_size,
-                                             float(env.get(COLLECTIVE_TIMEOUT_ENV, 1800.0)))
-
-    def ping(self) -> bool:
-        """True once the worker is constructed (a liveness check)."""
-        return True
-
-    def pid(self) -> int:
-        """This worker's process id (on its node)."""
-        return os.getpid()
-
-    def host_memory(self, reset_peak: bool = False) -> dict[str, int]:
-        """`{"rss": bytes resident now, "peak_rss": highest since the last reset}` of this worker's
-        process (`posttrain.utils.memory`); `reset_peak` first starts a new high-water mark."""
-        from posttrain.utils import memory
-
-        if reset_peak:
-            memory.reset_peak_rss()
-        return {"rss": memory.rss_bytes(), "peak_rss": memory.peak_rss_bytes()}
-
-    def get_node_ip(self) -> str:
-        """IP address of the node this worker runs on."""
-        if self.is_local:
-            return "local"
-        import ray
-
-        return ray.util.get_node_ip_address()
-
-    def get_node_id(self) -> str:
-        """Ray node id (hex) of the node this worker runs on ("local" for the local backend)."""
-        if self.is_local:
-            return "local"
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    def all_reduce_sum(self, value: torch.Tensor | float) -> torch.Tensor | float:
-        """Sum `value` over all ranks; returns the same kind (CPU tensor or Python number)."""
-        tensor = collective.all_reduce(torch.as_tensor(value).to(self.device).clone())
-        return tensor.cpu() if isinstance(value, torch.Tensor) else tensor.item()
-
-    def peak_rss_mb(self) -> float:
-        """This worker process's peak resident memory so far, in MiB (Linux `ru_maxrss`)."""
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-    def shutdown(self) -> bool:
-        """Leave the process group; called by `WorkerGroup.shutdown` before the actor is killed."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        return True
-
-
-def _has_gpu() -> bool:
-    """Whether this process should use CUDA.
-
-    Inside a Ray actor: only if Ray assigned it a GPU. CPU-only actors on a GPU machine still see
-    every GPU, and several ranks on one device would break nccl.
-    """
-    if not torch.cuda.is_available():
-        return False
-    if actors.worker_identity() is not None or "ray" not in sys.modules:
-        return True  # a local actor (or no Ray at all): the process's GPU
-    import ray
-
-    return bool(ray.get_gpu_ids()) if ray.is_initialized() else True
-
-
 class WorkerGroup:
     """One actor of `actor_cls` per bundle of `cluster`, with torch.distributed set up among them.
 
@@ -208,6 +99,8 @@ class WorkerGroup:
         heartbeat_timeout_s: a worker whose process has not beaten for this long while the group
             waits for it has stopped answering (`heartbeat.py`; default 0.0: no heartbeats;
             `cluster.heartbeat_timeout_s`). Ray backend only.
+        progress_limits: the bounds of its calls' phases (`progress.ProgressLimits`,
+            `cluster.progress_timeout_*`; default None: none). Ray backend only.
     """
 
     def __init__(
@@ -223,6 +116,7 @@ class WorkerGroup:
         python_executable: str | os.PathLike | None = None,
         actor_resources: Mapping[str, float] | None = None,
         heartbeat_timeout_s: float = 0.0,
+        progress_limits: progress.ProgressLimits | None = None,
     ) -> None:
         if not (isinstance(actor_cls, type) and issubclass(actor_cls, DistributedWorker)):
             raise TypeError(
@@ -244,7 +138,11 @@ class WorkerGroup:
         # Heartbeats (Ray only: a local worker is this process, which cannot stop without us).
         beats = heartbeat_timeout_s > 0 and not self.is_local
         self._watch = heartbeat.HeartbeatWatch(heartbeat_timeout_s) if beats else None
-        self._beat_period = heartbeat.period_for(heartbeat_timeout_s) if self._watch else 0.0
+        watched = progress_limits is not None and progress_limits.enabled and not self.is_local
+        self._progress = progress.ProgressWatch(progress_limits) if watched else None
+        # The heartbeat thread also answers requests for stacks: it runs when either needs it.
+        self._beat_period = heartbeat.period_for(heartbeat_timeout_s) if self._watch else \
+            heartbeat.STACKS_POLL_S if self._progress else 0.0
 
         size = cluster.world_size()
         bundle_indices = list(range(size) if bundle_indices is None else bundle_indices)
@@ -339,7 +237,7 @@ class WorkerGroup:
                 MASTER_PORT=str(master_port),
             )
             env[COLLECTIVE_TIMEOUT_ENV] = str(self.worker_timeout_s)
-            if self._watch is not None:
+            if self._beat_period:
                 env[heartbeat.HEARTBEAT_ENV] = str(self._beat_period)
             if not self.cluster.use_gpus:
                 env[NUM_THREADS_ENV] = str(max(1, int(self.cluster.cpus_per_bundle)))
@@ -380,7 +278,7 @@ class WorkerGroup:
                 pg, index = locations[bundle]
                 for resource, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
                     free = available.get(f"{resource}_group_{index}_{pg.id.hex()}", 0.0)
-                    if key in need and free + 1e-6 < need[key]:
+                    if key in need and free + RAY_RESOURCE_UNIT < need[key]:
                         short.append(f"bundle {bundle}: {resource} free {free:g}, needed {need[key]:g}")
             if not short:
                 return
@@ -400,6 +298,8 @@ class WorkerGroup:
             raise AttributeError(f"{self._actor_cls.__name__} (WorkerGroup {self.name!r}) has no method {method!r}")
         ref = getattr(self.workers[rank], method).remote(*args, **kwargs)
         self._pending[ref] = (rank, method)
+        if self._progress is not None:
+            self._progress.started(ref, method)
         return ref
 
     def run_all_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
@@ -508,20 +408,27 @@ class WorkerGroup:
                         group=self.name, ranks=self._ranks(waiting),
                     )
                 # num_returns=1: wake up on the first finished (or failed) call, not the last; with
-                # heartbeats, at least every beat period, to check on the workers still running.
-                slice_s = min(remaining, self._beat_period) if self._watch is not None else remaining
+                # heartbeats or progress bounds, at least every beat period, to check on the calls
+                # still running.
+                slice_s = min(remaining, self._beat_period) if self._beat_period else remaining
                 ready, waiting = actors.wait(waiting, num_returns=1, timeout=slice_s)
                 if not ready and self._watch is not None:
                     self._check_heartbeats(waiting)
+                if not ready and self._progress is not None:
+                    self._check_progress(waiting)
                 for ref in ready:
                     try:
                         result = actors.get(ref)
                     except Exception as error:
                         self._raise_failure(ref, error, waiting)
+                    if self._progress is not None:
+                        self._progress.finished(ref)
                     yield ref, result
         finally:
             for ref in refs:
                 self._pending.pop(ref, None)
+            if self._progress is not None:
+                self._progress.forget(refs)
 
     def _ranks(self, refs: Sequence[Any]) -> list[int]:
         return sorted({self._pending[ref][0] for ref in refs if ref in self._pending})
@@ -538,6 +445,20 @@ class WorkerGroup:
                 f"WorkerGroup {self.name!r}: stopped answering: {names} (cluster.heartbeat_timeout_s="
                 f"{self._watch.timeout_s:g})", group=self.name, ranks=sorted(ranks[actor] for actor in stopped),
             )
+
+    def _check_progress(self, waiting: Sequence[Any]) -> None:
+        """Raise a WorkerTimeoutError naming the calls among `waiting` past their phase's bound
+        (`progress.ProgressWatch`) and where each was stuck (the stacks its worker sends)."""
+        late = self._progress.overdue(waiting)
+        if not late:
+            return
+        ids = {ref: actors.actor_id(self.workers[self._pending[ref][0]]) for ref, *_ in late}
+        stacks = progress.request_stacks(set(ids.values()))
+        names = [progress.describe_overdue(self.describe_rank(self._pending[ref][0]), phase, self._pending[ref][1],
+                                           running, bound, why, stacks.get(ids[ref]))
+                 for ref, phase, running, bound, why in late]
+        raise WorkerTimeoutError(f"WorkerGroup {self.name!r}: no progress: " + "; ".join(names),
+                                 group=self.name, ranks=self._ranks([ref for ref, *_ in late]))
 
     def _raise_failure(self, ref: Any, error: Exception, waiting: list[Any]) -> None:
         """Raise a WorkerError for the failure of `ref`, putting the likely root cause first.

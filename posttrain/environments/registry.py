@@ -15,6 +15,7 @@ actors) and the results put back in the original order.
 from __future__ import annotations
 
 import importlib
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -99,7 +100,8 @@ def resolve_env(name: str, section: Any) -> tuple[type[Environment], Any]:
 
 
 def create_env(
-    name: str, cfg: Any = None, as_actor: bool = True, num_cpus: float = 0.0, cls: Any = None, backend: str = "ray"
+    name: str, cfg: Any = None, as_actor: bool = True, num_cpus: float = 0.0, cls: Any = None, backend: str = "ray",
+    beat_period_s: float = 0.0,
 ) -> Any:
     """Build the environment registered as `name`.
 
@@ -115,6 +117,8 @@ def create_env(
         cls: the environment class (default None: the one registered as `name`; see `resolve_env`).
         backend: "ray" (default: a Ray actor, its own process) or "local" (a `LocalActor`: a
             thread of this process; `cluster.backend: local`).
+        beat_period_s: a Ray actor beats every this many seconds and answers requests for its
+            stacks (`heartbeat.start_beating`; default 0.0: it does not).
     """
     cls = cls or get_env_class(name)
     if not as_actor:
@@ -123,7 +127,22 @@ def create_env(
         return actors.LocalActor(cls, (cfg,), name=f"env-{name}")
     import ray
 
-    return ray.remote(num_cpus=num_cpus)(cls).remote(cfg)
+    return ray.remote(num_cpus=num_cpus)(_beating(cls, beat_period_s) if beat_period_s else cls).remote(cfg)
+
+
+def _beating(cls: type, period_s: float) -> type:
+    """`cls` whose instances start a heartbeat thread first (`heartbeat.start_beating`), which
+    also answers the controller's requests for their stacks (`progress.py`)."""
+
+    class Beating(cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            from posttrain.distributed import heartbeat
+
+            heartbeat.start_beating(period_s)
+            super().__init__(*args, **kwargs)
+
+    Beating.__name__, Beating.__qualname__, Beating.__doc__ = cls.__name__, cls.__qualname__, cls.__doc__
+    return Beating
 
 
 def _is_plain_instance(env: Any) -> bool:
@@ -149,9 +168,12 @@ class PendingStep:
     """Environment steps launched by `launch_step`: actor calls already running (plain instances
     have already stepped); `result()` waits for them and reassembles the batch."""
 
-    def __init__(self, envs: dict[str, Any], groups: dict[str, list[int]], launched: dict[str, Any], batch_size: int):
+    def __init__(self, envs: dict[str, Any], groups: dict[str, list[int]], launched: dict[str, Any], batch_size: int,
+                 method: str = "step"):
         self.envs, self.groups, self.launched, self.batch_size = envs, groups, launched, batch_size
         self.timed_out: list[int] = []  # indices `result(timeout)` left behind
+        if isinstance(envs, EnvironmentActors):  # its calls' progress is watched from their launch
+            envs.started(launched, method)
 
     def result(self, timeout: Optional[float] = None) -> EnvironmentReturn:
         """Wait for the steps and reassemble them in input order.
@@ -210,19 +232,11 @@ class PendingStep:
                                  components, component_weights)
 
     def _raise_if_hung(self, refs: list, tasks: list[str]) -> None:
-        """Wait for the steps at most `envs.step_timeout_s` (`EnvironmentActors`; no limit for a
-        plain dict); a hung environment is a `WorkerTimeoutError` naming it, never a wait for ever."""
-        limit = getattr(self.envs, "step_timeout_s", None)
-        if not limit:
-            return
-        ready, _ = actors.wait(refs, num_returns=len(refs), timeout=limit)
-        if len(ready) < len(refs):
-            from posttrain.distributed.worker_group import WorkerTimeoutError
-
-            done = set(map(id, ready))
-            stuck = sorted({self.envs.env_of_task.get(t, t) for t, ref in zip(tasks, refs) if id(ref) not in done})
-            raise WorkerTimeoutError(f"environment {', '.join(map(repr, stuck))}: no answer after {limit:g}s "
-                                     "(cluster.worker_timeout_s)", group=ENV_GROUP_PREFIX + stuck[0])
+        """Wait for the steps of an `EnvironmentActors` (`EnvironmentActors.wait_steps`: a hung
+        environment is a `WorkerTimeoutError` naming it, never a wait for ever); a plain dict's
+        steps are waited for without a limit."""
+        if isinstance(self.envs, EnvironmentActors):
+            self.envs.wait_steps(refs, tasks)
 
 
 def launch_step(
@@ -252,7 +266,7 @@ def launch_step(
         group_meta = [metadata[i] for i in indices]
         call = getattr(env, method)
         launched[task] = call(group_logs, group_meta) if _is_plain_instance(env) else call.remote(group_logs, group_meta)
-    return PendingStep(envs, groups, launched, batch_size)
+    return PendingStep(envs, groups, launched, batch_size, method)
 
 
 ENV_SHUTDOWN_TIMEOUT_S = 5.0  # an environment's own clean-up, at most, before its actor is killed
@@ -270,12 +284,29 @@ class EnvironmentActors(dict):
         recipes: environment name -> `(class, config, backend)` its actor was made from (`create_env`).
         step_timeout_s: longest wait for one step before the environment counts as hung
             (default None: no limit; runs pass `cluster.worker_timeout_s`).
+        heartbeat_timeout_s: an actor whose heartbeat has not moved for this long while a step
+            waits for it has stopped answering (default 0.0: not watched; runs pass
+            `cluster.heartbeat_timeout_s`; the actors beat when `beat_period_s` > 0).
+        progress_limits: the bound of a step (`progress.ProgressLimits`, phase `env_step`; default
+            None: none; runs pass `cluster.progress_timeout_*`).
+        beat_period_s: how often the actors (re)started here beat (`create_env`; default 0.0: not).
     """
 
     def __init__(self, actors: dict[str, Any], env_of_task: dict[str, str], recipes: dict[str, tuple],
-                 step_timeout_s: Optional[float] = None) -> None:
+                 step_timeout_s: Optional[float] = None, heartbeat_timeout_s: float = 0.0,
+                 progress_limits: Any = None, beat_period_s: float = 0.0) -> None:
+        from posttrain.distributed import heartbeat, progress
+
         super().__init__({task: actors[env] for task, env in sorted(env_of_task.items())})
         self.env_of_task, self.recipes, self.step_timeout_s = dict(env_of_task), dict(recipes), step_timeout_s
+        self.beat_period_s = beat_period_s
+        beats = heartbeat_timeout_s > 0 and beat_period_s > 0
+        self.heartbeats = heartbeat.HeartbeatWatch(heartbeat_timeout_s) if beats else None
+        watched = progress_limits is not None and progress_limits.enabled and beat_period_s > 0
+        self.progress = progress.ProgressWatch(progress_limits) if watched else None
+        # Actors that answered a step: only those are judged by progress, as a first step also
+        # waits for its actor to start (imports, its __init__), which `step_timeout_s` bounds.
+        self._answered: set[str] = set()
 
     def by_name(self) -> dict[str, Any]:
         """Environment name -> its actor."""
@@ -298,10 +329,67 @@ class EnvironmentActors(dict):
         except Exception:  # already gone
             pass
         cls, cfg, backend = self.recipes[env]
-        fresh = create_env(env, cfg, cls=cls, backend=backend)
+        fresh = create_env(env, cfg, cls=cls, backend=backend, beat_period_s=self.beat_period_s)
         for task, name in self.env_of_task.items():
             if name == env:
                 self[task] = fresh
+
+    # ------------------------------------------------------------------ watching steps
+    def started(self, launched: dict[str, Any], method: str = "step") -> None:
+        """Calls of `method` were launched (`launch_step`: task -> its future): their progress counts
+        from now, in the phase `env_<method>` (`env_step`, `env_finish`)."""
+        if self.progress is not None:
+            for task, ref in launched.items():
+                if not _is_plain_instance(self[task]):
+                    self.progress.started(ref, f"env_{method}")
+
+    def wait_steps(self, refs: list, tasks: list[str]) -> None:
+        """Wait until every step of `refs` (those of `tasks`) is done; raise a `WorkerTimeoutError`
+        naming the environment whose step ran past `step_timeout_s`, whose actor stopped beating
+        (`heartbeat_timeout_s`), or whose step made no progress within its bound (`progress`;
+        with where it was stuck, from the actor's stacks; an actor's first step is not judged:
+        it includes the actor's start)."""
+        from posttrain.distributed import heartbeat, progress
+        from posttrain.distributed.worker_group import WorkerTimeoutError
+
+        env_of = {ref: self.env_of_task.get(task, task) for ref, task in zip(refs, tasks)}
+        actor_of = {ref: actors.actor_id(self[task]) for ref, task in zip(refs, tasks)}
+        limit = self.step_timeout_s
+        deadline = None if not limit else time.monotonic() + limit
+        slice_s = min(self.beat_period_s or 1.0, 1.0) if (self.heartbeats or self.progress) else limit
+        waiting = list(refs)
+        try:
+            while waiting:
+                ready, waiting = actors.wait(waiting, num_returns=len(waiting), timeout=slice_s)
+                for ref in ready:
+                    self._answered.add(actor_of[ref])
+                    if self.progress is not None:
+                        self.progress.finished(ref)
+                if not waiting:
+                    return
+                if self.heartbeats is not None:
+                    ids = {actor_of[ref]: env_of[ref] for ref in waiting}
+                    stopped = self.heartbeats.observe(heartbeat.read_beats(ids))
+                    if stopped:
+                        env = ids[next(iter(stopped))]
+                        raise WorkerTimeoutError(
+                            f"environment {env!r}: stopped answering: no heartbeat for {max(stopped.values()):.0f}s "
+                            f"(cluster.heartbeat_timeout_s={self.heartbeats.timeout_s:g})", group=ENV_GROUP_PREFIX + env)
+                judged = [ref for ref in waiting if actor_of[ref] in self._answered]
+                late = self.progress.overdue(judged) if self.progress is not None else []
+                if late:
+                    ref, phase, running, bound, why = late[0]
+                    env, actor = env_of[ref], actor_of[ref]
+                    stacks = progress.request_stacks([actor])[actor]
+                    raise WorkerTimeoutError(f"environment {env!r}: no progress: " + progress.describe_overdue(
+                        f"its actor {actor}", phase, "step", running, bound, why, stacks), group=ENV_GROUP_PREFIX + env)
+                if deadline is not None and time.monotonic() >= deadline:
+                    stuck = sorted({env_of[ref] for ref in waiting})
+                    raise WorkerTimeoutError(f"environment {', '.join(map(repr, stuck))}: no answer after {limit:g}s "
+                                             "(cluster.worker_timeout_s)", group=ENV_GROUP_PREFIX + stuck[0])
+        finally:
+            if self.progress is not None:
+                self.progress.forget(refs)
 
 
 class EnvRouter:

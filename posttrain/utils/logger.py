@@ -180,14 +180,17 @@ class Logger:
             log.info("dropped %d metric lines after step %d from %s", dropped, step, self.metrics_path)
         return dropped
 
-    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str = "") -> None:
+    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str = "",
+                    records: Optional[Mapping[str, Any]] = None) -> None:
         """Record `metrics` at `step`; names get `prefix` prepended (e.g. `"timing/train/"`).
 
         Values must be numbers (python, numpy or single-element torch); NaN / inf are written as
-        null in JSONL and skipped by the other backends.
+        null in JSONL and skipped by the other backends. `records` (default None) are JSON values
+        that are no numbers (e.g. `recovery/failures`, a list of lines), written to the same JSONL
+        line only.
         """
         values = {f"{prefix}{key}": _to_float(f"{prefix}{key}", value) for key, value in metrics.items()}
-        self._jsonl.write(json.dumps({"step": int(step), **values}) + "\n")
+        self._jsonl.write(json.dumps({"step": int(step), **values, **(records or {})}) + "\n")
         self._jsonl.flush()
         finite = {key: value for key, value in values.items() if value is not None}
         if self._tensorboard is not None:
@@ -348,6 +351,15 @@ class ProgressBar:
         else:
             shown = " ".join(f"{label}={value}" for label, value in self.postfix().items())
             print(f"{self.desc} step {self.step}/{self.total} {shown}".rstrip(), file=sys.stderr, flush=True)
+
+    def go_to(self, step: int) -> None:
+        """Show `step` steps done (a run that went back to an earlier checkpoint), without a line."""
+        if step == self.step:
+            return
+        self.step = step
+        if self._bar is not None:
+            self._bar.n = step
+            self._bar.refresh()
 
     def write(self, line: str) -> None:
         """Print `line` on stdout above the bar (a plain print would land inside the drawn bar)."""

@@ -159,5 +159,23 @@ def build_report_figure(metrics_jsonl_path: str | os.PathLike, title: str | None
                 ha="center", va="center", wrap=True)
 
     fig.suptitle(title or metrics_jsonl_path.parent.name)
-    fig.tight_layout()
+    failures = recovery_failures(records)
+    if failures:  # below the panels, one line each (clipped: the full lines are in metrics.jsonl)
+        lines = [f"recovered failures ({len(failures)}):", *(_clip_line(line) for line in failures)]
+        height = 0.25 * len(lines) / fig.get_figheight()
+        fig.text(0.01, 0.01, "\n".join(lines), fontsize="small", va="bottom", family="monospace")
+        fig.tight_layout(rect=(0.0, height + 0.01, 1.0, 1.0))
+    else:
+        fig.tight_layout()
     return fig
+
+
+def recovery_failures(records: dict[int, dict[str, Any]]) -> list[str]:
+    """Every failure the run recovered from or stopped at, one line each: the last
+    `recovery/failures` logged (each step logged after a failure carries the list so far)."""
+    lists = [record["recovery/failures"] for record in records.values() if "recovery/failures" in record]
+    return [str(line) for line in lists[-1]] if lists else []
+
+
+def _clip_line(line: str, limit: int = 160) -> str:
+    return line if len(line) <= limit else line[: limit - 3] + "..."

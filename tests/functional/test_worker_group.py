@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 
 import pytest
@@ -12,9 +13,13 @@ import ray
 import torch
 from conftest import RAY_TEST_CPUS
 
+from posttrain.distributed import progress
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.cluster import ClusterError, VirtualCluster
+from posttrain.distributed.progress import ProgressLimits
 from posttrain.distributed.worker_group import DistributedWorker, WorkerError, WorkerGroup, WorkerTimeoutError
+from posttrain.environments.interface import Environment, EnvironmentReturn
+from posttrain.environments.registry import EnvironmentActors, create_env, launch_step
 
 # The timeout is a hang guard, not a speed test: beside two CPU hogs this module ran 4-6x its quiet time.
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
@@ -46,6 +51,13 @@ class EchoWorker(DistributedWorker):
     def sleep(self, seconds: float) -> float:
         time.sleep(seconds)
         return seconds
+
+    def stall_in_sleep(self) -> float:
+        """Rank 1 never comes back (a deadlock or an endless loop, for all the controller can tell);
+        rank 0 waits for it in a collective: both processes alive, both beating."""
+        if self.rank == 1:
+            time.sleep(3600)
+        return self.all_reduce_sum(1.0)
 
 
 class CrashingWorker(DistributedWorker):
@@ -141,9 +153,12 @@ def test_dead_worker_is_reported_without_waiting_for_the_hung_one(ray_cluster):
         cluster.shutdown()
 
 
-def test_a_frozen_worker_is_named_by_its_heartbeat_and_the_group_restarts(ray_cluster):
+def test_a_frozen_or_stuck_worker_is_named_and_the_group_restarts(ray_cluster, monkeypatch):
+    # The stacks come within a beat or two; waiting up to 10 minutes only guards against a busy machine.
+    monkeypatch.setattr(progress, "STACK_WAIT_S", 600.0)
     cluster = VirtualCluster([2], name="frozen")
-    group = WorkerGroup(cluster, EchoWorker, name="frozen", heartbeat_timeout_s=2.0)
+    group = WorkerGroup(cluster, EchoWorker, name="frozen", heartbeat_timeout_s=2.0,
+                        progress_limits=ProgressLimits({"stall_in_sleep": 2.0}))
     try:
         pids = group.run_all("pid")
         ref = group.run_single_async(1, "sleep", 60.0)
@@ -156,6 +171,20 @@ def test_a_frozen_worker_is_named_by_its_heartbeat_and_the_group_restarts(ray_cl
 
         group.restart()  # every member again, as a new process group
         assert set(group.run_all("pid")).isdisjoint(pids)
+        assert group.run_all("sum_of_ranks_plus_one") == [3.0, 3.0]
+
+        # Alive and beating, but stuck: rank 1 sleeps inside the call, rank 0 waits for it in a
+        # collective. The call is past its phase's bound (2 s) long before the deadline of the wait.
+        with pytest.raises(WorkerTimeoutError, match=r"'frozen': no progress: ") as info:
+            group.get(group.run_all_async("stall_in_sleep"), timeout=600)
+        message = str(info.value)
+        assert (info.value.group, info.value.ranks) == ("frozen", (0, 1)), message
+        assert re.search(r"rank 1 \(node [^)]*\), no progress in stall_in_sleep for \d+s \(bound 2s: "
+                         r"cluster.progress_timeout_s.stall_in_sleep=2\), stuck in stall_in_sleep \(test_worker_group.py:",
+                         message), message
+        rank0 = message.split("; ")[0]  # rank 0, waiting for rank 1 in the collective
+        assert rank0.startswith("WorkerGroup 'frozen': no progress: rank 0 (node ") and "all_reduce" in rank0, message
+        group.restart()
         assert group.run_all("sum_of_ranks_plus_one") == [3.0, 3.0]
 
         os.kill(group.run_all("pid")[0], signal.SIGKILL)
@@ -282,3 +311,38 @@ def test_a_rendezvous_port_taken_before_rank_0_listens_starts_the_group_on_anoth
         taken.close()
         cluster.shutdown()
     assert not is_port_taken(ValueError("model path does not exist"))
+
+
+class StallingEnv(Environment):
+    """Rewards 1, except that a step whose first row asks it to stall never returns (a deadlock)."""
+
+    def __init__(self, cfg=None) -> None:
+        self.stuck = threading.Event()
+
+    def step(self, message_logs, metadata):
+        if metadata[0].get("stall"):
+            self.stuck.wait()  # never set
+        n = len(message_logs)
+        return EnvironmentReturn([{"role": "environment", "content": ""}] * n, list(metadata), [None] * n,
+                                 torch.ones(n), torch.ones(n, dtype=torch.bool), [None] * n)
+
+
+def test_an_environment_step_that_makes_no_progress_is_named_with_where_it_is_stuck(ray_cluster, monkeypatch):
+    monkeypatch.setattr(progress, "STACK_WAIT_S", 600.0)  # as above: a guard, not a wait
+    actor = create_env("stall", cls=StallingEnv, beat_period_s=0.5)
+    envs = EnvironmentActors({"stall": actor}, {"stall": "stall"}, {"stall": (StallingEnv, None, "ray")},
+                             step_timeout_s=600.0, heartbeat_timeout_s=60.0,
+                             progress_limits=ProgressLimits({"env_step": 2.0}), beat_period_s=0.5)
+    try:
+        logs = [[{"role": "user", "content": "hi"}]]
+        assert launch_step(envs, logs, [{}], ["stall"]).result().rewards.tolist() == [1.0]
+        with pytest.raises(WorkerTimeoutError, match=r"^environment 'stall': no progress: its actor \w+, no progress in "
+                                                      r"env_step for \d+s \(bound 2s: cluster.progress_timeout_s.env_step=2\), "
+                                                      r"stuck in wait \(threading.py:\d+\) .*<- step \(test_worker_group.py:") as info:
+            launch_step(envs, logs, [{"stall": True}], ["stall"]).result()
+        assert info.value.group == "env:stall"
+        envs.restart("stall")  # what a run's recovery does with it
+        assert launch_step(envs, logs, [{}], ["stall"]).result().rewards.tolist() == [1.0]
+    finally:
+        for handle in envs.by_name().values():
+            ray.kill(handle)

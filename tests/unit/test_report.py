@@ -124,3 +124,18 @@ def test_another_validation_set_is_dashed_in_the_same_colours(tmp_path):
     assert [list(line.get_ydata()) for line in dashed] == [[0.25, 0.25], [0.0, 0.25]]
     (math_line,) = [line for line in panel.get_lines() if line.get_label() == "math"]
     assert dashed[1].get_color() == math_line.get_color()
+
+
+def test_the_failures_a_run_recovered_from_are_listed_under_the_panels(tmp_path):
+    log_dir = tmp_path / "run"
+    with Logger(LoggerConfig(log_dir=str(log_dir), tensorboard_enabled=False)) as logger:
+        failures = ["step 2: environment 'math' died: its process exited", "step 3: policy workers hung: " + "x" * 300]
+        logger.log_metrics({"train/reward": 0.5, "recovery/restarts": 1}, 2, records={"recovery/failures": failures[:1]})
+        logger.log_metrics({"train/reward": 0.6, "recovery/restarts": 2}, 3, records={"recovery/failures": failures})
+        logger.log_metrics({"train/reward": 0.7, "recovery/restarts": 2}, 4)
+    fig = build_report_figure(log_dir / "metrics.jsonl")
+    [text] = [t.get_text() for t in fig.texts if "recovered" in t.get_text()]
+    lines = text.splitlines()
+    assert lines[:2] == ["recovered failures (2):", failures[0]]  # the last list logged: every failure
+    assert lines[2].startswith("step 3: policy workers hung: xxx") and lines[2].endswith("...") and len(lines[2]) == 160
+    assert not [t for t in build_report_figure(write_run(tmp_path / "clean")).texts if "recovered" in t.get_text()]

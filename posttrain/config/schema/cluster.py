@@ -62,8 +62,10 @@ class ClusterConfig(Section):
     worker_timeout_s: float = Field(
         1800.0, gt=0,
         description=(
-            "Longest a single worker call (or environment step) may take; a worker past it counts as hung, and "
-            "the run recovers from it as from a dead one (cluster.max_restarts)."
+            "Longest a single worker call (or environment step) may take, start-up and a phase's first call "
+            "included; a worker past it counts as hung, and the run recovers from it as from a dead one "
+            "(cluster.max_restarts). Calls of a phase that already finished once are bounded sooner "
+            "(cluster.progress_timeout_*)."
         ),
     )
     heartbeat_timeout_s: float = Field(
@@ -72,17 +74,46 @@ class ClusterConfig(Section):
             "A worker process whose heartbeat (a counter its own thread writes to Ray every few seconds) has not "
             "moved for this long while the controller waits for it has stopped answering (frozen, swapped out, "
             "deadlocked) and is recovered from as a dead one, without waiting for cluster.worker_timeout_s. "
-            "0 turns heartbeats off. Ray backend only."
+            "Environment actors beat too. 0 turns heartbeats off. Ray backend only."
         ),
+    )
+    progress_timeout_s: dict[str, float] = Field(
+        {},
+        description=(
+            "Per phase, the longest a worker call may run before it counts as making no progress (a deadlock, an "
+            "endless loop, a collective whose peer is alive but stuck): the controller asks the worker for its "
+            "Python stacks, names in one line where the call was stuck, and recovers from it as from a dead "
+            "worker (cluster.max_restarts). A phase is the worker method called (train, generate, get_logprobs, "
+            "get_values, save_checkpoint, broadcast_for_refit, ...), env_step for an environment's step (env_finish "
+            "for its finish), e.g. "
+            "{train: 900, env_step: 120}. A phase without one here gets cluster.progress_timeout_factor times its "
+            "slowest call so far. Ray backend only."
+        ),
+    )
+    progress_timeout_factor: float = Field(
+        10.0, ge=0,
+        description=(
+            "A call of a phase without a cluster.progress_timeout_s counts as making no progress once it has run "
+            "this many times longer than the slowest call of its phase so far in the run (at least "
+            "cluster.progress_timeout_floor_s; before the first call of the phase finished, only "
+            "cluster.worker_timeout_s applies). 0: only the phases of cluster.progress_timeout_s are bounded."
+        ),
+    )
+    progress_timeout_floor_s: float = Field(
+        300.0, ge=0,
+        description="The least bound cluster.progress_timeout_factor gives a phase (seconds).",
     )
     max_restarts: int = Field(
         3, ge=0,
         description=(
-            "How many times a run recovers in process from a dead or hung worker (a policy or generation worker, "
-            "an environment actor, or a lost node): it rebuilds what failed (the policy from the last checkpoint, "
-            "so that needs checkpointing.enabled; generation by a refit from the policy), replays the interrupted "
-            "step and goes on, counting recovery/restarts in the metrics. One more failure stops the run with a "
-            "one-line reason and exit code 3, its last checkpoint whole. 0: stop at the first. Ray backend only: "
+            "How many times a run recovers in process from a dead or hung worker (a policy, critic, teacher or "
+            "generation worker, an environment actor, or a lost node): it rebuilds what failed (the policy and "
+            "the critic from the last checkpoint, so that needs checkpointing.enabled; a teacher from its model; "
+            "generation by a refit from the policy), replays the interrupted step and goes on, counting "
+            "recovery/restarts in the metrics. The count is kept beside the checkpoints (recovery.json), so it "
+            "bounds the run across reruns of its command; a fresh checkpoint directory starts at 0. One more "
+            "failure stops the run with a one-line reason and exit code 3, its last checkpoint whole. 0: stop at "
+            "the first. Ray backend only: "
             "with cluster.backend=local a worker is the controller's own process, so a killed worker is the run "
             "(rerun it to resume from the last checkpoint)."
         ),

@@ -34,6 +34,7 @@ class NativeGeneration(WorkerGroupGeneration):
         worker_group = WorkerGroup(
             cluster, GenerationWorker, init_kwargs=dict(spec=spec), name=name, bundle_indices=bundle_indices,
             worker_timeout_s=spec.worker_timeout_s, heartbeat_timeout_s=spec.heartbeat_timeout_s,
+            progress_limits=spec.progress_limits,
         )
         self._attach(worker_group, spec)
 

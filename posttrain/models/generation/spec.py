@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from posttrain.config.schema import GenerationConfig
+from posttrain.distributed.progress import ProgressLimits
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class GenerationSpec:
             model's own), so the engines' positions match the trainer's.
         heartbeat_timeout_s: a worker silent for this long has stopped answering (default 0.0:
             no heartbeats; `WorkerGroup`).
+        progress_limits: the bounds of the workers' calls' phases (`progress.ProgressLimits`;
+            default None: none; `cluster.progress_timeout_*`).
         batch_invariant: the native engine generates each row alone (`policy.batch_invariant`;
             default False).
         record_routing: the engine (native, or vLLM on GPUs) returns each token's chosen experts for
@@ -49,6 +52,7 @@ class GenerationSpec:
     worker_timeout_s: float = 1800.0
     rope_scaling: Optional[dict[str, Any]] = None
     heartbeat_timeout_s: float = 0.0
+    progress_limits: Any = None
     batch_invariant: bool = False
     record_routing: bool = False
 
@@ -85,6 +89,6 @@ class GenerationSpec:
             tiny_arch=model.tiny_arch, precision=model.precision,
             max_model_len=cfg.policy.max_total_sequence_length, seed=seed,
             worker_timeout_s=cfg.cluster.worker_timeout_s, heartbeat_timeout_s=cfg.cluster.heartbeat_timeout_s,
-            rope_scaling=getattr(model, "rope_scaling", None), batch_invariant=cfg.policy.batch_invariant,
+            progress_limits=ProgressLimits.from_config(cfg.cluster), rope_scaling=getattr(model, "rope_scaling", None), batch_invariant=cfg.policy.batch_invariant,
             record_routing=cfg.policy.moe_router_replay and model is cfg.policy,
         )

@@ -100,6 +100,7 @@ class VllmGeneration(WorkerGroupGeneration):
             env_vars=env_vars,
             worker_timeout_s=spec.worker_timeout_s,
             heartbeat_timeout_s=spec.heartbeat_timeout_s,
+            progress_limits=spec.progress_limits,
             python_executable=python,
             actor_resources=actor_resources,
         )

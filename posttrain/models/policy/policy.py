@@ -25,6 +25,7 @@ from posttrain.models.policy.worker import PolicyWorker
 from posttrain.utils.phase_memory import GIB, merge_peaks
 
 if TYPE_CHECKING:
+    from posttrain.distributed.progress import ProgressLimits
     from posttrain.distributed.cluster import VirtualCluster
 
 
@@ -44,6 +45,8 @@ class Policy:
         worker_timeout_s: longest wait for one call (default 1800.0, `cluster.worker_timeout_s`).
         heartbeat_timeout_s: a worker silent for this long has stopped answering (default 0.0: no
             heartbeats; `cluster.heartbeat_timeout_s`, `WorkerGroup`).
+        progress_limits: the bounds of its calls' phases (`progress.ProgressLimits`; default None:
+            none; `cluster.progress_timeout_*`, `WorkerGroup`).
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class Policy:
         model_type: str = "lm",
         worker_timeout_s: float = 1800.0,
         heartbeat_timeout_s: float = 0.0,
+        progress_limits: Optional["ProgressLimits"] = None,
     ) -> None:
         self.cfg = cfg if isinstance(cfg, PolicyConfig) else PolicyConfig.model_validate(cfg)
         if cluster.world_size() < self.cfg.num_workers:
@@ -82,6 +86,7 @@ class Policy:
             bundle_indices=list(range(self.cfg.num_workers)),
             worker_timeout_s=worker_timeout_s,
             heartbeat_timeout_s=heartbeat_timeout_s,
+            progress_limits=progress_limits,
         )
         on_gpus = bool(getattr(cluster, "use_gpus", False))
         self.offloads_during_generation = offloads_during_generation(self.cfg, on_gpus)
