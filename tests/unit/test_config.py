@@ -262,7 +262,7 @@ def test_all_keys():
                 "sft_warmup.sft.max_num_steps", "sft_warmup.policy.generation.colocated.enabled"]:
         assert key in keys
     assert "sft.max_num_steps" not in keys
-    assert all_keys(SCHEMAS["sft"])[:3] == ["policy", "policy.model_name", "policy.tokenizer_name"]
+    assert all_keys(SCHEMAS["sft"])[:3] == ["seed", "policy", "policy.model_name"]
 
 
 @pytest.mark.parametrize("algo", list(SCHEMAS))
