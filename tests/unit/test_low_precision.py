@@ -196,6 +196,7 @@ def forced_logprobs(model: torch.nn.Module, out: dict) -> torch.Tensor:
 # Largest |logprob difference| from float32 on the tiny model's greedy tokens (measured: int8 0.0073,
 # fp8 0.035 max; 0.0030 and 0.011 mean), with room for the random model's other prompts.
 TOLERANCE = {"int8": 0.03, "fp8": 0.12}
+OWN_TOLERANCE = {"int8": 1e-5, "fp8": 1e-2}
 
 
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
@@ -214,7 +215,12 @@ def test_the_engine_returns_the_low_precision_models_logprobs(precision):
     generated_mask = out["logprobs"] != 0
     own = (out["logprobs"] - forced_logprobs(model, out))[generated_mask].abs()
     gap = (out["logprobs"] - forced_logprobs(float32, out))[generated_mask].abs()
-    assert own.max() < 1e-5
+    # fp8 quantizes each token's activations to 3 mantissa bits: where the engine's decode GEMMs
+    # and the forward's round a float32 sum an ulp apart, a value can land on the other side of an
+    # fp8 rounding step (measured up to 2.8e-3 on an AMX Xeon, 0 on AVX2 kernels). int8's
+    # activations are bfloat16 and stay within float rounding.
+    assert own.max() < OWN_TOLERANCE[precision]
+    assert own.mean() < gap.mean() / 3  # the engine's numbers are the quantized model's, not float32's
     assert 1e-4 < gap.max() < TOLERANCE[precision]
 
 

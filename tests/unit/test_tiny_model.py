@@ -134,7 +134,10 @@ def test_load_tokenizer_and_model_from_cache(tmp_path, monkeypatch):
 
 
 def test_pick_dtype():
-    assert hf.pick_dtype("auto", "cpu") == torch.float32
+    from posttrain.utils.cpu_precision import cpu_bfloat16_is_fast
+
+    # auto on a CPU: bfloat16 with bfloat16 matmul instructions, else float32 (test_cpu_precision.py)
+    assert hf.pick_dtype("auto", "cpu") == (torch.bfloat16 if cpu_bfloat16_is_fast() else torch.float32)
     assert hf.pick_dtype("bfloat16", "cpu") == torch.bfloat16
     assert hf.pick_dtype("float16", torch.device("cpu")) == torch.float16
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
