@@ -98,14 +98,14 @@ def precision_line(cfg: MasterConfig) -> Optional[str]:
     """The start-up line that says what a CPU run computes in and why, when the CPU decided it
     (`policy.precision=auto`) or cannot do what was asked fast (bfloat16 without bfloat16 matmul
     instructions); None on GPUs and for float32."""
-    from posttrain.utils.cpu_precision import bfloat16_matmul_support
+    from posttrain.utils.cpu_precision import auto_cpu_precision, bfloat16_matmul_support
 
     precision = cfg.policy.precision
     if cfg.cluster.gpus_per_node > 0 or precision not in ("auto", "bfloat16"):
         return None
-    fast, why = bfloat16_matmul_support()
     if precision == "auto":
-        return f"[posttrain] policy.precision=auto: {'bfloat16' if fast else 'float32'}, since {why}"
+        return "[posttrain] policy.precision=auto: {}, since {}".format(*auto_cpu_precision())
+    fast, why = bfloat16_matmul_support()
     if not fast:
         return (f"[posttrain] policy.precision=bfloat16: {why}, so linear layers multiply in float32 (PyTorch's "
                 "bfloat16 GEMM is scalar code there, ~45x slower) and round to bfloat16; "

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 import posttrain  # noqa: F401 - before any test module imports torch: its OpenMP threads then wait passively
+from posttrain.utils.cpu_precision import AUTO_CPU_PRECISION_VAR
 
 RAY_TEST_CPUS = 8
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -59,6 +60,10 @@ def pytest_configure(config: pytest.Config) -> None:
         config._session_dir = os.environ[XDIST_SESSION_DIR] = tempfile.mkdtemp(prefix="posttrain-test-session-")
     for var, sub in zip(SESSION_CACHE_VARS, ("posttrain", "huggingface")):
         os.environ[var] = os.path.join(root, sub)
+    # The suite's numerical tolerances are float32's: `precision: auto` means float32 on every CPU
+    # here (Ray workers inherit it), as on a CPU without bfloat16 matmuls; test_cpu_precision.py
+    # checks what auto picks by the CPU.
+    os.environ.setdefault(AUTO_CPU_PRECISION_VAR, "float32")
 
 
 def start_building_the_vllm_env(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -65,8 +65,16 @@ def cpu_bfloat16_is_fast() -> bool:
     return bfloat16_matmul_support()[0]
 
 
+# Fixes what `auto` means on a CPU (float32 or bfloat16) for every config of a process and its
+# workers, whatever the CPU has: e.g. a test suite whose tolerances are float32's.
+AUTO_CPU_PRECISION_VAR = "POSTTRAIN_AUTO_CPU_PRECISION"
+
+
 def auto_cpu_precision() -> tuple[str, str]:
     """What `precision: auto` trains in on this CPU, and why (one clause for the start-up line)."""
+    forced = os.environ.get(AUTO_CPU_PRECISION_VAR)
+    if forced in ("float32", "bfloat16"):
+        return forced, f"{AUTO_CPU_PRECISION_VAR}={forced}"
     fast, why = bfloat16_matmul_support()
     return ("bfloat16" if fast else "float32"), why
 

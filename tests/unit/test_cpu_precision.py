@@ -36,6 +36,7 @@ def test_bfloat16_matmul_support_reads_the_flags_and_the_kernel_limits(flags, en
 
 
 def test_auto_precision_follows_the_cpu(monkeypatch):
+    monkeypatch.delenv(cpu_precision.AUTO_CPU_PRECISION_VAR, raising=False)  # the suite's conftest sets it
     for fast, want in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(cpu_precision, "bfloat16_matmul_support", lambda *a, fast=fast: (fast, "because"))
         assert hf.pick_dtype("auto", "cpu") == want
@@ -88,6 +89,18 @@ def test_float32_linears_under_autocast_return_the_autocast_dtype():
     assert torch.equal(out, torch.nn.functional.linear(x, layer.weight, layer.bias).bfloat16())
     assert layer(x).dtype == torch.float32  # no autocast, float32 weights: untouched
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_the_variable_fixes_what_auto_means(monkeypatch):
+    monkeypatch.setattr(cpu_precision, "bfloat16_matmul_support", lambda *a: (True, "fast"))
+    monkeypatch.setenv(cpu_precision.AUTO_CPU_PRECISION_VAR, "float32")
+    assert hf.pick_dtype("auto", "cpu") == torch.float32
+    assert precision_line(load_config("grpo", None, ["policy.precision=auto"])) == (
+        "[posttrain] policy.precision=auto: float32, since POSTTRAIN_AUTO_CPU_PRECISION=float32")
+    monkeypatch.setenv(cpu_precision.AUTO_CPU_PRECISION_VAR, "bfloat16")
+    assert hf.pick_dtype("auto", "cpu") == torch.bfloat16
+    monkeypatch.setenv(cpu_precision.AUTO_CPU_PRECISION_VAR, "fp16")  # not a choice: the CPU decides
+    assert hf.pick_dtype("auto", "cpu") == torch.bfloat16
 
 
 def test_matmul_dtype(monkeypatch):

@@ -134,10 +134,10 @@ def test_load_tokenizer_and_model_from_cache(tmp_path, monkeypatch):
 
 
 def test_pick_dtype():
-    from posttrain.utils.cpu_precision import cpu_bfloat16_is_fast
+    from posttrain.utils.cpu_precision import auto_cpu_precision
 
     # auto on a CPU: bfloat16 with bfloat16 matmul instructions, else float32 (test_cpu_precision.py)
-    assert hf.pick_dtype("auto", "cpu") == (torch.bfloat16 if cpu_bfloat16_is_fast() else torch.float32)
+    assert hf.pick_dtype("auto", "cpu") == getattr(torch, auto_cpu_precision()[0])
     assert hf.pick_dtype("bfloat16", "cpu") == torch.bfloat16
     assert hf.pick_dtype("float16", torch.device("cpu")) == torch.float16
     if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
