@@ -6,6 +6,7 @@
     posttrain init-model --preset tiny --arch llama --out models/tiny
     posttrain convert --checkpoint checkpoints/run/step_100 --out hf_model
     posttrain init-model --preset smollm2-135m-instruct --out models/smollm2   # pretrained, from GGUF
+    posttrain init-model --preset gemma3-270m --out models/gemma3               # pretrained, GGUF in chunk packages
     posttrain convert --gguf model.gguf --out hf_model
     posttrain doctor [--fix]                         # check the machine and posttrain's cache before a long run
 
@@ -155,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="build a small local model and tokenizer, or convert a pretrained one (no download)",
         description="Write a randomly initialised HF model and character-level tokenizer to --out "
         "(tiny, small, 100m, 1b), or a pretrained model converted from the GGUF file its package ships "
-        f"({', '.join(PRETRAINED_PRESETS)}; needs the 'smollm2' extra), then print a greedy sample "
+        f"({', '.join(PRETRAINED_PRESETS)}; needs the 'gguf' extra), then print a greedy sample "
         "from it as a smoke check.",
     )
     init.add_argument("--preset", choices=[*PRESETS, *PRETRAINED_PRESETS], default="tiny", help="model (default: tiny)")
@@ -168,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         "convert",
         help="convert a training checkpoint (step dir) or a GGUF file to a Hugging Face model directory",
         description="Convert a checkpoint step directory, or a GGUF model file (weights de-quantized to "
-        "float32, tokenizer and chat template kept; needs the 'smollm2' extra), into a Hugging Face model directory.",
+        "float32, tokenizer and chat template kept; needs the 'gguf' extra), into a Hugging Face model directory.",
     )
     source = convert.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", metavar="DIR", help="checkpoint step directory (…/step_N)")
@@ -305,9 +306,9 @@ def _init_model(args: argparse.Namespace) -> int:
         from posttrain.models import gguf_import
 
         try:
-            gguf_file = gguf_import.preset_gguf_file(args.preset)
-            print(f"Converting {gguf_file} (about a minute on 2 cores)", flush=True)
-            path = gguf_import.convert_gguf(gguf_file, args.out)
+            gguf_import.require_preset_packages(args.preset)
+            print(f"Converting {args.preset} (a few minutes on 2 cores)", flush=True)
+            path = gguf_import.convert_preset(args.preset, args.out)
         except UserError as e:
             print(f"posttrain init-model: {e}", file=sys.stderr)
             return EXIT_CONFIG_ERROR

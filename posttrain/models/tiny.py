@@ -30,6 +30,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     MixtralConfig,
@@ -45,6 +46,8 @@ from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.models.presets import (  # noqa: F401 (re-exported: tiny.PRESETS, tiny.ARCHS)
     ARCHS,
     DEEPSEEK_V3_EXPERTS,
+    GEMMA3_GLOBAL_EVERY,
+    GEMMA3_SLIDING_WINDOW,
     MOE_ARCHS,
     MOE_EXPERTS,
     MOE_ROUTER_AUX_LOSS_COEF,
@@ -106,14 +109,15 @@ def build_tokenizer(extra_special_tokens: Sequence[str] = (), chat_template: str
 
 def tiny_config(preset: str = "tiny", arch: str = "llama", vocab_size: int | None = None):
     """The transformers config of a preset (`tiny`, `small`, `100m`, `1b`) and arch (`llama`, `qwen2`,
-    `qwen3_moe`, `mixtral`, `deepseek_v3`).
+    `qwen3_moe`, `mixtral`, `deepseek_v3`, `gemma3`).
 
     Llama keeps input and output embeddings separate (`tie_word_embeddings=False`); qwen2 ties
     them, as Qwen2.5-0.5B/1.5B do, so both layouts are exercised by the same tests. The
     mixture-of-experts archs replace each MLP by `MOE_EXPERTS` experts of a quarter of its width,
     `MOE_TOP_K` per token (same active MLP width), with the router's load-balancing loss
     (`router_aux_loss_coef`, Fedus et al. 2021) on: Qwen3-MoE (per-head q/k norms, tied
-    embeddings like the small Qwen3 models) and Mixtral (untied). `deepseek_v3`: see `deepseek_v3_config`.
+    embeddings like the small Qwen3 models) and Mixtral (untied). `deepseek_v3`: see `deepseek_v3_config`,
+    `gemma3`: `gemma3_config`.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown tiny model preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -135,6 +139,8 @@ def tiny_config(preset: str = "tiny", arch: str = "llama", vocab_size: int | Non
         return Qwen2Config(**common, tie_word_embeddings=True)
     if arch == "deepseek_v3":
         return deepseek_v3_config(common)
+    if arch == "gemma3":
+        return gemma3_config(common)
     expert_width = common["intermediate_size"] // 4
     moe: dict[str, Any] = dict(num_experts_per_tok=MOE_TOP_K, router_aux_loss_coef=MOE_ROUTER_AUX_LOSS_COEF)
     if arch == "qwen3_moe":
@@ -175,6 +181,24 @@ def deepseek_v3_config(common: dict[str, Any]) -> DeepseekV3Config:
     )
 
 
+def gemma3_config(common: dict[str, Any]) -> Gemma3TextConfig:
+    """Gemma 3's text model (Gemma Team 2025, "Gemma 3 Technical Report", section 2) at a preset's
+    size: every `GEMMA3_GLOBAL_EVERY`-th layer attends globally (RoPE base 1M), the others to the
+    last `GEMMA3_SLIDING_WINDOW` positions (RoPE base 10k); per-head RMSNorm of queries and keys
+    (QK-norm), attention scaled by `query_pre_attn_scalar ** -0.5` (the head width, as in the 270M
+    model), embeddings scaled by sqrt(hidden) and tied to the output head, GELU-tanh MLP, no logit
+    soft-capping (Gemma 3 has none)."""
+    layers, head_dim = common["num_hidden_layers"], common["hidden_size"] // common["num_attention_heads"]
+    return Gemma3TextConfig(
+        **common, head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=GEMMA3_SLIDING_WINDOW,
+        layer_types=["full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
+                     for i in range(layers)],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        final_logit_softcapping=None, attn_logit_softcapping=None, tie_word_embeddings=True,
+    )
+
+
 def make_tiny_model(
     preset: str = "tiny", arch: str = "llama", seed: int = 0
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
@@ -201,7 +225,7 @@ def build_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", arch: str
     Args:
         out_dir: target directory (created; existing files of the same names are overwritten).
         preset: `tiny` (hidden 128, 2 layers; default), `small` (hidden 256, 4 layers) `100m` or `1b` (GPU benchmarks).
-        arch: `llama` (default), `qwen2`, or the mixture-of-experts `qwen3_moe` / `mixtral` / `deepseek_v3`.
+        arch: `llama` (default), `qwen2`, `gemma3`, or the mixture-of-experts `qwen3_moe` / `mixtral` / `deepseek_v3`.
         seed: seed of the random initialisation (default 0).
     """
     out = Path(out_dir)

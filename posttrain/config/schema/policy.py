@@ -342,9 +342,10 @@ class PolicyConfig(Section):
 
     model_name: str = Field("tiny", description="HF hub id, local HF directory, or 'tiny'/'small' for a built-in model.")
     tokenizer_name: Optional[str] = Field(None, description="Defaults to model_name.")
-    tiny_arch: Literal["llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3"] = Field(
+    tiny_arch: Literal["llama", "qwen2", "qwen3_moe", "mixtral", "deepseek_v3", "gemma3"] = Field(
         "llama", description=("Arch of a built-in model (model_name tiny/small/100m); qwen3_moe, mixtral and "
-                               "deepseek_v3 (multi-head latent attention, shared expert, sigmoid routing) are MoE."),
+                               "deepseek_v3 (multi-head latent attention, shared expert, sigmoid routing) are MoE; gemma3 interleaves "
+                               "sliding-window (8 tokens) and global attention layers."),
     )
     rope_scaling: Optional[dict[str, Any]] = Field(
         None,

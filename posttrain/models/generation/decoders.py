@@ -122,13 +122,24 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
     layer_types = getattr(config, "layer_types", None)
     if layer_types and any(t != "full_attention" for t in layer_types):
         return f"layer types {sorted(set(layer_types))} (only full attention is reproduced)"
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        return f"sliding window {config.sliding_window}"
-    if any(getattr(layer.self_attn, "sliding_window", None) is not None for layer in layers):
-        return "sliding-window attention"
+    if has_sliding_window(model):
+        return f"sliding window {getattr(config, 'sliding_window', None)}"
     if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
         return "the output embedding is not an nn.Linear"
     return None
+
+
+def has_sliding_window(model: torch.nn.Module) -> bool:
+    """Whether some attention layer of `model` sees only a window of the last positions (Mistral's
+    `sliding_window`, Gemma 3's local layers). transformers counts the window in cache columns, so
+    such a model's cache must hold no masked columns between a row's tokens (`engine.py`)."""
+    config = getattr(model, "config", None)
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return True
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return True
+    return any(getattr(module, "sliding_window", None) is not None for module in model.modules()
+               if module is not model and hasattr(module, "o_proj"))
 
 
 def grouped_decode_attention(

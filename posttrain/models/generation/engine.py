@@ -25,7 +25,9 @@ import torch
 from transformers import DynamicCache
 
 from posttrain.models import router_replay
-from posttrain.models.generation.decoders import LlamaLikeDecoder, ModelForwardDecoder, unsupported_reason
+from posttrain.models.generation.decoders import (
+    LlamaLikeDecoder, ModelForwardDecoder, has_sliding_window, unsupported_reason,
+)
 from posttrain.models.generation.running_batch import RunningBatch
 from posttrain.models.generation.sampling import SamplingBuffers, process_logits, sample
 from posttrain.models.generation.speculative import Drafter, speculative_decode
@@ -287,7 +289,10 @@ class NativeGenerationEngine:
         self.share_prompts = share_prompts
         self.reuse_buffers = reuse_buffers
         self.finished_rows_fraction = finished_rows_fraction
-        self.share_prompt_prefix = share_prompt_prefix
+        # A shared prefix leaves the prompts' left padding between the prefix and the rest: masked columns
+        # that a sliding window (counted in cache columns by transformers) would count as positions, so
+        # a sliding-window model (Gemma 3's local layers) would attend to fewer tokens than in training.
+        self.share_prompt_prefix = share_prompt_prefix and not has_sliding_window(model)
         self.speculative = speculative
         # Ask the model for the last position's logits only, when it supports it (saves a
         # [B, P, V] projection at prefill).

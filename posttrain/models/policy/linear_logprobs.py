@@ -47,10 +47,11 @@ MIN_VOCAB_BLOCK = 512  # narrower blocks make thin matmuls; beyond this many tok
 
 # Model types whose `XForCausalLM.forward` (transformers 5.23) is exactly
 # `logits = self.lm_head(slice_logits_to_keep(decoder(...).last_hidden_state, logits_to_keep))`:
-# no scaling, soft-capping or bias after the head. Others (Gemma2/3 final_logit_softcapping,
+# no scaling, soft-capping or bias after the head (Gemma 3: when its final_logit_softcapping is None). Others (Gemma2 final_logit_softcapping,
 # Cohere logit_scale, Granite logits_scaling, ...) keep the plain logits path.
 PLAIN_HEAD_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "olmo2", "phi3", "gemma"}
+    {"llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "olmo2", "phi3", "gemma",
+     "gemma3_text"}  # Gemma 3: soft-capping only when final_logit_softcapping is set (LOGIT_TRANSFORM_KEYS)
 )  # not llava: its logprobs leave the image token out of the distribution (vision_inputs.suppress_image_token)
 # Config attributes that change logits after the head; any of them set disables the fused path.
 LOGIT_TRANSFORM_KEYS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")

@@ -69,7 +69,21 @@ def empty_causal_lm(name_or_path: str, tiny_arch: str = "llama", attn_implementa
     options = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with MODEL_BUILD_LOCK, parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **options)
+    # Tying assigns the input embeddings' parameter to the head, and `parameters_on_meta` made that a new
+    # meta parameter: tie again outside it, or a tied model (Qwen2, Gemma 3) has one parameter more on
+    # these ranks than on rank 0, and FSDP2's collectives disagree in size (gloo: "Received data size
+    # doesn't match expected size").
+    tie_head(model)
     return model.eval()
+
+
+def tie_head(model: torch.nn.Module) -> None:
+    """Make a tied model's output head share the input embeddings' parameter again, after something
+    replaced one of them (`parameters_on_meta`, a `load_state_dict(assign=True)`); nothing for an
+    untied model or a pipeline stage without one of the two."""
+    if (getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None
+            and model.get_input_embeddings() is not None):
+        model.tie_weights()
 
 
 def rank0_weights(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
@@ -81,6 +95,9 @@ def fill_shards_from_rank0(model: torch.nn.Module, weights: dict[str, torch.Tens
     """Collective, after `fully_shard`: every rank's shards (meta or not) get rank 0's `weights`,
     broadcast one tensor at a time (torch's `set_model_state_dict(broadcast_from_rank0=True)`)."""
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # On the meta ranks the values are assigned (new parameters), the tied head's too: a parameter of
+    # its own that the optimizer would then hold beside the embeddings' (and a checkpoint could not name).
+    tie_head(model)
     left = [name for name, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if left:
         raise RuntimeError(f"sharded loading left tensors on the meta device: {left[:5]}")
@@ -133,8 +150,11 @@ def fill_from_safetensors(model: torch.nn.Module, files: dict[str, Path], dtype:
     names = names if names is not None else {name: name for name in files}
     skip = set(skip)
     tied = getattr(model.config, "tie_word_embeddings", False) and model.get_output_embeddings() is not None
-    # A tied head is the input embeddings (tied below), which checkpoints keep once.
-    head_weight = model.get_output_embeddings().weight if tied else None
+    # A tied head is the input embeddings (tied below), which checkpoints keep once. The skeleton is
+    # tied already (`empty_causal_lm`): then the one parameter is read under the embeddings' name.
+    output_weight = model.get_output_embeddings().weight if tied else None
+    input_weight = getattr(model.get_input_embeddings(), "weight", None)  # None: a pipeline stage without them
+    head_weight = output_weight if output_weight is not input_weight else None
     head = {name for name, p in model.named_parameters() if p is head_weight}
     wanted = [name for name, p in model.named_parameters() if p.is_meta and name not in skip | head]
     missing = [name for name in wanted if name not in names]
@@ -149,8 +169,7 @@ def fill_from_safetensors(model: torch.nn.Module, files: dict[str, Path], dtype:
                 if files[names[name]] == file:
                     state[name] = f.get_tensor(names[name]).to(dtype)
     model.load_state_dict(state, strict=False, assign=True)
-    if tied:
-        model.tie_weights()  # `assign` replaced the input embeddings' parameter: the head shares the new one
+    tie_head(model)  # `assign` replaced the input embeddings' parameter: the head shares the new one
     left = [name for name, p in model.named_parameters() if p.is_meta and name not in skip]
     if left:
         raise RuntimeError(f"sharded loading left tensors on the meta device: {left[:5]}")
