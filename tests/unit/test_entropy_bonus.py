@@ -14,6 +14,7 @@ from posttrain.algorithms.pg_terms import entropy_surrogate
 from posttrain.config import load_config
 from posttrain.config.schema import LossConfig
 from posttrain.utils.metrics import valid_counts
+from test_training_loop import FakeLoader  # the loop's loader stand-in
 
 
 def test_the_estimate_averaged_over_the_policy_is_the_entropy_and_its_gradient():
@@ -93,23 +94,6 @@ def test_bad_entropy_keys_fail_in_one_line():
         LossConfig(entropy_coef_min=0.5, entropy_coef_max=0.1)
     with pytest.raises(ValueError, match="loss_fn.entropy_coef is a key of the clipped_pg loss"):
         LossConfig(name="my_module:MyLoss", entropy_coef=0.1)
-
-
-class FakeLoader:
-    position = 0
-
-    def next_batch(self):
-        self.position += 1
-        return [self.position]
-
-    def steps_for_epochs(self, epochs):
-        return 10**9
-
-    def state_dict(self):
-        return {"position": self.position}
-
-    def load_state_dict(self, state):
-        self.position = state["position"]
 
 
 class FakePolicy:
