@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from posttrain.utils.cpu_precision import auto_cpu_precision, compute_linears_in_float32
+from posttrain.cpu_precision import auto_cpu_precision, compute_linears_in_float32
 
 
 def block(dtype: torch.dtype, tokens: int, float32_matmuls: bool) -> tuple[torch.nn.Module, torch.Tensor]:

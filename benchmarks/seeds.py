@@ -157,7 +157,7 @@ def main() -> None:
     env = {key: value for key, value in os.environ.items() if key not in AVX2_KERNELS}
     if args.cpu == "avx2":
         env.update(AVX2_KERNELS)
-    from posttrain.utils.cpu_precision import bfloat16_matmul_support
+    from posttrain.cpu_precision import bfloat16_matmul_support
 
     print(f"[seeds] {args.showcase} over seeds {args.seeds}; CPU: {cpu_name()}, {os.cpu_count()} cores; kernels: "
           f"{args.cpu}; bfloat16 matmuls: {bfloat16_matmul_support(environ=env)[1]}", flush=True)

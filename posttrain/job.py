@@ -98,7 +98,7 @@ def precision_line(cfg: MasterConfig) -> Optional[str]:
     """The start-up line that says what a CPU run computes in and why, when the CPU decided it
     (`policy.precision=auto`) or cannot do what was asked fast (bfloat16 without bfloat16 matmul
     instructions); None on GPUs and for float32."""
-    from posttrain.utils.cpu_precision import auto_cpu_precision, bfloat16_matmul_support
+    from posttrain.cpu_precision import auto_cpu_precision, bfloat16_matmul_support
 
     precision = cfg.policy.precision
     if cfg.cluster.gpus_per_node > 0 or precision not in ("auto", "bfloat16"):
@@ -263,37 +263,14 @@ def build_datums(
     with startup.doing(f"reading the {split} data" if lazy else f"reading and tokenizing the {split} data"):
         records = limit_per_source(load(cfg.data, split), limit)
         if hasattr(cfg, "env"):
+            from posttrain.environments.row_fields import add_env_fields
+
             add_env_fields(cfg, records)
         if lazy:
             from posttrain.data.dataloader import LazyDatums
 
             return LazyDatums(records, build)
         return [build(r, i) for i, r in enumerate(records)]
-
-
-def add_env_fields(cfg: MasterConfig, records: list[dict]) -> None:
-    """What a record's environment asks for beyond the row's fields: the tools it offers
-    (`Environment.prompt_tools`, for records without `tools` of their own), so the prompt
-    describes them; and, for an environment class with `receives_prompt` (reward functions), the
-    prompt as the data gave it (text, or chat messages) under `reward_fn_env.PROMPT_KEY`."""
-    from posttrain.environments.registry import resolve_env
-    from posttrain.environments.reward_fn_env import PROMPT_KEY
-
-    env_of_name: dict[str, Any] = {}
-    for record in records:
-        name = record.get("env_name") or record.get("task_name") or cfg.data.env_name
-        if name not in env_of_name:
-            try:
-                cls, env_cfg = resolve_env(name, cfg.env.section(name))
-            except (KeyError, ValueError):  # preflight names the problem
-                env_of_name[name] = (None, False)
-            else:
-                env_of_name[name] = (cls.prompt_tools(env_cfg), getattr(cls, "receives_prompt", False))
-        tools, receives_prompt = env_of_name[name]
-        if tools and not record.get("tools"):
-            record["tools"] = tools
-        if receives_prompt:
-            record[PROMPT_KEY] = record.get("messages") or record["prompt"]
 
 
 def build_splits(

@@ -98,8 +98,6 @@ def preflight(cfg: Any, plan_memory: bool = True, key_prefix: str = "") -> None:
     if hasattr(cfg, "env"):
         check_envs(cfg, [r for split in records.values() for r in split if "task_name" in r])
     check_components(cfg)
-    from posttrain.data.row_lengths import check_row_lengths
-
     check_row_lengths(cfg, records, key_prefix)  # tokenizes every row (up to a sample of a large file)
     if plan_memory:
         check_memory_plan(cfg, records["train"] + records["validation"])
@@ -528,3 +526,29 @@ def check_hub_model(repo_id: str, key: str) -> None:
             f"{key}={repo_id!r} is not in the local Hugging Face cache and {constants.ENDPOINT} cannot be reached "
             f"({reason}); use a local model directory or download it where the hub is reachable"
         ) from None
+
+
+def check_row_lengths(cfg: Any, records: dict[str, list[dict]], key_prefix: str = "") -> None:
+    """Print one line per data file with rows over `policy.max_total_sequence_length` (the
+    training and validation `records` preflight read, by split), and raise `UserError` when more
+    than half of a file's rows are. `key_prefix` names a warm start's section (`sft_warmup.`)."""
+    from posttrain.data.row_lengths import MOSTLY, file_lengths, row_length_of
+    from posttrain.environments.row_fields import add_env_fields
+    from posttrain.models.hf import load_tokenizer
+
+    policy = cfg.policy
+    tokenizer = load_tokenizer(policy.tokenizer_name or policy.model_name, policy.tiny_arch)
+    if hasattr(cfg, "env"):  # the tools an environment describes in the prompt count too
+        records = {split: [dict(r) for r in rows] for split, rows in records.items()}
+        for rows in records.values():
+            add_env_fields(cfg, rows)
+    key, limit = f"{key_prefix}policy.max_total_sequence_length", policy.max_total_sequence_length
+    length_of = row_length_of(cfg, tokenizer)
+    for split, rows in records.items():
+        path = {"train": cfg.data.train_path, "validation": cfg.data.validation_path}.get(split)
+        for found in file_lengths(rows, length_of, limit, path or f"the {split} rows (data.dataset={cfg.data.dataset})"):
+            if found.share > MOSTLY:
+                raise UserError(f"{found.line(key, limit)}: more than half would be masked out of the loss; raise "
+                                f"{key} to {found.longest}, or shorten the rows")
+            print(f"[posttrain] data: {found.line(key, limit)}: they are masked out of the loss (raise {key} to "
+                  f"{found.longest} to keep them)", flush=True)

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 import posttrain  # noqa: F401 - before any test module imports torch: its OpenMP threads then wait passively
-from posttrain.utils.cpu_precision import AUTO_CPU_PRECISION_VAR
+from posttrain.cpu_precision import AUTO_CPU_PRECISION_VAR
 
 RAY_TEST_CPUS = 8
 WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

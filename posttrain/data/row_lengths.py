@@ -4,7 +4,7 @@ A row over the limit is not a crash: its processor cuts it and masks it out of t
 (`loss_multiplier` 0; `build_prompt_message_log`, `build_sft_example`, `build_preference_example`).
 A warning per row buried the one thing to know (a VL example printed over 1,000 of them), so the
 preflight says it once per data file instead: how many rows exceed the limit, the longest, and the
-key to raise; and refuses the run when most of a file's rows would be masked (`UserError`, one
+key to raise; and `preflight.check_row_lengths` refuses the run when most of a file's rows would be masked (one
 line), since such a run trains on almost nothing.
 
 A row's length is what its processor builds with no limit: the prompt as the model sees it (chat
@@ -19,7 +19,6 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from posttrain.errors import UserError
 
 # Rows tokenized per data file at most: this many evenly spaced, plus the `LONGEST_CHECKED` longest
 # in characters (where the longest in tokens almost always is). A larger file's count is an
@@ -108,29 +107,3 @@ def row_length_of(cfg: Any, tokenizer: Any) -> Callable[[dict], int]:
     from posttrain.data.processors import build_prompt_message_log
 
     return lambda record: build_prompt_message_log(record, tokenizer, sys.maxsize, **options).prompt_length
-
-
-def check_row_lengths(cfg: Any, records: dict[str, list[dict]], key_prefix: str = "") -> None:
-    """Print one line per data file with rows over `policy.max_total_sequence_length` (the
-    training and validation `records` preflight read, by split), and raise `UserError` when more
-    than half of a file's rows are. `key_prefix` names a warm start's section (`sft_warmup.`)."""
-    from posttrain.models.hf import load_tokenizer
-
-    policy = cfg.policy
-    tokenizer = load_tokenizer(policy.tokenizer_name or policy.model_name, policy.tiny_arch)
-    if hasattr(cfg, "env"):  # the tools an environment describes in the prompt count too
-        from posttrain.job import add_env_fields
-
-        records = {split: [dict(r) for r in rows] for split, rows in records.items()}
-        for rows in records.values():
-            add_env_fields(cfg, rows)
-    key, limit = f"{key_prefix}policy.max_total_sequence_length", policy.max_total_sequence_length
-    length_of = row_length_of(cfg, tokenizer)
-    for split, rows in records.items():
-        path = {"train": cfg.data.train_path, "validation": cfg.data.validation_path}.get(split)
-        for found in file_lengths(rows, length_of, limit, path or f"the {split} rows (data.dataset={cfg.data.dataset})"):
-            if found.share > MOSTLY:
-                raise UserError(f"{found.line(key, limit)}: more than half would be masked out of the loss; raise "
-                                f"{key} to {found.longest}, or shorten the rows")
-            print(f"[posttrain] data: {found.line(key, limit)}: they are masked out of the loss (raise {key} to "
-                  f"{found.longest} to keep them)", flush=True)

@@ -43,7 +43,7 @@ from posttrain.environments.interface import Environment, EnvironmentReturn, las
 from posttrain.errors import UserError
 
 # The metadata key under which a reward-function environment receives each row's prompt as the
-# data gave it (environments get a row's fields but not its prompt; see `job.add_env_fields`).
+# data gave it (environments get a row's fields but not its prompt; see `environments.row_fields.add_env_fields`).
 PROMPT_KEY = "_prompt"
 
 RewardFn = Callable[..., Any]
@@ -192,7 +192,7 @@ class RewardFunctionEnv(Environment):
     """One turn: the sum of the configured reward functions' weighted rewards (see the module doc)."""
 
     config_class = RewardFnConfig
-    receives_prompt = True  # each row's prompt comes in its metadata (`PROMPT_KEY`, see `job.add_env_fields`)
+    receives_prompt = True  # each row's prompt comes in its metadata (`PROMPT_KEY`, see `row_fields.add_env_fields`)
 
     def __init__(self, cfg: RewardFnConfig):
         self.cfg = cfg

@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from posttrain.data.image_prompts import processor_from
+from posttrain.cpu_precision import auto_cpu_precision
 from posttrain.errors import UserError
 from posttrain.utils.model_build import MODEL_BUILD_LOCK
 from posttrain.models.presets import PRETRAINED_PRESETS, VL_PRESETS
@@ -215,7 +216,6 @@ def load_processor(name_or_path: str | os.PathLike) -> Any:
     return processor_from(path, name_or_path)
 
 
-from posttrain.utils.cpu_precision import auto_cpu_precision  # noqa: E402
 
 _PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -224,7 +224,7 @@ def pick_dtype(precision: str, device: str | torch.device) -> torch.dtype:
     """Map `policy.precision` to a dtype.
 
     `auto` means bfloat16 on a CUDA device that supports it, bfloat16 on a CPU with bfloat16
-    matmul instructions (AVX512-BF16 or AMX: `utils/cpu_precision.py`), float32 elsewhere (there
+    matmul instructions (AVX512-BF16 or AMX: `cpu_precision.py`), float32 elsewhere (there
     PyTorch's bfloat16 GEMM is scalar code, ~45x slower than float32).
     """
     if precision == "auto":

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from posttrain.plan.shape import ModelShape
-from posttrain.utils.cpu_precision import auto_cpu_precision
+from posttrain.cpu_precision import auto_cpu_precision
 
 GiB = 2**30
 MiB = 2**20

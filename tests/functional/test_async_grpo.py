@@ -138,8 +138,8 @@ def test_a_killed_environment_or_generation_worker_stops_the_run(ray_cluster, tm
         # Kill it once the run is under way (after its second step).
         original = ctx.loop.logger.log_metrics
 
-        def log_then_kill(metrics, step, actor=actor, original=original):
-            original(metrics, step)
+        def log_then_kill(metrics, step, *args, actor=actor, original=original, **kwargs):
+            original(metrics, step, *args, **kwargs)
             if step == 2:
                 ray.kill(actor)
 

@@ -9,8 +9,8 @@ import torch
 from posttrain.config.loader import load_config
 from posttrain.job import precision_line
 from posttrain.models import hf
-from posttrain.utils import cpu_precision
-from posttrain.utils.cpu_precision import bfloat16_matmul_support, compute_linears_in_float32, matmul_dtype
+from posttrain import cpu_precision
+from posttrain.cpu_precision import bfloat16_matmul_support, compute_linears_in_float32, matmul_dtype
 
 AMX = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
 AVX512_ONLY = frozenset({"avx2", "avx512f", "avx512bw"})

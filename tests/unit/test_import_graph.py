@@ -25,7 +25,7 @@ ROOT = Path(posttrain.__file__).parent
 
 # The intended layering, lowest first: a part may import only parts listed before it.
 LAYERS = [
-    "version", "errors", "config", "utils", "distributed", "data", "environments", "models", "judges", "rollouts",
+    "version", "errors", "cpu_precision", "config", "utils", "distributed", "data", "environments", "models", "judges", "rollouts",
     "run_config", "job", "evals", "algorithms", "plan", "preflight", "doctor", "cli", "api", "__main__", "__init__",
 ]
 

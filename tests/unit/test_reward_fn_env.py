@@ -176,7 +176,7 @@ def test_trl_chat_prompts_become_the_conversation(tmp_path):
 
 
 def test_rows_of_a_reward_env_carry_their_prompt(tmp_path):
-    from posttrain.job import add_env_fields
+    from posttrain.environments.row_fields import add_env_fields
 
     cfg = load_config("grpo", overrides=["env.rewards.reward_fn=posttrain.environments.reward_fn_env:columns",
                                          "data.env_name=rewards"])

@@ -13,6 +13,7 @@ from posttrain.data import row_lengths
 from posttrain.data.processors import build_sft_example
 from posttrain.errors import UserError
 from posttrain.models.hf import load_tokenizer
+from posttrain import preflight
 from posttrain.preflight import load_split_records
 
 
@@ -30,11 +31,11 @@ def test_one_line_per_file_names_the_count_the_longest_and_the_key(tmp_path, cap
     lengths = [build_sft_example({"prompt": p, "answer": "7"}, tokenizer, sys.maxsize)["length"] for p in prompts]
     over = [n for n in lengths if n > 32]
     assert len(over) == 3  # the test's premise: three rows of ten are too long
-    row_lengths.check_row_lengths(cfg, load_split_records(cfg))
+    preflight.check_row_lengths(cfg, load_split_records(cfg))
     assert capsys.readouterr().out.splitlines() == [
         f"[posttrain] data: 3 of 10 rows of {train} exceed policy.max_total_sequence_length=32 (longest {max(over)} "
         f"tokens): they are masked out of the loss (raise policy.max_total_sequence_length to {max(over)} to keep them)"]
-    row_lengths.check_row_lengths(cfg.model_copy(update={"policy": cfg.policy.model_copy(
+    preflight.check_row_lengths(cfg.model_copy(update={"policy": cfg.policy.model_copy(
         update={"max_total_sequence_length": max(over)})}), load_split_records(cfg))
     assert capsys.readouterr().out == ""  # nothing over the limit: nothing said
 
@@ -79,8 +80,8 @@ def test_a_large_file_is_sampled_and_its_longest_row_still_found(monkeypatch):
 
 def test_a_warm_starts_key_is_named_with_its_section(tmp_path, capsys):
     cfg, train = sft_config(tmp_path, ["1+2="] * 9 + ["1+" * 20 + "1="])
-    row_lengths.check_row_lengths(cfg, load_split_records(cfg), key_prefix="sft_warmup.")
+    preflight.check_row_lengths(cfg, load_split_records(cfg), key_prefix="sft_warmup.")
     assert "exceed sft_warmup.policy.max_total_sequence_length=32" in capsys.readouterr().out
     with pytest.raises(UserError, match="more than half"):
         cfg, _ = sft_config(tmp_path, ["1+" * 20 + "1="] * 2)
-        row_lengths.check_row_lengths(cfg, load_split_records(cfg))
+        preflight.check_row_lengths(cfg, load_split_records(cfg))

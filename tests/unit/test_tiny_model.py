@@ -134,7 +134,7 @@ def test_load_tokenizer_and_model_from_cache(tmp_path, monkeypatch):
 
 
 def test_pick_dtype():
-    from posttrain.utils.cpu_precision import auto_cpu_precision
+    from posttrain.cpu_precision import auto_cpu_precision
 
     # auto on a CPU: bfloat16 with bfloat16 matmul instructions, else float32 (test_cpu_precision.py)
     assert hf.pick_dtype("auto", "cpu") == getattr(torch, auto_cpu_precision()[0])

@@ -18,7 +18,7 @@ from posttrain.config.schema.data import DataConfig, EnvConfig
 from posttrain.config.schema.loss import LossConfig, loss_option_problem
 from posttrain.config.schema.outputs import CheckpointingConfig, LoggerConfig
 from posttrain.config.schema.policy import PolicyConfig
-from posttrain.utils.cpu_precision import auto_cpu_precision
+from posttrain.cpu_precision import auto_cpu_precision
 
 
 # Jobs run inside a job (warm starts, a teacher's warm start), each a whole config of its own.
@@ -110,7 +110,7 @@ class MasterConfig(Section):
 def training_precision(cfg: MasterConfig) -> str:
     """`policy.precision` as the trainer resolves it (`models/hf.py` `pick_dtype`): `auto` is
     bfloat16 on GPUs (every GPU posttrain targets supports it) and on CPUs with bfloat16 matmul
-    instructions, float32 on other CPUs (`utils/cpu_precision.py`)."""
+    instructions, float32 on other CPUs (`cpu_precision.py`)."""
     precision = cfg.policy.precision
     if precision != "auto":
         return precision

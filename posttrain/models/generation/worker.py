@@ -21,7 +21,7 @@ from posttrain.models.generation.low_precision import apply_generation_precision
 from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.generation.speculative import Drafter, make_drafter
 from posttrain.models.hf import load_causal_lm, load_policy_lm, load_tokenizer, pick_dtype
-from posttrain.utils.cpu_precision import float32_matmuls_where_bfloat16_is_slow
+from posttrain.cpu_precision import float32_matmuls_where_bfloat16_is_slow
 from posttrain.models.refit import RefitMetadata, check_metadata_matches, load_bucket, state_dict_checksum
 from posttrain.utils.phase_memory import MeasuresPhases, measured_phase
 

@@ -37,7 +37,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
 from posttrain.models.vision_inputs import hf_model
-from posttrain.utils.cpu_precision import matmul_dtype
+from posttrain.cpu_precision import matmul_dtype
 
 # One tile of float32 logits. Under 32 MiB, glibc's largest mmap threshold, so on CPU the buffer
 # comes from the reused heap instead of fresh pages. `benchmarks/train_step_135m.py --kernel`

@@ -41,7 +41,7 @@ from posttrain.distributed.batch import Batch
 from posttrain.distributed.worker_group import DistributedWorker
 from posttrain.models import lora, moe, moe_balance, router_replay
 from posttrain.models.hf import load_tokenizer, pick_dtype, resolve_model_path
-from posttrain.utils.cpu_precision import float32_matmuls_where_bfloat16_is_slow
+from posttrain.cpu_precision import float32_matmuls_where_bfloat16_is_slow
 from posttrain.models.parallel_sizes import expert_parallel_problem
 from posttrain.models.policy import checkpoint as ckpt
 from posttrain.models.policy import context_parallel, expert_parallel, parallel, pipeline, sharded_load
