@@ -541,7 +541,7 @@ def check_row_lengths(cfg: Any, records: dict[str, list[dict]], key_prefix: str 
         tokenizer = load_tokenizer(policy.tokenizer_name or policy.model_name, policy.tiny_arch)
     except (OSError, ValueError):
         # A training checkpoint (`step_N`) as the model has its tokenizer only in the export the job
-        # makes from it at start (`run_config.with_checkpoint_model`); its rows are counted there.
+        # makes from it at start (`run_config.with_checkpoint_model`): not counted here.
         return
     if hasattr(cfg, "env"):  # the tools an environment describes in the prompt count too
         records = {split: [dict(r) for r in rows] for split, rows in records.items()}
