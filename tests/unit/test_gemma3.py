@@ -27,6 +27,7 @@ from posttrain.models.policy.forward import (
 )
 from posttrain.models.policy.linear_logprobs import fused_logprobs_problem
 from posttrain.models.presets import GEMMA3_SLIDING_WINDOW
+from test_linear_logprobs import masked_batch  # the same masked rows, longer than the window
 
 PAD, EOS = 0, 3
 WINDOW = GEMMA3_SLIDING_WINDOW
@@ -116,15 +117,7 @@ def test_decoding_past_the_window_equals_the_full_forward(model, shared_prefix):
 # ------------------------------------------------------------------------------ training paths
 def training_batch() -> Batch:
     """Rows of 20, 5, 13, 9, 17 and 3 tokens (most longer than the window); prompt = 3 tokens; row 4 masked out."""
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.tensor([20, 5, 13, 9, 17, 3])
-    valid = torch.arange(20)[None] < lengths[:, None]
-    ids = torch.randint(7, 100, (6, 20), generator=g) * valid
-    token_mask = valid.float()
-    token_mask[:, :3] = 0
-    sample_mask = torch.ones(6)
-    sample_mask[4] = 0
-    return Batch(input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=sample_mask)
+    return masked_batch([20, 5, 13, 9, 17, 3], 7, 100)
 
 
 def logprobs_and_grads(model, batch: Batch, micro_batches, fused: bool):

@@ -121,17 +121,23 @@ def tiny_model(arch: str = "llama", tied: bool = True, **config):
     return model_cls(cfg).train()
 
 
-def make_batch() -> Batch:
-    """Rows of lengths 14, 5, 9, 7, 16, 3: prompt = first 3 tokens, row 4 masked out."""
+def masked_batch(lengths: list[int], low: int, high: int) -> Batch:
+    """Right-padded rows of `lengths` with token ids drawn from [low, high) (seed 0): prompt = first
+    3 tokens, row 4 masked out."""
     g = torch.Generator().manual_seed(0)
-    lengths = torch.tensor([14, 5, 9, 7, 16, 3])
-    valid = torch.arange(16)[None] < lengths[:, None]
-    ids = torch.randint(1, 97, (6, 16), generator=g) * valid
+    lengths = torch.tensor(lengths)
+    valid = torch.arange(int(lengths.max()))[None] < lengths[:, None]
+    ids = torch.randint(low, high, tuple(valid.shape), generator=g) * valid
     token_mask = valid.float()
     token_mask[:, :3] = 0
-    sample_mask = torch.ones(6)
+    sample_mask = torch.ones(len(lengths))
     sample_mask[4] = 0
     return Batch(input_ids=ids, input_lengths=lengths, token_mask=token_mask, sample_mask=sample_mask)
+
+
+def make_batch() -> Batch:
+    """Rows of lengths 14, 5, 9, 7, 16, 3."""
+    return masked_batch([14, 5, 9, 7, 16, 3], 1, 97)
 
 
 PLANS = {
