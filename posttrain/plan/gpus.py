@@ -22,7 +22,8 @@ direction (datasheets quote NVLink both ways: 900 GB/s is 450 GB/s each way). So
   with sparsity), FP32 91.6, 48 GB GDDR6 at 864 GB/s, no NVLink: PCIe Gen4 x16 (32 GB/s each way);
   200 Gb/s networking assumed (OVX servers' typical ConnectX-7 per 2 GPUs).
 - CPU: measured here (`cpu_spec`): the rate of a 1024 x 1024 float32 and bfloat16 matmul on every
-  core torch uses, and the bandwidth of a 256 MiB copy (read + write). Peaks from cores x FMA width
+  core torch uses (bfloat16 at float32's rate on a CPU without bfloat16 matmul instructions, where
+  posttrain multiplies bfloat16 layers in float32), and the bandwidth of a 256 MiB copy (read + write). Peaks from cores x FMA width
   x clock overstate what torch reaches on a 2-core machine, so the measured rate is the peak.
 """
 
@@ -32,6 +33,8 @@ import functools
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from posttrain.cpu_precision import cpu_bfloat16_is_fast
 
 TB = 1e12
 GB = 1e9
@@ -127,5 +130,9 @@ def cpu_spec() -> DeviceSpec:
         best = min(best, time.perf_counter() - start)
     bandwidth = 2 * src.numel() * 4 / best  # a copy reads and writes every byte
     fp32 = rate(torch.float32)
-    return DeviceSpec("CPU (measured)", rate(torch.bfloat16), fp32, psutil.virtual_memory().total / GB,
+    # Without bfloat16 matmul instructions posttrain multiplies bfloat16 linears in float32
+    # (cpu_precision.float32_matmuls_where_bfloat16_is_slow): PyTorch's bfloat16 GEMM there is
+    # scalar code, 45x slower, and no run of ours goes through it.
+    bf16 = rate(torch.bfloat16) if cpu_bfloat16_is_fast() else fp32
+    return DeviceSpec("CPU (measured)", bf16, fp32, psutil.virtual_memory().total / GB,
                       bandwidth, bandwidth, CPU_NETWORK_BW, nvlink_domain=1 << 30)

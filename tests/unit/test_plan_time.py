@@ -209,6 +209,21 @@ def test_cpu_workers_of_one_node_share_its_measured_cores():
     assert two.share(2) == 0.5 and one_gpu(8).share(8) == 1.0
 
 
+def test_a_cpu_without_bfloat16_matmuls_is_planned_at_float32s_rate_in_bfloat16(monkeypatch):
+    # posttrain multiplies bfloat16 layers in float32 there; the scalar bfloat16 GEMM is never run.
+    from posttrain.plan import gpus
+
+    rates = {}
+    for fast in (False, True):
+        monkeypatch.setattr(gpus, "cpu_bfloat16_is_fast", lambda: fast)
+        gpus.cpu_spec.cache_clear()
+        spec = gpus.cpu_spec()
+        rates[fast] = (spec.bf16_flops, spec.fp32_flops)
+    gpus.cpu_spec.cache_clear()
+    assert rates[False][0] == rates[False][1]
+    assert rates[True][0] != rates[True][1]  # measured apart where bfloat16 has its own kernels
+
+
 def test_the_native_engine_on_a_gpu_pays_its_kernel_launches_every_layer_and_step():
     from posttrain.plan.timing import NATIVE_GPU_LAYER_S
 
