@@ -40,6 +40,7 @@ class PublishedRun:
     response: float  # mean generated tokens
     source: str
     overrides: tuple[str, ...] = ()
+    cpu_kind: str = ""  # CPU rows: the quiet machine of QUIET_CPUS they were measured on
 
 
 GPU_RUNS = (
@@ -57,16 +58,25 @@ GPU_RUNS = (
     PublishedRun("DeepSeek-V3, 256 H100", "plans/nemo_rl_v0.4_deepseek_v3_h100x256.yaml", 154, 11, 102, 745,
                  NEMO_RL_V04),
 )
-# This project's own measured CPU runs (2-core AVX-512 machine; the docs' numbers).
+# This project's own measured CPU runs: the docs' numbers on the 2-core AVX-512 machine, the same
+# jobs under AVX2 kernels there, and a user's 2-core AVX2 AMD EPYC (issue 49's report).
+RECIPE_PLAN = ("policy.model_name=examples/plans/models/smollm2-135m", "cluster.backend=local")
 CPU_RUNS = (
     PublishedRun("tiny default GRPO, CPU", "configs/grpo_math_tiny.yaml", 0.133, 0.0, 8, 3,
                  "docs/performance.md, step_breakdown.py: median step 0.133 s (generation 0.033, training 0.086); "
                  "lengths from the tokenized data, not a run's metrics: '19+14=' is 6 tokens + BOS, "
-                 "an answer 2-3 digits + EOS"),
+                 "an answer 2-3 digits + EOS", cpu_kind="avx512"),
     PublishedRun("nemotron_mini (SmolLM2-135M, bf16), CPU", "recipes/nemotron_mini.yaml", 20.5, 0.0, 70, 48,
                  "docs/recipes/nemotron-mini.md: median step 20.5 s (generation 7.0, training 13.5); "
-                 "70 prompt + 48 generated tokens (step_breakdown.py)",
-                 ("policy.model_name=examples/plans/models/smollm2-135m", "cluster.backend=local")),
+                 "70 prompt + 48 generated tokens (step_breakdown.py)", RECIPE_PLAN, cpu_kind="avx512"),
+    PublishedRun("tiny default GRPO, CPU AVX2 kernels", "configs/grpo_math_tiny.yaml", 0.199, 0.0, 8, 3,
+                 "step_breakdown.py --settings tiny under ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "
+                 "MKL_ENABLE_INSTRUCTIONS=AVX2 on the AVX-512 machine, load < 1: median step 0.199 s "
+                 "(generation 0.048, training 0.109)", ("policy.precision=float32",), cpu_kind="avx2"),
+    PublishedRun("nemotron_mini, fp32 (auto), CPU AVX2 EPYC", "recipes/nemotron_mini.yaml", 73.0, 0.0, 70, 48,
+                 "issue 49: a user's 2-core AMD EPYC (AVX2, no AVX-512), policy.precision=float32 (what auto "
+                 "picks there): steps of 64, 73 and 100 s, the median taken", RECIPE_PLAN + ("policy.precision=float32",),
+                 cpu_kind="avx2"),
 )
 
 
@@ -81,7 +91,20 @@ def quiet_cpu():
                       nvlink_domain=1 << 30)
 
 
-QUIET_CPU = quiet_cpu()
+def quiet_avx2_cpu():
+    """The same machine under AVX2 kernels (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+    MKL_ENABLE_INSTRUCTIONS=AVX2`), quiet: a 1024-square float32 matmul ran at 0.64 of its AVX-512
+    rate (162 against 255 GFLOP/s, `gpus.cpu_spec` side by side, load < 1), so 0.64 x 151 GFLOP/s;
+    bfloat16 at float32's rate (posttrain multiplies in float32 without bfloat16 instructions);
+    memory as before. An AVX2 machine's own clock and caches are not in it (docs/performance.md)."""
+    from dataclasses import replace
+
+    avx512 = quiet_cpu()
+    fp32 = 0.64 * avx512.fp32_flops
+    return replace(avx512, name="CPU (quiet 2-core, AVX2 kernels)", bf16_flops=fp32, fp32_flops=fp32)
+
+
+QUIET_CPUS = {"avx512": quiet_cpu(), "avx2": quiet_avx2_cpu()}
 
 
 # This project's own phases measured on one H200 (docs/performance.md, "On one GPU";
@@ -124,12 +147,14 @@ def load_run(run: PublishedRun):
     return cfg, model_shape(cfg.policy)
 
 
-def plan_run(run: PublishedRun, loaded=None):
+def plan_run(run: PublishedRun, loaded=None, quiet_cpu: bool = True):
+    """(time plan, device) of `run`: a CPU row on the quiet machine of its `cpu_kind`
+    (`QUIET_CPUS`), or with `quiet_cpu=False` on this machine's CPU as measured now."""
     from posttrain.plan.gpus import device_spec
     from posttrain.plan.timing import Lengths, step_time
 
     cfg, shape = loaded or load_run(run)
-    spec = device_spec(cfg)
+    spec = QUIET_CPUS[run.cpu_kind] if run.cpu_kind and quiet_cpu else device_spec(cfg)
     return step_time(cfg, shape, spec, Lengths(run.prompt, run.response, "published")), spec
 
 
@@ -173,13 +198,11 @@ def main() -> int:
     parser.add_argument("--leave-one-out", action="store_true",
                         help="also refit the constants without each GPU row over GRID and predict that row")
     parser.add_argument("--cpu", choices=("measured", "quiet"), default="quiet",
-                        help="the CPU rows' device: 'quiet' (default) the rates this project's docs measured on its "
-                        "quiet 2-core machine (QUIET_CPU), 'measured' this machine now (gpus.cpu_spec)")
+                        help="the CPU rows' device: 'quiet' (default) the rates measured on this project's quiet "
+                        "2-core machine for each row's CPU kind (QUIET_CPUS), 'measured' this machine now "
+                        "(gpus.cpu_spec; under the AVX2 variables it measures AVX2 kernels)")
     args = parser.parse_args()
-    if args.cpu == "quiet":
-        from posttrain.plan import gpus
-
-        gpus.cpu_spec = lambda: QUIET_CPU  # device_spec reads the module's cpu_spec
+    quiet = args.cpu == "quiet"
     import os
 
     os.chdir(ROOT)  # the plan configs name their models relative to the repository
@@ -189,16 +212,15 @@ def main() -> int:
     if not args.gpu_only:
         from posttrain.plan import gpus
 
-        cpu = gpus.cpu_spec()
-        print(f"CPU ({args.cpu}): float32 {cpu.fp32_flops / 1e9:.0f} GFLOP/s, bfloat16 {cpu.bf16_flops / 1e9:.0f} "
-              f"GFLOP/s, memory {cpu.memory_bw / 1e9:.1f} GB/s" + (" (a busy machine measures less)" if args.cpu == "measured"
-                                                                else ""))
+        for name, cpu in QUIET_CPUS.items() if quiet else (("measured now", gpus.cpu_spec()),):
+            print(f"CPU ({name}): float32 {cpu.fp32_flops / 1e9:.0f} GFLOP/s, bfloat16 {cpu.bf16_flops / 1e9:.0f} "
+                  f"GFLOP/s, memory {cpu.memory_bw / 1e9:.1f} GB/s" + ("" if quiet else " (a busy machine measures less)"))
     header = (f"{'run':42s} {'pred s':>8s} {'publ s':>8s} {'ratio':>6s} {'pred tok/s/GPU':>15s} "
               f"{'publ':>8s} {'ratio':>6s}  phases (gen / refit / logprobs / train s)")
     print(header)
     ratios = []
     for run in GPU_RUNS + (() if args.gpu_only else CPU_RUNS):
-        t, _ = plan_run(run)
+        t, _ = plan_run(run, quiet_cpu=quiet)
         ratio = t.step_s / run.step_s
         ratios.append((run.label, ratio))
         tok = t.tokens_per_s_per_device
@@ -211,7 +233,7 @@ def main() -> int:
         # The default job end to end: 86 s for the command, less its SFT warm start (20.5 s) and
         # start-up (about 4.5 s), is 250 GRPO steps with validations at steps 0, 25, ..., 250
         # (docs/getting-started.md).
-        t, _ = plan_run(CPU_RUNS[0])
+        t, _ = plan_run(CPU_RUNS[0], quiet_cpu=quiet)
         validations = 250 // 25 + 1
         predicted = 250 * t.step_s + validations * t.validation_s
         print(f"{'tiny default, 250 steps + 11 validations':42s} {predicted:8.3g} {61.0:8.3g} {predicted / 61.0:6.2f}"
