@@ -68,7 +68,8 @@ CPU_RUNS = (
                  "an answer 2-3 digits + EOS", cpu_kind="avx512"),
     PublishedRun("nemotron_mini (SmolLM2-135M, bf16), CPU", "recipes/nemotron_mini.yaml", 20.5, 0.0, 70, 48,
                  "docs/recipes/nemotron-mini.md: median step 20.5 s (generation 7.0, training 13.5); "
-                 "70 prompt + 48 generated tokens (step_breakdown.py)", RECIPE_PLAN, cpu_kind="avx512"),
+                 "70 prompt + 48 generated tokens (step_breakdown.py)", RECIPE_PLAN + ("policy.precision=bfloat16",),
+                 cpu_kind="avx512"),
     PublishedRun("tiny default GRPO, CPU AVX2 kernels", "configs/grpo_math_tiny.yaml", 0.199, 0.0, 8, 3,
                  "step_breakdown.py --settings tiny under ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "
                  "MKL_ENABLE_INSTRUCTIONS=AVX2 on the AVX-512 machine, load < 1: median step 0.199 s "

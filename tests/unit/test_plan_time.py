@@ -213,15 +213,13 @@ def test_a_cpu_without_bfloat16_matmuls_is_planned_at_float32s_rate_in_bfloat16(
     # posttrain multiplies bfloat16 layers in float32 there; the scalar bfloat16 GEMM is never run.
     from posttrain.plan import gpus
 
-    rates = {}
-    for fast in (False, True):
-        monkeypatch.setattr(gpus, "cpu_bfloat16_is_fast", lambda: fast)
-        gpus.cpu_spec.cache_clear()
-        spec = gpus.cpu_spec()
-        rates[fast] = (spec.bf16_flops, spec.fp32_flops)
+    monkeypatch.setattr(gpus, "cpu_bfloat16_is_fast", lambda: False)
     gpus.cpu_spec.cache_clear()
-    assert rates[False][0] == rates[False][1]
-    assert rates[True][0] != rates[True][1]  # measured apart where bfloat16 has its own kernels
+    try:
+        spec = gpus.cpu_spec()
+    finally:
+        gpus.cpu_spec.cache_clear()
+    assert spec.bf16_flops == spec.fp32_flops > 0
 
 
 def test_the_native_engine_on_a_gpu_pays_its_kernel_launches_every_layer_and_step():
@@ -267,3 +265,21 @@ def test_each_published_run_config_loads_and_names_its_source_and_what_it_could_
             or "not published" in text, path
         cfg = load_config("grpo", str(path))
         assert cfg.cluster.gpu_type in ("H100", "GB200") and cfg.policy.generation.backend == "vllm"
+
+
+def test_every_published_and_measured_run_is_planned_within_a_factor_1_5(monkeypatch):
+    """benchmarks/plan_vs_published.py's rows: the GPU runs others published and this project's own
+    CPU runs on both CPU kinds, each on the device it ran on, one set of constants."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("plan_vs_published", repo / "benchmarks" / "plan_vs_published.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "plan_vs_published", module)  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    monkeypatch.chdir(repo)  # the plan configs name their models relative to the repository
+    ratios = {run.label: module.plan_run(run)[0].step_s / run.step_s for run in module.GPU_RUNS + module.CPU_RUNS}
+    assert len(module.GPU_RUNS) >= 6 and {run.cpu_kind for run in module.CPU_RUNS} == {"avx512", "avx2"}
+    assert not {label: ratio for label, ratio in ratios.items() if not 1 / 1.5 <= ratio <= 1.5}
