@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import pytest
-from test_grpo import SMALL, plugin_env, read_metrics, small_cfg
+from test_grpo import PARTIAL, SMALL, _comparable, plugin_env, read_metrics, small_cfg
 
 from posttrain import cli
 from posttrain.algorithms.loop import step_callbacks
@@ -264,3 +264,41 @@ def test_a_ppo_run_survives_a_segfaulted_policy_worker_and_a_frozen_generation_w
     assert last["recovery/restarts"] == 2
     assert [last[f"recovery/restarts/{kind}"] for kind in ("policy", "critic", "generation", "environment")] == [1, 0, 1, 0]
     assert 1.0 <= last["train/token_mult_prob_error"] < 1.001  # the rebuilt engine holds the policy's weights
+
+
+def test_a_partial_rollout_step_replayed_after_its_environment_died_continues_the_same_carry_over(
+        ray_cluster, tmp_path, capfd):
+    from posttrain.algorithms import grpo
+
+    def run(directory: Path, plan: str, calls_by_step: dict[int, int]) -> dict[str, torch.Tensor]:
+        cfg = small_cfg(directory, *PARTIAL, *RECOVERY, "grpo.max_num_steps=3", "checkpointing.save_period=2",
+                        *kills(directory, plan))
+        ctx = grpo.setup(cfg)
+
+        def count_calls(step, _metrics) -> None:
+            calls_by_step[step] = int((directory / "calls").read_text())
+
+        try:
+            with step_callbacks([count_calls], "grpo"):
+                grpo.grpo_train(ctx)
+            return final_weights(ctx)
+        finally:
+            ctx.shutdown()
+
+    def comparable(directory: Path) -> dict[int, dict]:
+        return {step: {k: v for k, v in row.items() if not k.startswith("recovery/")}
+                for step, row in _comparable(read_metrics(directory / "logs")).items()}
+
+    calls: dict[int, int] = {}
+    uninterrupted = run(tmp_path / "uninterrupted", "0:self", calls)  # plan "0:...": counts the calls, kills nobody
+    expected = comparable(tmp_path / "uninterrupted")
+    assert expected[2]["train/partial_rollouts/carried_over_sequences"] > 0  # step 3 continues some
+    capfd.readouterr()
+    # The environment dies in its first call of step 3: by then the step's first chunk has advanced
+    # the carried-over sequences in place. The replay starts from the carry-over step 3 began with.
+    recovered = run(tmp_path / "recovered", f"{calls[2] + 1}:self", {})
+    lines = recovery_lines(capfd.readouterr().out)
+    assert len(lines) == 1 and "environment 'math' died" in lines[0] and "replaying step 3" in lines[0], lines
+    assert comparable(tmp_path / "recovered") == expected
+    assert read_metrics(tmp_path / "recovered" / "logs")[3]["recovery/restarts/environment"] == 1
+    assert all(torch.equal(uninterrupted[name], recovered[name]) for name in uninterrupted)
