@@ -25,9 +25,9 @@ more than `max_age_steps` weight versions behind the current weights is dropped 
 
 The carry-over is checkpointed beside the policy (`partial_rollouts.pt` in the step directory),
 so a resumed run continues exactly where it stopped; a step replayed after a recovered failure
-(`cluster.max_restarts`) starts from the carry-over it began with. An environment that keeps an episode's state
-in its own memory (`Environment.live_episode_state`: a textarena game, an HTTP session) cannot be
-carried through a checkpoint: multi-turn runs refuse it (`environment_problem`). The config refuses
+(`cluster.max_restarts`) starts from the carry-over it began with. An environment that keeps an
+episode's state in its own memory (`Environment.live_episode_state`: a textarena game, an HTTP
+session) cannot be carried through a checkpoint: multi-turn runs refuse it (`environment_problem`). The config refuses
 what cannot be exact (`posttrain.config.schema.jobs.partial_rollouts_problem`): async GRPO, dynamic
 sampling, a loss without importance-sampling correction and backends other than `native`.
 """
