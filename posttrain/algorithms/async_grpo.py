@@ -264,7 +264,7 @@ def async_grpo_train(ctx: OnPolicyContext) -> dict[str, float]:
             return validate_grpo(ctx)
 
     if ctx.recovery is not None:
-        ctx.recovery.replay_from_checkpoint = "async GRPO's rollouts run ahead of its steps"
+        ctx.recovery.replay_from_checkpoint = "the collector's rollouts run ahead of the steps"
         ctx.loop.on_failure = lambda: collectors[-1].stop()
         ctx.loop.on_rewind = start_collector
         ctx.loop.keep_start_position()  # before the collector draws

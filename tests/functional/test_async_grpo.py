@@ -160,7 +160,7 @@ def test_async_grpo_recovers_from_a_killed_environment_generation_worker_and_pol
     assert "environment 'math' was killed (ray.kill)" in lines[0], lines
     assert "generation worker rank 0 (node " in lines[1], lines
     for line in lines[:2]:
-        assert line.endswith("replaying from the last checkpoint (async GRPO's rollouts run ahead of its steps)"), line
+        assert line.endswith("replaying from the last checkpoint (the collector's rollouts run ahead of the steps)"), line
     assert "policy worker rank 0 (node " in lines[2] and "then loading the last checkpoint" in lines[2], lines
     steps = read_metrics(tmp_path / "logs")
     assert sorted(s for s in steps if s > 0) == [1, 2, 3, 4, 5, 6]  # each step once: the replays overwrote theirs

@@ -488,17 +488,17 @@ def test_a_run_that_replays_only_from_checkpoints_goes_back_after_any_failure(tm
     (tmp_path / "ckpt" / "step_2").mkdir(parents=True)
     (tmp_path / "ckpt" / "step_2" / "training_info.json").write_text('{"step": 2}')
     recovery = RunRecovery.for_run(ctx)
-    recovery.replay_from_checkpoint = "async GRPO's rollouts run ahead of its steps"
+    recovery.replay_from_checkpoint = "the collector's rollouts run ahead of the steps"
     assert recovery.recover(WorkerError("WorkerGroup 'generation': rank 0 failed"), "step 3") is Replay.FROM_CHECKPOINT
     assert ctx.generation.restarts == [("metadata",)] and ctx.policy.restarts == [] and ctx.generation_stale
     assert capsys.readouterr().out == (
         f"[posttrain] recovery 1 of 3: generation worker rank 0 (node 10.0.0.1) {DIED}; rebuilding the generation "
-        "workers (weights refit from the policy), replaying from the last checkpoint (async GRPO's rollouts run "
-        "ahead of its steps)\n")
+        "workers (weights refit from the policy), replaying from the last checkpoint (the collector's rollouts "
+        "run ahead of the steps)\n")
     ctx = FakeCtx(env_dead=[("math", DIED)], checkpointing=False)
     recovery = RunRecovery.for_run(ctx)
-    recovery.replay_from_checkpoint = "async GRPO's rollouts run ahead of its steps"
-    with pytest.raises(RunStopped, match=r"^environment 'math' .*; async GRPO's rollouts run ahead of its steps, so a "
+    recovery.replay_from_checkpoint = "the collector's rollouts run ahead of the steps"
+    with pytest.raises(RunStopped, match=r"^environment 'math' .*; the collector's rollouts run ahead of the steps, so a "
                                          r"failure replays from the last checkpoint, and checkpointing.enabled=false; "):
         recovery.recover(RuntimeError("actor died"), "step 3")
     assert ctx.envs.restarted == []
