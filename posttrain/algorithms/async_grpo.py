@@ -28,6 +28,11 @@ when the collector died (with its error); environment calls still running after
 `max_consecutive_failed_rollouts` rollouts in a row that yield nothing stop the run with the
 reason. Checkpoints hold the buffer and the loader position from before the batch in flight, so
 a resumed run regenerates exactly the prompts that were not yet trained.
+
+Recovery (`cluster.max_restarts`, Ray backend): a dead or hung worker, seen by the collector or
+the trainer, stops the collector, is rebuilt (`run_recovery.RunRecovery`), and the run goes back
+to its last checkpoint with a new collector, as a rerun would: the buffer and the loader position
+agree only there (`async_grpo_train`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 from posttrain.algorithms.experience import PromptGroup, roll_out_groups, training_batch, update_policy
@@ -112,6 +118,7 @@ class TrajectoryCollector:
         self._timer = Timer()  # the collector's own timings, drained by the trainer each step
         self._stop = threading.Event()
         self._error: Optional[str] = None
+        self.exception: Optional[BaseException] = None  # what stopped it (a recovery reads who failed from it)
         self._activity = "starting"
         self._thread = threading.Thread(target=self._run, name="posttrain-trajectory-collector", daemon=True)
 
@@ -119,7 +126,8 @@ class TrajectoryCollector:
         self._thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
+        with self._state:  # once it returns, the thread draws no more prompts (a recovery resets the loader)
+            self._stop.set()
         self.buffer.close()
         self._thread.join(timeout_s)  # a rollout in flight ends when its workers shut down
 
@@ -141,6 +149,8 @@ class TrajectoryCollector:
                     return
                 self._activity = f"rolling out batch {self.batches + 1}"
                 with self._state:
+                    if self._stop.is_set():
+                        return
                     self._loader_before_flight = self.ctx.train_loader.state_dict()
                     prompts = self.ctx.train_loader.next_batch()
                     self.batches += 1
@@ -161,6 +171,7 @@ class TrajectoryCollector:
             if self._stop.is_set():  # the run is over: its workers went away under a rollout
                 return
             self._error = f"{type(e).__name__}: {e} (while {self._activity})"
+            self.exception = e
             log.error("trajectory collector stopped: %s", self._error)
         finally:
             with self._state:
@@ -223,28 +234,46 @@ def run(cfg: GRPOMasterConfig) -> dict[str, Optional[float]]:
 
 
 def async_grpo_train(ctx: OnPolicyContext) -> dict[str, float]:
-    """Train from the context's step to its last step with a trajectory collector running beside."""
+    """Train from the context's step to its last step with a trajectory collector running beside.
+
+    With a recovery (`ctx.recovery`, the Ray backend), a failure stops the collector before the
+    failed workers are rebuilt, and the run goes back to its last checkpoint (or its start), where
+    a new collector starts from the replay buffer and prompt position saved there: what a rerun
+    of the command would do, in process."""
     a, g = ctx.cfg.grpo.async_grpo, ctx.cfg.grpo
     lock = threading.Lock()
-    buffer = ReplayBuffer(capacity=g.num_prompts_per_step * (a.max_trajectory_age_steps + 1), max_age=a.max_trajectory_age_steps)
-    collector = TrajectoryCollector(ctx, buffer, lock)
-    latest = ctx.loop.checkpointer.latest() if ctx.step and ctx.cfg.checkpointing.enabled else None
-    if latest is not None and (latest / BUFFER_FILE).exists():
-        import torch
+    collectors: list[TrajectoryCollector] = []  # the running one last
 
-        collector.restore(torch.load(latest / BUFFER_FILE, weights_only=False))
-    _refit(ctx, lock, ctx.step)  # a resumed policy is newer than the generation's weights
-    ctx.loop.checkpoint_extras = collector.snapshot
+    def start_collector(checkpoint: Optional[Path]) -> None:
+        """A collector with the replay buffer saved in `checkpoint` (None: empty), started on the
+        policy's weights."""
+        buffer = ReplayBuffer(capacity=g.num_prompts_per_step * (a.max_trajectory_age_steps + 1),
+                              max_age=a.max_trajectory_age_steps)
+        collector = TrajectoryCollector(ctx, buffer, lock)
+        if checkpoint is not None and (checkpoint / BUFFER_FILE).exists():
+            import torch
+
+            collector.restore(torch.load(checkpoint / BUFFER_FILE, weights_only=False))
+        _refit(ctx, lock, ctx.step)  # a resumed policy is newer than the generation's weights
+        ctx.loop.checkpoint_extras = collector.snapshot
+        collectors.append(collector)
+        collector.start()
 
     def locked_validate() -> dict[str, float]:
         with lock:  # the collector pauses between generation calls
             return validate_grpo(ctx)
 
-    collector.start()
+    if ctx.recovery is not None:
+        ctx.recovery.replay_from_checkpoint = "the collector's rollouts run ahead of the steps"
+        ctx.loop.on_failure = lambda: collectors[-1].stop()
+        ctx.loop.on_rewind = start_collector
+        ctx.loop.keep_start_position()  # before the collector draws
+    start_collector(ctx.loop.checkpointer.latest() if ctx.step and ctx.cfg.checkpointing.enabled else None)
     try:
-        return ctx.loop.run(lambda step, timer: async_grpo_step(ctx, collector, step, timer), locked_validate)
+        return ctx.loop.run(lambda step, timer: async_grpo_step(ctx, collectors[-1], step, timer), locked_validate,
+                            recovery=ctx.recovery)
     finally:
-        collector.stop()
+        collectors[-1].stop()
 
 
 def async_grpo_step(ctx: OnPolicyContext, collector: TrajectoryCollector, step: int, timer: Timer) -> dict[str, float]:
@@ -252,8 +281,11 @@ def async_grpo_step(ctx: OnPolicyContext, collector: TrajectoryCollector, step: 
     importance-weighted update, then refit."""
     cfg, a = ctx.cfg, ctx.cfg.grpo.async_grpo
     asked = time.monotonic()
-    groups = collector.buffer.take(cfg.grpo.num_prompts_per_step, ctx.step, timeout=a.buffer_timeout_s,
-                                   producer_error=collector.problem)
+    try:
+        groups = collector.buffer.take(cfg.grpo.num_prompts_per_step, ctx.step, timeout=a.buffer_timeout_s,
+                                       producer_error=collector.problem)
+    except AsyncRolloutError as error:
+        raise error from collector.exception  # a dead or hung worker in it is for the recovery to find
     got = time.monotonic()
     collector.consumed_steps = step
     timer.add("idle/buffer_starvation", got - asked)

@@ -26,9 +26,6 @@ def setup_grpo(cfg: Any) -> OnPolicyContext:
                               reference=cfg.loss_fn.reference_policy_kl_penalty > 0, env_problem=environment_problem)
     if cfg.grpo.partial_rollouts.enabled:  # after the resume: restores its carry-over, checkpoints it from now on
         ctx.partial_rollouts = PartialRollouts.attach(ctx)
-        # Its carry-over changes during a step and is restored only with a checkpoint: a failure ends
-        # the run (rerun to resume), rather than replay a step with rollouts it already advanced.
-        ctx.recovery = None
     return ctx
 
 

@@ -120,6 +120,16 @@ class TrainingLoop:
         # Worker groups trained beside the policy (PPO's critic): each is saved and resumed like the
         # policy, under `step_N/<name>/`.
         self.trained_beside: dict[str, Any] = {}
+        # For a run with a recovery, what the algorithm keeps beside the loop: `replay_extras`
+        # (take, put back) is what a step changes beyond the loader position and `state` (partial
+        # rollouts' carry-over), taken before each step and put back before its replay;
+        # `on_failure()` runs when a step, validation or checkpoint failed, before anything is
+        # rebuilt (async GRPO stops its collector, which draws prompts and calls the workers);
+        # `on_rewind(checkpoint)` runs once the loop went back to `checkpoint` (None: the start),
+        # to restore what `checkpoint_extras` saved beside it.
+        self.replay_extras: Optional[tuple[Callable[[], Any], Callable[[Any], None]]] = None
+        self.on_failure: Callable[[], None] = lambda: None
+        self.on_rewind: Callable[[Optional[Path]], None] = lambda checkpoint: None
         self.started = time.perf_counter()
         self._start_loader_state: Optional[dict] = None  # where `rewind` goes without a checkpoint (`run`)
         self.config_saved = False  # the run's config is saved once it has trained a step
@@ -171,14 +181,22 @@ class TrainingLoop:
         were rebuilt). The start keeps the validation before the first step (`val_at_start`): it
         measured the initial weights, which the rebuilt groups start from again, and it is the
         run's "before"."""
-        if self.cfg.checkpointing.enabled and self.checkpointer.latest() is not None:
+        latest = self.checkpointer.latest() if self.cfg.checkpointing.enabled else None
+        if latest is not None:
             self.resume()
-            return
-        self.step, self.state = 0, {}
-        self.history = [(step, metrics) for step, metrics in self.history if step == 0]
-        self.logger.truncate_after(0)
-        self.loader.load_state_dict(copy.deepcopy(self._start_loader_state))
-        print("[posttrain] no checkpoint yet: starting again at step 1", flush=True)
+        else:
+            self.step, self.state = 0, {}
+            self.history = [(step, metrics) for step, metrics in self.history if step == 0]
+            self.logger.truncate_after(0)
+            self.loader.load_state_dict(copy.deepcopy(self._start_loader_state))
+            print("[posttrain] no checkpoint yet: starting again at step 1", flush=True)
+        self.on_rewind(latest)
+
+    def keep_start_position(self) -> None:
+        """Remember the loader's position as where `rewind` goes without a checkpoint (`run` does
+        it; async GRPO before its collector starts drawing)."""
+        if self._start_loader_state is None:
+            self._start_loader_state = copy.deepcopy(self.loader.state_dict())
 
     def done_message(self) -> Optional[str]:
         """What to say when a resumed run is already at or past its last step (else None)."""
@@ -203,8 +221,8 @@ class TrainingLoop:
         """
         s = self.schedule
         self.recovery = recovery
-        if recovery is not None and self._start_loader_state is None:
-            self._start_loader_state = copy.deepcopy(self.loader.state_dict())
+        if recovery is not None:
+            self.keep_start_position()
         if self.step == 0 and s.val_at_start:
             startup.mark("other")  # so the start-up line shows validation as its own phase
             with startup.phase("validation", "validating before the first step"):
@@ -269,8 +287,9 @@ class TrainingLoop:
         """What a step changes in the loop, taken before it (for a replay), and the counts of
         updates of the policy and the models trained beside it (`Policy.updates`), to tell whether
         the step failed after training."""
+        extras = self.replay_extras[0]() if self.replay_extras is not None else None
         return (copy.deepcopy(self.loader.state_dict()), copy.deepcopy(self.state), len(self.history),
-                self._updates())
+                self._updates(), extras)
 
     def _updates(self) -> tuple:
         """The update counts of the policy and the models `trained_beside` it (None: not counted)."""
@@ -280,16 +299,21 @@ class TrainingLoop:
         """Recover from `error`, raised by `what` ("step 3"), and put the loop where the replay
         starts: before it (`before`, the step's snapshot) or at the last checkpoint. Raises `error`
         when there is no recovery or nothing to recover (a bug, a NaN loss: no worker died)."""
+        if recovery is None:
+            raise error
         trained = before is not None and self._updates() != before[3]
-        replay = recovery.recover(error, what, trained=trained) if recovery is not None else None
+        self.on_failure()
+        replay = recovery.recover(error, what, trained=trained)
         if replay is None:
             raise error
         if replay is Replay.FROM_CHECKPOINT:
             self.rewind()
         elif before is not None:
-            loader_state, state, validations, _ = before
+            loader_state, state, validations, _, extras = before
             self.loader.load_state_dict(loader_state)
             self.state, self.history = state, self.history[:validations]
+            if self.replay_extras is not None:
+                self.replay_extras[1](extras)
         return replay
 
     def _validate_recovering(self, validate_fn: ValidateFn, recovery: Any) -> Optional[dict[str, float]]:

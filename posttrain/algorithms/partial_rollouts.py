@@ -24,17 +24,20 @@ rollout gives it (`seed + t * TURN_SEED_STRIDE`). A group whose oldest token (ov
 more than `max_age_steps` weight versions behind the current weights is dropped and counted.
 
 The carry-over is checkpointed beside the policy (`partial_rollouts.pt` in the step directory),
-so a resumed run continues exactly where it stopped. An environment that keeps an episode's state
-in its own memory (`Environment.live_episode_state`: a textarena game, an HTTP session) cannot be
-carried through a checkpoint: multi-turn runs refuse it (`environment_problem`). The config refuses
+so a resumed run continues exactly where it stopped; a step replayed after a recovered failure
+(`cluster.max_restarts`) starts from the carry-over it began with. An environment that keeps an
+episode's state in its own memory (`Environment.live_episode_state`: a textarena game, an HTTP
+session) cannot be carried through a checkpoint: multi-turn runs refuse it (`environment_problem`). The config refuses
 what cannot be exact (`posttrain.config.schema.jobs.partial_rollouts_problem`): async GRPO, dynamic
 sampling, a loss without importance-sampling correction and backends other than `native`.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -241,16 +244,28 @@ class PartialRollouts:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.carried = [[SequenceProgress(**p) for p in group] for group in state["groups"]]
 
+    def restore(self, checkpoint: Optional[Path]) -> None:
+        """The carry-over saved in `checkpoint` (None, or a checkpoint without one: none)."""
+        self.carried = []
+        if checkpoint is not None and (checkpoint / STATE_FILE).exists():
+            self.load_state_dict(torch.load(checkpoint / STATE_FILE, weights_only=False))
+
+    def _put_back(self, carried: list[Group]) -> None:
+        self.carried = carried
+
     @classmethod
     def attach(cls, ctx: Any) -> "PartialRollouts":
         """The run's partial rollouts: restored from the latest checkpoint when `ctx` resumed, and
-        saved with every checkpoint from now on (`TrainingLoop.checkpoint_extras`)."""
+        saved with every checkpoint from now on (`TrainingLoop.checkpoint_extras`). A recovered
+        failure replays a step from the carry-over it began with (a rollout advances it in
+        place, so it is copied before each step), or goes back to the one of the checkpoint the
+        run goes back to."""
         partial = cls(ctx.cfg)
-        latest = ctx.loop.checkpointer.latest() if ctx.step and ctx.cfg.checkpointing.enabled else None
-        if latest is not None and (latest / STATE_FILE).exists():
-            partial.load_state_dict(torch.load(latest / STATE_FILE, weights_only=False))
+        partial.restore(ctx.loop.checkpointer.latest() if ctx.step and ctx.cfg.checkpointing.enabled else None)
         loader = ctx.train_loader
         ctx.loop.checkpoint_extras = lambda: (loader.state_dict(), {STATE_FILE: partial.state_dict()})
+        ctx.loop.replay_extras = (lambda: copy.deepcopy(partial.carried), partial._put_back)
+        ctx.loop.on_rewind = partial.restore
         return partial
 
     # -------------------------------------------------------------------------- rollout

@@ -17,7 +17,9 @@ or critic worker without checkpoints; a lost node whose work the other nodes can
 stops with `RunStopped`: one line, and the last checkpoint whole.
 
 A run that goes back before its first checkpoint starts every trained group (policy and critic)
-again from its initial weights, as a rerun would.
+again from its initial weights, as a rerun would. Async GRPO goes back to the last checkpoint after
+any failure (`replay_from_checkpoint`): its rollouts run ahead of its steps, and its replay buffer
+and prompt position agree only in a checkpoint.
 
 With `checkpointing.enabled`, the restart counts and each failure's line are kept beside the
 checkpoints (`<checkpoint_dir>/recovery.json`, written at every failure), so a rerun of the command
@@ -86,6 +88,10 @@ class RunRecovery:
         if record is not None:
             self.budget.load_state_dict(record)
         self._failures_logged = len(self.budget.failures)
+        # Why every failure goes back to the last checkpoint, when it does (async GRPO: its
+        # rollouts run ahead of its steps, and its replay buffer and prompt position agree only
+        # in a checkpoint); None: only a failure that lost trained state does.
+        self.replay_from_checkpoint: Optional[str] = None
 
     @classmethod
     def for_run(cls, ctx: Any) -> Optional["RunRecovery"]:
@@ -142,11 +148,14 @@ class RunRecovery:
             self._note(what, failed)
             raise RunStopped(f"{failed}; {problem}; {self.ctx.loop.resume_point()}") from None
         lost_state = [kind for kind in TRAINED_KINDS if kind in kinds]
-        rewind = bool(lost_state) or trained
+        rewind = bool(lost_state) or trained or self.replay_from_checkpoint is not None
         if rewind and not self.ctx.cfg.checkpointing.enabled:
-            why = (f"rebuilding a {lost_state[0]} worker needs a checkpoint to restore the weights and optimizer from"
-                   if lost_state else f"training had already begun in {what}, so replaying it needs a "
-                   "checkpoint to go back to")
+            if lost_state:
+                why = f"rebuilding a {lost_state[0]} worker needs a checkpoint to restore the weights and optimizer from"
+            elif self.replay_from_checkpoint is not None:
+                why = f"{self.replay_from_checkpoint}, so a failure replays from the last checkpoint"
+            else:
+                why = f"training had already begun in {what}, so replaying it needs a checkpoint to go back to"
             self._note(what, failed)
             raise RunStopped(f"{failed}; {why}, and checkpointing.enabled=false; {self.ctx.loop.resume_point()}") from None
         from posttrain.utils.checkpoint import complete_checkpoints
@@ -180,6 +189,8 @@ class RunRecovery:
             parts.append("rebuilding the generation workers (weights refit from the policy)")
         if kinds & set(TRAINED_KINDS):
             replay = "replaying from the last checkpoint"
+        elif self.replay_from_checkpoint is not None:
+            replay = f"replaying from the last checkpoint ({self.replay_from_checkpoint})"
         elif trained:
             replay = f"replaying from the last checkpoint (training had already begun in {what})"
         else:

@@ -9,7 +9,8 @@ moved for `cluster.heartbeat_timeout_s` of the controller's own clock (other nod
 matter) has stopped answering, and the wait ends with a `WorkerTimeoutError` naming it within
 seconds, not after `cluster.worker_timeout_s`. A worker waiting in a collective for a peer keeps
 beating (its thread runs while the collective waits): a dead peer is reported by Ray at once, and
-a collective that never completes ends at `cluster.worker_timeout_s`.
+a collective that never completes because a live peer is stuck elsewhere ends at its phase's
+progress bound (`progress.py`), else at `cluster.worker_timeout_s`.
 
 A worker that has not beaten yet (still importing torch, say) is not judged: a process that hangs
 before its first beat is caught by `cluster.worker_timeout_s`, which covers start-up.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -71,16 +72,20 @@ class HoldAfterCheckpointEnv(MathEnvironment):
 
 
 class KillPlanConfig(MathEnvConfig):
-    kill_plan: str = ""  # "N:TARGET;...": at call N, SIGKILL the process whose id the file TARGET holds, or "self"
+    # "N:TARGET[:SIGNAL];...": at call N, send SIGNAL (a name: SEGV, STOP; default KILL) to the
+    # process whose id the file TARGET holds, or to "self"; "N:hang": call N never returns; "N:touch:FILE":
+    # call N creates FILE (a flag another plugin reads, e.g. `plugin_losses.StallOnceLoss`).
+    kill_plan: str = ""
     kill_counter: str = ""  # the file that counts the calls, across restarts of this environment
 
 
 class KillPlanEnv(MathEnvironment):
-    """The math environment, except that it kills a process at the calls its `kill_plan` names
-    (calls counted in the file `kill_counter`, so they go on counting when it is restarted): a
-    worker of the run (a generation or policy worker, idle while the environment steps; the test
-    wrote its process id to a file) or itself, in the middle of the call. The run is then at a
-    known point whatever the machine's speed."""
+    """The math environment, except that it kills, stops or hangs at the calls its `kill_plan`
+    names (calls counted in the file `kill_counter`, so they go on counting when it is
+    restarted): it signals a worker of the run (a generation or policy worker, idle while the
+    environment steps; the test wrote its process id to a file) or itself, in the middle of the
+    call, or waits forever (a wedged verifier: alive, beating, making no progress). The run is
+    then at a known point whatever the machine's speed."""
 
     config_class = KillPlanConfig
 
@@ -90,9 +95,16 @@ class KillPlanEnv(MathEnvironment):
             call = int(counter.read_text()) + 1 if counter.exists() else 1
             counter.write_text(str(call))
             for entry in self.cfg.kill_plan.split(";"):
-                at, target = entry.split(":", 1)
-                if int(at) == call:
-                    os.kill(os.getpid() if target == "self" else int(Path(target).read_text()), signal.SIGKILL)
+                at, target, *how = entry.split(":")
+                if int(at) != call:
+                    continue
+                if target == "hang":
+                    threading.Event().wait()
+                elif target == "touch":
+                    Path(how[0]).touch()
+                else:
+                    number = getattr(signal, f"SIG{how[0] if how else 'KILL'}")
+                    os.kill(os.getpid() if target == "self" else int(Path(target).read_text()), number)
         return super().step(message_logs, metadata)
 
 

@@ -1,15 +1,25 @@
-"""In-process recovery from dead workers (`cluster.max_restarts`) on the Ray backend with the tiny
-model: in one PPO run (GRPO's step with a critic) a generation worker, a policy worker and a critic
-worker are SIGKILLed at known points (the environment does it, `plugin_envs.KillPlanEnv`), and the
-run rebuilds each and ends with every step; a GRPO run whose environment dies once more than
-allowed stops in one line, its last checkpoint whole, and its rerun goes on counting restarts."""
+"""In-process recovery from dead and hung workers (`cluster.max_restarts`) on the Ray backend with
+the tiny model: in one PPO run (GRPO's step with a critic) a generation worker, a policy worker and
+a critic worker are SIGKILLed at known points (the environment does it, `plugin_envs.KillPlanEnv`),
+and the run rebuilds each and ends with every step; a PPO run survives a policy worker's SIGSEGV and
+a generation worker frozen by SIGSTOP; a collective stuck with its peers alive and a wedged
+environment are found by their phases' progress bounds; a GRPO run whose environment dies mid-step
+and whose policy worker dies right after its update ends on the weights of an uninterrupted run; a
+GRPO run whose environment dies once more than allowed stops in one line, its last checkpoint
+whole, and its rerun goes on counting restarts."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+from pathlib import Path
+
+import torch
 
 import pytest
-from test_grpo import SMALL, plugin_env, read_metrics, small_cfg
+from test_grpo import PARTIAL, SMALL, _comparable, plugin_env, read_metrics, small_cfg
 
 from posttrain import cli
 from posttrain.algorithms.loop import step_callbacks
@@ -19,11 +29,18 @@ from posttrain.utils.checkpoint import complete_checkpoints
 # The timeout is a hang guard, not a speed test.
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
 
+PLUGIN_LOSSES = Path(__file__).with_name("plugin_losses.py")
 RECOVERY = ["cluster.backend=ray", "grpo.max_num_steps=4", "checkpointing.save_period=1", plugin_env("KillPlanEnv")]
 
 
 def kills(tmp_path, plan: str) -> list[str]:
     return [f"env.math.kill_plan={plan}", f"env.math.kill_counter={tmp_path}/calls"]
+
+
+def recovery_lines(out: str) -> list[str]:
+    lines = [line for line in out.splitlines() if line.startswith("[posttrain] recovery ")]
+    print("\n".join(lines))  # shown with the test's output when it fails
+    return lines
 
 
 def test_a_ppo_run_rebuilds_a_dead_generation_worker_policy_worker_and_critic_worker(
@@ -114,3 +131,174 @@ def test_past_max_restarts_the_run_stops_in_one_line_and_resumes_from_its_checkp
     assert sorted(metrics) == [1, 2, 3, 4] and metrics[4]["recovery/restarts"] == 2
     failures = metrics[3]["recovery/failures"]  # every failure so far, on the first step logged after one
     assert [line.split(":")[0] for line in failures] == ["step 3"] * 3 and "environment 'math' died" in failures[2]
+
+
+def test_a_collective_stuck_with_live_peers_and_a_wedged_environment_are_found_and_recovered(
+        ray_cluster, tmp_path, capfd):
+    from posttrain.algorithms import grpo
+
+    # Two policy workers (one FSDP group) and two generation workers: two environment calls a step.
+    # Call 3 (step 2) raises the flag on which policy rank 1 stops inside its loss in step 2's
+    # update (`plugin_losses.StallOnceLoss`): alive, beating, while rank 0 waits for it in one of
+    # FSDP's collectives. The run goes back to step 1's checkpoint; call 7 (step 3's first, or later
+    # should a replay come between) never returns. The phases' bounds (15 s) are far above a normal
+    # train call or environment step of the tiny model (a second or less) and far below
+    # cluster.worker_timeout_s (1800 s): without progress detection the test would run into its
+    # own timeout.
+    flag = tmp_path / "stall_flag"
+    cfg = load_config("grpo", overrides=[
+        *SMALL, *RECOVERY, f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
+        "policy.num_workers=2", f"loss_fn.name={PLUGIN_LOSSES}:StallOnceLoss", f"loss_fn.kwargs.stall_flag={flag}",
+        "grpo.max_num_steps=3", "cluster.progress_timeout_s.train=15", "cluster.progress_timeout_s.env_step=15",
+        *kills(tmp_path, f"3:touch:{flag};7:hang")])
+    ctx = grpo.setup(cfg)
+    try:
+        grpo.grpo_train(ctx)
+    finally:
+        ctx.shutdown()
+    lines = recovery_lines(capfd.readouterr().out)
+    stuck = [line for line in lines if "policy workers hung: no progress" in line]
+    wedged = [line for line in lines if "environment 'math' hung: no progress" in line]
+    assert stuck and wedged, lines
+    # Both ranks are named: rank 1 where it stopped (the loss), rank 0 in the collective it waits in.
+    rank1 = re.search(r"rank 1 \(node [^)]*\), no progress in train for \d+s \(bound 15s: "
+                      r"cluster.progress_timeout_s.train=15\), stuck in [^;]*__call__ \(plugin_losses.py:\d+\)", stuck[0])
+    rank0 = re.search(r"rank 0 \(node [^)]*\), no progress in train for \d+s \(bound 15s: [^)]*\), stuck in ([^;]*)",
+                      stuck[0])
+    assert rank1 and rank0 and re.search(r"distributed|fsdp", rank0.group(1)), stuck[0]
+    assert "rebuilding the policy workers, then loading the last checkpoint" in stuck[0]
+    assert re.search(r"no progress in env_step for \d+s \(bound 15s: cluster.progress_timeout_s.env_step=15\), "
+                     r"stuck in wait \(threading.py:\d+\) <- .*step \(plugin_envs.py:\d+\)", wedged[0]), wedged[0]
+    assert "restarting the environment" in wedged[0]
+    metrics = read_metrics(tmp_path / "logs")
+    assert sorted(metrics) == [1, 2, 3]
+    # A busy machine could make a normal call overrun a bound too: every recovery is counted, the two
+    # planned ones among them.
+    last = metrics[3]
+    print({step: round(m["timing/train/policy_training"], 2) for step, m in metrics.items()})
+    assert last["recovery/restarts"] == len(lines)
+    assert last["recovery/restarts/policy"] >= 1 and last["recovery/restarts/environment"] >= 1
+
+
+def final_weights(ctx) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in ctx.policy.state_dict_for_export().items()}
+
+
+def test_a_replay_after_an_environment_died_mid_step_and_a_policy_worker_after_its_update_is_exact(
+        ray_cluster, tmp_path, capfd):
+    from posttrain.algorithms import grpo
+
+    def run(directory: Path, plan: str, kill_after_update_in: int = 0) -> dict[str, torch.Tensor]:
+        # One policy and one generation worker: one environment call a step; checkpoints at steps 2, 4.
+        cfg = small_cfg(directory, *RECOVERY, "checkpointing.save_period=2", *kills(directory, plan))
+        ctx = grpo.setup(cfg)
+        train = ctx.policy.train
+
+        def train_then_die(*args, **kwargs):  # the worker dies with its update done, the step not yet over
+            out = train(*args, **kwargs)
+            if ctx.loop.step + 1 == kill_after_update_in and not (directory / "killed").exists():
+                (directory / "killed").touch()
+                os.kill(ctx.policy.worker_group.run_all("pid")[0], signal.SIGKILL)
+            return out
+
+        ctx.policy.train = train_then_die
+        try:
+            grpo.grpo_train(ctx)
+            return final_weights(ctx)
+        finally:
+            ctx.shutdown()
+
+    uninterrupted = run(tmp_path / "uninterrupted", "")
+    capfd.readouterr()
+    # Call 2 (step 2): the environment kills itself mid-step; step 2 is replayed. Step 3's update is
+    # done when the policy worker dies: the run goes back to step 2's checkpoint.
+    recovered = run(tmp_path / "recovered", "2:self", kill_after_update_in=3)
+    lines = recovery_lines(capfd.readouterr().out)
+    assert len(lines) == 2, lines
+    assert "environment 'math' died" in lines[0] and "replaying step 2" in lines[0], lines
+    assert "policy worker rank 0 (node " in lines[1] and "replaying from the last checkpoint" in lines[1], lines
+    metrics = read_metrics(tmp_path / "recovered" / "logs")
+    assert sorted(metrics) == [1, 2, 3, 4] and metrics[4]["recovery/restarts"] == 2
+    assert metrics[4]["recovery/restarts/policy"] == 1 and metrics[4]["recovery/restarts/environment"] == 1
+    assert uninterrupted.keys() == recovered.keys()
+    differing = [name for name in uninterrupted if not torch.equal(uninterrupted[name], recovered[name])]
+    assert not differing, differing
+
+
+def test_a_ppo_run_survives_a_segfaulted_policy_worker_and_a_frozen_generation_worker(ray_cluster, tmp_path, capfd):
+    from posttrain.algorithms import ppo
+
+    # A policy worker's segfault and a frozen generation worker in one run, shorter than the 30
+    # steps of docs/errors.md's drill: one policy and one generation worker, one environment call a
+    # step, checkpoints every 2 steps. Call 3 (step 3) sends SIGSEGV to the policy worker: the run
+    # goes back to step 2's checkpoint. Call 5 (step 4) sends SIGSTOP to the generation worker:
+    # alive to Ray, silent to its heartbeat, it is found when the next call to it has waited
+    # cluster.heartbeat_timeout_s without a beat.
+    pids = {name: tmp_path / f"{name}.pid" for name in ("generation", "policy")}
+    cfg = load_config("ppo", overrides=[
+        *SMALL, *RECOVERY, f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
+        "grpo.max_num_steps=6", "checkpointing.save_period=2", "critic.warmup_steps=0",
+        "cluster.heartbeat_timeout_s=10",
+        *kills(tmp_path, f"3:{pids['policy']}:SEGV;5:{pids['generation']}:STOP")])
+    ctx = ppo.setup(cfg)
+
+    def write_pids(*_) -> None:  # after every step too: a recovery starts new processes
+        pids["generation"].write_text(str(ctx.generation.worker_group.run_all("pid")[0]))
+        pids["policy"].write_text(str(ctx.policy.worker_group.run_all("pid")[0]))
+
+    try:
+        write_pids()
+        with step_callbacks([write_pids], "grpo"):
+            ppo.ppo_train(ctx)
+    finally:
+        ctx.shutdown()
+    lines = recovery_lines(capfd.readouterr().out)
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("[posttrain] recovery 1 of 3: policy worker rank 0 (node ") and "died" in lines[0], lines
+    assert "replaying from the last checkpoint" in lines[0]
+    assert lines[1].startswith("[posttrain] recovery 2 of 3: generation workers hung: stopped answering: rank 0 "), lines
+    assert "no heartbeat for" in lines[1] and "rebuilding the generation workers" in lines[1], lines
+    metrics = read_metrics(tmp_path / "logs")
+    assert sorted(metrics) == [1, 2, 3, 4, 5, 6]
+    last = metrics[6]
+    assert last["recovery/restarts"] == 2
+    assert [last[f"recovery/restarts/{kind}"] for kind in ("policy", "critic", "generation", "environment")] == [1, 0, 1, 0]
+    assert 1.0 <= last["train/token_mult_prob_error"] < 1.001  # the rebuilt engine holds the policy's weights
+
+
+def test_a_partial_rollout_step_replayed_after_its_environment_died_continues_the_same_carry_over(
+        ray_cluster, tmp_path, capfd):
+    from posttrain.algorithms import grpo
+
+    def run(directory: Path, plan: str, calls_by_step: dict[int, int]) -> dict[str, torch.Tensor]:
+        cfg = small_cfg(directory, *PARTIAL, *RECOVERY, "grpo.max_num_steps=3", "checkpointing.save_period=2",
+                        *kills(directory, plan))
+        ctx = grpo.setup(cfg)
+
+        def count_calls(step, _metrics) -> None:
+            calls_by_step[step] = int((directory / "calls").read_text())
+
+        try:
+            with step_callbacks([count_calls], "grpo"):
+                grpo.grpo_train(ctx)
+            return final_weights(ctx)
+        finally:
+            ctx.shutdown()
+
+    def comparable(directory: Path) -> dict[int, dict]:
+        return {step: {k: v for k, v in row.items() if not k.startswith("recovery/")}
+                for step, row in _comparable(read_metrics(directory / "logs")).items()}
+
+    calls: dict[int, int] = {}
+    uninterrupted = run(tmp_path / "uninterrupted", "0:self", calls)  # plan "0:...": counts the calls, kills nobody
+    expected = comparable(tmp_path / "uninterrupted")
+    assert expected[2]["train/partial_rollouts/carried_over_sequences"] > 0  # step 3 continues some
+    capfd.readouterr()
+    # The environment dies in its first call of step 3: by then the step's first chunk has advanced
+    # the carried-over sequences in place. The replay starts from the carry-over step 3 began with.
+    recovered = run(tmp_path / "recovered", f"{calls[2] + 1}:self", {})
+    lines = recovery_lines(capfd.readouterr().out)
+    assert len(lines) == 1 and "environment 'math' died" in lines[0] and "replaying step 3" in lines[0], lines
+    assert comparable(tmp_path / "recovered") == expected
+    assert read_metrics(tmp_path / "recovered" / "logs")[3]["recovery/restarts/environment"] == 1
+    assert all(torch.equal(uninterrupted[name], recovered[name]) for name in uninterrupted)

@@ -480,3 +480,55 @@ def test_restart_counts_and_failures_are_kept_beside_the_checkpoints_for_a_rerun
     monkeypatch.setattr(FakeCtx, "checkpoint_dir", tmp_path / "ckpt")
     with pytest.raises(UserError, match=r"recovery.json: not a restart record .*delete it to count restarts from 0"):
         RunRecovery.for_run(FakeCtx())
+
+
+def test_a_run_that_replays_only_from_checkpoints_goes_back_after_any_failure(tmp_path, capsys):
+    # Async GRPO: its rollouts run ahead of its steps, so even a generation worker's death goes back.
+    ctx = FakeCtx(generation_dead=[(0, DIED, None)])
+    (tmp_path / "ckpt" / "step_2").mkdir(parents=True)
+    (tmp_path / "ckpt" / "step_2" / "training_info.json").write_text('{"step": 2}')
+    recovery = RunRecovery.for_run(ctx)
+    recovery.replay_from_checkpoint = "the collector's rollouts run ahead of the steps"
+    assert recovery.recover(WorkerError("WorkerGroup 'generation': rank 0 failed"), "step 3") is Replay.FROM_CHECKPOINT
+    assert ctx.generation.restarts == [("metadata",)] and ctx.policy.restarts == [] and ctx.generation_stale
+    assert capsys.readouterr().out == (
+        f"[posttrain] recovery 1 of 3: generation worker rank 0 (node 10.0.0.1) {DIED}; rebuilding the generation "
+        "workers (weights refit from the policy), replaying from the last checkpoint (the collector's rollouts "
+        "run ahead of the steps)\n")
+    ctx = FakeCtx(env_dead=[("math", DIED)], checkpointing=False)
+    recovery = RunRecovery.for_run(ctx)
+    recovery.replay_from_checkpoint = "the collector's rollouts run ahead of the steps"
+    with pytest.raises(RunStopped, match=r"^environment 'math' .*; the collector's rollouts run ahead of the steps, so a "
+                                         r"failure replays from the last checkpoint, and checkpointing.enabled=false; "):
+        recovery.recover(RuntimeError("actor died"), "step 3")
+    assert ctx.envs.restarted == []
+
+
+def test_the_algorithms_own_state_is_put_back_for_a_replay_and_restored_with_a_checkpoint(tmp_path):
+    # Partial rollouts' carry-over: a step advances it; a replayed step starts from the one it began
+    # with, a run sent back to a checkpoint from the one saved there (`on_rewind`), and the
+    # algorithm hears of a failure before anything is rebuilt (`on_failure`).
+    cfg = cfg_for(tmp_path, "sft.val_at_start=false", "sft.val_period=0", "sft.val_at_end=false")
+    policy, loader = FakePolicy(), FakeLoader()
+    carried = {"groups": []}
+    events, failures = [], [3, 5]
+
+    def step_fn(step, timer):
+        loader.next_batch()
+        carried["groups"] = carried["groups"] + [step]  # what the step carries over to the next
+        if failures and failures[0] == step:
+            failures.pop(0)
+            raise RuntimeError(f"a worker died in step {step}")
+        policy.weights += 1
+        return {"train/loss": 1.0}
+
+    loop = make_loop(cfg, policy, loader)
+    loop.replay_extras = (lambda: list(carried["groups"]), lambda taken: carried.update(groups=taken))
+    loop.on_failure = lambda: events.append(("failure", list(carried["groups"])))
+    loop.on_rewind = lambda checkpoint: events.append(("rewind", checkpoint.name if checkpoint else None))
+    recovery = ScriptedRecovery(policy, [Replay.STEP, Replay.FROM_CHECKPOINT])
+    loop.run(step_fn, lambda: {}, recovery=recovery)
+    # Step 3 failed with [1, 2, 3] carried and was replayed from [1, 2]; step 5 sent the run back to
+    # step 4's checkpoint (the fake keeps its carry-over as it was: the algorithm restores its own).
+    assert events == [("failure", [1, 2, 3]), ("failure", [1, 2, 3, 4, 5]), ("rewind", "step_4")]
+    assert carried["groups"] == [1, 2, 3, 4, 5, 5] and policy.weights == 5 and loop.step == 5
