@@ -33,6 +33,10 @@ Recovery (`cluster.max_restarts`, Ray backend): a dead or hung worker, seen by t
 the trainer, stops the collector, is rebuilt (`run_recovery.RunRecovery`), and the run goes back
 to its last checkpoint with a new collector, as a rerun would: the buffer and the loader position
 agree only there (`async_grpo_train`).
+
+PPO's asynchronous loop (`ppo.async_ppo_train`) is this one with its own update of a step's
+batch (`async_grpo_train(ctx, update=...)`: the critic's values, GAE and critic update, then the
+same importance-weighted policy update): the collector, buffer, staleness bound and refit are shared.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from posttrain.algorithms.experience import PromptGroup, roll_out_groups, training_batch, update_policy
 from posttrain.algorithms.grpo_run import run_grpo, validate_grpo
@@ -49,11 +53,16 @@ from posttrain.algorithms.loop import prefixed
 from posttrain.algorithms.on_policy import OnPolicyContext, refit_generation
 from posttrain.algorithms.replay_buffer import AsyncRolloutError, ReplayBuffer
 from posttrain.config.schema import GRPOMasterConfig
+from posttrain.distributed.batch import Batch
 from posttrain.utils.timer import Timer
 
 log = logging.getLogger("posttrain.async_grpo")
 
 BUFFER_FILE = "replay_buffer.pt"
+
+# What a step does with the training batch of the groups it took: `update(ctx, train_data, step,
+# timer)` -> metrics with their full names. GRPO's trains the policy; PPO's the critic first.
+Update = Callable[[OnPolicyContext, Batch, int, Timer], dict[str, float]]
 
 
 class GuardedGeneration:
@@ -233,8 +242,15 @@ def run(cfg: GRPOMasterConfig) -> dict[str, Optional[float]]:
     return run_grpo(cfg, async_grpo_train)
 
 
-def async_grpo_train(ctx: OnPolicyContext) -> dict[str, float]:
-    """Train from the context's step to its last step with a trajectory collector running beside.
+def train_policy_off_policy(ctx: OnPolicyContext, train_data: Batch, step: int, timer: Timer) -> dict[str, float]:
+    """GRPO's update of a step's (possibly stale) groups: previous logprobs on the current weights,
+    then the importance-weighted policy update."""
+    return prefixed(update_policy(ctx, train_data, timer, off_policy=True), "train")
+
+
+def async_grpo_train(ctx: OnPolicyContext, update: Update = train_policy_off_policy) -> dict[str, float]:
+    """Train from the context's step to its last step with a trajectory collector running beside;
+    `update` trains on each step's batch (default: GRPO's `train_policy_off_policy`).
 
     With a recovery (`ctx.recovery`, the Ray backend), a failure stops the collector before the
     failed workers are rebuilt, and the run goes back to its last checkpoint (or its start), where
@@ -270,15 +286,16 @@ def async_grpo_train(ctx: OnPolicyContext) -> dict[str, float]:
         ctx.loop.keep_start_position()  # before the collector draws
     start_collector(ctx.loop.checkpointer.latest() if ctx.step and ctx.cfg.checkpointing.enabled else None)
     try:
-        return ctx.loop.run(lambda step, timer: async_grpo_step(ctx, collectors[-1], step, timer), locked_validate,
-                            recovery=ctx.recovery)
+        return ctx.loop.run(lambda step, timer: async_grpo_step(ctx, collectors[-1], step, timer, update),
+                            locked_validate, recovery=ctx.recovery)
     finally:
         collectors[-1].stop()
 
 
-def async_grpo_step(ctx: OnPolicyContext, collector: TrajectoryCollector, step: int, timer: Timer) -> dict[str, float]:
-    """One step: the oldest ready groups, previous logprobs on the current weights, the
-    importance-weighted update, then refit."""
+def async_grpo_step(ctx: OnPolicyContext, collector: TrajectoryCollector, step: int, timer: Timer,
+                    update: Update = train_policy_off_policy) -> dict[str, float]:
+    """One step: the oldest ready groups, `update` on their batch (GRPO's: previous logprobs on the
+    current weights, the importance-weighted update), then refit."""
     cfg, a = ctx.cfg, ctx.cfg.grpo.async_grpo
     asked = time.monotonic()
     try:
@@ -294,7 +311,7 @@ def async_grpo_step(ctx: OnPolicyContext, collector: TrajectoryCollector, step: 
 
     rollout_metrics = list({id(m): m for m in (getattr(g, "rollout_metrics", {}) for g in groups)}.values())
     train_data, metrics = training_batch(ctx, groups, groups, rollout_metrics)
-    train_metrics = update_policy(ctx, train_data, timer, off_policy=True)
+    train_metrics = update(ctx, train_data, step, timer)
     with timer.time("weight_sync"):  # waiting for the generation call in flight, then the copy
         timer.add("idle/refit_bubble", _refit(ctx, collector.generation.lock, step))
 
@@ -309,7 +326,7 @@ def async_grpo_step(ctx: OnPolicyContext, collector: TrajectoryCollector, step: 
         "async/buffer_size": float(len(collector.buffer)),
         **prefixed(collector_timings, "timing/collector"),
     })
-    return {**metrics, **prefixed(train_metrics, "train")}
+    return {**metrics, **train_metrics}
 
 
 def _refit(ctx: OnPolicyContext, lock: threading.Lock, version: int) -> float:

@@ -17,6 +17,24 @@ checkpoints and resumes it with the policy (`step_N/critic/`); refit moves the p
 The KL to the reference model is either a loss term (GRPO's convention: `loss_fn.
 reference_policy_kl_penalty` beta in the policy's loss) or, with `critic.kl_in_reward`, a reward
 of -beta * KL_t on every generated token (InstructGPT's and verl's), which GAE then spreads.
+
+Generation may run on workers of its own (`policy.generation.colocated.enabled=false`, as for
+GRPO), and with `grpo.async_grpo.enabled` it overlaps training (NeMo-RL's async PPO): async
+GRPO's trajectory collector, replay buffer and staleness bound (`async_grpo.async_grpo_train`)
+with PPO's update of each step's batch (`async_ppo_train`). A batch is then up to
+`grpo.async_grpo.max_trajectory_age_steps` policy steps old:
+- GAE uses the critic's values computed when the step trains (by the critic as its previous
+  update left it), not values from generation time. The values are a baseline and a bootstrap:
+  any function of the state leaves the policy gradient unbiased, so the freshest critic (the
+  best estimate) is the right one; they are also the `prev_values` the clipped value loss starts
+  from, as in synchronous PPO; and valuing at generation time would need a critic forward beside
+  the collector while the critic trains, giving values that are older still.
+- The policy's loss corrects the staleness as async GRPO's does: previous logprobs recomputed on
+  the current weights and the importance weights exp(logp_prev - logp_generation) (required by
+  the config, with the truncations `tis`, `icepop`, `seq-mask-tis`).
+- The critic's targets (returns) are those of the generating weights' samples, not importance
+  weighted: at most `max_trajectory_age_steps` steps behind, the critic learns the value of a
+  policy that close to the current one.
 """
 
 from __future__ import annotations
@@ -27,6 +45,7 @@ from typing import Any, Optional
 import torch
 
 from posttrain.algorithms import advantages as adv
+from posttrain.algorithms.async_grpo import async_grpo_train
 from posttrain.algorithms.experience import update_policy
 from posttrain.algorithms.grpo import collect_experience
 from posttrain.algorithms.grpo_run import run_grpo, validate_grpo
@@ -100,21 +119,41 @@ def setup(cfg: PPOMasterConfig) -> OnPolicyContext:
 
 # --------------------------------------------------------------------------------- the loop
 def ppo_train(ctx: OnPolicyContext) -> dict[str, float]:
-    """Train from the context's step to its last step (`TrainingLoop` runs the schedule)."""
+    """Train from the context's step to its last step (`TrainingLoop` runs the schedule):
+    synchronously, or with `grpo.async_grpo.enabled` while the next batches generate
+    (`async_ppo_train`)."""
+    if ctx.cfg.grpo.async_grpo.enabled:
+        return async_ppo_train(ctx)
     return ctx.loop.run(lambda step, timer: ppo_step(ctx, step, timer), lambda: validate_grpo(ctx),
                         recovery=ctx.recovery)
 
 
+def async_ppo_train(ctx: OnPolicyContext) -> dict[str, float]:
+    """Async PPO: async GRPO's loop (collector, replay buffer, staleness bound, refit after each
+    step) with PPO's update (`ppo_update`, off-policy) of each step's batch."""
+    return async_grpo_train(ctx, update=lambda ctx, train_data, step, timer: ppo_update(
+        ctx, train_data, step, timer, off_policy=True))
+
+
 def ppo_step(ctx: OnPolicyContext, step: int, timer: Timer) -> dict[str, float]:
-    """One PPO step: GRPO's experience, the critic's values, GAE and critic update, then (after
-    the critic's warm-up) the policy update."""
+    """One synchronous PPO step: GRPO's experience, then `ppo_update`."""
     train_data, metrics = collect_experience(ctx, step, timer)
-    metrics.update(update_critic(ctx, train_data, timer))
-    if step <= ctx.cfg.critic.warmup_steps:  # only the critic learns; the engine's weights stay current
-        return {**metrics, "train/critic_warmup": 1.0, **phase_memory_metrics(ctx)}
-    train_metrics = update_policy(ctx, train_data, timer, off_policy=False)
-    ctx.generation_stale = True
-    return {**metrics, "train/critic_warmup": 0.0, **prefixed(train_metrics, "train"), **phase_memory_metrics(ctx)}
+    metrics.update(ppo_update(ctx, train_data, step, timer, off_policy=False))
+    if not metrics["train/critic_warmup"]:  # in the warm-up the engine's weights stay current
+        ctx.generation_stale = True
+    return {**metrics, **phase_memory_metrics(ctx)}
+
+
+def ppo_update(ctx: OnPolicyContext, train_data: Batch, step: int, timer: Timer, *, off_policy: bool) -> dict[str, float]:
+    """PPO's update of a step's batch: the critic's values (its current weights), GAE and the
+    critic update, then, after the critic's warm-up, the policy update (`off_policy`: the batch
+    comes from older weights, async PPO: previous logprobs recomputed and importance-weighted as
+    in async GRPO). Returns the critic's, advantage and policy metrics with their full names."""
+    metrics = update_critic(ctx, train_data, timer)
+    if step <= ctx.cfg.critic.warmup_steps:  # only the critic learns
+        return {**metrics, "train/critic_warmup": 1.0}
+    train_metrics = update_policy(ctx, train_data, timer, off_policy=off_policy)
+    return {**metrics, "train/critic_warmup": 0.0, **prefixed(train_metrics, "train")}
 
 
 def update_critic(ctx: OnPolicyContext, train_data: Batch, timer: Timer) -> dict[str, float]:
@@ -196,6 +235,7 @@ def kl_rewards(ctx: OnPolicyContext, train_data: Batch, timer: Timer) -> tuple[t
 
 # ------------------------------------------------------------------------------ entry point
 def run(cfg: PPOMasterConfig) -> dict[str, Optional[float]]:
-    """`posttrain ppo`: optional SFT warm start, then PPO; prints before/after accuracy and returns
-    them (`before`, `after`: the first and the last validation accuracy, or None)."""
+    """`posttrain ppo`: optional SFT warm start, then PPO (asynchronous with
+    `grpo.async_grpo.enabled`); prints before/after accuracy and returns them (`before`, `after`:
+    the first and the last validation accuracy, or None)."""
     return run_grpo(cfg, ppo_train, setup=setup)

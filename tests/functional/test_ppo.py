@@ -1,9 +1,12 @@
 """PPO end to end with real Ray workers: the policy, its engine and a critic colocated on the
-policy's bundle; the critic learns, is checkpointed with the policy and resumes with it."""
+policy's bundle; the critic learns, is checkpointed with the policy and resumes with it. PPO with
+generation on a worker of its own, synchronous and asynchronous (async GRPO's collector)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import threading
 
 import pytest
 import torch
@@ -88,3 +91,52 @@ def test_ppo_critic_learns_checkpoints_and_resumes(ray_cluster, tmp_path):
     metrics = read_metrics(tmp_path / "logs")
     assert sorted(metrics) == [1, 2, 3, 4, 5] and "train/critic/value_loss" in metrics[5]
     assert (tmp_path / "ckpt" / "step_5" / "critic" / "model" / ".metadata").is_file()
+
+
+ASYNC = [
+    "grpo.async_grpo.enabled=true",
+    "grpo.async_grpo.max_trajectory_age_steps=1",
+    "loss_fn.use_importance_sampling_correction=true",
+    "policy.generation.colocated.enabled=false",
+    "policy.generation.colocated.num_workers=1",
+]
+
+
+def test_async_ppo_trains_critic_and_policy_on_one_step_old_groups(ray_cluster, tmp_path):
+    from posttrain.algorithms import ppo
+
+    ctx = ppo.setup(load_config("ppo", overrides=[
+        *SMALL, *ASYNC, "grpo.max_num_steps=4", f"logger.log_dir={tmp_path}/logs",
+        f"checkpointing.checkpoint_dir={tmp_path}/ckpt"]))
+    valued_in: set[str] = set()  # the threads that asked the critic for values
+    get_values = ctx.critic.get_values
+
+    def spy(batch, *args, **kwargs):
+        valued_in.add(threading.current_thread().name)
+        return get_values(batch, *args, **kwargs)
+
+    ctx.critic.get_values = spy
+    try:
+        ppo.ppo_train(ctx)
+    finally:
+        ctx.shutdown()
+    steps = read_metrics(tmp_path / "logs")
+    assert sorted(steps) == [1, 2, 3, 4]
+    # The trainer values each batch when it trains it (the critic as its last update left it),
+    # never the collector when it generates.
+    assert valued_in == {threading.main_thread().name}
+    # The first step trains the starting weights' groups; then the collector runs one step ahead.
+    assert [steps[s]["async/trajectory_age_max"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    assert all(steps[s]["async/evicted_groups"] == 0 for s in steps)
+    assert steps[1]["train/critic_warmup"] == 1.0 and "train/loss" not in steps[1]
+    # Step 2's groups come from step 1's weights, which the warm-up left as they were: weights 1.
+    # From step 3 on they come from weights one update older than the trained ones.
+    assert steps[2]["train/sampling_importance_ratio_untruncated"] == pytest.approx(1.0, abs=1e-5)
+    ratios = [steps[s]["train/sampling_importance_ratio_untruncated"] for s in (3, 4)]
+    assert all(r != 1.0 and abs(r - 1.0) < 0.2 for r in ratios), ratios
+    losses = [steps[s]["train/critic/value_loss"] for s in (1, 2, 3, 4)]
+    assert losses[-1] < losses[0], losses  # the critic learns from the stale groups too
+    # A checkpoint holds the critic beside the policy and the replay buffer (what a resume trains next).
+    assert (tmp_path / "ckpt" / "step_2" / "critic" / "model" / ".metadata").is_file()
+    saved = torch.load(tmp_path / "ckpt" / "step_2" / "replay_buffer.pt", weights_only=False)
+    assert all(g.weight_version <= 2 for g in saved["buffer"]["groups"])

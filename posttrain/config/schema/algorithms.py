@@ -52,13 +52,14 @@ class AdvantageEstimatorConfig(Section):
 class AsyncGRPOConfig(Section):
     """Asynchronous GRPO: a trajectory collector keeps generating on its own workers while the
     policy trains, through a replay buffer of per-prompt groups with bounded staleness (NeMo-RL's
-    async GRPO; `posttrain/algorithms/async_grpo.py`)."""
+    async GRPO; `posttrain/algorithms/async_grpo.py`). Under `posttrain ppo` the same section
+    makes it async PPO: the critic and the policy train while the next batches generate."""
 
     enabled: bool = Field(
         False,
         description=(
-            "Overlap generation and training: needs policy.generation.colocated.enabled=false and "
-            "loss_fn.use_importance_sampling_correction=true."
+            "Overlap generation and training (async GRPO; async PPO under posttrain ppo): needs "
+            "policy.generation.colocated.enabled=false and loss_fn.use_importance_sampling_correction=true."
         ),
     )
     max_trajectory_age_steps: int = Field(

@@ -228,7 +228,8 @@ class GRPOMasterConfig(MasterConfig):
 
 class PPOMasterConfig(GRPOMasterConfig):
     """`posttrain ppo`: PPO with a critic (GAE advantages from a value model) on GRPO's runtime and
-    sections; `grpo.adv_estimator.name` defaults to `gae` here."""
+    sections; `grpo.adv_estimator.name` defaults to `gae` here. `grpo.async_grpo` makes it async
+    PPO (async GRPO's collector and staleness bound; `algorithms/ppo.py`)."""
 
     critic: CriticConfig = CriticConfig()
 
@@ -236,10 +237,9 @@ class PPOMasterConfig(GRPOMasterConfig):
     def _check_ppo(self):
         if "name" not in self.grpo.adv_estimator.model_fields_set:
             self.grpo.adv_estimator.name = "gae"  # PPO's estimator unless the config names another
-        for on, key in ((self.grpo.async_grpo.enabled, "grpo.async_grpo.enabled"),
-                        (self.grpo.partial_rollouts.enabled, "grpo.partial_rollouts.enabled")):
-            if on:
-                raise ValueError(f"{key}=true: posttrain ppo trains synchronously; set it to false")
+        if self.grpo.partial_rollouts.enabled:
+            raise ValueError("grpo.partial_rollouts.enabled=true: posttrain ppo does not carry unfinished rollouts "
+                             "over; set it to false (grpo.async_grpo.enabled=true hides generation's long tail instead)")
         if self.critic.kl_in_reward and self.loss_fn.reference_policy_kl_penalty <= 0:
             raise ValueError("critic.kl_in_reward=true needs the KL's weight: set loss_fn.reference_policy_kl_penalty > 0")
         if self.critic.colocated and self.critic.num_workers not in (None, self.policy.num_workers):
