@@ -1,7 +1,8 @@
-"""Sync vs async GRPO on the embedded default task, side by side in one run on the same cores.
+"""Sync vs async GRPO (and PPO) on the embedded default task, side by side in one run on the same cores.
 
     ./run.sh python benchmarks/async_grpo.py [--steps 250] [--runs sync sync2 async]
     ./run.sh python benchmarks/async_grpo.py --task nemotron_mini --runs sync async partial
+    ./run.sh python benchmarks/async_grpo.py --task ppo --seeds 42 1 2
 
 Each run is `posttrain grpo` on the embedded default (2-digit additions, the cached SFT warm
 start, 16 prompts x 8 generations, 250 steps, validation on 500 problems every 25 steps), in its
@@ -21,6 +22,14 @@ on its 529 held-out problems, and a fourth run is offered:
 
 - `partial`: sync with partial rollouts (`grpo.partial_rollouts.enabled=true`): a step's
              generation ends once 75% of its groups are complete; the rest continue next step.
+
+With `--task ppo` the runs are `posttrain ppo` on its embedded default (`ppo_tiny.yaml`: the same
+task and warm start, with a critic): `sync` (colocated) and `async`
+(`examples/configs/ppo_async_tiny.yaml`: one generation worker beside the policy's bundle, which
+the critic shares; groups at most one step old).
+
+`--seeds` runs every run once per training seed (`grpo.seed`: prompt order and sampling; the SFT
+warm start, and so the starting accuracy, stays the cached one) and adds mean +- sd over them.
 
 Printed per run: steps/s (median step time), training time (sum of step times, validation
 excluded, the same work for all), the wall time of the whole command, validation accuracy at
@@ -59,12 +68,17 @@ RECIPE_RUNS = {  # the same recipe, one change each; validated once, at the end
               *IMPORTANCE_CORRECTION],
     "partial": [*RECIPE, "grpo.partial_rollouts.enabled=true", *IMPORTANCE_CORRECTION],
 }
-TASKS = {"default": RUNS, "nemotron_mini": RECIPE_RUNS}
+PPO_RUNS = {
+    "sync": [],
+    "async": ["--config", str(REPO / "examples/configs/ppo_async_tiny.yaml")],
+}
+TASKS = {"default": RUNS, "nemotron_mini": RECIPE_RUNS, "ppo": PPO_RUNS}
+COMMANDS = {"default": "grpo", "nemotron_mini": "grpo", "ppo": "ppo"}
 
 
-def run(name: str, args: list[str], steps: int, workdir: Path) -> dict:
+def run(name: str, args: list[str], steps: int, workdir: Path, command: str = "grpo") -> dict:
     log_dir = workdir / name
-    cmd = [sys.executable, "-m", "posttrain", "grpo", *args, f"grpo.max_num_steps={steps}",
+    cmd = [sys.executable, "-m", "posttrain", command, *args, f"grpo.max_num_steps={steps}",
            f"logger.log_dir={log_dir}", "checkpointing.enabled=false", "logger.progress_bar=false",
            "logger.report=false"]
     print(f"[bench] {name}: {' '.join(cmd[2:])}", flush=True)
@@ -103,22 +117,52 @@ def main() -> None:
     parser.add_argument("--task", choices=list(TASKS), default="default")
     parser.add_argument("--steps", type=int, default=None, help="250 (default task), 10 (nemotron_mini)")
     parser.add_argument("--runs", nargs="+", default=None, choices=sorted({n for t in TASKS.values() for n in t}),
-                        help="default: sync sync2 async (default task), sync async partial (nemotron_mini)")
+                        help="default: sync sync2 async (default task), sync async partial (nemotron_mini), "
+                             "sync async (ppo)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="training seeds (grpo.seed), each run once per seed (default: the config's)")
     args = parser.parse_args()
     runs = TASKS[args.task]
-    names = args.runs or (["sync", "async", "partial"] if args.task == "nemotron_mini" else list(RUNS))
+    names = args.runs or (["sync", "async", "partial"] if args.task == "nemotron_mini" else list(runs))
     unknown = [n for n in names if n not in runs]
     if unknown:
         sys.exit(f"[bench] --runs {' '.join(unknown)}: not offered for --task {args.task} (offered: {' '.join(runs)})")
     steps = args.steps or (10 if args.task == "nemotron_mini" else 250)
     # The recipe validates 210 problems (about two minutes): once, at the end, at equal steps.
     extra = ([f"grpo.val_period={steps}", "grpo.val_at_start=false"] if args.task == "nemotron_mini" else [])
+    command = COMMANDS[args.task]
+    seeds = args.seeds or [None]
+    by_seed: dict = {}
     with tempfile.TemporaryDirectory(prefix="posttrain-async-bench-") as tmp:
-        results = {name: run(name, [*runs[name], *extra], steps, Path(tmp)) for name in names}
+        for seed in seeds:
+            seeded = [f"grpo.seed={seed}"] if seed is not None else []
+            by_seed[seed] = {name: run(f"{name}_seed{seed}" if seed is not None else name,
+                                       [*runs[name], *extra, *seeded], steps, Path(tmp), command) for name in names}
+    for seed, results in by_seed.items():
+        print_results(results, command, args.task, steps, seed)
+    if len(seeds) > 1:
+        print(f"\nover seeds {seeds}: mean +- sd (n={len(seeds)})")
+        print(f"{'run':<7} {'first acc':>13} {'final acc':>13} {'train s':>13} {'wall s':>13}")
+        for name in names:
+            cells = []
+            for key in ("first", "final", "train_time", "wall"):
+                values = [first_final(r[name])[key] if key in ("first", "final") else r[name][key]
+                          for r in by_seed.values()]
+                scale = 100 if key in ("first", "final") else 1
+                cells.append(f"{scale * statistics.fmean(values):.1f} +- {scale * statistics.stdev(values):.1f}")
+            print(f"{name:<7} " + " ".join(f"{c:>13}" for c in cells))
 
+
+def first_final(result: dict) -> dict[str, float]:
+    values = list(result["accuracy"].values())
+    return {"first": values[0], "final": values[-1]}
+
+
+def print_results(results: dict, command: str, task: str, steps: int, seed) -> None:
     base = results.get("sync") or next(iter(results.values()))
     target = list(base["accuracy"].values())[-1]
-    print(f"\nGRPO on the {args.task} task, {steps} steps, same machine, one run after the other")
+    seeded = f", grpo.seed={seed}" if seed is not None else ""
+    print(f"\n{command} on the {task} task, {steps} steps{seeded}, same machine, one run after the other")
     print(f"{'run':<7} {'median step':>11} {'steps/s':>8} {'x sync':>7} {'samples/s':>9} {'train s':>8} "
           f"{'wall s':>7} {'final acc':>9} {'to sync final':>13}")
     for name, r in results.items():

@@ -17,7 +17,7 @@ on an AVX2-only CPU (docs/performance.md, "CPU kinds", says how close that comes
 (default) leaves the kernels alone. The printed header names the CPU and the kernels used.
 
 Showcases (`--list` prints them with their commands): main (`posttrain grpo`, the embedded
-default), vl (the vision example), custom (the custom-environment example), ppo, dpo, rm,
+default), vl (the vision example), custom (the custom-environment example), ppo, ppo_async, dpo, rm,
 distill, api (the README's Python API example, from scratch) and recipe (the nemotron_mini
 recipe, about 30 minutes a seed on 2 AVX-512 cores).
 """
@@ -80,6 +80,7 @@ SHOWCASES = {
     "vl": Showcase("grpo", "examples/configs/grpo_vl_tiny.yaml"),
     "custom": Showcase("grpo", "examples/custom/grpo_custom.yaml", cwd="examples/custom"),
     "ppo": Showcase("ppo", "examples/configs/ppo_tiny.yaml"),
+    "ppo_async": Showcase("ppo", "examples/configs/ppo_async_tiny.yaml"),
     "dpo": Showcase("dpo", "examples/configs/dpo_tiny.yaml"),
     "rm": Showcase("rm", "examples/configs/rm_tiny.yaml"),
     "distill": Showcase("distill", "examples/configs/distill_tiny.yaml"),

@@ -93,6 +93,28 @@ def test_ppo_critic_learns_checkpoints_and_resumes(ray_cluster, tmp_path):
     assert (tmp_path / "ckpt" / "step_5" / "critic" / "model" / ".metadata").is_file()
 
 
+def test_ppo_with_generation_and_critic_on_workers_of_their_own(ray_cluster, tmp_path):
+    """Synchronous PPO with the engine on a generation worker of its own (as GRPO's
+    policy.generation.colocated.enabled=false) and the critic on a bundle of its own."""
+    from posttrain.algorithms import ppo
+
+    ctx = ppo.setup(load_config("ppo", overrides=[
+        *SMALL, "grpo.max_num_steps=3", "checkpointing.enabled=false", "policy.generation.colocated.enabled=false",
+        "policy.generation.colocated.num_workers=1", "policy.generation.verify_refit=true", "critic.colocated=false",
+        "critic.num_workers=1", f"logger.log_dir={tmp_path}/logs"]))
+    try:
+        assert ctx.generation.worker_group is not ctx.policy.worker_group
+        assert len(ctx.clusters) == 3  # the policy's, the critic's and generation's bundles
+        ppo.ppo_train(ctx)
+    finally:
+        ctx.shutdown()
+    steps = read_metrics(tmp_path / "logs")
+    assert sorted(steps) == [1, 2, 3] and "train/loss" in steps[3]
+    # Step 3 generates with the weights step 2 trained, copied to the generation worker (checked
+    # by verify_refit): the engine's logprobs are the trainer's.
+    assert 1.0 <= steps[3]["train/token_mult_prob_error"] < 1.001
+
+
 ASYNC = [
     "grpo.async_grpo.enabled=true",
     "grpo.async_grpo.max_trajectory_age_steps=1",

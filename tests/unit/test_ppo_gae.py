@@ -3,6 +3,8 @@ loss, explained variance, the value model's alignment, and the `ppo` config's ch
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -162,10 +164,47 @@ def test_ppo_config_defaults_and_refusals():
         (["critic.kl_in_reward=true"], "reference_policy_kl_penalty > 0"),
         (["critic.num_workers=2"], "critic.colocated=false"),
         (["grpo.partial_rollouts.enabled=true", "loss_fn.use_importance_sampling_correction=true"],
-         "ppo trains synchronously"),
+         "posttrain ppo does not carry unfinished rollouts over"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config("ppo", overrides=overrides)
+
+
+PPO_ASYNC_TINY = str(Path(__file__).resolve().parents[2] / "examples/configs/ppo_async_tiny.yaml")
+ASYNC = ["grpo.async_grpo.enabled=true", "policy.generation.colocated.enabled=false",
+         "loss_fn.use_importance_sampling_correction=true"]
+
+
+def test_async_ppo_is_posttrain_ppo_with_async_grpos_section_and_its_refusals(capsys):
+    """`grpo.async_grpo.enabled` under `posttrain ppo` is async PPO: the same `ppo.run` (which picks
+    the loop), the section shown by --print-config, and async GRPO's requirements, each refused in
+    one line naming its key."""
+    from posttrain import cli
+    from posttrain.config import ConfigError, load_config
+
+    cfg = load_config("ppo", overrides=ASYNC)
+    assert cfg.grpo.async_grpo.enabled and cfg.grpo.adv_estimator.name == "gae"
+    assert cli.job_target("ppo", cfg) == ("posttrain.algorithms.ppo", "run")
+    shipped = load_config("ppo", config_path=PPO_ASYNC_TINY)
+    assert shipped == load_config("ppo", overrides=[*ASYNC, "policy.generation.colocated.num_workers=1",
+                                                    "grpo.async_grpo.max_trajectory_age_steps=1",
+                                                    "loss_fn.truncated_importance_sampling_type=tis",
+                                                    "loss_fn.truncated_importance_sampling_ratio=2.0",
+                                                    "logger.log_dir=logs/ppo_async_tiny",
+                                                    "checkpointing.checkpoint_dir=checkpoints/ppo_async_tiny"])
+    assert cli.config_algorithm(PPO_ASYNC_TINY) == "ppo"
+    for left_out, message in [
+        ("policy.generation.colocated.enabled=false", "needs generation on workers of its own: set "
+                                                      "policy.generation.colocated.enabled=false"),
+        ("loss_fn.use_importance_sampling_correction=true", "set loss_fn.use_importance_sampling_correction=true"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config("ppo", overrides=[o for o in ASYNC if o != left_out])
+    with pytest.raises(ConfigError, match="force_on_policy_ratio=true would ignore the trajectories' staleness"):
+        load_config("ppo", overrides=[*ASYNC, "loss_fn.force_on_policy_ratio=true"])
+    assert cli.main(["ppo", "--print-config"]) == 0
+    printed = capsys.readouterr().out
+    assert "  async_grpo:\n" in printed and "async PPO under posttrain ppo" in printed
 
 
 def test_ppo_refuses_an_estimator_without_values_before_starting_anything(tmp_path):
