@@ -188,3 +188,37 @@ def test_async_ppo_learns_on_the_embedded_default(ray_cluster, tmp_path):
     assert (result["before"], result["after"]) == (before, after)
     # Measured +10.0 points after 20 steps (44.5% -> 54.5%); 200 problems: a point is 2 answers.
     assert after >= before + 0.04, (before, after)
+
+
+def test_async_ppo_recovers_from_a_killed_critic_worker(ray_cluster, tmp_path, capfd):
+    """Async PPO inherits async GRPO's recovery: a critic worker killed after step 3 is rebuilt
+    from the step-2 checkpoint and the run goes on from there with a new collector."""
+    import ray
+
+    from posttrain.algorithms import ppo
+
+    ctx = ppo.setup(load_config("ppo", overrides=[
+        *SMALL, *ASYNC, "grpo.max_num_steps=4", f"logger.log_dir={tmp_path}/logs",
+        f"checkpointing.checkpoint_dir={tmp_path}/ckpt"]))
+    original, killed = ctx.loop.logger.log_metrics, []
+
+    def log_then_kill(metrics, step, *args, **kwargs):
+        original(metrics, step, *args, **kwargs)
+        if step == 3 and not killed:  # step 4's values find it dead
+            killed.append(step)
+            ray.kill(ctx.critic.worker_group.workers[0])
+
+    ctx.loop.logger.log_metrics = log_then_kill
+    try:
+        ppo.ppo_train(ctx)
+    finally:
+        ctx.shutdown()
+    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("[posttrain] recovery ")]
+    print("\n".join(lines))
+    assert len(lines) == 1 and "critic worker rank 0 (node " in lines[0], lines
+    assert "rebuilding the critic workers, then loading the last checkpoint" in lines[0], lines
+    steps = read_metrics(tmp_path / "logs")
+    assert sorted(steps) == [1, 2, 3, 4]  # steps 3 and 4 replayed, each logged once
+    assert steps[4]["recovery/restarts/critic"] == 1 and steps[4]["recovery/restarts"] == 1
+    assert all(steps[s]["async/trajectory_age_max"] <= 1 for s in steps)
+    assert (tmp_path / "ckpt" / "step_4" / "critic" / "model" / ".metadata").is_file()
