@@ -231,3 +231,16 @@ def test_rows_of_both_kinds_of_teacher_add_in_one_step():
     assert total.item() == pytest.approx(today.item() + aligned.item(), abs=1e-6)
     assert metrics["kl_tokens_task0"] == metrics["kl_tokens_task1"] == 3
     assert (metrics["kl_sum_task0"] + metrics["kl_sum_task1"]) / 6 == pytest.approx(total.item(), abs=1e-6)
+
+
+def test_teachers_of_another_tokenizer_are_found_and_refused_before_any_worker_starts(tmp_path, monkeypatch):
+    from posttrain.algorithms.distill import cross_tokenizer_keys
+
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
+    base = ["sft_warmup=null", "teacher_warmup=null", "policy.model_name=tiny"]
+    found = cross_tokenizer_keys(load_config("distill", overrides=[*base, "teacher.model_name=tiny-pairs"]))
+    assert list(found) == ["teacher"] and len(found["teacher"]) == 201
+    assert cross_tokenizer_keys(load_config("distill", overrides=[*base, "teacher.model_name=tiny-qwen2"])) == {}
+    with pytest.raises(UserError, match=r"^distillation.max_rollout_turns=2: teacher has another tokenizer"):
+        cross_tokenizer_keys(load_config("distill", overrides=[*base, "teacher.model_name=tiny-pairs",
+                                                                "distillation.max_rollout_turns=2"]))
