@@ -244,3 +244,18 @@ def test_teachers_of_another_tokenizer_are_found_and_refused_before_any_worker_s
     with pytest.raises(UserError, match=r"^distillation.max_rollout_turns=2: teacher has another tokenizer"):
         cross_tokenizer_keys(load_config("distill", overrides=[*base, "teacher.model_name=tiny-pairs",
                                                                 "distillation.max_rollout_turns=2"]))
+
+
+def test_the_digit_pair_tokenizer_and_its_model_names():
+    from posttrain.models.paths import model_vocab_size, parse_tiny_name, tiny_tokenizer_kind
+
+    encoded = PAIRS("47+38=85\n123", add_special_tokens=False)
+    assert PAIRS.convert_ids_to_tokens(encoded["input_ids"]) == ["47", "+", "38", "=", "85", "\n", "12", "3"]
+    assert PAIRS.decode(encoded["input_ids"]) == "47+38=85\n123"
+    prompt = PAIRS.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False, add_generation_prompt=True)
+    assert prompt == "<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
+    assert (PAIRS.pad_token_id, PAIRS.eos_token_id, PAIRS.eos_token) == (0, 3, "<|im_end|>")
+    assert [parse_tiny_name(n) for n in ("small-pairs", "small-qwen2-pairs", "small-pairs-qwen2", "small-x")] == [
+        ("small", "llama"), ("small", "qwen2"), None, None]
+    assert [tiny_tokenizer_kind(n) for n in ("small-pairs", "small", "pairs")] == ["pairs", "char", "char"]
+    assert model_vocab_size("small-pairs") == 201 and model_vocab_size("small") == 103
