@@ -14,9 +14,13 @@ HF compatibility, never added automatically), `<|end|>` 3 (end of turn, and eos)
 `<|user|>` 5, `<|assistant|>` 6 (each opens a turn of that role).
 
 A second tokenizer, `pairs` (`small-pairs`, `tiny-llama-pairs`, ...: `build_pairs_tokenizer`), gives a
-teacher of another tokenizer for cross-tokenizer distillation: every two digits in a row are one token
-(`47+38` is `47`, `+`, `38`), other characters one token each, at other ids than the character
-tokenizer's, and ChatML's turns (`<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n`).
+teacher of another tokenizer for cross-tokenizer distillation: the two digits a text starts with are
+one token (an answer `85` is one token, `123` is `12`, `3`), every other character one token, at other
+ids than the character tokenizer's, and ChatML's turns (`<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n`).
+Only a text's leading digits pair up, so the operands inside a prompt (which starts with its role)
+stay single digits: with every two digits in a row one token, the `small` teacher's addition did not
+generalise (6.6% validation accuracy after 400 of 800 SFT steps, measured), as it must learn a table
+of pairs instead of digit-wise addition.
 
 We do not prepend `<bos>`: the chat template already starts every conversation with a role
 token, and every extra token costs training time on a CPU. Chat format (no separators, so
@@ -129,11 +133,12 @@ def build_tokenizer(extra_special_tokens: Sequence[str] = (), chat_template: str
 
 
 def build_pairs_tokenizer() -> PreTrainedTokenizerFast:
-    """The `pairs` tokenizer (vocabulary of 201 tokens): two digits in a row are one token, read left to
-    right (`123` is `12`, `3`), every other character one token; ChatML chat template, eos `<|im_end|>`."""
+    """The `pairs` tokenizer (vocabulary of 201 tokens): the two digits a text (a piece between special
+    tokens) starts with are one token (`123` is `12`, `3`; `47+38` is `47`, `+`, `3`, `8`), every other
+    character one token; ChatML chat template, eos `<|im_end|>`."""
     vocab = {tok: i for i, tok in enumerate(PAIRS_SPECIAL_TOKENS + DIGIT_PAIRS + ALPHABET)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[0-9][0-9]|[\s\S]"), behavior="isolated")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"\A[0-9][0-9]|[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token=PAD, unk_token=UNK, bos_token=BOS, eos_token=IM_END,

@@ -60,11 +60,15 @@ def test_decoded_token_ends_from_the_students_own_tokens():
 
 def test_a_response_is_re_tokenised_by_the_teacher_and_aligned():
     to_student = exact_match_map(CHAR, PAIRS)
-    response = CHAR("12+34=46", add_special_tokens=False)["input_ids"] + [CHAR.eos_token_id]
+    response = CHAR("85", add_special_tokens=False)["input_ids"] + [CHAR.eos_token_id]
     teacher_ids, spans = align_response(CHAR, PAIRS, response, to_student)
-    assert PAIRS.convert_ids_to_tokens(teacher_ids) == ["12", "+", "34", "=", "46", "<|im_end|>"]
-    assert spans == [Span(0, 2, 0, 1, False), Span(2, 3, 1, 2, True), Span(3, 5, 2, 3, False),
-                     Span(5, 6, 3, 4, True), Span(6, 8, 4, 5, False), Span(8, 9, 5, 6, True)]  # eos <-> eos
+    assert PAIRS.convert_ids_to_tokens(teacher_ids) == ["85", "<|im_end|>"]
+    assert spans == [Span(0, 2, 0, 1, False), Span(2, 3, 1, 2, True)]  # eos <-> eos
+    response = CHAR("12+34", add_special_tokens=False)["input_ids"] + [CHAR.eos_token_id]
+    teacher_ids, spans = align_response(CHAR, PAIRS, response, to_student)
+    assert PAIRS.convert_ids_to_tokens(teacher_ids) == ["12", "+", "3", "4", "<|im_end|>"]
+    assert spans == [Span(0, 2, 0, 1, False), Span(2, 3, 1, 2, True), Span(3, 4, 2, 3, True),
+                     Span(4, 5, 3, 4, True), Span(5, 6, 4, 5, True)]
     # Without a final eos (cut at max_new_tokens) there is no end span; an odd digit stands alone.
     teacher_ids, spans = align_response(CHAR, PAIRS, CHAR("123", add_special_tokens=False)["input_ids"], to_student)
     assert PAIRS.convert_ids_to_tokens(teacher_ids) == ["12", "3"]
@@ -249,9 +253,13 @@ def test_teachers_of_another_tokenizer_are_found_and_refused_before_any_worker_s
 def test_the_digit_pair_tokenizer_and_its_model_names():
     from posttrain.models.paths import model_vocab_size, parse_tiny_name, tiny_tokenizer_kind
 
-    encoded = PAIRS("47+38=85\n123", add_special_tokens=False)
-    assert PAIRS.convert_ids_to_tokens(encoded["input_ids"]) == ["47", "+", "38", "=", "85", "\n", "12", "3"]
-    assert PAIRS.decode(encoded["input_ids"]) == "47+38=85\n123"
+    # Only the two digits a text starts with pair up: an answer's, not a prompt's operands.
+    encoded = PAIRS("123+45=", add_special_tokens=False)
+    assert PAIRS.convert_ids_to_tokens(encoded["input_ids"]) == ["12", "3", "+", "4", "5", "="]
+    assert PAIRS.decode(encoded["input_ids"]) == "123+45="
+    encoded = PAIRS("<|im_start|>user\n47+38=", add_special_tokens=False)
+    assert PAIRS.convert_ids_to_tokens(encoded["input_ids"]) == [
+        "<|im_start|>", "u", "s", "e", "r", "\n", "4", "7", "+", "3", "8", "="]
     prompt = PAIRS.apply_chat_template([{"role": "user", "content": "1+2="}], tokenize=False, add_generation_prompt=True)
     assert prompt == "<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
     assert (PAIRS.pad_token_id, PAIRS.eos_token_id, PAIRS.eos_token) == (0, 3, "<|im_end|>")
