@@ -44,6 +44,7 @@ class CrossTokenizerTeacher:
     val_prompts: list  # the validation split rendered by the teacher (its accuracy)
     to_student: torch.Tensor  # [teacher vocabulary] the student id of the same string, or -1
     max_len: int  # teacher.max_total_sequence_length
+    min_shared_mass: float = 0.5  # loss_fn.xtok_match_min_mass
 
 
 def needs_alignment(mode: str, key: str, student_tok: Any, teacher_tok: Any) -> bool:
@@ -94,7 +95,8 @@ def make_cross_teacher(cfg: Any, section: Any, student_tok: Any, teacher_tok: An
     train, val = teacher_prompts(cfg, section, teacher_tok)
     return CrossTokenizerTeacher(tokenizer=teacher_tok, prompts=train, val_prompts=val,
                                  to_student=exact_match_map(student_tok, teacher_tok),
-                                 max_len=section.max_total_sequence_length)
+                                 max_len=section.max_total_sequence_length,
+                                 min_shared_mass=cfg.loss_fn.xtok_match_min_mass)
 
 
 # --------------------------------------------------------------------------------- each step
@@ -126,18 +128,21 @@ def teacher_batch(samples: Sequence[Any], student_tok: Any, teacher: CrossTokeni
 
 
 def student_targets(alignments: Sequence[RowAlignment], scored: Mapping[str, torch.Tensor], seq_len: int,
-                    to_student: torch.Tensor) -> dict[str, torch.Tensor]:
+                    to_student: torch.Tensor, min_shared_mass: float = 0.5) -> dict[str, torch.Tensor]:
     """The teacher's answer put on the student's rows (`[B, S]`, `[B, S, k]` aligned to the student's
     `input_ids`, S = `seq_len`):
 
     - `xtok_span` (long): the index of the span a response token is in (-1 elsewhere);
     - `xtok_teacher_logprob`: the teacher's log-probability of that span (the sum over its tokens);
-    - `xtok_match`: 1.0 at an exact-match span's token;
+    - `xtok_match`: 1.0 at an exact-match span's token where the teacher's top-k puts at least
+      `min_shared_mass` of its probability on tokens the student's vocabulary shares (elsewhere the
+      teacher spells that text its own way, e.g. with a digit pair, and its shared tokens' probabilities,
+      renormalised, would say the opposite of what it means);
     - `teacher_topk_logits`, `teacher_topk_indices`, `teacher_topk_valid` (bool): there, the teacher's
       top-k at its token, its ids mapped into the student's vocabulary; `valid` where one maps;
     - `xtok_row` `[B]`: 1.0 (rows of a cross-tokenizer teacher).
 
-    `scored`: the teacher's `token_logprobs` `[B, T]`, `topk_logits` and `topk_indices` `[B, T, k]`."""
+    `scored`: the teacher's `token_logprobs` and `logsumexp` `[B, T]`, `topk_logits` and `topk_indices` `[B, T, k]`."""
     rows, k = len(alignments), scored["topk_logits"].shape[-1]
     span_index = torch.full((rows, seq_len), -1, dtype=torch.long)
     teacher_logprob = torch.zeros(rows, seq_len)
@@ -155,6 +160,9 @@ def student_targets(alignments: Sequence[RowAlignment], scored: Mapping[str, tor
                 ids = scored["topk_indices"][b, t_lo].long()
                 inside = ids < len(to_student)
                 mapped = torch.where(inside, to_student[ids.clamp(max=len(to_student) - 1)], torch.full_like(ids, -1))
+                shared = (scored["topk_logits"][b, t_lo] - scored["logsumexp"][b, t_lo]).exp()[mapped >= 0].sum()
+                if float(shared) < min_shared_mass:
+                    continue
                 match[b, s_lo] = 1.0
                 topk_logits[b, s_lo] = scored["topk_logits"][b, t_lo]
                 topk_indices[b, s_lo] = mapped.clamp(min=0)
@@ -172,9 +180,11 @@ def score_cross_tokenizer(policy: Any, teacher: CrossTokenizerTeacher, samples: 
     batch, alignments = teacher_batch(samples, student_tok, teacher)
     scored = policy.get_topk_logits(batch, k, temperature, token_logprobs=True)
     spans = [s for row in alignments for s in row.spans]
+    targets = student_targets(alignments, scored, seq_len, teacher.to_student, teacher.min_shared_mass)
     counts = {"xtok/spans": float(len(spans)), "xtok/exact_match_spans": float(sum(s.match for s in spans)),
+              "xtok/matched_spans": float(targets["xtok_match"].sum()),
               "xtok/teacher_tokens": float(sum(s.t_hi - s.t_lo for s in spans))}
-    return student_targets(alignments, scored, seq_len, teacher.to_student), counts
+    return targets, counts
 
 
 def all_teachers_targets(train_data: Any, samples: Sequence[Any], routes: Mapping[str, list[int]], teachers: Mapping[str, Any],

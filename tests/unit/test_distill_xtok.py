@@ -121,8 +121,11 @@ def test_the_teachers_answer_lands_on_the_students_tokens():
     topk_indices = torch.zeros(1, 6, 3, dtype=torch.long)
     topk_indices[0, 4] = torch.tensor([7, 5, 9])  # teacher ids; 5 has no student counterpart
     to_student = torch.tensor([-1, -1, -1, -1, -1, -1, -1, 40, -1, 41])
-    out = student_targets([row], {"token_logprobs": token_logprobs, "topk_logits": topk_logits,
-                                  "topk_indices": topk_indices}, seq_len=6, to_student=to_student)
+    # The teacher's top-k is its whole distribution here: the shared ids 7 and 9 hold (e^3 + e^1) /
+    # (e^3 + e^2 + e^1) = 0.755 of it.
+    scored = {"token_logprobs": token_logprobs, "topk_logits": topk_logits, "topk_indices": topk_indices,
+              "logsumexp": topk_logits.logsumexp(-1)}
+    out = student_targets([row], scored, seq_len=6, to_student=to_student)
     assert out["xtok_span"].tolist() == [[-1, -1, 0, 0, 1, -1]]
     assert out["xtok_teacher_logprob"].tolist() == [[0.0, 0.0, -0.25, -0.25, -0.5, 0.0]]
     assert out["xtok_match"].tolist() == [[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]]
@@ -130,6 +133,10 @@ def test_the_teachers_answer_lands_on_the_students_tokens():
     assert out["teacher_topk_valid"][0, 4].tolist() == [True, False, True]
     assert out["teacher_topk_logits"][0, 4].tolist() == [3.0, 2.0, 1.0]
     assert not out["teacher_topk_valid"][0, :4].any() and out["xtok_row"].tolist() == [1.0]
+    # Below the teacher's shared mass the span keeps its log-ratio but loses the distribution term.
+    strict = student_targets([row], scored, seq_len=6, to_student=to_student, min_shared_mass=0.76)
+    assert strict["xtok_match"].sum() == 0 and not strict["teacher_topk_valid"].any()
+    assert strict["xtok_span"].tolist() == out["xtok_span"].tolist()
 
 
 # ------------------------------------------------------------------------------------------ loss

@@ -353,3 +353,11 @@ class DistillationLossConfig(Section):
         "tokens the student's vocabulary shares, at spans of one token each side of the same string (as TRL's "
         "GOLD on the shared vocabulary). Default 1.0: as dense as the same-tokenizer KL where it applies.",
     )
+    xtok_match_min_mass: float = Field(
+        0.5, ge=0, le=1,
+        description="Cross-tokenizer teachers: the exact-match term applies where the teacher's top-k puts at least "
+        "this probability on tokens the student's vocabulary shares. Default 0.5: elsewhere the teacher spells the "
+        "text its own way (e.g. a digit pair), and its shared tokens, renormalised, would pull the student toward "
+        "what the teacher itself finds unlikely (measured: without it the example's student collapsed to empty "
+        "answers).",
+    )

@@ -350,7 +350,8 @@ class PolicyWorker(pipeline.PipelineParallel, ModelLoading, Checkpointing, Weigh
         indices, aligned like `get_logprobs` (position 0 and the padding hold 0). A distillation
         teacher's answer; collective like `get_logprobs`. `token_logprobs` (default False) adds
         `token_logprobs [B, S]`, log p(token_i | tokens_<i) from the same forward (a cross-tokenizer
-        teacher's span log-probabilities).
+        teacher's span log-probabilities) and `logsumexp [B, S]`, each position's log normaliser (top-k
+        logits minus it are log-probabilities).
         """
         if self.model_type != "lm":
             raise ValueError("get_topk_logits needs model_type='lm'")
@@ -366,6 +367,7 @@ class PolicyWorker(pipeline.PipelineParallel, ModelLoading, Checkpointing, Weigh
         values = torch.zeros(batch_size, seq_len, k)
         indices = torch.zeros(batch_size, seq_len, k, dtype=torch.long)
         chosen = torch.zeros(batch_size, seq_len) if token_logprobs else None
+        normaliser = torch.zeros(batch_size, seq_len) if token_logprobs else None
         for mb in self._microbatches(batch, for_training=False, rows_per_mb=self.cfg.logprob_batch_size):
             logits = self._forward(mb, temperature, input_type="logits")[:, :seq_len]  # SP pads the width
             if mb.dummy:
@@ -375,10 +377,12 @@ class PolicyWorker(pipeline.PipelineParallel, ModelLoading, Checkpointing, Weigh
             indices[mb.index, : logits.shape[1]] = top.indices.cpu()
             if chosen is not None:
                 ids = mb.rows["input_ids"][:, : logits.shape[1]].to(logits.device)
-                lp = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+                lse = logits.logsumexp(-1)
+                lp = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse
                 chosen[mb.index, 1: logits.shape[1]] = lp[:, 1:].cpu()
+                normaliser[mb.index, : logits.shape[1]] = lse.cpu()
         if chosen is not None:
-            return Batch(topk_logits=values, topk_indices=indices, token_logprobs=chosen)
+            return Batch(topk_logits=values, topk_indices=indices, token_logprobs=chosen, logsumexp=normaliser)
         return Batch(topk_logits=values, topk_indices=indices)
 
     @measured_phase("logprobs")
