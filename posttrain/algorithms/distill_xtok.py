@@ -45,6 +45,7 @@ class CrossTokenizerTeacher:
     to_student: torch.Tensor  # [teacher vocabulary] the student id of the same string, or -1
     max_len: int  # teacher.max_total_sequence_length
     min_shared_mass: float = 0.5  # loss_fn.xtok_match_min_mass
+    baseline: bool = True  # loss_fn.xtok_span_baseline
 
 
 def needs_alignment(mode: str, key: str, student_tok: Any, teacher_tok: Any) -> bool:
@@ -96,7 +97,8 @@ def make_cross_teacher(cfg: Any, section: Any, student_tok: Any, teacher_tok: An
     return CrossTokenizerTeacher(tokenizer=teacher_tok, prompts=train, val_prompts=val,
                                  to_student=exact_match_map(student_tok, teacher_tok),
                                  max_len=section.max_total_sequence_length,
-                                 min_shared_mass=cfg.loss_fn.xtok_match_min_mass)
+                                 min_shared_mass=cfg.loss_fn.xtok_match_min_mass,
+                                 baseline=cfg.loss_fn.xtok_span_baseline)
 
 
 # --------------------------------------------------------------------------------- each step
@@ -128,7 +130,8 @@ def teacher_batch(samples: Sequence[Any], student_tok: Any, teacher: CrossTokeni
 
 
 def student_targets(alignments: Sequence[RowAlignment], scored: Mapping[str, torch.Tensor], seq_len: int,
-                    to_student: torch.Tensor, min_shared_mass: float = 0.5) -> dict[str, torch.Tensor]:
+                    to_student: torch.Tensor, min_shared_mass: float = 0.5,
+                    generation_logprobs: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
     """The teacher's answer put on the student's rows (`[B, S]`, `[B, S, k]` aligned to the student's
     `input_ids`, S = `seq_len`):
 
@@ -140,7 +143,10 @@ def student_targets(alignments: Sequence[RowAlignment], scored: Mapping[str, tor
       renormalised, would say the opposite of what it means);
     - `teacher_topk_logits`, `teacher_topk_indices`, `teacher_topk_valid` (bool): there, the teacher's
       top-k at its token, its ids mapped into the student's vocabulary; `valid` where one maps;
-    - `xtok_row` `[B]`: 1.0 (rows of a cross-tokenizer teacher).
+    - `xtok_row` `[B]`: 1.0 (rows of a cross-tokenizer teacher);
+    - `xtok_baseline`: with the student's `generation_logprobs` `[B, S]`, each span's baseline: the mean
+      log-ratio (student minus teacher, at generation) of the spans at the same place in their rows
+      (the first span of the answer, the second, ...), else 0.
 
     `scored`: the teacher's `token_logprobs` and `logsumexp` `[B, T]`, `topk_logits` and `topk_indices` `[B, T, k]`."""
     rows, k = len(alignments), scored["topk_logits"].shape[-1]
@@ -150,12 +156,15 @@ def student_targets(alignments: Sequence[RowAlignment], scored: Mapping[str, tor
     topk_logits = torch.zeros(rows, seq_len, k)
     topk_indices = torch.zeros(rows, seq_len, k, dtype=torch.long)
     topk_valid = torch.zeros(rows, seq_len, k, dtype=torch.bool)
+    ratios: dict[int, list[float]] = {}
     for b, row in enumerate(alignments):
         for n, span in enumerate(row.spans):
             s_lo, s_hi = row.student_start + span.s_lo, row.student_start + span.s_hi
             t_lo, t_hi = row.teacher_start + span.t_lo, row.teacher_start + span.t_hi
             span_index[b, s_lo:s_hi] = n
             teacher_logprob[b, s_lo:s_hi] = scored["token_logprobs"][b, t_lo:t_hi].sum()
+            if generation_logprobs is not None:
+                ratios.setdefault(n, []).append(float(generation_logprobs[b, s_lo:s_hi].sum() - teacher_logprob[b, s_lo]))
             if span.match:
                 ids = scored["topk_indices"][b, t_lo].long()
                 inside = ids < len(to_student)
@@ -167,20 +176,25 @@ def student_targets(alignments: Sequence[RowAlignment], scored: Mapping[str, tor
                 topk_logits[b, s_lo] = scored["topk_logits"][b, t_lo]
                 topk_indices[b, s_lo] = mapped.clamp(min=0)
                 topk_valid[b, s_lo] = mapped >= 0
+    baseline = torch.zeros(rows, seq_len)
+    for n, values in ratios.items():
+        baseline[span_index == n] = sum(values) / len(values)
     return {"xtok_span": span_index, "xtok_teacher_logprob": teacher_logprob, "xtok_match": match,
             "teacher_topk_logits": topk_logits, "teacher_topk_indices": topk_indices, "teacher_topk_valid": topk_valid,
-            "xtok_row": torch.ones(rows)}
+            "xtok_row": torch.ones(rows), "xtok_baseline": baseline}
 
 
 def score_cross_tokenizer(policy: Any, teacher: CrossTokenizerTeacher, samples: Sequence[Any], student_tok: Any,
-                          seq_len: int, k: int, temperature: float) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+                          seq_len: int, k: int, temperature: float,
+                          generation_logprobs: Optional[torch.Tensor] = None) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """One cross-tokenizer teacher's answer for `samples` (its rows of the step), on the student's rows
     (`student_targets`), and counts for the step's metrics (`xtok/spans`, `xtok/exact_match_spans`,
     `xtok/teacher_tokens`)."""
     batch, alignments = teacher_batch(samples, student_tok, teacher)
     scored = policy.get_topk_logits(batch, k, temperature, token_logprobs=True)
     spans = [s for row in alignments for s in row.spans]
-    targets = student_targets(alignments, scored, seq_len, teacher.to_student, teacher.min_shared_mass)
+    targets = student_targets(alignments, scored, seq_len, teacher.to_student, teacher.min_shared_mass,
+                              generation_logprobs if teacher.baseline else None)
     counts = {"xtok/spans": float(len(spans)), "xtok/exact_match_spans": float(sum(s.match for s in spans)),
               "xtok/matched_spans": float(targets["xtok_match"].sum()),
               "xtok/teacher_tokens": float(sum(s.t_hi - s.t_lo for s in spans))}
@@ -199,14 +213,14 @@ def all_teachers_targets(train_data: Any, samples: Sequence[Any], routes: Mappin
         "teacher_topk_logits": torch.zeros(rows, seq_len, k), "teacher_topk_indices": torch.zeros(rows, seq_len, k, dtype=torch.long),
         "teacher_topk_valid": torch.zeros(rows, seq_len, k, dtype=torch.bool),
         "xtok_span": torch.full((rows, seq_len), -1, dtype=torch.long), "xtok_teacher_logprob": torch.zeros(rows, seq_len),
-        "xtok_match": torch.zeros(rows, seq_len), "xtok_row": torch.zeros(rows),
+        "xtok_match": torch.zeros(rows, seq_len), "xtok_row": torch.zeros(rows), "xtok_baseline": torch.zeros(rows, seq_len),
     }
     counts: dict[str, float] = {}
     for key, indices in routes.items():
         index = torch.tensor(indices)
         if key in cross:
             part, part_counts = score_cross_tokenizer(teachers[key], cross[key], [samples[i] for i in indices], student_tok,
-                                                      seq_len, k, temperature)
+                                                      seq_len, k, temperature, train_data["generation_logprobs"][index])
             for name, value in part_counts.items():
                 counts[name] = counts.get(name, 0.0) + value
         else:

@@ -11,7 +11,10 @@ its own tokens of the same text):
   reverse KL; the per-token form of Thinking Machines' "on-policy distillation", 2025, with spans
   for tokens): each token of the span gets `sg(r_s) * log p(token_j)`. Its value is written as
   r_s / n_s per token (n_s: the span's student tokens), so the loss reads as the sampled reverse
-  KL per token;
+  KL per token. A baseline b_s (`xtok_baseline`: the step's mean log-ratio of the spans at the same
+  place in their rows, from the generation's log-probabilities) is subtracted in the gradient,
+  `sg(r_s - b_s)`: it leaves the gradient's expectation unchanged and removes its push on every sample
+  by the mean reverse KL (without it the example's student collapsed to empty answers);
 - **exact-match term** (spans of one token each side, of the same string): the KL between the two
   next-token distributions over the teacher's top-k tokens that the student's vocabulary also has
   (`teacher_topk_valid`), both renormalised over them (`loss_fn.kl_type`: forward, reverse or
@@ -114,8 +117,9 @@ class CrossTokenizerDistillationLoss:
         aligned = (span >= 0) & (cross_mask > 0)
         student_span, tokens = span_sums(token_lp, span, aligned)
         log_ratio = (student_span - batch["xtok_teacher_logprob"][:, 1:].to(device)).detach()
-        # value r_s / n_s per token (the span's r_s once), gradient r_s * grad log p(token_j)
-        span_term = (log_ratio / tokens.clamp(min=1) + log_ratio * (token_lp - token_lp.detach())) * aligned
+        # value r_s / n_s per token (the span's r_s once), gradient (r_s - b_s) * grad log p(token_j)
+        baseline = batch["xtok_baseline"][:, 1:].to(device) if "xtok_baseline" in batch else torch.zeros_like(log_ratio)
+        span_term = (log_ratio / tokens.clamp(min=1) + (log_ratio - baseline) * (token_lp - token_lp.detach())) * aligned
 
         match = (batch["xtok_match"][:, 1:].to(device) > 0) & aligned
         forward, reverse = shared_topk_kl(shifted, batch["teacher_topk_logits"][:, 1:].to(device),

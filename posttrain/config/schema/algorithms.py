@@ -353,6 +353,12 @@ class DistillationLossConfig(Section):
         "tokens the student's vocabulary shares, at spans of one token each side of the same string (as TRL's "
         "GOLD on the shared vocabulary). Default 1.0: as dense as the same-tokenizer KL where it applies.",
     )
+    xtok_span_baseline: bool = Field(
+        True,
+        description="Cross-tokenizer teachers: subtract from each span's log-ratio, in the span term's gradient, the "
+        "step's mean log-ratio of the spans at the same place in their rows (a REINFORCE baseline, Williams 1992). "
+        "Default true: without it the mean reverse KL pushes every sampled answer down.",
+    )
     xtok_match_min_mass: float = Field(
         0.5, ge=0, le=1,
         description="Cross-tokenizer teachers: the exact-match term applies where the teacher's top-k puts at least "
