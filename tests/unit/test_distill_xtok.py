@@ -133,6 +133,13 @@ def test_the_teachers_answer_lands_on_the_students_tokens():
     assert out["teacher_topk_valid"][0, 4].tolist() == [True, False, True]
     assert out["teacher_topk_logits"][0, 4].tolist() == [3.0, 2.0, 1.0]
     assert not out["teacher_topk_valid"][0, :4].any() and out["xtok_row"].tolist() == [1.0]
+    # With the generation's log-probabilities, each span's baseline is the mean log-ratio of the spans
+    # at its place: one row here, so its own (-0.75 - -0.25 and -1.0 - -0.5).
+    generated = torch.tensor([[0.0, 0.0, -0.5, -0.25, -1.0, 0.0]])
+    with_baseline = student_targets([row, row], {k: v.expand(2, *v.shape[1:]) for k, v in scored.items()}, seq_len=6,
+                                    to_student=to_student, generation_logprobs=torch.cat([generated, generated - 1.0]))
+    assert with_baseline["xtok_baseline"].tolist() == [[0.0, 0.0, -1.5, -1.5, -1.0, 0.0]] * 2  # means of 2 rows
+    assert out["xtok_baseline"].abs().sum() == 0
     # Below the teacher's shared mass the span keeps its log-ratio but loses the distribution term.
     strict = student_targets([row], scored, seq_len=6, to_student=to_student, min_shared_mass=0.76)
     assert strict["xtok_match"].sum() == 0 and not strict["teacher_topk_valid"].any()
@@ -274,3 +281,18 @@ def test_the_digit_pair_tokenizer_and_its_model_names():
         ("small", "llama"), ("small", "qwen2"), None, None]
     assert [tiny_tokenizer_kind(n) for n in ("small-pairs", "small", "pairs")] == ["pairs", "char", "char"]
     assert model_vocab_size("small-pairs") == 201 and model_vocab_size("small") == 103
+
+
+def test_the_baseline_changes_the_gradient_not_the_value():
+    batch = cross_batch()
+    batch["xtok_baseline"] = torch.tensor([[0.0, 0.25, 0.25, -0.5]])
+    plain, with_baseline = torch.zeros(1, 4, 3, requires_grad=True), torch.zeros(1, 4, 3, requires_grad=True)
+    loss = CrossTokenizerDistillationLoss(match_weight=0.0)
+    value, _ = loss(plain, cross_batch(), 1, 3)
+    value_b, _ = loss(with_baseline, batch, 1, 3)
+    assert value.item() == pytest.approx(value_b.item(), abs=1e-7)
+    value.backward()
+    value_b.backward()
+    r0, r1 = -2 * math.log(3) + 1.0, -math.log(3) + 0.5
+    assert torch.allclose(with_baseline.grad[0, 1], plain.grad[0, 1] * (r0 - 0.25) / r0, atol=1e-6)
+    assert torch.allclose(with_baseline.grad[0, 3], plain.grad[0, 3] * (r1 + 0.5) / r1, atol=1e-6)
