@@ -418,8 +418,11 @@ def distill_model_keys(cfg: Any) -> list[tuple[str, str, str]]:
 
 
 def check_distill_vocabularies(cfg: Any) -> None:
-    """Refuse a teacher (each of them) whose vocabulary size differs from the student's, where the
-    configs show it (checked again once the models are loaded, for hub ids not cached yet)."""
+    """With `distillation.tokenizer_alignment=never`, refuse a teacher (each of them) whose vocabulary
+    size differs from the student's, where the configs show it (checked again once the models are
+    loaded, for hub ids not cached yet); otherwise such a teacher is aligned by text."""
+    if cfg.distillation.tokenizer_alignment != "never":
+        return
     (s_key, s_name, s_arch), *teachers = distill_model_keys(cfg)
     student = (s_key, s_name, model_vocab_size(s_name, s_arch))
     for t_key, t_name, t_arch in teachers:

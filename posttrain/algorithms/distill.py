@@ -14,6 +14,9 @@ The teacher is a `Policy` built without optimizer: its workers are ordinary poli
 `get_topk_logits` uses the same micro-batching (fixed, dynamic or packed) as every other forward.
 With `teachers` (a teacher per task of a blend, `distill_teachers`), each row is scored by its
 task's teacher and the KL is also logged per task (`train/distill_loss/<task>`).
+A teacher whose tokenizer differs from the student's reads the student's answers as text, aligned
+by character offsets (`distill_xtok`; `distillation.tokenizer_alignment`), and its rows train on
+`CrossTokenizerDistillationLoss`; same-tokenizer runs keep the path above unchanged.
 The embedded default (`examples/configs/distill_tiny.yaml`) warm-starts both models with SFT
 (cached) and distils the larger `small` preset into the `tiny` one.
 """
@@ -37,7 +40,9 @@ from posttrain.algorithms.on_policy import (
     run_on_policy,
     validate,
 )
-from posttrain.algorithms.distill_teachers import assign_teachers, per_task_kl, teacher_task_index, teachers_topk
+from posttrain.algorithms.distill_teachers import (
+    assign_teachers, per_task_kl, route_rows, teacher_task_index, teachers_topk,
+)
 from posttrain.config.schema import DistillMasterConfig, teacher_sections
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.distributed.batch import Batch
@@ -59,6 +64,7 @@ class DistillContext(OnPolicyContext):
     teacher_cluster: Any = None  # the teachers' bundles (they also host their accuracy's generation engine)
     teachers: dict = field(default_factory=dict)  # {teacher key: forward-only Policy}; {} -> {"teacher": teacher}
     teacher_of: dict = field(default_factory=dict)  # {training task: teacher key}; {} -> `teacher` for every task
+    cross: dict = field(default_factory=dict)  # {teacher key: CrossTokenizerTeacher} of the teachers of another tokenizer
 
     # Resume state of the run besides the loop's own (saved in every checkpoint).
     @property
@@ -80,9 +86,10 @@ class DistillContext(OnPolicyContext):
 
 # ------------------------------------------------------------------------------------- set-up
 def check_vocabularies(cfg: DistillMasterConfig) -> Optional[int]:
-    """The shared vocabulary size of student and teachers as they will be loaded (after warm starts,
-    hub downloads); raises `UserError` naming both keys and sizes when a teacher's differs, before
-    any worker starts. Also refuses `distillation.topk_logits_k` above the vocabulary size."""
+    """The student's vocabulary size as it will be loaded (after warm starts, hub downloads); with
+    `distillation.tokenizer_alignment=never`, raises `UserError` naming both keys and sizes when a
+    teacher's differs, before any worker starts (otherwise such a teacher is aligned by text). Also
+    refuses `distillation.topk_logits_k` above the smallest vocabulary."""
     from posttrain.models.hf import resolve_model_path
     from posttrain.models.paths import model_vocab_size, vocabulary_problem
 
@@ -96,21 +103,42 @@ def check_vocabularies(cfg: DistillMasterConfig) -> Optional[int]:
 
             size = int(AutoConfig.from_pretrained(path).vocab_size)
         sizes.append((key, policy.model_name, size))
-    for teacher in sizes[1:]:
+    for teacher in sizes[1:] if cfg.distillation.tokenizer_alignment == "never" else []:
         problem = vocabulary_problem(sizes[0], teacher)
         if problem:
             raise UserError(problem)
-    vocab = next((size for _, _, size in sizes if size is not None), None)
-    if vocab is not None and cfg.distillation.topk_logits_k > vocab:
-        raise UserError(f"distillation.topk_logits_k={cfg.distillation.topk_logits_k} exceeds the vocabulary size {vocab}")
-    return vocab
+    known = [size for _, _, size in sizes if size is not None]
+    if known and cfg.distillation.topk_logits_k > min(known):
+        raise UserError(f"distillation.topk_logits_k={cfg.distillation.topk_logits_k} exceeds the vocabulary size {min(known)}")
+    return sizes[0][2]
+
+
+def cross_tokenizer_keys(cfg: DistillMasterConfig) -> dict[str, Any]:
+    """`{teacher key: its tokenizer}` of the teachers that read the student's answers as text
+    (`distill_xtok.needs_alignment`: by `distillation.tokenizer_alignment` and their vocabularies);
+    raises `UserError` in one line for a teacher that cannot be aligned with this config. Loads
+    tokenizers only (no weights), before any worker starts."""
+    from posttrain.algorithms.distill_xtok import alignment_problem, needs_alignment
+    from posttrain.models.hf import load_tokenizer
+
+    student = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name, cfg.policy.tiny_arch)
+    cross = {}
+    for key, section in teacher_sections(cfg).items():
+        tokenizer = load_tokenizer(section.tokenizer_name or section.model_name, section.tiny_arch)
+        if needs_alignment(cfg.distillation.tokenizer_alignment, key, student, tokenizer):
+            problem = alignment_problem(cfg, key, tokenizer)
+            if problem:
+                raise UserError(problem)
+            cross[key] = tokenizer
+    return cross
 
 
 def setup(cfg: DistillMasterConfig) -> DistillContext:
     """Start the distillation run (`on_policy.build_on_policy_run`) with the teacher beside the
-    student and the top-k KL loss."""
+    student and the top-k KL loss (with a teacher of another tokenizer, `CrossTokenizerDistillationLoss`)."""
     from posttrain.algorithms.distill_loss import DistillationLoss
 
+    cross_tokenizers = cross_tokenizer_keys(cfg)
     assignment: dict[str, str] = {}
 
     def teachers_for(tasks: list[str]) -> dict[str, Any]:
@@ -122,9 +150,20 @@ def setup(cfg: DistillMasterConfig) -> DistillContext:
     ctx = build_on_policy_run(
         cfg, section="distillation", name="distillation", context=DistillContext,
         teacher=teachers_for if cfg.teachers else cfg.teacher,
-        make_loss=lambda c: DistillationLoss(**c.loss_fn.model_dump()),
+        make_loss=lambda c: DistillationLoss(**c.loss_fn.model_dump(include={"kl_type", "mixed_kl_weight",
+                                                                             "zero_outside_topk"})),
     )
     ctx.teacher_of = assignment
+    if cross_tokenizers:
+        from posttrain.algorithms.distill_xtok import make_cross_teacher
+        from posttrain.algorithms.distill_xtok_loss import CrossTokenizerDistillationLoss
+
+        sections = teacher_sections(ctx.cfg)
+        ctx.cross = {key: make_cross_teacher(ctx.cfg, sections[key], ctx.tokenizer, tokenizer)
+                     for key, tokenizer in cross_tokenizers.items() if key in ctx.teacher_groups()}
+        lf = ctx.cfg.loss_fn
+        ctx.loss_fn = CrossTokenizerDistillationLoss(lf.kl_type, lf.mixed_kl_weight, lf.zero_outside_topk,
+                                                     lf.xtok_span_weight, lf.xtok_match_weight)
     return ctx
 
 
@@ -139,12 +178,22 @@ def distill_step(ctx: DistillContext, step: int, timer: Timer) -> dict[str, floa
     """One step: student rollouts, the teacher's top-k logits, a student update on the KL."""
     cfg, d = ctx.cfg, ctx.cfg.distillation
     temperature = cfg.policy.generation.temperature  # student and teacher see the sampling distribution
-    train_data, metrics, task_names = _student_rollouts(ctx, step, timer)
+    train_data, metrics, samples = _student_rollouts(ctx, step, timer)
+    task_names = [s.task_name for s in samples]
     teacher_of = ctx.teacher_of or dict.fromkeys(task_names, "teacher")
     with timer.time("logprobs"):  # the teachers' forward passes (logprob-like passes), each on its tasks' rows
-        top = teachers_topk(train_data, task_names, teacher_of, ctx.teacher_groups(), d.topk_logits_k, temperature)
-        train_data["teacher_topk_logits"] = top["topk_logits"]
-        train_data["teacher_topk_indices"] = top["topk_indices"]
+        if ctx.cross:  # a teacher of another tokenizer: its rows re-tokenised and aligned by text
+            from posttrain.algorithms.distill_xtok import all_teachers_targets
+
+            targets, counts = all_teachers_targets(train_data, samples, route_rows(task_names, teacher_of),
+                                                   ctx.teacher_groups(), ctx.cross, ctx.tokenizer, d.topk_logits_k,
+                                                   temperature)
+            train_data.update(targets)
+            metrics.update(prefixed(counts, "train"))
+        else:
+            top = teachers_topk(train_data, task_names, teacher_of, ctx.teacher_groups(), d.topk_logits_k, temperature)
+            train_data["teacher_topk_logits"] = top["topk_logits"]
+            train_data["teacher_topk_indices"] = top["topk_indices"]
     tasks = sorted(set(task_names))
     if len(teacher_of) > 1:  # several tasks: the loss also sums the KL per task
         train_data["task_index"] = teacher_task_index(task_names, tasks)
@@ -158,10 +207,10 @@ def distill_step(ctx: DistillContext, step: int, timer: Timer) -> dict[str, floa
     return {**metrics, **prefixed({**train_metrics, **by_task}, "train")}
 
 
-def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Batch, dict[str, float], list[str]]:
+def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Batch, dict[str, float], list]:
     """The student answers the next prompts `num_generations_per_prompt` times; the environments
     score the answers (logged, not trained on). Returns the flattened training rows, the metrics
-    and each row's task."""
+    and the rows' samples."""
     cfg, d = ctx.cfg, ctx.cfg.distillation
     prompts = ctx.train_loader.next_batch()
     samples = [prompt.fresh_copy() for prompt in prompts for _ in range(d.num_generations_per_prompt)]
@@ -183,7 +232,7 @@ def _student_rollouts(ctx: DistillContext, step: int, timer: Timer) -> tuple[Bat
         "train/mean_prompt_length": sum(p.prompt_length for p in prompts) / len(prompts),
         **prefixed(result.metrics, "train"),
     }
-    return train_data, metrics, [s.task_name for s in samples]
+    return train_data, metrics, samples
 
 
 # ------------------------------------------------------------------------------- validation
@@ -218,22 +267,28 @@ def measure_teacher_accuracy(ctx: DistillContext) -> Optional[float]:
         return None
     sections = teacher_sections(ctx.cfg)
     if not ctx.teachers:
-        return _engine_accuracy(ctx, sections["teacher"], None)[0]
+        return _engine_accuracy(ctx, "teacher", sections["teacher"], None)[0]
     correct = total = 0
     for key in ctx.teachers:
         samples = [s for s in ctx.val_samples if ctx.teacher_of.get(s.task_name) == key]
         if samples:
-            accuracy, n = _engine_accuracy(ctx, sections[key], samples)
+            accuracy, n = _engine_accuracy(ctx, key, sections[key], samples)
             correct, total = correct + accuracy * n, total + n
     return correct / total if total else None
 
 
-def _engine_accuracy(ctx: DistillContext, model: Any, samples: Optional[list]) -> tuple[float, int]:
-    """(accuracy, number of prompts) of `model` on `samples` (default the validation split)."""
+def _engine_accuracy(ctx: DistillContext, key: str, model: Any, samples: Optional[list]) -> tuple[float, int]:
+    """(accuracy, number of prompts) of the teacher `key` (`model`, its section) on `samples` (default the
+    validation split); a teacher of another tokenizer answers the same rows rendered by its tokenizer."""
     engine = make_generation(ctx.cfg, ctx.teacher_cluster, model=model, name="teacher_generation")
+    samples = ctx.val_samples if samples is None else samples
+    tokenizer = None
+    if key in ctx.cross:
+        xt = ctx.cross[key]
+        samples, tokenizer = [xt.val_prompts[s.idx] for s in samples], xt.tokenizer
     try:
-        metrics = evaluate_engine(ctx, engine, 0, show_samples=False, samples=samples)
-        return metrics[find_accuracy(metrics)], len(ctx.val_samples if samples is None else samples)
+        metrics = evaluate_engine(ctx, engine, 0, show_samples=False, samples=samples, tokenizer=tokenizer)
+        return metrics[find_accuracy(metrics)], len(samples)
     finally:
         engine.shutdown()
 
@@ -280,5 +335,7 @@ def details(ctx: DistillContext, summary: dict[str, Optional[float]]) -> str:
     s = summary
     kl = "n/a" if s["kl_first"] is None else f"{s['kl_first']:.4f} -> {s['kl_last']:.4f}"
     teacher = "n/a" if s["teacher_accuracy"] is None else f"{s['teacher_accuracy']:.1%}"
-    return (f"; {ctx.cfg.loss_fn.kl_type} KL over the teacher's top-{ctx.cfg.distillation.topk_logits_k} "
-            f"{kl} (mean of the first / last steps); teacher validation accuracy {teacher}")
+    what = f"{ctx.cfg.loss_fn.kl_type} KL over the teacher's top-{ctx.cfg.distillation.topk_logits_k}"
+    if ctx.cross:
+        what = f"loss (span log-ratio + exact-match {ctx.cfg.loss_fn.kl_type} KL, teachers of another tokenizer)"
+    return f"; {what} {kl} (mean of the first / last steps); teacher validation accuracy {teacher}"

@@ -310,14 +310,17 @@ def validate(ctx: OnPolicyContext, k: int = 1) -> dict[str, float]:
 
 
 def evaluate_engine(ctx: OnPolicyContext, generation: Any, weight_version: int, *, k: int = 1,
-                    show_samples: bool = True, samples: Optional[list[Sample]] = None) -> dict[str, float]:
+                    show_samples: bool = True, samples: Optional[list[Sample]] = None,
+                    tokenizer: Any = None) -> dict[str, float]:
     """The validation protocol on the engine `generation` (`weight_version` tags its samples) with
     the section's sizes, on `samples` (default the validation split); `show_samples` logs a few
-    completions (`logger.num_val_samples_to_print`)."""
+    completions (`logger.num_val_samples_to_print`). `tokenizer` (default the run's) decodes the
+    engine's tokens: a distillation teacher of another tokenizer's."""
     cfg, s = ctx.cfg, ctx.settings
     greedy, temperature = validation_sampling(cfg.policy.generation, k)
     return evaluate(
-        generation, ctx.val_samples if samples is None else samples, ctx.tokenizer, ctx.envs, k=k, greedy=greedy,
+        generation, ctx.val_samples if samples is None else samples, tokenizer or ctx.tokenizer, ctx.envs, k=k,
+        greedy=greedy,
         temperature=temperature, batch_size=s.val_batch_size, max_seq_len=cfg.policy.max_total_sequence_length,
         max_rollout_turns=s.max_rollout_turns, seed=s.seed + 7919, weight_version=weight_version,
         num_samples_to_print=cfg.logger.num_val_samples_to_print if show_samples else 0,

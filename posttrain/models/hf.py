@@ -36,7 +36,7 @@ from posttrain.models.presets import PRETRAINED_PRESETS, VL_PRESETS
 from posttrain.models.tiny import ARCHS, PRESETS, ensure_tiny_model
 
 from posttrain.models.paths import HUB_ID as _HUB_ID
-from posttrain.models.paths import parse_tiny_name
+from posttrain.models.paths import parse_tiny_name, tiny_tokenizer_kind
 
 
 def resolve_model_path(name_or_path: str | os.PathLike, tiny_arch: str = "llama") -> str:
@@ -53,7 +53,7 @@ def resolve_model_path(name_or_path: str | os.PathLike, tiny_arch: str = "llama"
     name = os.fspath(name_or_path)
     tiny = parse_tiny_name(name, tiny_arch)
     if tiny is not None:
-        return str(ensure_tiny_model(*tiny))
+        return str(ensure_tiny_model(*tiny, tokenizer=tiny_tokenizer_kind(name)))
     if name in VL_PRESETS:
         from posttrain.models.vision import ensure_tiny_vlm
 

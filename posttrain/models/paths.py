@@ -14,16 +14,27 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 def parse_tiny_name(name: str, tiny_arch: str = "llama") -> tuple[str, str] | None:
-    """`(preset, arch)` if `name` names a built-in tiny model (`tiny`, `tiny-qwen2`, ...; without
-    an arch, `tiny_arch`), else None."""
-    from posttrain.models.presets import ARCHS, PRESETS
+    """`(preset, arch)` if `name` names a built-in tiny model (`tiny`, `tiny-qwen2`, `small-pairs`,
+    `small-llama-pairs`, ...; without an arch, `tiny_arch`), else None. The tokenizer suffix is
+    `tiny_tokenizer_kind`'s."""
+    from posttrain.models.presets import ARCHS, PRESETS, TINY_TOKENIZERS
 
-    preset, _, arch = name.partition("-")
+    preset, *rest = name.split("-")
     if preset not in PRESETS:
         return None
-    if not arch:
+    if rest and rest[-1] in TINY_TOKENIZERS[1:]:
+        rest.pop()
+    if not rest:
         return preset, tiny_arch
-    return (preset, arch) if arch in ARCHS else None
+    return (preset, rest[0]) if len(rest) == 1 and rest[0] in ARCHS else None
+
+
+def tiny_tokenizer_kind(name: str) -> str:
+    """The tokenizer of a built-in tiny model name: `pairs` for a name ending in `-pairs`, else `char`."""
+    from posttrain.models.presets import TINY_TOKENIZERS
+
+    suffix = name.rsplit("-", 1)[-1]
+    return suffix if "-" in name and suffix in TINY_TOKENIZERS[1:] else "char"
 
 
 def model_vocab_size(name: str, tiny_arch: str = "llama") -> Optional[int]:
@@ -31,9 +42,9 @@ def model_vocab_size(name: str, tiny_arch: str = "llama") -> Optional[int]:
     weights: a preset's, a local directory's or checkpoint's, or a hub id's cached config; None
     when it cannot be known yet (a hub id not in the cache)."""
     if parse_tiny_name(name) is not None:
-        from posttrain.models.tiny import build_tokenizer
+        from posttrain.models.tiny import build_tiny_tokenizer
 
-        return len(build_tokenizer())  # every preset shares the character-level tokenizer
+        return len(build_tiny_tokenizer(tiny_tokenizer_kind(name)))
     config = model_config_dict(name)
     size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size") if config else None
     return int(size) if size else None

@@ -35,6 +35,10 @@ PRESET_EXPERTS = {"qwen3_moe": MOE_EXPERTS, "mixtral": MOE_EXPERTS, "deepseek_v3
 # tests and tiny runs cross it.
 GEMMA3_GLOBAL_EVERY, GEMMA3_SLIDING_WINDOW = 2, 8
 ARCHS = ("llama", "qwen2", *MOE_ARCHS, "gemma3")
+# Tokenizers of the tiny models (`policy.model_name: small-pairs`, `small-llama-pairs`; tiny.py): `char`
+# (the default, no suffix: one token per character) and `pairs` (digit pairs and ChatML role markers:
+# a teacher of another tokenizer for cross-tokenizer distillation, built locally).
+TINY_TOKENIZERS = ("char", "pairs")
 
 # Pretrained models converted from a GGUF file that registry packages ship (no hub needed):
 # `policy.model_name: <name>` or `posttrain init-model --preset <name>` converts it once into the

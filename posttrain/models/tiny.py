@@ -13,6 +13,15 @@ else becomes `<unk>`. Special tokens:
 HF compatibility, never added automatically), `<|end|>` 3 (end of turn, and eos), `<|system|>` 4,
 `<|user|>` 5, `<|assistant|>` 6 (each opens a turn of that role).
 
+A second tokenizer, `pairs` (`small-pairs`, `tiny-llama-pairs`, ...: `build_pairs_tokenizer`), gives a
+teacher of another tokenizer for cross-tokenizer distillation: the two digits a text starts with are
+one token (an answer `85` is one token, `123` is `12`, `3`), every other character one token, at other
+ids than the character tokenizer's, and ChatML's turns (`<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n`).
+Only a text's leading digits pair up, so the operands inside a prompt (which starts with its role)
+stay single digits: with every two digits in a row one token, the `small` teacher's addition did not
+generalise (6.6% validation accuracy after 400 of 800 SFT steps, measured), as it must learn a table
+of pairs instead of digit-wise addition.
+
 We do not prepend `<bos>`: the chat template already starts every conversation with a role
 token, and every extra token costs training time on a CPU. Chat format (no separators, so
 prompts stay short): `<|system|>S<|end|><|user|>U<|end|><|assistant|>A<|end|>`; with
@@ -74,6 +83,22 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}" + ASSISTANT + "{%- endif -%}"
 )
 
+# The `pairs` tokenizer: its own special tokens (ChatML's; pad, unk, bos and eos at the same ids as the
+# character tokenizer's, which `tiny_config` sets), then the 100 digit pairs, then the alphabet.
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+PAIRS_SPECIAL_TOKENS = [PAD, UNK, BOS, IM_END, IM_START]
+DIGIT_PAIRS = [f"{a}{b}" for a in "0123456789" for b in "0123456789"]
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '" + IM_START + "' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{% generation %}{{ message['content'] + '" + IM_END + "' }}{% endgeneration %}"
+    "{%- else -%}{{ message['content'] + '" + IM_END + "' }}{%- endif -%}"
+    "{{ '\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '" + IM_START + "assistant\\n' }}{%- endif -%}"
+)
+
 # Bump when the recipe below changes, so `ensure_tiny_model` rebuilds stale cached copies.
 RECIPE_VERSION = 1
 
@@ -105,6 +130,32 @@ def build_tokenizer(extra_special_tokens: Sequence[str] = (), chat_template: str
     )
     tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def build_pairs_tokenizer() -> PreTrainedTokenizerFast:
+    """The `pairs` tokenizer (vocabulary of 201 tokens): the two digits a text (a piece between special
+    tokens) starts with are one token (`123` is `12`, `3`; `47+38` is `47`, `+`, `3`, `8`), every other
+    character one token; ChatML chat template, eos `<|im_end|>`."""
+    vocab = {tok: i for i, tok in enumerate(PAIRS_SPECIAL_TOKENS + DIGIT_PAIRS + ALPHABET)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"\A[0-9][0-9]|[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token=PAD, unk_token=UNK, bos_token=BOS, eos_token=IM_END,
+        additional_special_tokens=[IM_START], clean_up_tokenization_spaces=False, padding_side="right",
+        model_max_length=MAX_POSITION_EMBEDDINGS,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_tokenizer(kind: str = "char") -> PreTrainedTokenizerFast:
+    """The tokenizer of the tiny models named `kind` (`presets.TINY_TOKENIZERS`): `char` (default) or `pairs`."""
+    if kind == "pairs":
+        return build_pairs_tokenizer()
+    if kind != "char":
+        raise ValueError(f"unknown tiny tokenizer {kind!r}; choose one of char, pairs")
+    return build_tokenizer()
 
 
 def tiny_config(preset: str = "tiny", arch: str = "llama", vocab_size: int | None = None):
@@ -200,13 +251,13 @@ def gemma3_config(common: dict[str, Any]) -> Gemma3TextConfig:
 
 
 def make_tiny_model(
-    preset: str = "tiny", arch: str = "llama", seed: int = 0
+    preset: str = "tiny", arch: str = "llama", seed: int = 0, tokenizer: str = "char"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
-    """Build a randomly initialised tiny model and its tokenizer in memory (float32, cpu).
+    """Build a randomly initialised tiny model and its tokenizer (`char` or `pairs`) in memory (float32, cpu).
 
-    Weights are a pure function of (preset, arch, seed); the global RNG state is left untouched.
+    Weights are a pure function of (preset, arch, seed, tokenizer); the global RNG state is left untouched.
     """
-    tokenizer = build_tokenizer()
+    tokenizer = build_tiny_tokenizer(tokenizer)
     config = tiny_config(preset, arch, vocab_size=len(tokenizer))
     with torch.random.fork_rng(devices=[]), MODEL_BUILD_LOCK:
         torch.manual_seed(seed)
@@ -219,7 +270,8 @@ def make_tiny_model(
     return model.eval(), tokenizer
 
 
-def build_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", arch: str = "llama", seed: int = 0) -> Path:
+def build_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", arch: str = "llama", seed: int = 0,
+                     tokenizer: str = "char") -> Path:
     """Write a Hugging Face model directory for a tiny preset into `out_dir` and return its path.
 
     Args:
@@ -227,10 +279,11 @@ def build_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", arch: str
         preset: `tiny` (hidden 128, 2 layers; default), `small` (hidden 256, 4 layers) `100m` or `1b` (GPU benchmarks).
         arch: `llama` (default), `qwen2`, `gemma3`, or the mixture-of-experts `qwen3_moe` / `mixtral` / `deepseek_v3`.
         seed: seed of the random initialisation (default 0).
+        tokenizer: `char` (default) or `pairs` (`build_pairs_tokenizer`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = make_tiny_model(preset, arch, seed)
+    model, tokenizer = make_tiny_model(preset, arch, seed, tokenizer)
     save_quietly(model, out)
     # Chat template inside tokenizer_config.json (not chat_template.jinja): older readers find it too.
     tokenizer.save_pretrained(out, save_jinja_files=False)
@@ -251,16 +304,21 @@ def save_quietly(model: PreTrainedModel, out: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
-def tiny_stamp(preset: str, arch: str) -> dict[str, Any]:
-    """What a cached tiny model is built from (its cache entry's stamp)."""
-    return {"kind": "tiny-model", "recipe_version": RECIPE_VERSION, "preset": preset, "arch": arch, "seed": 0}
+def tiny_stamp(preset: str, arch: str, tokenizer: str = "char") -> dict[str, Any]:
+    """What a cached tiny model is built from (its cache entry's stamp; the character tokenizer's
+    entries keep the stamp they had before there was a second tokenizer)."""
+    stamp = {"kind": "tiny-model", "recipe_version": RECIPE_VERSION, "preset": preset, "arch": arch, "seed": 0}
+    return stamp if tokenizer == "char" else {**stamp, "tokenizer": tokenizer}
 
 
-def ensure_tiny_model(preset: str = "tiny", arch: str = "llama") -> Path:
-    """Return `<cache>/models/<arch>-<preset>`, building it (seed 0) on first use; a copy written by
-    an older recipe, or a broken one, is replaced (`posttrain.utils.cache.publish_entry`)."""
+def ensure_tiny_model(preset: str = "tiny", arch: str = "llama", tokenizer: str = "char") -> Path:
+    """Return `<cache>/models/<arch>-<preset>` (`-<tokenizer>` after it for `pairs`), building it (seed 0)
+    on first use; a copy written by an older recipe, or a broken one, is replaced
+    (`posttrain.utils.cache.publish_entry`)."""
     tiny_config(preset, arch)  # validate the names before touching the file system
+    build_tiny_tokenizer(tokenizer)
+    name = f"{arch}-{preset}" + ("" if tokenizer == "char" else f"-{tokenizer}")
     return publish_entry(
-        cache_dir() / "models" / f"{arch}-{preset}", lambda tmp: build_tiny_model(tmp, preset, arch, seed=0),
-        tiny_stamp(preset, arch), describe=f"tiny model {arch}-{preset}",
+        cache_dir() / "models" / name, lambda tmp: build_tiny_model(tmp, preset, arch, seed=0, tokenizer=tokenizer),
+        tiny_stamp(preset, arch, tokenizer), describe=f"tiny model {name}",
     )

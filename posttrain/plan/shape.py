@@ -74,9 +74,10 @@ def hf_config_of(policy: Any) -> Any:
 
     tiny = parse_tiny_name(policy.model_name, policy.tiny_arch)
     if tiny is not None:
+        from posttrain.models.paths import model_vocab_size
         from posttrain.models.tiny import tiny_config
 
-        hf_config = tiny_config(*tiny)
+        hf_config = tiny_config(*tiny, vocab_size=model_vocab_size(policy.model_name))  # `-pairs`: its own vocabulary
     else:
         from posttrain.models.paths import checkpoint_policy_dir
 

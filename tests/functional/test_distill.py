@@ -136,3 +136,50 @@ def test_two_teachers_each_teach_their_task(tmp_path):
         if "hard" in per_task:
             assert per_task["hard"] > 0.01, row
         assert math.isfinite(row["train/loss"]) and not any(k.startswith("train/kl_sum_task") for k in row)
+
+
+def test_teachers_of_other_tokenizers_are_aligned_by_text(tmp_path):
+    """Cross-tokenizer distillation with two teachers in one run (local backend): `easy` is taught by
+    `tiny-pairs` (digit pairs, ChatML turns: another vocabulary, found by itself), `hard` by `tiny`
+    (the student's own weights) read through the text alignment too (`tokenizer_alignment=always`).
+    There every span is one shared token and the teacher is the student: its loss is exactly 0 at
+    step 1, which checks the teacher's prompt rendering, the re-tokenisation, the scoring and the
+    placement on the student's tokens end to end. Each teacher's accuracy is measured with its own
+    tokenizer."""
+    import math
+
+    from posttrain.algorithms import distill
+
+    cfg = load_config("distill", overrides=[
+        "sft_warmup=null", "teacher_warmup=null", "teacher=null", "policy.model_name=tiny", "cluster.backend=local",
+        "distillation.tokenizer_alignment=always",
+        "teachers={easy: {model_name: tiny-pairs, logprob_batch_size: 16, max_total_sequence_length: 48}, "
+        "hard: {model_name: tiny, logprob_batch_size: 16, max_total_sequence_length: 32}}",
+        "data.blend=[{name: easy, env: math, num_train: 32, num_validation: 2}, "
+        "{name: hard, env: math, num_train: 32, num_validation: 2, num_digits: 3}]",
+        "distillation.num_prompts_per_step=8", "distillation.num_generations_per_prompt=2",
+        "distillation.max_num_steps=2", "distillation.topk_logits_k=8", "distillation.val_period=0",
+        "distillation.val_at_end=false", "distillation.max_val_samples=2", "distillation.val_batch_size=8",
+        "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16",
+        "policy.max_total_sequence_length=32", "policy.generation.max_new_tokens=6",
+        f"logger.log_dir={tmp_path}/logs", "checkpointing.enabled=false", "logger.progress_bar=false",
+        "logger.tensorboard_enabled=false", "logger.report=false",
+    ])
+    distill.run(cfg)
+
+    metrics = read_metrics(tmp_path / "logs")
+    assert 0.0 <= metrics[0]["validation/teacher_accuracy"] <= 1.0  # both teachers answered, each in its tokens
+    seen = set()
+    for step in (1, 2):
+        row = metrics[step]
+        assert row["train/xtok/spans"] > 0 and 0 < row["train/xtok/exact_match_spans"] <= row["train/xtok/spans"]
+        assert row["train/xtok_aligned_tokens"] == row["train/num_valid_tokens"] > 0  # every generated token
+        per_task = {task: row[f"train/distill_loss/{task}"] for task in ("easy", "hard")
+                    if row.get(f"train/reward_count/{task}")}
+        assert all(math.isfinite(v) for v in per_task.values()), row
+        if step == 1 and "hard" in per_task:  # the student's own weights: span log-ratios and KL all 0
+            assert abs(per_task["hard"]) < 1e-5, row
+        if "easy" in per_task:  # another model of another vocabulary
+            assert per_task["easy"] > 0.01, row
+        seen |= set(per_task)
+    assert seen == {"easy", "hard"}

@@ -318,6 +318,14 @@ class DistillationConfig(Section):
     max_val_samples: int = Field(500, ge=1, description="Validation prompts at most.")
     val_batch_size: int = Field(256, ge=1, description="Validation prompts generated per batch.")
     seed: int = Field(42, description="Seed of prompt order and sampling.")
+    tokenizer_alignment: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="How a teacher reads the student's answers. 'auto' (default): as token ids when its vocabulary "
+        "is the student's, else re-tokenised from their text and aligned by character offsets (cross-tokenizer "
+        "distillation; the idea of TRL's GOLD and NeMo-RL's x-token distillation): span log-ratios plus an "
+        "exact-match top-k KL (loss_fn.xtok_span_weight, loss_fn.xtok_match_weight). 'always': align every "
+        "teacher by text; 'never': refuse a teacher of another vocabulary.",
+    )
 
 
 class DistillationLossConfig(Section):
@@ -333,4 +341,30 @@ class DistillationLossConfig(Section):
         False,
         description="Treat the teacher's probability outside its top-k as ~0 and compare with the student's "
         "full-vocabulary probabilities (default False: both renormalised over the top-k).",
+    )
+    xtok_span_weight: float = Field(
+        1.0, ge=0,
+        description="Cross-tokenizer teachers: weight of the span term, the sampled reverse KL of each aligned span "
+        "(student minus teacher log-probability of the same text) as a policy-gradient signal on its tokens "
+        "(Agarwal et al. 2024, arXiv:2306.13649). Default 1.0: the term that reaches every aligned token.",
+    )
+    xtok_match_weight: float = Field(
+        1.0, ge=0,
+        description="Cross-tokenizer teachers: weight of the exact-match term, kl_type's KL over the teacher's top-k "
+        "tokens the student's vocabulary shares, at spans of one token each side of the same string (as TRL's "
+        "GOLD on the shared vocabulary). Default 1.0: as dense as the same-tokenizer KL where it applies.",
+    )
+    xtok_span_baseline: bool = Field(
+        True,
+        description="Cross-tokenizer teachers: subtract from each span's log-ratio, in the span term's gradient, the "
+        "step's mean log-ratio of the spans at the same place in their rows (a REINFORCE baseline, Williams 1992). "
+        "Default true: without it the mean reverse KL pushes every sampled answer down.",
+    )
+    xtok_match_min_mass: float = Field(
+        0.5, ge=0, le=1,
+        description="Cross-tokenizer teachers: the exact-match term applies where the teacher's top-k puts at least "
+        "this probability on tokens the student's vocabulary shares. Default 0.5: elsewhere the teacher spells the "
+        "text its own way (e.g. a digit pair), and its shared tokens, renormalised, would pull the student toward "
+        "what the teacher itself finds unlikely (measured: without it the example's student collapsed to empty "
+        "answers).",
     )

@@ -139,11 +139,14 @@ class Policy:
         self._on_device()
         return self.worker_group.run_sharded("get_reference_logprobs", batch, replicas=self.replicas, temperature=temperature)
 
-    def get_topk_logits(self, batch: Batch, k: int, temperature: float = 1.0) -> Batch:
-        """`Batch(topk_logits, topk_indices)`, each `[B, S, k]`, in the caller's row order (see
-        `PolicyWorker.get_topk_logits`): what a distillation teacher gives the student."""
+    def get_topk_logits(self, batch: Batch, k: int, temperature: float = 1.0, token_logprobs: bool = False) -> Batch:
+        """`Batch(topk_logits, topk_indices)`, each `[B, S, k]` (with `token_logprobs`, also `token_logprobs`
+        `[B, S]`), in the caller's row order (see `PolicyWorker.get_topk_logits`): what a distillation
+        teacher gives the student."""
         self._on_device()
-        return self.worker_group.run_sharded("get_topk_logits", batch, replicas=self.replicas, k=k, temperature=temperature)
+        options = {"token_logprobs": True} if token_logprobs else {}
+        return self.worker_group.run_sharded("get_topk_logits", batch, replicas=self.replicas, k=k,
+                                             temperature=temperature, **options)
 
     def get_scores(self, batch: Batch) -> Batch:
         """`Batch({"scores": [B]})` from a reward model (`model_type="reward"`)."""

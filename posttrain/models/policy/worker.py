@@ -344,11 +344,14 @@ class PolicyWorker(pipeline.PipelineParallel, ModelLoading, Checkpointing, Weigh
         return out
 
     @torch.no_grad()
-    def get_topk_logits(self, batch: Batch, k: int, temperature: float = 1.0) -> Batch:
+    def get_topk_logits(self, batch: Batch, k: int, temperature: float = 1.0, token_logprobs: bool = False) -> Batch:
         """`Batch(topk_logits [B, S, k] float32, topk_indices [B, S, k] long)`: at every position i the
         `k` largest next-token logits for token i (divided by `temperature`) and their vocabulary
         indices, aligned like `get_logprobs` (position 0 and the padding hold 0). A distillation
-        teacher's answer; collective like `get_logprobs`.
+        teacher's answer; collective like `get_logprobs`. `token_logprobs` (default False) adds
+        `token_logprobs [B, S]`, log p(token_i | tokens_<i) from the same forward (a cross-tokenizer
+        teacher's span log-probabilities) and `logsumexp [B, S]`, each position's log normaliser (top-k
+        logits minus it are log-probabilities).
         """
         if self.model_type != "lm":
             raise ValueError("get_topk_logits needs model_type='lm'")
@@ -363,6 +366,8 @@ class PolicyWorker(pipeline.PipelineParallel, ModelLoading, Checkpointing, Weigh
         batch_size, seq_len = batch["input_ids"].shape
         values = torch.zeros(batch_size, seq_len, k)
         indices = torch.zeros(batch_size, seq_len, k, dtype=torch.long)
+        chosen = torch.zeros(batch_size, seq_len) if token_logprobs else None
+        normaliser = torch.zeros(batch_size, seq_len) if token_logprobs else None
         for mb in self._microbatches(batch, for_training=False, rows_per_mb=self.cfg.logprob_batch_size):
             logits = self._forward(mb, temperature, input_type="logits")[:, :seq_len]  # SP pads the width
             if mb.dummy:
@@ -370,6 +375,14 @@ class PolicyWorker(pipeline.PipelineParallel, ModelLoading, Checkpointing, Weigh
             top = logits.topk(k, dim=-1)
             values[mb.index, : logits.shape[1]] = top.values.cpu()
             indices[mb.index, : logits.shape[1]] = top.indices.cpu()
+            if chosen is not None:
+                ids = mb.rows["input_ids"][:, : logits.shape[1]].to(logits.device)
+                lse = logits.logsumexp(-1)
+                lp = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse
+                chosen[mb.index, 1: logits.shape[1]] = lp[:, 1:].cpu()
+                normaliser[mb.index, : logits.shape[1]] = lse.cpu()
+        if chosen is not None:
+            return Batch(topk_logits=values, topk_indices=indices, token_logprobs=chosen, logsumexp=normaliser)
         return Batch(topk_logits=values, topk_indices=indices)
 
     @measured_phase("logprobs")
