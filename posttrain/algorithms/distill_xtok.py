@@ -57,7 +57,8 @@ def needs_alignment(mode: str, key: str, student_tok: Any, teacher_tok: Any) -> 
     same = same_vocabulary(student_tok, teacher_tok)
     if mode == "never" and not same:
         raise UserError(f"{key}'s tokenizer ({len(teacher_tok)} tokens) differs from the student's ({len(student_tok)}) "
-                        "and distillation.tokenizer_alignment=never: set it to auto to align the two by text")
+                        "and distillation.tokenizer_alignment=never (the default): set it to auto to align the two by text "
+                        "(experimental: docs/algorithms.md)")
     return mode == "always" or (mode == "auto" and not same)
 
 

@@ -255,7 +255,7 @@ def test_teachers_of_another_tokenizer_are_found_and_refused_before_any_worker_s
     from posttrain.algorithms.distill import cross_tokenizer_keys
 
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
-    base = ["sft_warmup=null", "teacher_warmup=null", "policy.model_name=tiny"]
+    base = ["sft_warmup=null", "teacher_warmup=null", "policy.model_name=tiny", "distillation.tokenizer_alignment=auto"]
     found = cross_tokenizer_keys(load_config("distill", overrides=[*base, "teacher.model_name=tiny-pairs"]))
     assert list(found) == ["teacher"] and len(found["teacher"]) == 201
     assert cross_tokenizer_keys(load_config("distill", overrides=[*base, "teacher.model_name=tiny-qwen2"])) == {}

@@ -319,12 +319,14 @@ class DistillationConfig(Section):
     val_batch_size: int = Field(256, ge=1, description="Validation prompts generated per batch.")
     seed: int = Field(42, description="Seed of prompt order and sampling.")
     tokenizer_alignment: Literal["auto", "always", "never"] = Field(
-        "auto",
-        description="How a teacher reads the student's answers. 'auto' (default): as token ids when its vocabulary "
-        "is the student's, else re-tokenised from their text and aligned by character offsets (cross-tokenizer "
+        "never",
+        description="How a teacher reads the student's answers. 'never' (default): as token ids, refusing a teacher "
+        "of another vocabulary in one line. 'auto' (experimental): as token ids when its vocabulary is the "
+        "student's, else re-tokenised from their text and aligned by character offsets (cross-tokenizer "
         "distillation; the idea of TRL's GOLD and NeMo-RL's x-token distillation): span log-ratios plus an "
         "exact-match top-k KL (loss_fn.xtok_span_weight, loss_fn.xtok_match_weight). 'always': align every "
-        "teacher by text; 'never': refuse a teacher of another vocabulary.",
+        "teacher by text. Off by default because on the tiny example (examples/configs/distill_xtok_tiny.yaml) "
+        "it lowered the student's accuracy (docs/algorithms.md).",
     )
 
 
