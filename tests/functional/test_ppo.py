@@ -1,5 +1,6 @@
 """PPO end to end with real Ray workers: the policy, its engine and a critic colocated on the
-policy's bundle; the critic learns, is checkpointed with the policy and resumes with it."""
+policy's bundle; the critic learns, is checkpointed with the policy and resumes with it. And PPO as
+shipped (`ppo_tiny.yaml`, cut to 20 steps) raises held-out accuracy."""
 
 from __future__ import annotations
 
@@ -88,3 +89,25 @@ def test_ppo_critic_learns_checkpoints_and_resumes(ray_cluster, tmp_path):
     metrics = read_metrics(tmp_path / "logs")
     assert sorted(metrics) == [1, 2, 3, 4, 5] and "train/critic/value_loss" in metrics[5]
     assert (tmp_path / "ckpt" / "step_5" / "critic" / "model" / ".metadata").is_file()
+
+
+def test_ppo_on_its_embedded_default_raises_held_out_accuracy(tmp_path):
+    """`posttrain ppo` as shipped (the SFT warm start, 10 critic warm-up steps, 16 prompts x 8
+    samples a step), cut to 20 steps: greedy accuracy on the 500 held-out problems rises. The warm
+    start skips its validations (a third of its time; they draw no randomness: the same weights).
+    Measured (2-core AVX2 machine, float32): 53.0% -> 66.0% at step 20 (73.2% at step 60); about
+    +-2 points of noise on 500 problems."""
+    from posttrain.algorithms import ppo
+
+    result = ppo.run(load_config("ppo", overrides=[
+        "grpo.max_num_steps=20", "grpo.val_period=0", "sft_warmup.sft.val_period=0", "sft_warmup.sft.val_at_end=false",
+        f"logger.log_dir={tmp_path}/logs",
+        f"checkpointing.checkpoint_dir={tmp_path}/ckpt", "logger.progress_bar=false", "logger.report=false",
+        "logger.tensorboard_enabled=false"]))
+    metrics = read_metrics(tmp_path / "logs")
+    validated = {step: row["validation/accuracy_greedy"] for step, row in metrics.items()
+                 if "validation/accuracy_greedy" in row}
+    print(f"PPO held-out accuracy {validated}")
+    assert sorted(validated) == [0, 20] and (result["before"], result["after"]) == (validated[0], validated[20])
+    assert metrics[10]["train/critic_warmup"] == 1.0 and metrics[11]["train/critic_warmup"] == 0.0
+    assert validated[20] > validated[0] + 0.05, validated
