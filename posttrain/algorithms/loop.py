@@ -493,12 +493,15 @@ def _fmt(name: str, value: float, as_fraction: Optional[bool] = None) -> str:
 
 def train_offline(cfg: Any, schedule: Any, *, name: str, section: str, policy: Any, loader: Any,
                   train_step: Callable[[list, Timer], dict[str, float]], validate: ValidateFn) -> dict[str, float]:
-    """The whole run of a trainer on a fixed data set (SFT, DPO, RM), from resume to summary.
+    """The whole run of a trainer on a fixed data set (SFT, DPO, RM), from resume to summary, with
+    the run's recovery on the Ray backend (`run_recovery.RunRecovery`: its one policy group).
 
     `train_step(datums, timer)` trains on the loader's next batch and returns metric names without
     the `train/` prefix; `validate()` as in `TrainingLoop.run`. Returns the last step's metrics
     (empty when a resumed run had nothing left to train: it said so).
     """
+    from posttrain.algorithms.run_recovery import RunRecovery, TrainerRun
+
     loop = TrainingLoop(cfg, schedule, name=name, section=section, policy=policy, loader=loader)
     try:
         loop.resume()
@@ -506,7 +509,10 @@ def train_offline(cfg: Any, schedule: Any, *, name: str, section: str, policy: A
         if done:
             print(done, flush=True)
             return {}
-        metrics = loop.run(lambda step, timer: prefixed(train_step(loader.next_batch(), timer), "train"), validate)
+        # On Ray, a dead or stuck policy worker is rebuilt and the run replays from its last checkpoint.
+        recovery = RunRecovery.for_run(TrainerRun(cfg, policy, loop))
+        metrics = loop.run(lambda step, timer: prefixed(train_step(loader.next_batch(), timer), "train"), validate,
+                           recovery=recovery)
         loop.finish()
         return metrics
     finally:

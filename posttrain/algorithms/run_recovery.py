@@ -1,7 +1,8 @@
-"""An on-policy run's recovery from dead or hung workers (`cluster.max_restarts`).
+"""A run's recovery from dead or hung workers (`cluster.max_restarts`).
 
     ctx.recovery = RunRecovery.for_run(ctx)      # build_on_policy_run; None with the local backend
     ctx.loop.run(step_fn, validate_fn, recovery=ctx.recovery)
+    RunRecovery.for_run(TrainerRun(cfg, policy, loop))   # SFT, DPO, RM (`loop.train_offline`)
 
 When a step fails, the loop asks `recover(error, "step 3")`. It finds who failed: the members Ray
 reports dead (`WorkerGroup.faults`, `EnvironmentActors.faults`: policy workers, PPO's critic
@@ -56,6 +57,21 @@ SETTLE_S = 90.0
 WORKER_ERROR_SETTLE_S = 3.0
 
 
+@dataclass
+class TrainerRun:
+    """What recovery reads of a trainer's run on a fixed data set (SFT, DPO, RM: `loop.train_offline`),
+    in the names of an `OnPolicyContext`: one policy group (a DPO reference lives in its workers),
+    no generation engine, no environments."""
+
+    cfg: Any
+    policy: Any
+    loop: Any
+    generation: Any = None
+    envs: Any = None
+    refit_metadata: Any = None
+    generation_stale: bool = False
+
+
 @dataclass(frozen=True)
 class Rebuildable:
     """A worker group of the run that recovery can rebuild.
@@ -76,8 +92,8 @@ class Rebuildable:
 
 
 class RunRecovery:
-    """Recovery of the run `ctx` (an `OnPolicyContext`): its policy, critic, teachers, generation
-    engine and environments, at most `max_restarts` times (`cluster.max_restarts`)."""
+    """Recovery of the run `ctx` (an `OnPolicyContext`, or a `TrainerRun`): its policy, critic,
+    teachers, generation engine and environments, at most `max_restarts` times (`cluster.max_restarts`)."""
 
     def __init__(self, ctx: Any, max_restarts: int, settle_s: float = SETTLE_S) -> None:
         self.ctx, self.settle_s = ctx, settle_s

@@ -1,6 +1,7 @@
 """PPO end to end with real Ray workers: the policy, its engine and a critic colocated on the
-policy's bundle; the critic learns, is checkpointed with the policy and resumes with it. PPO with
-generation on a worker of its own, synchronous and asynchronous (async GRPO's collector)."""
+policy's bundle; the critic learns, is checkpointed with the policy and resumes with it; PPO as
+shipped (`ppo_tiny.yaml`, cut to 20 steps) raises held-out accuracy. PPO with generation on a
+worker of its own, synchronous and asynchronous (async GRPO's collector)."""
 
 from __future__ import annotations
 
@@ -222,3 +223,25 @@ def test_async_ppo_recovers_from_a_killed_critic_worker(ray_cluster, tmp_path, c
     assert steps[4]["recovery/restarts/critic"] == 1 and steps[4]["recovery/restarts"] == 1
     assert all(steps[s]["async/trajectory_age_max"] <= 1 for s in steps)
     assert (tmp_path / "ckpt" / "step_4" / "critic" / "model" / ".metadata").is_file()
+
+
+def test_ppo_on_its_embedded_default_raises_held_out_accuracy(tmp_path):
+    """`posttrain ppo` as shipped (the SFT warm start, 10 critic warm-up steps, 16 prompts x 8
+    samples a step), cut to 20 steps: greedy accuracy on the 500 held-out problems rises. The warm
+    start skips its validations (a third of its time; they draw no randomness: the same weights).
+    Measured (2-core AVX-512 machine, float32): 53.0% -> 66.0% at step 20 (73.2% at step 60); about
+    +-2 points of noise on 500 problems."""
+    from posttrain.algorithms import ppo
+
+    result = ppo.run(load_config("ppo", overrides=[
+        "grpo.max_num_steps=20", "grpo.val_period=0", "sft_warmup.sft.val_period=0", "sft_warmup.sft.val_at_end=false",
+        f"logger.log_dir={tmp_path}/logs",
+        f"checkpointing.checkpoint_dir={tmp_path}/ckpt", "logger.progress_bar=false", "logger.report=false",
+        "logger.tensorboard_enabled=false"]))
+    metrics = read_metrics(tmp_path / "logs")
+    validated = {step: row["validation/accuracy_greedy"] for step, row in metrics.items()
+                 if "validation/accuracy_greedy" in row}
+    print(f"PPO held-out accuracy {validated}")
+    assert sorted(validated) == [0, 20] and (result["before"], result["after"]) == (validated[0], validated[20])
+    assert metrics[10]["train/critic_warmup"] == 1.0 and metrics[11]["train/critic_warmup"] == 0.0
+    assert validated[20] > validated[0] + 0.05, validated

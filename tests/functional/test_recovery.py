@@ -6,7 +6,8 @@ a generation worker frozen by SIGSTOP; a collective stuck with its peers alive a
 environment are found by their phases' progress bounds; a GRPO run whose environment dies mid-step
 and whose policy worker dies right after its update ends on the weights of an uninterrupted run; a
 GRPO run whose environment dies once more than allowed stops in one line, its last checkpoint
-whole, and its rerun goes on counting restarts."""
+whole, and its rerun goes on counting restarts; an SFT run whose policy worker dies after its update
+ends on the weights of an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -302,3 +303,53 @@ def test_a_partial_rollout_step_replayed_after_its_environment_died_continues_th
     assert comparable(tmp_path / "recovered") == expected
     assert read_metrics(tmp_path / "recovered" / "logs")[3]["recovery/restarts/environment"] == 1
     assert all(torch.equal(uninterrupted[name], recovered[name]) for name in uninterrupted)
+
+
+def test_an_sft_run_whose_policy_worker_dies_after_its_update_ends_on_the_uninterrupted_weights(
+        ray_cluster, tmp_path, capfd, monkeypatch):
+    from safetensors.torch import load_file
+
+    from posttrain.algorithms import sft
+
+    def run(directory: Path, kill_after_update_in: int = 0) -> dict[str, torch.Tensor]:
+        # 4 steps of 8 rows, checkpoints at steps 2 and 4; the export holds the final weights.
+        cfg = load_config("sft", overrides=[
+            "cluster.backend=ray", "data.num_train=64", "data.num_validation=8", "sft.max_num_steps=4",
+            "sft.val_period=0", "sft.val_at_start=false", "sft.val_at_end=false", "policy.train_global_batch_size=8",
+            "policy.train_micro_batch_size=8", "checkpointing.save_period=2", "logger.progress_bar=false",
+            "logger.report=false", "logger.tensorboard_enabled=false", f"logger.log_dir={directory}/logs",
+            f"checkpointing.checkpoint_dir={directory}/ckpt"])
+        make_policy = sft.make_policy
+
+        def make_policy_that_dies(*args, **kwargs):  # its worker dies with step 3's update done
+            policy = make_policy(*args, **kwargs)
+            train = policy.train
+
+            def train_then_die(*train_args, **train_kwargs):
+                out = train(*train_args, **train_kwargs)
+                if policy.updates == kill_after_update_in and not (directory / "killed").exists():
+                    (directory / "killed").touch()
+                    os.kill(policy.worker_group.run_all("pid")[0], signal.SIGKILL)
+                return out
+
+            policy.train = train_then_die
+            return policy
+
+        monkeypatch.setattr(sft, "make_policy", make_policy_that_dies)
+        sft.run(cfg, export_dir=directory / "export")
+        return load_file(directory / "export" / "model.safetensors")
+
+    uninterrupted = run(tmp_path / "uninterrupted")
+    capfd.readouterr()
+    recovered = run(tmp_path / "recovered", kill_after_update_in=3)
+    lines = recovery_lines(capfd.readouterr().out)
+    # Step 4's update finds the worker dead: the run goes back to step 2's checkpoint.
+    assert len(lines) == 1 and lines[0].startswith("[posttrain] recovery 1 of 3: policy worker rank 0 (node "), lines
+    assert "rebuilding the policy workers, then loading the last checkpoint, replaying from the last checkpoint" in lines[0]
+    metrics = read_metrics(tmp_path / "recovered" / "logs")
+    assert sorted(metrics) == [1, 2, 3, 4]
+    assert metrics[4]["recovery/restarts"] == 1 and metrics[4]["recovery/restarts/policy"] == 1
+    assert [line.split(":")[0] for line in metrics[3]["recovery/failures"]] == ["step 4"]
+    assert uninterrupted.keys() == recovered.keys()
+    differing = [name for name in uninterrupted if not torch.equal(uninterrupted[name], recovered[name])]
+    assert not differing, differing

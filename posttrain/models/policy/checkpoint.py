@@ -162,8 +162,17 @@ def check_checkpoint_dir(path: str | os.PathLike) -> Path:
 
 
 def load_sharded_into(path: str | os.PathLike, state: dict[str, Any], part: str) -> None:
-    """Collective: fill `state` (model or optimizer shards, from `get_state_dict`) in place."""
-    dcp.load(state, checkpoint_id=str(Path(path) / part))
+    """Collective: fill `state` (model or optimizer shards, from `get_state_dict`) in place.
+
+    The optimizer's part may lack entries `state` has: a parameter that never had a gradient (a
+    vision tower's last norm, which LLaVA's features skip) has no optimizer state in the run that
+    saved it, while `get_state_dict` gives a fresh optimizer state for every parameter. Those keep
+    their fresh (zero) state, which the optimizer never reads for a parameter without a gradient;
+    the model's part must match whole."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    planner = DefaultLoadPlanner(allow_partial_load=part == OPTIM_DIR)
+    dcp.load(state, checkpoint_id=str(Path(path) / part), planner=planner)
 
 
 def load_trainer_state(path: str | os.PathLike, rank: int) -> tuple[dict[str, Any], dict[str, Any] | None]:

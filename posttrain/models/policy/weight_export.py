@@ -111,12 +111,29 @@ class WeightExport:
         return True
 
     def init_refit_broadcast(self, host: str, port: int, world_size: int) -> bool:
-        """Split refit: rank 0 joins the standalone broadcast group with the generation workers
-        (as its rank 0); other ranks do nothing."""
+        """Split refit: rank 0 starts joining the standalone broadcast group with the generation
+        workers (as its rank 0) in a thread of its own and returns; other ranks do nothing.
+
+        A join whose peers never come (a generation worker lost with its node before it joined)
+        waits out the rendezvous's 30 minutes; in the worker's one call slot it would hold back
+        every later call, the set-up with the rebuilt engines first. `broadcast_for_refit` waits for
+        the join, which is over once the controller saw every engine join."""
         if self.rank == 0:
+            import threading
+            from concurrent.futures import Future
+
             from posttrain.distributed.collective import new_standalone_group
 
-            self._refit_group = new_standalone_group(host, port, 0, world_size, self.device)
+            joined: Future = Future()
+
+            def join() -> None:
+                try:
+                    joined.set_result(new_standalone_group(host, port, 0, world_size, self.device))
+                except BaseException as error:  # noqa: BLE001 - raised again by broadcast_for_refit
+                    joined.set_exception(error)
+
+            threading.Thread(target=join, name="posttrain-refit-join", daemon=True).start()
+            self._refit_group = joined
         return True
 
     @measured_phase("refit")
@@ -126,11 +143,17 @@ class WeightExport:
         # One buffer of the largest bucket's size serves every bucket.
         send = torch.empty(metadata.max_bucket_bytes, dtype=torch.uint8, device=self.device) if self.rank == 0 else None
         failed: Optional[BaseException] = None
+        group = None
+        if self.rank == 0:
+            try:
+                group = self._refit_group.result()
+            except Exception as error:  # the join failed: take part in the gathers all the same (below)
+                failed = error
         for bucket in range(len(metadata.bucket_sizes)):
             buffer = self._pack_refit_bucket(metadata, bucket, self.device, keep=self.rank == 0, out=send)
             if buffer is not None and failed is None:
                 try:
-                    self._refit_group.broadcast(buffer, src=0)
+                    group.broadcast(buffer, src=0)
                 except Exception as error:  # a generation worker died: stop sending, but keep taking part
                     failed = error  # in the gathers, or the other ranks would wait in one for ever
         if failed is not None:
