@@ -5,9 +5,8 @@ worker of its own, synchronous and asynchronous (async GRPO's collector)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import torch
 from posttrain.config.loader import load_config
 from posttrain.distributed.batch import Batch
 from posttrain.utils.logger import METRICS_FILE, read_metrics_jsonl
+from test_async_grpo import ASYNC  # async GRPO's switch, the same under posttrain ppo
 
 pytestmark = pytest.mark.functional
 
@@ -114,15 +114,6 @@ def test_ppo_with_generation_and_critic_on_workers_of_their_own(ray_cluster, tmp
     # Step 3 generates with the weights step 2 trained, copied to the generation worker (checked
     # by verify_refit): the engine's logprobs are the trainer's.
     assert 1.0 <= steps[3]["train/token_mult_prob_error"] < 1.001
-
-
-ASYNC = [
-    "grpo.async_grpo.enabled=true",
-    "grpo.async_grpo.max_trajectory_age_steps=1",
-    "loss_fn.use_importance_sampling_correction=true",
-    "policy.generation.colocated.enabled=false",
-    "policy.generation.colocated.num_workers=1",
-]
 
 
 def test_async_ppo_trains_critic_and_policy_on_one_step_old_groups(ray_cluster, tmp_path):
