@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,14 +66,16 @@ class Showcase:
     config: str | None = None
     cwd: str = "."
 
-    def argv(self, seed: int, workdir: Path) -> list[str]:
+    def argv(self, seed: int, workdir: Path, overrides: tuple[str, ...] = ()) -> list[str]:
         if self.command == "api":
+            if overrides:
+                sys.exit("[seeds] the api showcase takes no overrides")
             return [sys.executable, "-c", API_EXAMPLE, str(seed), str(workdir)]
         argv = [sys.executable, "-m", "posttrain", self.command]
         if self.config:
             argv += ["--config", str(REPO / self.config)]
         return argv + [f"seed={seed}", f"logger.log_dir={workdir}/logs", "logger.progress_bar=false",
-                       f"checkpointing.checkpoint_dir={workdir}/checkpoints"]
+                       f"checkpointing.checkpoint_dir={workdir}/checkpoints", *overrides]
 
 
 SHOWCASES = {
@@ -97,7 +100,8 @@ def accuracies(metrics_file: Path) -> dict[str, float]:
     for line in metrics_file.read_text().splitlines():
         row = json.loads(line)
         for key, value in row.items():
-            if key.startswith("validation") and "/accuracy" in key and isinstance(value, (int, float)):
+            if (key.startswith("validation") and "/accuracy" in key and "_count" not in key
+                    and isinstance(value, (int, float))):
                 first.setdefault(key, 100 * value)
                 last[key] = 100 * value
     out = {}
@@ -107,22 +111,32 @@ def accuracies(metrics_file: Path) -> dict[str, float]:
     return out
 
 
-def run_one(showcase: Showcase, seed: int, workdir: Path, env: dict[str, str]) -> dict[str, float]:
+def run_one(showcase: Showcase, seed: int, workdir: Path, env: dict[str, str],
+            overrides: tuple[str, ...] = (), timeout: float | None = None) -> dict[str, float]:
     """One seed of a showcase: wall seconds and `accuracies` of its metrics.jsonl (the main job's,
-    not its warm start's)."""
+    not its warm start's). A failed run, or one stopped at `timeout` seconds, raises RunFailed."""
     workdir.mkdir(parents=True)
     started = time.monotonic()
-    out = subprocess.run(showcase.argv(seed, workdir), cwd=REPO / showcase.cwd, env=env,
-                         capture_output=True, text=True)
+    try:
+        out = subprocess.run(showcase.argv(seed, workdir, overrides), cwd=REPO / showcase.cwd, env=env,
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as stopped:
+        text = (stopped.stdout or b"").decode(errors="replace") + (stopped.stderr or b"").decode(errors="replace")
+        (workdir / "output.log").write_text(text)
+        raise RunFailed(f"seed {seed} stopped after {timeout:.0f} s; its logs: {workdir}") from None
     seconds = time.monotonic() - started
     (workdir / "output.log").write_text(out.stdout + out.stderr)
     if out.returncode:
-        sys.exit(f"[seeds] seed {seed} failed (rc {out.returncode}); its output: {workdir / 'output.log'}\n"
-                 f"{(out.stdout + out.stderr)[-2000:]}")
+        raise RunFailed(f"seed {seed} failed (rc {out.returncode}); its output: {workdir / 'output.log'}\n"
+                        f"{(out.stdout + out.stderr)[-2000:]}")
     metrics = workdir / "logs" / "metrics.jsonl"
     if not metrics.exists():
-        sys.exit(f"[seeds] seed {seed} wrote no {metrics}")
+        raise RunFailed(f"seed {seed} wrote no {metrics}")
     return {"seconds": seconds, **accuracies(metrics)}
+
+
+class RunFailed(Exception):
+    """A seed's run failed or was stopped; the message says where its output is."""
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -149,7 +163,13 @@ def main() -> None:
                         help="avx2: PyTorch's and oneDNN's AVX2 kernels (as on an AVX2-only CPU)")
     parser.add_argument("--json", type=Path, help="also write every run and the summary here")
     parser.add_argument("--list", action="store_true", help="print the showcases and their commands")
-    args = parser.parse_args()
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="seeds run at once (default 1; more only where the machine has the room, e.g. a GPU "
+                             "machine's cores: each run's wall time then includes the sharing)")
+    parser.add_argument("--keep", type=Path, help="keep every run's logs and metrics under this directory")
+    parser.add_argument("--timeout", type=float, help="stop a run after this many seconds (it counts as failed)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for every run (e.g. cluster.gpus_per_node=1)")
+    args = parser.parse_intermixed_args()  # overrides may come after the options
     if args.list or args.showcase is None:
         for name, showcase in SHOWCASES.items():
             print(f"{name:8s} {' '.join(showcase.argv(0, Path('RUN'))[1:])}  (in {showcase.cwd})")
@@ -162,14 +182,32 @@ def main() -> None:
 
     print(f"[seeds] {args.showcase} over seeds {args.seeds}; CPU: {cpu_name()}, {os.cpu_count()} cores; kernels: "
           f"{args.cpu}; bfloat16 matmuls: {bfloat16_matmul_support(environ=env)[1]}", flush=True)
-    runs = {}
+    if args.overrides:
+        print(f"[seeds] overrides: {' '.join(args.overrides)}", flush=True)
+    runs: dict[int, dict[str, float]] = {}
+    failed: list[int] = []
     with tempfile.TemporaryDirectory(prefix="posttrain_seeds_") as tmp:
         env["POSTTRAIN_CACHE"] = f"{tmp}/cache"
-        for seed in args.seeds:
-            runs[seed] = run_one(showcase, seed, Path(tmp) / f"seed_{seed}", env)
+        root = args.keep or Path(tmp)
+
+        def one(seed: int) -> None:
+            try:
+                runs[seed] = run_one(showcase, seed, root / f"seed_{seed}", env, tuple(args.overrides), args.timeout)
+            except RunFailed as failure:
+                failed.append(seed)
+                print(f"[seeds] {failure}", flush=True)
+                return
             shown = {k: round(v, 1) for k, v in runs[seed].items() if k == "seconds" or k.endswith("accuracy_greedy@last")
                      or k.endswith("accuracy@last") or k.endswith("accuracy_greedy@first") or k.endswith("accuracy@first")}
             print(f"[seeds] seed {seed}: {shown}", flush=True)
+
+        # Parallel runs share the cache safely: one of them builds an entry, the others wait on
+        # its lock (posttrain.utils.cache).
+        with ThreadPoolExecutor(args.parallel) as pool:
+            list(pool.map(one, args.seeds))
+        runs = dict(sorted(runs.items()))
+    if not runs:
+        sys.exit(f"[seeds] every seed failed: {sorted(failed)}")
     names = sorted(set().union(*runs.values()), key=lambda k: (k != "seconds", k))
     table = {name: summary([run[name] for run in runs.values() if name in run]) for name in names}
     print(f"\n{'metric':64s} {'mean':>7s} {'sd':>6s} {'min':>7s} {'max':>7s}  n")
@@ -178,7 +216,10 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"showcase": args.showcase, "cpu": cpu_name(), "kernels": args.cpu,
-                                         "seeds": args.seeds, "runs": runs, "summary": table}, indent=1))
+                                         "seeds": args.seeds, "overrides": args.overrides, "runs": runs,
+                                         "failed": sorted(failed), "summary": table}, indent=1))
+    if failed:
+        sys.exit(f"[seeds] seeds {sorted(failed)} failed; the table holds the other {len(runs)}")
 
 
 if __name__ == "__main__":
