@@ -10,7 +10,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -55,6 +57,34 @@ def run_async(cfg) -> tuple[float, BaseException | None]:
         return time.monotonic() - t0, e
     finally:
         ctx.shutdown()
+
+
+def kill_once_when_logged(ctx, victims: dict[int, tuple[str, Callable[[], Any]]]) -> list[str]:
+    """Kill each victim with `ray.kill` once, right after its step's metrics are logged: `victims`
+    maps a step to (a name, a function giving the actor). The actor is looked up at that moment, so
+    a group rebuilt by an earlier recovery yields its new worker. Returns the names killed, in order
+    (a step logged again after a replay does not kill again)."""
+    import ray
+
+    original, killed = ctx.loop.logger.log_metrics, []
+
+    def log_then_kill(metrics, step, *args, **kwargs):
+        original(metrics, step, *args, **kwargs)
+        name, actor = victims.get(step, (None, None))
+        if name is not None and name not in killed:
+            killed.append(name)
+            ray.kill(actor())
+
+    ctx.loop.logger.log_metrics = log_then_kill
+    return killed
+
+
+def recovery_lines(capfd) -> list[str]:
+    """The run's `[posttrain] recovery` lines in the captured stdout, printed again so that they are
+    shown with the test's output when it fails."""
+    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("[posttrain] recovery ")]
+    print("\n".join(lines))
+    return lines
 
 
 def test_async_grpo_trains_on_one_step_old_groups_with_importance_weights(ray_cluster, tmp_path):
@@ -129,8 +159,6 @@ def test_a_failing_environment_stops_the_run_with_its_reason(ray_cluster, tmp_pa
 
 def test_async_grpo_recovers_from_a_killed_environment_generation_worker_and_policy_worker(
         ray_cluster, tmp_path, capfd):
-    import ray
-
     from posttrain.algorithms import async_grpo, grpo
 
     ctx = grpo.setup(async_cfg(tmp_path, "grpo.max_num_steps=6", "checkpointing.save_period=2"))
@@ -138,24 +166,16 @@ def test_async_grpo_recovers_from_a_killed_environment_generation_worker_and_pol
     # collector's next call finds it dead), the generation worker after step 4 (the collector's
     # generation or the trainer's refit finds it), the policy worker after step 5 (step 6's update).
     # Each failure sends the run back to its last checkpoint, with a new collector.
-    plan = {2: "environment", 4: "generation", 5: "policy"}
-    original, killed = ctx.loop.logger.log_metrics, []
-
-    def log_then_kill(metrics, step, *args, **kwargs):
-        original(metrics, step, *args, **kwargs)
-        victim = plan.get(step)
-        if victim is not None and victim not in killed:
-            killed.append(victim)
-            ray.kill({"environment": ctx.envs["math"], "generation": ctx.generation.worker_group.workers[0],
-                      "policy": ctx.policy.worker_group.workers[0]}[victim])
-
-    ctx.loop.logger.log_metrics = log_then_kill
+    killed = kill_once_when_logged(ctx, {
+        2: ("environment", lambda: ctx.envs["math"]),
+        4: ("generation", lambda: ctx.generation.worker_group.workers[0]),
+        5: ("policy", lambda: ctx.policy.worker_group.workers[0]),
+    })
     try:
         async_grpo.async_grpo_train(ctx)
     finally:
         ctx.shutdown()
-    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("[posttrain] recovery ")]
-    print("\n".join(lines))
+    lines = recovery_lines(capfd)
     assert killed == ["environment", "generation", "policy"] and len(lines) == 3, lines
     assert "environment 'math' was killed (ray.kill)" in lines[0], lines
     assert "generation worker rank 0 (node " in lines[1], lines

@@ -7,17 +7,30 @@ import json
 from pathlib import Path
 
 import pytest
+from test_grpo import read_metrics
+
 from posttrain.config.loader import load_config
 
 pytestmark = pytest.mark.functional
 
 
-def read_metrics(log_dir: Path) -> dict[int, dict]:
-    steps: dict[int, dict] = {}
-    for line in (log_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        steps.setdefault(row["step"], {}).update(row)
-    return steps
+def two_teacher_cfg(tmp_path: Path, teachers: str, *extra: str):
+    """The two-teacher tests' run: a 2-task blend of the math environment (`easy`; `hard`, 3 digits),
+    each task distilled from its teacher in `teachers`, 2 steps in one process (local backend), no
+    checkpoints, validation only at the start (where it is on)."""
+    return load_config("distill", overrides=[
+        "sft_warmup=null", "teacher_warmup=null", "teacher=null", "policy.model_name=tiny", "cluster.backend=local",
+        f"teachers={teachers}",
+        "data.blend=[{name: easy, env: math, num_train: 32, num_validation: 2}, "
+        "{name: hard, env: math, num_train: 32, num_validation: 2, num_digits: 3}]",
+        "distillation.num_prompts_per_step=8", "distillation.num_generations_per_prompt=2",
+        "distillation.max_num_steps=2", "distillation.topk_logits_k=8", "distillation.val_period=0",
+        "distillation.val_at_end=false", "distillation.val_batch_size=8",
+        "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16",
+        "policy.max_total_sequence_length=32", "policy.generation.max_new_tokens=6",
+        f"logger.log_dir={tmp_path}/logs", "checkpointing.enabled=false", "logger.progress_bar=false",
+        "logger.tensorboard_enabled=false", "logger.report=false", *extra,
+    ])
 
 
 def test_distillation_lowers_the_kl_to_the_teacher(ray_cluster, tmp_path, capsys):
@@ -107,21 +120,13 @@ def test_two_teachers_each_teach_their_task(tmp_path):
 
     from posttrain.algorithms import distill
 
-    cfg = load_config("distill", overrides=[
-        "sft_warmup=null", "teacher_warmup=null", "teacher=null", "policy.model_name=tiny", "cluster.backend=local",
-        "teachers={easy: {model_name: tiny, logprob_batch_size: 16, max_total_sequence_length: 32}, "
+    cfg = two_teacher_cfg(
+        tmp_path,
+        "{easy: {model_name: tiny, logprob_batch_size: 16, max_total_sequence_length: 32}, "
         "hard: {model_name: tiny-qwen2, logprob_batch_size: 16, max_total_sequence_length: 32}}",
-        "data.blend=[{name: easy, env: math, num_train: 32, num_validation: 2}, "
-        "{name: hard, env: math, num_train: 32, num_validation: 2, num_digits: 3}]",
-        "distillation.num_prompts_per_step=8", "distillation.num_generations_per_prompt=2",
-        "distillation.max_num_steps=2", "distillation.topk_logits_k=8", "distillation.val_period=0",
-        "distillation.val_at_start=false", "distillation.val_at_end=false", "distillation.val_batch_size=8",
+        "distillation.val_at_start=false",
         "distillation.seed=42",  # the blend's draws below
-        "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16",
-        "policy.max_total_sequence_length=32", "policy.generation.max_new_tokens=6",
-        f"logger.log_dir={tmp_path}/logs", "checkpointing.enabled=false", "logger.progress_bar=false",
-        "logger.tensorboard_enabled=false", "logger.report=false",
-    ])
+    )
     distill.run(cfg)
 
     metrics = read_metrics(tmp_path / "logs")
@@ -151,21 +156,12 @@ def test_teachers_of_other_tokenizers_are_aligned_by_text(tmp_path):
 
     from posttrain.algorithms import distill
 
-    cfg = load_config("distill", overrides=[
-        "sft_warmup=null", "teacher_warmup=null", "teacher=null", "policy.model_name=tiny", "cluster.backend=local",
-        "distillation.tokenizer_alignment=always",
-        "teachers={easy: {model_name: tiny-pairs, logprob_batch_size: 16, max_total_sequence_length: 48}, "
+    cfg = two_teacher_cfg(
+        tmp_path,
+        "{easy: {model_name: tiny-pairs, logprob_batch_size: 16, max_total_sequence_length: 48}, "
         "hard: {model_name: tiny, logprob_batch_size: 16, max_total_sequence_length: 32}}",
-        "data.blend=[{name: easy, env: math, num_train: 32, num_validation: 2}, "
-        "{name: hard, env: math, num_train: 32, num_validation: 2, num_digits: 3}]",
-        "distillation.num_prompts_per_step=8", "distillation.num_generations_per_prompt=2",
-        "distillation.max_num_steps=2", "distillation.topk_logits_k=8", "distillation.val_period=0",
-        "distillation.val_at_end=false", "distillation.max_val_samples=2", "distillation.val_batch_size=8",
-        "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "policy.logprob_batch_size=16",
-        "policy.max_total_sequence_length=32", "policy.generation.max_new_tokens=6",
-        f"logger.log_dir={tmp_path}/logs", "checkpointing.enabled=false", "logger.progress_bar=false",
-        "logger.tensorboard_enabled=false", "logger.report=false",
-    ])
+        "distillation.tokenizer_alignment=always", "distillation.max_val_samples=2",
+    )
     distill.run(cfg)
 
     metrics = read_metrics(tmp_path / "logs")

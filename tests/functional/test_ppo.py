@@ -14,7 +14,7 @@ import torch
 from posttrain.config.loader import load_config
 from posttrain.distributed.batch import Batch
 from posttrain.utils.logger import METRICS_FILE, read_metrics_jsonl
-from test_async_grpo import ASYNC  # async GRPO's switch, the same under posttrain ppo
+from test_async_grpo import ASYNC, kill_once_when_logged, recovery_lines  # ASYNC: the same under posttrain ppo
 
 pytestmark = pytest.mark.functional
 
@@ -185,28 +185,18 @@ def test_async_ppo_learns_on_the_embedded_default(ray_cluster, tmp_path):
 def test_async_ppo_recovers_from_a_killed_critic_worker(ray_cluster, tmp_path, capfd):
     """Async PPO inherits async GRPO's recovery: a critic worker killed after step 3 is rebuilt
     from the step-2 checkpoint and the run goes on from there with a new collector."""
-    import ray
-
     from posttrain.algorithms import ppo
 
     ctx = ppo.setup(load_config("ppo", overrides=[
         *SMALL, *ASYNC, "grpo.max_num_steps=4", f"logger.log_dir={tmp_path}/logs",
         f"checkpointing.checkpoint_dir={tmp_path}/ckpt"]))
-    original, killed = ctx.loop.logger.log_metrics, []
-
-    def log_then_kill(metrics, step, *args, **kwargs):
-        original(metrics, step, *args, **kwargs)
-        if step == 3 and not killed:  # step 4's values find it dead
-            killed.append(step)
-            ray.kill(ctx.critic.worker_group.workers[0])
-
-    ctx.loop.logger.log_metrics = log_then_kill
+    # Killed once, after step 3 is logged: step 4's values find it dead.
+    kill_once_when_logged(ctx, {3: ("critic", lambda: ctx.critic.worker_group.workers[0])})
     try:
         ppo.ppo_train(ctx)
     finally:
         ctx.shutdown()
-    lines = [line for line in capfd.readouterr().out.splitlines() if line.startswith("[posttrain] recovery ")]
-    print("\n".join(lines))
+    lines = recovery_lines(capfd)
     assert len(lines) == 1 and "critic worker rank 0 (node " in lines[0], lines
     assert "rebuilding the critic workers, then loading the last checkpoint" in lines[0], lines
     steps = read_metrics(tmp_path / "logs")

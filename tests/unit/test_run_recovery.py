@@ -319,20 +319,38 @@ class ScriptedRecovery:
         return {"recovery/failures": [f"{what}: {error}" for error, what, _ in self.seen]}
 
 
+def fail_once_at(failures, step, message):
+    """Raise `message` as a dead worker would, once for each step of `failures` (popped in order)."""
+    if failures and failures[0] == step:
+        failures.pop(0)
+        raise RuntimeError(message)
+
+
+def failing_step_fn(policy, loader, fail_at, on_draw=lambda step, batch: None):
+    """A training step for the fake loop: draws a batch (`on_draw(step, batch)` sees it), fails
+    once in each step of `fail_at` before its update, and otherwise trains the fake policy once."""
+    failures = list(fail_at)
+
+    def step_fn(step, timer):
+        on_draw(step, loader.next_batch())
+        fail_once_at(failures, step, f"a worker died in step {step}")
+        policy.weights += 1
+        return {"train/loss": 1.0}
+
+    return step_fn
+
+
 def run_with_failures(tmp_path, fail_at, replays):
     """Five steps, `step_fn` failing once at each step of `fail_at`; (steps drawn, metrics by step, policy)."""
     cfg = cfg_for(tmp_path, "sft.val_at_start=false", "sft.val_period=0", "sft.val_at_end=false")
     policy, loader = FakePolicy(), FakeLoader()
-    drawn, failures = [], list(fail_at)
+    drawn = []
+    train = failing_step_fn(policy, loader, fail_at, on_draw=lambda step, batch: drawn.append((step, batch[0])))
 
     def step_fn(step, timer):
-        drawn.append((step, loader.next_batch()[0]))
-        if failures and failures[0] == step:
-            failures.pop(0)
-            raise RuntimeError(f"a worker died in step {step}")
-        policy.weights += 1
+        metrics = train(step, timer)
         loop.state["trained"] = loop.state.get("trained", 0) + 1
-        return {"train/loss": 1.0}
+        return metrics
 
     loop = make_loop(cfg, policy, loader)
     recovery = ScriptedRecovery(policy, replays)
@@ -373,9 +391,7 @@ def test_a_step_that_failed_after_its_update_goes_back_to_the_checkpoint_rather_
         loader.next_batch()
         policy.updates += 1
         policy.weights += 1
-        if failures and failures[0] == step:
-            failures.pop(0)
-            raise RuntimeError("a generation worker died after the update")
+        fail_once_at(failures, step, "a generation worker died after the update")
         return {"train/loss": 1.0}
 
     recovery = ScriptedRecovery(policy, [Replay.FROM_CHECKPOINT])
@@ -406,19 +422,10 @@ def test_going_back_to_the_start_keeps_the_first_validation_and_the_step_labels(
     cfg = cfg_for(tmp_path, "sft.val_at_start=true", "sft.val_period=0", "sft.val_at_end=true",
                   "checkpointing.save_period=3", "logger.progress_bar=true")
     policy, loader = FakePolicy(), FakeLoader()
-    failures = [2, 5]
-
-    def step_fn(step, timer):
-        loader.next_batch()
-        if failures and failures[0] == step:
-            failures.pop(0)
-            raise RuntimeError(f"a worker died in step {step}")
-        policy.weights += 1
-        return {"train/loss": 1.0}
-
     loop = make_loop(cfg, policy, loader)
     recovery = ScriptedRecovery(policy, [Replay.FROM_CHECKPOINT] * 2)
-    loop.run(step_fn, lambda: {"validation/accuracy": 0.2 + 0.1 * policy.weights}, recovery=recovery)
+    loop.run(failing_step_fn(policy, loader, [2, 5]), lambda: {"validation/accuracy": 0.2 + 0.1 * policy.weights},
+             recovery=recovery)
     labels = [line.split()[2] for line in capsys.readouterr().err.splitlines() if line.startswith("SFT step ")]
     assert labels == ["1/5", "1/5", "2/5", "3/5", "4/5", "4/5", "5/5"]  # each step's own number, after each rewind
     metrics = read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl")
@@ -437,9 +444,7 @@ def test_a_step_that_failed_after_only_the_critic_trained_is_not_trained_twice(t
     def step_fn(step, timer):
         loader.next_batch()
         critic.updates += 1
-        if failures and failures[0] == step:
-            failures.pop(0)
-            raise RuntimeError("a generation worker died after the critic's update")
+        fail_once_at(failures, step, "a generation worker died after the critic's update")
         return {"train/loss": 1.0}
 
     loop = make_loop(cfg, policy, loader)
@@ -510,18 +515,12 @@ def test_the_algorithms_own_state_is_put_back_for_a_replay_and_restored_with_a_c
     # algorithm hears of a failure before anything is rebuilt (`on_failure`).
     cfg = cfg_for(tmp_path, "sft.val_at_start=false", "sft.val_period=0", "sft.val_at_end=false")
     policy, loader = FakePolicy(), FakeLoader()
-    carried = {"groups": []}
-    events, failures = [], [3, 5]
+    carried, events = {"groups": []}, []
 
-    def step_fn(step, timer):
-        loader.next_batch()
-        carried["groups"] = carried["groups"] + [step]  # what the step carries over to the next
-        if failures and failures[0] == step:
-            failures.pop(0)
-            raise RuntimeError(f"a worker died in step {step}")
-        policy.weights += 1
-        return {"train/loss": 1.0}
+    def carry(step, batch):  # what the step carries over to the next
+        carried["groups"] = carried["groups"] + [step]
 
+    step_fn = failing_step_fn(policy, loader, [3, 5], on_draw=carry)
     loop = make_loop(cfg, policy, loader)
     loop.replay_extras = (lambda: list(carried["groups"]), lambda taken: carried.update(groups=taken))
     loop.on_failure = lambda: events.append(("failure", list(carried["groups"])))
