@@ -5,21 +5,24 @@ within its group first, `gdpo`), side by side.
 The task is the Python API's README example (the tiny model from scratch on 2-digit additions),
 scored by two reward functions on the completion's leading number: `first_digit` (its first digit is
 right) and `last_digit` (its last digit is right), weights 1 and 1; a third, `exact` (the whole
-number is right) has weight 0: it moves nothing and is only reported. Prints each component's greedy
-validation mean before and after training for both, and GDPO minus sum.
+number is right) has weight 0: it moves nothing and is only reported. Prints, over the seeds, each
+component's greedy validation mean before and after training per variant, and each variant minus sum
+(`grpo`) paired by seed, as mean +- sd [min, max] (n stated), with the CPU and the kernels it ran.
 
-    ./run.sh python benchmarks/gdpo_vs_sum.py --steps 30 --seeds 42 43 44 --variants grpo gdpo gdpo-no-batch-norm
+    ./run.sh python benchmarks/gdpo_vs_sum.py --steps 30 --seeds 1 2 3 4 5 --variants grpo gdpo gdpo-no-batch-norm
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import tempfile
 import time
 
 import posttrain  # noqa: F401 - first: it sets how OpenMP threads wait before torch loads OpenMP
+import torch
 from posttrain import GRPO
 
 
@@ -65,6 +68,31 @@ def run(variant: str, steps: int, seed: int, log_root: str) -> dict[str, float]:
     return out
 
 
+def summary(values: list[float]) -> str:
+    """mean +- sd [min, max] (sample sd; 0 for one value)."""
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.3f} +- {sd:.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+
+def table(results: dict[str, list[dict[str, float]]]) -> list[tuple[str, list[str]]]:
+    """One row per component key: each variant's summary over seeds, then each non-`grpo` variant
+    minus `grpo` paired by seed (the runs' lists are in the same seed order)."""
+    rows = []
+    others = [v for v in results if v != "grpo"] if "grpo" in results else []
+    for key in next(iter(results.values()))[0]:
+        cells = [summary([r[key] for r in runs]) for runs in results.values()]
+        cells += [summary([o[key] - g[key] for o, g in zip(results[v], results["grpo"])]) for v in others]
+        rows.append((key, cells))
+    return rows
+
+
+def cpu_name() -> str:
+    for line in open("/proc/cpuinfo", encoding="utf-8"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -79,16 +107,14 @@ def main() -> None:
                 results[variant].append(run(variant, args.steps, seed, log_root))
                 print(f"[gdpo_vs_sum] {variant} seed {seed}: {time.perf_counter() - t0:.0f} s "
                       f"{results[variant][-1]}", flush=True)
-    print(f"\n{args.steps} steps, seeds {args.seeds}; greedy validation mean of each reward component "
-          "(mean +- sd over seeds)")
-    print(f"{'component':<22}" + "".join(f"{variant:>22}" for variant in results))
-    for key in results[args.variants[0]][0]:
-        cells = []
-        for runs in results.values():
-            values = [r[key] for r in runs]
-            sd = statistics.stdev(values) if len(values) > 1 else 0.0
-            cells.append(f"{statistics.mean(values):.3f} +- {sd:.3f}")
-        print(f"{key:<22}" + "".join(f"{cell:>22}" for cell in cells))
+    print(f"\n{args.steps} steps, seeds {args.seeds} (n = {len(args.seeds)}); {cpu_name()}, "
+          f"torch CPU kernels {torch.backends.cpu.get_cpu_capability()}, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print("greedy validation mean of each reward component, mean +- sd [min, max] over seeds")
+    header = list(results) + [f"{v} - grpo" for v in results if v != "grpo" and "grpo" in results]
+    print(f"{'component':<18}" + "".join(f"{h:>32}" for h in header))
+    for key, cells in table(results):
+        print(f"{key:<18}" + "".join(f"{cell:>32}" for cell in cells))
 
 
 if __name__ == "__main__":
