@@ -293,7 +293,12 @@ def test_every_example_config_validates():
 def test_embedded_grpo_default():
     cfg = load_config("grpo")
     assert (cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt) == (16, 8)
+    assert cfg.policy.train_global_batch_size == 128 and cfg.sft_warmup.sft.max_num_steps == 600
     assert cfg.policy.optimizer.lr == 1e-4
+    # The examples built on the default keep the settings they were measured with.
+    v1 = load_config("grpo", EXAMPLE_CONFIG_DIR / "grpo_math_tiny_v1.yaml")
+    assert v1.sft_warmup.sft.max_num_steps == 350
+    assert v1.model_dump(exclude={"sft_warmup"}) == cfg.model_dump(exclude={"sft_warmup"})
     assert cfg.policy.model_name == "tiny" and cfg.policy.tiny_arch == "llama"
     assert cfg.data.dataset == "arithmetic" and cfg.data.num_digits == 2
     assert cfg.sft_warmup is not None and cfg.sft_warmup.data.dataset == "arithmetic"
@@ -304,6 +309,7 @@ def test_variant_presets():
     assert (dapo.loss_fn.ratio_clip_min, dapo.loss_fn.ratio_clip_max) == (0.2, 0.28)
     assert dapo.loss_fn.token_level_loss and dapo.grpo.use_dynamic_sampling and dapo.reward_shaping.enabled
     assert dapo.grpo.num_prompts_per_step == 16  # inherited from grpo_math_tiny.yaml
+    assert dapo.sft_warmup.sft.max_num_steps == 350  # grpo_math_tiny_v1.yaml: as it was measured
 
     gspo = load_config("grpo", EXAMPLE_CONFIG_DIR / "grpo_gspo_tiny.yaml")
     assert gspo.loss_fn.sequence_level_importance_ratios and not gspo.loss_fn.token_level_loss

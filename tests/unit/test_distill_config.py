@@ -26,8 +26,10 @@ def test_embedded_default_distils_a_larger_warm_started_model():
     assert (cfg.policy.model_name, cfg.teacher.model_name) == ("tiny", "small")
     assert cfg.sft_warmup.policy.model_name == "tiny" and cfg.teacher_warmup.policy.model_name == "small"
     assert cfg.loss_fn.kl_type == "forward" and cfg.distillation.topk_logits_k <= TINY_VOCAB
-    # The student's warm start is GRPO's (same config, so one cached export serves both).
-    assert cfg.sft_warmup == load_config("grpo").sft_warmup
+    # The student's warm start is that of the examples built on GRPO's default (grpo_math_tiny_v1.yaml:
+    # the same config, so one cached export serves both).
+    v1 = Path(__file__).resolve().parents[2] / "examples" / "configs" / "grpo_math_tiny_v1.yaml"
+    assert cfg.sft_warmup == load_config("grpo", v1).sft_warmup
 
 
 @pytest.mark.parametrize("override,fragment", [
