@@ -17,18 +17,19 @@ Cache: `$POSTTRAIN_CACHE/envs/<name>-<key>/` (default `~/.cache/posttrain`), whe
 the spec (requirements, removals, pip arguments, shared distributions, the base interpreter's
 version, `BUILD_REVISION`): changing a pin gives a new key, so the environment is rebuilt, and an
 old one stays usable by runs that still name it (delete `envs/<name>-*` and `envs/shared/<name>-*`
-to reclaim the space).
+to reclaim the space). Creation is safe when several processes ask at once: one of them builds
+under a file lock in a temporary directory and renames it into place when complete (an atomic
+rename); the others wait for the lock and reuse the result. A directory in place is always
+complete. A failed creation raises `IsolatedEnvError` naming the requirement pip could not install
+and the log file (`envs/<name>-<key>.log`, kept).
 
 Build, fast where it is safe: distributions the main environment holds at exactly the pinned
 version are linked, not installed (`IsolatedEnvSpec.shared`, `shared_packages.py`: for vLLM on CPU,
-torch and ray are a third of the environment's size); pip is the main interpreter's own, run with
+torch and ray, a quarter of the environment's size); pip is the main interpreter's own, run with
 `--python` on a venv made without pip (no bundled pip to install and then upgrade); and modules are
-not byte-compiled at install time (`compile_bytecode`), since imports compile, and cache, the ones
-they use. Creation is safe when several processes
-ask at once: one of them builds under a file lock in a temporary directory and renames it into
-place when complete (an atomic rename); the others wait for the lock and reuse the result. A
-directory in place is always complete. A failed creation raises `IsolatedEnvError` naming the
-requirement pip could not install and the log file (`envs/<name>-<key>.log`, kept).
+not byte-compiled at install time (`compile_bytecode`): imports compile, and cache, the ones they
+use, a fraction (vLLM's environment holds 18,500 modules, among them the API clients of anthropic
+and openai, which posttrain never imports).
 
 Progress: pip's whole output goes to the log file as it comes; meanwhile each step says itself
 (`[posttrain]   installing 9 pinned requirements...`), on a terminal pip's own lines follow
@@ -65,8 +66,12 @@ from posttrain.distributed.shared_packages import (
 SPEC_FILE = "posttrain-env.json"  # written into a finished environment: what it was built from
 # Part of every key: raise it when the way environments are built changes, so that no environment
 # built the old way is taken for one built the new way. 2: shared distributions, no bundled pip,
-# no byte-compiling at install time.
+# bytecode compiled on first import rather than at install time.
 BUILD_REVISION = 2
+# Where bytecode is not compiled at install time, the environment's interpreter writes it on first
+# import whatever PYTHONDONTWRITEBYTECODE says: that cache is what pip's compile would have left.
+BYTECODE_PTH = ("00-posttrain-bytecode.pth", "import sys; sys.dont_write_bytecode = False\n")
+SHARED_LINKS = "shared"  # envs/shared/<name>-<key>/: an environment's links to distributions of the main one
 PIP_PYTHON_OPTION = (22, 3)  # the first pip with `--python`, to install into another interpreter
 PIP_PROGRESS_EVERY_S = 20.0
 # pip's lines that say which package it is on (it prints them unindented or indented by two).
@@ -102,9 +107,11 @@ class IsolatedEnvSpec:
         shared: distributions of the main environment linked into this one instead of installed
             (default none; `shared_packages.shared_from_main` picks those pinned at exactly their
             installed version).
-        compile_bytecode: byte-compile every installed module (default False: that is a good
-            part of pip's time for thousands of files, while imports compile, and cache, only the
-            modules they use).
+        compile_bytecode: byte-compile every installed module at install time (default False:
+            that is a third of pip's time for vLLM's environment, while imports compile only the
+            modules they use). Without it, the environment's interpreter caches bytecode on import
+            even under `PYTHONDONTWRITEBYTECODE` (a `.pth` line, `BYTECODE_PTH`): otherwise every
+            worker process would compile vLLM again.
     """
 
     name: str
@@ -155,7 +162,7 @@ def env_dir(spec: IsolatedEnvSpec, root: Optional[Path] = None) -> Path:
 def shared_dir(spec: IsolatedEnvSpec, root: Optional[Path] = None) -> Path:
     """The directory of links to `spec.shared`: outside the environment, so that pip never counts
     the linked distributions as its own (see `shared_packages.py`)."""
-    return Path(root or envs_root()) / "shared" / f"{spec.name}-{spec.key()}"
+    return Path(root or envs_root()) / SHARED_LINKS / f"{spec.name}-{spec.key()}"
 
 
 def env_python(path: Path) -> Path:
@@ -294,7 +301,7 @@ def _build(spec: IsolatedEnvSpec, final: Path, links: Path, log_file: Path, prog
         if dropped:
             with open(log_file, "a") as out:
                 out.write(f"\n# pip installed its own {dropped}: their links are dropped\n")
-        for name, text in spec.site_files:
+        for name, text in (*spec.site_files, *(() if spec.compile_bytecode else (BYTECODE_PTH,))):
             (site_packages / name).write_text(text)
         for module in spec.check_imports:
             _run(spec, f"checking that {module} imports", [python, "-c", f"import {module}"], log_file, progress,
