@@ -101,7 +101,9 @@ class IsolatedEnvSpec:
         check_imports: modules imported once the install is done (default none); a failure there
             fails the creation, naming the module.
         upgrade_pip: upgrade pip in the new environment first (default True: the interpreter's
-            bundled pip may predate wheels the requirements need).
+            bundled pip may predate wheels the requirements need). Only where the main
+            interpreter has no pip of its own that installs elsewhere (`--python`, pip >= 22.3),
+            which is otherwise used and needs no upgrade in the new environment.
         site_files: `(file name, text)` pairs written into the environment's site-packages after
             the install (default none): e.g. a `.pth` start-up hook and the module it imports.
         shared: distributions of the main environment linked into this one instead of installed
@@ -314,6 +316,8 @@ def _build(spec: IsolatedEnvSpec, final: Path, links: Path, log_file: Path, prog
         os.rename(tmp, final)  # atomic: other processes see nothing or a complete environment
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if spec.shared:
+            shutil.rmtree(links, ignore_errors=True)  # the links only, never what they point to
         raise
     progress.log(f"[posttrain] isolated environment {spec.name!r} ready in {time.monotonic() - started:.0f} s")
 

@@ -189,3 +189,10 @@ def test_a_shared_distribution_is_linked_not_installed_and_never_uninstalled(tmp
     assert where(python) == "other None"
     assert (main_site / "hello_shared" / "__init__.py").read_text() == "WHERE = 'main'\n"  # untouched
     assert not list((tmp_path / "envs" / "shared" / env_dir(spec, Path("/")).name).iterdir())  # its links gone
+
+    # A failed build leaves neither the environment nor its links, and the main copy as it was.
+    with pytest.raises(IsolatedEnvError, match="pip could not install posttrain-no-such-package==1.0"):
+        build("hello-shared==1.0", "posttrain-no-such-package==1.0")
+    assert sorted(p.name for p in (tmp_path / "envs" / "shared").iterdir()) == sorted(
+        p.name for p in (tmp_path / "envs").iterdir() if p.is_dir() and p.name != "shared")
+    assert (main_site / "hello_shared" / "__init__.py").read_text() == "WHERE = 'main'\n"
