@@ -10,7 +10,7 @@ Ray must be the driver's exact version in every worker, so it is pinned from the
 
 Pins the main environment meets exactly (torch, ray, tokenizers, safetensors, pydantic, PyYAML,
 tqdm with the default pins) are linked from it rather than installed again
-(`posttrain/distributed/shared_packages.py`): about a third of what the build would unpack.
+(`posttrain/distributed/shared_packages.py`): about a quarter of what the build would unpack.
 """
 
 from __future__ import annotations
