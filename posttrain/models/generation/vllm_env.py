@@ -7,6 +7,10 @@ same `torch==2.13.0+cpu` wheel as the main environment). The GPU pins name the s
 built for CUDA (not run yet: docs/scaling.md, "GPU-only paths").
 
 Ray must be the driver's exact version in every worker, so it is pinned from the running ray.
+
+Pins the main environment meets exactly (torch, ray, tokenizers, safetensors, pydantic, PyYAML,
+tqdm with the default pins) are linked from it rather than installed again
+(`posttrain/distributed/shared_packages.py`): about a quarter of what the build would unpack.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from posttrain.distributed.isolated_env import IsolatedEnvSpec, ensure_isolated_env
+from posttrain.distributed.shared_packages import shared_from_main
 
 VLLM_VERSION = "0.32.0"
 
@@ -50,19 +55,24 @@ def vllm_env_spec(use_gpu: bool, requirements: Optional[Sequence[str]] = None) -
     Args:
         use_gpu: whether the generation workers get GPUs.
         requirements: replaces the tested pins (`policy.generation.vllm_cfg.requirements`); ray
-            is added at the driver's version unless listed.
+            is added at the driver's version unless listed. Those the main environment has at
+            exactly the pinned version are shared with it, the rest installed.
     """
     import ray
 
     pins = list(requirements) if requirements else list(GPU_REQUIREMENTS if use_gpu else CPU_REQUIREMENTS)
     if not any(_distribution(r) == "ray" for r in pins):
         pins.append(f"ray=={ray.__version__}")
+    uninstall = () if use_gpu else CPU_UNINSTALL
     return IsolatedEnvSpec(
         name="vllm-gpu" if use_gpu else "vllm-cpu",
         requirements=tuple(pins),
-        uninstall=() if use_gpu else CPU_UNINSTALL,
+        uninstall=uninstall,
+        shared=shared_from_main(pins, exclude=uninstall),
         site_files=() if use_gpu else CPU_SITE_FILES,
-        check_imports=("vllm", "ray"),
+        # `vllm.entrypoints.llm` holds the `LLM` the workers start: importing it in the build
+        # also compiles, once, the 4,700 modules it loads, which the workers would compile otherwise.
+        check_imports=("vllm", "vllm.entrypoints.llm", "ray"),
     )
 
 
