@@ -18,6 +18,7 @@ from posttrain.models.policy.forward import (
     next_token_logprobs,
     packed_microbatches,
 )
+from posttrain.cpu_precision import matmul_dtype
 from posttrain.models.policy.linear_logprobs import fused_logprobs_problem, linear_logprobs, tile_shape
 
 CPU = torch.device("cpu")
@@ -84,8 +85,13 @@ def test_kernel_under_bfloat16_autocast_matches_the_autocast_head():
     targets = torch.randint(0, 500, (12,), generator=g)
     upstream = torch.randn(12, generator=g)
 
-    def plain(hd, w, t, temp):  # the head as autocast runs it: bf16 matmul, float32 log-softmax
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+    # The head as posttrain's autocast runs it: a bf16 matmul where this CPU has bfloat16 matmul
+    # instructions, else float32 (`matmul_dtype`: PyTorch's bf16 GEMM is scalar code there), then a
+    # float32 log-softmax.
+    bf16_matmuls = matmul_dtype(torch.bfloat16, "cpu") == torch.bfloat16
+
+    def plain(hd, w, t, temp):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_matmuls):
             logits = torch.nn.functional.linear(hd, w)
         return torch.log_softmax(logits.float() / temp, -1).gather(-1, t[:, None]).squeeze(-1)
 
