@@ -185,7 +185,8 @@ def test_lora_adapts_gemma3_and_merges_exactly():
     plain.load_state_dict(merged)
     ids = torch.randint(7, 100, (2, 3 * WINDOW), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(plain(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=1e-5, rtol=0)
+        # Merged and unmerged sum in other orders: float32 rounding (1e-5 apart under AVX2 kernels).
+        torch.testing.assert_close(plain(input_ids=ids).logits, adapted(input_ids=ids).logits, atol=5e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"'lm_head' is tied to the other embedding"):
         apply_lora(tiny.make_tiny_model("tiny", "gemma3", 0)[0], LoraConfig(enabled=True, target_modules=["lm_head"]))
 
