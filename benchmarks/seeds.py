@@ -68,8 +68,6 @@ class Showcase:
 
     def argv(self, seed: int, workdir: Path, overrides: tuple[str, ...] = ()) -> list[str]:
         if self.command == "api":
-            if overrides:
-                sys.exit("[seeds] the api showcase takes no overrides")
             return [sys.executable, "-c", API_EXAMPLE, str(seed), str(workdir)]
         argv = [sys.executable, "-m", "posttrain", self.command]
         if self.config:
@@ -175,6 +173,8 @@ def main() -> None:
             print(f"{name:8s} {' '.join(showcase.argv(0, Path('RUN'))[1:])}  (in {showcase.cwd})")
         return
     showcase = SHOWCASES[args.showcase]
+    if showcase.command == "api" and args.overrides:  # before any run: its config is a dict in the script
+        sys.exit("[seeds] the api showcase takes no overrides")
     env = {key: value for key, value in os.environ.items() if key not in AVX2_KERNELS}
     if args.cpu == "avx2":
         env.update(AVX2_KERNELS)
