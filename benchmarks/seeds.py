@@ -175,6 +175,9 @@ def main() -> None:
     showcase = SHOWCASES[args.showcase]
     if showcase.command == "api" and args.overrides:  # before any run: its config is a dict in the script
         sys.exit("[seeds] the api showcase takes no overrides")
+    taken = [f"seed_{seed}" for seed in args.seeds if args.keep and (args.keep / f"seed_{seed}").exists()]
+    if taken:  # before any run, not after the first ones have spent their time
+        sys.exit(f"[seeds] --keep {args.keep} already holds {', '.join(taken)}: give another directory or remove them")
     env = {key: value for key, value in os.environ.items() if key not in AVX2_KERNELS}
     if args.cpu == "avx2":
         env.update(AVX2_KERNELS)

@@ -64,3 +64,16 @@ def test_every_showcase_command_takes_the_seed(seeds, name, tmp_path):
     section = {"grpo": "grpo", "ppo": "grpo", "dpo": "dpo", "rm": "rm", "distill": "distillation"}[showcase.command]
     assert getattr(cfg, section).seed == 7
     assert cfg.logger.log_dir == f"{tmp_path}/logs"
+
+
+def test_a_keep_directory_holding_a_seed_is_refused_before_any_run(tmp_path):
+    """The refusal names the directory and the seed, in one line, and nothing runs (no cache made)."""
+    import subprocess
+
+    (tmp_path / "seed_2").mkdir()
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "seeds.py"), "main", "--seeds", "1", "2",
+                          "--keep", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert out.stderr.strip() == (f"[seeds] --keep {tmp_path} already holds seed_2: give another directory or "
+                                  "remove them")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["seed_2"]
