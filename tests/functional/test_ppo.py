@@ -156,30 +156,35 @@ def test_async_ppo_trains_critic_and_policy_on_one_step_old_groups(ray_cluster, 
     assert all(g.weight_version <= 2 for g in saved["buffer"]["groups"])
 
 
+# The async test's shortened warm start, which the synchronous held-out test shares (one SFT run
+# for both: the export is cached by the warm start's config).
+ASYNC_TEST_WARM_START = ("sft_warmup.sft.max_num_steps=300", "sft_warmup.sft.val_period=0",
+                         "sft_warmup.sft.val_at_end=false", "sft_warmup.policy.train_micro_batch_size=64",
+                         "sft_warmup.logger.progress_bar=false")
+
+
 def test_async_ppo_learns_on_the_embedded_default(ray_cluster, tmp_path):
     """`posttrain ppo --config ppo_async_tiny.yaml` (the embedded default's task, model and critic,
     asynchronous): held-out greedy accuracy rises. The warm start is cut to 300 SFT steps (the
     default's 350 take longer; the accuracy is then about 45%, with room to rise) and the run to
-    30 steps, validated on 200 held-out problems before and after."""
+    50 steps, validated on the 500 held-out problems before and after (about +-2 points of noise)."""
     from posttrain.algorithms import ppo
 
     cfg = load_config("ppo", config_path=str(Path(__file__).resolve().parents[2] / "examples/configs/ppo_async_tiny.yaml"),
                       overrides=[
-                          "sft_warmup.sft.max_num_steps=300", "sft_warmup.sft.val_period=0",
-                          "sft_warmup.sft.val_at_end=false", "sft_warmup.policy.train_micro_batch_size=64",
-                          "sft_warmup.logger.progress_bar=false", "grpo.max_num_steps=30", "grpo.val_period=30",
-                          "grpo.max_val_samples=200", "grpo.val_batch_size=200", "checkpointing.enabled=false",
+                          *ASYNC_TEST_WARM_START, "grpo.max_num_steps=50", "grpo.val_period=50",
+                          "checkpointing.enabled=false",
                           "logger.progress_bar=false", "logger.report=false", "logger.tensorboard_enabled=false",
                           "logger.num_val_samples_to_print=0", f"logger.log_dir={tmp_path}/logs",
                       ])
     result = ppo.run(cfg)
     steps = read_metrics(tmp_path / "logs")
-    assert sorted(s for s in steps if s > 0) == list(range(1, 31))
-    assert max(steps[s]["async/trajectory_age_max"] for s in range(1, 31)) == 1  # it did overlap
-    before, after = steps[0]["validation/accuracy_greedy"], steps[30]["validation/accuracy_greedy"]
+    assert sorted(s for s in steps if s > 0) == list(range(1, 51))
+    assert max(steps[s]["async/trajectory_age_max"] for s in range(1, 51)) == 1  # it did overlap
+    before, after = steps[0]["validation/accuracy_greedy"], steps[50]["validation/accuracy_greedy"]
     assert (result["before"], result["after"]) == (before, after)
-    # Measured +10.0 points after 20 steps (44.5% -> 54.5%); 200 problems: a point is 2 answers.
-    assert after >= before + 0.04, (before, after)
+    # Measured under AVX2 kernels: 44.6% -> 58.0% (+13.4 points).
+    assert after >= before + 0.05, (before, after)
 
 
 def test_async_ppo_recovers_from_a_killed_critic_worker(ray_cluster, tmp_path, capfd):
@@ -207,15 +212,19 @@ def test_async_ppo_recovers_from_a_killed_critic_worker(ray_cluster, tmp_path, c
 
 
 def test_ppo_on_its_embedded_default_raises_held_out_accuracy(tmp_path):
-    """`posttrain ppo` as shipped (the SFT warm start, 10 critic warm-up steps, 16 prompts x 8
-    samples a step), cut to 20 steps: greedy accuracy on the 500 held-out problems rises. The warm
-    start skips its validations (a third of its time; they draw no randomness: the same weights).
-    Measured (2-core AVX-512 machine, float32): 53.0% -> 66.0% at step 20 (73.2% at step 60); about
-    +-2 points of noise on 500 problems."""
+    """`posttrain ppo` as shipped (10 critic warm-up steps, 16 prompts x 8 samples a step), cut to
+    40 steps: greedy accuracy on the 500 held-out problems rises by more than 5 points. The warm
+    start is the async test's (300 SFT steps without validations, shared through the cache). Not
+    the shipped 350 steps: a constant-lr warm start swings between checkpoints, and its end ranged
+    from 53% (AVX-512 kernels) to 62% (AVX2) while 20 PPO steps reached about 66% from either, so
+    the gain was +13 on one CPU kind and +3.8 on the other. From 300 steps (30-48% over seeds and
+    both kinds) 40 steps measured 43.6% -> 60.4% (AVX-512) and 44.6% -> 58.8% (AVX2). About +-2
+    points of noise on 500 problems."""
     from posttrain.algorithms import ppo
 
     result = ppo.run(load_config("ppo", overrides=[
-        "grpo.max_num_steps=20", "grpo.val_period=0", "sft_warmup.sft.val_period=0", "sft_warmup.sft.val_at_end=false",
+        *ASYNC_TEST_WARM_START,
+        "grpo.max_num_steps=40", "grpo.val_period=0",
         f"logger.log_dir={tmp_path}/logs",
         f"checkpointing.checkpoint_dir={tmp_path}/ckpt", "logger.progress_bar=false", "logger.report=false",
         "logger.tensorboard_enabled=false"]))
@@ -223,6 +232,6 @@ def test_ppo_on_its_embedded_default_raises_held_out_accuracy(tmp_path):
     validated = {step: row["validation/accuracy_greedy"] for step, row in metrics.items()
                  if "validation/accuracy_greedy" in row}
     print(f"PPO held-out accuracy {validated}")
-    assert sorted(validated) == [0, 20] and (result["before"], result["after"]) == (validated[0], validated[20])
+    assert sorted(validated) == [0, 40] and (result["before"], result["after"]) == (validated[0], validated[40])
     assert metrics[10]["train/critic_warmup"] == 1.0 and metrics[11]["train/critic_warmup"] == 0.0
-    assert validated[20] > validated[0] + 0.05, validated
+    assert validated[40] > validated[0] + 0.05, validated
