@@ -44,6 +44,8 @@ LOADER_STATE_FILE = "dataloader.json"
 # warns that the run has no learning signal.
 SIGNAL_METRIC = "train/groups_with_reward_variance"
 NO_SIGNAL_STEPS = 10
+# The step at which a run reached its `stop_at_validation` targets, in the loop's saved `state`.
+TARGET_REACHED_STATE = "stopped_at_validation_target"
 
 StepFn = Callable[[int, Timer], dict[str, float]]
 ValidateFn = Callable[[], dict[str, float]]
@@ -199,11 +201,16 @@ class TrainingLoop:
             self._start_loader_state = copy.deepcopy(self.loader.state_dict())
 
     def done_message(self) -> Optional[str]:
-        """What to say when a resumed run is already at or past its last step (else None)."""
+        """What to say when a resumed run is already at or past its last step, or stopped at its
+        validation target (else None)."""
         from posttrain.utils.run_dirs import already_done_message
 
         if not self.step:
             return None
+        if TARGET_REACHED_STATE in self.state:
+            return (f"[posttrain] the checkpoint is at step {self.step}, where the run reached "
+                    f"{self.section}.stop_at_validation: this run is complete, nothing to train; set another "
+                    f"logger.log_dir and checkpointing.checkpoint_dir to train a new run")
         return already_done_message(self.step, self.last_step, f"{self.section}.max_num_steps")
 
     # ------------------------------------------------------------------------------ the loop
@@ -253,20 +260,28 @@ class TrainingLoop:
                 metrics["memory/controller_peak_rss_gib"] = peak_rss_bytes() / 2**30
                 metrics.update(self._startup_metrics(metrics["timing/train/total_step_time"], bar))
                 self._watch_learning_signal(metrics, bar)
+                reached = None
                 if (s.val_period > 0 and step % s.val_period == 0) or (s.val_at_end and step == self.last_step):
                     validation = self._validate_recovering(validate_fn, recovery)
                     if validation is None:
                         continue  # the policy was rebuilt: the run went back to its last checkpoint
                     metrics.update(validation)
+                    reached = self._reached_targets(validation)
+                    if reached:  # saved with the checkpoint: a rerun then knows the run is complete
+                        self.state[TARGET_REACHED_STATE] = step
                 records = {}
                 if recovery is not None:
                     metrics.update(recovery.metrics())
                     records = recovery.records()
                 self.logger.log_metrics(metrics, step, records=records)
-                saving = self.checkpointer.should_save(step, is_last_step=step == self.last_step)
+                saving = self.checkpointer.should_save(step, is_last_step=step == self.last_step or bool(reached))
                 if saving and not self._save_recovering(recovery):
                     continue
                 bar.update(metrics)
+                if reached:
+                    bar.write(f"[posttrain] {self.name} reached {self.section}.stop_at_validation at step {step} "
+                              f"({reached}): stopping")
+                    break
                 if _STEP_CALLBACKS and _call_step_callbacks(self.section, step, metrics):
                     if self.cfg.checkpointing.enabled and not saving:
                         self.save()  # where a rerun resumes
@@ -379,6 +394,22 @@ class TrainingLoop:
                 f"prompt's samples got the same reward{rewards}, so every advantage is 0 and the policy does not "
                 f"change; check that the environment can reward this model's answers (answer format, "
                 f"max_new_tokens), warm-start it (sft_warmup) or raise grpo.num_generations_per_prompt")
+
+    def _reached_targets(self, validation: dict[str, float]) -> Optional[str]:
+        """`stop_at_validation`'s targets, all at or above their values in `validation`, in words;
+        None when one is not (or there are none). A target the validation does not report is a
+        mistake in its name: refused in one line, naming the metrics it does report."""
+        targets = getattr(self.schedule, "stop_at_validation", None) or {}
+        if not targets or not validation:  # none set, or no validation data
+            return None
+        missing = sorted(name for name in targets if name not in validation)
+        if missing:
+            reported = ", ".join(sorted(k for k in validation if k.startswith("validation/")))
+            raise UserError(f"{self.section}.stop_at_validation names {', '.join(missing)}, which this run's "
+                            f"validation does not report; it reports: {reported}")
+        if all(validation[name] >= value for name, value in targets.items()):
+            return ", ".join(f"{name} {validation[name]:.4g} >= {value:g}" for name, value in targets.items())
+        return None
 
     def validate(self, validate_fn: ValidateFn) -> dict[str, float]:
         """Run `validate_fn` at the current step, time it and record it in the history."""

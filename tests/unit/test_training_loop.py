@@ -314,3 +314,54 @@ def test_step_callbacks_see_each_step_and_can_stop_the_run(tmp_path, capsys):
     assert resumed.resume() and resumed.step == 3
     resumed.run(step_fn, lambda: {})
     assert resumed.step == 5  # without the callback the run goes on to sft.max_num_steps
+
+
+def test_stop_at_validation_ends_the_run_at_the_first_validation_at_its_targets(tmp_path, capsys):
+    """Validations at steps 2, 4, 6...: accuracy 0.3, 0.6 (at the target, loss not yet), 0.7 with
+    the loss at its target: the run stops at step 6 of 10, checkpointed there though save_period
+    is 4, and a rerun of the same command trains nothing."""
+    targets = "sft.stop_at_validation={validation/accuracy: 0.6, validation/score: 0.5}"
+    cfg = cfg_for(tmp_path, "sft.max_num_steps=10", "sft.val_at_start=false", "checkpointing.save_period=4",
+                  targets)
+    accuracy = {2: 0.3, 4: 0.6, 6: 0.7, 8: 0.9}
+    score = {2: 0.1, 4: 0.4, 6: 0.5, 8: 0.9}
+    trained = []
+
+    def validate():
+        return {"validation/accuracy": accuracy[loop.step], "validation/score": score[loop.step]}
+
+    loop = make_loop(cfg, FakePolicy(), FakeLoader())
+    loop.run(lambda step, timer: trained.append(step) or {}, validate)
+    loop.close()
+    assert trained == [1, 2, 3, 4, 5, 6] and loop.step == 6
+    assert ("SFT reached sft.stop_at_validation at step 6 (validation/accuracy 0.7 >= 0.6, validation/score 0.5 "
+            ">= 0.5): stopping") in capsys.readouterr().out
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_4", "step_6"]
+    assert sorted(read_metrics_jsonl(tmp_path / "logs" / "metrics.jsonl")) == [1, 2, 3, 4, 5, 6]
+    rerun = make_loop(cfg, FakePolicy(), FakeLoader())
+    assert rerun.resume() and rerun.step == 6
+    assert rerun.done_message().startswith("[posttrain] the checkpoint is at step 6, where the run reached "
+                                           "sft.stop_at_validation: this run is complete")
+
+
+def test_stop_at_validation_naming_a_metric_the_validation_lacks_is_refused_in_one_line(tmp_path):
+    from posttrain.errors import UserError
+
+    cfg = cfg_for(tmp_path, "sft.val_at_start=false", "sft.stop_at_validation={validation/accuracy_greedy: 0.5}")
+    loop = make_loop(cfg, FakePolicy(), FakeLoader())
+    with pytest.raises(UserError) as refused:
+        loop.run(lambda step, timer: {}, lambda: {"validation/accuracy": 0.9, "validation/loss": 0.1})
+    assert str(refused.value) == ("sft.stop_at_validation names validation/accuracy_greedy, which this run's "
+                                  "validation does not report; it reports: validation/accuracy, validation/loss")
+    assert loop.step == 2  # the first validation
+
+
+@pytest.mark.parametrize("override, problem", [
+    ("sft.stop_at_validation={accuracy: 0.5}", "stop_at_validation names 'accuracy', not a validation metric"),
+    ("sft.val_period=0", "stop_at_validation is checked at each validation, and val_period=0 validates only"),
+])
+def test_stop_at_validation_config_mistakes(tmp_path, override, problem):
+    from posttrain.errors import UserError
+
+    with pytest.raises(UserError, match=problem):
+        cfg_for(tmp_path, "sft.stop_at_validation={validation/accuracy: 0.5}", override)

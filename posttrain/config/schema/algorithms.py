@@ -9,6 +9,33 @@ from pydantic import Field, model_validator
 from posttrain.config.schema.base import Section, check_component_name
 
 
+class ValidatedLoopConfig(Section):
+    """What every loop that validates shares: stopping once its validation reaches a target."""
+
+    stop_at_validation: dict[str, float] = Field(
+        default_factory=dict,
+        description=(
+            "Stop after the first validation at which every named metric is at or above its value, e.g. "
+            "{validation/accuracy_greedy: 0.5}: the run is then complete (checkpointed when checkpointing is on; a "
+            "rerun trains no further). Checked at each validation (val_period); max_num_steps stays the limit. "
+            "Default {}: run to max_num_steps. Early stopping on a target rather than a fixed length gives a warm "
+            "start of the same skill whatever the seed or CPU kind: at a fixed length a constant-lr run ends "
+            "wherever its last steps happened to swing."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_stop_at_validation(self):
+        for name in self.stop_at_validation:
+            if not name.startswith("validation/"):
+                raise ValueError(f"stop_at_validation names {name!r}, not a validation metric: the names are those "
+                                 f"of metrics.jsonl, e.g. validation/accuracy_greedy")
+        if self.stop_at_validation and self.val_period == 0:
+            raise ValueError("stop_at_validation is checked at each validation, and val_period=0 validates only at "
+                             "the start and the end: set val_period")
+        return self
+
+
 class AdvantageEstimatorConfig(Section):
     """Which advantage estimator GRPO uses (NeMo-RL's `adv_estimator` section)."""
 
@@ -123,7 +150,7 @@ class PartialRolloutsConfig(Section):
     )
 
 
-class GRPOConfig(Section):
+class GRPOConfig(ValidatedLoopConfig):
     """The GRPO loop: group sizes, run length, validation schedule, advantage estimation, DAPO filters."""
 
     num_prompts_per_step: int = Field(
@@ -226,7 +253,7 @@ class RewardShapingConfig(Section):
     length_penalty: LengthPenaltyConfig = LengthPenaltyConfig()
 
 
-class OfflineLoopConfig(Section):
+class OfflineLoopConfig(ValidatedLoopConfig):
     """What `algorithms.loop.train_offline` reads: run length, validation schedule, seed."""
 
     max_num_steps: int = Field(
@@ -298,7 +325,7 @@ class EvalConfig(Section):
     seed: int = Field(42, description="Seed of sampling (with num_generations_per_prompt > 1).")
 
 
-class DistillationConfig(Section):
+class DistillationConfig(ValidatedLoopConfig):
     """The on-policy distillation loop (`posttrain distill`; NeMo-RL's `distillation` section)."""
 
     num_prompts_per_step: int = Field(16, ge=1, description="Prompts the student answers per step.")
