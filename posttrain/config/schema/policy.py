@@ -168,7 +168,7 @@ class SpeculativeConfig(Section):
             "2023: the tokens that followed the latest earlier occurrence of the context's last n tokens), "
             "'draft_model' (greedy drafts of speculative.draft_model, which must share the policy's tokenizer) or "
             "'early_exit' (greedy drafts of the policy's first speculative.draft_layers layers through its final "
-            "norm and output head; llama-like models)."
+            "norm and output head; llama-like models and Gemma 3)."
         ),
     )
     num_draft_tokens: int = Field(4, ge=1, le=64, description="Tokens drafted per policy forward at most (default 4).")

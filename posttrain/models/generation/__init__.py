@@ -3,6 +3,7 @@
 - `sampling`: `process_logits` (temperature / top-k / top-p) and counter-based seeded `sample`.
 - `decoders`: the engine's decode steps: the model's own forward (any HF causal LM) or
   `LlamaLikeDecoder` (llama-like models, preallocated KV cache).
+- `gemma3_decoder`: `Gemma3Decoder` (Gemma 3's layers in that fast path) and `fast_decoder`, a model's fast decoder.
 - `engine`: `NativeGenerationEngine` (KV-cache batched decoding of any HF causal LM).
 - `worker`: `GenerationWorker`, a Ray actor holding a model and an engine.
 - `interface`: the contract of a backend, `GenerationInterface` (abstract) and `RefitVerificationError`.
