@@ -18,6 +18,8 @@ from posttrain.models.generation.engine import NativeGenerationEngine
 from posttrain.models.generation.gemma3_decoder import Gemma3Decoder, fast_decoder
 from posttrain.models.generation.speculative import make_drafter
 
+from decoder_checks import check_extend_then_rewind
+
 PAD, EOS = 0, 3
 WINDOW = 4
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"]
@@ -159,14 +161,7 @@ def test_extend_and_rewind_equal_one_forward_over_each_whole_sequence(model):
         reference = model(input_ids=whole, attention_mask=valid).logits  # [4, S + 8, V]
         at = lengths.unsqueeze(1) + torch.arange(8)  # the fed tokens' columns in `whole`
         expected = reference.gather(1, at.unsqueeze(2).expand(-1, -1, reference.shape[2]))
-        got = decoder.extend(fed[:, :4], start.unsqueeze(1) + torch.arange(4))
-        torch.testing.assert_close(got, expected[:, :4], atol=1e-5, rtol=0)
-        kept = torch.tensor([1, 4, 2, 3])
-        decoder.rewind(4 - kept)
-        columns = kept.unsqueeze(1) + torch.arange(4)
-        got = decoder.extend(fed.gather(1, columns), start.unsqueeze(1) + columns)
-        torch.testing.assert_close(got, expected.gather(1, columns.unsqueeze(2).expand(-1, -1, got.shape[2])),
-                                   atol=1e-5, rtol=0)
+        check_extend_then_rewind(decoder, fed, start, expected)
     assert int(decoder.fill.max()) > 3 * WINDOW
 
 

@@ -19,6 +19,7 @@ from posttrain.models.generation.engine import NativeGenerationEngine
 from posttrain.models.generation.speculative import SPECULATIVE_COUNTS, NgramDrafter, make_drafter
 from posttrain.models.generation.worker import build_drafter, check_same_tokenizer
 from posttrain.rollouts import add_speculative_counts, speculative_metrics
+from decoder_checks import check_extend_then_rewind
 from test_generation_engine import EOS, PAD, VOCAB, ListTokenizer, chain_model, right_padded
 
 ARCHS = ["llama", "qwen2", "qwen3_moe", "mixtral"]
@@ -77,15 +78,7 @@ def test_extend_and_rewind_match_one_token_steps(arch, decoder_class):
         if decoder_class is LlamaLikeDecoder:  # unwritten cache columns are zeros: masked, they add nothing (0 x NaN)
             assert all(not buffer[:, :, ids.shape[1]:].any() for buffer in ours.keys + ours.values)
         expected = torch.stack([reference.step(fed[:, t], start + t) for t in range(8)], dim=1)  # [4, 8, V]
-        # Round 1: 4 tokens per row, rows keep 1, 4, 2, 3 of them; round 2 feeds each row's next 4 tokens.
-        got = ours.extend(fed[:, :4], start.unsqueeze(1) + torch.arange(4))
-        torch.testing.assert_close(got, expected[:, :4], atol=1e-5, rtol=0)
-        kept = torch.tensor([1, 4, 2, 3])
-        ours.rewind(4 - kept)
-        columns = kept.unsqueeze(1) + torch.arange(4)
-        got = ours.extend(fed.gather(1, columns), start.unsqueeze(1) + columns)
-        torch.testing.assert_close(got, expected.gather(1, columns.unsqueeze(2).expand(-1, -1, got.shape[2])),
-                                   atol=1e-5, rtol=0)
+        check_extend_then_rewind(ours, fed, start, expected)
 
 
 def test_extend_checks_and_self_check_cover_it(policy):
