@@ -17,3 +17,23 @@ def check_extend_then_rewind(decoder, fed: torch.Tensor, start: torch.Tensor, ex
     got = decoder.extend(fed.gather(1, columns), start.unsqueeze(1) + columns)
     torch.testing.assert_close(got, expected.gather(1, columns.unsqueeze(2).expand(-1, -1, got.shape[2])),
                                atol=1e-5, rtol=0)
+
+
+def steps_beside_the_forward(engine, ours, theirs, ids: torch.Tensor, lengths: torch.Tensor,
+                             tokens: torch.Tensor, drop_rows_at: int) -> list[tuple]:
+    """Decoder `ours` and the model-forward decoder `theirs`, both prefilled by `engine` with the
+    prompts `ids` (right-padded, `lengths`), fed `tokens [steps, 4]` one step at a time; rows 1 and
+    3 are dropped before step `drop_rows_at`: `[(ours, our logits, their logits)]` per step."""
+    steps = []
+    with torch.inference_mode():
+        _, positions = engine._prefill(ids, lengths, ours, capacity=ids.shape[1] + tokens.shape[0])
+        engine._prefill(ids, lengths, theirs, capacity=0)
+        for step in range(tokens.shape[0]):
+            if step == drop_rows_at:
+                keep = torch.tensor([0, 2])
+                ours.keep_rows(keep)
+                theirs.keep_rows(keep)
+                positions, tokens = positions[keep], tokens[:, keep]
+            steps.append((ours, ours.step(tokens[step], positions), theirs.step(tokens[step], positions)))
+            positions = positions + 1
+    return steps

@@ -18,7 +18,7 @@ from posttrain.models.generation.engine import NativeGenerationEngine
 from posttrain.models.generation.gemma3_decoder import Gemma3Decoder, fast_decoder
 from posttrain.models.generation.speculative import make_drafter
 
-from decoder_checks import check_extend_then_rewind
+from decoder_checks import check_extend_then_rewind, steps_beside_the_forward
 
 PAD, EOS = 0, 3
 WINDOW = 4
@@ -100,19 +100,7 @@ def steps_against_the_forward(model, steps: int):
     engine = engine_for(model, share_prompts=False)
     ours, theirs = Gemma3Decoder(model), ModelForwardDecoder(model, supports_logits_to_keep=True)
     tokens = torch.randint(7, 100, (steps, 4), generator=torch.Generator().manual_seed(5))
-    out = []
-    with torch.inference_mode():
-        _, positions = engine._prefill(ids, lengths, ours, capacity=ids.shape[1] + steps)
-        engine._prefill(ids, lengths, theirs, capacity=0)
-        for step in range(steps):
-            if step == 3:
-                keep = torch.tensor([0, 2])
-                ours.keep_rows(keep)
-                theirs.keep_rows(keep)
-                positions, tokens = positions[keep], tokens[:, keep]
-            out.append((ours, ours.step(tokens[step], positions), theirs.step(tokens[step], positions)))
-            positions = positions + 1
-    return out
+    return steps_beside_the_forward(engine, ours, theirs, ids, lengths, tokens, drop_rows_at=3)
 
 
 @pytest.mark.parametrize("softcap", [None, 2.0], ids=["no-softcap", "final-softcap"])

@@ -16,6 +16,8 @@ from posttrain.models.generation.decoders import LlamaLikeDecoder, ModelForwardD
 from posttrain.models.generation.engine import UNOPTIMISED, NativeGenerationEngine, distinct_prompts
 from posttrain.models.generation.sampling import SamplingBuffers, process_logits, sample
 
+from decoder_checks import steps_beside_the_forward
+
 PAD, EOS = 0, 1
 ARCHS = ["llama", "qwen2", "qwen3_moe", "mixtral"]
 
@@ -107,20 +109,8 @@ def decoder_and_forward_steps(model) -> list[tuple[LlamaLikeDecoder, torch.Tenso
     ids, lengths = right_padded([torch.randint(2, 100, (n,), generator=g).tolist() for n in (5, 2, 7, 3)])
     engine = engine_for(model, share_prompts=False)
     ours, theirs = LlamaLikeDecoder(model), ModelForwardDecoder(model, supports_logits_to_keep=True)
-    steps = []
-    with torch.inference_mode():
-        _, positions = engine._prefill(ids, lengths, ours, capacity=ids.shape[1] + 6)
-        engine._prefill(ids, lengths, theirs, capacity=0)
-        tokens = torch.randint(2, 100, (6, 4), generator=g)
-        for step in range(6):
-            if step == 2:  # rows 1 and 3 finish
-                keep = torch.tensor([0, 2])
-                ours.keep_rows(keep)
-                theirs.keep_rows(keep)
-                positions, tokens = positions[keep], tokens[:, keep]
-            steps.append((ours, ours.step(tokens[step], positions), theirs.step(tokens[step], positions)))
-            positions = positions + 1
-    return steps
+    tokens = torch.randint(2, 100, (6, 4), generator=g)
+    return steps_beside_the_forward(engine, ours, theirs, ids, lengths, tokens, drop_rows_at=2)  # rows 1, 3 finish
 
 
 def test_llama_like_decoder_steps_match_the_model_forward_across_dropped_rows(arch_model):
