@@ -94,7 +94,8 @@ class TrainingLoop:
     Args:
         cfg: the master config (`logger` and `checkpointing` are read).
         schedule: the algorithm's section (`grpo`, `sft`, ...): `max_num_steps`, `max_num_epochs`
-            (the run stops at whichever comes first), `val_period`, `val_at_start`, `val_at_end`.
+            (the run stops at whichever comes first), `val_period`, `val_at_start`, `val_at_end`,
+            `stop_at_validation`.
         name: how the run is called in its progress bar and summary ("GRPO", "SFT", ...).
         section: the section's key, named by messages (`<section>.max_num_steps`).
         policy: the `Policy` being trained (checkpointed with the loader position).
@@ -399,7 +400,7 @@ class TrainingLoop:
         """`stop_at_validation`'s targets, all at or above their values in `validation`, in words;
         None when one is not (or there are none). A target the validation does not report is a
         mistake in its name: refused in one line, naming the metrics it does report."""
-        targets = getattr(self.schedule, "stop_at_validation", None) or {}
+        targets = self.schedule.stop_at_validation
         if not targets or not validation:  # none set, or no validation data
             return None
         missing = sorted(name for name in targets if name not in validation)
