@@ -2,19 +2,32 @@
 weighted sum of the rewards (`grpo.adv_estimator.name=grpo`) and from GDPO (each component normalised
 within its group first, `gdpo`), side by side.
 
-The task is the Python API's README example (the tiny model from scratch on 2-digit additions),
-scored by two reward functions on the completion's leading number: `first_digit` (its first digit is
-right) and `last_digit` (its last digit is right), weights 1 and 1; a third, `exact` (the whole
-number is right) has weight 0: it moves nothing and is only reported. Prints, over the seeds, each
+Two tasks (`--task`):
+
+- `rare` (default): a rare correctness reward beside a judge that is right only by chance. The
+  embedded default's task (2-digit additions) from a short SFT warm start (`--warm-steps`, default
+  250, so few answers are right yet), scored by `correct` (the answer's last number is the sum) and
+  `judge` (1 or 0 from a hash of the prompt and completion: an unreliable judge or reward model that
+  scores text regardless of its correctness), weights 1 and 1. Summed, the judge's coin flips make up
+  most of each group's reward variance and dilute the rare correct answers' advantage; GDPO scales
+  each component to unit variance within the group first. The variant `grpo-correct-only` (judge
+  weight 0) is the reference without the noise.
+- `digits`: the Python API's README example (the tiny model from scratch), scored by `first_digit`
+  and `last_digit` of the completion's leading number (weights 1 and 1) and `exact` (weight 0,
+  reported only). Here the two advantages stay close (docs/algorithms.md, GDPO).
+
+Prints, over the seeds (`seed=S`: sampling, prompt order and the warm start's data order), each
 component's greedy validation mean before and after training per variant, and each variant minus sum
 (`grpo`) paired by seed, as mean +- sd [min, max] (n stated), with the CPU and the kernels it ran.
 
-    ./run.sh python benchmarks/gdpo_vs_sum.py --steps 30 --seeds 1 2 3 4 5 --variants grpo gdpo gdpo-no-batch-norm
+    ./run.sh python benchmarks/gdpo_vs_sum.py --task rare --steps 60 --seeds 1 2 3 4 5
+    ./run.sh python benchmarks/gdpo_vs_sum.py --task digits --steps 30 --seeds 1 2 3 4 5 --variants grpo gdpo gdpo-no-batch-norm
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import statistics
@@ -43,23 +56,50 @@ def exact(prompts, completions, answer, **columns):
     return [float(leading_number(c) == a) for c, a in zip(completions, answer)]
 
 
-# The advantage options each compared variant sets.
+def last_number(completion: str) -> str:
+    found = re.findall(r"-?\d+", completion)
+    return found[-1] if found else ""
+
+
+def correct(prompts, completions, answer, **columns):
+    """The math environment's `last_number` check: the completion's last number is the answer."""
+    return [float(last_number(c) == a) for c, a in zip(completions, answer)]
+
+
+def judge(prompts, completions, **columns):
+    """A judge right only by chance: the same text always gets the same score, unrelated to it."""
+    return [float(hashlib.sha256(f"{p}\x00{c}".encode()).digest()[0] & 1) for p, c in zip(prompts, completions)]
+
+
+# The advantage options each compared variant sets, and the weight of every reward component but
+# the first (default 1 each).
 VARIANTS = {
-    "grpo": {"grpo.adv_estimator.name": "grpo"},
-    "gdpo": {"grpo.adv_estimator.name": "gdpo"},
-    "gdpo-no-batch-norm": {"grpo.adv_estimator.name": "gdpo", "grpo.adv_estimator.batch_normalize": False},
+    "grpo": ({"grpo.adv_estimator.name": "grpo"}, None),
+    "gdpo": ({"grpo.adv_estimator.name": "gdpo"}, None),
+    "gdpo-no-batch-norm": ({"grpo.adv_estimator.name": "gdpo", "grpo.adv_estimator.batch_normalize": False}, None),
+    "grpo-correct-only": ({"grpo.adv_estimator.name": "grpo"}, 0.0),
 }
 
 
-def run(variant: str, steps: int, seed: int, log_root: str) -> dict[str, float]:
+def trainer_for(task: str, variant: str, steps: int, seed: int, warm_steps: int, log_dir: str) -> GRPO:
+    options, other_weight = VARIANTS[variant]
+    common = {"grpo.max_num_steps": steps, "grpo.val_period": steps, "seed": seed, **options,
+              "logger.log_dir": log_dir, "checkpointing.enabled": False,
+              "logger.tensorboard_enabled": False, "logger.progress_bar": False}
+    if task == "rare":
+        weight = 1.0 if other_weight is None else other_weight
+        # The embedded default's data and warm start, only shorter: its 600 steps leave few wrong answers.
+        return GRPO(reward_funcs=[correct, judge], reward_weights=[1.0, weight],
+                    config={"sft_warmup.sft.max_num_steps": warm_steps, **common})
+    weight = 1.0 if other_weight is None else other_weight
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 100) for b in (13, 47, 81)]
-    name = f"{variant}_{seed}"
-    trainer = GRPO(model="tiny", reward_funcs=[first_digit, last_digit, exact], reward_weights=[1.0, 1.0, 0.0],
-                   train_dataset=rows[::2], eval_dataset=rows[1::2],
-                   config={"sft_warmup": None, "grpo.max_num_steps": steps, "grpo.val_period": steps,
-                           "grpo.seed": seed, "policy.optimizer.lr": 1e-3, **VARIANTS[variant],
-                           "logger.log_dir": f"{log_root}/{name}", "checkpointing.enabled": False,
-                           "logger.tensorboard_enabled": False, "logger.progress_bar": False})
+    return GRPO(model="tiny", reward_funcs=[first_digit, last_digit, exact], reward_weights=[1.0, weight, 0.0],
+                train_dataset=rows[::2], eval_dataset=rows[1::2],
+                config={"sft_warmup": None, "policy.optimizer.lr": 1e-3, **common})
+
+
+def run(task: str, variant: str, steps: int, seed: int, warm_steps: int, log_root: str) -> dict[str, float]:
+    trainer = trainer_for(task, variant, steps, seed, warm_steps, f"{log_root}/{task}_{variant}_{seed}")
     result = trainer.train()
     first, last = result.history[0], result.history[steps]
     keys = [k for k in last if k.startswith("validation/reward_components/")]
@@ -95,7 +135,9 @@ def cpu_name() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--task", default="rare", choices=["rare", "digits"])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warm-steps", type=int, default=250, help="the `rare` task's SFT warm start")
     parser.add_argument("--seeds", type=int, nargs="+", default=[42])
     parser.add_argument("--variants", nargs="+", default=["grpo", "gdpo"], choices=list(VARIANTS))
     args = parser.parse_args()
@@ -104,10 +146,10 @@ def main() -> None:
         for seed in args.seeds:
             for variant in results:  # interleaved, so a busy machine slows all alike
                 t0 = time.perf_counter()
-                results[variant].append(run(variant, args.steps, seed, log_root))
+                results[variant].append(run(args.task, variant, args.steps, seed, args.warm_steps, log_root))
                 print(f"[gdpo_vs_sum] {variant} seed {seed}: {time.perf_counter() - t0:.0f} s "
                       f"{results[variant][-1]}", flush=True)
-    print(f"\n{args.steps} steps, seeds {args.seeds} (n = {len(args.seeds)}); {cpu_name()}, "
+    print(f"\n{args.task}: {args.steps} steps, seeds {args.seeds} (n = {len(args.seeds)}); {cpu_name()}, "
           f"torch CPU kernels {torch.backends.cpu.get_cpu_capability()}, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print("greedy validation mean of each reward component, mean +- sd [min, max] over seeds")
