@@ -183,7 +183,9 @@ def _sequence_parallel_plan(model: torch.nn.Module, prefix: str) -> dict[str, Pa
                                              use_local_output=True),
     }
     for name in norms:
-        plan[f"{prefix}.layers.*.{name}"] = SequenceParallel()
+        # A local output: Gemma 3's post-attention and post-feed-forward norms feed the residual
+        # sum (a local tensor) directly; a block's GatherSequence takes a local slice as it is.
+        plan[f"{prefix}.layers.*.{name}"] = SequenceParallel(use_local_output=True)
     return plan
 
 
