@@ -75,8 +75,8 @@ def test_ring_blocks_cover_each_causal_pair_of_a_sequence_once(cp_size, boundari
                                                          (3, (0, 1, 9, 10, 24), 4), (3, None, 30)])
 def test_window_blocks_cover_each_pair_in_the_window_once(monkeypatch, cp_size, boundaries, window):
     """`_window_blocks` (tiles of `window` queries here) meets each (query, key) pair of one sequence
-    with query - window < key <= query exactly once (a dense block's pairs all, a masked one's the
-    visible ones), and no other pair."""
+    with query - window < key <= query exactly once (a dense block's pairs all, a causal one's
+    those on and below its diagonal, a masked one's the visible ones), and no other pair."""
     monkeypatch.setattr(cpmod, "WINDOW_TILE_MIN", 1)
     width = 16 if cp_size == 2 else 24
     positions = torch.stack([cpmod.load_balanced_positions(width, cp_size, r) for r in range(cp_size)])
@@ -91,13 +91,15 @@ def test_window_blocks_cover_each_pair_in_the_window_once(monkeypatch, cp_size, 
         group = SimpleNamespace(rank=rank, size=cp_size, boundaries=boundaries, positions=positions)
         for source in range(cp_size):
             for rows, keys, causal, visible in cpmod._window_blocks(group, source, width // cp_size, window):
-                assert not causal
                 q, k = positions[rank][rows], positions[source][keys]
                 block = torch.ones(len(q), len(k), dtype=torch.long) if visible is None else visible.long()
+                if causal:
+                    assert visible is None and torch.equal(q, k)
+                    block = block.tril()
                 masked += visible is not None
                 seen[q[:, None], k[None, :]] += block
     assert torch.equal(seen, expected.long())
-    assert masked > 0
+    assert masked > 0 or window >= width  # a window longer than the rows: the blocks without one
 
 
 @pytest.mark.parametrize("window", [2, 5, 40])

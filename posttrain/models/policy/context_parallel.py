@@ -199,25 +199,36 @@ def _window_blocks(cp: ContextParallelGroup, source: int, local_len: int,
                    window: Optional[int]) -> list[tuple[slice, slice, bool, Optional[torch.Tensor]]]:
     """`_ring_blocks` as `(query rows, key rows, causal, visible)`, for a sliding-window layer
     (`window`: a query at position p sees keys at p - window < k <= p, transformers' rule) cut to
-    the window: each block's queries go in tiles (within one load-balanced chunk, so a tile's
+    the window. A block wholly inside the window is kept as it is (short rows: the blocks without a
+    window). Otherwise its queries go in tiles (within one load-balanced chunk, so a tile's
     positions are contiguous) against the keys of their windows only (a contiguous run of local
-    key rows, since positions ascend); a tile whose every pair is visible stays a dense block of
-    the fused kernel (`visible` None), one at the window's edge gets its `[rows, keys]` mask, a
-    tile that sees none of the source's keys is dropped. `window` None: the blocks unchanged."""
+    key rows, since positions ascend): a tile whose every pair is visible is a dense block of the
+    fused kernel (`visible` None), a causal block's diagonal tile of at most `window` queries its
+    causal block in the fused kernel, the rest at the window's edge a block with its `[rows, keys]`
+    mask; a tile that sees none of the source's keys is dropped. `window` None: the blocks unchanged."""
     blocks = _ring_blocks(cp, source, local_len)
     if window is None:
         return [(rows, keys, causal, None) for rows, keys, causal in blocks]
     q_all, k_all = cp.positions[cp.rank], cp.positions[source]
     tile, half = max(window, WINDOW_TILE_MIN), local_len // 2
     out = []
-    for rows, keys, _ in blocks:
+    for rows, keys, causal in blocks:
         k_pos = k_all[keys]
+        if int(q_all[rows].max()) - int(k_pos.min()) < window:
+            out.append((rows, keys, causal, None))
+            continue
         for lo_row, hi_row in ((rows.start, min(rows.stop, half)), (max(rows.start, half), rows.stop)):
             for start in range(lo_row, hi_row, tile):
                 tile_rows = slice(start, min(start + tile, hi_row))
                 q_pos = q_all[tile_rows]
                 first = int(torch.searchsorted(k_pos, q_pos[0] - window + 1))
                 last = int(torch.searchsorted(k_pos, q_pos[-1], right=True))
+                if causal and len(q_pos) <= window:
+                    # A causal block's queries and keys are the same positions: the tile's own keys
+                    # are its causal diagonal block, all inside the window; the earlier ones a band.
+                    own = int(torch.searchsorted(k_pos, q_pos[0]))
+                    out.append((tile_rows, slice(keys.start + own, keys.start + last), True, None))
+                    last = own
                 if first >= last:
                     continue
                 distance = q_pos[:, None] - k_pos[first:last][None, :]
