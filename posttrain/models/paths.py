@@ -69,13 +69,20 @@ def model_split_sizes(name: str) -> Optional[dict[str, Optional[int]]]:
 
 
 def model_config_dict(name: str) -> Optional[dict]:
-    """The `config.json` of a local directory or checkpoint, or a hub id's cached one (None when
+    """The `config.json` of a local directory or checkpoint, a pretrained preset's converted copy
+    in the cache (`gemma3-270m`; preflight converts it first), or a hub id's cached one (None when
     there is none to read)."""
     import json
 
+    from posttrain.models.presets import PRETRAINED_PRESETS
+
     path = Path(name).expanduser()
     candidates: list[Path] = []
-    if path.is_dir():
+    if name in PRETRAINED_PRESETS:  # as `hf.resolve_model_path` takes it: the preset before a directory
+        from posttrain.utils.cache import cache_dir
+
+        candidates.append(cache_dir() / "models" / name / "config.json")
+    elif path.is_dir():
         candidates.append(path / "config.json")
         checkpoint = checkpoint_policy_dir(path)
         if checkpoint is not None:

@@ -55,3 +55,11 @@ def test_cp2_with_packed_rows_and_checkpointed_activations_equals_one_worker(clu
     packing = dict(enabled=True, train_mb_tokens=20, logprob_mb_tokens=20)
     cfg = policy_cfg(num_workers=2, context_parallel_size=2, sequence_packing=packing, activation_checkpointing=True)
     assert_same_run(run(cluster, cfg, "cp2_packed"), one_worker)
+
+
+def test_gemma3_cp2_equals_one_worker(cluster):
+    """Gemma 3 (`tiny-gemma3`: rows of up to 16 tokens run past its sliding-window layer's 8
+    positions) in one CP group of two: the ring cut to the window gives one worker's run."""
+    one = run(cluster, policy_cfg(model_name="tiny-gemma3"), "gemma3_cp1")
+    cp2 = run(cluster, policy_cfg(model_name="tiny-gemma3", num_workers=2, context_parallel_size=2), "gemma3_cp2")
+    assert_same_run(cp2, one)

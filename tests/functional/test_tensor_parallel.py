@@ -252,3 +252,24 @@ def test_bfloat16_mixed_precision_trains_on_cpu(cluster, one_worker, tp):
     for got, want in zip(bf16["metrics"], one_worker["metrics"]):
         assert got["loss"] == pytest.approx(want["loss"], rel=0.02)
     assert all(value.dtype == torch.float32 for value in bf16["weights"].values())
+
+
+@pytest.fixture(scope="module")
+def gemma3_one_worker(cluster):
+    return run(cluster, policy_cfg(model_name="tiny-gemma3"), "gemma3_tp1")
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "sp2"])
+def test_gemma3_tp2_equals_one_worker(cluster, gemma3_one_worker, sequence_parallel):
+    """Gemma 3 (`tiny-gemma3`: a sliding-window layer of 8 positions, which rows of up to 16 tokens
+    run past, and a global one; QK-norm applied to `[batch, heads, seq, head_dim]`, four norms per
+    layer, scaled and tied embeddings) split over a TP group by its config's own plan: logprobs,
+    two clipped SGD steps and the weights after them equal one worker's; with `sequence_parallel`
+    the four norms of each layer run on half the sequence."""
+    cfg = policy_cfg(model_name="tiny-gemma3", num_workers=2, tensor_parallel_size=2,
+                     sequence_parallel=sequence_parallel)
+    tp2 = run(cluster, cfg, f"gemma3_{'sp2' if sequence_parallel else 'tp2'}")
+    assert_same_run(tp2, gemma3_one_worker)
+    assert tp2["metrics"][0]["grad_norm"] > 0.5  # clipped
+    norm = "model.layers.0.self_attn.q_norm.weight"  # replicated over the TP group, its gradient summed
+    assert not torch.equal(tp2["weights"][norm], torch.zeros_like(tp2["weights"][norm]))

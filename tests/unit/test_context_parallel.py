@@ -71,6 +71,57 @@ def test_ring_blocks_cover_each_causal_pair_of_a_sequence_once(cp_size, boundari
     assert torch.equal(seen, expected.long())
 
 
+@pytest.mark.parametrize("cp_size,boundaries,window", [(2, None, 3), (2, None, 5), (2, (0, 5, 6, 13, 16), 3),
+                                                         (3, (0, 1, 9, 10, 24), 4), (3, None, 30)])
+def test_window_blocks_cover_each_pair_in_the_window_once(monkeypatch, cp_size, boundaries, window):
+    """`_window_blocks` (tiles of `window` queries here) meets each (query, key) pair of one sequence
+    with query - window < key <= query exactly once (a dense block's pairs all, a causal one's
+    those on and below its diagonal, a masked one's the visible ones), and no other pair."""
+    monkeypatch.setattr(cpmod, "WINDOW_TILE_MIN", 1)
+    width = 16 if cp_size == 2 else 24
+    positions = torch.stack([cpmod.load_balanced_positions(width, cp_size, r) for r in range(cp_size)])
+    segment = torch.zeros(width, dtype=torch.long)
+    for lo in (boundaries or (0,))[1:-1]:
+        segment[lo:] += 1
+    index = torch.arange(width)
+    distance = index[:, None] - index[None, :]
+    expected = (segment[:, None] == segment[None, :]) & (distance >= 0) & (distance < window)
+    seen, masked = torch.zeros(width, width, dtype=torch.long), 0
+    for rank in range(cp_size):
+        group = SimpleNamespace(rank=rank, size=cp_size, boundaries=boundaries, positions=positions)
+        for source in range(cp_size):
+            for rows, keys, causal, visible in cpmod._window_blocks(group, source, width // cp_size, window):
+                q, k = positions[rank][rows], positions[source][keys]
+                block = torch.ones(len(q), len(k), dtype=torch.long) if visible is None else visible.long()
+                if causal:
+                    assert visible is None and torch.equal(q, k)
+                    block = block.tril()
+                masked += visible is not None
+                seen[q[:, None], k[None, :]] += block
+    assert torch.equal(seen, expected.long())
+    assert masked > 0 or window >= width  # a window longer than the rows: the blocks without one
+
+
+@pytest.mark.parametrize("window", [2, 5, 40])
+def test_ring_attention_with_a_sliding_window_is_windowed_causal_attention(monkeypatch, window):
+    """cp=1: a sliding-window layer's ring attention (tiles of 4 queries: dense and masked blocks)
+    equals SDPA with the window's mask, forward and backward, with GQA."""
+    monkeypatch.setattr(cpmod, "WINDOW_TILE_MIN", 4)
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 12, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, 12, 8, requires_grad=True) for _ in range(2))
+    out = cpmod.RingAttention.apply(q, k, v, cpmod.ContextParallelGroup(None, 1, 12), 8 ** -0.5, 2, window)
+    index = torch.arange(12)
+    mask = (index[None, :] <= index[:, None]) & (index[:, None] - index[None, :] < window)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * weights).sum(), (q, k, v))
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 def make_rows(vocab: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, vocab, (len(LENGTHS), max(LENGTHS)), generator=g)
@@ -153,6 +204,26 @@ def rank_main(rank: int, port: int, results) -> None:
             worst = max(worst, (grad - ref_grads[name]).abs().max().item())
         out[f"packed_logprobs_fused={fused}"] = logprobs.detach()
         out[f"packed_grads_fused={fused}"] = worst
+    # Gemma 3 (a sliding-window layer of 8 positions, which the 13-token row runs past, and a
+    # global one): the ring cut to the window, on rows and packed.
+    reference = load_causal_lm("tiny-gemma3")
+    ref_logprobs = microbatch_logprobs(reference, MicroBatch(Batch(rows), torch.arange(3)), torch.device("cpu"),
+                                       torch.float32)
+    (ref_logprobs * weights).sum().backward()
+    ref_grads = {name: p.grad for name, p in reference.named_parameters()}
+    out["gemma3_reference"] = ref_logprobs.detach()
+    for kind, packing in (("rows", None), ("packed", packed)):
+        model = load_causal_lm("tiny-gemma3")
+        cpmod.enable_ring_attention(model)
+        logprobs = cpmod.microbatch_logprobs(model, rows, torch.device("cpu"), group, 2, packed=packing)
+        (logprobs * weights).sum().backward()
+        worst = 0.0
+        for name, p in model.named_parameters():
+            grad = p.grad.clone()
+            dist.all_reduce(grad, group=group)
+            worst = max(worst, (grad - ref_grads[name]).abs().max().item())
+        out[f"gemma3_{kind}_logprobs"] = logprobs.detach()
+        out[f"gemma3_{kind}_grads"] = worst
     dist.destroy_process_group()
     results[rank] = out
 
@@ -162,7 +233,8 @@ def test_cp2_equals_one_process_on_the_tiny_model():
     """Two CP ranks (gloo): ring attention equals SDPA on the whole sequence (forward and the
     gradients of q and each rank's k/v); the tiny model's logprobs (plain and fused head) equal
     one process's on right-padded rows, on both ranks, and the gradients summed over the ranks
-    equal the whole-sequence gradients; so do those of the same rows packed into one row."""
+    equal the whole-sequence gradients; so do those of the same rows packed into one row, and
+    tiny Gemma 3's (its sliding-window layer through the windowed ring)."""
     results = mp.Manager().dict()
     mp.spawn(rank_main, args=(free_ports(1)[0], results), nprocs=2, join=True)
     for rank in (0, 1):
@@ -178,6 +250,9 @@ def test_cp2_equals_one_process_on_the_tiny_model():
             for kind in ("", "packed_"):
                 torch.testing.assert_close(out[f"{kind}logprobs_fused={fused}"], out["reference"], rtol=1e-5, atol=1e-5)
                 assert out[f"{kind}grads_fused={fused}"] < 1e-5
+        for kind in ("rows", "packed"):
+            torch.testing.assert_close(out[f"gemma3_{kind}_logprobs"], out["gemma3_reference"], rtol=1e-5, atol=1e-5)
+            assert out[f"gemma3_{kind}_grads"] < 1e-5
 
 
 def test_config_refuses_what_context_parallelism_cannot_do_in_one_line():

@@ -65,12 +65,28 @@ def test_local_model_directory_is_checked_from_its_config_json(tmp_path):
                               "policy.model_name")
 
 
+def test_converted_pretrained_preset_is_checked_from_its_cached_config(tmp_path, monkeypatch):
+    """A pretrained preset (Gemma 3 270M: 4 query heads, 1 key/value head) is read from its
+    conversion in the cache, which preflight makes first: refused before any worker starts."""
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path))
+    entry = tmp_path / "models" / "gemma3-270m"
+    entry.mkdir(parents=True)
+    (entry / "config.json").write_text(json.dumps(
+        {"model_type": "gemma3_text", "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 2048}))
+    with pytest.raises(UserError) as info:
+        check_tensor_parallel(PolicyConfig(model_name="gemma3-270m", num_workers=2, tensor_parallel_size=2),
+                              "policy.model_name")
+    assert str(info.value) == (
+        "policy.tensor_parallel_size=2 does not divide the model's num_key_value_heads=1 "
+        "(policy.model_name='gemma3-270m'); pick a tensor_parallel_size that divides them")
+
+
 def test_cli_refuses_a_tensor_parallel_size_the_model_cannot_split(tmp_path):
     result = posttrain("sft", "policy.num_workers=4", "policy.tensor_parallel_size=4", cwd=tmp_path)
     one_line_error(result, "policy.tensor_parallel_size=4 does not divide the model's num_key_value_heads=2")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "mixtral", "gemma3"])
 def test_plan_from_the_models_tp_plan_keeps_experts_replicated(arch):
     model, _ = make_tiny_model("tiny", arch)
     plan = parallel.tp_plan(model)
@@ -81,8 +97,9 @@ def test_plan_from_the_models_tp_plan_keeps_experts_replicated(arch):
     assert not [k for k in plan if "experts" in k or "embed" in k or "lm_head" in k]
     if arch == "llama":
         assert type(plan["model.layers.*.mlp.down_proj"]) is RowwiseParallel
-    if arch == "qwen3_moe":  # per-head q/k norms: replicated weight, gradient summed over the TP group
+    if arch in ("qwen3_moe", "gemma3"):  # per-head q/k norms: replicated weight, gradient summed over the TP group
         assert type(plan["model.layers.*.self_attn.q_norm"]) is SequenceParallel
+        assert type(plan["model.layers.*.self_attn.k_norm"]) is SequenceParallel
 
 
 def test_a_vision_language_models_plan_splits_its_language_model_only():

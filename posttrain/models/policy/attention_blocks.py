@@ -3,7 +3,9 @@
 key/value chunk that has just arrived.
 
 A block is either causal (queries and keys are the same positions, in order: the ring's first
-step) or fully visible (every query sees every key); the ring never needs another mask. The
+step) or fully visible (every query sees every key); the ring needs another mask only at a
+sliding window's edge (`masked_forward` / `masked_backward`: float32 matmuls of a tile of queries
+against the keys of their windows, with the mask). The
 forward returns `(out, lse)`: `out [b, h, sq, d]` (the inputs' dtype from a fused kernel, float32
 from `matmul`), `lse [b, h, sq]` float32.
 The backward takes the *final* output and log-sum-exp (after every block is merged), which makes
@@ -45,23 +47,26 @@ class BlockKernel(NamedTuple):
 
 
 # ------------------------------------------------------------------------------------- matmul
-def _scores(q, k, causal, scale):
+def _scores(q, k, causal, scale, visible=None):
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     if causal:
         future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
+    if visible is not None:
+        scores = scores.masked_fill(~visible.to(q.device), float("-inf"))
     return scores
 
 
-def _matmul_forward(q, k, v, causal, scale):
-    scores = _scores(q, k, causal, scale)
+def _matmul_forward(q, k, v, causal, scale, visible=None):
+    scores = _scores(q, k, causal, scale, visible)
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse[..., None]), v.float()), lse
+    # A query that sees no key of the block (a window's edge): lse -inf, its output 0, not NaN.
+    return torch.matmul(torch.exp(scores - lse[..., None]).nan_to_num(0.0), v.float()), lse
 
 
-def _matmul_backward(grad_out, q, k, v, out, lse, causal, scale):
+def _matmul_backward(grad_out, q, k, v, out, lse, causal, scale, visible=None):
     grad_out, q32, k32, v32 = grad_out.float(), q.float(), k.float(), v.float()
-    probs = torch.exp(_scores(q, k, causal, scale) - lse[..., None])
+    probs = torch.exp(_scores(q, k, causal, scale, visible) - lse[..., None])
     delta = (grad_out * out.float()).sum(dim=-1, keepdim=True)  # rowsum(dO * O)
     grad_scores = probs * (torch.matmul(grad_out, v32.transpose(-1, -2)) - delta)
     return (torch.matmul(grad_scores, k32) * scale, torch.matmul(grad_scores.transpose(-1, -2), q32) * scale,
@@ -69,6 +74,17 @@ def _matmul_backward(grad_out, q, k, v, out, lse, causal, scale):
 
 
 MATMUL = BlockKernel("matmul", _matmul_forward, _matmul_backward)
+
+
+def masked_forward(q, k, v, visible, scale):
+    """A block where only the pairs `visible [sq, sk]` (bool) attend (a sliding window's edge):
+    float32 matmuls, `(out, lse)`; a query that sees none of the keys gets out 0 and lse -inf."""
+    return _matmul_forward(q, k, v, False, scale, visible)
+
+
+def masked_backward(grad_out, q, k, v, out, lse, visible, scale):
+    """`masked_forward`'s block share of the gradient, from the final `out` and `lse` (module doc)."""
+    return _matmul_backward(grad_out, q, k, v, out, lse, False, scale, visible)
 
 
 # ------------------------------------------------------------------------------ fused kernels

@@ -48,8 +48,15 @@ Sequence packing: the CP ranks split the packed row (one `[1, T]` row of several
 like any row; its rotary positions restart with each sequence and the ring cuts each step's
 block by sequence (`_ring_blocks`), so no query meets another sequence's keys and no mask is built.
 
+Sliding-window layers (Gemma 3's local layers; transformers passes the layer's `sliding_window`):
+a query at position p sees keys p - window < k <= p, so the ring's blocks are cut to the window
+(`_window_blocks`): tiles of at least `window` queries meet only the keys of their windows, a tile
+inside the window stays a dense block of the fused kernel, one at its edge is a masked float32
+block (`attention_blocks.masked_forward`), and a key chunk wholly out of a tile's window is
+skipped, so far chunks cost no attention (they still travel round the ring).
+
 Not supported, refused in one line: by the config, CP with LoRA; by the worker, reward models and full logits (distillation, `get_topk_logits`); by
-the attention function, attention dropout in training and sliding windows.
+the attention function, attention dropout in training and attention logit soft-capping.
 Tested on CPU over gloo only (tests/unit/test_context_parallel.py,
 tests/functional/test_context_parallel_workers.py): torch 2.13's `context_parallel` refuses CPU
 ("aten._scaled_dot_product_flash_attention_for_cpu does not have a sharding strategy"), hence
@@ -66,7 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.distributed import collective
-from posttrain.models.policy.attention_blocks import block_kernel
+from posttrain.models.policy.attention_blocks import block_kernel, masked_backward, masked_forward
 
 RING_ATTENTION = "posttrain_ring"
 
@@ -183,6 +190,64 @@ def _ring_blocks(cp: ContextParallelGroup, source: int, local_len: int) -> list[
     return blocks
 
 
+# Query rows per tile at a sliding window's edge (at least the window): each tile is one masked
+# `[tile, <= tile + window]` block, so no block's scores grow with the sequence.
+WINDOW_TILE_MIN = 128
+
+
+def _window_blocks(cp: ContextParallelGroup, source: int, local_len: int,
+                   window: Optional[int]) -> list[tuple[slice, slice, bool, Optional[torch.Tensor]]]:
+    """`_ring_blocks` as `(query rows, key rows, causal, visible)`, for a sliding-window layer
+    (`window`: a query at position p sees keys at p - window < k <= p, transformers' rule) cut to
+    the window. A block wholly inside the window is kept as it is (short rows: the blocks without a
+    window). Otherwise its queries go in tiles (within one load-balanced chunk, so a tile's
+    positions are contiguous) against the keys of their windows only (a contiguous run of local
+    key rows, since positions ascend): a tile whose every pair is visible is a dense block of the
+    fused kernel (`visible` None), a causal block's diagonal tile of at most `window` queries its
+    causal block in the fused kernel, the rest at the window's edge a block with its `[rows, keys]`
+    mask; a tile that sees none of the source's keys is dropped. `window` None: the blocks unchanged."""
+    blocks = _ring_blocks(cp, source, local_len)
+    if window is None:
+        return [(rows, keys, causal, None) for rows, keys, causal in blocks]
+    q_all, k_all = cp.positions[cp.rank], cp.positions[source]
+    tile, half = max(window, WINDOW_TILE_MIN), local_len // 2
+    out = []
+    for rows, keys, causal in blocks:
+        k_pos = k_all[keys]
+        if int(q_all[rows].max()) - int(k_pos.min()) < window:
+            out.append((rows, keys, causal, None))
+            continue
+        for lo_row, hi_row in ((rows.start, min(rows.stop, half)), (max(rows.start, half), rows.stop)):
+            for start in range(lo_row, hi_row, tile):
+                tile_rows = slice(start, min(start + tile, hi_row))
+                q_pos = q_all[tile_rows]
+                first = int(torch.searchsorted(k_pos, q_pos[0] - window + 1))
+                last = int(torch.searchsorted(k_pos, q_pos[-1], right=True))
+                if causal and len(q_pos) <= window:
+                    # A causal block's queries and keys are the same positions: the tile's own keys
+                    # are its causal diagonal block, all inside the window; the earlier ones a band.
+                    own = int(torch.searchsorted(k_pos, q_pos[0]))
+                    out.append((tile_rows, slice(keys.start + own, keys.start + last), True, None))
+                    last = own
+                if first >= last:
+                    continue
+                distance = q_pos[:, None] - k_pos[first:last][None, :]
+                visible = (distance >= 0) & (distance < window)
+                tile_keys = slice(keys.start + first, keys.start + last)
+                out.append((tile_rows, tile_keys, False, None if bool(visible.all()) else visible))
+    return out
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
+           block_lse: torch.Tensor) -> None:
+    """Online softmax: merge a block into the rows' running output through the log-sum-exps (a
+    row that has seen no key yet, or none in this block, has lse -inf: its weight is 0, not NaN)."""
+    merged = torch.logaddexp(lse[:, :, rows], block_lse)
+    out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged).nan_to_num(0.0)[..., None]
+                       + block_out.float() * torch.exp(block_lse - merged).nan_to_num(0.0)[..., None])
+    lse[:, :, rows] = merged
+
+
 class RingAttention(torch.autograd.Function):
     """Exact causal attention of the local queries to the whole sequence's keys/values, which
     travel round the CP ring (module doc). Inputs `[b, heads, s_local, d]` (k/v with the key/value
@@ -190,26 +255,24 @@ class RingAttention(torch.autograd.Function):
     fused attention kernel of the device where it has one (`attention_blocks.block_kernel`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallelGroup, scaling: float, n_rep: int):
+    def forward(ctx, q, k, v, cp: ContextParallelGroup, scaling: float, n_rep: int, window: Optional[int] = None):
         kernel = block_kernel(q.device, q.dtype)
         kv, local_len = torch.stack([k, v]), q.shape[-2]
         out = q.new_zeros(q.shape, dtype=torch.float32)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
         for step in range(cp.size):
             incoming = collective.ring_shift(kv, cp.group) if step < cp.size - 1 else None
-            for rows, keys, causal in _ring_blocks(cp, (cp.rank - step) % cp.size, local_len):
-                block_out, block_lse = kernel.forward(
-                    q[:, :, rows], _repeat_heads(kv[0, :, :, keys], n_rep), _repeat_heads(kv[1, :, :, keys], n_rep),
-                    causal, scaling)
-                # Online softmax: merge the block into the rows' running output through the log-sum-exps.
-                merged = torch.logaddexp(lse[:, :, rows], block_lse)
-                out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None]
-                                   + block_out.float() * torch.exp(block_lse - merged)[..., None])
-                lse[:, :, rows] = merged
+            for rows, keys, causal, visible in _window_blocks(cp, (cp.rank - step) % cp.size, local_len, window):
+                block_k, block_v = _repeat_heads(kv[0, :, :, keys], n_rep), _repeat_heads(kv[1, :, :, keys], n_rep)
+                if visible is None:
+                    block_out, block_lse = kernel.forward(q[:, :, rows], block_k, block_v, causal, scaling)
+                else:
+                    block_out, block_lse = masked_forward(q[:, :, rows], block_k, block_v, visible, scaling)
+                _merge(out, lse, rows, block_out, block_lse)
             if incoming is not None:
                 kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.scaling, ctx.n_rep, ctx.kernel = cp, scaling, n_rep, kernel
+        ctx.cp, ctx.scaling, ctx.n_rep, ctx.kernel, ctx.window = cp, scaling, n_rep, kernel, window
         return out.to(q.dtype)
 
     @staticmethod
@@ -221,11 +284,15 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         grad_kv = torch.zeros_like(kv, dtype=torch.float32)  # travels with kv, gathering every rank's queries' share
         for step in range(cp.size):
-            for rows, keys, causal in _ring_blocks(cp, (cp.rank - step) % cp.size, local_len):
+            for rows, keys, causal, visible in _window_blocks(cp, (cp.rank - step) % cp.size, local_len, ctx.window):
                 # The final out and lse make the block's softmax the whole row's, restricted to the block.
-                dq, dk, dv = kernel.backward(
-                    grad_out[:, :, rows], q[:, :, rows], _repeat_heads(kv[0, :, :, keys], n_rep),
-                    _repeat_heads(kv[1, :, :, keys], n_rep), out[:, :, rows], lse[:, :, rows], causal, scaling)
+                block_k, block_v = _repeat_heads(kv[0, :, :, keys], n_rep), _repeat_heads(kv[1, :, :, keys], n_rep)
+                if visible is None:
+                    dq, dk, dv = kernel.backward(grad_out[:, :, rows], q[:, :, rows], block_k, block_v,
+                                                 out[:, :, rows], lse[:, :, rows], causal, scaling)
+                else:
+                    dq, dk, dv = masked_backward(grad_out[:, :, rows], q[:, :, rows], block_k, block_v,
+                                                 out[:, :, rows], lse[:, :, rows], visible, scaling)
                 grad_q[:, :, rows] += dq
                 grad_kv[0, :, :, keys] += _sum_heads(dk, n_rep)
                 grad_kv[1, :, :, keys] += _sum_heads(dv, n_rep)
@@ -233,7 +300,7 @@ class RingAttention(torch.autograd.Function):
                 kv, grad_kv = collective.ring_shift(kv, cp.group), collective.ring_shift(grad_kv, cp.group)
         # After cp - 1 shifts this rank holds the gradient of rank (rank + 1)'s k/v: one more step home.
         grad_kv = collective.ring_shift(grad_kv, cp.group) if cp.size > 1 else grad_kv
-        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention_forward(
@@ -256,12 +323,13 @@ def ring_attention_forward(
                            "(posttrain.models.policy.context_parallel.microbatch_logprobs passes it)")
     if dropout and module.training:
         raise ValueError("policy.context_parallel_size > 1 does not support attention dropout")
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("policy.context_parallel_size > 1 does not support sliding-window attention")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("policy.context_parallel_size > 1 does not support attention logit soft-capping")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     n_rep = query.shape[1] // key.shape[1]
-    out = RingAttention.apply(query, key, value, context_parallel, scaling, n_rep)
+    window = kwargs.get("sliding_window")  # a sliding-window layer's (Gemma 3's local layers), else None
+    out = RingAttention.apply(query, key, value, context_parallel, scaling, n_rep, window)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -24,8 +24,12 @@ Kept whole on every TP rank (sharded over `dp` by FSDP only): embeddings, norms,
 (the fused chunked lm_head + logprob path, `linear_logprobs.py`, needs the whole vocabulary;
 a vocabulary-parallel head would need a logsumexp over the shards) and mixture-of-experts
 experts and routers (every TP rank runs all experts on the same tokens). Per-head q/k norms
-(Qwen3) run on the local heads with their weight replicated and its gradient summed over the TP
-group (`SequenceParallel` over the head dimension does exactly that).
+(Qwen3, Gemma 3) run on the local heads with their weight replicated and its gradient summed over
+the TP group (`SequenceParallel` over the head dimension does exactly that; Gemma 3's take
+`[batch, heads, seq, head_dim]`, Qwen3's `[batch, seq, heads, head_dim]`, and a norm over the last
+dimension computes the same whichever other dimension is declared split). Gemma 3's config has
+its own plan (transformers'); its sliding-window layers need nothing more (the masks are built
+before the first layer, the attention runs on the local heads).
 
 Sequence parallelism (`policy.sequence_parallel`, with TP): between the attention and MLP blocks
 the residual stream and the layer norms hold `1/tp` of the sequence on each TP rank (Megatron-LM's
@@ -183,7 +187,9 @@ def _sequence_parallel_plan(model: torch.nn.Module, prefix: str) -> dict[str, Pa
                                              use_local_output=True),
     }
     for name in norms:
-        plan[f"{prefix}.layers.*.{name}"] = SequenceParallel()
+        # A local output: Gemma 3's post-attention and post-feed-forward norms feed the residual
+        # sum (a local tensor) directly; a block's GatherSequence takes a local slice as it is.
+        plan[f"{prefix}.layers.*.{name}"] = SequenceParallel(use_local_output=True)
     return plan
 
 
