@@ -9,7 +9,8 @@ Each run is the showcase's own command with `seed=S` (the one key that reseeds e
 choice of training: prompt order, sampling, the SFT warm start's data order; the problems and the
 validation set stay: docs/getting-started.md, "Seeds"), its logs and checkpoints in a directory
 of its own, one run after the other. All runs share one empty posttrain cache, made for this
-script, so the first run's time includes building the tiny model (a few seconds).
+script, so the first run's time includes building the tiny model (a few seconds); `--cache DIR`
+keeps one between invocations (the warm starts of the same seeds are then trained once).
 
 `--cpu avx2` runs every job with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`: on an
 AVX-512 machine PyTorch's vectorised kernels and oneDNN's matmuls then take their AVX2 code, as
@@ -109,10 +110,29 @@ def accuracies(metrics_file: Path) -> dict[str, float]:
     return out
 
 
+def train_means(metrics_file: Path, names: tuple[str, ...], window: int = 10) -> dict[str, float]:
+    """Each named per-step metric (e.g. `train/approx_entropy`) averaged over the first and the last
+    `window` steps that logged it, as `NAME@first` and `NAME@last` (single steps are noisy)."""
+    values: dict[str, list[float]] = {name: [] for name in names}
+    for line in metrics_file.read_text().splitlines():
+        row = json.loads(line)
+        for name in names:
+            if isinstance(row.get(name), (int, float)):
+                values[name].append(float(row[name]))
+    out = {}
+    for name, series in values.items():
+        if series:
+            out[f"{name}@first"] = statistics.fmean(series[:window])
+            out[f"{name}@last"] = statistics.fmean(series[-window:])
+    return out
+
+
 def run_one(showcase: Showcase, seed: int, workdir: Path, env: dict[str, str],
-            overrides: tuple[str, ...] = (), timeout: float | None = None) -> dict[str, float]:
-    """One seed of a showcase: wall seconds and `accuracies` of its metrics.jsonl (the main job's,
-    not its warm start's). A failed run, or one stopped at `timeout` seconds, raises RunFailed."""
+            overrides: tuple[str, ...] = (), timeout: float | None = None,
+            train_metrics: tuple[str, ...] = ()) -> dict[str, float]:
+    """One seed of a showcase: wall seconds, `accuracies` of its metrics.jsonl (the main job's,
+    not its warm start's) and `train_means` of `train_metrics`. A failed run, or one stopped at
+    `timeout` seconds, raises RunFailed."""
     workdir.mkdir(parents=True)
     started = time.monotonic()
     try:
@@ -130,7 +150,7 @@ def run_one(showcase: Showcase, seed: int, workdir: Path, env: dict[str, str],
     metrics = workdir / "logs" / "metrics.jsonl"
     if not metrics.exists():
         raise RunFailed(f"seed {seed} wrote no {metrics}")
-    return {"seconds": seconds, **accuracies(metrics)}
+    return {"seconds": seconds, **accuracies(metrics), **train_means(metrics, train_metrics)}
 
 
 class RunFailed(Exception):
@@ -166,6 +186,13 @@ def main() -> None:
                              "machine's cores: each run's wall time then includes the sharing)")
     parser.add_argument("--keep", type=Path, help="keep every run's logs and metrics under this directory")
     parser.add_argument("--timeout", type=float, help="stop a run after this many seconds (it counts as failed)")
+    parser.add_argument("--train-metric", action="append", default=[], metavar="NAME",
+                        help="also summarise this per-step metric (e.g. train/approx_entropy), averaged over "
+                             "each run's first and last 10 steps; repeatable")
+    parser.add_argument("--cache", type=Path,
+                        help="the posttrain cache of every run (default: a new empty one): a directory kept "
+                             "between invocations shares their SFT warm starts, e.g. when comparing options "
+                             "over the same seeds")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run (e.g. cluster.gpus_per_node=1)")
     args = parser.parse_intermixed_args()  # overrides may come after the options
     if args.list or args.showcase is None:
@@ -190,12 +217,13 @@ def main() -> None:
     runs: dict[int, dict[str, float]] = {}
     failed: list[int] = []
     with tempfile.TemporaryDirectory(prefix="posttrain_seeds_") as tmp:
-        env["POSTTRAIN_CACHE"] = f"{tmp}/cache"
+        env["POSTTRAIN_CACHE"] = str(args.cache.resolve()) if args.cache else f"{tmp}/cache"
         root = args.keep or Path(tmp)
 
         def one(seed: int) -> None:
             try:
-                runs[seed] = run_one(showcase, seed, root / f"seed_{seed}", env, tuple(args.overrides), args.timeout)
+                runs[seed] = run_one(showcase, seed, root / f"seed_{seed}", env, tuple(args.overrides), args.timeout,
+                                     tuple(args.train_metric))
             except RunFailed as failure:
                 failed.append(seed)
                 print(f"[seeds] {failure}", flush=True)
@@ -215,7 +243,9 @@ def main() -> None:
     table = {name: summary([run[name] for run in runs.values() if name in run]) for name in names}
     print(f"\n{'metric':64s} {'mean':>7s} {'sd':>6s} {'min':>7s} {'max':>7s}  n")
     for name, row in table.items():
-        print(f"{name:64s} {row['mean']:7.1f} {row['sd']:6.1f} {row['min']:7.1f} {row['max']:7.1f}  {row['n']}")
+        digits = 1 if name == "seconds" or "accuracy" in name else 3  # percents and seconds; others (entropy) small
+        print(f"{name:64s} {row['mean']:7.{digits}f} {row['sd']:6.{digits}f} {row['min']:7.{digits}f} "
+              f"{row['max']:7.{digits}f}  {row['n']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"showcase": args.showcase, "cpu": cpu_name(), "kernels": args.cpu,

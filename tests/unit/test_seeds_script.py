@@ -77,3 +77,14 @@ def test_a_keep_directory_holding_a_seed_is_refused_before_any_run(tmp_path):
     assert out.stderr.strip() == (f"[seeds] --keep {tmp_path} already holds seed_2: give another directory or "
                                   "remove them")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["seed_2"]
+
+
+def test_train_means_average_the_first_and_last_steps_that_logged_the_metric(seeds, tmp_path):
+    rows = [{"step": 0, "validation/accuracy_greedy": 0.4}]
+    rows += [{"step": i, "train/approx_entropy": float(i), "train/reward": 0.5} for i in range(1, 26)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps(r) for r in rows))
+    got = seeds.train_means(metrics, ("train/approx_entropy", "train/missing"))
+    assert got == {"train/approx_entropy@first": pytest.approx(5.5),   # steps 1-10
+                   "train/approx_entropy@last": pytest.approx(20.5)}   # steps 16-25
+    assert seeds.train_means(metrics, ("train/approx_entropy",), window=3)["train/approx_entropy@last"] == 24.0
