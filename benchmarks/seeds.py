@@ -19,8 +19,9 @@ on an AVX2-only CPU (docs/performance.md, "CPU kinds", says how close that comes
 
 Showcases (`--list` prints them with their commands): main (`posttrain grpo`, the embedded
 default), vl (the vision example), custom (the custom-environment example), ppo, ppo_async, dpo, rm,
-distill, api (the README's Python API example, from scratch) and recipe (the nemotron_mini
-recipe, about 30 minutes a seed on 2 AVX-512 cores).
+distill, distill_xtok (the cross-tokenizer distillation example), api (the README's Python API
+example, from scratch) and recipe (the nemotron_mini recipe, about 30 minutes a seed on 2 AVX-512
+cores).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ SHOWCASES = {
     "dpo": Showcase("dpo", "examples/configs/dpo_tiny.yaml"),
     "rm": Showcase("rm", "examples/configs/rm_tiny.yaml"),
     "distill": Showcase("distill", "examples/configs/distill_tiny.yaml"),
+    "distill_xtok": Showcase("distill", "examples/configs/distill_xtok_tiny.yaml"),
     "api": Showcase("api"),
     "recipe": Showcase("grpo", "examples/recipes/nemotron_mini.yaml"),
 }

@@ -52,7 +52,8 @@ def test_summary_is_mean_sample_sd_min_max(seeds):
     assert seeds.summary([50.0])["sd"] == 0.0
 
 
-@pytest.mark.parametrize("name", ["main", "vl", "custom", "ppo", "ppo_async", "dpo", "rm", "distill", "recipe"])
+@pytest.mark.parametrize("name", ["main", "vl", "custom", "ppo", "ppo_async", "dpo", "rm", "distill", "distill_xtok",
+                                  "recipe"])
 def test_every_showcase_command_takes_the_seed(seeds, name, tmp_path):
     showcase = seeds.SHOWCASES[name]
     argv = showcase.argv(7, tmp_path)
