@@ -23,7 +23,7 @@ its own tokens of the same text):
   unchanged and removes its push on every sample by the mean reverse KL. Its value is written as
   r_s / n_s per token (n_s: the span's student tokens), so the loss reads as the sampled reverse KL
   per token. Where the distribution term covers a span it replaces this one-sample estimate (the
-  same direction, without its variance: measured, the span term there lowered the example's student).
+  whole distribution instead of one sample: both together would count the span twice).
 
 per token: `span_weight` x span term + `match_weight` x exact-match term, summed over the step's
 tokens and divided by its global valid-token count, like `DistillationLoss`. Rows of a teacher with
