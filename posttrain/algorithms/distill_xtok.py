@@ -61,8 +61,8 @@ def needs_alignment(mode: str, key: str, student_tok: Any, teacher_tok: Any) -> 
     same = same_vocabulary(student_tok, teacher_tok)
     if mode == "never" and not same:
         raise UserError(f"{key}'s tokenizer ({len(teacher_tok)} tokens) differs from the student's ({len(student_tok)}) "
-                        "and distillation.tokenizer_alignment=never (the default): set it to auto to align the two by text "
-                        "(experimental: docs/algorithms.md)")
+                        "and distillation.tokenizer_alignment=never: set it to auto (the default) to align the two by text "
+                        "(docs/algorithms.md)")
     return mode == "always" or (mode == "auto" and not same)
 
 

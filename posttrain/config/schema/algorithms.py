@@ -346,14 +346,14 @@ class DistillationConfig(ValidatedLoopConfig):
     val_batch_size: int = Field(256, ge=1, description="Validation prompts generated per batch.")
     seed: int = Field(42, description="Seed of prompt order and sampling.")
     tokenizer_alignment: Literal["auto", "always", "never"] = Field(
-        "never",
-        description="How a teacher reads the student's answers. 'never' (default): as token ids, refusing a teacher "
-        "of another vocabulary in one line. 'auto' (experimental): as token ids when its vocabulary is the "
-        "student's, else re-tokenised from their text and aligned by character offsets (cross-tokenizer "
-        "distillation; the idea of TRL's GOLD and NeMo-RL's x-token distillation): span log-ratios plus an "
-        "exact-match top-k KL (loss_fn.xtok_span_weight, loss_fn.xtok_match_weight). 'always': align every "
-        "teacher by text. Off by default because on the tiny example (examples/configs/distill_xtok_tiny.yaml) "
-        "it lowered the student's accuracy (docs/algorithms.md).",
+        "auto",
+        description="How a teacher reads the student's answers. 'auto' (default): as token ids when its vocabulary "
+        "is the student's, else re-tokenised from their text and aligned by character offsets (cross-tokenizer "
+        "distillation; the idea of TRL's GOLD and NeMo-RL's x-token distillation): the teacher's next-token "
+        "distribution read through the text, and span log-ratios where it does not reach (loss_fn.xtok_match_weight, "
+        "loss_fn.xtok_span_weight). Default auto: on the tiny example (examples/configs/distill_xtok_tiny.yaml) it "
+        "moved every seed's student toward its teacher (docs/algorithms.md). 'always': align every teacher by "
+        "text. 'never': as token ids, refusing a teacher of another vocabulary in one line.",
     )
 
 
