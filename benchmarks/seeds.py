@@ -94,14 +94,15 @@ SHOWCASES = {
 
 
 def accuracies(metrics_file: Path) -> dict[str, float]:
-    """Every validation accuracy of a run (`validation*/accuracy*`, per task too), in percent, as
-    `NAME@first` (the first validation: before training) and `NAME@last` (the last one)."""
+    """Every validation accuracy of a run (`validation*/accuracy*`, per task too, and a distillation's
+    `validation/teacher_accuracy`), in percent, as `NAME@first` (the first validation: before training)
+    and `NAME@last` (the last one)."""
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     for line in metrics_file.read_text().splitlines():
         row = json.loads(line)
         for key, value in row.items():
-            if (key.startswith("validation") and "/accuracy" in key and "_count" not in key
+            if (key.startswith("validation") and ("/accuracy" in key or "/teacher_accuracy" in key) and "_count" not in key
                     and isinstance(value, (int, float))):
                 first.setdefault(key, 100 * value)
                 last[key] = 100 * value
