@@ -13,9 +13,10 @@ text; an offset where *both* sequences have a token boundary cuts the text into 
 Within a span both sides spell the same characters, so the span's log-probability (the sum of its
 tokens' log-probabilities) is comparable across the two models: it is each model's probability of
 writing that piece of text next, given the same text before it. A span where both sides are one
-token of the same string (`+`, `=` above) is an exact match: there the two next-token
-distributions can be compared too, over the tokens the two vocabularies share
-(`exact_match_map`).
+token of the same string (`+`, `=` above) is an exact match (`exact_match_map`). Where a span's
+teacher side is one token, the teacher's next-token distribution there also reads as the student's
+at each of the span's tokens (`NextTokenMap`: the teacher's `12` counts for the student's `1`, then
+for its `2` after `1`), so the two next-token distributions can be compared.
 
 Everything here is pure (tokenizers in, integers out) and unit-tested on hand-made sequences.
 """
