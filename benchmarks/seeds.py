@@ -19,8 +19,9 @@ on an AVX2-only CPU (docs/performance.md, "CPU kinds", says how close that comes
 
 Showcases (`--list` prints them with their commands): main (`posttrain grpo`, the embedded
 default), vl (the vision example), custom (the custom-environment example), ppo, ppo_async, dpo, rm,
-distill, api (the README's Python API example, from scratch) and recipe (the nemotron_mini
-recipe, about 30 minutes a seed on 2 AVX-512 cores).
+distill, distill_xtok (the cross-tokenizer distillation example), api (the README's Python API
+example, from scratch) and recipe (the nemotron_mini recipe, about 30 minutes a seed on 2 AVX-512
+cores).
 """
 
 from __future__ import annotations
@@ -86,20 +87,22 @@ SHOWCASES = {
     "dpo": Showcase("dpo", "examples/configs/dpo_tiny.yaml"),
     "rm": Showcase("rm", "examples/configs/rm_tiny.yaml"),
     "distill": Showcase("distill", "examples/configs/distill_tiny.yaml"),
+    "distill_xtok": Showcase("distill", "examples/configs/distill_xtok_tiny.yaml"),
     "api": Showcase("api"),
     "recipe": Showcase("grpo", "examples/recipes/nemotron_mini.yaml"),
 }
 
 
 def accuracies(metrics_file: Path) -> dict[str, float]:
-    """Every validation accuracy of a run (`validation*/accuracy*`, per task too), in percent, as
-    `NAME@first` (the first validation: before training) and `NAME@last` (the last one)."""
+    """Every validation accuracy of a run (`validation*/accuracy*`, per task too, and a distillation's
+    `validation/teacher_accuracy`), in percent, as `NAME@first` (the first validation: before training)
+    and `NAME@last` (the last one)."""
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     for line in metrics_file.read_text().splitlines():
         row = json.loads(line)
         for key, value in row.items():
-            if (key.startswith("validation") and "/accuracy" in key and "_count" not in key
+            if (key.startswith("validation") and ("/accuracy" in key or "/teacher_accuracy" in key) and "_count" not in key
                     and isinstance(value, (int, float))):
                 first.setdefault(key, 100 * value)
                 last[key] = 100 * value

@@ -14,8 +14,9 @@ step, for each of its rows:
 3. the teacher scores its row in one forward: each of its tokens' log-probability and its top-k
    logits (`get_topk_logits(..., token_logprobs=True)`);
 4. `student_targets` puts that back on the student's row: each response token gets its span's
-   index and the teacher's log-probability of the span; an exact-match span (one token each side,
-   the same string) also gets the teacher's top-k mapped into the student's vocabulary.
+   index and the teacher's log-probability of the span; a span whose teacher side is one token also
+   gets, at each of its student tokens, the teacher's distribution of the next characters read as
+   the student's next token (`NextTokenMap`).
 
 `CrossTokenizerDistillationLoss` (`distill_xtok_loss.py`) turns that into the student's loss.
 """
@@ -27,12 +28,14 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from posttrain.algorithms.distill_xtok_align import RowAlignment, Span, align_response, exact_match_map, same_vocabulary
+from posttrain.algorithms.distill_xtok_align import (
+    NextTokenMap, RowAlignment, align_response, exact_match_map, next_token_map, same_vocabulary, token_pieces,
+)
 from posttrain.errors import UserError
 
 ALIGNMENT_MODES = ("auto", "always", "never")
 # Keys of the training batch the cross-tokenizer teachers add (per token [B, S] unless said).
-XTOK_KEYS = ("xtok_span", "xtok_teacher_logprob", "xtok_match", "teacher_topk_valid", "xtok_row")
+XTOK_KEYS = ("xtok_span", "xtok_teacher_logprob", "xtok_match", "xtok_covered", "teacher_topk_valid", "xtok_row")
 
 
 @dataclass
@@ -43,6 +46,7 @@ class CrossTokenizerTeacher:
     prompts: Sequence[Any]  # the training split rendered by the teacher (datums by row index)
     val_prompts: list  # the validation split rendered by the teacher (its accuracy)
     to_student: torch.Tensor  # [teacher vocabulary] the student id of the same string, or -1
+    next_tokens: NextTokenMap  # the teacher's next-token distribution read as the student's
     max_len: int  # teacher.max_total_sequence_length
     min_shared_mass: float = 0.5  # loss_fn.xtok_match_min_mass
     baseline: bool = True  # loss_fn.xtok_span_baseline
@@ -57,8 +61,8 @@ def needs_alignment(mode: str, key: str, student_tok: Any, teacher_tok: Any) -> 
     same = same_vocabulary(student_tok, teacher_tok)
     if mode == "never" and not same:
         raise UserError(f"{key}'s tokenizer ({len(teacher_tok)} tokens) differs from the student's ({len(student_tok)}) "
-                        "and distillation.tokenizer_alignment=never (the default): set it to auto to align the two by text "
-                        "(experimental: docs/algorithms.md)")
+                        "and distillation.tokenizer_alignment=never: set it to auto (the default) to align the two by text "
+                        "(docs/algorithms.md)")
     return mode == "always" or (mode == "auto" and not same)
 
 
@@ -95,8 +99,9 @@ def teacher_prompts(cfg: Any, section: Any, tokenizer: Any) -> tuple[Sequence[An
 
 def make_cross_teacher(cfg: Any, section: Any, student_tok: Any, teacher_tok: Any) -> CrossTokenizerTeacher:
     train, val = teacher_prompts(cfg, section, teacher_tok)
-    return CrossTokenizerTeacher(tokenizer=teacher_tok, prompts=train, val_prompts=val,
-                                 to_student=exact_match_map(student_tok, teacher_tok),
+    to_student = exact_match_map(student_tok, teacher_tok)
+    return CrossTokenizerTeacher(tokenizer=teacher_tok, prompts=train, val_prompts=val, to_student=to_student,
+                                 next_tokens=next_token_map(student_tok, teacher_tok, to_student),
                                  max_len=section.max_total_sequence_length,
                                  min_shared_mass=cfg.loss_fn.xtok_match_min_mass,
                                  baseline=cfg.loss_fn.xtok_span_baseline)
@@ -126,24 +131,32 @@ def teacher_batch(samples: Sequence[Any], student_tok: Any, teacher: CrossTokeni
         logs.append([{"role": "user", "content": "", "token_ids": prompt_ids},
                      {"role": "assistant", "content": "", "token_ids": torch.tensor(teacher_ids[:room], dtype=torch.long)}])
         alignments.append(RowAlignment(student_start=sample.message_log[0]["token_ids"].numel(),
-                                       teacher_start=prompt_ids.numel(), spans=spans))
+                                       teacher_start=prompt_ids.numel(), spans=spans,
+                                       pieces=token_pieces(student_tok, response.tolist()),
+                                       teacher_pieces=[teacher.next_tokens.strings[i] or "" if 0 <= i < len(
+                                           teacher.next_tokens.strings) else "" for i in teacher_ids[:room]]))
     return flatten_message_logs(logs, pad_token_id=teacher.tokenizer.pad_token_id), alignments
 
 
 def student_targets(alignments: Sequence[RowAlignment], scored: Mapping[str, torch.Tensor], seq_len: int,
-                    to_student: torch.Tensor, min_shared_mass: float = 0.5,
+                    next_tokens: NextTokenMap, min_shared_mass: float = 0.5,
                     generation_logprobs: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
     """The teacher's answer put on the student's rows (`[B, S]`, `[B, S, k]` aligned to the student's
     `input_ids`, S = `seq_len`):
 
     - `xtok_span` (long): the index of the span a response token is in (-1 elsewhere);
     - `xtok_teacher_logprob`: the teacher's log-probability of that span (the sum over its tokens);
-    - `xtok_match`: 1.0 at an exact-match span's token where the teacher's top-k puts at least
-      `min_shared_mass` of its probability on tokens the student's vocabulary shares (elsewhere the
-      teacher spells that text its own way, e.g. with a digit pair, and its shared tokens' probabilities,
-      renormalised, would say the opposite of what it means);
-    - `teacher_topk_logits`, `teacher_topk_indices`, `teacher_topk_valid` (bool): there, the teacher's
-      top-k at its token, its ids mapped into the student's vocabulary; `valid` where one maps;
+    - `xtok_match`: 1.0 at a student token that has the teacher's next-token distribution: in a span
+      whose teacher side is one token, the teacher's top-k there read through the text
+      (`NextTokenMap.distribution`, after the span's earlier student tokens), where the student tokens
+      it reaches hold at least `min_shared_mass` of the teacher's probability (of its tokens that start
+      with those earlier tokens' text, after the first); below that the teacher means a continuation
+      the student cannot spell in one token, and the rest, renormalised, would say the opposite;
+    - `teacher_topk_logits`, `teacher_topk_indices`, `teacher_topk_valid` (bool): there, that
+      distribution (log-probabilities over student ids, the most probable first; `valid` on the
+      entries filled);
+    - `xtok_covered`: 1.0 on the tokens of a span where every student token has it (the span term
+      leaves those spans to the distribution term);
     - `xtok_row` `[B]`: 1.0 (rows of a cross-tokenizer teacher);
     - `xtok_baseline`: with the student's `generation_logprobs` `[B, S]`, each span's baseline: the mean
       log-ratio (student minus teacher, at generation) of the spans at the same place in their rows
@@ -154,6 +167,7 @@ def student_targets(alignments: Sequence[RowAlignment], scored: Mapping[str, tor
     span_index = torch.full((rows, seq_len), -1, dtype=torch.long)
     teacher_logprob = torch.zeros(rows, seq_len)
     match = torch.zeros(rows, seq_len)
+    covered = torch.zeros(rows, seq_len)
     topk_logits = torch.zeros(rows, seq_len, k)
     topk_indices = torch.zeros(rows, seq_len, k, dtype=torch.long)
     topk_valid = torch.zeros(rows, seq_len, k, dtype=torch.bool)
@@ -166,23 +180,42 @@ def student_targets(alignments: Sequence[RowAlignment], scored: Mapping[str, tor
             teacher_logprob[b, s_lo:s_hi] = scored["token_logprobs"][b, t_lo:t_hi].sum()
             if generation_logprobs is not None:
                 ratios.setdefault(n, []).append(float(generation_logprobs[b, s_lo:s_hi].sum() - teacher_logprob[b, s_lo]))
-            if span.match:
-                ids = scored["topk_indices"][b, t_lo].long()
-                inside = ids < len(to_student)
-                mapped = torch.where(inside, to_student[ids.clamp(max=len(to_student) - 1)], torch.full_like(ids, -1))
-                shared = (scored["topk_logits"][b, t_lo] - scored["logsumexp"][b, t_lo]).exp()[mapped >= 0].sum()
-                if float(shared) < min_shared_mass:
+            if t_hi - t_lo != 1:
+                continue
+            ids, logprobs = topk_at(scored, b, t_lo)
+            before = row.teacher_pieces[span.t_lo - 1] if 0 < span.t_lo <= len(row.teacher_pieces) else ""
+            prefix, every = "", True
+            for j in range(span.s_lo, span.s_hi):
+                if j == span.s_lo and before:  # at a teacher boundary: its token before may go on (`after_token`)
+                    dist, reference = next_tokens.after_token(topk_at(scored, b, t_lo - 1), before,
+                                                              float(scored["token_logprobs"][b, t_lo - 1]), ids, logprobs)
+                else:
+                    dist, reference = next_tokens.distribution(ids, logprobs, prefix)
+                piece = row.pieces[j] if j < len(row.pieces) else ""
+                prefix += piece
+                if not dist or sum(dist.values()) < min_shared_mass * reference or (not piece and j < span.s_hi - 1):
+                    every = False
                     continue
-                match[b, s_lo] = 1.0
-                topk_logits[b, s_lo] = scored["topk_logits"][b, t_lo]
-                topk_indices[b, s_lo] = mapped.clamp(min=0)
-                topk_valid[b, s_lo] = mapped >= 0
+                entries = sorted(dist.items(), key=lambda item: -item[1])[:k]
+                at = row.student_start + j
+                match[b, at] = 1.0
+                topk_indices[b, at, :len(entries)] = torch.tensor([i for i, _ in entries])
+                topk_logits[b, at, :len(entries)] = torch.tensor([p for _, p in entries]).log()
+                topk_valid[b, at, :len(entries)] = True
+            if every:
+                covered[b, s_lo:s_hi] = 1.0
     baseline = torch.zeros(rows, seq_len)
     for n, values in ratios.items():
         baseline[span_index == n] = sum(values) / len(values)
     return {"xtok_span": span_index, "xtok_teacher_logprob": teacher_logprob, "xtok_match": match,
-            "teacher_topk_logits": topk_logits, "teacher_topk_indices": topk_indices, "teacher_topk_valid": topk_valid,
-            "xtok_row": torch.ones(rows), "xtok_baseline": baseline}
+            "xtok_covered": covered, "teacher_topk_logits": topk_logits, "teacher_topk_indices": topk_indices,
+            "teacher_topk_valid": topk_valid, "xtok_row": torch.ones(rows), "xtok_baseline": baseline}
+
+
+def topk_at(scored: Mapping[str, torch.Tensor], row: int, position: int) -> tuple[list[int], list[float]]:
+    """The teacher's top-k ids and log-probabilities at `position` of `row`."""
+    return (scored["topk_indices"][row, position].tolist(),
+            (scored["topk_logits"][row, position] - scored["logsumexp"][row, position]).tolist())
 
 
 def score_cross_tokenizer(policy: Any, teacher: CrossTokenizerTeacher, samples: Sequence[Any], student_tok: Any,
@@ -194,10 +227,14 @@ def score_cross_tokenizer(policy: Any, teacher: CrossTokenizerTeacher, samples: 
     batch, alignments = teacher_batch(samples, student_tok, teacher)
     scored = policy.get_topk_logits(batch, k, temperature, token_logprobs=True)
     spans = [s for row in alignments for s in row.spans]
-    targets = student_targets(alignments, scored, seq_len, teacher.to_student, teacher.min_shared_mass,
+    targets = student_targets(alignments, scored, seq_len, teacher.next_tokens, teacher.min_shared_mass,
                               generation_logprobs if teacher.baseline else None)
+    covered = targets["xtok_covered"] * (targets["xtok_span"] >= 0)
     counts = {"xtok/spans": float(len(spans)), "xtok/exact_match_spans": float(sum(s.match for s in spans)),
-              "xtok/matched_spans": float(targets["xtok_match"].sum()),
+              "xtok/multi_token_spans": float(sum(s.s_hi - s.s_lo > 1 or s.t_hi - s.t_lo > 1 for s in spans)),
+              "xtok/student_tokens": float(sum(s.s_hi - s.s_lo for s in spans)),
+              "xtok/distribution_tokens": float(targets["xtok_match"].sum()),
+              "xtok/covered_tokens": float(covered.sum()),
               "xtok/teacher_tokens": float(sum(s.t_hi - s.t_lo for s in spans))}
     return targets, counts
 
@@ -214,7 +251,8 @@ def all_teachers_targets(train_data: Any, samples: Sequence[Any], routes: Mappin
         "teacher_topk_logits": torch.zeros(rows, seq_len, k), "teacher_topk_indices": torch.zeros(rows, seq_len, k, dtype=torch.long),
         "teacher_topk_valid": torch.zeros(rows, seq_len, k, dtype=torch.bool),
         "xtok_span": torch.full((rows, seq_len), -1, dtype=torch.long), "xtok_teacher_logprob": torch.zeros(rows, seq_len),
-        "xtok_match": torch.zeros(rows, seq_len), "xtok_row": torch.zeros(rows), "xtok_baseline": torch.zeros(rows, seq_len),
+        "xtok_match": torch.zeros(rows, seq_len), "xtok_covered": torch.zeros(rows, seq_len), "xtok_row": torch.zeros(rows),
+        "xtok_baseline": torch.zeros(rows, seq_len),
     }
     counts: dict[str, float] = {}
     for key, indices in routes.items():

@@ -13,9 +13,10 @@ text; an offset where *both* sequences have a token boundary cuts the text into 
 Within a span both sides spell the same characters, so the span's log-probability (the sum of its
 tokens' log-probabilities) is comparable across the two models: it is each model's probability of
 writing that piece of text next, given the same text before it. A span where both sides are one
-token of the same string (`+`, `=` above) is an exact match: there the two next-token
-distributions can be compared too, over the tokens the two vocabularies share
-(`exact_match_map`).
+token of the same string (`+`, `=` above) is an exact match (`exact_match_map`). Where a span's
+teacher side is one token, the teacher's next-token distribution there also reads as the student's
+at each of the span's tokens (`NextTokenMap`: the teacher's `12` counts for the student's `1`, then
+for its `2` after `1`), so the two next-token distributions can be compared.
 
 Everything here is pure (tokenizers in, integers out) and unit-tested on hand-made sequences.
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -52,6 +53,8 @@ class RowAlignment:
     student_start: int
     teacher_start: int
     spans: list[Span] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)  # each student response token's text ("" for eos)
+    teacher_pieces: list[str] = field(default_factory=list)  # each teacher response token's ("" for eos)
 
 
 def decoded_token_ends(tokenizer: Any, ids: Sequence[int]) -> tuple[str, list[Optional[int]]]:
@@ -197,3 +200,116 @@ def align_response(student_tok: Any, teacher_tok: Any, response_ids: Sequence[in
         match = single and 0 <= t < len(to_student) and int(to_student[t]) == ids[span.s_lo]
         out.append(Span(span.s_lo, span.s_hi, span.t_lo, span.t_hi, match))
     return teacher_ids, out
+
+
+def token_pieces(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """Each token's characters in the text `ids` decode to (`decoded_token_ends`); a token with no
+    boundary after it gets "" and the next one its characters too. A final end-of-sequence token: ""."""
+    ids = [int(i) for i in ids]
+    ends_with_eos = bool(ids) and tokenizer.eos_token_id is not None and ids[-1] == tokenizer.eos_token_id
+    body = ids[:-1] if ends_with_eos else ids
+    text, ends = decoded_token_ends(tokenizer, body) if body else ("", [])
+    pieces, start = [], 0
+    for end in ends:
+        pieces.append(text[start:end] if end is not None else "")
+        start = end if end is not None else start
+    if pieces and start < len(text):  # characters no boundary closed: the last token's
+        pieces[-1] += text[start:]
+    return pieces + [""] * ends_with_eos
+
+
+@dataclass
+class NextTokenMap:
+    """The teacher's next-token distribution read as the student's, through the text.
+
+    At an aligned span whose teacher side is one token, the teacher's top-k at that token is a
+    distribution over how the text goes on. Each of the span's student tokens j, after the span's
+    earlier student tokens (`prefix`), gets the teacher's distribution of the next characters: each
+    teacher token whose text starts with `prefix` and goes on gives its probability to the student
+    token its remaining text starts with (`student_first`), the others (another continuation, or a
+    teacher token that ends exactly at `prefix`, whose continuation the teacher's next position would
+    tell) are left out. With a character-level student and a teacher whose token is `12`, the
+    student's `1` gets the teacher's mass on every token starting with `1` (`1`, `12`, `13`, ...),
+    then its `2` the teacher's `12` against `13`, ... (the teacher's next-character marginal, as in
+    byte-level readings of token-level models). For a one-token span of the same string this is the
+    exact-match distribution plus the teacher's longer tokens that start with a shared one.
+
+    `strings`: each teacher id's text (None: a special token); `exact`: each teacher id's student id
+    of the same string or -1 (`exact_match_map`; how the eos tokens map); `student_first(text)`: the
+    student id the student's tokenisation of `text` starts with, or -1."""
+
+    strings: list[Optional[str]]
+    exact: torch.Tensor
+    student_first: Callable[[str], int]
+
+    def distribution(self, ids: Sequence[int], logprobs: Sequence[float], prefix: str) -> tuple[dict[int, float], float]:
+        """`({student id: teacher probability}, prefix mass)` for the student's next token after `prefix`,
+        from the teacher's top-k `ids` and their `logprobs`; the prefix mass is the top-k's probability on
+        tokens starting with `prefix` (1.0 for an empty prefix: the whole distribution)."""
+        out: dict[int, float] = {}
+        under_prefix = 0.0
+        for i, logprob in zip(ids, logprobs):
+            i, p = int(i), math.exp(float(logprob))
+            text = self.strings[i] if 0 <= i < len(self.strings) else None
+            if text is None:  # a special token: only the eos, as the answer's next token
+                if not prefix and 0 <= i < len(self.exact) and int(self.exact[i]) >= 0:
+                    out[int(self.exact[i])] = out.get(int(self.exact[i]), 0.0) + p
+                continue
+            if not text.startswith(prefix):
+                continue
+            under_prefix += p
+            student = self.student_first(text[len(prefix):]) if len(text) > len(prefix) else -1
+            if student >= 0:
+                out[student] = out.get(student, 0.0) + p
+        return out, (1.0 if not prefix else under_prefix)
+
+    def after_token(self, before: tuple[Sequence[int], Sequence[float]], token: str, token_logprob: float,
+                    ids: Sequence[int], logprobs: Sequence[float]) -> tuple[dict[int, float], float]:
+        """`distribution` at a teacher token boundary, with the teacher's token before it (`token`, of
+        log-probability `token_logprob`; the top-k `before` at its place): the teacher's tokens there
+        that start with `token` and go on give their probability to the student token their rest
+        starts with, and the token itself its probability times the distribution here (`ids`,
+        `logprobs`, the teacher's next token after it). Reading only the distribution here would
+        condition on the teacher having written `token` rather than one of its longer tokens: after
+        a lone `1` it has learned only 2-digit answers, so a student that writes `1` and stops would
+        find a teacher that agrees. Returns the distribution and the teacher's probability of text
+        starting with `token` (the reference of the mass gate)."""
+        out: dict[int, float] = {}
+        longer = 0.0
+        for i, logprob in zip(*before):
+            i = int(i)
+            text = self.strings[i] if 0 <= i < len(self.strings) else None
+            if text is None or not text.startswith(token) or len(text) == len(token):
+                continue
+            p = math.exp(float(logprob))
+            longer += p
+            student = self.student_first(text[len(token):])
+            if student >= 0:
+                out[student] = out.get(student, 0.0) + p
+        p_token = math.exp(float(token_logprob))
+        here, _ = self.distribution(ids, logprobs, "")
+        for student, p in here.items():
+            out[student] = out.get(student, 0.0) + p_token * p
+        return out, longer + p_token
+
+
+def next_token_map(student: Any, teacher: Any, to_student: Optional[torch.Tensor] = None) -> NextTokenMap:
+    """`NextTokenMap` of two tokenizers: the teacher's token texts (special tokens and partial
+    characters left out), `exact_match_map`, and the student's first token of a text (memoised;
+    -1 where it is unknown, special or not a prefix of the text)."""
+    specials = set(teacher.all_special_ids)
+    strings = [None if i in specials or not text or "\ufffd" in text else text
+               for i, text in enumerate(token_strings(teacher))]
+    student_specials = set(student.all_special_ids)
+    memo: dict[str, int] = {}
+
+    def student_first(text: str) -> int:
+        if text not in memo:
+            ids = student(text, add_special_tokens=False)["input_ids"]
+            first = int(ids[0]) if ids else -1
+            piece = student.decode([first], **DECODE) if first >= 0 else ""
+            ok = first >= 0 and first not in student_specials and piece and text.startswith(piece)
+            memo[text] = first if ok else -1
+        return memo[text]
+
+    return NextTokenMap(strings, exact_match_map(student, teacher) if to_student is None else to_student, student_first)

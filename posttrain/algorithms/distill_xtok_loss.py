@@ -5,20 +5,25 @@ On a row of a cross-tokenizer teacher, with aligned spans s (`distill_xtok_align
 j and the span log-probabilities S_s = sum_{j in s} log p_student(token_j) and T_s (the teacher's, of
 its own tokens of the same text):
 
-- **span term** (every aligned token): the log-ratio r_s = S_s - T_s is a one-sample estimate of the
-  reverse KL(student || teacher) over that piece of text, sampled by the student. Its gradient,
-  E[r_s grad S_s], is the policy gradient with the reward -r_s (Agarwal et al. 2024's on-policy
-  reverse KL; the per-token form of Thinking Machines' "on-policy distillation", 2025, with spans
-  for tokens): each token of the span gets `sg(r_s) * log p(token_j)`. Its value is written as
-  r_s / n_s per token (n_s: the span's student tokens), so the loss reads as the sampled reverse
-  KL per token. A baseline b_s (`xtok_baseline`: the step's mean log-ratio of the spans at the same
-  place in their rows, from the generation's log-probabilities) is subtracted in the gradient,
-  `sg(r_s - b_s)`: it leaves the gradient's expectation unchanged and removes its push on every sample
-  by the mean reverse KL (without it the example's student collapsed to empty answers);
-- **exact-match term** (spans of one token each side, of the same string): the KL between the two
-  next-token distributions over the teacher's top-k tokens that the student's vocabulary also has
-  (`teacher_topk_valid`), both renormalised over them (`loss_fn.kl_type`: forward, reverse or
-  mixed), as GOLD / ULD do on the shared vocabulary.
+- **distribution term** (each student token that has the teacher's next-token distribution,
+  `xtok_match`): in a span whose teacher side is one token, the teacher's top-k there read through
+  the text as a distribution over the student's next token (`distill_xtok_align.NextTokenMap`: a
+  teacher token's probability goes to the student token its text starts with, after the span's
+  earlier student tokens), compared with the student's over those tokens, both renormalised over
+  them (`loss_fn.kl_type`: forward, reverse or mixed), as the same-tokenizer KL over the top-k;
+  on one-token spans of one string this is GOLD / ULD's KL over the shared vocabulary;
+- **span term** (the tokens of every other aligned span, where the teacher's distribution does not
+  reach each student token, `xtok_covered` 0): the log-ratio r_s = S_s - T_s is a one-sample
+  estimate of the reverse KL(student || teacher) over that piece of text, sampled by the student.
+  Its gradient, E[r_s grad S_s], is the policy gradient with the reward -r_s (Agarwal et al. 2024's
+  on-policy reverse KL; the per-token form of Thinking Machines' "on-policy distillation", 2025,
+  discount 0, with spans for tokens): each token of the span gets `sg(r_s - b_s) * log p(token_j)`,
+  with a baseline b_s (`xtok_baseline`: the step's mean log-ratio of the spans at the same place in
+  their rows, from the generation's log-probabilities) that leaves the gradient's expectation
+  unchanged and removes its push on every sample by the mean reverse KL. Its value is written as
+  r_s / n_s per token (n_s: the span's student tokens), so the loss reads as the sampled reverse KL
+  per token. Where the distribution term covers a span it replaces this one-sample estimate (the
+  whole distribution instead of one sample: both together would count the span twice).
 
 per token: `span_weight` x span term + `match_weight` x exact-match term, summed over the step's
 tokens and divided by its global valid-token count, like `DistillationLoss`. Rows of a teacher with
@@ -71,13 +76,15 @@ class CrossTokenizerDistillationLoss:
 
     Args: `kl_type`, `mixed_kl_weight`, `zero_outside_topk` as `DistillationLoss` (the exact-match term
     uses `kl_type` and `mixed_kl_weight`; it always renormalises over the shared top-k);
-    `span_weight`, `match_weight` (default 1.0 each): the two terms' weights.
+    `span_weight`, `match_weight` (default 1.0 each): the span and distribution terms' weights.
 
     Batch keys besides `DistillationLoss`'s: `input_ids`, `xtok_row` `[B]`, `xtok_span` (long),
-    `xtok_teacher_logprob`, `xtok_match` `[B, S]`, `teacher_topk_valid` `[B, S, k]` (`distill_xtok.student_targets`).
+    `xtok_teacher_logprob`, `xtok_match` `[B, S]`, `teacher_topk_valid` `[B, S, k]`, and optional
+    `xtok_covered`, `xtok_baseline` `[B, S]` (0 when absent) (`distill_xtok.student_targets`).
     Metrics (token sums over the step divided by its global valid tokens, so they add over micro-batches):
-    `loss`, `xtok_reverse_kl` (the span log-ratios: the sampled reverse KL per token), `xtok_match_kl`
-    (the exact-match term), `xtok_aligned_tokens`, `xtok_match_tokens`, `num_valid_tokens`,
+    `loss`, `xtok_reverse_kl` (the span log-ratios of every aligned span: the sampled reverse KL per
+    token), `xtok_match_kl` (the distribution term), `xtok_aligned_tokens`, `xtok_match_tokens` (those with
+    the distribution term), `xtok_span_tokens` (those with the span term), `num_valid_tokens`,
     `num_valid_samples`, and `DistillationLoss`'s on a step with same-tokenizer rows; with `task_index`,
     `kl_sum_task<i>` / `kl_tokens_task<i>` over both kinds of rows.
     """
@@ -119,7 +126,9 @@ class CrossTokenizerDistillationLoss:
         log_ratio = (student_span - batch["xtok_teacher_logprob"][:, 1:].to(device)).detach()
         # value r_s / n_s per token (the span's r_s once), gradient (r_s - b_s) * grad log p(token_j)
         baseline = batch["xtok_baseline"][:, 1:].to(device) if "xtok_baseline" in batch else torch.zeros_like(log_ratio)
-        span_term = (log_ratio / tokens.clamp(min=1) + (log_ratio - baseline) * (token_lp - token_lp.detach())) * aligned
+        covered = batch["xtok_covered"][:, 1:].to(device) > 0 if "xtok_covered" in batch else torch.zeros_like(aligned)
+        spanned = aligned & ~covered
+        span_term = (log_ratio / tokens.clamp(min=1) + (log_ratio - baseline) * (token_lp - token_lp.detach())) * spanned
 
         match = (batch["xtok_match"][:, 1:].to(device) > 0) & aligned
         forward, reverse = shared_topk_kl(shifted, batch["teacher_topk_logits"][:, 1:].to(device),
@@ -140,6 +149,7 @@ class CrossTokenizerDistillationLoss:
                 "xtok_match_kl": token_sum_mean(match_kl * match),
                 "xtok_aligned_tokens": aligned.sum().item(),
                 "xtok_match_tokens": match.sum().item(),
+                "xtok_span_tokens": spanned.sum().item(),
                 "num_valid_tokens": mask.sum().item(),
                 "num_valid_samples": sample_mask.sum().item(),
             })

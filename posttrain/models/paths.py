@@ -106,7 +106,7 @@ def vocabulary_problem(student: tuple[str, str, Optional[int]], teacher: tuple[s
         return None
     return (f"{t_key}={t_name!r} has a vocabulary of {t_size} tokens but {s_key}={s_name!r} has {s_size}: "
             "distillation compares the two models token by token, so they need the same vocabulary "
-            "(or distillation.tokenizer_alignment=auto to align them by text, experimental: docs/algorithms.md)")
+            "with distillation.tokenizer_alignment=never (auto, the default, aligns them by text: docs/algorithms.md)")
 
 
 def checkpoint_policy_dir(path: Path) -> Optional[Path]:

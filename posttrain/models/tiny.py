@@ -14,13 +14,17 @@ HF compatibility, never added automatically), `<|end|>` 3 (end of turn, and eos)
 `<|user|>` 5, `<|assistant|>` 6 (each opens a turn of that role).
 
 A second tokenizer, `pairs` (`small-pairs`, `tiny-llama-pairs`, ...: `build_pairs_tokenizer`), gives a
-teacher of another tokenizer for cross-tokenizer distillation: the two digits a text starts with are
-one token (an answer `85` is one token, `123` is `12`, `3`), every other character one token, at other
-ids than the character tokenizer's, and ChatML's turns (`<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n`).
-Only a text's leading digits pair up, so the operands inside a prompt (which starts with its role)
-stay single digits: with every two digits in a row one token, the `small` teacher's addition did not
-generalise (6.6% validation accuracy after 400 of 800 SFT steps, measured), as it must learn a table
-of pairs instead of digit-wise addition.
+teacher of another tokenizer for cross-tokenizer distillation: a number of three digits or more that a
+text starts with has its first two digits as one token (an answer `123` is `12`, `3`; `85` stays `8`,
+`5`), every other character one token, at other ids than the character tokenizer's, and ChatML's turns
+(`<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n`). So the two tokenisations of an answer
+differ (half the 2-digit sums have three digits) while the teacher's arithmetic stays digit-wise: the
+operands inside a prompt (which starts with its role) stay single digits, and the one pair an answer
+can start with is a sum's hundreds and tens, which a digit-wise model computes anyway. Measured on the
+`small` preset's 800-step SFT warm start (greedy accuracy on 500 2-digit additions): this tokenizer
+93.8-94.4% (seeds 1-3; the character tokenizer: 95.2%, seed 42); with the two leading digits of every
+answer paired (`85` one token) 55.8% (seed 42); with every two digits in a row one token 6.6% after
+400 steps (a table of pairs to learn instead of digit-wise addition).
 
 We do not prepend `<bos>`: the chat template already starts every conversation with a role
 token, and every extra token costs training time on a CPU. Chat format (no separators, so
@@ -101,6 +105,8 @@ CHATML_TEMPLATE = (
 
 # Bump when the recipe below changes, so `ensure_tiny_model` rebuilds stale cached copies.
 RECIPE_VERSION = 1
+# Bump when the `pairs` tokenizer changes (its cached models only). 2: pairs only before a third digit.
+PAIRS_VERSION = 2
 
 MAX_POSITION_EMBEDDINGS = 2048
 
@@ -133,12 +139,13 @@ def build_tokenizer(extra_special_tokens: Sequence[str] = (), chat_template: str
 
 
 def build_pairs_tokenizer() -> PreTrainedTokenizerFast:
-    """The `pairs` tokenizer (vocabulary of 201 tokens): the two digits a text (a piece between special
-    tokens) starts with are one token (`123` is `12`, `3`; `47+38` is `47`, `+`, `3`, `8`), every other
-    character one token; ChatML chat template, eos `<|im_end|>`."""
+    """The `pairs` tokenizer (vocabulary of 201 tokens): when a text (a piece between special tokens)
+    starts with three digits or more, its first two are one token (`123` is `12`, `3`; `85` is `8`, `5`;
+    `123+45` is `12`, `3`, `+`, `4`, `5`), every other character one token; ChatML chat template, eos
+    `<|im_end|>`."""
     vocab = {tok: i for i, tok in enumerate(PAIRS_SPECIAL_TOKENS + DIGIT_PAIRS + ALPHABET)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"\A[0-9][0-9]|[\s\S]"), behavior="isolated")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"\A[0-9][0-9](?=[0-9])|[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token=PAD, unk_token=UNK, bos_token=BOS, eos_token=IM_END,
@@ -308,7 +315,7 @@ def tiny_stamp(preset: str, arch: str, tokenizer: str = "char") -> dict[str, Any
     """What a cached tiny model is built from (its cache entry's stamp; the character tokenizer's
     entries keep the stamp they had before there was a second tokenizer)."""
     stamp = {"kind": "tiny-model", "recipe_version": RECIPE_VERSION, "preset": preset, "arch": arch, "seed": 0}
-    return stamp if tokenizer == "char" else {**stamp, "tokenizer": tokenizer}
+    return stamp if tokenizer == "char" else {**stamp, "tokenizer": tokenizer, "tokenizer_version": PAIRS_VERSION}
 
 
 def ensure_tiny_model(preset: str = "tiny", arch: str = "llama", tokenizer: str = "char") -> Path:

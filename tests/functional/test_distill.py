@@ -148,8 +148,8 @@ def test_teachers_of_other_tokenizers_are_aligned_by_text(tmp_path):
     """Cross-tokenizer distillation with two teachers in one run (local backend): `easy` is taught by
     `tiny-pairs` (digit pairs, ChatML turns: another vocabulary, found by itself), `hard` by `tiny`
     (the student's own weights) read through the text alignment too (`tokenizer_alignment=always`).
-    There every span is one shared token and the teacher is the student: its loss is exactly 0 at
-    step 1, which checks the teacher's prompt rendering, the re-tokenisation, the scoring and the
+    There every span is one shared token and the teacher is the student: its loss (the distribution
+    term on every token, the mass gate off) is exactly 0 at step 1, which checks the teacher's prompt rendering, the re-tokenisation, the scoring and the
     placement on the student's tokens end to end. Each teacher's accuracy is measured with its own
     tokenizer."""
     import math
@@ -161,6 +161,9 @@ def test_teachers_of_other_tokenizers_are_aligned_by_text(tmp_path):
         "{easy: {model_name: tiny-pairs, logprob_batch_size: 16, max_total_sequence_length: 48}, "
         "hard: {model_name: tiny, logprob_batch_size: 16, max_total_sequence_length: 32}}",
         "distillation.tokenizer_alignment=always", "distillation.max_val_samples=2",
+        # Untrained teachers spread their mass beyond any top-8: no mass gate, so tokens get the teacher's
+        # distribution read through the text (from the student's own weights: a KL of 0).
+        "loss_fn.xtok_match_min_mass=0",
     )
     distill.run(cfg)
 
@@ -171,6 +174,10 @@ def test_teachers_of_other_tokenizers_are_aligned_by_text(tmp_path):
         row = metrics[step]
         assert row["train/xtok/spans"] > 0 and 0 < row["train/xtok/exact_match_spans"] <= row["train/xtok/spans"]
         assert row["train/xtok_aligned_tokens"] == row["train/num_valid_tokens"] > 0  # every generated token
+        # Each token gets the teacher's distribution, or its span the span term (where the teacher's
+        # top-8 has no token going on from the span's text so far).
+        assert 0 < row["train/xtok_match_tokens"] <= row["train/xtok_aligned_tokens"]
+        assert row["train/xtok_match_tokens"] + row["train/xtok_span_tokens"] >= row["train/xtok_aligned_tokens"]
         per_task = {task: row[f"train/distill_loss/{task}"] for task in ("easy", "hard")
                     if row.get(f"train/reward_count/{task}")}
         assert all(math.isfinite(v) for v in per_task.values()), row

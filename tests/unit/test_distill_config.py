@@ -60,19 +60,20 @@ def test_vocabulary_sizes_from_presets_directories_and_the_hub_cache(tmp_path):
 
 def test_vocabulary_mismatch_names_both_keys_and_sizes(tmp_path):
     teacher = hf_dir(tmp_path / "teacher", 50257)
-    cfg = load_config("distill", overrides=["teacher_warmup=null", f"teacher.model_name={teacher}"])
-    assert cfg.distillation.tokenizer_alignment == "never"  # the default while alignment is experimental
+    cfg = load_config("distill", overrides=["teacher_warmup=null", f"teacher.model_name={teacher}",
+                                            "distillation.tokenizer_alignment=never"])
     with pytest.raises(UserError) as error:
         check_distill_vocabularies(cfg)
     assert str(error.value) == (
         f"teacher.model_name={str(teacher)!r} has a vocabulary of 50257 tokens but sft_warmup.policy.model_name="
         "'tiny' has 103: distillation compares the two models token by token, so they need the same vocabulary "
-        "(or distillation.tokenizer_alignment=auto to align them by text, experimental: docs/algorithms.md)"
+        "with distillation.tokenizer_alignment=never (auto, the default, aligns them by text: docs/algorithms.md)"
     )
     check_distill_vocabularies(load_config("distill"))  # tiny and small share the vocabulary
-    # With tokenizer_alignment=auto a teacher of another vocabulary is aligned by text instead.
-    check_distill_vocabularies(load_config("distill", overrides=["teacher_warmup=null", f"teacher.model_name={teacher}",
-                                                                 "distillation.tokenizer_alignment=auto"]))
+    # By default (tokenizer_alignment=auto) a teacher of another vocabulary is aligned by text instead.
+    default = load_config("distill", overrides=["teacher_warmup=null", f"teacher.model_name={teacher}"])
+    assert default.distillation.tokenizer_alignment == "auto"
+    check_distill_vocabularies(default)
 
 
 def test_cli_refuses_a_teacher_of_another_vocabulary_before_any_worker_starts(tmp_path):

@@ -12,7 +12,8 @@ import torch
 from posttrain.algorithms.distill_loss import DistillationLoss
 from posttrain.algorithms.distill_xtok import alignment_problem, needs_alignment, student_targets
 from posttrain.algorithms.distill_xtok_align import (
-    RowAlignment, Span, align_response, align_spans, decoded_token_ends, exact_match_map, offset_ends, same_vocabulary,
+    RowAlignment, Span, align_response, align_spans, decoded_token_ends, exact_match_map, next_token_map, offset_ends,
+    same_vocabulary, token_pieces,
 )
 from posttrain.algorithms.distill_xtok_loss import CrossTokenizerDistillationLoss, shared_topk_kl, span_sums
 from posttrain.config.loader import load_config
@@ -60,20 +61,57 @@ def test_decoded_token_ends_from_the_students_own_tokens():
 
 def test_a_response_is_re_tokenised_by_the_teacher_and_aligned():
     to_student = exact_match_map(CHAR, PAIRS)
+    # A 3-digit answer: its hundreds and tens are one teacher token (a span of 2 student tokens).
+    response = CHAR("123", add_special_tokens=False)["input_ids"] + [CHAR.eos_token_id]
+    teacher_ids, spans = align_response(CHAR, PAIRS, response, to_student)
+    assert PAIRS.convert_ids_to_tokens(teacher_ids) == ["12", "3", "<|im_end|>"]
+    assert spans == [Span(0, 2, 0, 1, False), Span(2, 3, 1, 2, True), Span(3, 4, 2, 3, True)]  # eos <-> eos
+    # A 2-digit answer: one shared token each side per character.
     response = CHAR("85", add_special_tokens=False)["input_ids"] + [CHAR.eos_token_id]
     teacher_ids, spans = align_response(CHAR, PAIRS, response, to_student)
-    assert PAIRS.convert_ids_to_tokens(teacher_ids) == ["85", "<|im_end|>"]
-    assert spans == [Span(0, 2, 0, 1, False), Span(2, 3, 1, 2, True)]  # eos <-> eos
-    response = CHAR("12+34", add_special_tokens=False)["input_ids"] + [CHAR.eos_token_id]
+    assert PAIRS.convert_ids_to_tokens(teacher_ids) == ["8", "5", "<|im_end|>"]
+    assert spans == [Span(0, 1, 0, 1, True), Span(1, 2, 1, 2, True), Span(2, 3, 2, 3, True)]
+    response = CHAR("123+4", add_special_tokens=False)["input_ids"] + [CHAR.eos_token_id]
     teacher_ids, spans = align_response(CHAR, PAIRS, response, to_student)
-    assert PAIRS.convert_ids_to_tokens(teacher_ids) == ["12", "+", "3", "4", "<|im_end|>"]
+    assert PAIRS.convert_ids_to_tokens(teacher_ids) == ["12", "3", "+", "4", "<|im_end|>"]
     assert spans == [Span(0, 2, 0, 1, False), Span(2, 3, 1, 2, True), Span(3, 4, 2, 3, True),
                      Span(4, 5, 3, 4, True), Span(5, 6, 4, 5, True)]
-    # Without a final eos (cut at max_new_tokens) there is no end span; an odd digit stands alone.
-    teacher_ids, spans = align_response(CHAR, PAIRS, CHAR("123", add_special_tokens=False)["input_ids"], to_student)
-    assert PAIRS.convert_ids_to_tokens(teacher_ids) == ["12", "3"]
-    assert spans == [Span(0, 2, 0, 1, False), Span(2, 3, 1, 2, True)]
+    # Without a final eos (cut at max_new_tokens) there is no end span.
+    teacher_ids, spans = align_response(CHAR, PAIRS, CHAR("1234", add_special_tokens=False)["input_ids"], to_student)
+    assert PAIRS.convert_ids_to_tokens(teacher_ids) == ["12", "3", "4"]
+    assert spans == [Span(0, 2, 0, 1, False), Span(2, 3, 1, 2, True), Span(3, 4, 2, 3, True)]
     assert align_response(CHAR, PAIRS, [CHAR.eos_token_id], to_student) == ([PAIRS.eos_token_id], [Span(0, 1, 0, 1, True)])
+
+
+def test_token_pieces_are_each_tokens_characters():
+    assert token_pieces(CHAR, CHAR("12+", add_special_tokens=False)["input_ids"] + [CHAR.eos_token_id]) == [
+        "1", "2", "+", ""]
+    assert token_pieces(PAIRS, PAIRS("123", add_special_tokens=False)["input_ids"]) == ["12", "3"]
+    assert token_pieces(CHAR, []) == [] and token_pieces(CHAR, [CHAR.eos_token_id]) == [""]
+
+
+def test_the_teachers_next_token_distribution_read_through_the_text():
+    reading = next_token_map(CHAR, PAIRS)
+    ids = [PAIRS.convert_tokens_to_ids(t) for t in ("12", "13", "1", "8", "<|im_end|>", "<|im_start|>")]
+    logprobs = [math.log(p) for p in (0.4, 0.2, 0.1, 0.15, 0.1, 0.05)]
+    char = CHAR.convert_tokens_to_ids
+    # The answer's first character: every teacher token starting with "1" counts for the student's "1".
+    dist, reference = reading.distribution(ids, logprobs, "")
+    assert dist.keys() == {char("1"), char("8"), CHAR.eos_token_id} and reference == 1.0
+    assert dist[char("1")] == pytest.approx(0.7) and dist[char("8")] == pytest.approx(0.15)
+    assert dist[CHAR.eos_token_id] == pytest.approx(0.1)  # <|im_start|> (special, not the eos): left out
+    # After "1": the teacher's "12" against "13"; its lone "1" ends here (its next token would tell).
+    dist, reference = reading.distribution(ids, logprobs, "1")
+    assert dist == pytest.approx({char("2"): 0.4, char("3"): 0.2}) and reference == pytest.approx(0.7)
+    assert reading.distribution(ids, logprobs, "9") == ({}, 0.0)
+    # After the teacher's token "1" (a 3-digit answer is likelier: its "14"), the next character is
+    # "4" from "14", or what the teacher writes after a lone "1" (eos 0.9, "5" 0.1) times its 0.05.
+    before = ([PAIRS.convert_tokens_to_ids(t) for t in ("14", "1", "8")], [math.log(p) for p in (0.8, 0.05, 0.1)])
+    after = ([PAIRS.eos_token_id, PAIRS.convert_tokens_to_ids("5")], [math.log(0.9), math.log(0.1)])
+    dist, reference = reading.after_token(before, "1", math.log(0.05), *after)
+    assert dist == pytest.approx({char("4"): 0.8, CHAR.eos_token_id: 0.045, char("5"): 0.005})
+    assert reference == pytest.approx(0.85)
+    assert reading.student_first("7x") == char("7") and reading.student_first("\u00e9") == -1  # <unk>: none
 
 
 def test_exact_match_vocabulary_maps_shared_strings_and_the_two_eos():
@@ -114,36 +152,62 @@ def test_what_cannot_be_aligned_is_refused_in_one_line():
 # ------------------------------------------------------------------------------ student targets
 def test_the_teachers_answer_lands_on_the_students_tokens():
     # Student row: 2 prompt tokens, response "12+" (3 tokens); teacher row: 3 prompt tokens, "12", "+".
-    row = RowAlignment(student_start=2, teacher_start=3, spans=[Span(0, 2, 0, 1, False), Span(2, 3, 1, 2, True)])
+    row = RowAlignment(student_start=2, teacher_start=3, spans=[Span(0, 2, 0, 1, False), Span(2, 3, 1, 2, True)],
+                       pieces=["1", "2", "+"])
+    t = PAIRS.convert_tokens_to_ids
+    c = CHAR.convert_tokens_to_ids
     token_logprobs = torch.tensor([[0.0, -9.0, -9.0, -0.25, -0.5, -9.0]])
-    topk_logits = torch.zeros(1, 6, 3)
-    topk_logits[0, 4] = torch.tensor([3.0, 2.0, 1.0])
+    topk_logits = torch.full((1, 6, 3), -20.0)
     topk_indices = torch.zeros(1, 6, 3, dtype=torch.long)
-    topk_indices[0, 4] = torch.tensor([7, 5, 9])  # teacher ids; 5 has no student counterpart
-    to_student = torch.tensor([-1, -1, -1, -1, -1, -1, -1, 40, -1, 41])
-    # The teacher's top-k is its whole distribution here: the shared ids 7 and 9 hold (e^3 + e^1) /
-    # (e^3 + e^2 + e^1) = 0.755 of it.
+    # At "12": the teacher's top-3 "12", "1", "8" (probabilities 0.5, 0.25, 0.25 of its whole distribution).
+    topk_logits[0, 3] = torch.tensor([0.5, 0.25, 0.25]).log()
+    topk_indices[0, 3] = torch.tensor([t("12"), t("1"), t("8")])
+    # At "+": "+", "<|im_start|>" (special, no student counterpart), "7".
+    topk_logits[0, 4] = torch.tensor([0.6, 0.3, 0.1]).log()
+    topk_indices[0, 4] = torch.tensor([t("+"), t("<|im_start|>"), t("7")])
     scored = {"token_logprobs": token_logprobs, "topk_logits": topk_logits, "topk_indices": topk_indices,
-              "logsumexp": topk_logits.logsumexp(-1)}
-    out = student_targets([row], scored, seq_len=6, to_student=to_student)
+              "logsumexp": torch.zeros(1, 6)}
+    reading = next_token_map(CHAR, PAIRS)
+    out = student_targets([row], scored, seq_len=6, next_tokens=reading)
     assert out["xtok_span"].tolist() == [[-1, -1, 0, 0, 1, -1]]
     assert out["xtok_teacher_logprob"].tolist() == [[0.0, 0.0, -0.25, -0.25, -0.5, 0.0]]
-    assert out["xtok_match"].tolist() == [[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]]
-    assert out["teacher_topk_indices"][0, 4].tolist() == [40, 0, 41]
-    assert out["teacher_topk_valid"][0, 4].tolist() == [True, False, True]
-    assert out["teacher_topk_logits"][0, 4].tolist() == [3.0, 2.0, 1.0]
-    assert not out["teacher_topk_valid"][0, :4].any() and out["xtok_row"].tolist() == [1.0]
+    assert out["xtok_match"].tolist() == [[0.0, 0.0, 1.0, 1.0, 1.0, 0.0]]
+    assert out["xtok_covered"].tolist() == [[0.0, 0.0, 1.0, 1.0, 1.0, 0.0]]
+    # "1": 0.75 ("12", "1"), "8": 0.25; after "1": "2" 0.5 alone (the lone "1" ends there); "+": 0.6
+    # against "7": 0.1.
+    assert out["teacher_topk_indices"][0, 2].tolist() == [c("1"), c("8"), 0]
+    assert out["teacher_topk_logits"][0, 2, :2].exp().tolist() == pytest.approx([0.75, 0.25])
+    assert out["teacher_topk_valid"][0, 2].tolist() == [True, True, False]
+    assert out["teacher_topk_indices"][0, 3, 0].item() == c("2") and out["teacher_topk_valid"][0, 3].sum() == 1
+    assert out["teacher_topk_logits"][0, 3, 0].exp().item() == pytest.approx(0.5)
+    assert out["teacher_topk_indices"][0, 4, :2].tolist() == [c("+"), c("7")]
+    assert out["teacher_topk_logits"][0, 4, :2].exp().tolist() == pytest.approx([0.6, 0.1])
+    assert not out["teacher_topk_valid"][0, :2].any() and out["xtok_row"].tolist() == [1.0]
     # With the generation's log-probabilities, each span's baseline is the mean log-ratio of the spans
     # at its place: one row here, so its own (-0.75 - -0.25 and -1.0 - -0.5).
     generated = torch.tensor([[0.0, 0.0, -0.5, -0.25, -1.0, 0.0]])
     with_baseline = student_targets([row, row], {k: v.expand(2, *v.shape[1:]) for k, v in scored.items()}, seq_len=6,
-                                    to_student=to_student, generation_logprobs=torch.cat([generated, generated - 1.0]))
+                                    next_tokens=reading, generation_logprobs=torch.cat([generated, generated - 1.0]))
     assert with_baseline["xtok_baseline"].tolist() == [[0.0, 0.0, -1.5, -1.5, -1.0, 0.0]] * 2  # means of 2 rows
     assert out["xtok_baseline"].abs().sum() == 0
-    # Below the teacher's shared mass the span keeps its log-ratio but loses the distribution term.
-    strict = student_targets([row], scored, seq_len=6, to_student=to_student, min_shared_mass=0.76)
-    assert strict["xtok_match"].sum() == 0 and not strict["teacher_topk_valid"].any()
+    # Below the teacher's mass the student's tokens reach, a token loses the distribution term and its
+    # span is left to the span term: "1" reaches all of it, "+" 0.7, "2" after "1" 0.5 of 0.75.
+    strict = student_targets([row], scored, seq_len=6, next_tokens=reading, min_shared_mass=0.68)
+    assert strict["xtok_match"].tolist() == [[0.0, 0.0, 1.0, 0.0, 1.0, 0.0]]
+    assert strict["xtok_covered"].tolist() == [[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]]
+    stricter = student_targets([row], scored, seq_len=6, next_tokens=reading, min_shared_mass=0.8)
+    assert stricter["xtok_match"].tolist() == [[0.0, 0.0, 1.0, 0.0, 0.0, 0.0]] and stricter["xtok_covered"].sum() == 0
     assert strict["xtok_span"].tolist() == out["xtok_span"].tolist()
+    # With the teacher's token texts, the "+" after its "12" (log-probability -0.25, no longer token
+    # starting with "12" in its top-k) gets the distribution there times e^-0.25: the same once renormalised.
+    texts = RowAlignment(row.student_start, row.teacher_start, row.spans, row.pieces, teacher_pieces=["12", "+"])
+    boundary = student_targets([texts], scored, seq_len=6, next_tokens=reading)
+    assert boundary["teacher_topk_logits"][0, 4, :2].exp().tolist() == pytest.approx([0.6 * math.exp(-0.25),
+                                                                                      0.1 * math.exp(-0.25)])
+    assert boundary["xtok_match"].tolist() == out["xtok_match"].tolist()
+    # A span of two teacher tokens has no distribution term.
+    two = RowAlignment(student_start=2, teacher_start=3, spans=[Span(0, 3, 0, 2, False)], pieces=["1", "2", "+"])
+    assert student_targets([two], scored, seq_len=6, next_tokens=reading)["xtok_match"].sum() == 0
 
 
 # ------------------------------------------------------------------------------------------ loss
@@ -267,9 +331,11 @@ def test_teachers_of_another_tokenizer_are_found_and_refused_before_any_worker_s
 def test_the_digit_pair_tokenizer_and_its_model_names():
     from posttrain.models.paths import model_vocab_size, parse_tiny_name, tiny_tokenizer_kind
 
-    # Only the two digits a text starts with pair up: an answer's, not a prompt's operands.
+    # Only the two digits a text starts with pair up, and only before a third: a 3-digit answer's
+    # hundreds and tens, not a 2-digit answer, nor a prompt's operands.
     encoded = PAIRS("123+45=", add_special_tokens=False)
     assert PAIRS.convert_ids_to_tokens(encoded["input_ids"]) == ["12", "3", "+", "4", "5", "="]
+    assert PAIRS.convert_ids_to_tokens(PAIRS("85", add_special_tokens=False)["input_ids"]) == ["8", "5"]
     assert PAIRS.decode(encoded["input_ids"]) == "123+45="
     encoded = PAIRS("<|im_start|>user\n47+38=", add_special_tokens=False)
     assert PAIRS.convert_ids_to_tokens(encoded["input_ids"]) == [
@@ -296,3 +362,45 @@ def test_the_baseline_changes_the_gradient_not_the_value():
     r0, r1 = -2 * math.log(3) + 1.0, -math.log(3) + 0.5
     assert torch.allclose(with_baseline.grad[0, 1], plain.grad[0, 1] * (r0 - 0.25) / r0, atol=1e-6)
     assert torch.allclose(with_baseline.grad[0, 3], plain.grad[0, 3] * (r1 + 0.5) / r1, atol=1e-6)
+
+
+def test_a_span_the_teachers_distribution_covers_has_no_span_term():
+    # Span 1 (token 3) is covered: only the distribution term there; span 0 keeps its span term.
+    batch = {**cross_batch(), "xtok_covered": torch.tensor([[0.0, 0.0, 0.0, 1.0]])}
+    logits = torch.zeros(1, 4, 3, requires_grad=True)
+    loss, metrics = CrossTokenizerDistillationLoss()(logits, batch, 1, 3)
+    r0, r1 = -2 * math.log(3) + 1.0, -math.log(3) + 0.5
+    q = torch.softmax(torch.tensor([2.0, 0.0]), 0)
+    match_kl = float((q * (q.log() - math.log(0.5))).sum())
+    assert loss.item() == pytest.approx((r0 + match_kl) / 3, abs=1e-6)
+    assert metrics["xtok_reverse_kl"] == pytest.approx((r0 + r1) / 3, abs=1e-6)  # still over every span
+    assert (metrics["xtok_span_tokens"], metrics["xtok_match_tokens"]) == (2, 1)
+    loss.backward()
+    expected_3 = torch.zeros(3)
+    expected_3[:2] = (torch.full((2,), 0.5) - q) / 3  # the forward KL's gradient alone
+    assert torch.allclose(logits.grad[0, 3], expected_3, atol=1e-6)
+
+
+def test_gradient_steps_move_the_student_toward_the_teacher():
+    # Two rows answering the same token 1 after a prompt token, each a span of its own: the teacher
+    # gives it -0.1 in row 0 (likes it) and -3.0 in row 1; the baseline is the rows' mean log-ratio.
+    p = -math.log(3)  # a uniform student
+    batch = {"input_ids": torch.tensor([[0, 1], [0, 1]]), "token_mask": torch.tensor([[0.0, 1.0], [0.0, 1.0]]),
+             "sample_mask": torch.ones(2), "xtok_row": torch.ones(2), "xtok_span": torch.tensor([[-1, 0], [-1, 0]]),
+             "xtok_teacher_logprob": torch.tensor([[0.0, -0.1], [0.0, -3.0]]), "xtok_match": torch.zeros(2, 2),
+             "teacher_topk_logits": torch.zeros(2, 2, 2), "teacher_topk_indices": torch.zeros(2, 2, 2, dtype=torch.long),
+             "teacher_topk_valid": torch.zeros(2, 2, 2, dtype=torch.bool),
+             "xtok_baseline": torch.full((2, 2), ((p + 0.1) + (p + 3.0)) / 2)}
+    logits = torch.zeros(2, 2, 3, requires_grad=True)
+    CrossTokenizerDistillationLoss()(logits, batch, 2, 2)[0].backward()
+    stepped = torch.log_softmax(logits.detach() - 1.0 * logits.grad, -1)
+    assert stepped[0, 1, 1] > p > stepped[1, 1, 1]  # up where the teacher likes it more than on average
+    # r - b = -1.45 and +1.45, over 2 tokens: the gradient on the sampled logit is (r - b) / 2 x (1 - 1/3).
+    assert logits.grad[0, 1, 1].item() == pytest.approx(-1.45 / 2 * 2 / 3, abs=1e-6)
+    # The distribution term: one SGD step brings the student's two shared tokens toward the teacher's 0.88 / 0.12.
+    batch = {**cross_batch(), "xtok_covered": torch.ones(1, 4)}
+    logits = torch.zeros(1, 4, 3, requires_grad=True)
+    CrossTokenizerDistillationLoss()(logits, batch, 1, 3)[0].backward()
+    before, after = torch.softmax(torch.zeros(2), 0), torch.softmax((logits.detach() - 3.0 * logits.grad)[0, 3, :2], 0)
+    q = torch.softmax(torch.tensor([2.0, 0.0]), 0)
+    assert (after - q).abs().sum() < (before - q).abs().sum() and after[0] > before[0]

@@ -28,7 +28,7 @@ def seeds():
 def test_accuracies_are_the_first_and_last_validation_per_metric(seeds, tmp_path):
     rows = [
         {"step": 0, "validation/accuracy_greedy": 0.4, "validation/accuracy_greedy/arith": 0.25,
-         "validation_unseen/accuracy_greedy": 0.3},
+         "validation_unseen/accuracy_greedy": 0.3, "validation/teacher_accuracy": 0.9},
         {"step": 1, "train/reward": 0.5},
         {"step": 25, "validation/accuracy_greedy": 0.6, "validation/accuracy_greedy/arith": 0.5,
          "validation_unseen/accuracy_greedy": 0.45, "train/loss": 1.0},
@@ -41,6 +41,7 @@ def test_accuracies_are_the_first_and_last_validation_per_metric(seeds, tmp_path
     assert got["validation/accuracy_greedy@gain"] == pytest.approx(20.0)
     assert got["validation/accuracy_greedy/arith@gain"] == pytest.approx(25.0)
     assert got["validation_unseen/accuracy_greedy@last"] == pytest.approx(45.0)
+    assert got["validation/teacher_accuracy@last"] == pytest.approx(90.0)  # a distillation's, measured once
     assert not any(k.startswith("train/") for k in got)
 
 
@@ -52,7 +53,8 @@ def test_summary_is_mean_sample_sd_min_max(seeds):
     assert seeds.summary([50.0])["sd"] == 0.0
 
 
-@pytest.mark.parametrize("name", ["main", "vl", "custom", "ppo", "ppo_async", "dpo", "rm", "distill", "recipe"])
+@pytest.mark.parametrize("name", ["main", "vl", "custom", "ppo", "ppo_async", "dpo", "rm", "distill", "distill_xtok",
+                                  "recipe"])
 def test_every_showcase_command_takes_the_seed(seeds, name, tmp_path):
     showcase = seeds.SHOWCASES[name]
     argv = showcase.argv(7, tmp_path)

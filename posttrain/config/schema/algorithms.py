@@ -346,14 +346,14 @@ class DistillationConfig(ValidatedLoopConfig):
     val_batch_size: int = Field(256, ge=1, description="Validation prompts generated per batch.")
     seed: int = Field(42, description="Seed of prompt order and sampling.")
     tokenizer_alignment: Literal["auto", "always", "never"] = Field(
-        "never",
-        description="How a teacher reads the student's answers. 'never' (default): as token ids, refusing a teacher "
-        "of another vocabulary in one line. 'auto' (experimental): as token ids when its vocabulary is the "
-        "student's, else re-tokenised from their text and aligned by character offsets (cross-tokenizer "
-        "distillation; the idea of TRL's GOLD and NeMo-RL's x-token distillation): span log-ratios plus an "
-        "exact-match top-k KL (loss_fn.xtok_span_weight, loss_fn.xtok_match_weight). 'always': align every "
-        "teacher by text. Off by default because on the tiny example (examples/configs/distill_xtok_tiny.yaml) "
-        "it lowered the student's accuracy (docs/algorithms.md).",
+        "auto",
+        description="How a teacher reads the student's answers. 'auto' (default): as token ids when its vocabulary "
+        "is the student's, else re-tokenised from their text and aligned by character offsets (cross-tokenizer "
+        "distillation; the idea of TRL's GOLD and NeMo-RL's x-token distillation): the teacher's next-token "
+        "distribution read through the text, and span log-ratios where it does not reach (loss_fn.xtok_match_weight, "
+        "loss_fn.xtok_span_weight). Default auto: on the tiny example (examples/configs/distill_xtok_tiny.yaml) it "
+        "moved every seed's student toward its teacher (docs/algorithms.md). 'always': align every teacher by "
+        "text. 'never': as token ids, refusing a teacher of another vocabulary in one line.",
     )
 
 
@@ -373,15 +373,17 @@ class DistillationLossConfig(Section):
     )
     xtok_span_weight: float = Field(
         1.0, ge=0,
-        description="Cross-tokenizer teachers: weight of the span term, the sampled reverse KL of each aligned span "
-        "(student minus teacher log-probability of the same text) as a policy-gradient signal on its tokens "
-        "(Agarwal et al. 2024, arXiv:2306.13649). Default 1.0: the term that reaches every aligned token.",
+        description="Cross-tokenizer teachers: weight of the span term, on the aligned spans the teacher's next-token "
+        "distribution does not cover: the sampled reverse KL of the span (student minus teacher log-probability of "
+        "the same text) as a policy-gradient signal on its tokens (Agarwal et al. 2024, arXiv:2306.13649; Thinking "
+        "Machines' on-policy distillation, 2025). Default 1.0: the one signal such spans get.",
     )
     xtok_match_weight: float = Field(
         1.0, ge=0,
-        description="Cross-tokenizer teachers: weight of the exact-match term, kl_type's KL over the teacher's top-k "
-        "tokens the student's vocabulary shares, at spans of one token each side of the same string (as TRL's "
-        "GOLD on the shared vocabulary). Default 1.0: as dense as the same-tokenizer KL where it applies.",
+        description="Cross-tokenizer teachers: weight of the distribution term, kl_type's KL between the student's "
+        "next-token distribution and the teacher's read through the text (where an aligned span is one teacher "
+        "token: each teacher token's probability goes to the student token its text starts with; on tokens of "
+        "one string, TRL's GOLD / ULD KL over the shared vocabulary). Default 1.0: the same-tokenizer KL's weight.",
     )
     xtok_span_baseline: bool = Field(
         True,
@@ -391,9 +393,10 @@ class DistillationLossConfig(Section):
     )
     xtok_match_min_mass: float = Field(
         0.5, ge=0, le=1,
-        description="Cross-tokenizer teachers: the exact-match term applies where the teacher's top-k puts at least "
-        "this probability on tokens the student's vocabulary shares. Default 0.5: elsewhere the teacher spells the "
-        "text its own way (e.g. a digit pair), and its shared tokens, renormalised, would pull the student toward "
-        "what the teacher itself finds unlikely (measured: without it the example's student collapsed to empty "
-        "answers).",
+        description="Cross-tokenizer teachers: the distribution term applies at a student token where the student "
+        "tokens the teacher's top-k reaches hold at least this share of the teacher's probability (after a span's "
+        "first token, of its tokens that start with the span's text so far). Default 0.5: below it the teacher "
+        "means a continuation the student cannot spell in one token, and the rest, renormalised, would pull the "
+        "student toward what the teacher itself finds unlikely (measured: without it the example's student, then "
+        "taught through exact matches only, collapsed to empty answers).",
     )
