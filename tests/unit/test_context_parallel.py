@@ -130,6 +130,40 @@ def make_rows(vocab: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "input_lengths": lengths}
 
 
+def one_process_run(model_name, rows, weights):
+    """The model's logprobs of whole rows in one process, and the gradients of their weighted sum."""
+    from posttrain.distributed.batch import Batch
+    from posttrain.models.hf import load_causal_lm
+    from posttrain.models.policy.forward import MicroBatch, microbatch_logprobs
+
+    reference = load_causal_lm(model_name)
+    logprobs = microbatch_logprobs(reference, MicroBatch(Batch(rows), torch.arange(len(LENGTHS))),
+                                   torch.device("cpu"), torch.float32)
+    (logprobs * weights).sum().backward()
+    return logprobs.detach(), {name: p.grad for name, p in reference.named_parameters()}
+
+
+def ring_run(model_name, rows, weights, group, ref_grads, check_each=False, **options):
+    """This CP rank's logprobs through the ring, and the largest difference of the gradients summed
+    over the CP ranks (what FSDP's reduce-scatter does) from `ref_grads`; with `check_each` each
+    gradient is also checked to 1e-4 relative (the unpacked llama rows: Gemma 3's embedding
+    gradients, sums over the window's masked float32 tiles, differ by up to 3e-6 absolute there)."""
+    from posttrain.models.hf import load_causal_lm
+
+    model = load_causal_lm(model_name)
+    cpmod.enable_ring_attention(model)
+    logprobs = cpmod.microbatch_logprobs(model, rows, torch.device("cpu"), group, 2, **options)
+    (logprobs * weights).sum().backward()
+    worst = 0.0
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        worst = max(worst, (grad - ref_grads[name]).abs().max().item())
+        if check_each:
+            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{model_name} {name}: {m}")
+    return logprobs.detach(), worst
+
+
 def rank_main(rank: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -168,62 +202,24 @@ def rank_main(rank: int, port: int, results) -> None:
     # The tiny model's logprobs and gradients, plain and fused, against one process's whole rows.
     rows = make_rows(100)
     weights = torch.randn(len(LENGTHS), max(LENGTHS), generator=torch.Generator().manual_seed(2))
-    reference = load_causal_lm("tiny")
-    ref_logprobs = microbatch_logprobs(reference, MicroBatch(Batch(rows), torch.arange(3)), torch.device("cpu"),
-                                       torch.float32)
-    (ref_logprobs * weights).sum().backward()
-    ref_grads = {name: p.grad for name, p in reference.named_parameters()}
-    out["reference"] = ref_logprobs.detach()
+    out["reference"], ref_grads = one_process_run("tiny", rows, weights)
     for fused in (False, True):
-        model = load_causal_lm("tiny")
-        cpmod.enable_ring_attention(model)
-        logprobs = cpmod.microbatch_logprobs(model, rows, torch.device("cpu"), group, 2, fused=fused)
-        (logprobs * weights).sum().backward()
-        worst = 0.0
-        for name, p in model.named_parameters():
-            grad = p.grad.clone()
-            dist.all_reduce(grad, group=group)  # what FSDP's reduce-scatter does over the CP ranks
-            worst = max(worst, (grad - ref_grads[name]).abs().max().item())
-            torch.testing.assert_close(grad, ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
-        out[f"logprobs_fused={fused}"] = logprobs.detach()
-        out[f"grads_fused={fused}"] = worst
+        out[f"logprobs_fused={fused}"], out[f"grads_fused={fused}"] = ring_run(
+            "tiny", rows, weights, group, ref_grads, check_each=True, fused=fused)
     # The same rows packed into one row of three sequences (13 + 5 + 9 = 27 tokens, padded to 28):
     # attention must stay within each sequence and rotary positions restart with it.
     from posttrain.data.packing import pack_sequences
 
     packed = pack_sequences(rows["input_ids"], rows["input_lengths"], [[0, 1, 2]])[0]
     for fused in (False, True):
-        model = load_causal_lm("tiny")
-        cpmod.enable_ring_attention(model)
-        logprobs = cpmod.microbatch_logprobs(model, rows, torch.device("cpu"), group, 2, fused=fused, packed=packed)
-        (logprobs * weights).sum().backward()
-        worst = 0.0
-        for name, p in model.named_parameters():
-            grad = p.grad.clone()
-            dist.all_reduce(grad, group=group)
-            worst = max(worst, (grad - ref_grads[name]).abs().max().item())
-        out[f"packed_logprobs_fused={fused}"] = logprobs.detach()
-        out[f"packed_grads_fused={fused}"] = worst
+        out[f"packed_logprobs_fused={fused}"], out[f"packed_grads_fused={fused}"] = ring_run(
+            "tiny", rows, weights, group, ref_grads, fused=fused, packed=packed)
     # Gemma 3 (a sliding-window layer of 8 positions, which the 13-token row runs past, and a
     # global one): the ring cut to the window, on rows and packed.
-    reference = load_causal_lm("tiny-gemma3")
-    ref_logprobs = microbatch_logprobs(reference, MicroBatch(Batch(rows), torch.arange(3)), torch.device("cpu"),
-                                       torch.float32)
-    (ref_logprobs * weights).sum().backward()
-    ref_grads = {name: p.grad for name, p in reference.named_parameters()}
-    out["gemma3_reference"] = ref_logprobs.detach()
+    out["gemma3_reference"], ref_grads = one_process_run("tiny-gemma3", rows, weights)
     for kind, packing in (("rows", None), ("packed", packed)):
-        model = load_causal_lm("tiny-gemma3")
-        cpmod.enable_ring_attention(model)
-        logprobs = cpmod.microbatch_logprobs(model, rows, torch.device("cpu"), group, 2, packed=packing)
-        (logprobs * weights).sum().backward()
-        worst = 0.0
-        for name, p in model.named_parameters():
-            grad = p.grad.clone()
-            dist.all_reduce(grad, group=group)
-            worst = max(worst, (grad - ref_grads[name]).abs().max().item())
-        out[f"gemma3_{kind}_logprobs"] = logprobs.detach()
-        out[f"gemma3_{kind}_grads"] = worst
+        out[f"gemma3_{kind}_logprobs"], out[f"gemma3_{kind}_grads"] = ring_run(
+            "tiny-gemma3", rows, weights, group, ref_grads, packed=packing)
     dist.destroy_process_group()
     results[rank] = out
 
