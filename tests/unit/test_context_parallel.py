@@ -33,20 +33,28 @@ def test_load_balanced_positions_cover_the_sequence_once():
         cpmod.load_balanced_positions(10, 2, 0)
 
 
-def test_ring_attention_of_one_rank_is_causal_attention():
-    """cp=1 (no process group): the blockwise maths equals SDPA, forward and backward, with GQA."""
+def assert_one_rank_ring_is_sdpa(length: int, window=None) -> None:
+    """cp=1 (no process group): the ring's blockwise maths equals SDPA with the causal mask (cut to
+    `window` past positions when given), forward and backward, with GQA (4 query heads, 2 k/v)."""
     torch.manual_seed(0)
-    q = torch.randn(2, 4, 6, 8, requires_grad=True)
-    k, v = (torch.randn(2, 2, 6, 8, requires_grad=True) for _ in range(2))
-    group = cpmod.ContextParallelGroup(None, 1, 6)
-    out = cpmod.RingAttention.apply(q, k, v, group, 8 ** -0.5, 2)
-    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    q = torch.randn(2, 4, length, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2, length, 8, requires_grad=True) for _ in range(2))
+    out = cpmod.RingAttention.apply(q, k, v, cpmod.ContextParallelGroup(None, 1, length), 8 ** -0.5, 2, window)
+    index = torch.arange(length)
+    mask = index[None, :] <= index[:, None]
+    if window is not None:
+        mask &= index[:, None] - index[None, :] < window
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     weights = torch.randn_like(out)
     grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
     ref_grads = torch.autograd.grad((ref * weights).sum(), (q, k, v))
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_ring_attention_of_one_rank_is_causal_attention():
+    assert_one_rank_ring_is_sdpa(6)
 
 
 @pytest.mark.parametrize("cp_size,boundaries", [(2, None), (2, (0, 5, 6, 13, 16)), (3, (0, 1, 9, 10, 24)),
@@ -107,19 +115,7 @@ def test_ring_attention_with_a_sliding_window_is_windowed_causal_attention(monke
     """cp=1: a sliding-window layer's ring attention (tiles of 4 queries: dense and masked blocks)
     equals SDPA with the window's mask, forward and backward, with GQA."""
     monkeypatch.setattr(cpmod, "WINDOW_TILE_MIN", 4)
-    torch.manual_seed(0)
-    q = torch.randn(2, 4, 12, 8, requires_grad=True)
-    k, v = (torch.randn(2, 2, 12, 8, requires_grad=True) for _ in range(2))
-    out = cpmod.RingAttention.apply(q, k, v, cpmod.ContextParallelGroup(None, 1, 12), 8 ** -0.5, 2, window)
-    index = torch.arange(12)
-    mask = (index[None, :] <= index[:, None]) & (index[:, None] - index[None, :] < window)
-    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    weights = torch.randn_like(out)
-    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
-    ref_grads = torch.autograd.grad((ref * weights).sum(), (q, k, v))
-    for got, want in zip(grads, ref_grads):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert_one_rank_ring_is_sdpa(12, window)
 
 
 def make_rows(vocab: int) -> dict[str, torch.Tensor]:
