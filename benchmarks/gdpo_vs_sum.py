@@ -86,12 +86,11 @@ def trainer_for(task: str, variant: str, steps: int, seed: int, warm_steps: int,
     common = {"grpo.max_num_steps": steps, "grpo.val_period": steps, "seed": seed, **options,
               "logger.log_dir": log_dir, "checkpointing.enabled": False,
               "logger.tensorboard_enabled": False, "logger.progress_bar": False}
+    weight = 1.0 if other_weight is None else other_weight
     if task == "rare":
-        weight = 1.0 if other_weight is None else other_weight
         # The embedded default's data and warm start, only shorter: its 600 steps leave few wrong answers.
         return GRPO(reward_funcs=[correct, judge], reward_weights=[1.0, weight],
                     config={"sft_warmup.sft.max_num_steps": warm_steps, **common})
-    weight = 1.0 if other_weight is None else other_weight
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 100) for b in (13, 47, 81)]
     return GRPO(model="tiny", reward_funcs=[first_digit, last_digit, exact], reward_weights=[1.0, weight, 0.0],
                 train_dataset=rows[::2], eval_dataset=rows[1::2],

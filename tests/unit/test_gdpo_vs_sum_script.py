@@ -37,3 +37,14 @@ def test_table_pairs_each_variant_with_grpo_by_seed(bench):
 
 def test_table_without_grpo_has_no_differences(bench):
     assert bench.table({"gdpo": [{"exact after": 1.0}]}) == [("exact after", ["1.000 +- 0.000 [1.000, 1.000]"])]
+
+
+def test_the_rare_tasks_rewards(bench):
+    # correct: the completion's last number, as the math environment's last_number format reads it.
+    assert bench.correct(["12+34="] * 4, ["46", "so 45, no: 46", "46 or 45", ""], ["46"] * 4) == [1.0, 1.0, 0.0, 0.0]
+    # judge: 0 or 1, the same for the same text, blind to correctness (about half of 400 texts score 1).
+    prompts, completions = [f"{a}+1=" for a in range(400)], [str(a + 1) for a in range(400)]
+    scores = bench.judge(prompts, completions)
+    assert set(scores) == {0.0, 1.0} and scores == bench.judge(prompts, completions)
+    assert 150 < sum(scores) < 250
+    assert bench.VARIANTS["grpo-correct-only"] == ({"grpo.adv_estimator.name": "grpo"}, 0.0)
