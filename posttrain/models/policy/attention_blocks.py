@@ -60,8 +60,10 @@ def _scores(q, k, causal, scale, visible=None):
 def _matmul_forward(q, k, v, causal, scale, visible=None):
     scores = _scores(q, k, causal, scale, visible)
     lse = torch.logsumexp(scores, dim=-1)
-    # A query that sees no key of the block (a window's edge): lse -inf, its output 0, not NaN.
-    return torch.matmul(torch.exp(scores - lse[..., None]).nan_to_num(0.0), v.float()), lse
+    probs = torch.exp(scores - lse[..., None])
+    if visible is not None:  # a query that sees no key of the block (a window's edge): lse -inf, output 0, not NaN
+        probs = probs.nan_to_num(0.0)
+    return torch.matmul(probs, v.float()), lse
 
 
 def _matmul_backward(grad_out, q, k, v, out, lse, causal, scale, visible=None):
