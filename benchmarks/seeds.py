@@ -97,9 +97,11 @@ SHOWCASES = {
     "distill_xtok": Showcase("distill", "examples/configs/distill_xtok_tiny.yaml"),
     "api": Showcase("api"),
     "recipe": Showcase("grpo", "examples/recipes/nemotron_mini.yaml"),
-    "gemma_base": Showcase("grpo", "examples/recipes/gemma3_base.yaml"),
-    "gemma_sft": Showcase("grpo", "examples/recipes/gemma3_base_sft.yaml"),
-    "gemma_smollm2": Showcase("grpo", "examples/recipes/gemma3_base.yaml", overrides=("policy.model_name=smollm2-135m-instruct",)),
+    # No checkpoints: each would hold 3 GB (Gemma's weights and AdamW state), 27 GB for 3 variants x 3 seeds.
+    "gemma_base": Showcase("grpo", "examples/recipes/gemma3_base.yaml", overrides=("checkpointing.enabled=false",)),
+    "gemma_sft": Showcase("grpo", "examples/recipes/gemma3_base_sft.yaml", overrides=("checkpointing.enabled=false",)),
+    "gemma_smollm2": Showcase("grpo", "examples/recipes/gemma3_base.yaml",
+                              overrides=("checkpointing.enabled=false", "policy.model_name=smollm2-135m-instruct")),
 }
 
 
