@@ -20,8 +20,14 @@ on an AVX2-only CPU (docs/performance.md, "CPU kinds", says how close that comes
 Showcases (`--list` prints them with their commands): main (`posttrain grpo`, the embedded
 default), vl (the vision example), custom (the custom-environment example), ppo, ppo_async, dpo, rm,
 distill, distill_xtok (the cross-tokenizer distillation example), api (the README's Python API
-example, from scratch) and recipe (the nemotron_mini recipe, about 30 minutes a seed on 2 AVX-512
-cores).
+example, from scratch), recipe (the nemotron_mini recipe, about 30 minutes a seed on 2 AVX-512
+cores), and the three variants of the gemma3_base recipe (RL from a base model,
+docs/recipes/gemma3-base.md; 10-12 minutes a seed): gemma_base (Gemma 3 270M base, no SFT),
+gemma_sft (after a 20-step SFT warm start) and gemma_smollm2 (SmolLM2-135M-Instruct, same tasks
+and budget):
+
+    ./run.sh python benchmarks/seeds.py gemma_base --seeds 1 2 3 --json results/gemma_base.json --keep runs/gemma_base \
+        --train-metric train/format_rate/math --train-metric train/format_rate/quiz
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ class Showcase:
     command: str
     config: str | None = None
     cwd: str = "."
+    overrides: tuple[str, ...] = ()  # the showcase's own key=value overrides, before the command line's
 
     def argv(self, seed: int, workdir: Path, overrides: tuple[str, ...] = ()) -> list[str]:
         if self.command == "api":
@@ -74,7 +81,7 @@ class Showcase:
         argv = [sys.executable, "-m", "posttrain", self.command]
         if self.config:
             argv += ["--config", str(REPO / self.config)]
-        return argv + [f"seed={seed}", f"logger.log_dir={workdir}/logs", "logger.progress_bar=false",
+        return argv + [*self.overrides, f"seed={seed}", f"logger.log_dir={workdir}/logs", "logger.progress_bar=false",
                        f"checkpointing.checkpoint_dir={workdir}/checkpoints", *overrides]
 
 
@@ -90,6 +97,11 @@ SHOWCASES = {
     "distill_xtok": Showcase("distill", "examples/configs/distill_xtok_tiny.yaml"),
     "api": Showcase("api"),
     "recipe": Showcase("grpo", "examples/recipes/nemotron_mini.yaml"),
+    # No checkpoints: each would hold 3 GB (Gemma's weights and AdamW state), 27 GB for 3 variants x 3 seeds.
+    "gemma_base": Showcase("grpo", "examples/recipes/gemma3_base.yaml", overrides=("checkpointing.enabled=false",)),
+    "gemma_sft": Showcase("grpo", "examples/recipes/gemma3_base_sft.yaml", overrides=("checkpointing.enabled=false",)),
+    "gemma_smollm2": Showcase("grpo", "examples/recipes/gemma3_base.yaml",
+                              overrides=("checkpointing.enabled=false", "policy.model_name=smollm2-135m-instruct")),
 }
 
 

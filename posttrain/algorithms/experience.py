@@ -20,6 +20,7 @@ import torch
 
 from posttrain.algorithms import adaptive_entropy
 from posttrain.algorithms import advantages as adv
+from posttrain.algorithms.format_reward import format_flags, format_metrics
 from posttrain.algorithms.loop import SIGNAL_METRIC
 from posttrain.data.message_log import flatten_message_logs
 from posttrain.data.sample import Sample
@@ -30,7 +31,7 @@ from posttrain.utils.timer import Timer
 
 log = logging.getLogger("posttrain.grpo")
 
-SHAPING_COMPONENT = "shaping"  # GDPO's component for what reward shaping adds to the environments' rewards
+SHAPING_COMPONENT = "shaping"  # GDPO's component for what reward shaping (the format reward too) adds to the rewards
 
 
 @dataclass
@@ -94,6 +95,10 @@ def score_groups(ctx: Any, result: Any, num_groups: int, version: int) -> list[P
     if lp.enabled and ctx.step >= lp.warmup_steps:  # Kimi k1.5: correctness from the environment's reward
         rewards = rewards + lp.weight * adv.length_reward(result.rewards, response_lengths(samples), group_ids,
                                                           sample_mask, correct_reward=lp.correct_reward)
+    fr = cfg.reward_shaping.format_reward
+    in_format = format_flags(fr, samples) if fr.weight > 0 else None
+    if in_format is not None:  # R1-Zero: a small reward for the answer format, beside correctness
+        rewards = rewards + fr.weight * in_format
     if adv.takes_values(g.adv_estimator.name):  # a critic's (PPO): per token, once the critic has valued the batch
         advantages = torch.zeros_like(rewards)
     else:
@@ -103,6 +108,8 @@ def score_groups(ctx: Any, result: Any, num_groups: int, version: int) -> list[P
         )
     # DAPO: a group whose (unshaped) rewards all agree teaches nothing; under GDPO, nor do its components.
     signal = adv.filter_zero_variance_groups(result.rewards, group_ids, num_groups=num_groups)
+    if in_format is not None:  # a group of wrong answers teaches the format where only some are in it
+        signal = signal | adv.filter_zero_variance_groups(in_format, group_ids, num_groups=num_groups)
     names = reward_component_names(samples) if g.adv_estimator.name == "gdpo" else []
     for column in component_matrix(samples, names).T if names else []:
         applies = ~torch.isnan(column)
@@ -210,6 +217,9 @@ def training_batch(
         "train/mean_prompt_length": sum(s.prompt_length for s in rows) / len(rows),
     }
     generated_samples = [s for group in generated for s in group.samples]
+    if ctx.cfg.reward_shaping.format_reward.weight > 0:
+        metrics.update(format_metrics(format_flags(ctx.cfg.reward_shaping.format_reward, generated_samples),
+                                      [s.task_name for s in generated_samples], list(ctx.envs)))
     for name in reward_component_names(generated_samples):  # each reward component's mean where it applies
         values = [s.reward_components[name] for s in generated_samples if name in s.reward_components]
         metrics[f"train/reward_components/{name}"] = sum(values) / len(values)

@@ -54,7 +54,7 @@ def test_summary_is_mean_sample_sd_min_max(seeds):
 
 
 @pytest.mark.parametrize("name", ["main", "vl", "custom", "ppo", "ppo_async", "dpo", "rm", "distill", "distill_xtok",
-                                  "recipe"])
+                                  "recipe", "gemma_base", "gemma_sft", "gemma_smollm2"])
 def test_every_showcase_command_takes_the_seed(seeds, name, tmp_path):
     showcase = seeds.SHOWCASES[name]
     argv = showcase.argv(7, tmp_path)
@@ -66,6 +66,10 @@ def test_every_showcase_command_takes_the_seed(seeds, name, tmp_path):
     section = {"grpo": "grpo", "ppo": "grpo", "dpo": "dpo", "rm": "rm", "distill": "distillation"}[showcase.command]
     assert getattr(cfg, section).seed == 7
     assert cfg.logger.log_dir == f"{tmp_path}/logs"
+    if name == "gemma_sft":  # the warm start is reseeded too
+        assert cfg.sft_warmup.sft.seed == 7 and cfg.sft_warmup.policy.model_name == "gemma3-270m"
+    if name == "gemma_smollm2":
+        assert cfg.policy.model_name == "smollm2-135m-instruct" and cfg.sft_warmup is None
 
 
 def test_a_keep_directory_holding_a_seed_is_refused_before_any_run(tmp_path):

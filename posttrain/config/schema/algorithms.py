@@ -239,9 +239,56 @@ class LengthPenaltyConfig(Section):
     )
 
 
+class FormatRewardConfig(Section):
+    """A small reward for a completion in the task's answer format, beside the environment's own
+    reward, as in DeepSeek-R1-Zero's rule-based format reward (DeepSeek-AI 2025, arXiv:2501.12948,
+    section 2.2.2): a base model that does not yet answer in the format a verifier reads gets a
+    signal from its groups even while every answer is wrong. A shaping term of training only:
+    validation accuracy stays the environment's reward (`algorithms.format_reward`)."""
+
+    weight: float = Field(
+        0.0, ge=0,
+        description=(
+            "Reward added to each completion in format (0 or this much per completion). Default 0.0: off, since a "
+            "model that already answers in format gains nothing from it; R1-Zero-style runs from a base model use a "
+            "fraction of the correctness reward (e.g. 0.1-0.2 beside a reward of 1), so that a correct answer stays "
+            "worth far more than a well-formed wrong one."
+        ),
+    )
+    pattern: Optional[str] = Field(
+        None,
+        description=(
+            "Regular expression (Python `re`, searched in the last assistant message; anchor it with ^ and $ to ask "
+            "for the whole answer) a completion in format matches. Default None: in format when the task's "
+            "environment extracted an answer from it (`EnvironmentReturn.answers`: a number for math, a letter for "
+            "mcqa, a program for code); environments that extract none (structured, instructions) need a pattern."
+        ),
+    )
+    task_patterns: dict[str, str] = Field(
+        {},
+        description=(
+            "Patterns of single tasks (a blend component's name, or data.env_name), in place of `pattern` for their "
+            "rows; default {}: every task uses `pattern`."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _compiles(self):
+        import re
+
+        for key, pattern in [("pattern", self.pattern), *((f"task_patterns.{t}", p) for t, p in self.task_patterns.items())]:
+            if pattern is None:
+                continue
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"reward_shaping.format_reward.{key}={pattern!r} is not a regular expression: {e}") from None
+        return self
+
+
 class RewardShapingConfig(Section):
-    """Reward shaping before the advantages: DAPO's overlong penalty (Yu et al. 2025) and Kimi k1.5's
-    per-group length reward (`length_penalty`)."""
+    """Reward shaping before the advantages: DAPO's overlong penalty (Yu et al. 2025), Kimi k1.5's
+    per-group length reward (`length_penalty`) and R1-Zero's format reward (`format_reward`)."""
 
     enabled: bool = Field(False, description="Apply DAPO's soft overlong penalty to rewards.")
     overlong_buffer_length: int = Field(
@@ -251,6 +298,7 @@ class RewardShapingConfig(Section):
     overlong_buffer_penalty: float = Field(1.0, ge=0, description="Penalty at max_response_length (the ramp's end).")
     max_response_length: Optional[int] = Field(None, ge=1, description="Defaults to policy.generation.max_new_tokens.")
     length_penalty: LengthPenaltyConfig = LengthPenaltyConfig()
+    format_reward: FormatRewardConfig = FormatRewardConfig()
 
 
 class OfflineLoopConfig(ValidatedLoopConfig):
