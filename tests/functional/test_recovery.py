@@ -144,14 +144,15 @@ def test_a_collective_stuck_with_live_peers_and_a_wedged_environment_are_found_a
     # Call 2 (step 2) raises the flag on which policy rank 1 stops inside its loss in step 2's
     # update (`plugin_losses.StallOnceLoss`): alive, beating, while rank 0 waits for it in one of
     # FSDP's collectives. The run goes back to step 1's checkpoint and replays step 2 (call 3);
-    # call 4 (step 3's, or later should another replay come between) never returns. The phases' bounds (15 s) are far above a normal
-    # train call or environment step of the tiny model (a second or less) and far below
-    # cluster.worker_timeout_s (1800 s): without progress detection the test would run into its
-    # own timeout.
+    # call 4 (step 3's, or later should another replay come between) never returns. The phases'
+    # bounds (15 s) are far above a normal train call or environment step of the tiny model (a
+    # second or less) and far below cluster.worker_timeout_s (1800 s): without progress detection
+    # the test would run into its own timeout.
     flag = tmp_path / "stall_flag"
     cfg = load_config("grpo", overrides=[
         *SMALL, *RECOVERY, f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
-        "policy.num_workers=2", "policy.generation.colocated.enabled=false", "policy.generation.colocated.num_workers=1",
+        "policy.num_workers=2", "policy.generation.colocated.enabled=false",
+        "policy.generation.colocated.num_workers=1",
         f"loss_fn.name={PLUGIN_LOSSES}:StallOnceLoss", f"loss_fn.kwargs.stall_flag={flag}",
         "grpo.max_num_steps=3", "cluster.progress_timeout_s.train=15", "cluster.progress_timeout_s.env_step=15",
         *kills(tmp_path, f"2:touch:{flag};4:hang")])
