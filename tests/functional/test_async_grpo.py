@@ -203,7 +203,12 @@ def test_a_straggler_is_dropped_and_counted_and_the_run_finishes(ray_cluster, tm
     assert all(steps[s]["async/trajectory_age_max"] <= 1 for s in (1, 2, 3, 4))
 
 
-def test_a_killed_async_run_resumes_and_finishes(tmp_path):
+def test_a_killed_async_run_resumes_and_finishes(ray_cluster, tmp_path, capfd):
+    """A `posttrain grpo` process (async) SIGKILLed after its step-2 checkpoint; the same command
+    run again resumes from it, replay buffer included, and finishes. The rerun runs in this process
+    (`cli.main`, on the session's Ray): the killed run is the one that needs a process of its own."""
+    from posttrain import cli
+
     cfg = async_cfg(tmp_path, "grpo.max_num_steps=6", "checkpointing.save_period=2",
                     faulty("HoldAfterCheckpointEnv"))
     config = tmp_path / "run.yaml"
@@ -211,16 +216,13 @@ def test_a_killed_async_run_resumes_and_finishes(tmp_path):
     log = tmp_path / "run.log"
     step2 = tmp_path / "ckpt" / "step_2" / "training_info.json"
     # Rollouts stop once the step-2 checkpoint exists, so the run cannot reach its end before the
-    # kill, however fast it is (at most the already-buffered steps train meanwhile).
+    # kill, however fast it is (at most the already-buffered steps train meanwhile). The rerun, in
+    # this process without the two variables, has the math environment.
     hold = tmp_path / "hold"
     hold.touch()
-
-    def start() -> subprocess.Popen:
-        env = {**os.environ, "HOLD": str(hold), "HOLD_AFTER": str(step2)}
-        return subprocess.Popen([sys.executable, "-m", "posttrain", "grpo", "--config", str(config)], cwd=REPO,
-                                env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT)
-
-    run = start()
+    env = {**os.environ, "HOLD": str(hold), "HOLD_AFTER": str(step2)}
+    run = subprocess.Popen([sys.executable, "-m", "posttrain", "grpo", "--config", str(config)], cwd=REPO,
+                           env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT)
     deadline = time.time() + 300
     while not step2.exists():
         assert run.poll() is None, log.read_text()[-3000:]
@@ -230,9 +232,9 @@ def test_a_killed_async_run_resumes_and_finishes(tmp_path):
     run.wait()
     assert (tmp_path / "ckpt" / "step_2" / "replay_buffer.pt").exists()
     hold.unlink()
-    resumed = start()
-    assert resumed.wait(timeout=300) == 0, log.read_text()[-3000:]
-    text = log.read_text()
+    capfd.readouterr()
+    assert cli.main(["grpo", "--config", str(config)]) == 0
+    text = "".join(capfd.readouterr())
     assert "resumed from" in text and "GRPO finished at step 6" in text, text[-3000:]
     steps = read_metrics(tmp_path / "logs")
     assert sorted(s for s in steps if s > 0) == [1, 2, 3, 4, 5, 6]

@@ -52,16 +52,17 @@ def test_a_ppo_run_rebuilds_a_dead_generation_worker_policy_worker_and_critic_wo
     # Two policy workers (an FSDP group), the critic's two beside them and, colocated, two generation
     # workers: the environment is called once per generation shard, so twice a step (once in a step
     # cut short) and twice in the validation before the first step (calls 1 and 2); checkpoints
-    # come every 2 steps. Call 3 kills generation rank 0 in step 1 (the step is replayed). Call 7
-    # kills policy rank 1 in step 2, after the updates of step 1 and before the first checkpoint:
-    # the run starts again at step 1 with the policy and the (live, trained) critic at their
-    # initial weights, keeping the validation before it. Call 13 kills critic rank 0 in step 3: the
-    # run goes back to step 2's checkpoint. Each call lands in its step whether step 1's second call
-    # came before its failure or not. (The environment's own death: the next test.)
+    # come every 2 steps and at the last. Call 3 kills generation rank 0 in step 1 (the step is
+    # replayed). Call 7 kills policy rank 1 in step 2, after the updates of step 1 and before the
+    # first checkpoint: the run starts again at step 1 with the policy and the (live, trained) critic
+    # at their initial weights, keeping the validation before it. Call 13 kills critic rank 0 in
+    # step 3, the last: the run goes back to step 2's checkpoint and replays step 3. Each call lands
+    # in its step whether step 1's second call came before its failure or not. (The environment's
+    # own death: the next test.)
     plan = [(3, pids["generation"]), (7, pids["policy"]), (13, pids["critic"])]
     cfg = load_config("ppo", overrides=[
         *SMALL, *RECOVERY, f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
-        "checkpointing.save_period=2", "policy.num_workers=2", "grpo.val_at_start=true",
+        "grpo.max_num_steps=3", "checkpointing.save_period=2", "policy.num_workers=2", "grpo.val_at_start=true",
         "critic.warmup_steps=0",  # the policy trains from step 1
         *kills(tmp_path, ";".join(f"{call}:{target}" for call, target in plan))])
     ctx = ppo.setup(cfg)
@@ -89,18 +90,18 @@ def test_a_ppo_run_rebuilds_a_dead_generation_worker_policy_worker_and_critic_wo
     assert "rebuilding the critic workers, then loading the last checkpoint" in lines[2], lines
     assert "no checkpoint yet: starting again at step 1" in out and "resumed from" in out
     metrics = read_metrics(tmp_path / "logs")
-    assert sorted(metrics) == [0, 1, 2, 3, 4]  # every step once: replays overwrite nothing, skip nothing
+    assert sorted(metrics) == [0, 1, 2, 3]  # every step once: replays overwrite nothing, skip nothing
     # The validation before the first step survived the rewind to the start: the run's "before".
     assert "validation/accuracy_greedy" in metrics[0] and history[0][0] == 0
-    last = metrics[4]
+    last = metrics[3]
     assert last["recovery/restarts"] == 3
     kinds = ("policy", "critic", "generation", "environment")
     assert [last[f"recovery/restarts/{kind}"] for kind in kinds] == [1, 1, 1, 0]
-    assert [metrics[step]["recovery/restarts"] for step in (1, 2, 3, 4)] == [2, 2, 3, 3]
+    assert [metrics[step]["recovery/restarts"] for step in (1, 2, 3)] == [2, 2, 3]
     assert [line.split(":")[0] for line in metrics[3]["recovery/failures"]] == ["step 1", "step 2", "step 3"]
     # The rebuilt engines were refit from the (rebuilt) policy: the trainer agrees with what they sampled.
     assert 1.0 <= last["train/token_mult_prob_error"] < 1.001
-    assert (tmp_path / "ckpt" / "step_4" / "critic").is_dir()
+    assert (tmp_path / "ckpt" / "step_3" / "critic").is_dir()  # the last step's checkpoint, after the rebuild
 
 
 def test_past_max_restarts_the_run_stops_in_one_line_and_resumes_from_its_checkpoint(ray_cluster, tmp_path, capfd):
@@ -138,20 +139,23 @@ def test_a_collective_stuck_with_live_peers_and_a_wedged_environment_are_found_a
         ray_cluster, tmp_path, capfd):
     from posttrain.algorithms import grpo
 
-    # Two policy workers (one FSDP group) and two generation workers: two environment calls a step.
-    # Call 3 (step 2) raises the flag on which policy rank 1 stops inside its loss in step 2's
+    # Two policy workers (one FSDP group) and one generation worker of its own (how many engines
+    # is not what this test is about: one fewer process to start): one environment call a step.
+    # Call 2 (step 2) raises the flag on which policy rank 1 stops inside its loss in step 2's
     # update (`plugin_losses.StallOnceLoss`): alive, beating, while rank 0 waits for it in one of
-    # FSDP's collectives. The run goes back to step 1's checkpoint; call 7 (step 3's first, or later
-    # should a replay come between) never returns. The phases' bounds (15 s) are far above a normal
-    # train call or environment step of the tiny model (a second or less) and far below
-    # cluster.worker_timeout_s (1800 s): without progress detection the test would run into its
-    # own timeout.
+    # FSDP's collectives. The run goes back to step 1's checkpoint and replays step 2 (call 3);
+    # call 4 (step 3's, or later should another replay come between) never returns. The phases'
+    # bounds (15 s) are far above a normal train call or environment step of the tiny model (a
+    # second or less) and far below cluster.worker_timeout_s (1800 s): without progress detection
+    # the test would run into its own timeout.
     flag = tmp_path / "stall_flag"
     cfg = load_config("grpo", overrides=[
         *SMALL, *RECOVERY, f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
-        "policy.num_workers=2", f"loss_fn.name={PLUGIN_LOSSES}:StallOnceLoss", f"loss_fn.kwargs.stall_flag={flag}",
+        "policy.num_workers=2", "policy.generation.colocated.enabled=false",
+        "policy.generation.colocated.num_workers=1",
+        f"loss_fn.name={PLUGIN_LOSSES}:StallOnceLoss", f"loss_fn.kwargs.stall_flag={flag}",
         "grpo.max_num_steps=3", "cluster.progress_timeout_s.train=15", "cluster.progress_timeout_s.env_step=15",
-        *kills(tmp_path, f"3:touch:{flag};7:hang")])
+        *kills(tmp_path, f"2:touch:{flag};4:hang")])
     ctx = grpo.setup(cfg)
     try:
         grpo.grpo_train(ctx)
@@ -232,13 +236,14 @@ def test_a_ppo_run_survives_a_segfaulted_policy_worker_and_a_frozen_generation_w
     # A policy worker's segfault and a frozen generation worker in one run, shorter than the 30
     # steps of docs/errors.md's drill: one policy and one generation worker, one environment call a
     # step, checkpoints every 2 steps. Call 3 (step 3) sends SIGSEGV to the policy worker: the run
-    # goes back to step 2's checkpoint. Call 5 (step 4) sends SIGSTOP to the generation worker:
-    # alive to Ray, silent to its heartbeat, it is found when the next call to it has waited
-    # cluster.heartbeat_timeout_s without a beat.
+    # goes back to step 2's checkpoint. Call 5 (step 4, after step 3's replay) sends SIGSTOP to the
+    # generation worker: alive to Ray, silent to its heartbeat, it is found when the next call to it
+    # (step 5's generation at the latest) has waited cluster.heartbeat_timeout_s without a beat, and
+    # the step is replayed with a rebuilt one.
     pids = {name: tmp_path / f"{name}.pid" for name in ("generation", "policy")}
     cfg = load_config("ppo", overrides=[
         *SMALL, *RECOVERY, f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
-        "grpo.max_num_steps=6", "checkpointing.save_period=2", "critic.warmup_steps=0",
+        "grpo.max_num_steps=5", "checkpointing.save_period=2", "critic.warmup_steps=0",
         "cluster.heartbeat_timeout_s=10",
         *kills(tmp_path, f"3:{pids['policy']}:SEGV;5:{pids['generation']}:STOP")])
     ctx = ppo.setup(cfg)
@@ -260,8 +265,8 @@ def test_a_ppo_run_survives_a_segfaulted_policy_worker_and_a_frozen_generation_w
     assert lines[1].startswith("[posttrain] recovery 2 of 3: generation workers hung: stopped answering: rank 0 "), lines
     assert "no heartbeat for" in lines[1] and "rebuilding the generation workers" in lines[1], lines
     metrics = read_metrics(tmp_path / "logs")
-    assert sorted(metrics) == [1, 2, 3, 4, 5, 6]
-    last = metrics[6]
+    assert sorted(metrics) == [1, 2, 3, 4, 5]
+    last = metrics[5]
     assert last["recovery/restarts"] == 2
     assert [last[f"recovery/restarts/{kind}"] for kind in ("policy", "critic", "generation", "environment")] == [1, 0, 1, 0]
     assert 1.0 <= last["train/token_mult_prob_error"] < 1.001  # the rebuilt engine holds the policy's weights
