@@ -224,26 +224,14 @@ def unpack(buffers: Sequence[np.ndarray], metadata: RefitMetadata) -> dict[str, 
     return {slot.name: views[slot.name] for slot in metadata.slots}
 
 
-def tied_duplicates(model: torch.nn.Module) -> set[str]:
-    """Names under which `model.state_dict()` lists a parameter it already listed under another
-    name: an output head tied to the input embeddings (Gemma 3, Qwen2, SmolLM2). A refit sends the
-    tensor once, under its first name; copying it there updates the tied head too. Sending both
-    would pack, move and copy the largest tensor twice (671 MB more a refit for Gemma 3 270M's
-    262,144 x 640 embeddings in float32)."""
-    first = {name for name, _ in model.named_parameters()}
-    return {name for name, _ in model.named_parameters(remove_duplicate=False)} - first
-
-
 def check_metadata_matches(model: torch.nn.Module, metadata: RefitMetadata) -> None:
-    """Raise ValueError if the metadata names a tensor the model lacks, or misses one it has
-    (a tied head's second name aside: `tied_duplicates`).
+    """Raise ValueError if the metadata names a tensor the model lacks, or misses one it has.
 
     Shapes must match; dtypes may differ (the receiver casts on copy).
     """
     own = model.state_dict()
-    sent = set(metadata.names) | tied_duplicates(model)
     unknown = [n for n in metadata.names if n not in own]
-    missing = [n for n in own if n not in sent]
+    missing = [n for n in own if n not in set(metadata.names)]
     if unknown or missing:
         raise ValueError(
             f"refit metadata does not match the generation model: unknown to the model {unknown[:5]}, "

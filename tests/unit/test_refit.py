@@ -16,7 +16,6 @@ from posttrain.models.refit import (
     pack,
     refit_metadata_from_state_dict,
     state_dict_checksum,
-    tied_duplicates,
     unpack,
 )
 
@@ -49,11 +48,11 @@ def mixed_state_dict() -> dict[str, torch.Tensor]:
     }
 
 
-def tiny_llama(seed: int, tied: bool = False) -> LlamaForCausalLM:
+def tiny_llama(seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
     )
     return LlamaForCausalLM(config)
 
@@ -113,23 +112,6 @@ def test_load_packed_rebuilds_model_weights_exactly():
     assert state_dict_checksum(target.state_dict()) == state_dict_checksum(state)
     ids = torch.tensor([[3, 4, 5]])
     torch.testing.assert_close(target(ids).logits, source(ids).logits, rtol=0, atol=0)
-
-
-def test_a_tied_head_is_sent_once_and_loaded_through_the_embeddings():
-    source, target = tiny_llama(1, tied=True), tiny_llama(2, tied=True)
-    assert tied_duplicates(source) == {"lm_head.weight"} and tied_duplicates(tiny_llama(1)) == set()
-    state = {k: v for k, v in source.state_dict().items() if k not in tied_duplicates(source)}
-    assert "lm_head.weight" not in state and "model.embed_tokens.weight" in state
-    meta = refit_metadata_from_state_dict(state)
-    check_metadata_matches(target, meta)  # the head's second name is not missing
-    load_packed(target, pack(state, meta), meta)
-    assert target.lm_head.weight is target.model.embed_tokens.weight
-    verify_equal(target, source.state_dict())  # the head too
-    ids = torch.tensor([[3, 4, 5]])
-    torch.testing.assert_close(target(ids).logits, source(ids).logits, rtol=0, atol=0)
-    # An untied receiver still needs its own head.
-    with pytest.raises(ValueError, match="lm_head.weight"):
-        check_metadata_matches(tiny_llama(2), meta)
 
 
 def test_bfloat16_sender_casts_into_float32_receiver():

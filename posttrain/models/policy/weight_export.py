@@ -167,10 +167,8 @@ class WeightExport:
         return refit.state_dict_checksum(state, dtypes) if self.rank == 0 else None
 
     def refit_info(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """`(name, full shape, dtype)` of every tensor `state_dict_for_export` returns, a tied
-        head's second name left out (`refit.tied_duplicates`)."""
-        tied = refit.tied_duplicates(self.model)
-        named = [(name, t) for name, t in self.model.state_dict().items() if name not in tied]
+        """`(name, full shape, dtype)` of every tensor `state_dict_for_export` returns."""
+        named = self.model.state_dict().items()
         if self.lora_scaling is not None:
             return lora.export_layout(named)
         return [(name, tuple(t.shape), t.dtype) for name, t in named]
