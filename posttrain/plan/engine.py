@@ -38,8 +38,10 @@ def has_quantized_copy(cfg: Any) -> bool:
 
 def engine_shares_dtype(cfg: Any) -> bool:
     """Whether an engine in the policy's process can hold the policy's own tensors
-    (`GenerationWorker.share_weights`): only when its weights have the trainer's dtype."""
-    return engine_dtype(cfg) == training_precision(cfg)
+    (`GenerationWorker.share_weights`): only when its weights have the dtype of the trainer's
+    weights, which are float32 masters whatever `policy.precision` (bfloat16 and float16 are
+    autocast's compute dtypes): a bfloat16 engine keeps its own 2-byte copy and refit copies into it."""
+    return engine_dtype(cfg) == "float32"
 
 
 def engine_rows(rows_per_call: int, engines: int, batch_size: int) -> int:

@@ -13,9 +13,19 @@ MiB = 2**20
 # Resident set of one posttrain worker process before any model: Python, torch 2.13 (CPU build),
 # transformers and posttrain imported (measured on this project's CPU machine: 350 MiB).
 CPU_RUNTIME_BYTES = 350 * MiB
+# Resident set of one loaded fast tokenizer per byte of its tokenizer.json, measured (RSS before and
+# after `load_tokenizer`): Gemma 3's 33.4 MB file (262,144 tokens) 0.27-0.28 GiB a load, 8.8 per
+# byte; SmolLM2's 3.5 MB one 13-45 MiB. Each process loads its own: with the local backend the
+# controller, the policy worker and the engine (three in one process).
+TOKENIZER_BYTES_PER_FILE_BYTE = 9
 # float32 logits tile of the fused logprob kernel (`models/policy/linear_logprobs.py`, TILE_BYTES).
 FUSED_LOGPROB_TILE_BYTES = 16 * MiB
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def tokenizer_bytes(shape: ModelShape) -> int:
+    """Host memory of one loaded tokenizer of `shape`'s model (`TOKENIZER_BYTES_PER_FILE_BYTE`)."""
+    return TOKENIZER_BYTES_PER_FILE_BYTE * shape.tokenizer_file_bytes
 
 
 def compute_dtype_bytes(precision: str, on_gpu: bool) -> int:
@@ -31,6 +41,52 @@ def optimizer_state_bytes(trainable: int, name: str, shards: int) -> float:
     size the optimizer as 2 x fp32 states, Kingma & Ba 2015); SGD without momentum keeps none
     (posttrain's `sgd` has no momentum). FSDP2 shards it over the data-parallel workers."""
     return (8 if name in ("adamw", "adam") else 0) * trainable / shards
+
+
+def fused_optimizer(cfg: Any) -> bool:
+    """Whether the policy's optimizer step is torch's fused Adam / AdamW kernel (one pass per
+    parameter, no temporaries): for adam and adamw when one worker holds plain tensors
+    (`models/policy/worker.fused_optimizer_kwargs`); FSDP2's DTensors keep torch's default."""
+    return cfg.policy.optimizer.name in ("adam", "adamw") and cfg.policy.num_workers == 1
+
+
+def optimizer_step_bytes(shape: ModelShape, name: str, shards: int, tp: int, trainable_per_rank: float,
+                         lora: bool) -> float:
+    """Temporaries of an unfused Adam / AdamW step on CPU, torch's single-tensor loop: for each
+    parameter in turn `exp_avg_sq.sqrt()` and its division by the bias correction, two float32
+    copies of it, so at the step's peak two copies of the largest tensor this rank holds (FSDP2
+    splits it over the data-parallel ranks; under TP the embeddings and head stay whole on each TP
+    rank). LoRA trains only the adapters: at most its trainable share. Counted beside the
+    activations, which backward has freed by then: an upper bound. SGD (no momentum) makes none."""
+    if name not in ("adam", "adamw", "muon"):
+        return 0.0
+    largest = shape.largest_tensor / max(1, shards // tp if tp > 1 else shards)
+    return 2 * 4 * (min(largest, trainable_per_rank) if lora else largest)
+
+
+def autocast_copy_bytes(shape: ModelShape, dtype_bytes: int, fused_head: bool) -> float:
+    """autocast's copies of the float32 weights in the compute dtype (`dtype_bytes` < 4), alive
+    from the forward that casts them to the backward that reads them: the decoder layers' weights
+    and, without the fused head (whose kernel makes its own, `fused_head_weight_bytes`), the LM
+    head's `vocab x hidden`."""
+    head = 0 if fused_head else shape.vocab_size * shape.hidden_size
+    return dtype_bytes * (shape.num_params - shape.embedding_params + head)
+
+
+def fused_head_weight_bytes(shape: ModelShape, dtype_bytes: int, trains_head: bool = True,
+                            gathered_in_compute_dtype: bool = False) -> float:
+    """The output head's weight in the fused logprob kernel's training step (`linear_logprobs`,
+    not under pipeline parallelism: `pipeline_rank`'s head), `vocab x hidden` = W elements: below
+    float32 the kernel's compute-dtype copy of the float32 weight, saved for backward (dtype x W;
+    none when FSDP2 already all-gathered it in the compute dtype, `gathered_in_compute_dtype`);
+    its backward's float32 weight-gradient accumulator (4 W) and its cast to the compute dtype
+    (dtype x W), alive together at the end of the backward (then autograd casts that back to
+    float32 for a float32 parameter). Gemma 3 270M in bfloat16 on one worker: 8 x 262,144 x 640
+    bytes = 1.25 GiB. A frozen head (LoRA) has only the copy."""
+    weight = shape.vocab_size * shape.hidden_size
+    half = dtype_bytes * weight if dtype_bytes < 4 else 0
+    copy = 0 if gathered_in_compute_dtype else half
+    return copy + (4 * weight + half if trains_head else 0)
 
 
 def activation_bytes_per_token_layer(shape: ModelShape, dtype_bytes: int, tp: int = 1, sp: bool = False) -> float:

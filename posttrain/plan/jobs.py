@@ -29,7 +29,8 @@ from typing import Any, Optional
 from posttrain.plan.devices import DevicePlan, Plan
 from posttrain.plan.engine import add_engine, engine_dtype_bytes, engine_shares_dtype, has_quantized_copy
 from posttrain.plan.formulas import (
-    CPU_RUNTIME_BYTES, GiB, compute_dtype_bytes, logprob_activation_bytes, longest_row_tokens,
+    CPU_RUNTIME_BYTES, GiB, autocast_copy_bytes, compute_dtype_bytes, fused_head_weight_bytes, fused_optimizer, logprob_activation_bytes,
+    longest_row_tokens, optimizer_step_bytes, tokenizer_bytes,
     micro_batch_tokens, optimizer_state_bytes, per_rank_params, pipeline_rank, ring_attention_block_bytes,
     training_activation_bytes,
 )
@@ -118,6 +119,7 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
         engine = DevicePlan("generation worker", phases)
         if not on_gpu:
             engine.add("runtime (python, torch)", CPU_RUNTIME_BYTES)
+            add_tokenizers(engine, shape, 2 if local else 1)  # the local backend's controller loads one too
         e = cfg.eval
         add_engine(engine, cfg, shape, engine_dtype_bytes(cfg), device_bytes, weights=True,
                    calls={"evaluation": (e.batch_size * e.num_generations_per_prompt, e.num_generations_per_prompt)},
@@ -141,7 +143,10 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
     offloaded = has_generation and offloads_during_generation(policy, on_gpu)
     # One unsharded policy worker lends its weights to a native engine in its process (no copy, no
     # refit) when the engine computes in the trainer's dtype.
-    engine_in_place = local and colocated and gen.backend == "native" and shards == 1 and engine_shares_dtype(cfg)
+    # One in another dtype (a bfloat16 engine beside float32 master weights) keeps its own copy,
+    # which refit fills tensor by tensor in place (`share_weights`), no bucket either.
+    engine_in_process = local and colocated and gen.backend == "native" and shards == 1
+    engine_in_place = engine_in_process and engine_shares_dtype(cfg)
     lends_weights = engine_in_place and not policy.lora.enabled
     resident = tuple(p for p in phases if p not in ("generation", "validation")) if offloaded else phases
     trainer = DevicePlan("policy worker" + (" (+ generation)" if colocated and has_generation else ""), phases)
@@ -174,6 +179,17 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
     trainer.add("gradients (fp32)", 4 * trainable_per_rank, ("training",))
     trainer.add(f"optimizer state ({policy.optimizer.name})",
                 optimizer_state_bytes(trainable_per_rank, policy.optimizer.name, 1), resident)
+    if shards == 1 and c < 4:
+        # autocast's compute-dtype copy of each float32 weight it multiplies by, saved for
+        # backward (the input embeddings are looked up in float32; the fused head's copy is its
+        # own row); under FSDP2 the layers are all-gathered in the compute dtype instead.
+        trainer.add("autocast weight copies", autocast_copy_bytes(shape, c, fused_head and job != "rm"), ("training",))
+    if stage is None and fused_head and job != "rm":
+        trainer.add("LM head: fused logprobs' weight gradient", fused_head_weight_bytes(
+            shape, c, trains_head=not policy.lora.enabled, gathered_in_compute_dtype=shards > 1), ("training",))
+    if not on_gpu and not fused_optimizer(cfg):
+        trainer.add("optimizer step temporaries (unfused)", optimizer_step_bytes(
+            shape, policy.optimizer.name, shards, tp, trainable_per_rank, policy.lora.enabled), ("training",))
     if stage is not None:
         trainer.add(f"activations ({stage['in_flight']} stage forwards in flight"
                     + (", checkpointed)" if policy.activation_checkpointing else ")"), stage["activations"], ("training",))
@@ -213,14 +229,23 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
                    calls={"generation": (s.num_prompts_per_step * groups, groups),
                           "validation": (s.val_batch_size * val_k, val_k)},
                    engines=engines, row_tokens=row_tokens, longest_prompt=longest_prompt,
-                   phases=("generation", "refit", "validation") if colocated else phases,
+                   # A native engine on CPU keeps its weights while the policy trains (its
+                   # `finish_generation` offloads only from a GPU).
+                   phases=("generation", "refit", "validation") if colocated and (on_gpu or gen.backend == "vllm")
+                   else phases,
                    quantized_copy=has_quantized_copy(cfg))
-        if not engine_in_place:
+        if not engine_in_process:
             # Unset, the bucket is a share of free memory at run time, at most MAX_BUCKET_BYTES: plan for that most.
             bucket = policy.refit_buffer_size_gb * GiB if policy.refit_buffer_size_gb else MAX_BUCKET_BYTES
             refit_bucket = min(bucket, c * shape.num_params) + c * shape.largest_tensor
             trainer.add("refit bucket (send)", refit_bucket, ("refit",))
             engine.add("refit bucket (receive)", refit_bucket, ("refit",))
+    if not on_gpu:
+        # Host memory on CPU: the policy worker's, a colocated engine's and the local backend's
+        # controller's tokenizers (a separate engine's process plans its own below).
+        add_tokenizers(trainer, shape, 1 + int(has_generation and colocated) + int(local))
+        if has_generation and not colocated:
+            add_tokenizers(engine, shape, 1)
     shapes: dict[str, ModelShape] = {}
     if job == "distill":
         shapes = read_teacher_shapes(cfg, teacher_shapes)
@@ -228,6 +253,12 @@ def memory_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int] = None,
                      longest_prompt=longest_prompt, in_process=local)
     return Plan(devices, device_bytes, on_gpu, counts, cfg.cluster.num_nodes, row_tokens, longest_prompt, bound, job,
                 phases, teacher_shapes=shapes)
+
+
+def add_tokenizers(device: DevicePlan, shape: ModelShape, count: int) -> None:
+    """`count` loaded tokenizers of `shape`'s model in `device`'s process (none when its size is unknown)."""
+    if tokenizer_bytes(shape):
+        device.add(f"tokenizers ({count} loaded)", count * tokenizer_bytes(shape))
 
 
 def pipeline_plan(cfg: Any, shape: ModelShape, device_bytes: Optional[int], longest_prompt: Optional[int],

@@ -29,6 +29,7 @@ class ModelShape:
     kv_cache_width: int = 0  # KV-cache elements per token and layer; 0: keys and values, 2 x kv_heads x head_dim
     expert_params: int = 0  # routed experts' elements (all MoE layers): what expert parallelism splits
     shared_experts: int = 0  # experts every token goes through (DeepSeek's n_shared_experts), in experts_per_token
+    tokenizer_file_bytes: int = 0  # size of the tokenizer's tokenizer.json (0: unknown); `formulas.tokenizer_bytes`
 
 
 def shape_from_hf_config(config: dict, num_params: int, largest_tensor: int = 0, lora_params: int = 0,
@@ -129,8 +130,23 @@ def model_shape(policy: Any) -> ModelShape:
     # Routed experts: transformers 5's 3-D expert tensors (models/policy/expert_parallel.py).
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name and p.ndim == 3)
     text_config = hf_config.get_text_config() if vision else hf_config
-    return shape_from_hf_config(json.loads(text_config.to_json_string()), sum(p.numel() for p in params),
-                                max(p.numel() for p in params), lora, sum(heads.values()), experts)
+    shape = shape_from_hf_config(json.loads(text_config.to_json_string()), sum(p.numel() for p in params),
+                                 max(p.numel() for p in params), lora, sum(heads.values()), experts)
+    return ModelShape(**{**shape.__dict__, "tokenizer_file_bytes": tokenizer_file_bytes(policy)})
+
+
+def tokenizer_file_bytes(policy: Any) -> int:
+    """Size of the tokenizer.json of `policy`'s tokenizer (`tokenizer_name`, else the model's); 0
+    when it has none (a slow tokenizer) or it cannot be found here."""
+    from posttrain.models.hf import parse_tiny_name, resolve_model_path
+
+    name = policy.tokenizer_name or policy.model_name
+    try:
+        if parse_tiny_name(name, policy.tiny_arch) is not None:
+            return 0  # a tiny preset's tokenizer is small
+        return (Path(resolve_model_path(name, policy.tiny_arch)) / "tokenizer.json").stat().st_size
+    except Exception:  # noqa: BLE001 (an optional row: a tokenizer that cannot be read is preflight's to report)
+        return 0
 
 
 def shape_for(cfg: Any, shape: ModelShape) -> ModelShape:

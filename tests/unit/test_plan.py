@@ -208,7 +208,8 @@ def test_a_sequence_too_long_for_one_gpu_is_told_the_tensor_parallel_size_that_f
     cfg = grpo(*long)
     problem = mp.fit_problem(cfg, big, mp.memory_plan(cfg, big, device_bytes=80 * GiB))
     # One 131072-token row needs 107 GiB: only splitting every layer 8 ways fits (checkpointing is on).
-    assert problem.startswith("memory plan: training needs 106.68 GiB per GPU")
+    # 0.73 GiB of it is the fused head's float32 weight gradient and its bfloat16 cast (6 x 32000 x 4096 bytes).
+    assert problem.startswith("memory plan: training needs 107.42 GiB per GPU")
     assert problem.endswith("it would fit with any one of: policy.tensor_parallel_size=8")
     tp2 = grpo(*long, "policy.tensor_parallel_size=2")
     problem = mp.fit_problem(tp2, big, mp.memory_plan(tp2, big, device_bytes=80 * GiB))
