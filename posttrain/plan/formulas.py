@@ -52,7 +52,8 @@ def fused_optimizer(cfg: Any) -> bool:
 
 def optimizer_step_bytes(shape: ModelShape, name: str, shards: int, tp: int, trainable_per_rank: float,
                          lora: bool) -> float:
-    """Temporaries of an unfused Adam / AdamW step on CPU, torch's single-tensor loop: for each
+    """Temporaries of an unfused Adam / AdamW step on CPU (Muon's too: its embeddings and head are
+    AdamW's, `models/policy/muon.py`), torch's single-tensor loop: for each
     parameter in turn `exp_avg_sq.sqrt()` and its division by the bias correction, two float32
     copies of it, so at the step's peak two copies of the largest tensor this rank holds (FSDP2
     splits it over the data-parallel ranks; under TP the embeddings and head stay whole on each TP
