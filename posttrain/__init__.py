@@ -19,6 +19,13 @@ OMP_WAIT_POLICY_SET_TOO_LATE = not _USER_SET_OMP_WAIT and "torch" in _sys.module
 if not _USER_SET_OMP_WAIT:
     _os.environ.update(_OMP_WAIT_DEFAULTS)
 
+# How many compiled kernels oneDNN keeps (posttrain.utils.onednn says why): bounded, unless the
+# user set it.
+from posttrain.utils.onednn import ONEDNN_DEFAULTS as _ONEDNN_DEFAULTS
+
+for _name, _value in _ONEDNN_DEFAULTS.items():
+    _os.environ.setdefault(_name, _value)
+
 # The Python API (`posttrain.api`).
 API_NAMES = ("GRPO", "PPO", "SFT", "DPO", "RewardModel", "Distill", "evaluate", "TrainResult")
 __all__ = [*API_NAMES, "__version__"]

@@ -76,12 +76,15 @@ def init_ray(
     for key, value in _RAY_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
 
-    # OpenMP's wait settings travel too: a joined cluster's workers were not started by this
-    # process, so they would not inherit them (posttrain/__init__.py says why they matter).
+    # OpenMP's wait settings and oneDNN's cache bound travel too: a joined cluster's workers were
+    # not started by this process, so they would not inherit them (posttrain/__init__.py says why
+    # they matter).
+    from posttrain.utils.onednn import ONEDNN_DEFAULTS
     from posttrain.utils.openmp import OMP_WAIT_DEFAULTS
 
     worker_env = {"PYTHONPATH": driver_pythonpath()}
-    worker_env.update({name: os.environ[name] for name in OMP_WAIT_DEFAULTS if name in os.environ})
+    worker_env.update({name: os.environ[name] for name in (*OMP_WAIT_DEFAULTS, *ONEDNN_DEFAULTS)
+                       if name in os.environ})
     worker_env.update(env_vars or {})
     # Only a few chosen variables travel: a full copy of os.environ in runtime_env breaks Ray
     # (NeMo-RL issue #309).

@@ -12,6 +12,8 @@ the highest resident set since the process started or the last `reset_peak_rss`.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from pathlib import Path
 
 _STATUS = Path("/proc/self/status")
@@ -66,3 +68,30 @@ def _clear_high_water_mark() -> bool:
         return True
     except OSError:
         return False
+
+
+@functools.cache
+def _malloc_trim():
+    # glibc only (musl and macOS have none): None where the symbol is missing.
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return None
+
+
+def release_freed_memory() -> bool:
+    """Give the kernel back the memory the C allocator holds after frees (glibc's `malloc_trim(0)`);
+    False where there is no glibc.
+
+    PyTorch's CPU tensors come from malloc, and glibc keeps freed chunks inside its heaps: a step
+    frees gigabytes of activations and gradients of other sizes than the next step asks for, so the
+    resident set grew step after step (Gemma 3 270M: 8.0 to 11.0 GiB over 30 steps) while the live
+    bytes stayed flat. Trimming at each phase boundary returns those pages (`madvise`) so a phase's
+    peak is what it holds, not what earlier phases left behind. It costs one pass over the heaps'
+    free lists, a few milliseconds a call.
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True

@@ -46,6 +46,7 @@ def begin_phase(device: Any) -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     else:
+        memory.release_freed_memory()
         memory.restart_peak_rss()
 
 
