@@ -1,6 +1,12 @@
-"""`posttrain.utils.memory.release_freed_memory`: freed heap memory goes back to the kernel."""
+"""Host memory that does not grow from step to step: freed heap memory goes back to the kernel
+(`posttrain.utils.memory.release_freed_memory`), and oneDNN keeps a bounded number of compiled
+kernels (`posttrain.utils.onednn`)."""
 
+import json
+import os
 import platform
+import subprocess
+import sys
 
 import pytest
 
@@ -22,3 +28,21 @@ def test_freed_heap_chunks_leave_the_resident_set_after_a_release():
     # The freed chunks' pages, less allocator bookkeeping; without the release the set stays put.
     assert released > 0.8 * (COUNT - 1) * CHUNK, f"only {released / 2**20:.0f} MiB released"
     assert len(keep) == CHUNK
+
+
+ONEDNN_PROBE = "import json, os, posttrain; print(json.dumps(os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY')))"
+
+
+def onednn_capacity_after_import(**env: str):
+    environ = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"} | env
+    out = subprocess.run([sys.executable, "-c", ONEDNN_PROBE], env=environ, capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_importing_posttrain_bounds_onednns_primitive_cache():
+    assert onednn_capacity_after_import() == "64"
+
+
+def test_the_users_own_primitive_cache_capacity_wins():
+    assert onednn_capacity_after_import(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024") == "1024"
