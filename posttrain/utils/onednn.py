@@ -8,7 +8,10 @@ layer, a few MiB for a 262,144-token vocabulary's head. So the resident set grew
 until the cache was full: Gemma 3 270M in bfloat16 from 8.0 to 11.0 GiB over its first 20-30 steps
 (0.05-0.1 GiB a step), while float32, which runs MKL's sgemm and no oneDNN cache, stayed flat.
 64 primitives hold a whole forward and backward pass (about 15 matmul shapes per token count) for
-a few token counts; compiling again costs far less than the matmul (`benchmarks/host_memory.py`).
+a few token counts. Compiling again has a cost, largest where matmuls are smallest: tiny-gemma3's
+step took 1.00 s against 0.91 with the cache of 1024 (a shared machine, so rough), and 2.30 s with
+no cache at all (`benchmarks/host_memory.py`). The bound does not stop all growth: AMX's kernels
+keep some memory per shape outside the cache (gone with oneDNN held below AMX).
 
 oneDNN reads the variable when it makes its first primitive, so `posttrain/__init__.py` sets it on
 import (it works after `import torch` too, before the first bfloat16 matmul); a value of the user's
