@@ -60,6 +60,27 @@ def is_port_taken(error: BaseException) -> bool:
     return False
 
 
+# The keyword argument that carries a member's own variables to its constructor (`_setting_its_environment`).
+MEMBER_ENV_KWARG = "_posttrain_member_env"
+_member_classes: dict[type, type] = {}
+
+
+def _setting_its_environment(actor_cls: type[DistributedWorker]) -> type[DistributedWorker]:
+    """`actor_cls` whose constructor first puts `MEMBER_ENV_KWARG`'s variables (its rank, the
+    rendezvous address, its thread count...) into `os.environ`, where `DistributedWorker` and
+    torch.distributed read them. Same name, so Ray's process titles and errors name the worker."""
+    if actor_cls not in _member_classes:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            os.environ.update(kwargs.pop(MEMBER_ENV_KWARG))
+            actor_cls.__init__(self, *args, **kwargs)
+
+        _member_classes[actor_cls] = type(actor_cls.__name__, (actor_cls,), {
+            "__init__": __init__, "__qualname__": actor_cls.__qualname__, "__module__": actor_cls.__module__,
+            "__doc__": actor_cls.__doc__,
+        })
+    return _member_classes[actor_cls]
+
+
 class WorkerError(RuntimeError):
     """A worker's call failed or its process died; the message names the worker and the cause.
 
@@ -87,7 +108,9 @@ class WorkerGroup:
         bundle_indices: which bundles of the cluster (rank order of
             `cluster.bundle_locations()`) to use; default None uses all of them. Rank *r* of the
             group runs on bundle `bundle_indices[r]`.
-        env_vars: extra environment variables for every worker (e.g. NCCL settings).
+        env_vars: extra environment variables for every worker (e.g. NCCL settings), set before its
+            interpreter starts (a per-actor Ray `runtime_env`; without them each member sets its
+            rank's variables itself, at the start of its constructor).
         python_executable: interpreter of an isolated environment to start the workers with
             (`posttrain.distributed.isolated_env.ensure_isolated_env`); default None: the driver's
             environment. This checkout of posttrain is put on the workers' `PYTHONPATH` there.
@@ -223,7 +246,12 @@ class WorkerGroup:
         locations = self.cluster.bundle_locations()
         node_ids = self.cluster.bundle_node_ids()
         master_addr, master_port = self.cluster.master_address_and_port(bundle_indices[0])
-        remote_cls = ray.remote(self._actor_cls)
+        # The user's variables (NCCL's, thread counts) must exist before the interpreter starts, and
+        # an isolated environment is a runtime_env anyway; otherwise each member sets its own in
+        # its constructor, before it joins the process group: a per-actor runtime_env would start
+        # it through Ray's `setup_worker.py` first (0.4 s more CPU per actor).
+        in_runtime_env = bool(env_vars) or self._python_executable is not None
+        remote_cls = ray.remote(self._actor_cls if in_runtime_env else _setting_its_environment(self._actor_cls))
         seen_per_node: dict[str, int] = {}
         for rank, bundle in enumerate(bundle_indices):
             local_rank = seen_per_node.get(node_ids[bundle], 0)  # rank among this group's workers on that machine
@@ -242,16 +270,21 @@ class WorkerGroup:
             if not self.cluster.use_gpus:
                 env[NUM_THREADS_ENV] = str(max(1, int(self.cluster.cpus_per_bundle)))
             pg, index = locations[bundle]
-            runtime_env: dict[str, Any] = {"env_vars": env}  # set before the interpreter starts (CUDA/NCCL read them early)
+            options: dict[str, Any] = {}
+            kwargs = dict(init_kwargs)
             if self._python_executable is not None:
                 from posttrain.distributed.isolated_env import isolated_runtime_env
 
-                runtime_env = isolated_runtime_env(self._python_executable, env)
+                options["runtime_env"] = isolated_runtime_env(self._python_executable, env)
+            elif in_runtime_env:
+                options["runtime_env"] = {"env_vars": env}  # set before the interpreter starts (CUDA/NCCL read them early)
+            else:
+                kwargs[MEMBER_ENV_KWARG] = env
             handle = remote_cls.options(
                 **self._actor_resources,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-                runtime_env=runtime_env,
-            ).remote(**init_kwargs)
+                **options,
+            ).remote(**kwargs)
             self.workers.append(handle)
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from posttrain.distributed.cluster import VirtualCluster
-from test_tensor_parallel import assert_same_run, make_batch, policy_cfg, run
+from test_tensor_parallel import assert_same_run, make_batch, policy_cfg, run, run_one_worker
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
 
@@ -23,8 +23,8 @@ def cluster(ray_cluster):
 
 
 @pytest.fixture(scope="module")
-def one_worker(cluster):
-    return run(cluster, policy_cfg(), "cp1")
+def one_worker():
+    return run_one_worker(policy_cfg(), "cp1")
 
 
 def test_cp2_equals_one_worker(cluster, one_worker):
@@ -60,6 +60,6 @@ def test_cp2_with_packed_rows_and_checkpointed_activations_equals_one_worker(clu
 def test_gemma3_cp2_equals_one_worker(cluster):
     """Gemma 3 (`tiny-gemma3`: rows of up to 16 tokens run past its sliding-window layer's 8
     positions) in one CP group of two: the ring cut to the window gives one worker's run."""
-    one = run(cluster, policy_cfg(model_name="tiny-gemma3"), "gemma3_cp1")
+    one = run_one_worker(policy_cfg(model_name="tiny-gemma3"), "gemma3_cp1")
     cp2 = run(cluster, policy_cfg(model_name="tiny-gemma3", num_workers=2, context_parallel_size=2), "gemma3_cp2")
     assert_same_run(cp2, one)

@@ -96,15 +96,24 @@ def test_blend_of_three_environments_logs_per_task_metrics(tmp_path):
     assert {"train/reward_count/math", "validation/accuracy_greedy/mcqa", "validation/accuracy_greedy/chain_sum"} <= scalars
 
 
-def test_rows_naming_an_unconfigured_environment_fail_before_workers_start(tmp_path):
+def test_rows_naming_an_unconfigured_environment_fail_before_workers_start(tmp_path, monkeypatch, capfd):
+    """Both commands run in this process (`cli.main`, from the user's directory): they stop on the
+    config and the data, before any worker or Ray starts, so a process of their own would only
+    add an interpreter's start to the test."""
+    from posttrain import cli
+
     rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4", "task_name": "poetry"}]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = run(["grpo", "sft_warmup=null", "data.dataset=jsonl", "data.train_path=rows.jsonl"], tmp_path)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "rows.jsonl:2: task_name='poetry'" in result.stderr and "env.poetry.class_path" in result.stderr
-    assert "Traceback" not in result.stderr and not (tmp_path / "logs").exists()  # nothing started
-    result = run(["grpo", "sft_warmup=null", "env.mcqa.grading_mode=sloppy"], tmp_path)
-    assert result.returncode == 2 and "env.mcqa.grading_mode" in result.stderr
+    monkeypatch.chdir(tmp_path)
+    capfd.readouterr()
+    code = cli.main(["grpo", "sft_warmup=null", "data.dataset=jsonl", "data.train_path=rows.jsonl"])
+    stderr = capfd.readouterr().err
+    assert code == 2, stderr[-2000:]
+    assert "rows.jsonl:2: task_name='poetry'" in stderr and "env.poetry.class_path" in stderr
+    assert "Traceback" not in stderr and not (tmp_path / "logs").exists()  # nothing started
+    code = cli.main(["grpo", "sft_warmup=null", "env.mcqa.grading_mode=sloppy"])
+    stderr = capfd.readouterr().err
+    assert code == 2 and "env.mcqa.grading_mode" in stderr
 
 
 def test_the_nemotron_mini_recipe_runs_two_steps_on_the_tiny_model(tmp_path):

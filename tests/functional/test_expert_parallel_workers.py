@@ -16,10 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 from test_tensor_parallel import cluster  # noqa: F401 (the module-scoped fixture of 4 bundles)
-from test_tensor_parallel import assert_same_run, make_batch, policy_cfg, run, two_grpo_steps
+from test_tensor_parallel import assert_same_run, make_batch, policy_cfg, run, run_one_worker, two_grpo_steps
 
 from posttrain.algorithms.loss import ClippedPGLoss
 from posttrain.config.schema import LossConfig
+from posttrain.distributed.actors import LocalCluster
 from posttrain.models.policy.policy import Policy
 
 # The timeout is a hang guard, not a speed test.
@@ -27,13 +28,13 @@ pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module")
-def one_worker(cluster):
-    """One worker's run of each preset, computed once for the tests below."""
+def one_worker():
+    """One worker's run of each preset (in this process), computed once for the tests below."""
     runs: dict[str, dict] = {}
 
     def of(arch: str) -> dict:
         if arch not in runs:
-            runs[arch] = run(cluster, policy_cfg(model_name=f"tiny-{arch}"), f"ep1_{arch}")
+            runs[arch] = run_one_worker(policy_cfg(model_name=f"tiny-{arch}"), f"ep1_{arch}")
         return runs[arch]
     return of
 
@@ -53,7 +54,8 @@ def test_ep2_equals_one_worker_and_resumes_in_one(cluster, one_worker, arch, tmp
     if arch == "qwen3_moe":  # the router's load-balancing loss is in the loss, from each rank's own tokens
         assert ep2["metrics"][0]["router_aux_loss"] == pytest.approx(one["metrics"][0]["router_aux_loss"], rel=1e-5)
         return
-    resumed = Policy(cluster, policy_cfg(model_name=model), init_reference_model=False,
+    # The one worker runs in this process (the local backend): it only has to read the checkpoint.
+    resumed = Policy(LocalCluster(), policy_cfg(model_name=model), init_reference_model=False,
                      weights_path=ep2["checkpoint"], name=f"ep1_resumed_{arch}")
     try:
         metrics = resumed.train(make_batch(), ClippedPGLoss(LossConfig()))

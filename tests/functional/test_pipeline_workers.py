@@ -19,11 +19,12 @@ import torch
 
 from posttrain.algorithms.loss import ClippedPGLoss
 from posttrain.config.schema import LossConfig
+from posttrain.distributed.actors import LocalCluster
 from posttrain.models.generation.native import NativeGeneration
 from posttrain.models.generation.spec import GenerationSpec
 from posttrain.models.policy.policy import Policy
 from test_tensor_parallel import cluster  # noqa: F401 (the module-scoped fixture of 4 bundles)
-from test_tensor_parallel import RTOL, assert_same_run, make_batch, policy_cfg, run
+from test_tensor_parallel import RTOL, assert_same_run, make_batch, policy_cfg, run, run_one_worker
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
 
@@ -31,8 +32,8 @@ MODEL = "small"
 
 
 @pytest.fixture(scope="module")
-def one_worker(cluster):
-    return run(cluster, policy_cfg(model_name=MODEL), "pp1")
+def one_worker():
+    return run_one_worker(policy_cfg(model_name=MODEL), "pp1")
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,8 @@ def test_checkpoint_saved_under_pp2_resumes_under_pp1(cluster, tmp_path):
     adamw = dict(optimizer=dict(name="adamw", lr=1e-3), scheduler=dict(name="linear", warmup_steps=1, total_steps=4))
     pp2 = run(cluster, policy_cfg(model_name=MODEL, num_workers=2, pipeline_parallel_size=2, **adamw), "pp2_adamw",
               tmp_path)
-    resumed = Policy(cluster, policy_cfg(model_name=MODEL, **adamw), init_reference_model=False,
+    # The one worker runs in this process (the local backend): it only has to read the checkpoint.
+    resumed = Policy(LocalCluster(), policy_cfg(model_name=MODEL, **adamw), init_reference_model=False,
                      weights_path=pp2["checkpoint"], name="pp_resumed")
     try:
         metrics = resumed.train(make_batch(), ClippedPGLoss(LossConfig()))

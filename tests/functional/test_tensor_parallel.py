@@ -1,5 +1,6 @@
 """Tensor parallelism (`policy.tensor_parallel_size`) on CPU over gloo, with real Ray workers:
 a TP group gives the values, gradients and updated weights of one worker; dp x tp those of dp.
+The one-worker references run in the test process (`run_one_worker`, the local backend).
 
 Tolerances: float32 throughout; TP changes only the order of the sums inside the row-wise
 projections (an all-reduce of two partial sums), so logprobs, losses and gradient norms agree to
@@ -16,6 +17,7 @@ import torch
 
 from posttrain.algorithms.loss import ClippedPGLoss
 from posttrain.config.schema import LossConfig, PolicyConfig
+from posttrain.distributed.actors import LocalCluster
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.cluster import VirtualCluster
 from posttrain.models.generation.native import NativeGeneration
@@ -91,6 +93,14 @@ def run(cluster, cfg: PolicyConfig, name: str, tmp_path=None, generation: Native
     return out
 
 
+def run_one_worker(cfg: PolicyConfig, name: str) -> dict:
+    """`run` of one worker in this process (the local backend): the reference the multi-worker
+    runs are compared with. A one-worker policy takes the same path on Ray (no FSDP, no
+    collectives at world size 1), so the values agree to float rounding; a Ray actor would only
+    add a process start (3-4 s of CPU: torch, transformers, the model) to each reference."""
+    return run(LocalCluster(), cfg, name)
+
+
 def max_differences(actual: dict, expected: dict) -> dict[str, float]:
     """Largest relative differences of the metrics and absolute ones of logprobs and weights (printed)."""
     out = {key: (actual[key] - expected[key]).abs().max().item() for key in ("logprobs", "logprobs_after", "reference")}
@@ -122,8 +132,8 @@ def cluster(ray_cluster):
 
 
 @pytest.fixture(scope="module")
-def one_worker(cluster):
-    return run(cluster, policy_cfg(), "tp1")
+def one_worker():
+    return run_one_worker(policy_cfg(), "tp1")
 
 
 @pytest.fixture(scope="module")
@@ -255,8 +265,8 @@ def test_bfloat16_mixed_precision_trains_on_cpu(cluster, one_worker, tp):
 
 
 @pytest.fixture(scope="module")
-def gemma3_one_worker(cluster):
-    return run(cluster, policy_cfg(model_name="tiny-gemma3"), "gemma3_tp1")
+def gemma3_one_worker():
+    return run_one_worker(policy_cfg(model_name="tiny-gemma3"), "gemma3_tp1")
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "sp2"])

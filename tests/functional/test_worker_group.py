@@ -253,6 +253,9 @@ def test_colocated_groups_share_bundles(ray_cluster):
         assert first.run_all("sum_of_ranks_plus_one") == [3.0, 3.0]
         assert second.run_all("sum_of_ranks_plus_one") == [3.0, 3.0]
         assert first.run_all("env")[0]["MASTER_PORT"] != second.run_all("env")[0]["MASTER_PORT"]
+        # Without env_vars the members set their own variables in their constructors (no runtime_env).
+        assert [[e[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")] for e in first.run_all("env")] == \
+            [["0", "2", "0"], ["1", "2", "1"]]
         out = second.run_sharded("tag_shard", Batch(x=torch.zeros(2, dtype=torch.long)))
         assert out["x"].tolist() == [10, 110]
         # A full bundle is polled for room up to placement_timeout_s (resource views lag behind actor
