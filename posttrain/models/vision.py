@@ -76,7 +76,8 @@ VL_CHAT_TEMPLATE = (
 )
 
 # Bump when the recipe below changes, so `ensure_tiny_vlm` rebuilds stale cached copies.
-RECIPE_VERSION = 1
+# 2: the vision tower is pretrained at build (`vision_pretrain`).
+RECIPE_VERSION = 2
 
 
 def check_vl_preset(preset: str) -> dict[str, dict[str, int]]:
@@ -145,18 +146,27 @@ def make_tiny_vlm(preset: str = "tiny-vl", seed: int = 0) -> tuple[PreTrainedMod
     return model.eval(), processor
 
 
-def build_tiny_vlm(out_dir: str | os.PathLike, preset: str = "tiny-vl", seed: int = 0) -> Path:
+def build_tiny_vlm(out_dir: str | os.PathLike, preset: str = "tiny-vl", seed: int = 0,
+                   pretrain_vision: bool = True) -> Path:
     """Write a Hugging Face directory (config, weights, generation config, tokenizer, processor and
     image processor configs, chat template) for a vision-language preset into `out_dir`.
 
     Args:
         out_dir: target directory (created; existing files of the same names are overwritten).
         preset: `tiny-vl` (the only one; default).
-        seed: seed of the random initialisation (default 0).
+        seed: seed of the random initialisation and of the tower's pretraining (default 0).
+        pretrain_vision: pretrain the vision tower on per-patch shape detection
+            (`vision_pretrain`; default true, as the cached preset is: a random tower learns
+            to see, or not, depending on the seed).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model, processor = make_tiny_vlm(preset, seed)
+    if pretrain_vision:
+        from posttrain.models.vision_pretrain import pretrain_vision_tower
+
+        with MODEL_BUILD_LOCK:
+            pretrain_vision_tower(model, processor, seed)
     save_quietly(model, out)
     processor.save_pretrained(out)
     # The template inside tokenizer_config.json too, so `AutoTokenizer` alone (the text-only path) has it.
