@@ -19,6 +19,7 @@ from posttrain.config import (
     save_config,
 )
 from posttrain.config.loader import EXAMPLE_CONFIG_DIR, suggest_key
+from posttrain.config.schema.algorithms import GRPOConfig
 
 
 def write(path: Path, text: str) -> Path:
@@ -388,7 +389,9 @@ def test_a_derived_file_drops_an_inherited_mapping_with_delete(tmp_path):
         """)
     cfg = load_config("grpo", derived)
     assert cfg.data.generator_options == {}  # the schema's default, not the example's {max_count: 4}
-    assert cfg.grpo.max_num_steps == 250  # everything else is still inherited
+    example = load_config("grpo", VL_EXAMPLE)
+    assert example.grpo.max_num_steps != GRPOConfig().max_num_steps  # so the next line tells
+    assert cfg.grpo.max_num_steps == example.grpo.max_num_steps  # everything else is still inherited
     # Without the tag the inherited mapping stays and the run is refused, as before.
     write(derived, derived.read_text().replace(" !delete", " {}"))
     with pytest.raises(ConfigError, match="generator_options is read only with data.dataset=generated"):
