@@ -18,7 +18,8 @@ on an AVX2-only CPU (docs/performance.md, "CPU kinds", says how close that comes
 (default) leaves the kernels alone. The printed header names the CPU and the kernels used.
 
 Showcases (`--list` prints them with their commands): main (`posttrain grpo`, the embedded
-default), vl (the vision example), custom (the custom-environment example), ppo, ppo_async, dpo, rm,
+default), vl (the vision example), vl_position (its config on `shape_position`, a task it was
+not tuned on), custom (the custom-environment example), ppo, ppo_async, dpo, rm,
 distill, distill_xtok (the cross-tokenizer distillation example), api (the README's Python API
 example, from scratch), recipe (the nemotron_mini recipe, about 30 minutes a seed on 2 AVX-512
 cores), and the three variants of the gemma3_base recipe (RL from a base model,
@@ -88,6 +89,10 @@ class Showcase:
 SHOWCASES = {
     "main": Showcase("grpo"),
     "vl": Showcase("grpo", "examples/configs/grpo_vl_tiny.yaml"),
+    # The vision example's config on a task it was not tuned on: where shapes are, not how many.
+    "vl_position": Showcase("grpo", "examples/configs/grpo_vl_tiny.yaml", overrides=tuple(
+        f"{section}{key}" for section in ("", "sft_warmup.")
+        for key in ("data.generator=shape_position", "data.generator_options={}", "data.env_name=mcqa"))),
     "custom": Showcase("grpo", "examples/custom/grpo_custom.yaml", cwd="examples/custom"),
     "ppo": Showcase("ppo", "examples/configs/ppo_tiny.yaml"),
     "ppo_async": Showcase("ppo", "examples/configs/ppo_async_tiny.yaml"),
