@@ -89,10 +89,12 @@ class Showcase:
 SHOWCASES = {
     "main": Showcase("grpo"),
     "vl": Showcase("grpo", "examples/configs/grpo_vl_tiny.yaml"),
-    # The vision example's config on a task it was not tuned on: where shapes are, not how many.
+    # The vision example's config on a task it was not tuned on: where shapes are, not how many
+    # (multiple choice: its questions list four options, hence the longer rows).
     "vl_position": Showcase("grpo", "examples/configs/grpo_vl_tiny.yaml", overrides=tuple(
-        f"{section}{key}" for section in ("", "sft_warmup.")
-        for key in ("data.generator=shape_position", "data.generator_options={}", "data.env_name=mcqa"))),
+        override for job in ("", "sft_warmup.")
+        for override in (f"{job}data.generator=shape_position", f"~{job}data.generator_options",
+                         f"{job}data.env_name=mcqa", f"{job}policy.max_total_sequence_length=256"))),
     "custom": Showcase("grpo", "examples/custom/grpo_custom.yaml", cwd="examples/custom"),
     "ppo": Showcase("ppo", "examples/configs/ppo_tiny.yaml"),
     "ppo_async": Showcase("ppo", "examples/configs/ppo_async_tiny.yaml"),
