@@ -15,13 +15,13 @@ import json
 import os
 import re
 import signal
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 import pytest
-from test_grpo import PARTIAL, SMALL, _comparable, plugin_env, read_metrics, small_cfg
+from test_grpo import (IN_PROCESS, PARTIAL, SMALL, _comparable, keeping_torch_threads, plugin_env, read_metrics,
+                       small_cfg)
 
 from posttrain import cli
 from posttrain.algorithms.loop import step_callbacks
@@ -33,22 +33,6 @@ pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
 
 PLUGIN_LOSSES = Path(__file__).with_name("plugin_losses.py")
 RECOVERY = ["cluster.backend=ray", "grpo.max_num_steps=4", "checkpointing.save_period=1", plugin_env("KillPlanEnv")]
-
-
-# An uninterrupted reference run goes in this process (the local backend) with the one torch thread a
-# Ray worker computes with: the same code at world size 1, so the same weights and metrics bit for
-# bit (measured; the local backend only logs no `recovery/*` keys), without starting a policy, a
-# generation and an environment actor for it. The thread count is this process's, put back after.
-IN_PROCESS = ["cluster.backend=local", "cluster.cpus_per_worker=1"]
-
-
-@contextmanager
-def keeping_torch_threads():
-    threads = torch.get_num_threads()
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def kills(tmp_path, plan: str) -> list[str]:
