@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -214,6 +215,23 @@ def _run_cli(cfg_path: Path, log: Path, **env_vars: str) -> subprocess.Popen:
     )
 
 
+# An uninterrupted reference run goes in this process (the local backend) with the one torch thread a
+# Ray worker computes with (`cluster.cpus_per_worker`'s default with Ray): the same code at world
+# size 1, so the same weights and metrics bit for bit (measured), less the `recovery/*` counters the
+# local backend does not log, without starting a policy, a generation and an environment actor.
+IN_PROCESS = ["cluster.backend=local", "cluster.cpus_per_worker=1"]
+
+
+@contextmanager
+def keeping_torch_threads():
+    """This process's torch thread count, put back after an in-process run set its own."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _comparable(metrics: dict[int, dict]) -> dict[int, dict]:
     return {s: {k: v for k, v in row.items() if not k.startswith(("timing/", "memory/"))} for s, row in metrics.items()}
 
@@ -223,16 +241,20 @@ def test_kill_and_resume_reproduces_uninterrupted_metrics(tmp_path, capfd, reque
     """SIGKILL a `posttrain grpo` process after its step-2 checkpoint; rerunning the same command
     resumes and logs exactly the metrics an uninterrupted run logs. With Ray, the killed controller's
     Ray processes go too; the local backend starts none. Only the killed run needs a process (and,
-    with Ray, a cluster) of its own: the uninterrupted run and the rerun are the same command run in
-    this process (`cli.main`, on the session's Ray), two interpreters and Ray clusters fewer to start."""
+    with Ray, a cluster) of its own: the uninterrupted run and the rerun run in this process
+    (`cli.main`, the rerun on the session's Ray), two interpreters and Ray clusters fewer to start.
+    With Ray, the uninterrupted run is the same command on the local backend with a Ray worker's one
+    torch thread (`IN_PROCESS`): bit for bit a Ray run's metrics, less its `recovery/*` counters
+    (all 0 without a failure, checked on the rerun), without a set of actors to start."""
     from posttrain import cli
 
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
     runs = {}
     for name in ("straight", "killed"):
+        in_process = IN_PROCESS if backend == "ray" and name == "straight" else []
         cfg = small_cfg(tmp_path / name, "grpo.max_num_steps=4", "checkpointing.save_period=2",
-                        f"cluster.backend={backend}", plugin_env("HoldAfterCheckpointEnv"))
+                        f"cluster.backend={backend}", *in_process, plugin_env("HoldAfterCheckpointEnv"))
         path = tmp_path / f"{name}.yaml"
         save_config(cfg, path)
         runs[name] = (path, tmp_path / name)
@@ -245,7 +267,8 @@ def test_kill_and_resume_reproduces_uninterrupted_metrics(tmp_path, capfd, reque
     hold.touch()
     killed = _run_cli(runs["killed"][0], tmp_path / "killed.log", HOLD=str(hold), HOLD_AFTER=str(step2))
     # The uninterrupted run meanwhile: the killed one cannot get past its step-2 checkpoint.
-    assert cli.main(["grpo", "--config", str(runs["straight"][0])]) == 0
+    with keeping_torch_threads():
+        assert cli.main(["grpo", "--config", str(runs["straight"][0])]) == 0
     deadline = time.time() + 400
     while not step2.exists():
         assert killed.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
@@ -268,6 +291,10 @@ def test_kill_and_resume_reproduces_uninterrupted_metrics(tmp_path, capfd, reque
     expected = _comparable(read_metrics(runs["straight"][1] / "logs"))
     got = _comparable(read_metrics(runs["killed"][1] / "logs"))
     assert sorted(expected) == [1, 2, 3, 4]
+    if backend == "ray":  # the in-process uninterrupted run logs no recovery counters; the rerun's are 0
+        counters = {k: v for row in got.values() for k, v in row.items() if k.startswith("recovery/")}
+        assert counters and all(value == 0 for value in counters.values()), counters
+        got = {step: {k: v for k, v in row.items() if not k.startswith("recovery/")} for step, row in got.items()}
     assert got == expected
 
 

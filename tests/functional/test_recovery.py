@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 import pytest
-from test_grpo import PARTIAL, SMALL, _comparable, plugin_env, read_metrics, small_cfg
+from test_grpo import (IN_PROCESS, PARTIAL, SMALL, _comparable, keeping_torch_threads, plugin_env, read_metrics,
+                       small_cfg)
 
 from posttrain import cli
 from posttrain.algorithms.loop import step_callbacks
@@ -193,9 +194,9 @@ def test_a_replay_after_an_environment_died_mid_step_and_a_policy_worker_after_i
         ray_cluster, tmp_path, capfd):
     from posttrain.algorithms import grpo
 
-    def run(directory: Path, plan: str, kill_after_update_in: int = 0) -> dict[str, torch.Tensor]:
+    def run(directory: Path, plan: str, kill_after_update_in: int = 0, *backend: str) -> dict[str, torch.Tensor]:
         # One policy and one generation worker: one environment call a step; checkpoints at steps 2, 4.
-        cfg = small_cfg(directory, *RECOVERY, "checkpointing.save_period=2", *kills(directory, plan))
+        cfg = small_cfg(directory, *RECOVERY, "checkpointing.save_period=2", *kills(directory, plan), *backend)
         ctx = grpo.setup(cfg)
         train = ctx.policy.train
 
@@ -213,7 +214,8 @@ def test_a_replay_after_an_environment_died_mid_step_and_a_policy_worker_after_i
         finally:
             ctx.shutdown()
 
-    uninterrupted = run(tmp_path / "uninterrupted", "")
+    with keeping_torch_threads():
+        uninterrupted = run(tmp_path / "uninterrupted", "", 0, *IN_PROCESS)
     capfd.readouterr()
     # Call 2 (step 2): the environment kills itself mid-step; step 2 is replayed. Step 3's update is
     # done when the policy worker dies: the run goes back to step 2's checkpoint.
@@ -276,9 +278,9 @@ def test_a_partial_rollout_step_replayed_after_its_environment_died_continues_th
         ray_cluster, tmp_path, capfd):
     from posttrain.algorithms import grpo
 
-    def run(directory: Path, plan: str, calls_by_step: dict[int, int]) -> dict[str, torch.Tensor]:
+    def run(directory: Path, plan: str, calls_by_step: dict[int, int], *backend: str) -> dict[str, torch.Tensor]:
         cfg = small_cfg(directory, *PARTIAL, *RECOVERY, "grpo.max_num_steps=3", "checkpointing.save_period=2",
-                        *kills(directory, plan))
+                        *kills(directory, plan), *backend)
         ctx = grpo.setup(cfg)
 
         def count_calls(step, _metrics) -> None:
@@ -296,7 +298,8 @@ def test_a_partial_rollout_step_replayed_after_its_environment_died_continues_th
                 for step, row in _comparable(read_metrics(directory / "logs")).items()}
 
     calls: dict[int, int] = {}
-    uninterrupted = run(tmp_path / "uninterrupted", "0:self", calls)  # plan "0:...": counts the calls, kills nobody
+    with keeping_torch_threads():  # plan "0:...": counts the calls, kills nobody
+        uninterrupted = run(tmp_path / "uninterrupted", "0:self", calls, *IN_PROCESS)
     expected = comparable(tmp_path / "uninterrupted")
     assert expected[2]["train/partial_rollouts/carried_over_sequences"] > 0  # step 3 continues some
     capfd.readouterr()
@@ -316,10 +319,10 @@ def test_an_sft_run_whose_policy_worker_dies_after_its_update_ends_on_the_uninte
 
     from posttrain.algorithms import sft
 
-    def run(directory: Path, kill_after_update_in: int = 0) -> dict[str, torch.Tensor]:
+    def run(directory: Path, kill_after_update_in: int = 0, *backend: str) -> dict[str, torch.Tensor]:
         # 4 steps of 8 rows, checkpoints at steps 2 and 4; the export holds the final weights.
         cfg = load_config("sft", overrides=[
-            "cluster.backend=ray", "data.num_train=64", "data.num_validation=8", "sft.max_num_steps=4",
+            "cluster.backend=ray", *backend, "data.num_train=64", "data.num_validation=8", "sft.max_num_steps=4",
             "sft.val_period=0", "sft.val_at_start=false", "sft.val_at_end=false", "policy.train_global_batch_size=8",
             "policy.train_micro_batch_size=8", "checkpointing.save_period=2", "logger.progress_bar=false",
             "logger.report=false", "logger.tensorboard_enabled=false", f"logger.log_dir={directory}/logs",
@@ -344,7 +347,8 @@ def test_an_sft_run_whose_policy_worker_dies_after_its_update_ends_on_the_uninte
         sft.run(cfg, export_dir=directory / "export")
         return load_file(directory / "export" / "model.safetensors")
 
-    uninterrupted = run(tmp_path / "uninterrupted")
+    with keeping_torch_threads():
+        uninterrupted = run(tmp_path / "uninterrupted", 0, *IN_PROCESS)
     capfd.readouterr()
     recovered = run(tmp_path / "recovered", kill_after_update_in=3)
     lines = recovery_lines(capfd.readouterr().out)
