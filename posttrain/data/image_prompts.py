@@ -10,7 +10,6 @@ import os
 from typing import Any, Sequence
 
 import torch
-from transformers import AutoProcessor
 
 from posttrain.errors import UserError
 
@@ -22,6 +21,8 @@ def processor_from(path: str | os.PathLike, name: str | os.PathLike | None = Non
     Its tokenizer pads on the right, with the eos token as pad token when it has none (as
     `hf.load_tokenizer`). A processor that needs a package this environment lacks (Qwen2-VL's
     needs torchvision) is a one-line UserError naming it."""
+    from transformers import AutoProcessor  # here: every worker imports this module, few load a processor
+
     name = os.fspath(name if name is not None else path)
     try:
         processor = AutoProcessor.from_pretrained(path)
