@@ -18,8 +18,8 @@ on an AVX2-only CPU (docs/performance.md, "CPU kinds", says how close that comes
 (default) leaves the kernels alone. The printed header names the CPU and the kernels used.
 
 Showcases (`--list` prints them with their commands): main (`posttrain grpo`, the embedded
-default), vl (the vision example), vl_position (its config on `shape_position`, a task it was
-not tuned on), custom (the custom-environment example), ppo, ppo_async, dpo, rm,
+default), vl (the vision example), vl_position and vl_color (its config on `shape_position` and
+`shape_color`, tasks it was not tuned on), custom (the custom-environment example), ppo, ppo_async, dpo, rm,
 distill, distill_xtok (the cross-tokenizer distillation example), api (the README's Python API
 example, from scratch), recipe (the nemotron_mini recipe, about 30 minutes a seed on 2 AVX-512
 cores), and the three variants of the gemma3_base recipe (RL from a base model,
@@ -86,17 +86,22 @@ class Showcase:
                        f"checkpointing.checkpoint_dir={workdir}/checkpoints", *overrides]
 
 
+def vision_example_on(generator: str) -> Showcase:
+    """The vision example's config on a multiple-choice task it was not tuned on. Its questions list
+    the options, hence the longer rows; the warm start teaches the bare letter, as the example's
+    teaches the bare count, so the grader takes one."""
+    return Showcase("grpo", "examples/configs/grpo_vl_tiny.yaml", overrides=tuple(
+        override for job in ("", "sft_warmup.")
+        for override in (f"{job}data.generator={generator}", f"~{job}data.generator_options",
+                         f"{job}data.env_name=mcqa", f"{job}policy.max_total_sequence_length=256")
+    ) + ("env.mcqa.grading_mode=lenient",))
+
+
 SHOWCASES = {
     "main": Showcase("grpo"),
     "vl": Showcase("grpo", "examples/configs/grpo_vl_tiny.yaml"),
-    # The vision example's config on a task it was not tuned on: where shapes are, not how many
-    # (multiple choice: its questions list four options, hence the longer rows; the warm start
-    # teaches the bare letter, as the example's teaches the bare count, so the grader takes one).
-    "vl_position": Showcase("grpo", "examples/configs/grpo_vl_tiny.yaml", overrides=tuple(
-        override for job in ("", "sft_warmup.")
-        for override in (f"{job}data.generator=shape_position", f"~{job}data.generator_options",
-                         f"{job}data.env_name=mcqa", f"{job}policy.max_total_sequence_length=256")
-    ) + ("env.mcqa.grading_mode=lenient",)),
+    "vl_position": vision_example_on("shape_position"),
+    "vl_color": vision_example_on("shape_color"),
     "custom": Showcase("grpo", "examples/custom/grpo_custom.yaml", cwd="examples/custom"),
     "ppo": Showcase("ppo", "examples/configs/ppo_tiny.yaml"),
     "ppo_async": Showcase("ppo", "examples/configs/ppo_async_tiny.yaml"),
