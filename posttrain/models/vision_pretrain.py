@@ -31,6 +31,7 @@ PRETRAIN_STEPS = 500  # measured: per-patch shape kind 89% and colour 99% right 
 PRETRAIN_BATCH = 64
 PRETRAIN_LR = 3e-3
 MAX_SHAPES = 9
+COLOR_NAMES = sorted(COLORS)  # the colour labels' order (index + 1)
 
 
 def random_scene(rng: random.Random) -> list[Shape]:
@@ -42,20 +43,20 @@ def random_scene(rng: random.Random) -> list[Shape]:
             break
         x, y = rng.randint(RADIUS, SIZE - 1 - RADIUS), rng.randint(RADIUS, SIZE - 1 - RADIUS)
         if all((x - s.x) ** 2 + (y - s.y) ** 2 >= (2 * RADIUS + 1) ** 2 for s in shapes):
-            shapes.append(Shape(rng.choice(SHAPES), rng.choice(sorted(COLORS)), x, y))
+            shapes.append(Shape(rng.choice(SHAPES), rng.choice(COLOR_NAMES), x, y))
     return shapes
 
 
 def patch_labels(shapes: list[Shape], patch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per patch (row-major, as the tower's tokens): 0 or 1 + the kind of the shape centred there,
-    and 0 or 1 + its colour (indices into SHAPES and sorted COLORS)."""
+    and 0 or 1 + its colour (indices into SHAPES and COLOR_NAMES)."""
     per_side = SIZE // patch_size
     kind = torch.zeros(per_side * per_side, dtype=torch.long)
     color = torch.zeros(per_side * per_side, dtype=torch.long)
     for shape in shapes:
         patch = (shape.y // patch_size) * per_side + shape.x // patch_size
         kind[patch] = 1 + SHAPES.index(shape.kind)
-        color[patch] = 1 + sorted(COLORS).index(shape.color)
+        color[patch] = 1 + COLOR_NAMES.index(shape.color)
     return kind, color
 
 
