@@ -114,7 +114,7 @@ def test_overrides_parse_yaml_values():
     assert cfg.policy.generation.colocated.num_workers == 2
     assert cfg.grpo.max_num_steps == 9
     assert cfg.sft_warmup.sft.max_num_steps == 5
-    assert cfg.sft_warmup.sft.val_period == 50  # the rest of the embedded sft_warmup is kept
+    assert cfg.sft_warmup.sft.val_period == 25  # the rest of the embedded sft_warmup is kept
     assert cfg.policy.model_name == "1234"
 
 
@@ -294,12 +294,17 @@ def test_every_example_config_validates():
 def test_embedded_grpo_default():
     cfg = load_config("grpo")
     assert (cfg.grpo.num_prompts_per_step, cfg.grpo.num_generations_per_prompt) == (16, 8)
-    assert cfg.policy.train_global_batch_size == 128 and cfg.sft_warmup.sft.max_num_steps == 600
-    assert cfg.policy.optimizer.lr == 1e-4
-    # The examples built on the default keep the settings they were measured with.
+    assert cfg.policy.train_global_batch_size == 128 and cfg.sft_warmup.sft.max_num_steps == 700
+    assert cfg.sft_warmup.sft.stop_at_validation == {"validation/accuracy_greedy": 0.6}
+    assert cfg.policy.optimizer.lr == 1e-4 and cfg.policy.scheduler.name == "cosine"
+    # The examples built on the default keep the settings they were measured with: its former warm
+    # start (350 steps at lr 1e-3, no target) and a constant GRPO lr; everything else is the default's.
     v1 = load_config("grpo", EXAMPLE_CONFIG_DIR / "grpo_math_tiny_v1.yaml")
-    assert v1.sft_warmup.sft.max_num_steps == 350
-    assert v1.model_dump(exclude={"sft_warmup"}) == cfg.model_dump(exclude={"sft_warmup"})
+    assert (v1.sft_warmup.sft.max_num_steps, v1.sft_warmup.sft.val_period, v1.sft_warmup.sft.stop_at_validation,
+            v1.sft_warmup.policy.optimizer.lr, v1.policy.scheduler.name) == (350, 50, {}, 1e-3, "constant")
+    assert v1.model_dump(exclude={"sft_warmup", "policy"}) == cfg.model_dump(exclude={"sft_warmup", "policy"})
+    assert v1.policy.model_dump(exclude={"scheduler"}) == cfg.policy.model_dump(exclude={"scheduler"})
+    assert (v1.sft_warmup.model_dump(exclude={"sft", "policy"}) == cfg.sft_warmup.model_dump(exclude={"sft", "policy"}))
     assert cfg.policy.model_name == "tiny" and cfg.policy.tiny_arch == "llama"
     assert cfg.data.dataset == "arithmetic" and cfg.data.num_digits == 2
     assert cfg.sft_warmup is not None and cfg.sft_warmup.data.dataset == "arithmetic"
