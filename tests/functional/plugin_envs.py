@@ -40,20 +40,25 @@ class StuckEnv(MathEnvironment):
         return super().step(message_logs, metadata)
 
 
+class StragglerConfig(MathEnvConfig):
+    release_when: str = ""  # the file whose creation ends the straggler's wait
+
+
 class StragglerEnv(MathEnvironment):
-    """The third call takes `STRAGGLER_SECONDS` (default 46) longer: a straggler, not a hang.
+    """The third call answers only once the file `release_when` exists: a straggler, not a hang.
 
-    With `grpo.async_grpo.rollout_timeout_s=40` its batch is dropped; the next batch's call, queued
-    behind it, still answers about 34 s before its own deadline. A normal batch of the tiny model
-    takes well under a second on a quiet machine, but the deadline counts from the batch's start,
-    generation included, and beside CPU hogs the first batches took over 20 s (the old deadline)."""
+    The test creates the file once the collector has dropped the straggler's batch, so the call
+    misses its batch's deadline however fast or slow the machine is, and the next batch's call,
+    queued behind it, answers as soon as the drop is seen."""
 
+    config_class = StragglerConfig
     calls = 0
 
     def step(self, message_logs, metadata):
         StragglerEnv.calls += 1
         if StragglerEnv.calls == 3:
-            time.sleep(float(os.environ.get("STRAGGLER_SECONDS", "46")))
+            while not os.path.exists(self.cfg.release_when):
+                time.sleep(0.05)
         return super().step(message_logs, metadata)
 
 

@@ -191,11 +191,28 @@ def test_async_grpo_recovers_from_a_killed_environment_generation_worker_and_pol
     assert 1.0 <= last["train/token_mult_prob_error"] < 1.01  # the rebuilt engine was refit from the policy
 
 
-def test_a_straggler_is_dropped_and_counted_and_the_run_finishes(ray_cluster, tmp_path):
-    # The deadline is far from a normal batch's time (under a second here; over 20 s beside CPU
-    # hogs, tests/stress.sh) and the straggler beyond it (plugin_envs.StragglerEnv).
+def test_a_straggler_is_dropped_and_counted_and_the_run_finishes(ray_cluster, tmp_path, monkeypatch):
+    # The straggler's batch (the third: plugin_envs.StragglerEnv's third call) starts with its
+    # deadline already reached, and its call answers only once that batch is dropped (an event,
+    # not a clock): it misses its deadline however fast the machine is. The other batches keep a
+    # deadline far from a normal batch's time (under a second here; over 20 s beside CPU hogs,
+    # tests/stress.sh), and the next batch's call, queued behind the straggler's, answers at once.
+    from posttrain.algorithms import async_grpo
+
+    dropped = tmp_path / "straggler-dropped"
+    roll_out_groups = async_grpo.roll_out_groups
+
+    def roll_out_with_the_straggler(ctx, prompts, seed_key, *args, deadline=None, **kwargs):
+        if seed_key != 3:
+            return roll_out_groups(ctx, prompts, seed_key, *args, deadline=deadline, **kwargs)
+        groups, metrics = roll_out_groups(ctx, prompts, seed_key, *args, deadline=time.monotonic(), **kwargs)
+        dropped.touch()
+        return groups, metrics
+
+    monkeypatch.setattr(async_grpo, "roll_out_groups", roll_out_with_the_straggler)
     seconds, error = run_async(async_cfg(
-        tmp_path, "grpo.max_num_steps=4", faulty("StragglerEnv"), "grpo.async_grpo.rollout_timeout_s=40",
+        tmp_path, "grpo.max_num_steps=4", faulty("StragglerEnv"), f"env.math.release_when={dropped}",
+        "grpo.async_grpo.rollout_timeout_s=40",
     ))
     assert error is None, error
     steps = read_metrics(tmp_path / "logs")

@@ -156,8 +156,9 @@ def test_async_ppo_trains_critic_and_policy_on_one_step_old_groups(ray_cluster, 
     assert all(g.weight_version <= 2 for g in saved["buffer"]["groups"])
 
 
-# The async test's shortened warm start, which the synchronous held-out test shares (one SFT run
-# for both: the export is cached by the warm start's config).
+# The async test's shortened warm start, which the synchronous held-out test and docs/python-api.md's
+# PPO example share (one SFT run for the three: the export is cached by the warm start's config;
+# test_python_api_docs.py checks the page still names this one).
 ASYNC_TEST_WARM_START = ("sft_warmup.sft.max_num_steps=300", "sft_warmup.sft.val_period=0",
                          "sft_warmup.sft.val_at_end=false", "sft_warmup.policy.train_micro_batch_size=64",
                          "sft_warmup.logger.progress_bar=false")

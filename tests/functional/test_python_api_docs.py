@@ -8,6 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
+from test_ppo import ASYNC_TEST_WARM_START
+
+from posttrain.config.loader import load_config
+from posttrain.run_config import warm_start_export_dir
 
 pytestmark = pytest.mark.functional
 
@@ -59,5 +63,8 @@ def test_the_pages_examples_run_and_learn(tmp_path, monkeypatch):
 
     exec(compile(blocks["PPO"], f"{PAGE}:PPO", "exec"), scope)
     ppo = scope["result"]
+    # The example's warm start is test_ppo.py's, so the suite trains it once (the cache's key).
+    assert warm_start_export_dir(scope["trainer"].config.sft_warmup) == warm_start_export_dir(
+        load_config("ppo", overrides=list(ASYNC_TEST_WARM_START)).sft_warmup)
     assert sorted(step for step in ppo.history if step > 0) == [1, 2, 3, 4]
     assert all("train/critic/value_loss" in ppo.history[step] for step in (1, 2, 3, 4))  # the critic trained
