@@ -95,6 +95,19 @@ class ProgressWatch:
         return bound, (f"{self.limits.factor:g}x the slowest {phase} so far, {slowest:.1f}s, at least "
                        f"cluster.progress_timeout_floor_s={self.limits.floor_s:g}")
 
+    def due_in(self, keys: Iterable[Any]) -> Optional[float]:
+        """Seconds until the first of `keys` still running reaches its bound (0 when one is past
+        it; None when none of them has a bound): when to look again, rather than a beat later."""
+        now, due = self.clock(), None
+        for key in keys:
+            if key in self._running:
+                phase, start = self._running[key]
+                bound, _ = self.bound(phase)
+                if bound is not None:
+                    left = max(0.0, start + bound - now)
+                    due = left if due is None else min(due, left)
+        return due
+
     def overdue(self, keys: Iterable[Any]) -> list[tuple[Any, str, float, float, str]]:
         """`(key, phase, seconds running, bound, why)` of each of `keys` running past its bound,
         and of the others of `keys` running in the same phase (the other ranks of one call: they

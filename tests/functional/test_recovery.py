@@ -50,20 +50,21 @@ def test_a_ppo_run_rebuilds_a_dead_generation_worker_policy_worker_and_critic_wo
     from posttrain.algorithms import ppo
 
     pids = {name: tmp_path / f"{name}.pid" for name in ("generation", "policy", "critic")}
-    # Two policy workers (an FSDP group), the critic's two beside them and, colocated, two generation
-    # workers: the environment is called once per generation shard, so twice a step (once in a step
-    # cut short) and twice in the validation before the first step (calls 1 and 2); checkpoints
-    # come every 2 steps and at the last. Call 3 kills generation rank 0 in step 1 (the step is
-    # replayed). Call 7 kills policy rank 1 in step 2, after the updates of step 1 and before the
-    # first checkpoint: the run starts again at step 1 with the policy and the (live, trained) critic
-    # at their initial weights, keeping the validation before it. Call 13 kills critic rank 0 in
-    # step 3, the last: the run goes back to step 2's checkpoint and replays step 3. Each call lands
-    # in its step whether step 1's second call came before its failure or not. (The environment's
-    # own death: the next test.)
-    plan = [(3, pids["generation"]), (7, pids["policy"]), (13, pids["critic"])]
+    # Two policy workers (an FSDP group), the critic's two beside them and one generation worker of
+    # its own (how many engines is not what this test is about: two processes fewer to start, one at
+    # first and one in the rebuild; a colocated engine's rebuild: the segfault test below): the
+    # environment is called once a step and once in the validation before the first step (call 1);
+    # checkpoints come every 2 steps and at the last. Call 2 kills the generation worker in step 1
+    # (the step is replayed: call 3). Call 4 kills policy rank 1 in step 2, after the updates of
+    # step 1 and before the first checkpoint: the run starts again at step 1 (call 5) with the
+    # policy and the (live, trained) critic at their initial weights, keeping the validation before
+    # it. Call 7 kills critic rank 0 in step 3, the last: the run goes back to step 2's checkpoint
+    # and replays step 3. (The environment's own death: the next test.)
+    plan = [(2, pids["generation"]), (4, pids["policy"]), (7, pids["critic"])]
     cfg = load_config("ppo", overrides=[
         *SMALL, *RECOVERY, f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
         "grpo.max_num_steps=3", "checkpointing.save_period=2", "policy.num_workers=2", "grpo.val_at_start=true",
+        "policy.generation.colocated.enabled=false", "policy.generation.colocated.num_workers=1",
         "critic.warmup_steps=0",  # the policy trains from step 1
         *kills(tmp_path, ";".join(f"{call}:{target}" for call, target in plan))])
     ctx = ppo.setup(cfg)

@@ -48,6 +48,24 @@ def test_calls_past_their_bound_are_overdue_and_forgotten_ones_are_not():
     assert [(late[0], late[2]) for late in watch.overdue(["rank1", "rank2"])] == [("rank1", 6.5), ("rank2", 0.5)]
 
 
+def test_the_next_check_comes_when_the_first_running_call_reaches_its_bound():
+    now = [100.0]
+    watch = ProgressWatch(ProgressLimits({"train": 15.0, "env_step": 2.0}), clock=lambda: now[0])
+    assert watch.due_in(["rank0"]) is None  # not running
+    watch.started("rank0", "train")
+    watch.started("unbounded", "generate")
+    assert watch.due_in(["unbounded"]) is None
+    now[0] += 10.0
+    assert watch.due_in(["rank0", "unbounded"]) == 5.0
+    watch.started("env", "env_step")
+    assert watch.due_in(["rank0", "env"]) == 2.0 and watch.due_in(["rank0"]) == 5.0
+    now[0] += 6.0
+    assert watch.due_in(["rank0", "env"]) == 0.0  # past due: look now
+    watch.finished("rank0")
+    watch.forget(["env"])
+    assert watch.due_in(["rank0", "env"]) is None
+
+
 def stuck_in_a_deadlock(started: threading.Event, release: threading.Event) -> None:
     started.set()
     release.wait()  # stands for a lock nobody releases
