@@ -30,6 +30,7 @@ SLACK_BYTES = 64 << 20
 
 def _cfg(workers: int, colocated: bool):
     return load_config("grpo", overrides=[
+        "policy.scheduler.name=constant",  # a Policy built outside a job has no run length to decay over
         "sft_warmup=null", "cluster.backend=ray", "policy.model_name=100m", f"policy.num_workers={workers}",
         "policy.train_global_batch_size=2", "policy.train_micro_batch_size=1",
         f"policy.refit_buffer_size_gb={BUCKET_BYTES / 2**30}",

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.functional
 
 def _cfg():
     return load_config("grpo", overrides=[
+        "policy.scheduler.name=constant",  # a Policy built outside a job has no run length to decay over
         "sft_warmup=null", "policy.model_name=tiny", "policy.train_global_batch_size=8",
         "policy.train_micro_batch_size=4", "policy.optimizer.lr=1e-2", "policy.generation.max_new_tokens=8",
         "policy.generation.temperature=0.7",

@@ -44,6 +44,7 @@ def _load(model: str, workers: int, tp: int) -> tuple[list[dict[str, int]], str,
     from posttrain.models.policy.policy import Policy
 
     cfg = load_config("grpo", overrides=[
+        "policy.scheduler.name=constant",  # a Policy built outside a job has no run length to decay over
         "sft_warmup=null", "cluster.backend=ray", f"policy.model_name={model}", f"policy.num_workers={workers}",
         f"policy.tensor_parallel_size={tp}", "policy.train_global_batch_size=2", "policy.train_micro_batch_size=1",
     ])

@@ -150,6 +150,7 @@ def _refit_cfg(*extra: str, model: str = "tiny"):
     from posttrain.config.loader import load_config
 
     return load_config("grpo", overrides=[
+        "policy.scheduler.name=constant",  # a Policy built outside a job has no run length to decay over
         "sft_warmup=null", f"policy.model_name={model}", "policy.precision=float32", "policy.train_global_batch_size=8",
         "policy.train_micro_batch_size=4", "policy.optimizer.lr=1e-2", "policy.generation.max_new_tokens=8",
         "policy.generation.temperature=0.7", "policy.generation.backend=vllm", "policy.max_total_sequence_length=64",
