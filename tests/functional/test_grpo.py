@@ -140,7 +140,9 @@ def test_previous_logprobs_are_recomputed_only_for_several_optimizer_steps(grpo_
     from posttrain.algorithms import grpo
 
     # CoinEnv: rewards with variance, so non-zero advantages, so updates move the policy.
-    ctx = grpo_context("grpo.max_num_steps=1", "policy.optimizer.lr=1e-3", plugin_env("CoinEnv"))
+    # A constant lr: the run is extended to a second step below, past a decay horizon of one step.
+    ctx = grpo_context("grpo.max_num_steps=1", "policy.optimizer.lr=1e-3", "policy.scheduler.name=constant",
+                       plugin_env("CoinEnv"))
     calls = []
     get_logprobs = ctx.policy.get_logprobs
     ctx.policy.get_logprobs = lambda *a, **k: calls.append(1) or get_logprobs(*a, **k)
