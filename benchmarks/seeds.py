@@ -60,6 +60,7 @@ def first_digit(prompts, completions, answer, **columns):
 rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 100) for b in (13, 47, 81)]
 trainer = GRPO(model="tiny", reward_funcs=[first_digit], train_dataset=rows[::2], eval_dataset=rows[1::2],
                config={"sft_warmup": None, "grpo.max_num_steps": 20, "policy.optimizer.lr": 1e-3,
+                       "policy.scheduler.name": "constant",  # the default's cosine decay: too short a run
                        "seed": int(sys.argv[1]), "logger.log_dir": sys.argv[2] + "/logs",
                        "checkpointing.checkpoint_dir": sys.argv[2] + "/checkpoints"})
 trainer.train()

@@ -14,7 +14,7 @@ rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ((rng.randrang
 trainer = GRPO(model="tiny", reward_funcs=first_digit, train_dataset=rows[:268], eval_dataset=rows[268:], config={
     "sft_warmup": None,  # train the tiny model from scratch, not after the default's arithmetic warm start
     "grpo": {"max_num_steps": 20, "val_period": 5, "num_prompts_per_step": 8, "num_generations_per_prompt": 8},
-    "policy": {"train_global_batch_size": 64, "train_micro_batch_size": 64, "optimizer": {"lr": 1e-3},
+    "policy": {"train_global_batch_size": 64, "train_micro_batch_size": 64, "optimizer": {"lr": 1e-3}, "scheduler": {"name": "constant"},
                "generation": {"max_new_tokens": 4}},
     "logger": {"log_dir": "logs/api_example"}, "checkpointing": {"checkpoint_dir": "checkpoints/api_example"},
 })
