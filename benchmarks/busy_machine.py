@@ -12,7 +12,10 @@ as a user would, with no validation or checkpoints. Settings:
   default before 2026-11-28);
 - spinning: the same threads with OpenMP's active waiting (`OMP_WAIT_POLICY=ACTIVE`: what torch
   does when nothing sets the variable, and posttrain's behaviour before it did);
-- one_thread: `cluster.cpus_per_worker=1`, the old advice for shared machines.
+- one_thread: `cluster.cpus_per_worker=1`, the old advice for shared machines;
+- adapting: `cluster.adapt_threads_to_load=true` (every core, fewer while other processes keep some
+  busy: posttrain/utils/cpu_share.py). It measures the others' load once a second, so give it
+  `--steps 150` or so: the median of 12 steps is over before it has looked.
 Each runs alone, then beside `--hogs` busy-looping processes (default: one per core). Prints the
 median step (`timing/train/total_step_time`, steps 3..N) of each, busy / quiet per setting, and
 each busy setting against the best busy one. Timings on a shared machine move from run to run:
@@ -37,6 +40,7 @@ SETTINGS = {
     "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, []),
     "spinning": ({"OMP_WAIT_POLICY": "ACTIVE"}, []),
     "one_thread": ({}, ["cluster.cpus_per_worker=1"]),
+    "adapting": ({}, ["cluster.adapt_threads_to_load=true"]),
 }
 
 
@@ -53,7 +57,8 @@ def median_step(config: Path, workdir: Path, name: str, steps: int) -> float:
     workdir.mkdir(parents=True, exist_ok=True)
     env = environment_with_wait(env_vars)
     cmd = [sys.executable, "-m", "posttrain", "sft", "--config", str(config), f"sft.max_num_steps={steps}",
-           "sft.val_period=0", "sft.val_at_end=false", "checkpointing.enabled=false", f"logger.log_dir={log_dir}",
+           "sft.val_period=0", "sft.val_at_end=false", "~sft.stop_at_validation",  # no validations: no target
+           "checkpointing.enabled=false", f"logger.log_dir={log_dir}",
            "logger.progress_bar=false", *overrides]
     out = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env)
     if out.returncode:

@@ -1,7 +1,9 @@
 """The README's quick start (`posttrain grpo`, the embedded default) as a new user runs it, on a quiet
 machine and beside a CPU hog on every core, side by side in one run; the numbers the README quotes.
 
-    ./run.sh python benchmarks/quick_start.py [--hogs 2] [--loads quiet busy]
+    ./run.sh python benchmarks/quick_start.py [--hogs 2] [--loads quiet busy] [-- KEY=VALUE ...]
+
+KEY=VALUE arguments are config overrides for both runs (e.g. `cluster.adapt_threads_to_load=true`).
 
 Each run starts from an empty cache (`POSTTRAIN_CACHE` in a temporary directory), so it builds the
 tiny model and trains the SFT warm start again, as the first `posttrain grpo` after a clone does;
@@ -27,12 +29,12 @@ from busy_machine import start_hogs
 ACCURACY = "validation/accuracy_greedy"
 
 
-def run_quick_start(workdir: Path) -> dict[str, float]:
+def run_quick_start(workdir: Path, overrides: list[str]) -> dict[str, float]:
     """`posttrain grpo` in `workdir` with its own empty cache: wall seconds and accuracies."""
     workdir.mkdir(parents=True)
     env = {**os.environ, "POSTTRAIN_CACHE": str(workdir / "cache")}
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "posttrain", "grpo", "logger.progress_bar=false"], cwd=workdir,
+    out = subprocess.run([sys.executable, "-m", "posttrain", "grpo", "logger.progress_bar=false", *overrides], cwd=workdir,
                          capture_output=True, text=True, env=env)
     seconds = time.monotonic() - started
     if out.returncode:
@@ -46,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hogs", type=int, default=os.cpu_count() or 2, help="busy processes (default: one per core)")
     parser.add_argument("--loads", nargs="+", default=["quiet", "busy"], choices=["quiet", "busy"])
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides for both runs")
     args = parser.parse_args()
 
     results = {}
@@ -53,7 +56,7 @@ def main() -> None:
         for load in args.loads:
             hogs = start_hogs(args.hogs) if load == "busy" else []
             try:
-                results[load] = run_quick_start(Path(tmp) / load)
+                results[load] = run_quick_start(Path(tmp) / load, args.overrides)
             finally:
                 for hog in hogs:
                     hog.kill()
@@ -64,11 +67,10 @@ def main() -> None:
 
     import torch
 
-    # The warm start ends on the steep part of its learning curve, so the kernels' rounding moves
-    # its accuracy: 61.8% with AVX-512 kernels, 43.8% with AVX2 (ATEN_CPU_CAPABILITY=avx2) on the
-    # same machine and commit; after GRPO the two end within a point (75.4% vs 74.6%).
-    print(f"\nposttrain grpo (embedded default) from an empty cache, {os.cpu_count()} cores, "
-          f"torch CPU kernels {torch.backends.cpu.get_cpu_capability()}, busy = beside {args.hogs} CPU hogs")
+    # The kernels' rounding moves the accuracies (benchmarks/seeds.py --cpu avx2 measures both kinds).
+    print(f"\nposttrain grpo (embedded default{', ' + ' '.join(args.overrides) if args.overrides else ''}) from an "
+          f"empty cache, {os.cpu_count()} cores, torch CPU kernels {torch.backends.cpu.get_cpu_capability()}, "
+          f"busy = beside {args.hogs} CPU hogs")
     print(f"{'load':<8}{'wall s':>8}{'step 0 %':>10}{'end %':>8}")
     for load, r in results.items():
         print(f"{load:<8}{r['seconds']:>8.0f}{r['start']:>10.1f}{r['end']:>8.1f}")

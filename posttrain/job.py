@@ -60,7 +60,13 @@ def start_backend(cfg: MasterConfig) -> None:
 
     warn_if_threads_spin()
     if resolve_backend(cfg) == "local":
+        from posttrain.utils.cpu_share import share_cores, stop_sharing
+
         torch.set_num_threads(worker_threads(cfg))
+        if cfg.cluster.cpus_per_worker is None:  # every core; fewer while others keep some busy, if asked
+            share_cores(worker_threads(cfg), adapt=cfg.cluster.adapt_threads_to_load)
+        else:  # the count the user set
+            stop_sharing()
         return
     from posttrain.distributed.ray_utils import init_ray
 

@@ -32,6 +32,7 @@ from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from typing import Any, Mapping, Optional, Sequence
 
+from posttrain.utils.cpu_share import apply_on_this_thread
 from posttrain.utils.openmp import release_thread_team
 
 _actor_ids = itertools.count()
@@ -162,6 +163,7 @@ class LocalActor:
         if not ref.future.set_running_or_notify_cancel():
             return
         try:
+            apply_on_this_thread()  # fewer threads while other processes hold the cores (utils/cpu_share.py)
             # As Ray does, a future passed as a top-level argument is replaced by its result.
             args = tuple(_resolved(a) for a in args)
             kwargs = {k: _resolved(v) for k, v in kwargs.items()}
