@@ -18,7 +18,7 @@ in its last bits, and seeded reruns and resumed runs would no longer repeat it e
 sampler still runs and says once, after a few seconds of others' load, what the option would do.
 Nothing runs where `/proc/stat` is missing (not Linux) or `cluster.cpus_per_worker` fixes the count.
 
-Free of torch at import: `posttrain.distributed.actors` imports it.
+Free of torch at import: `posttrain.distributed.actors`, which must stay light, imports it.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ SAMPLE_PERIOD_S = 1.0
 # Weight of the newest sample in the moving average of the others' load: a busy loop that starts
 # counts fully after about 3 s, a one-second burst (a child process, a log flush) does not flip it.
 SMOOTHING = 0.5
-# A core counts as free while the others use less than 70% of it (a quiet machine's own daemons take
-# a few percent; half a core taken is half a time slice lost at each meeting).
+# A core counts as free while the others leave at least 70% of it (a quiet machine's daemons, and this
+# run's own answer checkers in child processes, take a few percent; a third of a core taken already
+# costs the threads a time slice at many of their meetings).
 FREE_CORE_SHARE = 0.7
 ADVICE_AFTER_SAMPLES = 5  # seconds of others' load before the run says what adapting would do
 PROC_STAT = "/proc/stat"
