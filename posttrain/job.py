@@ -62,9 +62,10 @@ def start_backend(cfg: MasterConfig) -> None:
     if resolve_backend(cfg) == "local":
         from posttrain.utils.cpu_share import share_cores, stop_sharing
 
-        torch.set_num_threads(worker_threads(cfg))
+        threads = worker_threads(cfg)
+        torch.set_num_threads(threads)
         if cfg.cluster.cpus_per_worker is None:  # every core; fewer while others keep some busy, if asked
-            share_cores(worker_threads(cfg), adapt=cfg.cluster.adapt_threads_to_load)
+            share_cores(threads, adapt=cfg.cluster.adapt_threads_to_load)
         else:  # the count the user set
             stop_sharing()
         return

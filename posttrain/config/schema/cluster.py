@@ -56,8 +56,9 @@ class ClusterConfig(Section):
         description=(
             "Local backend with cluster.cpus_per_worker unset: compute with the cores other processes leave free, "
             "measured once a second (at least 1 thread). Beside a busy loop on each of 2 cores the default's SFT step "
-            "took 0.18 s adapting against 0.31 s with both threads (benchmarks/busy_machine.py). Off by default: float sums depend on the thread count, so a "
-            "run would then depend on the machine's load in its last bits and a rerun would not repeat it exactly."
+            "took 0.18 s adapting against 0.31 s with both threads (benchmarks/busy_machine.py). Off by default: "
+            "float sums depend on the thread count, so a run would then depend on the machine's load in its last "
+            "bits and a rerun would not repeat it exactly."
         ),
     )
     ray_address: Optional[str] = Field(None, description="Existing Ray cluster to join; None starts a local one.")
