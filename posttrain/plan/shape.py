@@ -73,8 +73,16 @@ def hf_config_of(policy: Any) -> Any:
 
     from posttrain.models.hf import parse_tiny_name, resolve_model_path
 
+    from posttrain.models.presets import VL_PRESETS
+
     tiny = parse_tiny_name(policy.model_name, policy.tiny_arch)
-    if tiny is not None:
+    if policy.model_name in VL_PRESETS:
+        # The preset's config from its sizes: building it (its vision tower is pretrained, ~20 s on
+        # 2 cores) would make the preflight's plan wait for what only the workers need.
+        from posttrain.models.vision import tiny_vl_config
+
+        hf_config = tiny_vl_config(policy.model_name)
+    elif tiny is not None:
         from posttrain.models.paths import model_vocab_size
         from posttrain.models.tiny import tiny_config
 
@@ -139,11 +147,12 @@ def tokenizer_file_bytes(policy: Any) -> int:
     """Size of the tokenizer.json of `policy`'s tokenizer (`tokenizer_name`, else the model's); 0
     when it has none (a slow tokenizer) or it cannot be found here."""
     from posttrain.models.hf import parse_tiny_name, resolve_model_path
+    from posttrain.models.presets import VL_PRESETS
 
     name = policy.tokenizer_name or policy.model_name
     try:
-        if parse_tiny_name(name, policy.tiny_arch) is not None:
-            return 0  # a tiny preset's tokenizer is small
+        if parse_tiny_name(name, policy.tiny_arch) is not None or name in VL_PRESETS:
+            return 0  # a tiny preset's tokenizer is small (the character one)
         return (Path(resolve_model_path(name, policy.tiny_arch)) / "tokenizer.json").stat().st_size
     except Exception:  # noqa: BLE001 (an optional row: a tokenizer that cannot be read is preflight's to report)
         return 0

@@ -428,12 +428,15 @@ def test_validations_phases_are_logged_as_one_peak_of_their_own():
     assert as_one_phase({}, "validation") == {}
 
 
-def test_lora_on_a_vision_language_model_counts_its_language_models_adapters_and_the_projector():
+def test_lora_on_a_vision_language_model_counts_its_language_models_adapters_and_the_projector(tmp_path, monkeypatch):
     """tiny-vl with LoRA (models/lora.py): the adapters on the language model's q/k/v/o only (CLIP's
-    q/k/v_proj get none) and the projector, trained in full; the tower too with freeze_vision_tower=false."""
+    q/k/v_proj get none) and the projector, trained in full; the tower too with freeze_vision_tower=false.
+    The plan reads the preset's config from its sizes: nothing is built (an empty cache stays empty)."""
     from posttrain.config.schema import PolicyConfig
 
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path / "cache"))
     shape = mp.model_shape(PolicyConfig(model_name="tiny-vl", lora=dict(enabled=True)))
+    assert not (tmp_path / "cache").exists()
     projector = (64 * 128 + 128) + (128 * 128 + 128)  # CLIP width 64 -> 128 -> 128, with biases
     assert shape.lora_params == 2 * 8 * ((128 + 128) * 2 + (128 + 64) * 2) + projector
     tower = mp.model_shape(PolicyConfig(model_name="tiny-vl", lora=dict(enabled=True), freeze_vision_tower=False))
