@@ -72,13 +72,12 @@ def hf_config_of(policy: Any) -> Any:
     from transformers import AutoConfig
 
     from posttrain.models.hf import parse_tiny_name, resolve_model_path
-
     from posttrain.models.presets import VL_PRESETS
 
     tiny = parse_tiny_name(policy.model_name, policy.tiny_arch)
     if policy.model_name in VL_PRESETS:
-        # The preset's config from its sizes: building it (its vision tower is pretrained, ~20 s on
-        # 2 cores) would make the preflight's plan wait for what only the workers need.
+        # The preset's config from its sizes: the shape needs no weights, and building them means
+        # pretraining its vision tower (about 40 s of CPU).
         from posttrain.models.vision import tiny_vl_config
 
         hf_config = tiny_vl_config(policy.model_name)
