@@ -85,6 +85,8 @@ def main() -> None:
     parser.add_argument("--round-trips", type=int, default=3000)
     parser.add_argument("--all-reduces", type=int, default=300)
     args = parser.parse_args()
+    if args.round_trips < 1 or args.all_reduces < 1:
+        parser.error("--round-trips and --all-reduces need at least 1")
     trips = sorted(pipe_round_trips(args.round_trips))
     print(f"cores: {len(os.sched_getaffinity(0))}")
     print(f"pipe round trip      median {statistics.median(trips) * 1e6:7.0f} us   "
