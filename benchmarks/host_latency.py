@@ -6,9 +6,9 @@ CPU each all-reduce costs. Side by side in one run, quiet:
     ./run.sh python benchmarks/host_latency.py [--round-trips 3000] [--all-reduces 300]
 
 Why: the same test suite on the same 2-core VM took 21 min 41 s and, hours before, 34 min 4 s;
-the tests that ran slower were the multi-worker ones (2-3.7x), those in one process were not
-(docs/internals.md). Compute speed does not show that; these hand-offs do. Run this before a
-suite timing to know which kind of hour the host is having.
+the multi-worker tests had slowed most (1.8-2.6x by file), the single-process jobs not at all
+(docs/internals.md). Compute speed does not show that; these hand-offs may. Run this beside a
+suite timing: no slow hour has been measured with it yet.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from posttrain.environments.resources_server import free_port
 
 
 def pipe_round_trips(n: int) -> list[float]:
@@ -71,13 +72,6 @@ def gloo_all_reduce(world: int, n: int) -> tuple[float, float]:
     mp.start_processes(_all_reduce_rank, args=(world, n, free_port(), results), nprocs=world, start_method="spawn")
     rows = [results.get() for _ in range(world)]
     return next(median for rank, median, _ in rows if rank == 0), sum(cpu for _, _, cpu in rows)
-
-
-def free_port() -> int:
-    """A TCP port free on localhost now (closed again before the group binds it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> None:
