@@ -238,9 +238,12 @@ def run_job(command: str, cfg: Any) -> Any:
             run = load_target(module_name, attr, command)
         return run(cfg)
     finally:  # the job released its locks if it got that far; a failed preflight releases them here
+        from posttrain.utils.cpu_share import stop_sharing
+
         startup.end()  # a failed job leaves no phase to announce
         forget_checks_ahead()
         release_run_dirs(cfg)
+        stop_sharing()  # the local backend's load sampler (`job.start_backend`) ends with its job
 
 
 def _plan(args: argparse.Namespace) -> int:

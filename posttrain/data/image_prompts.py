@@ -41,11 +41,18 @@ def processor_from(path: str | os.PathLike, name: str | os.PathLike | None = Non
 
 @functools.lru_cache(maxsize=4)
 def _processor(path: str) -> Any:
+    from posttrain.models.presets import VL_PRESETS
+
+    if path in VL_PRESETS:  # a preset's tokenizer loaded by name: its processor is built in code, not the model
+        from posttrain.models.vision import build_vl_processor
+
+        return build_vl_processor(path)
     return processor_from(path)
 
 
 def processor_for(tokenizer: Any) -> Any:
-    """The processor of the model `tokenizer` was loaded from (its directory: `tokenizer.name_or_path`)."""
+    """The processor of the model `tokenizer` was loaded from (its directory: `tokenizer.name_or_path`;
+    a vision-language preset's name for its tokenizer loaded by name, `hf.load_tokenizer`)."""
     return _processor(str(tokenizer.name_or_path))
 
 

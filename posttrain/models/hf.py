@@ -89,10 +89,18 @@ def _require_files(path: str, any_of: tuple[str, ...], what: str) -> None:
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, tiny_arch: str = "llama") -> PreTrainedTokenizerBase:
-    """Load a tokenizer; right padding, and the eos token doubles as pad token when there is none."""
-    path = resolve_model_path(name_or_path, tiny_arch)
-    _require_files(path, ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"), "tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    """Load a tokenizer; right padding, and the eos token doubles as pad token when there is none.
+    A vision-language preset's tokenizer is built in code, as its cached directory's was: loading it
+    never builds the model (whose vision tower is pretrained at build, tens of seconds), so the
+    preflight's checks answer before that."""
+    if os.fspath(name_or_path) in VL_PRESETS:
+        from posttrain.models.vision import build_vl_processor
+
+        tokenizer = build_vl_processor(os.fspath(name_or_path)).tokenizer
+    else:
+        path = resolve_model_path(name_or_path, tiny_arch)
+        _require_files(path, ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"), "tokenizer")
+        tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(f"tokenizer of {name_or_path!r} has neither a pad nor an eos token")

@@ -117,15 +117,33 @@ def image_tokens_per_image(preset: str = "tiny-vl") -> int:
     return (vision["image_size"] // vision["patch_size"]) ** 2
 
 
-def make_tiny_vlm(preset: str = "tiny-vl", seed: int = 0) -> tuple[PreTrainedModel, Any]:
-    """Build a randomly initialised vision-language preset and its processor in memory (float32,
-    cpu). Weights are a pure function of (preset, seed); the global RNG state is left untouched."""
+def build_vl_processor(preset: str = "tiny-vl") -> Any:
+    """A vision-language preset's processor, in memory: its CLIP image processor and
+    `build_vl_tokenizer()`, as its cached directory holds them (`build_tiny_vlm` saves this one).
+    Its tokenizer's `name_or_path` is the preset's name, so `image_prompts.processor_for` finds this processor again without the model."""
     from transformers import LlavaProcessor
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     config = tiny_vl_config(preset)
     tokenizer = build_vl_tokenizer()
     assert len(tokenizer) == config.text_config.vocab_size and tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) == config.image_token_id
+    tokenizer.name_or_path = preset
+    vision = config.vision_config
+    # The PIL backend: transformers' default backend needs torchvision (see the module docstring).
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": vision.image_size}, crop_size={"height": vision.image_size, "width": vision.image_size},
+    )
+    return LlavaProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=vision.patch_size,
+        vision_feature_select_strategy=config.vision_feature_select_strategy, image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1, chat_template=VL_CHAT_TEMPLATE,  # 1: CLIP's class token, dropped
+    )
+
+
+def make_tiny_vlm(preset: str = "tiny-vl", seed: int = 0) -> tuple[PreTrainedModel, Any]:
+    """Build a randomly initialised vision-language preset and its processor in memory (float32,
+    cpu). Weights are a pure function of (preset, seed); the global RNG state is left untouched."""
+    config = tiny_vl_config(preset)
     with torch.random.fork_rng(devices=[]), MODEL_BUILD_LOCK:
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
@@ -133,17 +151,7 @@ def make_tiny_vlm(preset: str = "tiny-vl", seed: int = 0) -> tuple[PreTrainedMod
         bos_token_id=config.text_config.bos_token_id, eos_token_id=config.text_config.eos_token_id,
         pad_token_id=config.text_config.pad_token_id,
     )
-    vision = config.vision_config
-    # The PIL backend: transformers' default backend needs torchvision (see the module docstring).
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": vision.image_size}, crop_size={"height": vision.image_size, "width": vision.image_size},
-    )
-    processor = LlavaProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, patch_size=vision.patch_size,
-        vision_feature_select_strategy=config.vision_feature_select_strategy, image_token=IMAGE_TOKEN,
-        num_additional_image_tokens=1, chat_template=VL_CHAT_TEMPLATE,  # 1: CLIP's class token, dropped
-    )
-    return model.eval(), processor
+    return model.eval(), build_vl_processor(preset)
 
 
 def build_tiny_vlm(out_dir: str | os.PathLike, preset: str = "tiny-vl", seed: int = 0,

@@ -137,3 +137,47 @@ def test_a_local_job_samples_the_load_and_adapts_only_when_asked(overrides, samp
     finally:
         cpu_share.stop_sharing()
         torch.set_num_threads(main_threads)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_sampler_ends_with_its_job(tmp_path, monkeypatch, fails):
+    """`run_job` (the CLI's and the Python API's) stops the local backend's sampler when the job
+    ends, however it ends: no thread reads /proc/stat between jobs."""
+    import threading
+
+    import posttrain.cli as cli
+    import posttrain.preflight as preflight
+    from posttrain.config.loader import load_config
+    from posttrain.job import start_backend
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: nothing to share")
+    main_threads = torch.get_num_threads()
+    seen = {}
+
+    def job(cfg):
+        start_backend(cfg)
+        seen["sampling"] = cpu_share._share is not None
+        seen["threads"] = {t.name for t in threading.enumerate()}
+        if fails:
+            raise RuntimeError("the job failed")
+
+    monkeypatch.setattr(preflight, "preflight", lambda cfg: None)  # the job below needs no model or data
+    monkeypatch.setattr(cli, "load_target", lambda module, attr, command: job)
+    cfg = load_config("grpo", overrides=["cluster.backend=local", f"logger.log_dir={tmp_path}/logs",
+                                         f"checkpointing.checkpoint_dir={tmp_path}/ckpt"])
+    try:
+        if fails:
+            with pytest.raises(RuntimeError, match="the job failed"):
+                cli.run_job("grpo", cfg)
+        else:
+            cli.run_job("grpo", cfg)
+        assert seen["sampling"] and "posttrain-cpu-share" in seen["threads"]
+        assert cpu_share._share is None
+        deadline = time.monotonic() + 60  # the thread ends at its next wake-up (a second)
+        while any(t.name == "posttrain-cpu-share" for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "the sampler's thread is still running"
+            time.sleep(0.1)
+    finally:
+        cpu_share.stop_sharing()
+        torch.set_num_threads(main_threads)

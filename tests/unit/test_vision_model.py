@@ -15,6 +15,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from posttrain.errors import UserError
+from posttrain.data import image_prompts
 from posttrain.data.generators.visual import Shape
 from posttrain.models import hf, tiny, vision, vision_pretrain
 from posttrain.utils.cache import ENTRY_FILE
@@ -40,6 +41,8 @@ def test_the_tokenizer_is_the_character_tokenizer_plus_image_and_the_template_pl
 def test_the_preset_builds_once_into_the_cache_and_loads_through_the_auto_classes(tmp_path, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path))
     monkeypatch.setattr(vision_pretrain, "PRETRAIN_STEPS", 2)  # the entry, not what the tower learns (below)
+    by_name = hf.load_tokenizer("tiny-vl")  # the preflight's tokenizer: built in code, no model built
+    assert not (tmp_path / "models").exists()
     path = hf.resolve_model_path("tiny-vl")
     assert path == str(tmp_path / "models" / "tiny-vl")
     stamp = json.loads((tmp_path / "models" / "tiny-vl" / ENTRY_FILE).read_text())["stamp"]
@@ -55,6 +58,18 @@ def test_the_preset_builds_once_into_the_cache_and_loads_through_the_auto_classe
     # The text-only path still reads the template (tokenizer_config.json) for a tokenizer of its own.
     assert hf.load_tokenizer(path).apply_chat_template(MESSAGES, tokenize=False) == \
         "<|system|>S<|end|><|user|>look <image>?<|end|>"
+    from_dir = hf.load_tokenizer(path)
+    assert (by_name.get_vocab(), by_name.all_special_tokens, by_name.chat_template, by_name.pad_token,
+            by_name.padding_side) == (from_dir.get_vocab(), from_dir.all_special_tokens, from_dir.chat_template,
+                                      from_dir.pad_token, from_dir.padding_side)
+    for text in ("<|user|>How many? 12<|end|><|assistant|>", "a<image>b\n"):
+        assert by_name(text)["input_ids"] == from_dir(text)["input_ids"]
+    # ... and so is its processor: an image prompt becomes the same tokens and pixels either way.
+    image = Image.new("RGB", (80, 48), (200, 30, 30))
+    (ids_by_name, pixels_by_name), (ids_from_dir, pixels_from_dir) = (
+        image_prompts.image_prompt(t, "look <image>?", [image]) for t in (by_name, from_dir))
+    assert ids_by_name.tolist() == ids_from_dir.tolist() and ids_by_name.tolist().count(103) == 64
+    assert torch.equal(pixels_by_name, pixels_from_dir)
     # The cached weights are the seed-0 build: the language model and projector as initialised,
     # the vision tower pretrained from there (its patch embedding moved, its last norm unused).
     reference, _ = vision.make_tiny_vlm("tiny-vl", seed=0)
