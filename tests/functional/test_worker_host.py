@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from posttrain.distributed import actors, progress
+from posttrain.distributed.batch import Batch
 from posttrain.distributed.cluster import VirtualCluster
 from posttrain.distributed.worker_group import DistributedWorker, WorkerError, WorkerGroup, WorkerTimeoutError
 from posttrain.distributed.worker_host import HostedWorker
@@ -182,6 +183,30 @@ def test_a_group_that_saw_a_failure_or_a_restart_does_not_give_its_processes_bac
     assert cluster.worker_hosts.count(1) == 0
     member("after").shutdown()
     assert cluster.worker_hosts.count(1) == 1  # a clean shutdown gives it back
+
+
+def test_a_policy_worker_is_freed_and_a_generation_worker_follows_it_in_its_process(cluster):
+    """The real workers: nothing keeps a shut-down policy worker alive (else its process would not
+    be reused), and an engine builds and generates where it was."""
+    from test_tensor_parallel import make_batch, policy_cfg
+
+    from posttrain.models.generation.native import NativeGeneration
+    from posttrain.models.generation.spec import GenerationSpec
+    from posttrain.models.policy.policy import Policy
+
+    policy = Policy(cluster, policy_cfg(), init_reference_model=False, name="policy-first")
+    pid = policy.worker_group.run_rank0("pid")
+    policy.shutdown()
+    generation = NativeGeneration(cluster, GenerationSpec("tiny", {"max_new_tokens": 4}, precision="float32"),
+                                  bundle_indices=[0], name="engine-after")
+    try:
+        assert generation.worker_group.run_rank0("pid") == pid
+        prompts = Batch(input_ids=make_batch()["input_ids"][:2, :3], input_lengths=torch.tensor([3, 3]))
+        out = generation.generate(prompts, greedy=True)
+        assert out["output_ids"][:, :3].tolist() == prompts["input_ids"].tolist()
+        assert (out["generation_lengths"] >= 1).all(), out["generation_lengths"]
+    finally:
+        generation.shutdown()
 
 
 def test_a_frozen_member_of_a_reused_process_is_named(cluster, monkeypatch):
