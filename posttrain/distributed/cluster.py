@@ -28,6 +28,8 @@ import ray._private.state as ray_state
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from posttrain.distributed.worker_host import HostPool
+
 logger = logging.getLogger(__name__)
 
 
@@ -138,6 +140,11 @@ class VirtualCluster:
         autoscaling: the Ray cluster may add nodes (KubeRay / Ray autoscaler): a request larger
             than the live nodes waits up to `placement_timeout_s` instead of failing at once
             (default False).
+        reuse_worker_processes: a worker group's processes, once it shut down cleanly, wait on
+            their bundles for the next group's members (`worker_host.py`: no new interpreter,
+            no imports again); CPU clusters only, for groups without `env_vars` or an isolated
+            environment (default False: a job makes its groups once; for callers that make many
+            short-lived groups on the same bundles, such as tests).
 
     Virtual nodes are steered to distinct physical nodes when there are enough of them (a soft
     hint to Ray), preferring nodes this job's other clusters do not use (so a separate generation
@@ -154,6 +161,7 @@ class VirtualCluster:
         name: str = "",
         bundle_resources: Mapping[str, float] | None = None,
         autoscaling: bool = False,
+        reuse_worker_processes: bool = False,
     ) -> None:
         if not bundles_per_node or any(int(n) != n or n < 1 for n in bundles_per_node):
             raise ValueError(f"bundles_per_node must be a non-empty list of positive ints, got {bundles_per_node!r}")
@@ -174,6 +182,8 @@ class VirtualCluster:
         self.name = name or "cluster"
         self.bundle_resources = {key: float(value) for key, value in (bundle_resources or {}).items()}
         self.autoscaling = autoscaling
+        # Idle worker processes, when they are reused (None: they are not; `worker_host.py`).
+        self.worker_hosts = HostPool() if reuse_worker_processes else None
         self._uid = uuid.uuid4().hex[:8]
         self._placement_groups: list[PlacementGroup] = self._reserve()
         self._bundle_node_ids = [placement_group_table(pg)["bundles_to_node_id"] for pg in self._placement_groups]
@@ -340,6 +350,8 @@ class VirtualCluster:
                                        _node_capacity_left())
         if not lost:
             return
+        if self.worker_hosts is not None:
+            self.worker_hosts.kill()  # those on the lost nodes are gone; the rest may be unreachable
         gone = self._lost_addresses(lost)
         deadline = time.monotonic() + self.placement_timeout_s
         while True:
@@ -361,7 +373,10 @@ class VirtualCluster:
         return ray.get(_free_address_and_port.options(scheduling_strategy=strategy).remote(), timeout=60)
 
     def shutdown(self) -> None:
-        """Release the placement groups (idempotent). Actors on them are killed by Ray."""
+        """Kill the idle worker processes (`reuse_worker_processes`), release the placement groups
+        (idempotent). Actors on them are killed by Ray."""
+        if self.worker_hosts is not None:
+            self.worker_hosts.close()
         for pg in self._placement_groups:
             try:
                 remove_placement_group(pg)

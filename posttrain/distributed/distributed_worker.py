@@ -107,10 +107,12 @@ class DistributedWorker:
         return tensor.cpu() if isinstance(value, torch.Tensor) else tensor.item()
 
     def peak_rss_mb(self) -> float:
-        """This worker process's peak resident memory so far, in MiB (Linux `ru_maxrss`)."""
-        import resource
+        """This worker process's peak resident memory, in MiB, since it started or the last reset
+        (`posttrain.utils.memory`; not `ru_maxrss`, which no reset clears: a reused process,
+        `worker_host.py`, would report an earlier member's peak)."""
+        from posttrain.utils import memory
 
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return memory.peak_rss_bytes() / 2**20
 
     def shutdown(self) -> bool:
         """Leave the process group; called by `WorkerGroup.shutdown` before the actor is killed."""

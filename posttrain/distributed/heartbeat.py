@@ -43,31 +43,68 @@ def key(actor_id: str) -> bytes:
 STACKS_POLL_S = 1.0  # how often the thread looks for a request for stacks (between beats)
 
 
+class _Beating:
+    """The one beating thread of this process and the period it beats at (0: it ends). A process
+    that hosts one worker after another (`worker_host.py`) starts beating once per member."""
+
+    lock = threading.Lock()
+    period_s = 0.0
+    thread: Optional[threading.Thread] = None
+    changed = threading.Event()  # wakes the thread for a new period (or its end) at once
+
+
 def start_beating(period_s: float) -> None:
-    """In a Ray worker: beat every `period_s` seconds from a daemon thread, for as long as the
-    process runs, and answer requests for its stacks (`progress.serve_stacks`) within a second."""
+    """In a Ray worker: beat every `period_s` seconds from a daemon thread, until `stop_beating`
+    (or for as long as the process runs), and answer requests for its stacks
+    (`progress.serve_stacks`) within a second. Called again, the one thread beats at the new
+    period from then on."""
     import ray
+
+    if period_s <= 0:
+        raise ValueError(f"a heartbeat period must be positive, got {period_s}")
+    actor_id = ray.get_runtime_context().get_actor_id()
+    with _Beating.lock:
+        _Beating.period_s = period_s
+        if _Beating.thread is None:
+            _Beating.thread = threading.Thread(target=_beat, args=(actor_id,), name="posttrain-heartbeat", daemon=True)
+            _Beating.thread.start()
+    _Beating.changed.set()
+
+
+def stop_beating(wait_s: float = 5.0) -> None:
+    """End this process's beating thread (no-op when none runs), waiting up to `wait_s` seconds
+    for its last beat to be written, so that none comes after the controller forgot the actor."""
+    with _Beating.lock:
+        thread, _Beating.period_s = _Beating.thread, 0.0
+    _Beating.changed.set()
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout=wait_s)
+
+
+def _beat(actor_id: str) -> None:
     from ray.experimental import internal_kv
 
     from posttrain.distributed.progress import serve_stacks
 
-    actor_id = ray.get_runtime_context().get_actor_id()
     my_key = key(actor_id)
-
-    def beat() -> None:
-        count, next_beat = 0, 0.0
-        while True:
-            try:
-                if time.monotonic() >= next_beat:
-                    count += 1
-                    internal_kv._internal_kv_put(my_key, str(count).encode(), overwrite=True, namespace=NAMESPACE)
-                    next_beat = time.monotonic() + period_s
-                serve_stacks(actor_id)
-            except Exception:  # the GCS is briefly unreachable: the next round tries again
-                pass
-            time.sleep(min(period_s, STACKS_POLL_S))
-
-    threading.Thread(target=beat, name="posttrain-heartbeat", daemon=True).start()
+    count, next_beat, period_s = 0, 0.0, 0.0
+    while True:
+        with _Beating.lock:
+            if _Beating.period_s <= 0:
+                _Beating.thread = None
+                return
+            if _Beating.period_s != period_s:  # a new period: beat now, then at the new pace
+                period_s, next_beat = _Beating.period_s, 0.0
+            _Beating.changed.clear()
+        try:
+            if time.monotonic() >= next_beat:
+                count += 1
+                internal_kv._internal_kv_put(my_key, str(count).encode(), overwrite=True, namespace=NAMESPACE)
+                next_beat = time.monotonic() + period_s
+            serve_stacks(actor_id)
+        except Exception:  # the GCS is briefly unreachable: the next round tries again
+            pass
+        _Beating.changed.wait(min(period_s, STACKS_POLL_S))
 
 
 def read_beats(actor_ids: Iterable[str]) -> dict[str, Optional[bytes]]:

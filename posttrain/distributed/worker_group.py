@@ -12,7 +12,9 @@ again after a lost node): the recovery of a run (`posttrain.distributed.recovery
 Modelled on NeMo-RL's `RayWorkerGroup`.
 
 On a `LocalCluster` (`cluster.backend: local`) the group is one `LocalActor` in the controller's
-process instead (`posttrain.distributed.actors`); everything else here is the same code.
+process instead (`posttrain.distributed.actors`); everything else here is the same code. On a
+`VirtualCluster(reuse_worker_processes=True)` each member lives in a `WorkerHost` process that
+outlives the group when it shuts down cleanly, for the next group on its bundle (`worker_host.py`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from posttrain.distributed.distributed_worker import (  # noqa: F401 (Distribute
     RENDEZVOUS_ENV_VARS,
     DistributedWorker,
 )
+from posttrain.distributed.worker_host import HostedWorker, remote_host_class
 
 if TYPE_CHECKING:
     from posttrain.distributed.cluster import VirtualCluster
@@ -159,6 +162,13 @@ class WorkerGroup:
         self._actor_resources = {**cluster.actor_resources(), **(actor_resources or {})}
         self._pending: dict[Any, tuple[int, str]] = {}  # ref -> (rank, method), for errors
         self.is_local = isinstance(cluster, LocalCluster)
+        # Members in reusable processes (`worker_host.py`) where the cluster keeps them and they need
+        # nothing set before their interpreter starts (env_vars, an isolated environment are a
+        # runtime_env). CPU only: a reused process's CUDA context and memory are untested.
+        pool = getattr(cluster, "worker_hosts", None)
+        self._host_pool = pool if (pool is not None and not self.is_local and not env_vars
+                                   and self._python_executable is None and not cluster.use_gpus) else None
+        self._failed = False  # a failure seen (or a restart): the processes are not reused
         # Heartbeats (Ray only: a local worker is this process, which cannot stop without us).
         beats = heartbeat_timeout_s > 0 and not self.is_local
         self._watch = heartbeat.HeartbeatWatch(heartbeat_timeout_s) if beats else None
@@ -190,11 +200,12 @@ class WorkerGroup:
                     self._spawn_local(init_kwargs)
                 else:
                     self._wait_for_room(bundle_indices)
-                    self._spawn(bundle_indices, init_kwargs, env_vars)
+                    self.get(self._spawn(bundle_indices, init_kwargs, env_vars))  # hosted members' constructors
                 # Constructing = joining the process group; a failure in any __init__ surfaces here.
                 self.node_ips = self.run_all("get_node_ip")
                 return
             except BaseException as error:
+                self._failed = True
                 self.shutdown(timeout_s=1.0)  # ranks that did start wait in the rendezvous; kill them
                 if self.is_local or attempt == RENDEZVOUS_ATTEMPTS or not is_port_taken(error):
                     raise
@@ -215,6 +226,7 @@ class WorkerGroup:
         if self.is_local:
             raise WorkerError(f"WorkerGroup {self.name!r}: the local backend cannot restart a worker (it is this process)",
                               group=self.name)
+        self._failed = True  # whatever the members went through, their processes are not reused
         self.shutdown(timeout_s=0.0)  # nobody to say goodbye to: the failed member will not answer
         self.cluster.replace_lost_nodes()
         self._start_members()
@@ -239,8 +251,10 @@ class WorkerGroup:
         identity = dict(zip(LOCAL_IDENTITY_VARS, ("0", "1", "0")))
         self.workers.append(actors.LocalActor(self._actor_cls, kwargs=init_kwargs, name=self.name, identity=identity))
 
-    def _spawn(self, bundle_indices: list[int], init_kwargs: Mapping[str, Any], env_vars: Mapping[str, str]) -> None:
-        """Start one actor per bundle with its rendezvous environment (they rendezvous in __init__)."""
+    def _spawn(self, bundle_indices: list[int], init_kwargs: Mapping[str, Any], env_vars: Mapping[str, str]) -> list[Any]:
+        """Start one actor per bundle with its rendezvous environment (they rendezvous in __init__);
+        returns the futures of the constructors that run as calls (members in reused processes,
+        `worker_host.py`; a plain actor's failed constructor fails its first call instead)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -254,6 +268,7 @@ class WorkerGroup:
         in_runtime_env = bool(env_vars) or self._python_executable is not None
         remote_cls = ray.remote(self._actor_cls if in_runtime_env else _setting_its_environment(self._actor_cls))
         seen_per_node: dict[str, int] = {}
+        constructing = []
         for rank, bundle in enumerate(bundle_indices):
             local_rank = seen_per_node.get(node_ids[bundle], 0)  # rank among this group's workers on that machine
             seen_per_node[node_ids[bundle]] = local_rank + 1
@@ -271,6 +286,16 @@ class WorkerGroup:
             if not self.cluster.use_gpus:
                 env[NUM_THREADS_ENV] = str(max(1, int(self.cluster.cpus_per_bundle)))
             pg, index = locations[bundle]
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
+            if self._host_pool is not None:
+                host = self._host_pool.take(bundle, self._actor_resources) or \
+                    remote_host_class().options(**self._actor_resources, scheduling_strategy=strategy).remote()
+                member = HostedWorker(host, bundle, self._actor_resources)
+                ref = member.construct(self._actor_cls, dict(init_kwargs), env)
+                self._pending[ref] = (rank, "__init__")  # for errors, as `_submit` records a call
+                constructing.append(ref)
+                self.workers.append(member)
+                continue
             options: dict[str, Any] = {}
             kwargs = dict(init_kwargs)
             if self._python_executable is not None:
@@ -281,12 +306,9 @@ class WorkerGroup:
                 options["runtime_env"] = {"env_vars": env}  # set before the interpreter starts (CUDA/NCCL read them early)
             else:
                 kwargs[MEMBER_ENV_KWARG] = env
-            handle = remote_cls.options(
-                **self._actor_resources,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-                **options,
-            ).remote(**kwargs)
+            handle = remote_cls.options(**self._actor_resources, scheduling_strategy=strategy, **options).remote(**kwargs)
             self.workers.append(handle)
+        return constructing
 
     @property
     def world_size(self) -> int:
@@ -296,7 +318,9 @@ class WorkerGroup:
         """Fail fast when the bundles are already taken (e.g. more groups than `max_colocated_worker_groups`).
 
         Ray would otherwise leave the actors pending forever. Resource views lag a little
-        behind actor deaths, so poll for up to the cluster's placement timeout.
+        behind actor deaths, so poll for up to the cluster's placement timeout. Idle reusable
+        processes (`worker_host.py`) hold their bundles' resources: one this group will reuse is
+        its room there; those on a bundle without room for this group are killed to make it.
         """
         import ray
 
@@ -304,16 +328,23 @@ class WorkerGroup:
 
         need = self._actor_resources
         locations = self.cluster.bundle_locations()
+        idle = getattr(self.cluster, "worker_hosts", None)
+        if self._host_pool is not None:
+            bundle_indices = [b for b in bundle_indices if not self._host_pool.count(b, need)]
         deadline = time.monotonic() + self.cluster.placement_timeout_s
         while True:
             available = ray.available_resources()
             short = []
             for bundle in bundle_indices:
                 pg, index = locations[bundle]
+                lacking = []
                 for resource, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
                     free = available.get(f"{resource}_group_{index}_{pg.id.hex()}", 0.0)
                     if key in need and free + RAY_RESOURCE_UNIT < need[key]:
-                        short.append(f"bundle {bundle}: {resource} free {free:g}, needed {need[key]:g}")
+                        lacking.append(f"bundle {bundle}: {resource} free {free:g}, needed {need[key]:g}")
+                if lacking and idle is not None:
+                    idle.kill(bundle)  # what they held shows as free a moment later: the next rounds see it
+                short += lacking
             if not short:
                 return
             if time.monotonic() > deadline:
@@ -462,6 +493,9 @@ class WorkerGroup:
                     if self._progress is not None:
                         self._progress.finished(ref)
                     yield ref, result
+        except WorkerError:
+            self._failed = True  # a member raised, died or stopped answering: its process is not reused
+            raise
         finally:
             for ref in refs:
                 self._pending.pop(ref, None)
@@ -530,7 +564,8 @@ class WorkerGroup:
     # ------------------------------------------------------------------ teardown
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Ask workers to leave the process group (waiting up to `timeout_s`, default 5.0), then kill
-        them. Idempotent."""
+        them; or, when their processes are reused (`worker_host.py`) and every member left in time
+        and the group saw no failure, give the processes back to the cluster. Idempotent."""
         if not self.workers:
             return
         goodbyes = []
@@ -539,10 +574,13 @@ class WorkerGroup:
                 goodbyes.append(worker.shutdown.remote())
             except Exception as error:  # actor already gone
                 logger.debug("shutdown call failed: %s", error)
+        said = []
         if goodbyes:
             # A worker stuck in a collective never answers; the kill below ends it anyway.
-            actors.wait(goodbyes, num_returns=len(goodbyes), timeout=timeout_s)
-        for worker in self.workers:
+            said, _ = actors.wait(goodbyes, num_returns=len(goodbyes), timeout=timeout_s)
+        kept = (self._host_pool is not None and not self._failed and len(said) == len(self.workers)
+                and self._host_pool.take_back(self.workers, said, timeout_s))
+        for worker in [] if kept else self.workers:
             try:
                 actors.kill(worker)
             except Exception as error:

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster):
-    cluster = VirtualCluster([4], max_colocated_worker_groups=2)
+    cluster = VirtualCluster([4], max_colocated_worker_groups=2, reuse_worker_processes=True)  # worker_host.py
     yield cluster
     cluster.shutdown()
 

@@ -93,7 +93,7 @@ def pg_batch(hf_model) -> Batch:
 @pytest.fixture(scope="module")
 def cluster(ray_cluster):
     # 4, not 3: with thirds of a CPU, Ray's rounded free share (0.3333) looks smaller than 1/3.
-    cluster = VirtualCluster([2], max_colocated_worker_groups=4)
+    cluster = VirtualCluster([2], max_colocated_worker_groups=4, reuse_worker_processes=True)  # worker_host.py
     yield cluster
     cluster.shutdown()
 

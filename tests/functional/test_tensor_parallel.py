@@ -126,7 +126,9 @@ def assert_same_run(actual: dict, expected: dict) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster):
-    cluster = VirtualCluster([4], max_colocated_worker_groups=2)
+    # Reused worker processes: the module's many short-lived policies and engines skip the
+    # interpreter's start and imports after the first (`worker_host.py`).
+    cluster = VirtualCluster([4], max_colocated_worker_groups=2, reuse_worker_processes=True)
     yield cluster
     cluster.shutdown()
 

@@ -105,7 +105,8 @@ def check_one_step(policy: Policy, batch: Batch, lora: Optional[LoraConfig] = No
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster):
-    cluster = VirtualCluster([2], max_colocated_worker_groups=2)  # one policy at a time
+    # One policy at a time, each in the processes of the one before (worker_host.py).
+    cluster = VirtualCluster([2], max_colocated_worker_groups=2, reuse_worker_processes=True)
     yield cluster
     cluster.shutdown()
 
