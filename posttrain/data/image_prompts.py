@@ -39,21 +39,21 @@ def processor_from(path: str | os.PathLike, name: str | os.PathLike | None = Non
     return processor
 
 
+# A processor built in code (a vision-language preset's, `models.vision.build_vl_processor`) rides
+# on its tokenizer under this attribute: there is no directory to load it from.
+PROCESSOR_ATTR = "posttrain_processor"
+
+
 @functools.lru_cache(maxsize=4)
 def _processor(path: str) -> Any:
-    from posttrain.models.presets import VL_PRESETS
-
-    if path in VL_PRESETS:  # a preset's tokenizer loaded by name: its processor is built in code, not the model
-        from posttrain.models.vision import build_vl_processor
-
-        return build_vl_processor(path)
     return processor_from(path)
 
 
 def processor_for(tokenizer: Any) -> Any:
-    """The processor of the model `tokenizer` was loaded from (its directory: `tokenizer.name_or_path`;
-    a vision-language preset's name for its tokenizer loaded by name, `hf.load_tokenizer`)."""
-    return _processor(str(tokenizer.name_or_path))
+    """The processor of the model `tokenizer` was loaded from: the one it carries when it was built
+    in code (`PROCESSOR_ATTR`), else its directory's (`tokenizer.name_or_path`)."""
+    carried = getattr(tokenizer, PROCESSOR_ATTR, None)
+    return carried if carried is not None else _processor(str(tokenizer.name_or_path))
 
 
 def image_prompt(tokenizer: Any, text: str, images: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:

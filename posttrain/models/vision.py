@@ -38,6 +38,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from posttrain.data.image_prompts import PROCESSOR_ATTR
 from posttrain.models.presets import VL_PRESETS
 from posttrain.models.tiny import (
     ALPHABET, ASSISTANT, BOS, EOS, MAX_POSITION_EMBEDDINGS, PAD, SPECIAL_TOKENS, SYSTEM, USER, build_tokenizer, save_quietly,
@@ -120,24 +121,25 @@ def image_tokens_per_image(preset: str = "tiny-vl") -> int:
 def build_vl_processor(preset: str = "tiny-vl") -> Any:
     """A vision-language preset's processor, in memory: its CLIP image processor and
     `build_vl_tokenizer()`, as its cached directory holds them (`build_tiny_vlm` saves this one).
-    Its tokenizer's `name_or_path` is the preset's name, so `image_prompts.processor_for` finds this processor again without the model."""
+    Its tokenizer carries it, so `image_prompts.processor_for` finds it without a directory."""
     from transformers import LlavaProcessor
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     config = tiny_vl_config(preset)
     tokenizer = build_vl_tokenizer()
     assert len(tokenizer) == config.text_config.vocab_size and tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) == config.image_token_id
-    tokenizer.name_or_path = preset
     vision = config.vision_config
     # The PIL backend: transformers' default backend needs torchvision (see the module docstring).
     image_processor = CLIPImageProcessorPil(
         size={"shortest_edge": vision.image_size}, crop_size={"height": vision.image_size, "width": vision.image_size},
     )
-    return LlavaProcessor(
+    processor = LlavaProcessor(
         image_processor=image_processor, tokenizer=tokenizer, patch_size=vision.patch_size,
         vision_feature_select_strategy=config.vision_feature_select_strategy, image_token=IMAGE_TOKEN,
         num_additional_image_tokens=1, chat_template=VL_CHAT_TEMPLATE,  # 1: CLIP's class token, dropped
     )
+    setattr(tokenizer, PROCESSOR_ATTR, processor)  # `image_prompts.processor_for` finds it there
+    return processor
 
 
 def make_tiny_vlm(preset: str = "tiny-vl", seed: int = 0) -> tuple[PreTrainedModel, Any]:
