@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import gc
 import os
+import threading
 import weakref
 from typing import Any, Mapping, Optional, Sequence
 
@@ -139,22 +140,26 @@ def _pool_key(bundle: int, resources: Mapping[str, float]) -> tuple:
 
 class HostPool:
     """A cluster's idle `WorkerHost`s, per bundle and the resources they hold (a host is reused
-    only by a member that would have asked for the same)."""
+    only by a member that would have asked for the same); a lock keeps its lists whole should groups
+    start and end on several threads."""
 
     def __init__(self) -> None:
         self._idle: dict[tuple, list[Any]] = {}
+        self._lock = threading.Lock()
         self.closed = False  # its cluster was shut down: nothing waits any more
 
     def take(self, bundle: int, resources: Mapping[str, float]) -> Optional[Any]:
         """An idle live host on `bundle` holding `resources` (None when there is none)."""
         from posttrain.distributed import actors
 
-        hosts = self._idle.get(_pool_key(bundle, resources), [])
-        while hosts:
-            host = hosts.pop()
+        while True:
+            with self._lock:
+                hosts = self._idle.get(_pool_key(bundle, resources))
+                if not hosts:
+                    return None
+                host = hosts.pop()
             if actors.actor_death(host) is None:  # one that died while idle (OOM killer) is skipped
                 return host
-        return None
 
     def take_back(self, workers: Sequence[HostedWorker], goodbyes: Sequence[Any], timeout_s: float) -> bool:
         """Keep the hosts of a group's `workers` for the next members, if every one said goodbye
@@ -172,18 +177,23 @@ class HostPool:
                 return False
         except Exception:  # noqa: BLE001 - any doubt: new processes next time
             return False
-        for worker in workers:
-            self._idle.setdefault(_pool_key(worker.bundle, worker.resources), []).append(worker.host)
+        with self._lock:
+            if self.closed:
+                return False
+            for worker in workers:
+                self._idle.setdefault(_pool_key(worker.bundle, worker.resources), []).append(worker.host)
         return True
 
     def count(self, bundle: int, resources: Optional[Mapping[str, float]] = None) -> int:
         """Idle hosts on `bundle` (holding `resources`; default None: any)."""
-        return sum(len(hosts) for key, hosts in self._idle.items()
-                   if key[0] == bundle and (resources is None or key == _pool_key(bundle, resources)))
+        with self._lock:
+            return sum(len(hosts) for key, hosts in self._idle.items()
+                       if key[0] == bundle and (resources is None or key == _pool_key(bundle, resources)))
 
     def close(self) -> None:
-        """Kill every idle host; hosts given back later are killed too (the cluster's shutdown)."""
-        self.closed = True
+        """Kill every idle host and keep none given back later (the cluster's shutdown)."""
+        with self._lock:
+            self.closed = True
         self.kill()
 
     def kill(self, bundle: Optional[int] = None) -> int:
@@ -191,12 +201,12 @@ class HostPool:
         returns how many."""
         import ray
 
-        killed = 0
-        for key in [key for key in self._idle if bundle is None or key[0] == bundle]:
-            for host in self._idle.pop(key):
-                try:
-                    ray.kill(host, no_restart=True)
-                except Exception:  # already gone (Ray shut down, or it died)
-                    pass
-                killed += 1
-        return killed
+        with self._lock:
+            doomed = [host for key in [key for key in self._idle if bundle is None or key[0] == bundle]
+                      for host in self._idle.pop(key)]
+        for host in doomed:
+            try:
+                ray.kill(host, no_restart=True)
+            except Exception:  # already gone (Ray shut down, or it died)
+                pass
+        return len(doomed)
