@@ -75,12 +75,13 @@ def start_building_the_vllm_env(config: pytest.Config, items: list[pytest.Item])
     and raises the real error."""
     if not any(item.get_closest_marker("vllm") for item in items):
         return
+    # Imported here, not in the thread: modules imported on a second thread while the first tests
+    # run change dicts (sys.modules, logging's loggers) that the main thread may be iterating.
+    from posttrain.models.generation.vllm_env import ensure_vllm_env
 
     def build() -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-            from posttrain.models.generation.vllm_env import ensure_vllm_env
-
             os.makedirs(os.environ["POSTTRAIN_CACHE"], exist_ok=True)
             with open(os.path.join(os.environ["POSTTRAIN_CACHE"], "vllm-env-background.log"), "a") as log:
                 ensure_vllm_env(use_gpu=False, log=lambda line: print(line, file=log, flush=True))
