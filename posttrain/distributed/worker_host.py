@@ -199,14 +199,14 @@ class HostPool:
     def kill(self, bundle: Optional[int] = None) -> int:
         """Kill the idle hosts on `bundle` (default None: all of them), freeing what they hold;
         returns how many."""
-        import ray
+        from posttrain.distributed import actors
 
         with self._lock:
             doomed = [host for key in [key for key in self._idle if bundle is None or key[0] == bundle]
                       for host in self._idle.pop(key)]
         for host in doomed:
             try:
-                ray.kill(host, no_restart=True)
+                actors.kill(host)
             except Exception:  # already gone (Ray shut down, or it died)
                 pass
         return len(doomed)
