@@ -23,8 +23,8 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
@@ -70,32 +70,27 @@ def start_building_the_vllm_env(config: pytest.Config, items: list[pytest.Item])
     """When vLLM tests are selected, their isolated environment (a couple of minutes of pip on an
     empty cache) is built in the background from the start, through the same `ensure_vllm_env` a
     user's first run calls, while the unit tests run; the `vllm_python` fixture then waits on its
-    build lock or finds it ready. Niced (Linux niceness is per thread, and pip inherits it), so
-    the tests around it keep the cores. A failure here is not reported: the fixture builds again
-    and raises the real error."""
+    build lock (a file lock) or finds it ready. A separate process, not a thread: the build imports
+    ray and more, and a module imported on a second thread while a test tears down changes dicts
+    (sys.modules, logging's loggers) that the main thread may be iterating. Niced, so the tests
+    around it keep the cores. A failure here is not reported: the fixture builds again and raises
+    the real error."""
     if not any(item.get_closest_marker("vllm") for item in items):
         return
-    # Imported here, not in the thread: modules imported on a second thread while the first tests
-    # run change dicts (sys.modules, logging's loggers) that the main thread may be iterating.
-    from posttrain.models.generation.vllm_env import ensure_vllm_env
-
-    def build() -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-            os.makedirs(os.environ["POSTTRAIN_CACHE"], exist_ok=True)
-            with open(os.path.join(os.environ["POSTTRAIN_CACHE"], "vllm-env-background.log"), "a") as log:
-                ensure_vllm_env(use_gpu=False, log=lambda line: print(line, file=log, flush=True))
-        except Exception:  # noqa: BLE001 - see the docstring
-            pass
-
-    config._vllm_env_builder = threading.Thread(target=build, name="vllm-env-build", daemon=True)
-    config._vllm_env_builder.start()
+    cache = Path(os.environ["POSTTRAIN_CACHE"])
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / "vllm-env-background.log", "a") as log:
+        config._vllm_env_builder = subprocess.Popen(
+            [sys.executable, "-c",
+             "from posttrain.models.generation.vllm_env import ensure_vllm_env\n"
+             "ensure_vllm_env(use_gpu=False, log=lambda line: print(line, flush=True))"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(10))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     builder = getattr(config, "_vllm_env_builder", None)
     if builder is not None:
-        builder.join()  # its pip must not write into the directory removed below
+        builder.wait()  # its pip must not write into the directory removed below
     for ours in (getattr(config, "_session_cache", None), getattr(config, "_session_dir", None)):
         if ours:
             shutil.rmtree(ours, ignore_errors=True)
