@@ -29,6 +29,9 @@ and budget):
 
     ./run.sh python benchmarks/seeds.py gemma_base --seeds 1 2 3 --json results/gemma_base.json --keep runs/gemma_base \
         --train-metric train/format_rate/math --train-metric train/format_rate/quiz
+
+Seeds run at different times add up: `--combine a.json b.json` prints the table over the runs
+saved by earlier `--json` files (same showcase, kernels and overrides), running nothing.
 """
 
 from __future__ import annotations
@@ -193,6 +196,44 @@ def summary(values: list[float]) -> dict[str, float]:
             "min": min(values), "max": max(values), "n": len(values)}
 
 
+def print_table(runs: dict[int, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Prints the `summary` of every metric over the runs (seconds first) and returns it."""
+    names = sorted(set().union(*runs.values()), key=lambda k: (k != "seconds", k))
+    table = {name: summary([run[name] for run in runs.values() if name in run]) for name in names}
+    print(f"\n{'metric':64s} {'mean':>7s} {'sd':>6s} {'min':>7s} {'max':>7s}  n")
+    for name, row in table.items():
+        digits = 1 if name == "seconds" or "accuracy" in name else 3  # percents and seconds; others (entropy) small
+        print(f"{name:64s} {row['mean']:7.{digits}f} {row['sd']:6.{digits}f} {row['min']:7.{digits}f} "
+              f"{row['max']:7.{digits}f}  {row['n']}")
+    return table
+
+
+def combined_runs(files: list[Path]) -> dict[int, dict[str, float]]:
+    """The runs of several `--json` files of the same showcase, kernels and overrides (e.g. seeds run
+    in separate sessions), by seed. Files that disagree, or hold the same seed twice, end the script
+    with one line naming them."""
+    runs: dict[int, dict[str, float]] = {}
+    first: dict | None = None
+    for path in files:
+        try:
+            saved = json.loads(path.read_text())
+            same = {key: saved[key] for key in ("showcase", "kernels", "overrides")}
+            seeds = {int(seed): run for seed, run in saved["runs"].items()}
+        except (OSError, ValueError, KeyError) as error:
+            sys.exit(f"[seeds] {path}: not a --json file of this script ({type(error).__name__}: {error})")
+        if first is None:
+            first = same
+            print(f"[seeds] {same['showcase']} combined from {len(files)} files; kernels: {same['kernels']}; "
+                  f"CPU of the first: {saved.get('cpu', '?')}")
+        elif same != first:
+            sys.exit(f"[seeds] {path}: {same} differs from the first file's {first}")
+        twice = sorted(set(seeds) & set(runs))
+        if twice:
+            sys.exit(f"[seeds] {path}: seeds {twice} are in an earlier file too")
+        runs.update(seeds)
+    return dict(sorted(runs.items()))
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -223,8 +264,19 @@ def main() -> None:
                         help="the posttrain cache of every run (default: a new empty one): a directory kept "
                              "between invocations shares their SFT warm starts, e.g. when comparing options "
                              "over the same seeds")
+    parser.add_argument("--combine", type=Path, nargs="+", metavar="JSON",
+                        help="run nothing: the table over the runs saved in these --json files (seeds run at "
+                             "different times), written to --json too when given")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run (e.g. cluster.gpus_per_node=1)")
     args = parser.parse_intermixed_args()  # overrides may come after the options
+    if args.combine:
+        runs = combined_runs(args.combine)
+        table = print_table(runs)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"combined": [str(f) for f in args.combine], "seeds": list(runs),
+                                             "runs": runs, "summary": table}, indent=1))
+        return
     if args.list or args.showcase is None:
         for name, showcase in SHOWCASES.items():
             print(f"{name:8s} {' '.join(showcase.argv(0, Path('RUN'))[1:])}  (in {showcase.cwd})")
@@ -269,13 +321,7 @@ def main() -> None:
         runs = dict(sorted(runs.items()))
     if not runs:
         sys.exit(f"[seeds] every seed failed: {sorted(failed)}")
-    names = sorted(set().union(*runs.values()), key=lambda k: (k != "seconds", k))
-    table = {name: summary([run[name] for run in runs.values() if name in run]) for name in names}
-    print(f"\n{'metric':64s} {'mean':>7s} {'sd':>6s} {'min':>7s} {'max':>7s}  n")
-    for name, row in table.items():
-        digits = 1 if name == "seconds" or "accuracy" in name else 3  # percents and seconds; others (entropy) small
-        print(f"{name:64s} {row['mean']:7.{digits}f} {row['sd']:6.{digits}f} {row['min']:7.{digits}f} "
-              f"{row['max']:7.{digits}f}  {row['n']}")
+    table = print_table(runs)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"showcase": args.showcase, "cpu": cpu_name(), "kernels": args.cpu,

@@ -94,3 +94,43 @@ def test_train_means_average_the_first_and_last_steps_that_logged_the_metric(see
     assert got == {"train/approx_entropy@first": pytest.approx(5.5),   # steps 1-10
                    "train/approx_entropy@last": pytest.approx(20.5)}   # steps 16-25
     assert seeds.train_means(metrics, ("train/approx_entropy",), window=3)["train/approx_entropy@last"] == 24.0
+
+
+def saved_runs(path: Path, seeds_to_gains: dict[int, float], kernels: str = "avx2") -> Path:
+    path.write_text(json.dumps({"showcase": "recipe", "cpu": "x", "kernels": kernels, "seeds": list(seeds_to_gains),
+                                "overrides": [], "failed": [], "summary": {},
+                                "runs": {str(s): {"seconds": 100.0 * s, "validation/accuracy_greedy@gain": g}
+                                         for s, g in seeds_to_gains.items()}}))
+    return path
+
+
+def test_combine_summarises_the_runs_of_several_json_files(seeds, tmp_path):
+    import subprocess
+
+    one = saved_runs(tmp_path / "one.json", {1: 32.0})
+    two = saved_runs(tmp_path / "two.json", {3: 30.0, 2: 28.0})
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "seeds.py"), "--combine", str(one), str(two),
+                          "--json", str(tmp_path / "all.json")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    written = json.loads((tmp_path / "all.json").read_text())
+    assert written["seeds"] == [1, 2, 3]
+    gain = written["summary"]["validation/accuracy_greedy@gain"]
+    assert gain["n"] == 3 and gain["mean"] == pytest.approx(30.0) and gain["sd"] == pytest.approx(2.0)
+    assert written["summary"]["seconds"]["max"] == 300.0
+    assert "validation/accuracy_greedy@gain" in out.stdout and "30.0" in out.stdout
+
+
+@pytest.mark.parametrize("second, says", [
+    ({1: 30.0}, "seeds [1] are in an earlier file too"),
+    ({2: 30.0, "kernels": "native"}, "differs from the first file's"),
+])
+def test_combine_refuses_files_that_do_not_add_up(seeds, tmp_path, second, says):
+    kernels = second.pop("kernels", "avx2")
+    one = saved_runs(tmp_path / "one.json", {1: 32.0})
+    two = saved_runs(tmp_path / "two.json", second, kernels=kernels)
+    with pytest.raises(SystemExit) as refused:
+        seeds.combined_runs([one, two])
+    assert str(two) in str(refused.value) and says in str(refused.value)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit, match="bad.json: not a --json file of this script"):
+        seeds.combined_runs([tmp_path / "bad.json"])
