@@ -21,7 +21,8 @@ Showcases (`--list` prints them with their commands): main (`posttrain grpo`, th
 default), vl (the vision example), vl_position and vl_color (its config on `shape_position` and
 `shape_color`, tasks it was not tuned on), custom (the custom-environment example), ppo, ppo_async, dpo, rm,
 distill, distill_xtok (the cross-tokenizer distillation example), api (the README's Python API
-example, from scratch), recipe (the nemotron_mini recipe, about 30 minutes a seed on 2 AVX-512
+example, from scratch), cispo and grpo_two_steps (CISPO's example and GRPO's clip with the same
+two optimizer steps per step: docs/algorithms.md), recipe (the nemotron_mini recipe, about 30 minutes a seed on 2 AVX-512
 cores), and the three variants of the gemma3_base recipe (RL from a base model,
 docs/recipes/gemma3-base.md; 10-12 minutes a seed): gemma_base (Gemma 3 270M base, no SFT),
 gemma_sft (after a 20-step SFT warm start) and gemma_smollm2 (SmolLM2-135M-Instruct, same tasks
@@ -114,6 +115,10 @@ SHOWCASES = {
     "distill": Showcase("distill", "examples/configs/distill_tiny.yaml"),
     "distill_xtok": Showcase("distill", "examples/configs/distill_xtok_tiny.yaml"),
     "api": Showcase("api"),
+    # CISPO (docs/algorithms.md) against GRPO's clip with the same two optimizer steps per GRPO step.
+    "cispo": Showcase("grpo", "examples/configs/grpo_cispo_tiny.yaml"),
+    "grpo_two_steps": Showcase("grpo", "examples/configs/grpo_math_tiny_v1.yaml",
+                               overrides=("policy.train_global_batch_size=64", "policy.train_micro_batch_size=64")),
     "recipe": Showcase("grpo", "examples/recipes/nemotron_mini.yaml"),
     # No checkpoints: each would hold 3 GB (Gemma's weights and AdamW state), 27 GB for 3 variants x 3 seeds.
     "gemma_base": Showcase("grpo", "examples/recipes/gemma3_base.yaml", overrides=("checkpointing.enabled=false",)),
