@@ -224,7 +224,9 @@ def combined_runs(files: list[Path]) -> dict[int, dict[str, float]]:
             saved = json.loads(path.read_text())
             same = {key: saved[key] for key in ("showcase", "kernels", "overrides")}
             seeds = {int(seed): run for seed, run in saved["runs"].items()}
-        except (OSError, ValueError, KeyError) as error:
+        except OSError as error:
+            sys.exit(f"[seeds] {path}: cannot read it ({error.strerror})")
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
             sys.exit(f"[seeds] {path}: not a --json file of this script ({type(error).__name__}: {error})")
         if first is None:
             first = same

@@ -134,3 +134,5 @@ def test_combine_refuses_files_that_do_not_add_up(seeds, tmp_path, second, says)
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(SystemExit, match="bad.json: not a --json file of this script"):
         seeds.combined_runs([tmp_path / "bad.json"])
+    with pytest.raises(SystemExit, match="missing.json: cannot read it \\(No such file or directory\\)"):
+        seeds.combined_runs([tmp_path / "missing.json"])
