@@ -213,10 +213,15 @@ def print_table(runs: dict[int, dict[str, float]]) -> dict[str, dict[str, float]
     return table
 
 
-def combined_runs(files: list[Path]) -> dict[int, dict[str, float]]:
-    """The runs of several `--json` files of the same showcase, kernels and overrides (e.g. seeds run
-    in separate sessions), by seed. Files that disagree, or hold the same seed twice, end the script
-    with one line naming them."""
+def save(path: Path, saved: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(saved, indent=1))
+
+
+def combined_runs(files: list[Path]) -> tuple[dict, dict[int, dict[str, float]]]:
+    """The showcase, kernels and overrides that several `--json` files share (e.g. seeds run in
+    separate sessions), and their runs by seed. Files that disagree, or hold the same seed twice,
+    end the script with one line naming them."""
     runs: dict[int, dict[str, float]] = {}
     first: dict | None = None
     for path in files:
@@ -229,7 +234,7 @@ def combined_runs(files: list[Path]) -> dict[int, dict[str, float]]:
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             sys.exit(f"[seeds] {path}: not a --json file of this script ({type(error).__name__}: {error})")
         if first is None:
-            first = same
+            first, first_cpu = same, saved.get("cpu", "?")
             print(f"[seeds] {same['showcase']} combined from {len(files)} files; kernels: {same['kernels']}; "
                   f"CPU of the first: {saved.get('cpu', '?')}")
         elif same != first:
@@ -238,7 +243,7 @@ def combined_runs(files: list[Path]) -> dict[int, dict[str, float]]:
         if twice:
             sys.exit(f"[seeds] {path}: seeds {twice} are in an earlier file too")
         runs.update(seeds)
-    return dict(sorted(runs.items()))
+    return {**first, "cpu": first_cpu}, dict(sorted(runs.items()))
 
 
 def cpu_name() -> str:
@@ -277,12 +282,11 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run (e.g. cluster.gpus_per_node=1)")
     args = parser.parse_intermixed_args()  # overrides may come after the options
     if args.combine:
-        runs = combined_runs(args.combine)
+        same, runs = combined_runs(args.combine)
         table = print_table(runs)
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"combined": [str(f) for f in args.combine], "seeds": list(runs),
-                                             "runs": runs, "summary": table}, indent=1))
+        if args.json:  # the shape of a run's file, so that it combines again
+            save(args.json, {**same, "combined": [str(f) for f in args.combine], "seeds": list(runs), "runs": runs,
+                             "failed": [], "summary": table})
         return
     if args.list or args.showcase is None:
         for name, showcase in SHOWCASES.items():
@@ -330,10 +334,8 @@ def main() -> None:
         sys.exit(f"[seeds] every seed failed: {sorted(failed)}")
     table = print_table(runs)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"showcase": args.showcase, "cpu": cpu_name(), "kernels": args.cpu,
-                                         "seeds": args.seeds, "overrides": args.overrides, "runs": runs,
-                                         "failed": sorted(failed), "summary": table}, indent=1))
+        save(args.json, {"showcase": args.showcase, "cpu": cpu_name(), "kernels": args.cpu, "seeds": args.seeds,
+                         "overrides": args.overrides, "runs": runs, "failed": sorted(failed), "summary": table})
     if failed:
         sys.exit(f"[seeds] seeds {sorted(failed)} failed; the table holds the other {len(runs)}")
 

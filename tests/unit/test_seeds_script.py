@@ -118,6 +118,8 @@ def test_combine_summarises_the_runs_of_several_json_files(seeds, tmp_path):
     assert gain["n"] == 3 and gain["mean"] == pytest.approx(30.0) and gain["sd"] == pytest.approx(2.0)
     assert written["summary"]["seconds"]["max"] == 300.0
     assert "validation/accuracy_greedy@gain" in out.stdout and "30.0" in out.stdout
+    again = saved_runs(tmp_path / "four.json", {4: 30.0})  # a combined file combines again
+    assert list(seeds.combined_runs([tmp_path / "all.json", again])[1]) == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("second, says", [
