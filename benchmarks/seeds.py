@@ -22,7 +22,9 @@ default), vl (the vision example), vl_position and vl_color (its config on `shap
 `shape_color`, tasks it was not tuned on), custom (the custom-environment example), ppo, ppo_async, dpo, rm,
 distill, distill_xtok (the cross-tokenizer distillation example), api (the README's Python API
 example, from scratch), cispo and grpo_two_steps (CISPO's example and GRPO's clip with the same
-two optimizer steps per step: docs/algorithms.md), recipe (the nemotron_mini recipe, about 30 minutes a seed on 2 AVX-512
+two optimizer steps per step: docs/algorithms.md), length_penalty (the embedded default with Kimi
+k1.5's length penalty), sft and sft_muon (`posttrain sft`'s embedded default with AdamW and with
+Muon), recipe (the nemotron_mini recipe, about 30 minutes a seed on 2 AVX-512
 cores), and the three variants of the gemma3_base recipe (RL from a base model,
 docs/recipes/gemma3-base.md; 10-12 minutes a seed): gemma_base (Gemma 3 270M base, no SFT),
 gemma_sft (after a 20-step SFT warm start) and gemma_smollm2 (SmolLM2-135M-Instruct, same tasks
@@ -119,6 +121,13 @@ SHOWCASES = {
     "cispo": Showcase("grpo", "examples/configs/grpo_cispo_tiny.yaml"),
     "grpo_two_steps": Showcase("grpo", "examples/configs/grpo_math_tiny_v1.yaml",
                                overrides=("policy.train_global_batch_size=64", "policy.train_micro_batch_size=64")),
+    # The length penalty (docs/algorithms.md) on the embedded default, against "main" (same seeds,
+    # a shared --cache, --train-metric train/mean_gen_tokens_per_sample).
+    "length_penalty": Showcase("grpo", overrides=("reward_shaping.length_penalty.enabled=true",
+                                                  "reward_shaping.length_penalty.weight=0.5")),
+    # SFT's embedded default with AdamW (its optimizer) and with Muon (docs/algorithms.md, "Optimizer").
+    "sft": Showcase("sft"),
+    "sft_muon": Showcase("sft", overrides=("policy.optimizer.name=muon",)),
     "recipe": Showcase("grpo", "examples/recipes/nemotron_mini.yaml"),
     # No checkpoints: each would hold 3 GB (Gemma's weights and AdamW state), 27 GB for 3 variants x 3 seeds.
     "gemma_base": Showcase("grpo", "examples/recipes/gemma3_base.yaml", overrides=("checkpointing.enabled=false",)),
@@ -128,19 +137,24 @@ SHOWCASES = {
 }
 
 
-def accuracies(metrics_file: Path) -> dict[str, float]:
+def validation_metrics(metrics_file: Path) -> dict[str, float]:
     """Every validation accuracy of a run (`validation*/accuracy*`, per task too, and a distillation's
-    `validation/teacher_accuracy`), in percent, as `NAME@first` (the first validation: before training)
-    and `NAME@last` (the last one)."""
+    `validation/teacher_accuracy`), in percent, and its validation loss (`validation*/loss`: SFT's
+    answer NLL), as `NAME@first` (the first validation: before training), `NAME@last` (the last
+    one) and `NAME@gain` (last - first)."""
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     for line in metrics_file.read_text().splitlines():
         row = json.loads(line)
         for key, value in row.items():
-            if (key.startswith("validation") and ("/accuracy" in key or "/teacher_accuracy" in key) and "_count" not in key
-                    and isinstance(value, (int, float))):
-                first.setdefault(key, 100 * value)
-                last[key] = 100 * value
+            if not (key.startswith("validation") and isinstance(value, (int, float))) or "_count" in key:
+                continue
+            if "/accuracy" in key or "/teacher_accuracy" in key:
+                value = 100 * value
+            elif not key.endswith("/loss"):
+                continue
+            first.setdefault(key, value)
+            last[key] = value
     out = {}
     for key in first:
         out[f"{key}@first"], out[f"{key}@last"] = first[key], last[key]
@@ -168,7 +182,7 @@ def train_means(metrics_file: Path, names: tuple[str, ...], window: int = 10) ->
 def run_one(showcase: Showcase, seed: int, workdir: Path, env: dict[str, str],
             overrides: tuple[str, ...] = (), timeout: float | None = None,
             train_metrics: tuple[str, ...] = ()) -> dict[str, float]:
-    """One seed of a showcase: wall seconds, `accuracies` of its metrics.jsonl (the main job's,
+    """One seed of a showcase: wall seconds, `validation_metrics` of its metrics.jsonl (the main job's,
     not its warm start's) and `train_means` of `train_metrics`. A failed run, or one stopped at
     `timeout` seconds, raises RunFailed."""
     workdir.mkdir(parents=True)
@@ -188,7 +202,7 @@ def run_one(showcase: Showcase, seed: int, workdir: Path, env: dict[str, str],
     metrics = workdir / "logs" / "metrics.jsonl"
     if not metrics.exists():
         raise RunFailed(f"seed {seed} wrote no {metrics}")
-    return {"seconds": seconds, **accuracies(metrics), **train_means(metrics, train_metrics)}
+    return {"seconds": seconds, **validation_metrics(metrics), **train_means(metrics, train_metrics)}
 
 
 class RunFailed(Exception):

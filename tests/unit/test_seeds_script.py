@@ -25,24 +25,27 @@ def seeds():
     return module
 
 
-def test_accuracies_are_the_first_and_last_validation_per_metric(seeds, tmp_path):
+def test_validation_metrics_are_the_first_and_last_validation_per_metric(seeds, tmp_path):
     rows = [
         {"step": 0, "validation/accuracy_greedy": 0.4, "validation/accuracy_greedy/arith": 0.25,
-         "validation_unseen/accuracy_greedy": 0.3, "validation/teacher_accuracy": 0.9},
+         "validation_unseen/accuracy_greedy": 0.3, "validation/teacher_accuracy": 0.9, "validation/loss": 1.25,
+         "validation/accuracy_greedy_count": 64, "validation/avg_length": 3.0},
         {"step": 1, "train/reward": 0.5},
         {"step": 25, "validation/accuracy_greedy": 0.6, "validation/accuracy_greedy/arith": 0.5,
-         "validation_unseen/accuracy_greedy": 0.45, "train/loss": 1.0},
+         "validation_unseen/accuracy_greedy": 0.45, "train/loss": 1.0, "validation/loss": 0.5},
     ]
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("\n".join(json.dumps(r) for r in rows))
-    got = seeds.accuracies(metrics)
+    got = seeds.validation_metrics(metrics)
     assert got["validation/accuracy_greedy@first"] == pytest.approx(40.0)
     assert got["validation/accuracy_greedy@last"] == pytest.approx(60.0)
     assert got["validation/accuracy_greedy@gain"] == pytest.approx(20.0)
     assert got["validation/accuracy_greedy/arith@gain"] == pytest.approx(25.0)
     assert got["validation_unseen/accuracy_greedy@last"] == pytest.approx(45.0)
     assert got["validation/teacher_accuracy@last"] == pytest.approx(90.0)  # a distillation's, measured once
-    assert not any(k.startswith("train/") for k in got)
+    assert got["validation/loss@first"] == pytest.approx(1.25)  # SFT's loss: as logged, not a percent
+    assert got["validation/loss@gain"] == pytest.approx(-0.75)
+    assert not any(k.startswith("train/") or "_count" in k or "avg_length" in k for k in got)
 
 
 def test_summary_is_mean_sample_sd_min_max(seeds):
@@ -54,7 +57,7 @@ def test_summary_is_mean_sample_sd_min_max(seeds):
 
 
 @pytest.mark.parametrize("name", ["main", "vl", "custom", "ppo", "ppo_async", "dpo", "rm", "distill", "distill_xtok",
-                                  "cispo", "grpo_two_steps", "recipe", "gemma_base", "gemma_sft", "gemma_smollm2"])
+                                  "cispo", "grpo_two_steps", "length_penalty", "sft", "sft_muon", "recipe", "gemma_base", "gemma_sft", "gemma_smollm2"])
 def test_every_showcase_command_takes_the_seed(seeds, name, tmp_path):
     showcase = seeds.SHOWCASES[name]
     argv = showcase.argv(7, tmp_path)
@@ -63,13 +66,18 @@ def test_every_showcase_command_takes_the_seed(seeds, name, tmp_path):
     overrides = [a for a in argv[3:] if "=" in a]
     cfg = load_config(showcase.command, config, overrides)
     assert cfg.seed == 7
-    section = {"grpo": "grpo", "ppo": "grpo", "dpo": "dpo", "rm": "rm", "distill": "distillation"}[showcase.command]
+    section = {"grpo": "grpo", "ppo": "grpo", "dpo": "dpo", "rm": "rm", "distill": "distillation",
+               "sft": "sft"}[showcase.command]
     assert getattr(cfg, section).seed == 7
     assert cfg.logger.log_dir == f"{tmp_path}/logs"
     if name == "gemma_sft":  # the warm start is reseeded too
         assert cfg.sft_warmup.sft.seed == 7 and cfg.sft_warmup.policy.model_name == "gemma3-270m"
     if name == "gemma_smollm2":
         assert cfg.policy.model_name == "smollm2-135m-instruct" and cfg.sft_warmup is None
+    if name == "sft_muon":
+        assert cfg.policy.optimizer.name == "muon"
+    if name == "length_penalty":
+        assert cfg.reward_shaping.length_penalty.enabled and cfg.reward_shaping.length_penalty.weight == 0.5
 
 
 def test_a_keep_directory_holding_a_seed_is_refused_before_any_run(tmp_path):
