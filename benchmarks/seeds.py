@@ -125,7 +125,8 @@ SHOWCASES = {
     # a shared --cache, --train-metric train/mean_gen_tokens_per_sample).
     "length_penalty": Showcase("grpo", overrides=("reward_shaping.length_penalty.enabled=true",
                                                   "reward_shaping.length_penalty.weight=0.5")),
-    # SFT's embedded default with AdamW (its optimizer) and with Muon (docs/algorithms.md, "Optimizer").
+    # SFT's embedded default with AdamW (its optimizer) and with Muon (docs/algorithms.md, the
+    # optimizer paragraph).
     "sft": Showcase("sft"),
     "sft_muon": Showcase("sft", overrides=("policy.optimizer.name=muon",)),
     "recipe": Showcase("grpo", "examples/recipes/nemotron_mini.yaml"),
