@@ -57,7 +57,7 @@ def test_summary_is_mean_sample_sd_min_max(seeds):
 
 
 @pytest.mark.parametrize("name", ["main", "vl", "custom", "ppo", "ppo_async", "dpo", "rm", "distill", "distill_xtok",
-                                  "cispo", "grpo_two_steps", "length_penalty", "sft", "sft_muon", "recipe", "gemma_base", "gemma_sft", "gemma_smollm2"])
+                                  "cispo", "grpo_two_steps", "lora", "grpo_v1", "length_penalty", "sft", "sft_muon", "recipe", "gemma_base", "gemma_sft", "gemma_smollm2"])
 def test_every_showcase_command_takes_the_seed(seeds, name, tmp_path):
     showcase = seeds.SHOWCASES[name]
     argv = showcase.argv(7, tmp_path)
@@ -74,6 +74,8 @@ def test_every_showcase_command_takes_the_seed(seeds, name, tmp_path):
         assert cfg.sft_warmup.sft.seed == 7 and cfg.sft_warmup.policy.model_name == "gemma3-270m"
     if name == "gemma_smollm2":
         assert cfg.policy.model_name == "smollm2-135m-instruct" and cfg.sft_warmup is None
+    if name == "lora":
+        assert cfg.policy.lora.enabled and cfg.policy.optimizer.lr == 1e-3
     if name == "sft_muon":
         assert cfg.policy.optimizer.name == "muon"
     if name == "length_penalty":
