@@ -26,7 +26,7 @@ from posttrain.algorithms.loop import TrainingLoop
 from posttrain.algorithms.run_recovery import RunRecovery
 from posttrain.data.dataloader import make_loader, routes
 from posttrain.data.sample import Sample
-from posttrain.config.schema import GRPOMasterConfig, generation_precision_note
+from posttrain.config.schema import GRPOMasterConfig, generation_precision_note, length_penalty_note
 from posttrain.errors import UserError
 from posttrain.evals.eval import evaluate, validation_sampling
 from posttrain.job import (
@@ -181,8 +181,10 @@ def build_on_policy_run(
 
     start = getattr(cfg, section)
     cfg, tokenizer = start_run(cfg, seed=start.seed, max_num_steps=start.max_num_steps)
-    if isinstance(cfg, GRPOMasterConfig) and (note := generation_precision_note(cfg)):
-        print(note, flush=True)  # generation in another precision than training: corrected or not
+    if isinstance(cfg, GRPOMasterConfig):
+        for note in (generation_precision_note(cfg), length_penalty_note(cfg)):
+            if note:
+                print(note, flush=True)
     s = getattr(cfg, section)  # the started config's section (the loop reads its schedule)
     train_samples, val_samples = build_splits(cfg, build_prompt_message_log, tokenizer, s.max_val_samples)
     val_sets = build_validation_sets(cfg, build_prompt_message_log, tokenizer, s.max_val_samples)

@@ -95,3 +95,18 @@ def test_ppo_gae_reads_the_length_reward():
     for row, reward in enumerate(shaped):
         assert advantages[row][mask[row]].tolist() == pytest.approx([reward] * lengths[row])
         assert returns[row][mask[row]].tolist() == pytest.approx([reward] * lengths[row])
+
+
+@pytest.mark.parametrize("overrides, warned", [
+    (["reward_shaping.length_penalty.enabled=true"], True),  # GRPO's std division: the warning
+    (["reward_shaping.length_penalty.enabled=true", "grpo.normalize_rewards=false"], False),  # Dr.GRPO's advantages
+    ([], False),  # no penalty
+])
+def test_the_length_penalty_under_the_std_division_is_warned_at_start_up(overrides, warned):
+    from posttrain.config.schema import length_penalty_note
+
+    note = length_penalty_note(load_config("grpo", None, overrides))
+    assert (note is not None) == warned
+    if warned:
+        assert note.startswith("[posttrain] warning: reward_shaping.length_penalty with grpo.normalize_rewards=true")
+        assert "grpo.normalize_rewards=false" in note and "\n" not in note

@@ -74,6 +74,7 @@ from posttrain.config.schema.jobs import (  # noqa: F401
     async_grpo_problem,
     generation_precision,
     generation_precision_note,
+    length_penalty_note,
     generation_precision_problem,
     partial_rollouts_problem,
     local_backend_problem,

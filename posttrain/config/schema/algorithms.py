@@ -223,7 +223,9 @@ class LengthPenaltyConfig(Section):
         1.0, gt=0,
         description=(
             "Multiplier of the length reward (in [-0.5, 0.5]) before it is added to the reward; the paper uses a "
-            "weight without publishing it. Default 1.0."
+            "weight without publishing it. Default 1.0. Under grpo.normalize_rewards=true the group std division "
+            "undoes it in groups whose answers are all wrong or all right (the start-up line warns): use "
+            "grpo.normalize_rewards=false with it."
         ),
     )
     correct_reward: float = Field(

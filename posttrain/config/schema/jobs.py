@@ -153,6 +153,21 @@ def generation_precision_note(cfg: "GRPOMasterConfig") -> Optional[str]:
             "the generator's tokens as if they were the trainer's; train/gen_kl_error shows the gap")
 
 
+def length_penalty_note(cfg: "GRPOMasterConfig") -> Optional[str]:
+    """The start-up line for Kimi's length penalty under GRPO's division by the group std. In a
+    group whose answers are all wrong (or all right) the penalty is the only reward difference, and
+    the division makes it as large an advantage as a right answer's, whatever its weight: on the
+    embedded default (where only wrong answers are shorter) 3 of 5 seeds learnt to answer with the
+    end token alone; without the division (Dr.GRPO's advantages) none did. None otherwise."""
+    if not (cfg.reward_shaping.length_penalty.enabled and cfg.grpo.normalize_rewards
+            and cfg.grpo.adv_estimator.name == "grpo"):
+        return None
+    return ("[posttrain] warning: reward_shaping.length_penalty with grpo.normalize_rewards=true: in a group whose "
+            "answers are all wrong or all right the penalty is the only reward difference, and the std division "
+            "makes it a full-sized advantage whatever its weight (docs/algorithms.md); "
+            "grpo.normalize_rewards=false keeps it in proportion")
+
+
 def resolve_importance_sampling_correction(cfg: "GRPOMasterConfig") -> None:
     """`loss_fn.use_importance_sampling_correction` defaults to true when generation runs in
     another precision than training (the low-precision engine's logprobs are not the trainer's:
