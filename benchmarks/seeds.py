@@ -18,7 +18,7 @@ on an AVX2-only CPU (docs/performance.md, "CPU kinds", says how close that comes
 (default) leaves the kernels alone. The printed header names the CPU and the kernels used.
 
 Showcases (`--list` prints them with their commands): main (`posttrain grpo`, the embedded
-default), vl (the vision example), vl_position and vl_color (its config on `shape_position` and
+default), reasoning_gym (the reasoning-gym example: docs/environments.md), vl (the vision example), vl_position and vl_color (its config on `shape_position` and
 `shape_color`, tasks it was not tuned on), custom (the custom-environment example), ppo, ppo_async, dpo, rm,
 distill, distill_xtok (the cross-tokenizer distillation example), api (the README's Python API
 example, from scratch), cispo and grpo_two_steps (CISPO's example and GRPO's clip with the same
@@ -122,6 +122,7 @@ SHOWCASES = {
     "cispo": Showcase("grpo", "examples/configs/grpo_cispo_tiny.yaml"),
     "grpo_two_steps": Showcase("grpo", "examples/configs/grpo_math_tiny_v1.yaml",
                                overrides=("policy.train_global_batch_size=64", "policy.train_micro_batch_size=64")),
+    "reasoning_gym": Showcase("grpo", "examples/configs/grpo_reasoning_gym_tiny.yaml"),
     # LoRA adapters only (docs/algorithms.md) against the full weights of the config they extend.
     "lora": Showcase("grpo", "examples/configs/grpo_lora_tiny.yaml"),
     "grpo_v1": Showcase("grpo", "examples/configs/grpo_math_tiny_v1.yaml"),

@@ -57,7 +57,7 @@ def test_summary_is_mean_sample_sd_min_max(seeds):
 
 
 @pytest.mark.parametrize("name", ["main", "vl", "custom", "ppo", "ppo_async", "dpo", "rm", "distill", "distill_xtok",
-                                  "cispo", "grpo_two_steps", "lora", "grpo_v1", "length_penalty", "sft", "sft_muon", "recipe", "gemma_base", "gemma_sft", "gemma_smollm2"])
+                                  "cispo", "grpo_two_steps", "reasoning_gym", "lora", "grpo_v1", "length_penalty", "sft", "sft_muon", "recipe", "gemma_base", "gemma_sft", "gemma_smollm2"])
 def test_every_showcase_command_takes_the_seed(seeds, name, tmp_path):
     showcase = seeds.SHOWCASES[name]
     argv = showcase.argv(7, tmp_path)
