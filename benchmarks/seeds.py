@@ -18,8 +18,8 @@ on an AVX2-only CPU (docs/performance.md, "CPU kinds", says how close that comes
 (default) leaves the kernels alone. The printed header names the CPU and the kernels used.
 
 Showcases (`--list` prints them with their commands): main (`posttrain grpo`, the embedded
-default), reasoning_gym (the reasoning-gym example: docs/environments.md), vl (the vision example), vl_position and vl_color (its config on `shape_position` and
-`shape_color`, tasks it was not tuned on), custom (the custom-environment example), ppo, ppo_async, dpo, rm,
+default), reasoning_gym (the reasoning-gym example: docs/environments.md), vl (the vision
+example), vl_position and vl_color (its config on `shape_position` and `shape_color`, tasks it was not tuned on), custom (the custom-environment example), ppo, ppo_async, dpo, rm,
 distill, distill_xtok (the cross-tokenizer distillation example), api (the README's Python API
 example, from scratch), cispo and grpo_two_steps (CISPO's example and GRPO's clip with the same
 two optimizer steps per step: docs/algorithms.md), lora and grpo_v1 (LoRA adapters only,
@@ -256,7 +256,7 @@ def combined_runs(files: list[Path]) -> tuple[dict, dict[int, dict[str, float]]]
         if first is None:
             first, first_cpu = same, saved.get("cpu", "?")
             print(f"[seeds] {same['showcase']} combined from {len(files)} files; kernels: {same['kernels']}; "
-                  f"CPU of the first: {saved.get('cpu', '?')}")
+                  f"CPU of the first: {first_cpu}")
         elif same != first:
             sys.exit(f"[seeds] {path}: {same} differs from the first file's {first}")
         twice = sorted(set(seeds) & set(runs))
