@@ -1,15 +1,16 @@
-"""Sync vs async GRPO (and PPO) on the embedded default task, side by side in one run on the same cores.
+"""Sync vs async GRPO (and PPO) on the embedded default's task, side by side in one run on the same cores.
 
     ./run.sh python benchmarks/async_grpo.py [--steps 250] [--runs sync sync2 async]
     ./run.sh python benchmarks/async_grpo.py --task nemotron_mini --runs sync async partial
     ./run.sh python benchmarks/async_grpo.py --task ppo --seeds 42 1 2
 
-Each run is `posttrain grpo` on the embedded default (2-digit additions, the cached SFT warm
-start, 16 prompts x 8 generations, 250 steps, validation on 500 problems every 25 steps), in its
-own process, one after the other, with checkpointing off:
+Each run is `posttrain grpo` on `examples/configs/grpo_math_tiny_v1.yaml`, the config the async
+example extends (the embedded default's 2-digit additions with its fixed 350-step SFT warm start,
+cached, and a constant learning rate; 16 prompts x 8 generations, 250 steps, validation on 500
+problems every 25 steps), in its own process, one after the other, with checkpointing off:
 
-- `sync`:  the default: one policy worker and its generation engine colocated on one bundle;
-           generation and training take turns (one CPU thread each).
+- `sync`:  one policy worker and its generation engine colocated on one bundle (the default
+           placement); generation and training take turns (one CPU thread each).
 - `sync2`: sync with two data-parallel policy workers (and two colocated engines): sync's way of
            using both cores in every phase.
 - `async`: `examples/configs/grpo_async_tiny.yaml`: one policy worker and one generation worker,
@@ -51,9 +52,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# Sync runs use the config async extends, so the comparison changes placement and nothing else.
+SYNC = ["--config", str(REPO / "examples/configs/grpo_math_tiny_v1.yaml")]
 RUNS = {
-    "sync": [],
-    "sync2": ["policy.num_workers=2"],
+    "sync": SYNC,
+    "sync2": [*SYNC, "policy.num_workers=2"],
     "async": ["--config", str(REPO / "examples/configs/grpo_async_tiny.yaml")],
 }
 RECIPE = ["--config", str(REPO / "examples/recipes/nemotron_mini.yaml")]

@@ -126,6 +126,11 @@ SHOWCASES = {
     # LoRA adapters only (docs/algorithms.md) against the full weights of the config they extend.
     "lora": Showcase("grpo", "examples/configs/grpo_lora_tiny.yaml"),
     "grpo_v1": Showcase("grpo", "examples/configs/grpo_math_tiny_v1.yaml"),
+    # Async GRPO (docs/performance.md) against the sync config it extends, grpo_v1.
+    "grpo_async": Showcase("grpo", "examples/configs/grpo_async_tiny.yaml"),
+    # The embedded default with vLLM generating (docs/generation.md) against "main". Give it a
+    # --cache to keep: the first run builds vLLM's isolated environment there (minutes).
+    "main_vllm": Showcase("grpo", overrides=("policy.generation.backend=vllm",)),
     # The length penalty (docs/algorithms.md) on the embedded default, against "main" (same seeds,
     # a shared --cache, --train-metric train/mean_gen_tokens_per_sample).
     "length_penalty": Showcase("grpo", overrides=("reward_shaping.length_penalty.enabled=true",
