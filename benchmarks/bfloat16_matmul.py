@@ -8,6 +8,8 @@ slow), side by side, with what `policy.precision=auto` picks here.
 The block is two linear layers of SmolLM2-135M's shapes (hidden 576, MLP 1536) over `--tokens`
 tokens, as one training micro-batch. It prints the median seconds per step of each variant, the
 ratios to float32, and the share of the plain bfloat16 step spent in matmuls (torch.profiler).
+Then Muon's Newton-Schulz iteration over one SmolLM2-135M layer's seven matrices, in bfloat16 (torch's
+Muon) and in float32 (what `policy.optimizer.name=muon` runs on a CPU without bfloat16 matmuls).
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ import time
 import torch
 
 from posttrain.cpu_precision import auto_cpu_precision, compute_linears_in_float32
+from posttrain.models.policy.muon import MuonWithAdamW, newton_schulz
+
+# One SmolLM2-135M layer's matrices (q, k, v, o, gate, up, down): what Muon orthogonalises.
+LAYER_SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
 
 
 def block(dtype: torch.dtype, tokens: int, float32_matmuls: bool) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -64,6 +70,26 @@ def main() -> None:
     total = sum(e.self_cpu_time_total for e in prof.key_averages())
     matmuls = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm"))
     print(f"plain bfloat16: {100 * matmuls / max(total, 1):.0f}% of the step in aten::mm/addmm")
+    newton_schulz_times(args.repeats)
+
+
+def newton_schulz_times(repeats: int) -> None:
+    updates = [torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i, shape in enumerate(LAYER_SHAPES)]
+    muon = torch.optim.Muon([torch.nn.Parameter(u) for u in updates])
+    times: dict[torch.dtype, list[float]] = {torch.float32: [], torch.bfloat16: []}
+    for repeat in range(repeats + 1):  # the first is a warm-up
+        for dtype in times:
+            start = time.perf_counter()
+            for update in updates:
+                newton_schulz(update, muon.defaults["ns_coefficients"], muon.defaults["ns_steps"], muon.defaults["eps"], dtype)
+            if repeat:
+                times[dtype].append(time.perf_counter() - start)
+    here = MuonWithAdamW(list(muon.param_groups[0]["params"]), [], lr=1e-3, weight_decay=0.0).newton_schulz_dtype
+    base = statistics.median(times[torch.float32])
+    print(f"Muon's Newton-Schulz, one SmolLM2-135M layer (posttrain runs it in {str(here).removeprefix('torch.')} here):")
+    for dtype, seconds in times.items():
+        median = statistics.median(seconds)
+        print(f"  {str(dtype).removeprefix('torch.'):9s} {median * 1e3:9.1f} ms   {median / base:6.2f}x float32")
 
 
 if __name__ == "__main__":

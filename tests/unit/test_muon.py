@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from transformers import AutoModelForSequenceClassification
 
 from posttrain.config.schema import OptimizerConfig, SchedulerConfig
-from posttrain.models.policy.muon import MuonWithAdamW, build_muon, muon_param_split
+from posttrain.models.policy.muon import MuonWithAdamW, build_muon, muon_param_split, muon_update, newton_schulz
 from posttrain.models.tiny import make_tiny_model, tiny_config
 from posttrain.utils.lr_schedule import build_lr_scheduler
 
@@ -53,7 +53,7 @@ def test_hidden_matrices_go_to_muon_the_rest_to_adamw(arch):
 def test_one_step_updates_both_groups_as_torch_muon_and_adamw_would():
     model, _ = make_tiny_model()
     reference = copy.deepcopy(model)
-    optimizer = build_muon(model, CFG)
+    optimizer = build_muon(model, CFG, newton_schulz_dtype=torch.bfloat16)  # torch's own Muon
     assert [g["use_muon"] for g in optimizer.param_groups] == [True, False]
     assert optimizer.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
 
@@ -74,6 +74,58 @@ def test_one_step_updates_both_groups_as_torch_muon_and_adamw_would():
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
     assert all("momentum_buffer" in optimizer.state[p] for g in optimizer.param_groups if g["use_muon"] for p in g["params"])
     assert all("exp_avg" in optimizer.state[p] for g in optimizer.param_groups if not g["use_muon"] for p in g["params"])
+
+
+@pytest.mark.parametrize("shape", [(8, 24), (24, 8), (16, 16)])
+def test_newton_schulz_in_bfloat16_is_torchs_and_float32_agrees_to_bfloat16_rounding(shape):
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    update = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    coefficients, steps, eps = (3.4445, -4.7750, 2.0315), 5, 1e-7
+    ours = newton_schulz(update, coefficients, steps, eps, torch.bfloat16)
+    assert ours.dtype == torch.bfloat16 and ours.shape == update.shape
+    torch.testing.assert_close(ours, _zeropower_via_newtonschulz(update, coefficients, steps, eps), rtol=0, atol=0)
+    in_float32 = newton_schulz(update, coefficients, steps, eps, torch.float32)
+    assert in_float32.dtype == torch.float32
+    # Orthogonalised: singular values near 1 (the quintic leaves them in about [0.5, 1.5]).
+    singular = torch.linalg.svdvals(in_float32)
+    assert singular.min() > 0.3 and singular.max() < 1.6
+    assert (in_float32 - ours.float()).abs().max() < 0.05
+
+
+def test_muon_update_is_torchs_step_in_bfloat16_and_exact_arithmetics_in_float32():
+    """`muon_update` with bfloat16 is exactly `torch.optim.Muon.step`. In float32 (what a CPU
+    without bfloat16 matmuls gets) two steps change the weights as the iteration in float64 does,
+    to float32 rounding; torch's bfloat16 iteration is the approximate one (its five quintic steps
+    amplify bfloat16's rounding: here a fifth of the change or more)."""
+    changes = {}
+    for how in ("torch", torch.bfloat16, torch.float32, torch.float64):
+        model, _ = make_tiny_model()
+        muon_params = [p for _, p in muon_param_split(model)[0]]
+        before = [p.detach().clone() for p in muon_params]
+        optimizer = torch.optim.Muon(muon_params, lr=1e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+        for step in range(2):
+            loss_of(model, seed=step).backward()
+            optimizer.step() if how == "torch" else muon_update(optimizer, how)
+            optimizer.zero_grad()
+        changes[how] = [p.detach() - start for p, start in zip(muon_params, before)]
+
+    def relative(a, b):
+        return max(((x - y).norm() / y.norm()).item() for x, y in zip(a, b))
+
+    assert relative(changes[torch.bfloat16], changes["torch"]) == 0.0
+    assert relative(changes[torch.float32], changes[torch.float64]) < 1e-4
+    assert relative(changes["torch"], changes[torch.float64]) > 1e-3
+
+
+def test_the_newton_schulz_dtype_follows_the_device_unless_given(monkeypatch):
+    import posttrain.cpu_precision as cpu_precision
+
+    for fast, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(cpu_precision, "cpu_bfloat16_is_fast", lambda fast=fast: fast)
+        model, _ = make_tiny_model()
+        assert build_muon(model, CFG).newton_schulz_dtype == expected
+        assert build_muon(model, CFG, newton_schulz_dtype=torch.bfloat16).newton_schulz_dtype == torch.bfloat16
 
 
 def test_the_lr_schedule_reaches_both_groups():
