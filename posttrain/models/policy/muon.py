@@ -16,7 +16,7 @@ offloading, `state_dict` and torch's distributed checkpoints (`get_state_dict` /
 
 torch's Muon runs its Newton-Schulz iteration in bfloat16. On a CPU without bfloat16 matmul
 instructions that is PyTorch's scalar GEMM (`posttrain/cpu_precision.py`): under AVX2 kernels SFT
-with Muon took about 10x AdamW's time. There the Muon groups take `muon_update` instead, the same
+with Muon took 4-10x AdamW's time. There the Muon groups take `muon_update` instead, the same
 update with the iteration in float32 (`benchmarks/bfloat16_matmul.py` measures both).
 """
 
