@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from posttrain.cpu_precision import auto_cpu_precision, compute_linears_in_float32
-from posttrain.models.policy.muon import MuonWithAdamW, newton_schulz
+from posttrain.cpu_precision import auto_cpu_precision, compute_linears_in_float32, matmul_dtype
+from posttrain.models.policy.muon import newton_schulz
 
 # One SmolLM2-135M layer's matrices (q, k, v, o, gate, up, down): what Muon orthogonalises.
 LAYER_SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
@@ -84,7 +84,7 @@ def newton_schulz_times(repeats: int) -> None:
                 newton_schulz(update, muon.defaults["ns_coefficients"], muon.defaults["ns_steps"], muon.defaults["eps"], dtype)
             if repeat:
                 times[dtype].append(time.perf_counter() - start)
-    here = MuonWithAdamW(list(muon.param_groups[0]["params"]), [], lr=1e-3, weight_decay=0.0).newton_schulz_dtype
+    here = matmul_dtype(torch.bfloat16, "cpu")  # MuonWithAdamW's default iteration dtype on this CPU
     base = statistics.median(times[torch.float32])
     print(f"Muon's Newton-Schulz, one SmolLM2-135M layer (posttrain runs it in {str(here).removeprefix('torch.')} here):")
     for dtype, seconds in times.items():

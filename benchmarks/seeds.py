@@ -23,7 +23,8 @@ example), vl_position and vl_color (its config on `shape_position` and `shape_co
 distill, distill_xtok (the cross-tokenizer distillation example), api (the README's Python API
 example, from scratch), cispo and grpo_two_steps (CISPO's example and GRPO's clip with the same
 two optimizer steps per step: docs/algorithms.md), lora and grpo_v1 (LoRA adapters only,
-against the full weights of the config it extends), length_penalty (the embedded default with Kimi
+against the full weights of the config it extends), grpo_async (async GRPO against grpo_v1),
+main_vllm (the embedded default with vLLM generating), length_penalty (the embedded default with Kimi
 k1.5's length penalty), sft and sft_muon (`posttrain sft`'s embedded default with AdamW and with
 Muon), recipe (the nemotron_mini recipe, about 33 minutes a seed on 2 AVX-512
 cores, 47 under AVX2 kernels), and the three variants of the gemma3_base recipe (RL from a base model,
