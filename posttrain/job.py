@@ -146,6 +146,7 @@ def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int =
         from posttrain.distributed.actors import LocalCluster
 
         return LocalCluster(cpus=c.cpus_per_worker, use_gpus=c.gpus_per_node > 0, name=name)
+    from posttrain.distributed import cluster_reuse
     from posttrain.distributed.cluster import VirtualCluster
 
     use_gpus = c.gpus_per_node > 0
@@ -156,16 +157,23 @@ def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int =
             f"{name} needs {num_workers} workers but cluster.num_nodes={c.num_nodes} x "
             f"{per_node} per node is too few"
         )
-    return VirtualCluster(
+    cpus, extra = c.cpus_per_worker or 1.0, c.bundle_resources.get(name)
+    shape = (name, (per_node,) * nodes, use_gpus, cpus, colocated_groups, tuple(sorted((extra or {}).items())),
+             c.autoscaling)
+    cluster = cluster_reuse.take(shape, lambda: VirtualCluster(
         [per_node] * nodes,
         use_gpus=use_gpus,
-        cpus_per_bundle=c.cpus_per_worker or 1.0,
+        cpus_per_bundle=cpus,
         max_colocated_worker_groups=colocated_groups,
         placement_timeout_s=c.placement_timeout_s,
         name=name,
-        bundle_resources=c.bundle_resources.get(name),
+        bundle_resources=extra,
         autoscaling=c.autoscaling,
-    )
+        # Idle processes are only worth keeping when a later job may take the cluster over.
+        reuse_worker_processes=cluster_reuse.reusing() and not use_gpus,
+    ))
+    cluster.placement_timeout_s = c.placement_timeout_s  # a taken-over cluster waits as this run says
+    return cluster
 
 
 def make_generation(cfg: MasterConfig, cluster, *, seed: int = 0, model: Any = None, **placement):

@@ -103,10 +103,14 @@ FAST_HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_timeout_ms": 
 
 
 def start_test_ray() -> None:
-    """Start (or reuse) the session's local Ray cluster."""
+    """Start (or reuse) the session's local Ray cluster. Jobs run in this process hand their
+    clusters and idle worker processes on to the next job of the same shape (`cluster_reuse.py`):
+    most job tests start no new worker process."""
+    from posttrain.distributed.cluster_reuse import reuse_clusters
     from posttrain.distributed.ray_utils import init_ray
 
     init_ray(num_cpus=RAY_TEST_CPUS, env_vars={**WORKER_ENV, **{var: os.environ[var] for var in SESSION_CACHE_VARS}})
+    reuse_clusters()
 
 
 def stop_test_ray() -> None:

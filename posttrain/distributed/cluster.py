@@ -28,6 +28,7 @@ import ray._private.state as ray_state
 from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from posttrain.distributed import cluster_reuse
 from posttrain.distributed.worker_host import HostPool
 
 logger = logging.getLogger(__name__)
@@ -184,7 +185,12 @@ class VirtualCluster:
         self.autoscaling = autoscaling
         # Idle worker processes, when they are reused (None: they are not; `worker_host.py`).
         self.worker_hosts = HostPool() if reuse_worker_processes else None
+        # The shape under which a later job may take this cluster over (`cluster_reuse.py`; None:
+        # `shutdown` releases it), and the worker groups placed on it that are not shut down yet.
+        self.reuse_key: Any = None
+        self._open_groups: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._uid = uuid.uuid4().hex[:8]
+        cluster_reuse.release_idle()  # parked clusters must not stand in this reservation's way
         self._placement_groups: list[PlacementGroup] = self._reserve()
         self._bundle_node_ids = [placement_group_table(pg)["bundles_to_node_id"] for pg in self._placement_groups]
         _LIVE_CLUSTERS.add(self)
@@ -372,9 +378,37 @@ class VirtualCluster:
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index)
         return ray.get(_free_address_and_port.options(scheduling_strategy=strategy).remote(), timeout=60)
 
+    def group_started(self, group: Any) -> None:
+        """`group` (a `WorkerGroup`) places workers on this cluster's bundles until `group_ended`."""
+        self._open_groups.add(group)
+
+    def group_ended(self, group: Any) -> None:
+        self._open_groups.discard(group)
+
+    def open_groups(self) -> list[Any]:
+        """The worker groups on this cluster that were not shut down."""
+        return list(self._open_groups)
+
+    def reservation_stands(self) -> bool:
+        """Whether every placement group is still placed (False after `release`, or once Ray restarted)."""
+        if not self._placement_groups or not ray.is_initialized():
+            return False
+        try:
+            return all(placement_group_table(pg).get("state") == "CREATED" for pg in self._placement_groups)
+        except Exception as error:  # noqa: BLE001 - a Ray that cannot answer holds nothing of ours
+            logger.debug("placement_group_table failed: %s", error)
+            return False
+
     def shutdown(self) -> None:
+        """The job is done with this cluster: park it for the next job of its shape when clusters
+        are reused (`cluster_reuse.py`), else `release` it. Idempotent."""
+        if not cluster_reuse.keep(self):
+            self.release()
+
+    def release(self) -> None:
         """Kill the idle worker processes (`reuse_worker_processes`), release the placement groups
         (idempotent). Actors on them are killed by Ray."""
+        self.reuse_key = None
         if self.worker_hosts is not None:
             self.worker_hosts.close()
         for pg in self._placement_groups:

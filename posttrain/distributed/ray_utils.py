@@ -136,6 +136,10 @@ class _DropTokenAuthEnabledNotice(logging.Filter):
 
 
 def shutdown_ray() -> None:
-    """Disconnect from Ray (and stop the local cluster if this process started it)."""
+    """Disconnect from Ray (and stop the local cluster if this process started it), releasing the
+    clusters parked for later jobs (`cluster_reuse.py`) first."""
+    from posttrain.distributed import cluster_reuse
+
+    cluster_reuse.release_idle()
     if ray.is_initialized():
         ray.shutdown()

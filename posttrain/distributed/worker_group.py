@@ -190,6 +190,8 @@ class WorkerGroup:
         self.workers: list[Any] = []  # Ray actor handles, or one LocalActor
         self.node_ips = ["?"] * len(bundle_indices)
         self._start = (bundle_indices, dict(init_kwargs or {}), dict(env_vars or {}))  # kept for `restart`
+        if not self.is_local:
+            cluster.group_started(self)  # a cluster with open groups is not handed to the next job
         self._start_members()
 
     def _start_members(self) -> None:
@@ -566,6 +568,8 @@ class WorkerGroup:
         """Ask workers to leave the process group (waiting up to `timeout_s`, default 5.0), then kill
         them; or, when their processes are reused (`worker_host.py`) and every member left in time
         and the group saw no failure, give the processes back to the cluster. Idempotent."""
+        if not self.is_local:
+            self.cluster.group_ended(self)
         if not self.workers:
             return
         goodbyes = []

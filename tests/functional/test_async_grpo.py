@@ -60,11 +60,12 @@ def run_async(cfg) -> tuple[float, BaseException | None]:
 
 
 def kill_once_when_logged(ctx, victims: dict[int, tuple[str, Callable[[], Any]]]) -> list[str]:
-    """Kill each victim with `ray.kill` once, right after its step's metrics are logged: `victims`
-    maps a step to (a name, a function giving the actor). The actor is looked up at that moment, so
-    a group rebuilt by an earlier recovery yields its new worker. Returns the names killed, in order
-    (a step logged again after a replay does not kill again)."""
-    import ray
+    """Kill each victim once (`actors.kill`: its process, also when it lives in a reused one), right
+    after its step's metrics are logged: `victims` maps a step to (a name, a function giving the
+    actor). The actor is looked up at that moment, so a group rebuilt by an earlier recovery yields
+    its new worker. Returns the names killed, in order (a step logged again after a replay does not
+    kill again)."""
+    from posttrain.distributed import actors
 
     original, killed = ctx.loop.logger.log_metrics, []
 
@@ -73,7 +74,7 @@ def kill_once_when_logged(ctx, victims: dict[int, tuple[str, Callable[[], Any]]]
         name, actor = victims.get(step, (None, None))
         if name is not None and name not in killed:
             killed.append(name)
-            ray.kill(actor())
+            actors.kill(actor())
 
     ctx.loop.logger.log_metrics = log_then_kill
     return killed
