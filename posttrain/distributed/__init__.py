@@ -18,6 +18,7 @@ _EXPORTS = {
     "WorkerGroup": "posttrain.distributed.worker_group",
     "WorkerTimeoutError": "posttrain.distributed.worker_group",
     "init_ray": "posttrain.distributed.ray_utils",
+    "reuse_clusters": "posttrain.distributed.cluster_reuse",
     "shutdown_ray": "posttrain.distributed.ray_utils",
 }
 

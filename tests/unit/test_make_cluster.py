@@ -1,5 +1,7 @@
 """How `make_cluster` lays workers out over nodes (VirtualCluster replaced by a recorder)."""
 
+from types import SimpleNamespace
+
 import pytest
 
 import posttrain.distributed.cluster as cluster_module
@@ -10,7 +12,11 @@ from posttrain.config import load_config
 @pytest.fixture
 def layouts(monkeypatch):
     made = []
-    monkeypatch.setattr(cluster_module, "VirtualCluster", lambda bundles, **kw: made.append((bundles, kw["use_gpus"])))
+    def record(bundles, **kw):
+        made.append((bundles, kw["use_gpus"]))
+        return SimpleNamespace()
+
+    monkeypatch.setattr(cluster_module, "VirtualCluster", record)
     return made
 
 
