@@ -1,5 +1,6 @@
 """`cluster_reuse`'s bookkeeping on stand-in clusters (no Ray): what is parked, what is handed out,
-what is released. tests/functional/test_cluster_reuse.py runs the same on real clusters and jobs."""
+what is released. tests/functional/test_cluster_reuse.py runs the same on real clusters and jobs.
+Earlier tests of the session may have parked real clusters: counts are taken per shape."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_a_cluster_shut_down_cleanly_serves_the_next_job_of_its_shape_only(reuse
     assert cluster_reuse.parked_count("a") == 1  # kept twice, parked once
     other = cluster_reuse.take("b", StandIn)
     assert other is not first and cluster_reuse.parked_count("a") == 1
-    assert cluster_reuse.take("a", StandIn) is first and cluster_reuse.parked_count() == 0
+    assert cluster_reuse.take("a", StandIn) is first and cluster_reuse.parked_count("a") == 0
     assert cluster_reuse.take("a", StandIn) is not first  # handed out once
     assert first.released == 0
 
@@ -54,7 +55,7 @@ def test_an_open_group_or_a_fallen_reservation_is_not_parked(reuse):
     gone.released = 1  # Ray restarted under it
     assert not cluster_reuse.keep(gone)
     assert not cluster_reuse.keep(StandIn())  # not made by `take`
-    assert cluster_reuse.parked_count() == 0
+    assert cluster_reuse.parked_count("a") == 0
 
 
 def test_a_parked_cluster_whose_reservation_fell_is_released_and_replaced(reuse):
