@@ -157,20 +157,14 @@ def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int =
             f"{name} needs {num_workers} workers but cluster.num_nodes={c.num_nodes} x "
             f"{per_node} per node is too few"
         )
-    cpus, extra = c.cpus_per_worker or 1.0, c.bundle_resources.get(name)
-    shape = (name, (per_node,) * nodes, use_gpus, cpus, colocated_groups, tuple(sorted((extra or {}).items())),
-             c.autoscaling)
-    cluster = cluster_reuse.take(shape, lambda: VirtualCluster(
-        [per_node] * nodes,
-        use_gpus=use_gpus,
-        cpus_per_bundle=cpus,
-        max_colocated_worker_groups=colocated_groups,
-        placement_timeout_s=c.placement_timeout_s,
-        name=name,
-        bundle_resources=extra,
-        autoscaling=c.autoscaling,
+    # What makes two jobs' clusters interchangeable (`cluster_reuse.py`): every argument but the wait.
+    shape = dict(bundles_per_node=[per_node] * nodes, use_gpus=use_gpus, cpus_per_bundle=c.cpus_per_worker or 1.0,
+                 max_colocated_worker_groups=colocated_groups, name=name,
+                 bundle_resources=c.bundle_resources.get(name), autoscaling=c.autoscaling)
+    cluster = cluster_reuse.take(repr(sorted(shape.items())), lambda: VirtualCluster(
+        **shape, placement_timeout_s=c.placement_timeout_s,
         # Idle processes are only worth keeping when a later job may take the cluster over.
-        reuse_worker_processes=cluster_reuse.reusing() and not use_gpus,
+        reuse_worker_processes=cluster_reuse.reusing(),
     ))
     cluster.placement_timeout_s = c.placement_timeout_s  # a taken-over cluster waits as this run says
     return cluster

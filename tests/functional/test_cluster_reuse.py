@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_grpo import read_metrics, small_cfg
+from test_grpo import _comparable, read_metrics, small_cfg
 
 from posttrain.distributed import actors, cluster_reuse
 from posttrain.distributed.cluster import VirtualCluster
@@ -31,10 +31,6 @@ def _run_grpo(tmp_path: Path, *extra: str) -> tuple[list[str], list[VirtualClust
     finally:
         ctx.shutdown()
     return processes, clusters
-
-
-def _comparable(metrics: dict[int, dict]) -> dict[int, dict]:
-    return {s: {k: v for k, v in row.items() if not k.startswith(("timing/", "memory/"))} for s, row in metrics.items()}
 
 
 def test_the_next_job_of_a_shape_takes_over_the_cluster_and_processes_and_trains_the_same(ray_cluster, tmp_path):

@@ -12,8 +12,8 @@ from posttrain.config import load_config
 @pytest.fixture
 def layouts(monkeypatch):
     made = []
-    def record(bundles, **kw):
-        made.append((bundles, kw["use_gpus"]))
+    def record(bundles_per_node, **kw):
+        made.append((bundles_per_node, kw["use_gpus"]))
         return SimpleNamespace()
 
     monkeypatch.setattr(cluster_module, "VirtualCluster", record)
