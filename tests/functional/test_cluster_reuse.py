@@ -39,7 +39,9 @@ def test_the_next_job_of_a_shape_takes_over_the_cluster_and_processes_and_trains
     assert all(cluster.reservation_stands() for cluster in first_clusters)  # parked, not released
     second_processes, second_clusters = _run_grpo(tmp_path / "second", "grpo.max_num_steps=2")
     assert [id(c) for c in second_clusters] == [id(c) for c in first_clusters]
-    assert second_processes == first_processes and len(first_processes) >= 2  # policy and generation
+    # The same processes (policy and generation), though not always to the same group: a parked
+    # cluster hands out first the process that went idle last.
+    assert sorted(second_processes) == sorted(first_processes) and len(first_processes) >= 2
     # Nothing of the first job's members stayed in the processes: the same run, the same numbers.
     first, second = (_comparable(read_metrics(tmp_path / name / "logs")) for name in ("first", "second"))
     assert sorted(first) == [1, 2] and second == first
