@@ -161,7 +161,7 @@ def make_cluster(cfg: MasterConfig, num_workers: int, *, colocated_groups: int =
     shape = dict(bundles_per_node=[per_node] * nodes, use_gpus=use_gpus, cpus_per_bundle=c.cpus_per_worker or 1.0,
                  max_colocated_worker_groups=colocated_groups, name=name,
                  bundle_resources=c.bundle_resources.get(name), autoscaling=c.autoscaling)
-    cluster = cluster_reuse.take(repr(sorted(shape.items())), lambda: VirtualCluster(
+    cluster = cluster_reuse.take(cluster_reuse.shape_key(shape), lambda: VirtualCluster(
         **shape, placement_timeout_s=c.placement_timeout_s,
         # Idle processes are only worth keeping when a later job may take the cluster over.
         reuse_worker_processes=cluster_reuse.reusing(),

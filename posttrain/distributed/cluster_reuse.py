@@ -18,9 +18,10 @@ the way of a request; `shutdown_ray` releases them before Ray stops.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,12 @@ def reuse_clusters(enabled: bool = True) -> None:
 
 def reusing() -> bool:
     return _enabled
+
+
+def shape_key(shape: Mapping[str, Any]) -> str:
+    """The parking key of a cluster shape (`VirtualCluster`'s arguments): equal shapes give equal
+    keys whatever the order their dicts were written in (a `bundle_resources` mapping, say)."""
+    return json.dumps(shape, sort_keys=True, default=repr)
 
 
 def take(key: Hashable, build: Callable[[], Any]) -> Any:

@@ -76,3 +76,11 @@ def test_release_idle_and_turning_reuse_off_release_what_is_parked(reuse):
     assert again.released == 1 and cluster_reuse.parked_count() == 0
     built = cluster_reuse.take("a", StandIn)
     assert built.reuse_key is None and not cluster_reuse.keep(built)  # off: every job builds and releases
+
+
+def test_shapes_equal_in_content_share_a_key_whatever_their_dicts_order():
+    shape = dict(bundles_per_node=[2], use_gpus=False, name="policy", bundle_resources={"a": 1.0, "b": 2.0})
+    reordered = dict(reversed(list({**shape, "bundle_resources": {"b": 2.0, "a": 1.0}}.items())))
+    assert cluster_reuse.shape_key(shape) == cluster_reuse.shape_key(reordered)
+    assert cluster_reuse.shape_key(shape) != cluster_reuse.shape_key({**shape, "bundle_resources": {"a": 1.0}})
+    assert cluster_reuse.shape_key(shape) != cluster_reuse.shape_key({**shape, "bundles_per_node": [1, 1]})
