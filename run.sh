@@ -26,9 +26,15 @@ if [ ! -f "$STAMP" ]; then
     phase "upgrading pip" "$VENV/bin/python" -m pip install --upgrade pip
     # Plain pip (not uv): it honours this machine's pip configuration, so torch==2.13.0
     # resolves to the local CPU wheel instead of several GB of CUDA packages.
-    phase "installing torch 2.13.0 (the largest download)" "$VENV/bin/python" -m pip install torch==2.13.0
+    # --no-compile: pip would byte-compile all ~21,000 modules it installs (about a minute of one
+    # core); a run imports a few thousand of them, which the first import compiles and caches. The
+    # .pth line makes that cache be written even under PYTHONDONTWRITEBYTECODE (many CI
+    # containers set it), where every process would otherwise compile torch again.
+    phase "installing torch 2.13.0 (the largest download)" "$VENV/bin/python" -m pip install --no-compile torch==2.13.0
     phase "installing posttrain and its pinned dependencies (ray, transformers, ...)" \
-        "$VENV/bin/python" -m pip install -e "${REPO}[dev]"
+        "$VENV/bin/python" -m pip install --no-compile -e "${REPO}[dev]"
+    SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    echo "import sys; sys.dont_write_bytecode = False" >"$SITE/00-posttrain-bytecode.pth"
     # An editable install leaves byte-compiling to the first import; where PYTHONDONTWRITEBYTECODE
     # is set (many CI containers) every process, each Ray worker among them, would compile the
     # package again: about 0.25 s of CPU a process. A stale .pyc is ignored, so edits are safe.
