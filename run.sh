@@ -34,7 +34,7 @@ if [ ! -f "$STAMP" ]; then
     phase "installing posttrain and its pinned dependencies (ray, transformers, ...)" \
         "$VENV/bin/python" -m pip install --no-compile -e "${REPO}[dev]"
     SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    echo "import sys; sys.dont_write_bytecode = False" >"$SITE/00-posttrain-bytecode.pth"
+    if [ -d "$SITE" ]; then echo "import sys; sys.dont_write_bytecode = False" >"$SITE/00-posttrain-bytecode.pth"; fi
     # An editable install leaves byte-compiling to the first import; where PYTHONDONTWRITEBYTECODE
     # is set (many CI containers) every process, each Ray worker among them, would compile the
     # package again: about 0.25 s of CPU a process. A stale .pyc is ignored, so edits are safe.

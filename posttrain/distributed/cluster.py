@@ -373,7 +373,11 @@ class VirtualCluster:
             time.sleep(0.2)
 
     def master_address_and_port(self, bundle: int = 0) -> tuple[str, int]:
-        """IP of the node of `bundle` (default 0: rank 0) and a port free there now (rendezvous)."""
+        """IP of the node of `bundle` (default 0: rank 0) and a port free there now (rendezvous).
+        Read here when the bundle is on this process's own node; elsewhere by a task on the bundle
+        (which Ray runs in a worker process it may have to start: seconds of CPU for two numbers)."""
+        if self.bundle_node_ids()[bundle] == ray.get_runtime_context().get_node_id():
+            return _address_and_free_port()
         pg, bundle_index = self.bundle_locations()[bundle]
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index)
         return ray.get(_free_address_and_port.options(scheduling_strategy=strategy).remote(), timeout=60)
@@ -430,13 +434,15 @@ class VirtualCluster:
         )
 
 
-@ray.remote(num_cpus=0)
-def _free_address_and_port() -> tuple[str, int]:
-    """Runs on the target node: its IP and a port the OS says is free."""
+def _address_and_free_port() -> tuple[str, int]:
+    """This node's IP and a port the OS says is free."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         port = sock.getsockname()[1]
     return ray.util.get_node_ip_address(), port
+
+
+_free_address_and_port = ray.remote(num_cpus=0)(_address_and_free_port)  # the same, run on another node
 
 
 def _plain(resources: Mapping[str, Any], bundle: Mapping[str, float] | None = None) -> dict[str, float]:

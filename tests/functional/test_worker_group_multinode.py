@@ -57,6 +57,34 @@ def test_one_worker_per_node_and_all_reduce_across(two_nodes):
         cluster.shutdown()
 
 
+def test_the_rendezvous_address_is_read_here_on_this_node_and_by_a_task_on_another(two_nodes, monkeypatch):
+    """A bundle on the driver's own node gets its address and port without a Ray task (which may
+    start a worker process); a bundle on another node gets that node's, from a task there."""
+    from posttrain.distributed import cluster as cluster_module
+
+    cluster = VirtualCluster([1, 1], name="rendezvous")
+    try:
+        here = ray.get_runtime_context().get_node_id()
+        local, remote = sorted(range(2), key=lambda b: cluster.bundle_node_ids()[b] != here)
+        assert cluster.bundle_node_ids()[local] == here != cluster.bundle_node_ids()[remote]
+        tasks = []
+        real = cluster_module._free_address_and_port
+
+        class CountingTask:
+            def options(self, **kwargs):
+                tasks.append(kwargs["scheduling_strategy"].placement_group_bundle_index)
+                return real.options(**kwargs)
+
+        monkeypatch.setattr(cluster_module, "_free_address_and_port", CountingTask())
+        (address, port), (other_address, other_port) = (cluster.master_address_and_port(b) for b in (local, remote))
+        assert tasks == [0]  # the other node's only placement group has one bundle: index 0
+        address_of = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+        assert address == address_of[here] and other_address == address_of[cluster.bundle_node_ids()[remote]]
+        assert 0 < port < 65536 and 0 < other_port < 65536
+    finally:
+        cluster.shutdown()
+
+
 def wait_for_faults(group: WorkerGroup) -> list:
     deadline = time.monotonic() + 120
     while not (faults := group.faults()) and time.monotonic() < deadline:
