@@ -39,6 +39,12 @@ if [ ! -f "$STAMP" ]; then
     # is set (many CI containers) every process, each Ray worker among them, would compile the
     # package again: about 0.25 s of CPU a process. A stale .pyc is ignored, so edits are safe.
     phase "byte-compiling posttrain" "$VENV/bin/python" -m compileall -q "$REPO/posttrain"
+    # What every run imports (a job's driver, a policy worker, the math environment, the tiny model's
+    # class: ~2,700 modules) is compiled once here: a run's first processes start together and would
+    # each compile it (10 s of CPU apiece), and an environment others may only read keeps it.
+    phase "byte-compiling what a run imports" "$VENV/bin/python" -c "import posttrain.algorithms.grpo, \
+posttrain.models.policy.policy, posttrain.models.generation.native, posttrain.environments.math_env
+from transformers import LlamaForCausalLM"
     # The code environment's sandbox uses bubblewrap; without it, it falls back (loudly) to weaker
     # isolation (docs/sandbox.md). Installed here when we may; otherwise say how.
     if ! command -v bwrap >/dev/null 2>&1; then

@@ -182,7 +182,8 @@ def test_run_sh_first_install_shows_each_phase_and_the_log(tmp_path):
     assert result.returncode == 0, result.stderr
     assert f"full log: {tmp_path}/.venv-install.log" in result.stderr
     for phase in ("creating the virtual environment", "upgrading pip", "installing torch 2.13.0",
-                  "installing posttrain and its pinned dependencies", "environment ready"):
+                  "installing posttrain and its pinned dependencies", "byte-compiling what a run imports",
+                  "environment ready"):
         assert phase in result.stderr, result.stderr
     calls = (tmp_path / ".venv" / "calls").read_text()
     # Nothing is byte-compiled at install but posttrain itself (imports compile what they use).
