@@ -186,7 +186,7 @@ def test_run_sh_first_install_shows_each_phase_and_the_log(tmp_path):
                   "environment ready"):
         assert phase in result.stderr, result.stderr
     calls = (tmp_path / ".venv" / "calls").read_text()
-    # Nothing is byte-compiled at install but posttrain itself (imports compile what they use).
+    # pip byte-compiles nothing: posttrain and what every run imports have phases of their own.
     assert "install --no-compile torch==2.13.0" in calls and "install --no-compile -e" in calls, calls
     again = subprocess.run(["bash", str(tmp_path / "run.sh"), "true"], cwd=tmp_path, capture_output=True, text=True,
                            timeout=60, env={**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"})
