@@ -27,23 +27,26 @@ if [ ! -f "$STAMP" ]; then
     # Plain pip (not uv): it honours this machine's pip configuration, so torch==2.13.0
     # resolves to the local CPU wheel instead of several GB of CUDA packages.
     # --no-compile: pip would byte-compile all ~21,000 modules it installs (about a minute of one
-    # core); a run imports a few thousand of them, which the first import compiles and caches. The
-    # .pth line makes that cache be written even under PYTHONDONTWRITEBYTECODE (many CI
-    # containers set it), where every process would otherwise compile torch again.
+    # core); a run imports a few thousand of them, compiled below or by their first import.
     phase "installing torch 2.13.0 (the largest download)" "$VENV/bin/python" -m pip install --no-compile torch==2.13.0
     phase "installing posttrain and its pinned dependencies (ray, transformers, ...)" \
         "$VENV/bin/python" -m pip install --no-compile -e "${REPO}[dev]"
-    SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    if [ -d "$SITE" ]; then echo "import sys; sys.dont_write_bytecode = False" >"$SITE/00-posttrain-bytecode.pth"; fi
     # An editable install leaves byte-compiling to the first import; where PYTHONDONTWRITEBYTECODE
     # is set (many CI containers) every process, each Ray worker among them, would compile the
     # package again: about 0.25 s of CPU a process. A stale .pyc is ignored, so edits are safe.
     phase "byte-compiling posttrain" "$VENV/bin/python" -m compileall -q "$REPO/posttrain"
-    # What every run imports (a job's driver, a policy worker, the math environment, the tiny model's
-    # class: ~2,700 modules) is compiled once here: a run's first processes start together and would
-    # each compile it (10 s of CPU apiece), and an environment others may only read keeps it.
-    phase "byte-compiling what a run imports" "$VENV/bin/python" -c "import posttrain.algorithms.grpo, \
-posttrain.models.policy.policy, posttrain.models.generation.native, posttrain.environments.math_env
+    # Imports cache the bytecode they compile even under PYTHONDONTWRITEBYTECODE (many CI containers
+    # set it; every process would compile torch again): the isolated environments' .pth line. Then
+    # what every run imports (a job's driver, a policy worker, the math environment, the tiny
+    # model's class: ~2,700 modules) is compiled once here: a run's first processes start together
+    # and would each compile it (10 s of CPU apiece), and an environment others only read keeps it.
+    phase "byte-compiling what a run imports" "$VENV/bin/python" -c "import pathlib, sys, sysconfig
+from posttrain.distributed.isolated_env import BYTECODE_PTH
+name, text = BYTECODE_PTH
+(pathlib.Path(sysconfig.get_paths()['purelib']) / name).write_text(text)
+sys.dont_write_bytecode = False  # as the line just written does for every later interpreter
+import posttrain.algorithms.grpo, posttrain.models.policy.policy, posttrain.models.generation.native
+import posttrain.environments.math_env
 from transformers import LlamaForCausalLM"
     # The code environment's sandbox uses bubblewrap; without it, it falls back (loudly) to weaker
     # isolation (docs/sandbox.md). Installed here when we may; otherwise say how.

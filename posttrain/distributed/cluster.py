@@ -380,7 +380,7 @@ class VirtualCluster:
             return _address_and_free_port()
         pg, bundle_index = self.bundle_locations()[bundle]
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index)
-        return ray.get(_free_address_and_port.options(scheduling_strategy=strategy).remote(), timeout=60)
+        return ray.get(_address_and_free_port_on_node.options(scheduling_strategy=strategy).remote(), timeout=60)
 
     def group_started(self, group: Any) -> None:
         """`group` (a `WorkerGroup`) places workers on this cluster's bundles until `group_ended`."""
@@ -442,7 +442,7 @@ def _address_and_free_port() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
-_free_address_and_port = ray.remote(num_cpus=0)(_address_and_free_port)  # the same, run on another node
+_address_and_free_port_on_node = ray.remote(num_cpus=0)(_address_and_free_port)  # the same, as a task there
 
 
 def _plain(resources: Mapping[str, Any], bundle: Mapping[str, float] | None = None) -> dict[str, float]:

@@ -68,14 +68,14 @@ def test_the_rendezvous_address_is_read_here_on_this_node_and_by_a_task_on_anoth
         local, remote = sorted(range(2), key=lambda b: cluster.bundle_node_ids()[b] != here)
         assert cluster.bundle_node_ids()[local] == here != cluster.bundle_node_ids()[remote]
         tasks = []
-        real = cluster_module._free_address_and_port
+        real = cluster_module._address_and_free_port_on_node
 
         class CountingTask:
             def options(self, **kwargs):
                 tasks.append(kwargs["scheduling_strategy"].placement_group_bundle_index)
                 return real.options(**kwargs)
 
-        monkeypatch.setattr(cluster_module, "_free_address_and_port", CountingTask())
+        monkeypatch.setattr(cluster_module, "_address_and_free_port_on_node", CountingTask())
         (address, port), (other_address, other_port) = (cluster.master_address_and_port(b) for b in (local, remote))
         assert tasks == [0]  # the other node's only placement group has one bundle: index 0
         address_of = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
