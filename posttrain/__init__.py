@@ -9,6 +9,12 @@ import sys as _sys
 
 from posttrain.version import __version__
 
+# Full collections wait until the process has imported what it needs (posttrain.utils.startup_gc
+# says why); first, so that torch's and transformers' imports are covered.
+from posttrain.utils.startup_gc import defer_full_collections as _defer_full_collections
+
+_defer_full_collections()
+
 # How OpenMP threads wait (posttrain.utils.openmp says why): OpenMP reads it once, when torch loads
 # it, so it is set here, before anything of ours imports torch; a value of the user's own for either
 # variable wins (and then neither is set), and Ray workers get the same (distributed.ray_utils).

@@ -199,7 +199,7 @@ def _run_job(args: argparse.Namespace) -> int:
             sys.stdout.write(config_to_yaml(cfg, comments=True))
             return 0
         startup.mark("config")
-        run_job(args.command, cfg)
+        run_job(args.command, cfg, own_process=True)
     except UserError as e:  # config, data or model problem: the message names it; a traceback adds nothing
         startup.end()  # first: no phase's line may follow the message
         print(f"posttrain {args.command}: {e}", file=sys.stderr)
@@ -213,15 +213,16 @@ def _run_job(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_job(command: str, cfg: Any) -> Any:
+def run_job(command: str, cfg: Any, *, own_process: bool = False) -> Any:
     """Run the job `command` (a key of `JOBS`) on the validated config `cfg`, as `posttrain
     <command>` does (the Python API, `posttrain.api`, calls it too): the run-directory checks
     (`preflight.check_run_dirs`: locks, resume config, a complete run; files only), the preflight
     checks (model paths, hub ids, data: seconds, before Ray or any worker starts), then the job.
     Returns what the job returns, or None when its checkpoint is already at its last step (it says
-    so); problems with the inputs raise `UserError`."""
+    so); problems with the inputs raise `UserError`. `own_process`: the process is the CLI's, whose
+    imported objects may be frozen out of garbage collection (`startup_gc.imports_done`)."""
     from posttrain.preflight import check_run_dirs, preflight
-    from posttrain.utils import startup
+    from posttrain.utils import startup, startup_gc
     from posttrain.utils.run_dirs import forget_checks_ahead, release_run_dirs
 
     try:
@@ -236,6 +237,7 @@ def run_job(command: str, cfg: Any) -> Any:
         module_name, attr = job_target(command, cfg)
         with startup.phase("imports", f"importing the {command} job (torch, transformers)"):
             run = load_target(module_name, attr, command)
+        startup_gc.imports_done(freeze=own_process)
         return run(cfg)
     finally:  # the job released its locks if it got that far; a failed preflight releases them here
         from posttrain.utils.cpu_share import stop_sharing

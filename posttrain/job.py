@@ -14,7 +14,7 @@ import torch
 
 from posttrain.config.loader import save_config
 from posttrain.config.schema import MasterConfig, PolicyConfig
-from posttrain.utils import startup
+from posttrain.utils import startup, startup_gc
 
 log = logging.getLogger("posttrain")
 
@@ -58,6 +58,7 @@ def start_backend(cfg: MasterConfig) -> None:
     local backend's workers may use."""
     from posttrain.config.schema import resolve_backend
 
+    startup_gc.imports_done(freeze=False)  # the CLI's came first and froze; this may be a user's program
     warn_if_threads_spin()
     if resolve_backend(cfg) == "local":
         from posttrain.utils.cpu_share import share_cores, stop_sharing

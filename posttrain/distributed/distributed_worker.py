@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.distributed import actors, collective, heartbeat
+from posttrain.utils import startup_gc
 
 # Set by WorkerGroup for every actor; the timeout also bounds each torch.distributed collective.
 RENDEZVOUS_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -38,6 +39,8 @@ class DistributedWorker:
 
     def __init__(self) -> None:
         local = actors.worker_identity()  # a local actor's ranks; a Ray worker's are in its environment
+        if local is None:  # a Ray worker's own process (a local one runs in the controller's)
+            startup_gc.imports_done(freeze=True)
         env = local if local is not None else os.environ
         needed = LOCAL_IDENTITY_VARS if local is not None else RENDEZVOUS_ENV_VARS
         missing = [name for name in needed if name not in env]

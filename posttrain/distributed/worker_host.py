@@ -49,6 +49,9 @@ class WorkerHost:
         and torch.distributed read a member's rank and rendezvous)."""
         import torch
 
+        from posttrain.utils import startup_gc
+
+        startup_gc.imports_done(freeze=True)  # the worker's modules came with `cls`
         if self._worker is not None:
             raise RuntimeError(f"this WorkerHost still hosts a {type(self._worker).__name__}")
         if self._fresh_rng is None:

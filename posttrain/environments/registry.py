@@ -127,22 +127,28 @@ def create_env(
         return actors.LocalActor(cls, (cfg,), name=f"env-{name}")
     import ray
 
-    return ray.remote(num_cpus=num_cpus)(_beating(cls, beat_period_s) if beat_period_s else cls).remote(cfg)
+    return ray.remote(num_cpus=num_cpus)(_actor_class(cls, beat_period_s)).remote(cfg)
 
 
-def _beating(cls: type, period_s: float) -> type:
-    """`cls` whose instances start a heartbeat thread first (`heartbeat.start_beating`), which
-    also answers the controller's requests for their stacks (`progress.py`)."""
+def _actor_class(cls: type, beat_period_s: float) -> type:
+    """`cls` whose instances, in their own process, first end its start-up's deferred collections
+    (`startup_gc.imports_done`: the environment's modules came with the class) and, when
+    `beat_period_s` > 0, start a heartbeat thread (`heartbeat.start_beating`), which also answers
+    the controller's requests for their stacks (`progress.py`)."""
 
-    class Beating(cls):  # type: ignore[misc, valid-type]
+    class EnvironmentActor(cls):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             from posttrain.distributed import heartbeat
+            from posttrain.utils import startup_gc
 
-            heartbeat.start_beating(period_s)
+            startup_gc.imports_done(freeze=True)
+            if beat_period_s:
+                heartbeat.start_beating(beat_period_s)
             super().__init__(*args, **kwargs)
 
-    Beating.__name__, Beating.__qualname__, Beating.__doc__ = cls.__name__, cls.__qualname__, cls.__doc__
-    return Beating
+    EnvironmentActor.__name__, EnvironmentActor.__qualname__ = cls.__name__, cls.__qualname__
+    EnvironmentActor.__doc__ = cls.__doc__
+    return EnvironmentActor
 
 
 def _is_plain_instance(env: Any) -> bool:

@@ -20,6 +20,7 @@ from posttrain.distributed.batch import Batch
 from posttrain.distributed.cluster import VirtualCluster
 from posttrain.distributed.worker_group import DistributedWorker, WorkerError, WorkerGroup, WorkerTimeoutError
 from posttrain.distributed.worker_host import HostedWorker
+from posttrain.utils import startup_gc
 
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
 
@@ -45,6 +46,9 @@ class ProbeWorker(DistributedWorker):
 
     def heartbeat_threads(self) -> int:
         return sum(thread.name == "posttrain-heartbeat" for thread in threading.enumerate())
+
+    def collector(self) -> dict:
+        return startup_gc.state()
 
     def sum_of_ranks_plus_one(self) -> float:
         return self.all_reduce_sum(float(self.rank + 1))
@@ -108,6 +112,9 @@ def test_the_next_group_reuses_the_processes_with_nothing_of_the_last_members(cl
     assert [e[MEMBER_VAR] for e in envs] == ["rank 0", "rank 1"]
     assert all(e["POSTTRAIN_HEARTBEAT_S"] for e in envs) and first.run_all("heartbeat_threads") == [1, 1]
     assert all(isinstance(worker, HostedWorker) for worker in first.workers)
+    # The host's start-up deferred full collections until the member's modules had come (with its
+    # class), then froze them: `startup_gc`.
+    assert all(not c["deferring"] and c["frozen"] > 1000 for c in first.run_all("collector"))
     first.shutdown()
     assert all(cluster.worker_hosts.count(b) >= 1 for b in (0, 1))
 

@@ -4,6 +4,7 @@ import threading
 import time
 
 import pytest
+import ray
 import torch
 
 from posttrain.environments import (
@@ -259,6 +260,11 @@ def test_math_env_as_ray_actor_routed_with_a_local_env(ray_cluster):
         assert result.rewards.tolist() == [0.5, 0.0, 1.0]  # the pathological answer timed out in the actor
         assert result.answers == ["x", "9^{9^{9^{9}}}", "0.5"]
         assert result.terminateds.tolist() == [False, True, True]
+        # Its process deferred full collections while it imported, until the actor was built.
+        from posttrain.utils import startup_gc
+
+        collector = ray.get(actor.__ray_call__.remote(startup_gc.state))
+        assert not collector["deferring"] and collector["frozen"] > 1000
     finally:
         router.shutdown()
 

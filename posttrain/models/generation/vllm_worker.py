@@ -43,6 +43,7 @@ from posttrain.models.generation.vllm_extension import EXTENSION_QUALNAME
 from posttrain.models.generation.worker import SAMPLING_PARAMS, merge_stop_strings
 from posttrain.models.hf import load_tokenizer, pick_dtype, resolve_model_path, rope_config_overrides
 from posttrain.models.refit import RefitMetadata
+from posttrain.utils import startup_gc
 from posttrain.utils.phase_memory import MeasuresPhases, measured_phase
 
 # Read by vLLM at import time: set for the actor by VllmGeneration and again here for direct use.
@@ -169,6 +170,7 @@ class VllmGenerationWorker(MeasuresPhases, DistributedWorker):
                                max_num_batched_tokens=max(self.max_model_len, CPU_BATCHED_TOKENS))
         from vllm import LLM
 
+        startup_gc.imports_done(freeze=True)
         self.llm = LLM(**engine_args)
         if engine_args.get("load_format") == "dummy":  # a checkpoint vLLM cannot name itself: see _vision_language_args
             self.llm.collective_rpc("posttrain_load_checkpoint", args=(engine_args["model"],))
