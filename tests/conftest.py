@@ -20,6 +20,7 @@ Ray in tests
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import sys
@@ -154,6 +155,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     items.sort(key=lambda item: not is_unit(item))
     skip_gpu_tests_without_enough_gpus(items)
     start_building_the_vllm_env(config, items)
+    # What collection imported (the test modules, torch, transformers) lives to the session's end:
+    # the collector's full walks skip it from now on (`posttrain.utils.startup_gc` says why).
+    gc.freeze()
 
 
 def skip_gpu_tests_without_enough_gpus(items: list[pytest.Item]) -> None:
