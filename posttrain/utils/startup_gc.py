@@ -64,8 +64,8 @@ def imports_done(*, freeze: bool) -> None:
             gc.freeze()
 
 
-def state(_actor: object = None) -> dict:
+def state() -> dict:
     """This process's collector: whether full collections are deferred, the thresholds and how many
-    objects are frozen (diagnostics; `_actor` lets a Ray actor run it with `__ray_call__`)."""
+    objects are frozen (diagnostics)."""
     return {"deferring": _thresholds_before is not None, "thresholds": gc.get_threshold(),
             "frozen": gc.get_freeze_count()}

@@ -263,7 +263,7 @@ def test_math_env_as_ray_actor_routed_with_a_local_env(ray_cluster):
         # Its process deferred full collections while it imported, until the actor was built.
         from posttrain.utils import startup_gc
 
-        collector = ray.get(actor.__ray_call__.remote(startup_gc.state))
+        collector = ray.get(actor.__ray_call__.remote(lambda _env: startup_gc.state()))
         assert not collector["deferring"] and collector["frozen"] > 1000
     finally:
         router.shutdown()
