@@ -321,10 +321,10 @@ def kill(handle: Any) -> None:
     if isinstance(handle, LocalActor):
         handle.kill()
     else:
-        _ray().kill(_ray_handle(handle), no_restart=True)
+        _ray().kill(ray_handle(handle), no_restart=True)
 
 
-def _ray_handle(handle: Any) -> Any:
+def ray_handle(handle: Any) -> Any:
     """The Ray actor handle behind `handle`: a worker hosted in a reused process
     (`worker_host.HostedWorker`) stands for its host actor."""
     return handle if isinstance(handle, _ray().actor.ActorHandle) else handle.host
@@ -334,7 +334,7 @@ def actor_id(handle: Any) -> str:
     """A printable id of an actor of either kind."""
     if isinstance(handle, LocalActor):
         return handle.actor_id
-    return _ray_handle(handle)._actor_id.hex()
+    return ray_handle(handle)._actor_id.hex()
 
 
 def is_actor_death(error: BaseException) -> bool:

@@ -14,20 +14,34 @@ is up.
 Parked clusters hold their reservation. Any other reservation (a cluster of another shape, of
 this job or the next) first releases every parked one (`release_idle`), so they never stand in
 the way of a request; `shutdown_ray` releases them before Ray stops.
+
+Environment actors are reused the same way, whatever the shape: with reuse on, `create_env`
+builds a Ray environment actor inside a `WorkerHost` (`hosted_environment`), and an environment
+that shut down cleanly leaves its process idle (`keep_environment_process`) for the next job's
+environments, of any class. Those processes reserve no CPU (an environment actor's `num_cpus` is
+0), so they stay when clusters are released; at most `MAX_IDLE_ENVIRONMENT_PROCESSES` wait, and
+`release_environment_processes` (turning reuse off, `shutdown_ray`) ends them.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
-from typing import Any, Callable, Hashable, Mapping
+from typing import Any, Callable, Hashable, Mapping, Optional
 
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _enabled = False
 _idle: dict[Hashable, list[Any]] = {}  # shape -> parked clusters (VirtualCluster)
+_environment_hosts: Optional[Any] = None  # idle environment processes (worker_host.HostPool), made on first use
+
+# Idle environment processes kept at most (each holds ~0.3 GB: torch and the environment's modules).
+MAX_IDLE_ENVIRONMENT_PROCESSES = 8
+# What an environment actor reserves (`create_env`'s default); only such actors are hosted.
+_ENVIRONMENT_RESOURCES = {"num_cpus": 0.0}
 
 
 def reuse_clusters(enabled: bool = True) -> None:
@@ -37,6 +51,7 @@ def reuse_clusters(enabled: bool = True) -> None:
     _enabled = enabled
     if not enabled:
         release_idle()
+        release_environment_processes()
 
 
 def reusing() -> bool:
@@ -98,3 +113,67 @@ def parked_count(key: Hashable = None) -> int:
     """Clusters parked under shape `key` (default None: under any shape)."""
     with _lock:
         return sum(len(clusters) for shape, clusters in _idle.items() if key is None or shape == key)
+
+
+# ------------------------------------------------------------------ environment processes
+def hosted_environment(actor_cls: type, cfg: Any) -> Any:
+    """`actor_cls(cfg)` built in a reusable process: an idle one left by an earlier environment
+    when there is one, else a new `WorkerHost` reserving no CPU. Returns the `HostedWorker` that
+    stands for the environment's actor handle (`handle.step.remote(...)`). Its construction is not
+    waited for: a constructor that raised is reported by the first call."""
+    from posttrain.distributed.worker_host import HostedWorker, HostPool, remote_host_class
+
+    global _environment_hosts
+    with _lock:
+        if _environment_hosts is None or _environment_hosts.closed:
+            _environment_hosts = HostPool()
+        pool = _environment_hosts
+    host = _take_live(pool) or remote_host_class().options(**_ENVIRONMENT_RESOURCES).remote()
+    environment = HostedWorker(host, None, _ENVIRONMENT_RESOURCES)
+    # Positional, as Ray's `actor_cls.remote(cfg)` passes it: an environment names its argument as it likes.
+    environment.construct(functools.partial(actor_cls, cfg), {}, {})
+    return environment
+
+
+def _take_live(pool: Any) -> Optional[Any]:
+    """An idle host of `pool` that Ray knows as alive (one of a Ray that was restarted meanwhile is
+    unknown to the new one, and dropped)."""
+    import ray._private.state as ray_state
+
+    while (host := pool.take(None, _ENVIRONMENT_RESOURCES)) is not None:
+        if (ray_state.actors(actor_id=host._actor_id.hex()) or {}).get("State") == "ALIVE":
+            return host
+    return None
+
+
+def keep_environment_process(environment: Any, timeout_s: float) -> bool:
+    """Keep the process of `environment` (a `HostedWorker` whose `shutdown` returned) for the next
+    environments, once it has freed the environment object; False when it must be killed instead:
+    not a hosted environment, reuse is off, enough processes wait already, or the object stayed
+    referenced (a thread of it still runs, say)."""
+    from posttrain.distributed.worker_host import HostedWorker
+
+    pool = _environment_hosts
+    if not _enabled or pool is None or not isinstance(environment, HostedWorker) or environment.bundle is not None:
+        return False
+    if pool.count(None) >= MAX_IDLE_ENVIRONMENT_PROCESSES:
+        return False
+    return pool.take_back([environment], [], timeout_s)
+
+
+def release_environment_processes() -> int:
+    """End every idle environment process; how many."""
+    global _environment_hosts
+    with _lock:
+        pool, _environment_hosts = _environment_hosts, None
+    if pool is None:
+        return 0
+    count = pool.count(None)
+    pool.close()
+    return count
+
+
+def idle_environment_processes() -> int:
+    """Environment processes waiting for the next environments."""
+    pool = _environment_hosts
+    return 0 if pool is None else pool.count(None)

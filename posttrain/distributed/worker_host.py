@@ -31,7 +31,12 @@ import gc
 import os
 import threading
 import weakref
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+
+class ConstructorFailedError(RuntimeError):
+    """A call reached a `WorkerHost` whose member's constructor had raised (that error is its
+    cause): the member never existed, as a Ray actor whose constructor raised is dead."""
 
 
 class WorkerHost:
@@ -41,12 +46,14 @@ class WorkerHost:
 
     def __init__(self) -> None:
         self._worker: Any = None
+        self._construct_error: Optional[BaseException] = None  # the last member's constructor raised this
         self._environ_before: Optional[dict[str, str]] = None
         self._fresh_rng: Any = None  # torch's global RNG state as a fresh process has it
 
-    def construct(self, cls: type, kwargs: Mapping[str, Any], env: Mapping[str, str]) -> None:
-        """Build `cls(**kwargs)` with `env` put into `os.environ` first (where `DistributedWorker`
-        and torch.distributed read a member's rank and rendezvous)."""
+    def construct(self, cls: Callable[..., Any], kwargs: Mapping[str, Any], env: Mapping[str, str]) -> None:
+        """Build `cls(**kwargs)` (a class, or any callable that builds the member) with `env` put
+        into `os.environ` first (where `DistributedWorker` and torch.distributed read a member's
+        rank and rendezvous)."""
         import torch
 
         from posttrain.utils import startup_gc
@@ -59,13 +66,24 @@ class WorkerHost:
         torch.set_rng_state(self._fresh_rng)  # whatever draws without a seed sees what a new process would
         self._environ_before = dict(os.environ)
         os.environ.update(env)
-        self._worker = cls(**kwargs)
+        self._construct_error = None
+        try:
+            self._worker = cls(**kwargs)
+        except BaseException as error:
+            # Kept for the calls that follow: a caller that does not wait for `construct` (an
+            # environment's first step) sees the constructor's own error, not "no worker here".
+            self._construct_error = error
+            raise
 
     def call(self, method_name: str, /, *args: Any, **kwargs: Any) -> Any:
         """`worker.method_name(*args, **kwargs)` (positional-only name: a method may take a
         keyword argument `method_name`)."""
         if self._worker is None:
-            raise RuntimeError(f"no worker here to run {method_name} (its constructor failed, or it was released)")
+            if self._construct_error is not None:
+                raise ConstructorFailedError(f"cannot run {method_name}: the constructor raised "
+                                   f"{type(self._construct_error).__name__}: {self._construct_error}") \
+                    from self._construct_error
+            raise RuntimeError(f"no worker here to run {method_name} (it was released)")
         return getattr(self._worker, method_name)(*args, **kwargs)
 
     def release(self) -> bool:
@@ -120,9 +138,11 @@ class HostedWorker:
     `actors.actor_id` and `actors.actor_death` act on the host, whose actor id is also the one
     the member beats under (`heartbeat.py`)."""
 
-    def __init__(self, host: Any, bundle: int, resources: Mapping[str, float]) -> None:
+    def __init__(self, host: Any, bundle: Optional[int], resources: Mapping[str, float]) -> None:
         self.host = host
-        self.bundle = bundle  # the cluster's bundle index (rank order), its place in the pool
+        # The cluster's bundle index (rank order), its place in the pool; None for a process in no
+        # placement group (an environment actor's, `cluster_reuse.hosted_environment`).
+        self.bundle = bundle
         self.resources = dict(resources)
 
     def construct(self, cls: type, kwargs: Mapping[str, Any], env: Mapping[str, str]) -> Any:
@@ -137,7 +157,7 @@ class HostedWorker:
         return f"HostedWorker(bundle {self.bundle}, actor {self.host._actor_id.hex()})"
 
 
-def _pool_key(bundle: int, resources: Mapping[str, float]) -> tuple:
+def _pool_key(bundle: Optional[int], resources: Mapping[str, float]) -> tuple:
     return bundle, tuple(sorted(resources.items()))
 
 
@@ -151,7 +171,7 @@ class HostPool:
         self._lock = threading.Lock()
         self.closed = False  # its cluster was shut down: nothing waits any more
 
-    def take(self, bundle: int, resources: Mapping[str, float]) -> Optional[Any]:
+    def take(self, bundle: Optional[int], resources: Mapping[str, float]) -> Optional[Any]:
         """An idle live host on `bundle` holding `resources` (None when there is none)."""
         from posttrain.distributed import actors
 
@@ -187,7 +207,7 @@ class HostPool:
                 self._idle.setdefault(_pool_key(worker.bundle, worker.resources), []).append(worker.host)
         return True
 
-    def count(self, bundle: int, resources: Optional[Mapping[str, float]] = None) -> int:
+    def count(self, bundle: Optional[int], resources: Optional[Mapping[str, float]] = None) -> int:
         """Idle hosts on `bundle` (holding `resources`; default None: any)."""
         with self._lock:
             return sum(len(hosts) for key, hosts in self._idle.items()

@@ -113,7 +113,9 @@ def create_env(
             Defaults to True.
         num_cpus: Ray CPUs the actor reserves. Defaults to 0 so the actor always schedules
             beside placement groups that reserve every CPU for policy / generation workers;
-            environment work is light and its verifier processes are not Ray tasks anyway.
+            environment work is light and its verifier processes are not Ray tasks anyway. With
+            0 and `reuse_clusters()` on, the actor lives in a reusable process (an earlier
+            environment's, when one is idle; `cluster_reuse.hosted_environment`).
         cls: the environment class (default None: the one registered as `name`; see `resolve_env`).
         backend: "ray" (default: a Ray actor, its own process) or "local" (a `LocalActor`: a
             thread of this process; `cluster.backend: local`).
@@ -127,7 +129,12 @@ def create_env(
         return actors.LocalActor(cls, (cfg,), name=f"env-{name}")
     import ray
 
-    return ray.remote(num_cpus=num_cpus)(_actor_class(cls, beat_period_s)).remote(cfg)
+    from posttrain.distributed import cluster_reuse
+
+    actor_cls = _actor_class(cls, beat_period_s)
+    if num_cpus == 0 and cluster_reuse.reusing():
+        return cluster_reuse.hosted_environment(actor_cls, cfg)
+    return ray.remote(num_cpus=num_cpus)(actor_cls).remote(cfg)
 
 
 def _actor_class(cls: type, beat_period_s: float) -> type:
@@ -410,7 +417,12 @@ class EnvRouter:
         return route_step(self.envs, message_logs, metadata, task_names)
 
     def shutdown(self) -> None:
-        """Shut every environment down (and kill actors); one serving several tasks once."""
+        """Shut every environment down and end its actor (or, for one in a reusable process that
+        shut down cleanly, leave the process to the next environments: `cluster_reuse.py`); one
+        serving several tasks once."""
+        from posttrain.distributed import cluster_reuse
+        from posttrain.distributed.worker_host import ConstructorFailedError
+
         unique: list[Any] = []
         for env in self.envs.values():
             if not any(env is seen for seen in unique):
@@ -418,13 +430,18 @@ class EnvRouter:
         for env in unique:
             if _is_plain_instance(env):
                 env.shutdown()
-            else:
-                try:  # a wedged environment must not wedge the shutdown: it is killed regardless
-                    actors.get(env.shutdown.remote(), timeout=ENV_SHUTDOWN_TIMEOUT_S)
-                except Exception as error:
-                    if not (actors.is_get_timeout(error) or actors.is_actor_death(error)):
-                        raise
-                finally:
+                continue
+            clean = False
+            try:  # a wedged environment must not wedge the shutdown: it is killed regardless
+                actors.get(env.shutdown.remote(), timeout=ENV_SHUTDOWN_TIMEOUT_S)
+                clean = True
+            except Exception as error:
+                # Dead, wedged, or never built (its constructor raised): nothing to shut down.
+                if not (actors.is_get_timeout(error) or actors.is_actor_death(error)
+                        or isinstance(error, ConstructorFailedError)):
+                    raise
+            finally:
+                if not (clean and cluster_reuse.keep_environment_process(env, ENV_SHUTDOWN_TIMEOUT_S)):
                     actors.kill(env)
 
 

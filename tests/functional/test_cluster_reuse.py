@@ -1,20 +1,28 @@
 """Jobs of one process taking over each other's clusters (`cluster_reuse.py`): a finished job's
 cluster and idle worker processes serve the next job of the same shape, which then trains exactly
-as in new processes; anything else asking for resources releases what is parked.
+as in new processes; anything else asking for resources releases what is parked. Environment
+actors' processes serve the next environments, of any class.
 
 The session's Ray reuses clusters (tests/conftest.py), so other modules' jobs may have parked
 some: each test asserts only on clusters and processes it made itself."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import ray
+import torch
 from test_grpo import _comparable, read_metrics, small_cfg
 
 from posttrain.distributed import actors, cluster_reuse
 from posttrain.distributed.cluster import VirtualCluster
 from posttrain.distributed.worker_group import DistributedWorker, WorkerGroup
+from posttrain.distributed.worker_host import ConstructorFailedError
+from posttrain.environments import EnvRouter, Environment, EnvironmentReturn, create_env
+from posttrain.environments.math_env import MathEnvConfig
 
 pytestmark = pytest.mark.functional
 
@@ -106,3 +114,98 @@ def test_with_reuse_off_a_jobs_cluster_is_released(ray_cluster):
         assert not cluster.reservation_stands()
     finally:
         cluster_reuse.reuse_clusters(True)
+
+
+# ------------------------------------------------------------------ environment processes
+class _Recorder(Environment):
+    """Rewards each answer with the number of objects of its own class alive in its process."""
+
+    def __init__(self, cfg=None):
+        self.closed = False
+
+    def step(self, message_logs, metadata):
+        import gc
+
+        n = len(message_logs)
+        alive = sum(isinstance(obj, _Recorder) for obj in gc.get_objects())
+        return EnvironmentReturn(observations=[{"role": "environment", "content": ""}] * n, metadata=list(metadata),
+                                 next_stop_strings=[None] * n, rewards=torch.full((n,), float(alive)),
+                                 terminateds=torch.ones(n, dtype=torch.bool), answers=[None] * n)
+
+
+class _BrokenConfig(_Recorder):
+    def __init__(self, cfg=None):
+        raise ValueError("env.broken.level: must be positive (got -1)")
+
+
+class _Lingering(_Recorder):
+    """Keeps a thread that holds it after its shutdown: its object is never freed."""
+
+    def __init__(self, cfg=None):
+        super().__init__(cfg)
+        self.stop = threading.Event()
+        threading.Thread(target=lambda: self.stop.wait(600), daemon=True).start()
+
+
+def _step(env) -> float:
+    router = EnvRouter({"task": env})
+    return float(router.step([[{"role": "assistant", "content": "x"}]], [{}], ["task"]).rewards[0])
+
+
+def test_an_environment_that_shut_down_leaves_its_process_to_the_next_environment_of_any_class(ray_cluster):
+    cluster_reuse.release_environment_processes()  # other modules' jobs may have left some
+    math = create_env("math", MathEnvConfig())
+    process = actors.actor_id(math)
+    router = EnvRouter({"math": math})
+    right = router.step([[{"role": "assistant", "content": "\\boxed{2}"}]], [{"ground_truth": "2"}], ["math"])
+    assert right.rewards.tolist() == [1.0]
+    router.shutdown()
+    assert cluster_reuse.idle_environment_processes() == 1
+
+    # Another class in the same process, with nothing of the math environment left in it.
+    recorder = create_env("recorder", cls=_Recorder)
+    assert actors.actor_id(recorder) == process and cluster_reuse.idle_environment_processes() == 0
+    assert _step(recorder) == 1.0
+    host = actors.ray_handle(recorder)
+    assert ray.get(host.__ray_call__.remote(lambda h: repr(h))) == "WorkerHost(_Recorder)"
+
+    # A constructor that raised: the first step says why; the shutdown ends its process, keeps none.
+    broken = create_env("broken", cls=_BrokenConfig)
+    assert actors.actor_id(broken) != process
+    with pytest.raises(ConstructorFailedError, match=r"constructor raised ValueError: env\.broken\.level: must be positive"):
+        _step(broken)
+    EnvRouter({"broken": broken}).shutdown()
+    assert cluster_reuse.idle_environment_processes() == 0
+
+    # An environment its shutdown does not free (a thread still holds it) takes its process with it.
+    EnvRouter({"recorder": recorder}).shutdown()
+    assert cluster_reuse.idle_environment_processes() == 1
+    lingering = create_env("lingering", cls=_Lingering)
+    assert actors.actor_id(lingering) == process and _step(lingering) == 1.0
+    EnvRouter({"lingering": lingering}).shutdown()
+    assert cluster_reuse.idle_environment_processes() == 0
+    _wait_for_death(lingering)
+
+    # One that reserves CPUs is an actor of its own; turning reuse off ends the idle processes.
+    reserving = create_env("cpu", cls=_Recorder, num_cpus=0.5)
+    assert isinstance(reserving, ray.actor.ActorHandle)
+    EnvRouter({"cpu": reserving}).shutdown()
+    kept = create_env("recorder", cls=_Recorder)
+    EnvRouter({"recorder": kept}).shutdown()
+    assert cluster_reuse.idle_environment_processes() == 1
+    cluster_reuse.reuse_clusters(False)
+    try:
+        assert cluster_reuse.idle_environment_processes() == 0
+        _wait_for_death(kept)
+        plain = create_env("recorder", cls=_Recorder)
+        assert isinstance(plain, ray.actor.ActorHandle)
+        EnvRouter({"recorder": plain}).shutdown()
+    finally:
+        cluster_reuse.reuse_clusters(True)
+
+
+def _wait_for_death(env, deadline_s: float = 120.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while actors.actor_death(env) is None:
+        assert time.monotonic() < deadline, f"{env} still alive"
+        time.sleep(0.2)

@@ -71,7 +71,7 @@ class ScriptedGeneration:
 def test_scripted_moves_give_chat_turns_masks_and_rewards(ray_cluster):
     from posttrain.data.message_log import flatten_message_logs
     from posttrain.data.processors import build_prompt_message_log
-    from posttrain.environments.registry import create_env
+    from posttrain.environments.registry import EnvRouter, create_env
     from posttrain.environments.sliding_puzzle_env import instructions
     from posttrain.environments.tools.tool_env import ToolEnvironment
     from posttrain.models.tiny import build_tokenizer
@@ -101,10 +101,7 @@ def test_scripted_moves_give_chat_turns_masks_and_rewards(ray_cluster):
     try:
         result = run_multi_turn_rollout(generation, datums, tokenizer, envs, max_seq_len=2048, max_rollout_turns=4)
     finally:
-        for env in envs.values():
-            import ray
-
-            ray.kill(env)
+        EnvRouter(envs).shutdown()
     assert result.rewards.tolist() == [1.0, 0.0, 1.0]
     assert result.answers[2] == "42"
     assert result.metrics["avg_turns_per_sample"] == (3 + 4 + 2) / 3

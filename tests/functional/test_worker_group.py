@@ -19,7 +19,7 @@ from posttrain.distributed.cluster import ClusterError, VirtualCluster
 from posttrain.distributed.progress import ProgressLimits
 from posttrain.distributed.worker_group import DistributedWorker, WorkerError, WorkerGroup, WorkerTimeoutError
 from posttrain.environments.interface import Environment, EnvironmentReturn
-from posttrain.environments.registry import EnvironmentActors, create_env, launch_step
+from posttrain.environments.registry import EnvironmentActors, EnvRouter, create_env, launch_step
 
 # The timeout is a hang guard, not a speed test: beside two CPU hogs this module ran 4-6x its quiet time.
 pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
@@ -347,5 +347,4 @@ def test_an_environment_step_that_makes_no_progress_is_named_with_where_it_is_st
         envs.restart("stall")  # what a run's recovery does with it
         assert launch_step(envs, logs, [{}], ["stall"]).result().rewards.tolist() == [1.0]
     finally:
-        for handle in envs.by_name().values():
-            ray.kill(handle)
+        EnvRouter(envs).shutdown()

@@ -7,6 +7,7 @@ import pytest
 import ray
 import torch
 
+from posttrain.distributed import actors
 from posttrain.environments import (
     ENV_REGISTRY,
     Environment,
@@ -263,7 +264,8 @@ def test_math_env_as_ray_actor_routed_with_a_local_env(ray_cluster):
         # Its process deferred full collections while it imported, until the actor was built.
         from posttrain.utils import startup_gc
 
-        collector = ray.get(actor.__ray_call__.remote(lambda _env: startup_gc.state()))
+        process = actors.ray_handle(actor)  # its process's own actor (a reusable one's, under reuse)
+        collector = ray.get(process.__ray_call__.remote(lambda _actor: startup_gc.state()))
         assert not collector["deferring"] and collector["frozen"] > 1000
     finally:
         router.shutdown()
