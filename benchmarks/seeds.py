@@ -24,7 +24,7 @@ distill, distill_xtok (the cross-tokenizer distillation example), api (the READM
 example, from scratch), cispo and grpo_two_steps (CISPO's example and GRPO's clip with the same
 two optimizer steps per step: docs/algorithms.md), lora and grpo_v1 (LoRA adapters only,
 against the full weights of the config it extends), grpo_async (async GRPO against grpo_v1),
-main_vllm (the embedded default with vLLM generating), length_penalty (the embedded default with Kimi
+main_vllm and vl_vllm (the embedded default and the vision example with vLLM generating), length_penalty (the embedded default with Kimi
 k1.5's length penalty), sft and sft_muon (`posttrain sft`'s embedded default with AdamW and with
 Muon), recipe (the nemotron_mini recipe, about 33 minutes a seed on 2 AVX-512
 cores, 47 under AVX2 kernels), and the three variants of the gemma3_base recipe (RL from a base model,
@@ -132,6 +132,8 @@ SHOWCASES = {
     # The embedded default with vLLM generating (docs/generation.md) against "main". Give it a
     # --cache to keep: the first run builds vLLM's isolated environment there (minutes).
     "main_vllm": Showcase("grpo", overrides=("policy.generation.backend=vllm",)),
+    # The vision example with vLLM generating from the images (docs/vision.md), against "vl".
+    "vl_vllm": Showcase("grpo", "examples/configs/grpo_vl_tiny.yaml", overrides=("policy.generation.backend=vllm",)),
     # The length penalty (docs/algorithms.md) on the embedded default, against "main" (same seeds,
     # a shared --cache, --train-metric train/mean_gen_tokens_per_sample).
     "length_penalty": Showcase("grpo", overrides=("reward_shaping.length_penalty.enabled=true",

@@ -57,7 +57,8 @@ def test_summary_is_mean_sample_sd_min_max(seeds):
 
 
 @pytest.mark.parametrize("name", ["main", "vl", "custom", "ppo", "ppo_async", "dpo", "rm", "distill", "distill_xtok",
-                                  "cispo", "grpo_two_steps", "reasoning_gym", "lora", "grpo_v1", "grpo_async", "main_vllm", "length_penalty", "sft", "sft_muon",
+                                  "cispo", "grpo_two_steps", "reasoning_gym", "lora", "grpo_v1", "grpo_async", "main_vllm", "vl_vllm",
+                                  "length_penalty", "sft", "sft_muon",
                                   "recipe", "gemma_base", "gemma_sft", "gemma_smollm2"])
 def test_every_showcase_command_takes_the_seed(seeds, name, tmp_path):
     showcase = seeds.SHOWCASES[name]
@@ -83,8 +84,10 @@ def test_every_showcase_command_takes_the_seed(seeds, name, tmp_path):
         assert cfg.reward_shaping.length_penalty.enabled and cfg.reward_shaping.length_penalty.weight == 0.5
     if name == "grpo_async":
         assert cfg.grpo.async_grpo.enabled and not cfg.policy.generation.colocated.enabled
-    if name == "main_vllm":
+    if name in ("main_vllm", "vl_vllm"):
         assert cfg.policy.generation.backend == "vllm"
+    if name == "vl_vllm":
+        assert cfg.policy.model_name == "tiny-vl"
 
 
 def test_a_keep_directory_holding_a_seed_is_refused_before_any_run(tmp_path):
