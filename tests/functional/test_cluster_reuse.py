@@ -21,7 +21,7 @@ from posttrain.distributed import actors, cluster_reuse
 from posttrain.distributed.cluster import VirtualCluster
 from posttrain.distributed.worker_group import DistributedWorker, WorkerGroup
 from posttrain.distributed.worker_host import ConstructorFailedError
-from posttrain.environments import EnvRouter, Environment, EnvironmentReturn, create_env
+from posttrain.environments import EnvRouter, Environment, EnvironmentReturn, create_env, registry
 from posttrain.environments.math_env import MathEnvConfig
 
 pytestmark = pytest.mark.functional
@@ -152,7 +152,9 @@ def _step(env) -> float:
     return float(router.step([[{"role": "assistant", "content": "x"}]], [{}], ["task"]).rewards[0])
 
 
-def test_an_environment_that_shut_down_leaves_its_process_to_the_next_environment_of_any_class(ray_cluster):
+def test_an_environment_that_shut_down_leaves_its_process_to_the_next_environment_of_any_class(ray_cluster, monkeypatch):
+    # A busy machine must not turn a clean shutdown into a kill: the 5 s clean-up bound is not under test.
+    monkeypatch.setattr(registry, "ENV_SHUTDOWN_TIMEOUT_S", 120.0)
     cluster_reuse.release_environment_processes()  # other modules' jobs may have left some
     math = create_env("math", MathEnvConfig())
     process = actors.actor_id(math)
@@ -191,6 +193,7 @@ def test_an_environment_that_shut_down_leaves_its_process_to_the_next_environmen
     assert isinstance(reserving, ray.actor.ActorHandle)
     EnvRouter({"cpu": reserving}).shutdown()
     kept = create_env("recorder", cls=_Recorder)
+    assert _step(kept) == 1.0  # built: a new process, as the last one was ended
     EnvRouter({"recorder": kept}).shutdown()
     assert cluster_reuse.idle_environment_processes() == 1
     cluster_reuse.reuse_clusters(False)
