@@ -98,9 +98,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 # For the simulated multi-node clusters (`_system_config` of the head): Ray declares a lost node
-# dead once its health checks fail, within seconds here rather than half a minute.
-FAST_HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_timeout_ms": 1000,
-                      "health_check_failure_threshold": 3}
+# dead once its health checks fail. A killed node refuses them at once (dead in about 5 s here
+# rather than half a minute); a live one starved of CPU on a busy 2-core host may answer late, so
+# each check waits 5 s and it takes 5 failures in a row.
+FAST_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 5000,
+                      "health_check_failure_threshold": 5}
 
 
 def start_test_ray() -> None:

@@ -380,7 +380,9 @@ class VirtualCluster:
             return _address_and_free_port()
         pg, bundle_index = self.bundle_locations()[bundle]
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index)
-        return ray.get(_address_and_free_port_on_node.options(scheduling_strategy=strategy).remote(), timeout=60)
+        # As long as a placement may take: the task may wait for a worker process to start there.
+        return ray.get(_address_and_free_port_on_node.options(scheduling_strategy=strategy).remote(),
+                       timeout=max(self.placement_timeout_s, 60.0))
 
     def group_started(self, group: Any) -> None:
         """`group` (a `WorkerGroup`) places workers on this cluster's bundles until `group_ended`."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence
 
 from posttrain.distributed import actors, collective, heartbeat, progress
 from posttrain.distributed.actors import LocalCluster
@@ -564,10 +564,12 @@ class WorkerGroup:
         return f"rank {rank} ({method}, node {self.node_ips[rank]}, actor {actor_id})"
 
     # ------------------------------------------------------------------ teardown
-    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
-        """Ask workers to leave the process group (waiting up to `timeout_s`, default 5.0), then kill
-        them; or, when their processes are reused (`worker_host.py`) and every member left in time
-        and the group saw no failure, give the processes back to the cluster. Idempotent."""
+    def shutdown(self, timeout_s: Optional[float] = None) -> None:
+        """Ask workers to leave the process group (waiting up to `timeout_s`, default
+        `SHUTDOWN_TIMEOUT_S`: 5.0), then kill them; or, when their processes are reused
+        (`worker_host.py`) and every member left in time and the group saw no failure, give the
+        processes back to the cluster. Idempotent."""
+        timeout_s = SHUTDOWN_TIMEOUT_S if timeout_s is None else timeout_s
         if not self.is_local:
             self.cluster.group_ended(self)
         if not self.workers:

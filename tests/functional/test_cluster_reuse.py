@@ -17,7 +17,7 @@ import ray
 import torch
 from test_grpo import _comparable, read_metrics, small_cfg
 
-from posttrain.distributed import actors, cluster_reuse
+from posttrain.distributed import actors, cluster_reuse, worker_group
 from posttrain.distributed.cluster import VirtualCluster
 from posttrain.distributed.worker_group import DistributedWorker, WorkerGroup
 from posttrain.distributed.worker_host import ConstructorFailedError
@@ -25,6 +25,14 @@ from posttrain.environments import EnvRouter, Environment, EnvironmentReturn, cr
 from posttrain.environments.math_env import MathEnvConfig
 
 pytestmark = pytest.mark.functional
+
+
+@pytest.fixture(autouse=True)
+def patient_shutdowns(monkeypatch):
+    """Processes are given back only after a clean shutdown within its bound (5 s): a busy machine
+    must not turn one into a kill, since the tests here assert the processes came back."""
+    monkeypatch.setattr(worker_group, "SHUTDOWN_TIMEOUT_S", 120.0)
+    monkeypatch.setattr(registry, "ENV_SHUTDOWN_TIMEOUT_S", 120.0)
 
 
 def _run_grpo(tmp_path: Path, *extra: str) -> tuple[list[str], list[VirtualCluster]]:
@@ -152,9 +160,7 @@ def _step(env) -> float:
     return float(router.step([[{"role": "assistant", "content": "x"}]], [{}], ["task"]).rewards[0])
 
 
-def test_an_environment_that_shut_down_leaves_its_process_to_the_next_environment_of_any_class(ray_cluster, monkeypatch):
-    # A busy machine must not turn a clean shutdown into a kill: the 5 s clean-up bound is not under test.
-    monkeypatch.setattr(registry, "ENV_SHUTDOWN_TIMEOUT_S", 120.0)
+def test_an_environment_that_shut_down_leaves_its_process_to_the_next_environment_of_any_class(ray_cluster):
     cluster_reuse.release_environment_processes()  # other modules' jobs may have left some
     math = create_env("math", MathEnvConfig())
     process = actors.actor_id(math)

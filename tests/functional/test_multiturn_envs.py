@@ -179,7 +179,7 @@ env:
   sliding_puzzle: {{size: 2, shuffle_moves: 3, max_moves: 3}}
   tools: {{tools: [calculator], max_tool_calls: 2, math: {{answer_format: last_number}}}}
   textarena: {{game: GuessTheNumber-v0}}
-  http: {{servers: {{calc: URL}}, timeout_s: 10, retries: 1}}
+  http: {{servers: {{calc: URL}}, timeout_s: 120, retries: 1}}
   reward_model: {{model_path: RM_DIR}}
   judge: {{judge_model: tiny, mode: pairwise, comparison_strategy: circular, max_new_tokens: 4}}
 logger:

@@ -138,8 +138,11 @@ def test_past_max_restarts_the_run_stops_in_one_line_and_resumes_from_its_checkp
 
 
 def test_a_collective_stuck_with_live_peers_and_a_wedged_environment_are_found_and_recovered(
-        ray_cluster, tmp_path, capfd):
+        ray_cluster, tmp_path, capfd, monkeypatch):
     from posttrain.algorithms import grpo
+    from posttrain.distributed import progress
+
+    monkeypatch.setattr(progress, "STACK_WAIT_S", 600.0)  # the stacks come within a beat: a guard, not a wait
 
     # Two policy workers (one FSDP group) and one generation worker of its own (how many engines
     # is not what this test is about: one fewer process to start): one environment call a step.
@@ -157,6 +160,7 @@ def test_a_collective_stuck_with_live_peers_and_a_wedged_environment_are_found_a
         "policy.generation.colocated.num_workers=1",
         f"loss_fn.name={PLUGIN_LOSSES}:StallOnceLoss", f"loss_fn.kwargs.stall_flag={flag}",
         "grpo.max_num_steps=3", "cluster.progress_timeout_s.train=15", "cluster.progress_timeout_s.env_step=15",
+        "cluster.max_restarts=5",  # room for a normal call that a busy machine made overrun its bound
         *kills(tmp_path, f"2:touch:{flag};4:hang")])
     ctx = grpo.setup(cfg)
     try:
@@ -247,7 +251,7 @@ def test_a_ppo_run_survives_a_segfaulted_policy_worker_and_a_frozen_generation_w
     cfg = load_config("ppo", overrides=[
         *SMALL, *RECOVERY, f"logger.log_dir={tmp_path}/logs", f"checkpointing.checkpoint_dir={tmp_path}/ckpt",
         "grpo.max_num_steps=5", "checkpointing.save_period=2", "critic.warmup_steps=0",
-        "cluster.heartbeat_timeout_s=10",
+        "cluster.heartbeat_timeout_s=20",  # short, as the frozen worker is found by it; no healthy beat is that late
         *kills(tmp_path, f"3:{pids['policy']}:SEGV;5:{pids['generation']}:STOP")])
     ctx = ppo.setup(cfg)
 

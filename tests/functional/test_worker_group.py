@@ -157,7 +157,9 @@ def test_a_frozen_or_stuck_worker_is_named_and_the_group_restarts(ray_cluster, m
     # The stacks come within a beat or two; waiting up to 10 minutes only guards against a busy machine.
     monkeypatch.setattr(progress, "STACK_WAIT_S", 600.0)
     cluster = VirtualCluster([2], name="frozen")
-    group = WorkerGroup(cluster, EchoWorker, name="frozen", heartbeat_timeout_s=2.0,
+    # The heartbeat's bound is long enough that a healthy member's beat is never late on a busy
+    # machine (a false "stopped answering" would hide the stuck call's "no progress" below).
+    group = WorkerGroup(cluster, EchoWorker, name="frozen", heartbeat_timeout_s=10.0,
                         progress_limits=ProgressLimits({"stall_in_sleep": 2.0}))
     try:
         pids = group.run_all("pid")

@@ -79,15 +79,17 @@ def test_kill_fails_queued_and_later_calls():
 
 def test_wait_and_get_time_out_like_rays():
     actor = actors.LocalActor(Counter)
-    slow, fast = actor.add.remote(1, delay=0.5), None
+    started, release = threading.Event(), threading.Event()
+    slow = actor.hold.remote(started, release)  # in progress until released, however slow the machine
     ready, waiting = actors.wait([slow], num_returns=1, timeout=0.05)
     assert ready == [] and waiting == [slow]
     with pytest.raises(actors.GetTimeoutError) as caught:
         actors.get(slow, timeout=0.05)
     assert actors.is_get_timeout(caught.value)
-    fast = actor.add.remote(1)
+    fast = actor.add.remote(1)  # queued behind the held call
+    release.set()
     ready, waiting = actors.wait([fast, slow], num_returns=2, timeout=120)
-    assert ready == [fast, slow] and waiting == [] and actors.get(fast) == 2
+    assert ready == [fast, slow] and waiting == [] and actors.get(fast) == 1 and actors.get(slow) == "held"
     actor.kill()
 
 

@@ -187,7 +187,7 @@ def test_code_extraction_and_test_parsing():
 
 @pytest.mark.skipif(mode_problem("bwrap") is not None and mode_problem("unshare") is not None, reason="no sandbox")
 def test_code_grading_styles_and_rewards():
-    cfg = CodeEnvConfig(timeout_s=3.0)
+    cfg = CodeEnvConfig(timeout_s=60.0)  # only correct-or-wrong programs here: no limit is meant to fire
     mode = "bwrap" if mode_problem("bwrap") is None else "unshare"
     inputs, outputs = ["1 2", "5 5", "0 3"], ["3", "10", "3"]
     assert grade("a, b = map(int, input().split())\nprint(a + b)", inputs, outputs, None, cfg, mode) == (3, 3, "")
@@ -209,7 +209,7 @@ def test_shipped_code_tasks_reference_solutions_pass_and_wrong_ones_fail():
 
     rows = load_jsonl(Path(__file__).resolve().parents[2] / "examples/data/code_tasks.jsonl")
     assert len(rows) >= 10 and any("fn_name" in r for r in rows) and any("fn_name" not in r for r in rows)
-    env = CodeEnvironment({"timeout_s": 5.0})
+    env = CodeEnvironment({"timeout_s": 60.0})  # right and wrong programs, none meant to run out of time
     try:
         metadata = [env_metadata(r) for r in rows]
         assert rewards(env, [r["answer"] for r in rows], metadata) == [1.0] * len(rows)
