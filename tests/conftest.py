@@ -105,6 +105,19 @@ FAST_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms":
                       "health_check_failure_threshold": 5}
 
 
+
+@pytest.fixture
+def patient_shutdowns(monkeypatch):
+    """Clean shutdowns bounded by 120 s instead of 5 s (`worker_group.SHUTDOWN_TIMEOUT_S`,
+    `registry.ENV_SHUTDOWN_TIMEOUT_S`): processes are given back for reuse only after a clean
+    shutdown within the bound, and a busy machine must not turn one into a kill where a test asserts
+    that the processes came back."""
+    from posttrain.distributed import worker_group
+    from posttrain.environments import registry
+
+    monkeypatch.setattr(worker_group, "SHUTDOWN_TIMEOUT_S", 120.0)
+    monkeypatch.setattr(registry, "ENV_SHUTDOWN_TIMEOUT_S", 120.0)
+
 def start_test_ray() -> None:
     """Start (or reuse) the session's local Ray cluster. Jobs run in this process hand their
     clusters and idle worker processes on to the next job of the same shape (`cluster_reuse.py`):

@@ -17,22 +17,14 @@ import ray
 import torch
 from test_grpo import _comparable, read_metrics, small_cfg
 
-from posttrain.distributed import actors, cluster_reuse, worker_group
+from posttrain.distributed import actors, cluster_reuse
 from posttrain.distributed.cluster import VirtualCluster
 from posttrain.distributed.worker_group import DistributedWorker, WorkerGroup
 from posttrain.distributed.worker_host import ConstructorFailedError
-from posttrain.environments import EnvRouter, Environment, EnvironmentReturn, create_env, registry
+from posttrain.environments import EnvRouter, Environment, EnvironmentReturn, create_env
 from posttrain.environments.math_env import MathEnvConfig
 
-pytestmark = pytest.mark.functional
-
-
-@pytest.fixture(autouse=True)
-def patient_shutdowns(monkeypatch):
-    """Processes are given back only after a clean shutdown within its bound (5 s): a busy machine
-    must not turn one into a kill, since the tests here assert the processes came back."""
-    monkeypatch.setattr(worker_group, "SHUTDOWN_TIMEOUT_S", 120.0)
-    monkeypatch.setattr(registry, "ENV_SHUTDOWN_TIMEOUT_S", 120.0)
+pytestmark = [pytest.mark.functional, pytest.mark.usefixtures("patient_shutdowns")]  # conftest.py
 
 
 def _run_grpo(tmp_path: Path, *extra: str) -> tuple[list[str], list[VirtualCluster]]:

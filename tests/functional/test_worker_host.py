@@ -15,14 +15,14 @@ import time
 import pytest
 import torch
 
-from posttrain.distributed import actors, progress, worker_group
+from posttrain.distributed import actors, progress
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.cluster import VirtualCluster
 from posttrain.distributed.worker_group import DistributedWorker, WorkerError, WorkerGroup, WorkerTimeoutError
 from posttrain.distributed.worker_host import HostedWorker
 from posttrain.utils import startup_gc
 
-pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200), pytest.mark.usefixtures("patient_shutdowns")]  # conftest.py
 
 MEMBER_VAR = "POSTTRAIN_TEST_SET_BY_A_MEMBER"
 DEADLINE_S = 120.0  # hang guard for what Ray does in the background (a kill), not a speed test
@@ -78,13 +78,6 @@ class FailingInitWorker(DistributedWorker):
     def __init__(self) -> None:
         super().__init__()
         raise ValueError("model path does not exist")
-
-
-@pytest.fixture(autouse=True)
-def patient_shutdowns(monkeypatch):
-    """A clean shutdown gives processes back only if every member says goodbye and frees its worker
-    within the bound: on a busy machine 5 s may pass, and the tests here assert the processes came back."""
-    monkeypatch.setattr(worker_group, "SHUTDOWN_TIMEOUT_S", 120.0)
 
 
 @pytest.fixture(scope="module")
