@@ -146,19 +146,24 @@ def _take_live(pool: Any) -> Optional[Any]:
     return None
 
 
+def may_keep_environment_process(environment: Any) -> bool:
+    """Whether `environment`'s process could be kept at its shutdown (`keep_environment_process`):
+    a hosted environment, reuse on, and room among the idle processes."""
+    from posttrain.distributed.worker_host import HostedWorker
+
+    pool = _environment_hosts
+    return (_enabled and pool is not None and isinstance(environment, HostedWorker) and environment.bundle is None
+            and pool.count(None) < MAX_IDLE_ENVIRONMENT_PROCESSES)
+
+
 def keep_environment_process(environment: Any, timeout_s: float) -> bool:
     """Keep the process of `environment` (a `HostedWorker` whose `shutdown` returned) for the next
     environments, once it has freed the environment object; False when it must be killed instead:
     not a hosted environment, reuse is off, enough processes wait already, or the object stayed
     referenced (a thread of it still runs, say)."""
-    from posttrain.distributed.worker_host import HostedWorker
-
-    pool = _environment_hosts
-    if not _enabled or pool is None or not isinstance(environment, HostedWorker) or environment.bundle is not None:
+    if not may_keep_environment_process(environment):
         return False
-    if pool.count(None) >= MAX_IDLE_ENVIRONMENT_PROCESSES:
-        return False
-    return pool.take_back([environment], [], timeout_s)
+    return _environment_hosts.take_back([environment], [], timeout_s)
 
 
 def release_environment_processes() -> int:

@@ -144,9 +144,11 @@ class HostedWorker:
         # placement group (an environment actor's, `cluster_reuse.hosted_environment`).
         self.bundle = bundle
         self.resources = dict(resources)
+        self.construction: Any = None  # the last `construct` call's future
 
     def construct(self, cls: type, kwargs: Mapping[str, Any], env: Mapping[str, str]) -> Any:
-        return self.host.construct.remote(cls, kwargs, env)
+        self.construction = self.host.construct.remote(cls, kwargs, env)
+        return self.construction
 
     def __getattr__(self, method: str) -> _HostedMethod:
         if method.startswith("_"):

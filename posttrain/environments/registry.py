@@ -283,6 +283,10 @@ def launch_step(
 
 
 ENV_SHUTDOWN_TIMEOUT_S = 5.0  # an environment's own clean-up, at most, before its actor is killed
+# How long a shutdown waits for an environment still being built in a process it could keep for
+# the next environments (`cluster_reuse.py`): the clean-up bound above starts after that, so a
+# slow start is not taken for a wedged clean-up (the process would be killed, not kept).
+ENV_CONSTRUCTION_WAIT_S = 60.0
 ENV_GROUP_PREFIX = "env:"  # `WorkerError.group` of an environment's failure: "env:<name>"
 
 
@@ -432,6 +436,9 @@ class EnvRouter:
                 env.shutdown()
                 continue
             clean = False
+            if cluster_reuse.may_keep_environment_process(env) and not _built(env):
+                actors.kill(env)  # never built, or not in time: nothing to clean up, nothing to keep
+                continue
             try:  # a wedged environment must not wedge the shutdown: it is killed regardless
                 actors.get(env.shutdown.remote(), timeout=ENV_SHUTDOWN_TIMEOUT_S)
                 clean = True
@@ -443,6 +450,18 @@ class EnvRouter:
             finally:
                 if not (clean and cluster_reuse.keep_environment_process(env, ENV_SHUTDOWN_TIMEOUT_S)):
                     actors.kill(env)
+
+
+def _built(env: Any) -> bool:
+    """Whether hosted environment `env`'s constructor returned, waiting for it up to
+    `ENV_CONSTRUCTION_WAIT_S` (False when it raised, its process died, or it is still running)."""
+    if env.construction is None:
+        return True
+    try:
+        actors.get(env.construction, timeout=ENV_CONSTRUCTION_WAIT_S)
+        return True
+    except Exception:  # noqa: BLE001 - raised, died or wedged: the caller kills it either way
+        return False
 
 
 def env_rows_maker(env_sections: Any) -> Callable:

@@ -147,6 +147,16 @@ class _Lingering(_Recorder):
         threading.Thread(target=lambda: self.stop.wait(600), daemon=True).start()
 
 
+class _SlowStart(_Recorder):
+    """Its constructor returns once the file its config names exists (a slow start, held by the test)."""
+
+    def __init__(self, cfg=None):
+        super().__init__(cfg)
+        deadline = time.monotonic() + 300
+        while not Path(cfg).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
 def _step(env) -> float:
     router = EnvRouter({"task": env})
     return float(router.step([[{"role": "assistant", "content": "x"}]], [{}], ["task"]).rewards[0])
@@ -203,6 +213,27 @@ def test_an_environment_that_shut_down_leaves_its_process_to_the_next_environmen
         EnvRouter({"recorder": plain}).shutdown()
     finally:
         cluster_reuse.reuse_clusters(True)
+
+
+def test_an_environment_shut_down_while_it_starts_leaves_its_process_once_built(ray_cluster, tmp_path, monkeypatch):
+    """The clean-up bound counts from the end of the construction: an environment shut down before
+    its first step, while its constructor still runs, is not taken for a wedged one and killed."""
+    from posttrain.environments import registry
+
+    monkeypatch.setattr(registry, "ENV_SHUTDOWN_TIMEOUT_S", 5.0)  # the product's bound, not the module's 120 s
+    cluster_reuse.release_environment_processes()
+    started = tmp_path / "started"
+    env = create_env("slow", str(started), cls=_SlowStart)
+    shutdown = threading.Thread(target=EnvRouter({"slow": env}).shutdown)
+    shutdown.start()
+    time.sleep(registry.ENV_SHUTDOWN_TIMEOUT_S + 2)  # past the bound, measured from the shutdown's start
+    started.touch()
+    shutdown.join(timeout=300)
+    assert not shutdown.is_alive() and cluster_reuse.idle_environment_processes() == 1
+    again = create_env("recorder", cls=_Recorder)
+    assert actors.actor_id(again) == actors.actor_id(env) and _step(again) == 1.0
+    EnvRouter({"recorder": again}).shutdown()
+    assert cluster_reuse.release_environment_processes() == 1
 
 
 def _wait_for_death(env, deadline_s: float = 120.0) -> None:
