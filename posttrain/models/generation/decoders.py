@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from posttrain.models.generation.output_head import head_logits
+
 # Decoder layers computing x += o_proj(attention(input_layernorm(x))); x += mlp(post_attention_layernorm(x)),
 # where attention is q/k/v projections (Qwen3: per-head q_norm/k_norm first), the rotary embedding and
 # SDPA over grouped KV heads, with no sliding window.
@@ -413,8 +415,9 @@ class LlamaLikeDecoder:
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Next-token logits from the last layer's residual stream."""
-        return self.lm_head(self.norm(x))
+        """Next-token logits from the last layer's residual stream (the head in slices where that pays off:
+        `output_head.py`)."""
+        return head_logits(self.lm_head, self.norm(x))
 
     def _qkv(self, attention, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The layer's queries and keys `[rows, (kv_)heads, m, d]` (rotated) and values `[rows, m, kv_heads, d]`
