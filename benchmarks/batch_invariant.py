@@ -21,10 +21,10 @@ Threads: `--threads` (default 2).
 from __future__ import annotations
 
 import argparse
-import time
 
 import posttrain  # noqa: F401 - first: it sets how OpenMP threads wait before torch loads OpenMP
 import torch
+from bench_timing import best_interleaved
 from generation_135m import rollout_prompts
 
 from posttrain.distributed.batch import Batch
@@ -34,18 +34,6 @@ from posttrain.models.policy.forward import dynamic_microbatches, fixed_size_mic
 from posttrain.utils.cache import cache_dir
 
 SMOLLM2 = "smollm2-135m-instruct"
-
-
-def timed(fns: dict, repeats: int) -> tuple[dict[str, float], dict]:
-    """Each function once (warm-up), then `repeats` rounds in turn; best seconds and last results."""
-    results = {name: fn() for name, fn in fns.items()}
-    best = {name: float("inf") for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            results[name] = fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best, results
 
 
 def row_gap(first: dict, first_rows: list[int], second: dict, second_rows: list[int]) -> float:
@@ -79,7 +67,7 @@ def run_model(name: str, args) -> None:
     generate = {mode: (lambda e=engine: e.generate(input_ids, input_lengths, max_new_tokens=args.max_new_tokens,
                                                     temperature=1.0, seeds=seeds))
                 for mode, engine in engines.items()}
-    seconds, outputs = timed(generate, args.repeats)
+    seconds, outputs = best_interleaved(generate, args.repeats)
     tokens = int(outputs["batched"]["generation_lengths"].sum())
     # The same rows again, every other one, beside the rollout's rows of another seed.
     rows = list(range(0, input_ids.shape[0], 2))
@@ -107,7 +95,7 @@ def run_model(name: str, args) -> None:
     half = torch.arange(0, batch.size, 2)
     score = {mode: (lambda m=mode: trainer_logprobs(model, batch, m == "invariant", args.mb_tokens))
              for mode in ("batched", "invariant")}
-    seconds, scored = timed(score, args.repeats)
+    seconds, scored = best_interleaved(score, args.repeats)
     gaps = {}
     for mode in score:
         again = trainer_logprobs(model, batch.select(half), mode == "invariant", args.mb_tokens)

@@ -36,3 +36,16 @@ def timed(fn: Callable[[], object], repeats: int) -> tuple[float, object]:
         sync()
         best = min(best, time.perf_counter() - start)
     return best, result
+
+
+def best_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> tuple[dict[str, float], dict]:
+    """Each function once (warm-up), then `repeats` rounds calling each in turn: the best seconds of
+    each and its last result (interleaved, so a change in the machine's speed hits all alike)."""
+    results = {name: fn() for name, fn in fns.items()}
+    best = {name: float("inf") for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            results[name] = fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best, results

@@ -11,28 +11,15 @@ whether the two gave the same bits; then what `output_head.slices_pay_off` picks
 from __future__ import annotations
 
 import argparse
-import time
 
 import posttrain  # noqa: F401 - first: it sets how OpenMP threads wait before torch loads OpenMP
 import torch
 import torch.nn.functional as F
+from bench_timing import best_interleaved
 
 from posttrain.models.generation.output_head import SLICE_ROWS, slices_pay_off, sliced_linear
 
 HEADS = {"SmolLM2-135M": (49152, 576), "Gemma 3 270M": (262144, 640)}
-
-
-def best_of(repeats: int, *calls) -> list[float]:
-    """Best wall time of each call over `repeats` rounds, the calls interleaved within a round."""
-    best = [float("inf")] * len(calls)
-    for call in calls:
-        call()  # warm-up
-    for _ in range(repeats):
-        for i, call in enumerate(calls):
-            start = time.perf_counter()
-            call()
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -49,8 +36,9 @@ def main() -> None:
             weight = torch.randn(vocab, hidden)
             for rows in args.rows:
                 x = torch.randn(rows, hidden)
-                whole, sliced = best_of(max(3, args.repeats * 49152 // vocab), lambda: F.linear(x, weight),
-                                        lambda: sliced_linear(x, weight))
+                best, _ = best_interleaved({"whole": lambda: F.linear(x, weight), "sliced": lambda: sliced_linear(x, weight)},
+                                           max(3, args.repeats * 49152 // vocab))
+                whole, sliced = best["whole"], best["sliced"]
                 same = torch.equal(F.linear(x, weight), sliced_linear(x, weight))
                 print(f"{name:13s} {rows:4d} rows: whole {whole * 1e3:7.2f} ms  sliced {sliced * 1e3:7.2f} ms  "
                       f"whole/sliced {whole / sliced:4.2f}x  same bits: {same}")

@@ -105,7 +105,6 @@ FAST_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms":
                       "health_check_failure_threshold": 5}
 
 
-
 @pytest.fixture
 def patient_shutdowns(monkeypatch):
     """Clean shutdowns bounded by 120 s instead of 5 s (`worker_group.SHUTDOWN_TIMEOUT_S`,
@@ -117,6 +116,7 @@ def patient_shutdowns(monkeypatch):
 
     monkeypatch.setattr(worker_group, "SHUTDOWN_TIMEOUT_S", 120.0)
     monkeypatch.setattr(registry, "ENV_SHUTDOWN_TIMEOUT_S", 120.0)
+
 
 def start_test_ray() -> None:
     """Start (or reuse) the session's local Ray cluster. Jobs run in this process hand their

@@ -435,10 +435,10 @@ class EnvRouter:
             if _is_plain_instance(env):
                 env.shutdown()
                 continue
-            clean = False
             if cluster_reuse.may_keep_environment_process(env) and not _built(env):
                 actors.kill(env)  # never built, or not in time: nothing to clean up, nothing to keep
                 continue
+            clean = False
             try:  # a wedged environment must not wedge the shutdown: it is killed regardless
                 actors.get(env.shutdown.remote(), timeout=ENV_SHUTDOWN_TIMEOUT_S)
                 clean = True
