@@ -156,7 +156,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                                    "--keep-going-after-unit-failures to run them anyway)")
         pytest.skip(item.session.shouldstop)
     if "ray_cluster" in item.fixturenames:
+        from posttrain.distributed.cluster_reuse import reuse_clusters
+
         start_test_ray()  # no-op while Ray is up
+        reuse_clusters(item.get_closest_marker("own_process_pools") is None)
 
 
 # ------------------------------------------------------------------ unit tests first, fail fast

@@ -141,11 +141,12 @@ class VirtualCluster:
         autoscaling: the Ray cluster may add nodes (KubeRay / Ray autoscaler): a request larger
             than the live nodes waits up to `placement_timeout_s` instead of failing at once
             (default False).
-        reuse_worker_processes: a worker group's processes, once it shut down cleanly, wait on
-            their bundles for the next group's members (`worker_host.py`: no new interpreter,
-            no imports again); CPU clusters only, for groups without `env_vars` or an isolated
-            environment (default False: a job makes its groups once; for callers that make many
-            short-lived groups on the same bundles, such as tests).
+        reuse_worker_processes: a worker group's processes, once it shut down cleanly, wait for
+            the next members on their nodes (`worker_host.py`: no new interpreter, no imports
+            again): this cluster's while it stands, or, with `cluster_reuse.reuse_clusters()` on,
+            any cluster's or environment's in this process. CPU clusters only, for groups
+            without `env_vars` or an isolated environment (default False: a job makes its groups
+            once; for callers that make many short-lived groups, such as tests).
 
     Virtual nodes are steered to distinct physical nodes when there are enough of them (a soft
     hint to Ray), preferring nodes this job's other clusters do not use (so a separate generation
@@ -183,8 +184,11 @@ class VirtualCluster:
         self.name = name or "cluster"
         self.bundle_resources = {key: float(value) for key, value in (bundle_resources or {}).items()}
         self.autoscaling = autoscaling
-        # Idle worker processes, when they are reused (None: they are not; `worker_host.py`).
-        self.worker_hosts = HostPool() if reuse_worker_processes else None
+        # Where idle worker processes wait, when they are reused (None: they are not;
+        # `worker_host.py`): the process's shared pool with clusters reused, else this cluster's.
+        shared = cluster_reuse.process_pool() if reuse_worker_processes else None
+        self._owns_worker_hosts = reuse_worker_processes and shared is None
+        self.worker_hosts = HostPool() if self._owns_worker_hosts else shared
         # The shape under which a later job may take this cluster over (`cluster_reuse.py`; None:
         # `shutdown` releases it), and the worker groups placed on it that are not shut down yet.
         self.reuse_key: Any = None
@@ -356,8 +360,6 @@ class VirtualCluster:
                                        _node_capacity_left())
         if not lost:
             return
-        if self.worker_hosts is not None:
-            self.worker_hosts.kill()  # those on the lost nodes are gone; the rest may be unreachable
         gone = self._lost_addresses(lost)
         deadline = time.monotonic() + self.placement_timeout_s
         while True:
@@ -391,6 +393,11 @@ class VirtualCluster:
     def group_ended(self, group: Any) -> None:
         self._open_groups.discard(group)
 
+    def hosted_cpus(self, bundle: int, *, besides: Any = None) -> float:
+        """CPUs of `bundle` that the open groups' members in reused processes take (Ray does not
+        count them: such a process reserves nothing, `worker_host.py`), `besides` group left out."""
+        return sum(group.hosted_cpus(bundle) for group in self.open_groups() if group is not besides)
+
     def open_groups(self) -> list[Any]:
         """The worker groups on this cluster that were not shut down."""
         return list(self._open_groups)
@@ -412,10 +419,14 @@ class VirtualCluster:
             self.release()
 
     def release(self) -> None:
-        """Kill the idle worker processes (`reuse_worker_processes`), release the placement groups
-        (idempotent). Actors on them are killed by Ray."""
+        """Release the placement groups (idempotent): Ray kills the actors placed in them, and the
+        groups not shut down yet are shut down here, their members in reused processes too. The
+        idle processes of a cluster's own pool are killed; those of the shared pool
+        (`cluster_reuse.process_pool`) wait for the next cluster."""
         self.reuse_key = None
-        if self.worker_hosts is not None:
+        for group in self.open_groups():
+            group.shutdown(timeout_s=0.0)
+        if self._owns_worker_hosts:
             self.worker_hosts.close()
         for pg in self._placement_groups:
             try:

@@ -15,12 +15,13 @@ Parked clusters hold their reservation. Any other reservation (a cluster of anot
 this job or the next) first releases every parked one (`release_idle`), so they never stand in
 the way of a request; `shutdown_ray` releases them before Ray stops.
 
-Environment actors are reused the same way, whatever the shape: with reuse on, `create_env`
-builds a Ray environment actor inside a `WorkerHost` (`hosted_environment`), and an environment
-that shut down cleanly leaves its process idle (`keep_environment_process`) for the next job's
-environments, of any class. Those processes reserve no CPU (an environment actor's `num_cpus` is
-0), so they stay when clusters are released; at most `MAX_IDLE_ENVIRONMENT_PROCESSES` wait, and
-`release_environment_processes` (turning reuse off, `shutdown_ray`) ends them.
+The processes are not the clusters': with reuse on, every cluster's members and every
+environment actor (`create_env` builds one inside a `WorkerHost`, `hosted_environment`) live in
+processes of one pool per process (`process_pool`), which reserve no Ray resources themselves
+(`worker_host.py`). So a released cluster leaves its idle processes to the next job whatever its
+shape, and a policy worker may start in the process an environment left, or the other way round.
+At most `MAX_IDLE_PROCESSES` wait; `release_processes` (turning reuse off, `shutdown_ray`) ends
+them.
 """
 
 from __future__ import annotations
@@ -36,12 +37,10 @@ logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _enabled = False
 _idle: dict[Hashable, list[Any]] = {}  # shape -> parked clusters (VirtualCluster)
-_environment_hosts: Optional[Any] = None  # idle environment processes (worker_host.HostPool), made on first use
+_processes: Optional[Any] = None  # idle worker and environment processes (worker_host.HostPool), made on first use
 
-# Idle environment processes kept at most (each holds ~0.3 GB: torch and the environment's modules).
-MAX_IDLE_ENVIRONMENT_PROCESSES = 8
-# What an environment actor reserves (`create_env`'s default); only such actors are hosted.
-_ENVIRONMENT_RESOURCES = {"num_cpus": 0.0}
+# Idle processes kept at most (each holds 0.3-0.5 GB: torch, transformers and its last member's modules).
+MAX_IDLE_PROCESSES = 8
 
 
 def reuse_clusters(enabled: bool = True) -> None:
@@ -51,7 +50,7 @@ def reuse_clusters(enabled: bool = True) -> None:
     _enabled = enabled
     if not enabled:
         release_idle()
-        release_environment_processes()
+        release_processes()
 
 
 def reusing() -> bool:
@@ -115,35 +114,30 @@ def parked_count(key: Hashable = None) -> int:
         return sum(len(clusters) for shape, clusters in _idle.items() if key is None or shape == key)
 
 
-# ------------------------------------------------------------------ environment processes
-def hosted_environment(actor_cls: type, cfg: Any) -> Any:
-    """`actor_cls(cfg)` built in a reusable process: an idle one left by an earlier environment
-    when there is one, else a new `WorkerHost` reserving no CPU. Returns the `HostedWorker` that
-    stands for the environment's actor handle (`handle.step.remote(...)`). Its construction is not
-    waited for: a constructor that raised is reported by the first call."""
-    from posttrain.distributed.worker_host import HostedWorker, HostPool, remote_host_class
+# ------------------------------------------------------------------ processes
+def process_pool() -> Optional[Any]:
+    """The pool of idle worker processes that jobs and environments share (a `worker_host.HostPool`);
+    None while reuse is off."""
+    from posttrain.distributed.worker_host import HostPool
 
-    global _environment_hosts
+    global _processes
+    if not _enabled:
+        return None
     with _lock:
-        if _environment_hosts is None or _environment_hosts.closed:
-            _environment_hosts = HostPool()
-        pool = _environment_hosts
-    host = _take_live(pool) or remote_host_class().options(**_ENVIRONMENT_RESOURCES).remote()
-    environment = HostedWorker(host, None, _ENVIRONMENT_RESOURCES)
+        if _processes is None or _processes.closed:
+            _processes = HostPool(max_idle=MAX_IDLE_PROCESSES)
+        return _processes
+
+
+def hosted_environment(actor_cls: type, cfg: Any) -> Any:
+    """`actor_cls(cfg)` built in a reusable process (`process_pool`: an idle one when there is one,
+    else a new `WorkerHost`). Returns the `HostedWorker` that stands for the environment's actor
+    handle (`handle.step.remote(...)`). Its construction is not waited for: a constructor that
+    raised is reported by the first call."""
+    environment = process_pool().host()
     # Positional, as Ray's `actor_cls.remote(cfg)` passes it: an environment names its argument as it likes.
     environment.construct(functools.partial(actor_cls, cfg), {}, {})
     return environment
-
-
-def _take_live(pool: Any) -> Optional[Any]:
-    """An idle host of `pool` that Ray knows as alive (one of a Ray that was restarted meanwhile is
-    unknown to the new one, and dropped)."""
-    import ray._private.state as ray_state
-
-    while (host := pool.take(None, _ENVIRONMENT_RESOURCES)) is not None:
-        if (ray_state.actors(actor_id=host._actor_id.hex()) or {}).get("State") == "ALIVE":
-            return host
-    return None
 
 
 def may_keep_environment_process(environment: Any) -> bool:
@@ -151,34 +145,29 @@ def may_keep_environment_process(environment: Any) -> bool:
     a hosted environment, reuse on, and room among the idle processes."""
     from posttrain.distributed.worker_host import HostedWorker
 
-    pool = _environment_hosts
-    return (_enabled and pool is not None and isinstance(environment, HostedWorker) and environment.bundle is None
-            and pool.count(None) < MAX_IDLE_ENVIRONMENT_PROCESSES)
+    return (_enabled and isinstance(environment, HostedWorker) and environment.pool is _processes
+            and environment.pool.has_room())
 
 
 def keep_environment_process(environment: Any, timeout_s: float) -> bool:
-    """Keep the process of `environment` (a `HostedWorker` whose `shutdown` returned) for the next
-    environments, once it has freed the environment object; False when it must be killed instead:
+    """Keep the process of `environment` (a `HostedWorker` whose `shutdown` returned) for later
+    members, once it has freed the environment object; False when it must be killed instead:
     not a hosted environment, reuse is off, enough processes wait already, or the object stayed
     referenced (a thread of it still runs, say)."""
     if not may_keep_environment_process(environment):
         return False
-    return _environment_hosts.take_back([environment], [], timeout_s)
+    return bool(environment.pool.take_back([environment], [], timeout_s))
 
 
-def release_environment_processes() -> int:
-    """End every idle environment process; how many."""
-    global _environment_hosts
+def release_processes() -> int:
+    """End every idle process of the pool; how many."""
+    global _processes
     with _lock:
-        pool, _environment_hosts = _environment_hosts, None
-    if pool is None:
-        return 0
-    count = pool.count(None)
-    pool.close()
-    return count
+        pool, _processes = _processes, None
+    return 0 if pool is None else pool.close()
 
 
-def idle_environment_processes() -> int:
-    """Environment processes waiting for the next environments."""
-    pool = _environment_hosts
-    return 0 if pool is None else pool.count(None)
+def idle_processes() -> int:
+    """Processes waiting for the next members (workers or environments)."""
+    pool = _processes
+    return 0 if pool is None else pool.count()

@@ -145,10 +145,10 @@ class _DropTokenAuthEnabledNotice(logging.Filter):
 
 def shutdown_ray() -> None:
     """Disconnect from Ray (and stop the local cluster if this process started it), releasing the
-    clusters parked for later jobs and the idle environment processes (`cluster_reuse.py`) first."""
+    clusters parked for later jobs and the idle worker processes (`cluster_reuse.py`) first."""
     from posttrain.distributed import cluster_reuse
 
     cluster_reuse.release_idle()
-    cluster_reuse.release_environment_processes()
+    cluster_reuse.release_processes()
     if ray.is_initialized():
         ray.shutdown()

@@ -14,7 +14,7 @@ Modelled on NeMo-RL's `RayWorkerGroup`.
 On a `LocalCluster` (`cluster.backend: local`) the group is one `LocalActor` in the controller's
 process instead (`posttrain.distributed.actors`); everything else here is the same code. On a
 `VirtualCluster(reuse_worker_processes=True)` each member lives in a `WorkerHost` process that
-outlives the group when it shuts down cleanly, for the next group on its bundle (`worker_host.py`).
+outlives the group when it shuts down cleanly, for the next member on its node (`worker_host.py`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from posttrain.distributed.distributed_worker import (  # noqa: F401 (Distribute
     RENDEZVOUS_ENV_VARS,
     DistributedWorker,
 )
-from posttrain.distributed.worker_host import HostedWorker, remote_host_class
 
 if TYPE_CHECKING:
     from posttrain.distributed.cluster import VirtualCluster
@@ -190,8 +189,6 @@ class WorkerGroup:
         self.workers: list[Any] = []  # Ray actor handles, or one LocalActor
         self.node_ips = ["?"] * len(bundle_indices)
         self._start = (bundle_indices, dict(init_kwargs or {}), dict(env_vars or {}))  # kept for `restart`
-        if not self.is_local:
-            cluster.group_started(self)  # a cluster with open groups is not handed to the next job
         self._start_members()
 
     def _start_members(self) -> None:
@@ -201,6 +198,8 @@ class WorkerGroup:
                 if self.is_local:
                     self._spawn_local(init_kwargs)
                 else:
+                    # Open until its shutdown: not handed to the next job, its members' CPUs counted.
+                    self.cluster.group_started(self)
                     self._wait_for_room(bundle_indices)
                     self.get(self._spawn(bundle_indices, init_kwargs, env_vars))  # hosted members' constructors
                 # Constructing = joining the process group; a failure in any __init__ surfaces here.
@@ -287,17 +286,16 @@ class WorkerGroup:
                 env[heartbeat.HEARTBEAT_ENV] = str(self._beat_period)
             if not self.cluster.use_gpus:
                 env[NUM_THREADS_ENV] = str(max(1, int(self.cluster.cpus_per_bundle)))
-            pg, index = locations[bundle]
-            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
-            if self._host_pool is not None:
-                host = self._host_pool.take(bundle, self._actor_resources) or \
-                    remote_host_class().options(**self._actor_resources, scheduling_strategy=strategy).remote()
-                member = HostedWorker(host, bundle, self._actor_resources)
+            if self._host_pool is not None:  # on the bundle's node, its CPUs counted by the cluster
+                ranks = (rank, len(bundle_indices)) if len(bundle_indices) > 1 else None  # worker_host.py: why
+                member = self._host_pool.host(node_ids[bundle], ranks)
                 ref = member.construct(self._actor_cls, dict(init_kwargs), env)
                 self._pending[ref] = (rank, "__init__")  # for errors, as `_submit` records a call
                 constructing.append(ref)
                 self.workers.append(member)
                 continue
+            pg, index = locations[bundle]
+            strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
             options: dict[str, Any] = {}
             kwargs = dict(init_kwargs)
             if self._python_executable is not None:
@@ -316,13 +314,18 @@ class WorkerGroup:
     def world_size(self) -> int:
         return len(self.workers)
 
+    def hosted_cpus(self, bundle: int) -> float:
+        """CPUs this group's member in a reused process takes on `bundle` (0 when it has none there)."""
+        hosted = self._host_pool is not None and bundle in self._start[0]
+        return self._actor_resources.get("num_cpus", 0.0) if hosted else 0.0
+
     def _wait_for_room(self, bundle_indices: list[int]) -> None:
         """Fail fast when the bundles are already taken (e.g. more groups than `max_colocated_worker_groups`).
 
         Ray would otherwise leave the actors pending forever. Resource views lag a little
-        behind actor deaths, so poll for up to the cluster's placement timeout. Idle reusable
-        processes (`worker_host.py`) hold their bundles' resources: one this group will reuse is
-        its room there; those on a bundle without room for this group are killed to make it.
+        behind actor deaths, so poll for up to the cluster's placement timeout. Members in reused
+        processes (`worker_host.py`) reserve nothing with Ray: their share of a bundle is what the
+        cluster counts for the open groups (`VirtualCluster.hosted_cpus`).
         """
         import ray
 
@@ -330,9 +333,6 @@ class WorkerGroup:
 
         need = self._actor_resources
         locations = self.cluster.bundle_locations()
-        idle = getattr(self.cluster, "worker_hosts", None)
-        if self._host_pool is not None:
-            bundle_indices = [b for b in bundle_indices if not self._host_pool.count(b, need)]
         deadline = time.monotonic() + self.cluster.placement_timeout_s
         while True:
             available = ray.available_resources()
@@ -342,10 +342,10 @@ class WorkerGroup:
                 lacking = []
                 for resource, key in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
                     free = available.get(f"{resource}_group_{index}_{pg.id.hex()}", 0.0)
+                    if resource == "CPU":
+                        free -= self.cluster.hosted_cpus(bundle, besides=self)
                     if key in need and free + RAY_RESOURCE_UNIT < need[key]:
                         lacking.append(f"bundle {bundle}: {resource} free {free:g}, needed {need[key]:g}")
-                if lacking and idle is not None:
-                    idle.kill(bundle)  # what they held shows as free a moment later: the next rounds see it
                 short += lacking
             if not short:
                 return
@@ -568,7 +568,7 @@ class WorkerGroup:
         """Ask workers to leave the process group (waiting up to `timeout_s`, default
         `SHUTDOWN_TIMEOUT_S`: 5.0), then kill them; or, when their processes are reused
         (`worker_host.py`) and every member left in time and the group saw no failure, give the
-        processes back to the cluster. Idempotent."""
+        processes back to their pool. Idempotent."""
         timeout_s = SHUTDOWN_TIMEOUT_S if timeout_s is None else timeout_s
         if not self.is_local:
             self.cluster.group_ended(self)
@@ -584,9 +584,9 @@ class WorkerGroup:
         if goodbyes:
             # A worker stuck in a collective never answers; the kill below ends it anyway.
             said, _ = actors.wait(goodbyes, num_returns=len(goodbyes), timeout=timeout_s)
-        kept = (self._host_pool is not None and not self._failed and len(said) == len(self.workers)
-                and self._host_pool.take_back(self.workers, said, timeout_s))
-        for worker in [] if kept else self.workers:
+        kept = self._host_pool.take_back(self.workers, said, timeout_s) if (
+            self._host_pool is not None and not self._failed and len(said) == len(self.workers)) else []
+        for worker in [worker for worker in self.workers if not any(worker is k for k in kept)]:
             try:
                 actors.kill(worker)
             except Exception as error:

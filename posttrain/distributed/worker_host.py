@@ -2,17 +2,24 @@
 
 A Ray worker process spends seconds of CPU before it does anything useful (importing torch,
 transformers and posttrain's worker modules: ~4.5 s each on the 2-core test machines). A
-controller that makes and shuts down many short-lived worker groups on the same bundles (a test
-module comparing parallel layouts, say) pays that for every member of every group. With
+controller that makes and shuts down many short-lived worker groups (a test module comparing
+parallel layouts, jobs run one after another) pays that for every member of every group. With
 `VirtualCluster(reuse_worker_processes=True)` a member instead lives inside a `WorkerHost`, a
 generic actor that builds the worker object on request and drops it again; after a clean shutdown
-of its group the host waits in its cluster's `HostPool`, and the next group placed on that bundle
-builds its member in the same, already warm, process.
+of its group the host waits in a `HostPool`, and the next member placed on that machine, of any
+group, cluster or class, builds itself in the same, already warm, process.
+
+Hosts reserve no Ray resources: a host is pinned to its member's node and started with
+`num_cpus=0`, while the member's share stays reserved by its cluster's placement-group bundle
+(the cluster counts what its groups' hosted members take, `VirtualCluster.hosted_cpus`). That is
+why a host can outlive the placement group it served (Ray ends the actors placed in a group when
+the group is removed) and serve a cluster of another shape: `cluster_reuse.py` keeps one pool per
+process for every job's clusters and environments.
 
 A host goes back to the pool only when its group shut down cleanly: every member said goodbye
 (left its process group) in time and `release` freed the worker object. A group that saw any
 failure (a call that raised, a timeout, a dead or frozen member) or was restarted kills its hosts
-instead, as does the cluster's shutdown (`WorkerGroup.shutdown`, `VirtualCluster.shutdown`).
+instead, as does the release of a cluster its group was never shut down on.
 
 What a reused process must not carry from one member to the next, `construct` and `release` reset:
 the member's environment variables (rank, rendezvous address, thread count), torch's global RNG
@@ -21,7 +28,13 @@ member freed (`gc`, `malloc_trim`) and the peak-RSS mark (`posttrain.utils.memor
 Torch's thread count is set again by each member's `DistributedWorker.__init__`, its process group
 by `init_process_group` after the last member's `destroy_process_group`. What a process keeps
 regardless (imported modules and what they registered, caches keyed by what they cache, warnings
-shown once) does not depend on which member came first. GPU workers are not hosted (untested).
+shown once) does not depend on which member came first, with one exception: torch.distributed
+caches results per device mesh (DTensor's sharding propagation), and two meshes of the same ranks
+are equal whichever rank of them the process was. A member of a group of several processes would
+be handed the shards of the last member's rank (measured: a tensor-parallel resume came back with
+other weights). So a process that hosted such a member serves only members of the same rank and
+world size afterwards (`ranks`), or members of one-process groups and environments, which build no
+device mesh. GPU workers are not hosted (untested).
 """
 
 from __future__ import annotations
@@ -41,8 +54,8 @@ class ConstructorFailedError(RuntimeError):
 
 class WorkerHost:
     """A Ray actor that hosts one worker object at a time (built by `construct`, dropped by
-    `release`); `call` runs a method of it. Started by `WorkerGroup` on a placement-group bundle
-    with the resources its worker actor would have asked for."""
+    `release`); `call` runs a method of it. Started by `start_host`: on a given node, reserving no
+    Ray resources."""
 
     def __init__(self) -> None:
         self._worker: Any = None
@@ -86,10 +99,13 @@ class WorkerHost:
             raise RuntimeError(f"no worker here to run {method_name} (it was released)")
         return getattr(self._worker, method_name)(*args, **kwargs)
 
-    def release(self) -> bool:
+    def release(self) -> Optional[str]:
         """Drop the worker (after its group's clean shutdown) and make the process as the next
-        member expects to find it; True when the worker object was freed (else the host must not
-        be used again: something still holds the last member's state)."""
+        member expects to find it. Returns the id of this process's node when the worker object was
+        freed, else None (the host must not be used again: something still holds the last member's
+        state)."""
+        import ray
+
         from posttrain.distributed import heartbeat
         from posttrain.utils import memory
 
@@ -108,18 +124,31 @@ class WorkerHost:
             os.environ.update(self._environ_before)
             self._environ_before = None
         memory.reset_peak_rss()  # the next member's peak is its own
-        return freed is None or freed() is None
+        if freed is not None and freed() is not None:
+            return None
+        return ray.get_runtime_context().get_node_id()
 
     def __repr__(self) -> str:  # Ray shows it in errors and logs
         return f"WorkerHost({type(self._worker).__name__ if self._worker is not None else 'idle'})"
 
 
 @functools.cache
-def remote_host_class() -> Any:
-    """`ray.remote(WorkerHost)`, made once per process."""
+def _remote_host_class() -> Any:
     import ray
 
     return ray.remote(WorkerHost)
+
+
+def start_host(node: Optional[str] = None) -> Any:
+    """A new `WorkerHost` actor on Ray node `node` (default None: where Ray likes, for a member that
+    may run anywhere: an environment), reserving no resources: what its members use is reserved
+    by their cluster's bundles (or, for environments, by nothing, as their own actors would)."""
+    options: dict[str, Any] = {"num_cpus": 0}
+    if node is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
+    return _remote_host_class().options(**options).remote()
 
 
 class _HostedMethod:
@@ -136,14 +165,14 @@ class HostedWorker:
     """What `WorkerGroup.workers` holds for a member living in a `WorkerHost`: used like the
     member's own Ray actor handle (`handle.method.remote(...)` runs `method` there). `actors.kill`,
     `actors.actor_id` and `actors.actor_death` act on the host, whose actor id is also the one
-    the member beats under (`heartbeat.py`)."""
+    the member beats under (`heartbeat.py`). `pool` is where the host waits once the member is
+    gone; `ranks` the (rank, world size) of the last member of a group of several processes it
+    hosted (this one, or an earlier one; None: none)."""
 
-    def __init__(self, host: Any, bundle: Optional[int], resources: Mapping[str, float]) -> None:
+    def __init__(self, host: Any, pool: "HostPool", ranks: Optional[tuple[int, int]] = None) -> None:
         self.host = host
-        # The cluster's bundle index (rank order), its place in the pool; None for a process in no
-        # placement group (an environment actor's, `cluster_reuse.hosted_environment`).
-        self.bundle = bundle
-        self.resources = dict(resources)
+        self.pool = pool
+        self.ranks = ranks
         self.construction: Any = None  # the last `construct` call's future
 
     def construct(self, cls: type, kwargs: Mapping[str, Any], env: Mapping[str, str]) -> Any:
@@ -156,78 +185,113 @@ class HostedWorker:
         return _HostedMethod(self.host, method)
 
     def __repr__(self) -> str:
-        return f"HostedWorker(bundle {self.bundle}, actor {self.host._actor_id.hex()})"
-
-
-def _pool_key(bundle: Optional[int], resources: Mapping[str, float]) -> tuple:
-    return bundle, tuple(sorted(resources.items()))
+        return f"HostedWorker(actor {self.host._actor_id.hex()})"
 
 
 class HostPool:
-    """A cluster's idle `WorkerHost`s, per bundle and the resources they hold (a host is reused
-    only by a member that would have asked for the same); a lock keeps its lists whole should groups
+    """Idle `WorkerHost`s, per Ray node and the ranks they last served (`HostedWorker.ranks`), at
+    most `max_idle` of them (default None: no limit); a lock keeps its lists whole should groups
     start and end on several threads."""
 
-    def __init__(self) -> None:
-        self._idle: dict[tuple, list[Any]] = {}
+    def __init__(self, max_idle: Optional[int] = None) -> None:
+        self.max_idle = max_idle
+        # (node id, ranks) -> hosts, the last given back last
+        self._idle: dict[tuple[str, Optional[tuple[int, int]]], list[Any]] = {}
         self._lock = threading.Lock()
-        self.closed = False  # its cluster was shut down: nothing waits any more
+        self.closed = False  # shut down: nothing waits any more
 
-    def take(self, bundle: Optional[int], resources: Mapping[str, float]) -> Optional[Any]:
-        """An idle live host on `bundle` holding `resources` (None when there is none)."""
-        from posttrain.distributed import actors
+    def host(self, node: Optional[str] = None, ranks: Optional[tuple[int, int]] = None) -> HostedWorker:
+        """A process for a member on `node` (None: on any node), of rank and world size `ranks` in a
+        group of several processes (None: a one-process group, or an environment): an idle one of
+        this pool that may host it (`take`) when there is one, else a new `start_host(node)`."""
+        taken = self.take(node, ranks)
+        if taken is None:
+            return HostedWorker(start_host(node), self, ranks)
+        host, last_ranks = taken
+        return HostedWorker(host, self, ranks or last_ranks)
+
+    def take(self, node: Optional[str] = None, ranks: Optional[tuple[int, int]] = None) -> Optional[tuple[Any, Any]]:
+        """An idle host on `node` (None: on any node) that may host a member of `ranks`, and the
+        ranks it last served, taken out of the pool; None when there is none. For `ranks`, a host
+        that served the same ranks or none; otherwise any, one that served none first. Hosts that
+        died while idle (the OOM killer, a lost node, a Ray started again since) are dropped on the
+        way (Ray's record must say the host is alive)."""
+        import ray._private.state as ray_state
+
+        def preference(key: tuple) -> Optional[int]:
+            if node is not None and key[0] != node:
+                return None
+            if ranks is not None:
+                return 0 if key[1] == ranks else 1 if key[1] is None else None
+            return 0 if key[1] is None else 1
 
         while True:
             with self._lock:
-                hosts = self._idle.get(_pool_key(bundle, resources))
-                if not hosts:
+                usable = [(order, key) for key, hosts in self._idle.items()
+                          if hosts and (order := preference(key)) is not None]
+                if not usable:
                     return None
-                host = hosts.pop()
-            if actors.actor_death(host) is None:  # one that died while idle (OOM killer) is skipped
-                return host
+                key = min(usable, key=lambda item: item[0])[1]
+                host = self._idle[key].pop()
+            if (ray_state.actors(actor_id=host._actor_id.hex()) or {}).get("State") == "ALIVE":
+                return host, key[1]
 
-    def take_back(self, workers: Sequence[HostedWorker], goodbyes: Sequence[Any], timeout_s: float) -> bool:
-        """Keep the hosts of a group's `workers` for the next members, if every one said goodbye
+    def has_room(self) -> bool:
+        """Whether one more idle host would be kept."""
+        return not self.closed and (self.max_idle is None or self.count() < self.max_idle)
+
+    def take_back(self, workers: Sequence[HostedWorker], goodbyes: Sequence[Any], timeout_s: float) -> list[HostedWorker]:
+        """Keep the hosts of a group's `workers` for later members, if every one said goodbye
         (`goodbyes`: their `shutdown` calls, finished) and then freed its worker (`WorkerHost.release`)
-        within `timeout_s`; False (nothing kept: the caller kills them) otherwise, or when the
-        cluster was shut down meanwhile."""
+        within `timeout_s`, as many as `max_idle` allows. Returns the workers whose hosts were kept
+        (the caller kills the others): none when the pool is closed or any of them failed."""
         from posttrain.distributed import actors
 
         try:
             if self.closed or not all(result is True for result in actors.get(list(goodbyes), timeout=timeout_s)):
-                return False
+                return []
             releases = [worker.host.release.remote() for worker in workers]
             done, _ = actors.wait(releases, num_returns=len(releases), timeout=timeout_s)
-            if len(done) < len(releases) or not all(actors.get(done)):
-                return False
+            nodes = actors.get(done) if len(done) == len(releases) else []
+            if len(nodes) < len(workers) or not all(nodes):
+                return []
         except Exception:  # noqa: BLE001 - any doubt: new processes next time
-            return False
+            return []
+        kept = []
         with self._lock:
-            if self.closed:
-                return False
-            for worker in workers:
-                self._idle.setdefault(_pool_key(worker.bundle, worker.resources), []).append(worker.host)
-        return True
+            for worker, node in zip(workers, nodes):
+                if self.closed or (self.max_idle is not None and self._count() >= self.max_idle):
+                    break
+                self._idle.setdefault((node, worker.ranks), []).append(worker.host)
+                kept.append(worker)
+        return kept
 
-    def count(self, bundle: Optional[int], resources: Optional[Mapping[str, float]] = None) -> int:
-        """Idle hosts on `bundle` (holding `resources`; default None: any)."""
+    def _count(self, node: Optional[str] = None) -> int:
+        return sum(len(hosts) for key, hosts in self._idle.items() if node is None or key[0] == node)
+
+    def count(self, node: Optional[str] = None) -> int:
+        """Idle hosts on `node` (default None: on every node)."""
         with self._lock:
-            return sum(len(hosts) for key, hosts in self._idle.items()
-                       if key[0] == bundle and (resources is None or key == _pool_key(bundle, resources)))
+            return self._count(node)
 
-    def close(self) -> None:
-        """Kill every idle host and keep none given back later (the cluster's shutdown)."""
+    def idle_hosts(self) -> list[Any]:
+        """The idle hosts' actor handles (still in the pool)."""
+        with self._lock:
+            return [host for hosts in self._idle.values() for host in hosts]
+
+    def close(self) -> int:
+        """Kill every idle host and keep none given back later; returns how many were killed."""
         with self._lock:
             self.closed = True
-        self.kill()
+        return self.kill()
 
-    def kill(self, bundle: Optional[int] = None) -> int:
-        """Kill the idle hosts on `bundle` (default None: all of them), freeing what they hold;
+    def kill(self, node: Optional[str] = None) -> int:
+        """Kill the idle hosts on `node` (default None: all of them), freeing what they hold;
         returns how many."""
         from posttrain.distributed import actors
 
         with self._lock:
-            doomed = [host for key in [key for key in self._idle if bundle is None or key[0] == bundle]
+            doomed = [host for key in [key for key in self._idle if node is None or key[0] == node]
                       for host in self._idle.pop(key)]
         for host in doomed:
             try:

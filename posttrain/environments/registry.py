@@ -114,8 +114,8 @@ def create_env(
         num_cpus: Ray CPUs the actor reserves. Defaults to 0 so the actor always schedules
             beside placement groups that reserve every CPU for policy / generation workers;
             environment work is light and its verifier processes are not Ray tasks anyway. With
-            0 and `reuse_clusters()` on, the actor lives in a reusable process (an earlier
-            environment's, when one is idle; `cluster_reuse.hosted_environment`).
+            0 and `reuse_clusters()` on, the actor lives in a reusable process (one an earlier
+            environment or worker left, when one is idle; `cluster_reuse.hosted_environment`).
         cls: the environment class (default None: the one registered as `name`; see `resolve_env`).
         backend: "ray" (default: a Ray actor, its own process) or "local" (a `LocalActor`: a
             thread of this process; `cluster.backend: local`).

@@ -1,7 +1,7 @@
-"""Jobs of one process taking over each other's clusters (`cluster_reuse.py`): a finished job's
-cluster and idle worker processes serve the next job of the same shape, which then trains exactly
-as in new processes; anything else asking for resources releases what is parked. Environment
-actors' processes serve the next environments, of any class.
+"""Jobs of one process taking over each other's clusters and processes (`cluster_reuse.py`): a
+finished job's cluster serves the next job of the same shape, which then trains exactly as in new
+processes; anything else asking for resources releases what is parked, but not the idle processes,
+which serve the next members of any cluster: workers and environments, of any class.
 
 The session's Ray reuses clusters (tests/conftest.py), so other modules' jobs may have parked
 some: each test asserts only on clusters and processes it made itself."""
@@ -41,29 +41,38 @@ def _run_grpo(tmp_path: Path, *extra: str) -> tuple[list[str], list[VirtualClust
     return processes, clusters
 
 
-def test_the_next_job_of_a_shape_takes_over_the_cluster_and_processes_and_trains_the_same(ray_cluster, tmp_path):
+def _idle_processes() -> set[str]:
+    return {actors.actor_id(host) for host in cluster_reuse.process_pool().idle_hosts()}
+
+
+def test_the_next_job_takes_over_the_cluster_and_processes_and_trains_the_same(ray_cluster, tmp_path):
     # Two steps: the second generates with weights the first trained and refitted.
     first_processes, first_clusters = _run_grpo(tmp_path / "first", "grpo.max_num_steps=2")
     assert all(cluster.reservation_stands() for cluster in first_clusters)  # parked, not released
+    idle = _idle_processes()
+    assert set(first_processes) <= idle and len(first_processes) >= 2
     second_processes, second_clusters = _run_grpo(tmp_path / "second", "grpo.max_num_steps=2")
     assert [id(c) for c in second_clusters] == [id(c) for c in first_clusters]
-    # The same processes (policy and generation), though not always to the same group: a parked
-    # cluster hands out first the process that went idle last.
-    assert sorted(second_processes) == sorted(first_processes) and len(first_processes) >= 2
+    # No new process (policy and generation; which idle one a member gets is the pool's choice:
+    # the one that went idle last, perhaps the first job's environment's).
+    assert set(second_processes) <= idle
     # Nothing of the first job's members stayed in the processes: the same run, the same numbers.
     first, second = (_comparable(read_metrics(tmp_path / name / "logs")) for name in ("first", "second"))
     assert sorted(first) == [1, 2] and second == first
 
-    # Another shape (generation on a cluster of its own) releases what is parked, and starts anew.
+    # Another shape (generation on a cluster of its own) releases what is parked, but its workers
+    # start in the idle processes all the same.
+    idle = _idle_processes()
     third_processes, third_clusters = _run_grpo(tmp_path / "third", "grpo.max_num_steps=1",
                                                 "policy.generation.colocated.enabled=false")
     assert not any(cluster.reservation_stands() for cluster in first_clusters)
-    assert not set(third_processes) & set(first_processes)
     assert {c.name for c in third_clusters} == {"policy", "generation"}
+    assert set(third_processes) <= idle and len(third_processes) >= 2
 
 
 class _Idle(DistributedWorker):
-    pass
+    def torch_threads(self) -> int:
+        return torch.get_num_threads()
 
 
 def _no_build() -> VirtualCluster:
@@ -86,22 +95,38 @@ def test_a_parked_cluster_is_handed_out_once_and_released_by_another_reservation
     shape = ("reuse-test-parked",)
     cluster = cluster_reuse.take(shape, lambda: VirtualCluster([1], name="parked", reuse_worker_processes=True))
     group = WorkerGroup(cluster, _Idle, name="member")
+    process = actors.actor_id(group.workers[0])
     group.shutdown()
     cluster.shutdown()
     cluster.shutdown()  # twice: still parked once
-    assert cluster.reservation_stands() and cluster.worker_hosts.count(0) == 1
+    assert cluster.reservation_stands() and process in _idle_processes()
     assert cluster_reuse.parked_count(shape) == 1
     assert cluster_reuse.take(shape, _no_build) is cluster
     assert cluster_reuse.parked_count(shape) == 0  # handed out: the next job of the shape builds its own
     cluster.shutdown()
     assert cluster_reuse.parked_count(shape) == 1
 
-    other = VirtualCluster([1], name="another-shape")  # any new reservation releases what is parked
+    # Any new reservation releases what is parked; the idle process serves the new cluster.
+    other = VirtualCluster([1], cpus_per_bundle=2.0, name="another-shape", reuse_worker_processes=True)
     try:
-        assert not cluster.reservation_stands() and cluster.worker_hosts.count(0) == 0
-        assert cluster_reuse.parked_count(shape) == 0
+        assert not cluster.reservation_stands() and cluster_reuse.parked_count(shape) == 0
+        assert process in _idle_processes()
+        group = WorkerGroup(other, _Idle, name="elsewhere")
+        assert actors.actor_id(group.workers[0]) == process
+        assert group.run_rank0("torch_threads") == 2  # this cluster's bundle, not the last one's
+        group.shutdown()
     finally:
         other.release()
+    assert process in _idle_processes()  # a released cluster leaves its idle processes to the next
+
+
+def test_a_released_cluster_ends_the_groups_left_on_it(ray_cluster):
+    cluster = VirtualCluster([1], name="left", reuse_worker_processes=True)
+    group = WorkerGroup(cluster, _Idle, name="forgotten")
+    host = actors.ray_handle(group.workers[0])
+    cluster.release()  # the job did not shut its group down: its process must not live on
+    assert not group.workers and actors.actor_id(host) not in _idle_processes()
+    _wait_for_death(host)
 
 
 def test_with_reuse_off_a_jobs_cluster_is_released(ray_cluster):
@@ -163,18 +188,18 @@ def _step(env) -> float:
 
 
 def test_an_environment_that_shut_down_leaves_its_process_to_the_next_environment_of_any_class(ray_cluster):
-    cluster_reuse.release_environment_processes()  # other modules' jobs may have left some
+    cluster_reuse.release_processes()  # other modules' jobs may have left some
     math = create_env("math", MathEnvConfig())
     process = actors.actor_id(math)
     router = EnvRouter({"math": math})
     right = router.step([[{"role": "assistant", "content": "\\boxed{2}"}]], [{"ground_truth": "2"}], ["math"])
     assert right.rewards.tolist() == [1.0]
     router.shutdown()
-    assert cluster_reuse.idle_environment_processes() == 1
+    assert cluster_reuse.idle_processes() == 1
 
     # Another class in the same process, with nothing of the math environment left in it.
     recorder = create_env("recorder", cls=_Recorder)
-    assert actors.actor_id(recorder) == process and cluster_reuse.idle_environment_processes() == 0
+    assert actors.actor_id(recorder) == process and cluster_reuse.idle_processes() == 0
     assert _step(recorder) == 1.0
     host = actors.ray_handle(recorder)
     assert ray.get(host.__ray_call__.remote(lambda h: repr(h))) == "WorkerHost(_Recorder)"
@@ -185,15 +210,15 @@ def test_an_environment_that_shut_down_leaves_its_process_to_the_next_environmen
     with pytest.raises(ConstructorFailedError, match=r"constructor raised ValueError: env\.broken\.level: must be positive"):
         _step(broken)
     EnvRouter({"broken": broken}).shutdown()
-    assert cluster_reuse.idle_environment_processes() == 0
+    assert cluster_reuse.idle_processes() == 0
 
     # An environment its shutdown does not free (a thread still holds it) takes its process with it.
     EnvRouter({"recorder": recorder}).shutdown()
-    assert cluster_reuse.idle_environment_processes() == 1
+    assert cluster_reuse.idle_processes() == 1
     lingering = create_env("lingering", cls=_Lingering)
     assert actors.actor_id(lingering) == process and _step(lingering) == 1.0
     EnvRouter({"lingering": lingering}).shutdown()
-    assert cluster_reuse.idle_environment_processes() == 0
+    assert cluster_reuse.idle_processes() == 0
     _wait_for_death(lingering)
 
     # One that reserves CPUs is an actor of its own; turning reuse off ends the idle processes.
@@ -203,10 +228,10 @@ def test_an_environment_that_shut_down_leaves_its_process_to_the_next_environmen
     kept = create_env("recorder", cls=_Recorder)
     assert _step(kept) == 1.0  # built: a new process, as the last one was ended
     EnvRouter({"recorder": kept}).shutdown()
-    assert cluster_reuse.idle_environment_processes() == 1
+    assert cluster_reuse.idle_processes() == 1
     cluster_reuse.reuse_clusters(False)
     try:
-        assert cluster_reuse.idle_environment_processes() == 0
+        assert cluster_reuse.idle_processes() == 0
         _wait_for_death(kept)
         plain = create_env("recorder", cls=_Recorder)
         assert isinstance(plain, ray.actor.ActorHandle)
@@ -221,7 +246,7 @@ def test_an_environment_shut_down_while_it_starts_leaves_its_process_once_built(
     from posttrain.environments import registry
 
     monkeypatch.setattr(registry, "ENV_SHUTDOWN_TIMEOUT_S", 5.0)  # the product's bound, not the module's 120 s
-    cluster_reuse.release_environment_processes()
+    cluster_reuse.release_processes()
     started = tmp_path / "started"
     env = create_env("slow", str(started), cls=_SlowStart)
     shutdown = threading.Thread(target=EnvRouter({"slow": env}).shutdown)
@@ -229,11 +254,11 @@ def test_an_environment_shut_down_while_it_starts_leaves_its_process_once_built(
     time.sleep(registry.ENV_SHUTDOWN_TIMEOUT_S + 2)  # past the bound, measured from the shutdown's start
     started.touch()
     shutdown.join(timeout=300)
-    assert not shutdown.is_alive() and cluster_reuse.idle_environment_processes() == 1
+    assert not shutdown.is_alive() and cluster_reuse.idle_processes() == 1
     again = create_env("recorder", cls=_Recorder)
     assert actors.actor_id(again) == actors.actor_id(env) and _step(again) == 1.0
     EnvRouter({"recorder": again}).shutdown()
-    assert cluster_reuse.release_environment_processes() == 1
+    assert cluster_reuse.release_processes() == 1
 
 
 def _wait_for_death(env, deadline_s: float = 120.0) -> None:

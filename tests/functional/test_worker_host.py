@@ -1,9 +1,11 @@
 """Reused worker processes (`VirtualCluster(reuse_worker_processes=True)`, `worker_host.py`): a group
-shut down cleanly leaves its processes to the next group on its bundles, with nothing of its
-members left in them; any failure, a restart or the cluster's shutdown ends them instead.
+shut down cleanly leaves its processes to the next group on its node, with nothing of its members
+left in them; any failure, a restart or the cluster's shutdown ends them instead.
 
-The tests share one module-scoped cluster, whose idle processes pass from test to test (which is
-the point: few interpreters are started), so each asserts only on processes it saw itself."""
+The tests share one module-scoped cluster with a pool of its own (jobs' clusters are not reused in
+this module: `cluster_reuse.py`'s shared pool is tested in test_cluster_reuse.py), whose idle processes
+pass from test to test (which is the point: few interpreters are started), so each asserts only on
+processes it saw itself."""
 
 from __future__ import annotations
 
@@ -22,7 +24,9 @@ from posttrain.distributed.worker_group import DistributedWorker, WorkerError, W
 from posttrain.distributed.worker_host import HostedWorker
 from posttrain.utils import startup_gc
 
-pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200), pytest.mark.usefixtures("patient_shutdowns")]  # conftest.py
+# own_process_pools: clusters keep their idle processes in pools of their own here (conftest.py).
+pytestmark = [pytest.mark.functional, pytest.mark.timeout(1200), pytest.mark.own_process_pools,
+              pytest.mark.usefixtures("patient_shutdowns")]  # conftest.py
 
 MEMBER_VAR = "POSTTRAIN_TEST_SET_BY_A_MEMBER"
 DEADLINE_S = 120.0  # hang guard for what Ray does in the background (a kill), not a speed test
@@ -96,6 +100,18 @@ def wait_until(condition, what: str):
     return value
 
 
+def idle_ids(cluster) -> set[str]:
+    """The actor ids of the cluster's idle hosts."""
+    return {actors.actor_id(host) for host in cluster.worker_hosts.idle_hosts()}
+
+
+def idle_pids(cluster) -> set[int]:
+    """The process ids of the cluster's idle hosts."""
+    import ray
+
+    return set(ray.get([host.__ray_call__.remote(lambda _: os.getpid()) for host in cluster.worker_hosts.idle_hosts()]))
+
+
 def process_gone(pid: int) -> bool:
     """No such process, or one that exited and waits to be reaped (a zombie)."""
     try:
@@ -115,12 +131,13 @@ def test_the_next_group_reuses_the_processes_with_nothing_of_the_last_members(cl
     # The host's start-up deferred full collections until the member's modules had come (with its
     # class), then froze them: `startup_gc`.
     assert all(not c["deferring"] and c["frozen"] > 1000 for c in first.run_all("collector"))
+    processes = {actors.actor_id(worker) for worker in first.workers}
     first.shutdown()
-    assert all(cluster.worker_hosts.count(b) >= 1 for b in (0, 1))
+    assert processes <= idle_ids(cluster)
 
     second = WorkerGroup(cluster, OtherWorker, name="second")  # another class, no heartbeats
     try:
-        assert second.run_all("pid") == pids
+        assert sorted(second.run_all("pid")) == sorted(pids)
         second_envs = second.run_all("env")
         # Its own rendezvous; nothing the first members set, or were given, is left.
         assert [e["RANK"] for e in second_envs] == ["0", "1"] and [e["WORLD_SIZE"] for e in second_envs] == ["2", "2"]
@@ -128,12 +145,11 @@ def test_the_next_group_reuses_the_processes_with_nothing_of_the_last_members(cl
         assert [(e[MEMBER_VAR], e["POSTTRAIN_HEARTBEAT_S"]) for e in second_envs] == [("", ""), ("", "")]
         assert second.run_all("heartbeat_threads") == [0, 0]
         assert second.run_all("all_reduce_sum", 1.0) == [2.0, 2.0]  # a working process group
-        # torch's RNG as a new process has it: the first member drew the same numbers.
-        assert second.run_all("draw") == draws
+        # torch's RNG as a new process has it: the first members drew the same numbers.
+        assert sorted(second.run_all("draw")) == sorted(draws)
         # The peak is this member's: the first one's 64 MiB tensor is not in it.
         second_peak_mib = second.run_all("peak_rss_mb")
-        assert all(now < before - 32 for now, before in zip(second_peak_mib, first_peak_mib)), \
-            (second_peak_mib, first_peak_mib)
+        assert max(second_peak_mib) < min(first_peak_mib) - 32, (second_peak_mib, first_peak_mib)
     finally:
         second.shutdown()
 
@@ -145,10 +161,11 @@ def test_colocated_groups_get_processes_of_their_own_and_give_them_back(cluster)
         policy_pids, generation_pids = policy.run_all("pid"), generation.run_all("pid")
         assert set(policy_pids).isdisjoint(generation_pids)
         assert policy.run_all("sum_of_ranks_plus_one") == [3.0, 3.0]
+        processes = {actors.actor_id(worker) for group in (policy, generation) for worker in group.workers}
     finally:
         policy.shutdown()
         generation.shutdown()
-    assert [cluster.worker_hosts.count(b) for b in (0, 1)] == [2, 2]
+    assert len(processes) == 4 and processes <= idle_ids(cluster)
     again = [WorkerGroup(cluster, OtherWorker, name=f"again{i}") for i in range(2)]
     try:
         assert sorted(pid for group in again for pid in group.run_all("pid")) == sorted(policy_pids + generation_pids)
@@ -183,13 +200,15 @@ def test_a_group_that_saw_a_failure_or_a_restart_does_not_give_its_processes_bac
     assert restarted.run_rank0("pid") not in seen
     seen.append(restarted.run_rank0("pid"))
     restarted.shutdown()
-    assert cluster.worker_hosts.count(1) == 0  # none of them came back
+    idle = cluster.worker_hosts.count()
+    assert not set(seen) & idle_pids(cluster)  # none of them came back
 
     with pytest.raises(WorkerError, match=r"(?s)rank 0 \(__init__, .*ValueError: model path does not exist"):
         WorkerGroup(cluster, FailingInitWorker, name="badinit", bundle_indices=[1])
-    assert cluster.worker_hosts.count(1) == 0
-    member("after").shutdown()
-    assert cluster.worker_hosts.count(1) == 1  # a clean shutdown gives it back
+    assert cluster.worker_hosts.count() == max(idle - 1, 0)  # it took an idle process, if any, and ended it
+    after = member("after")
+    after.shutdown()
+    assert seen[-1] in idle_pids(cluster)  # a clean shutdown gives it back
 
 
 def test_a_policy_worker_is_freed_and_a_generation_worker_follows_it_in_its_process(cluster):
@@ -236,23 +255,36 @@ def test_a_frozen_member_of_a_reused_process_is_named(cluster, monkeypatch):
     wait_until(lambda: process_gone(pid), f"the frozen process {pid} ends")  # killed, not kept
 
 
-def test_a_group_with_env_vars_gets_its_own_processes_and_idle_ones_make_room(cluster):
+def test_a_group_with_env_vars_gets_its_own_processes_beside_idle_ones(cluster):
     fillers = [WorkerGroup(cluster, OtherWorker, name=f"filler{i}", bundle_indices=[1]) for i in range(2)]
     idle = [filler.run_rank0("pid") for filler in fillers]
     for filler in fillers:
         filler.shutdown()
-    assert cluster.worker_hosts.count(1) == 2  # bundle 1 is full of idle processes
+    assert set(idle) <= idle_pids(cluster)
+    # Idle processes reserve nothing: bundle 1 has room for a plain actor beside them.
     group = WorkerGroup(cluster, ProbeWorker, name="with-env", bundle_indices=[1], env_vars={"POSTTRAIN_X": "1"})
     try:
         assert not isinstance(group.workers[0], HostedWorker)  # a runtime_env: set before the interpreter starts
         assert group.run_rank0("pid") not in idle
         assert group.run_rank0("env")["RANK"] == "0"
-        assert cluster.worker_hosts.count(1) == 0
+        assert set(idle) <= idle_pids(cluster)
     finally:
         group.shutdown()
-    assert cluster.worker_hosts.count(1) == 0  # a plain actor is not kept
-    for pid in idle:
-        wait_until(lambda: process_gone(pid), f"the idle process {pid} ends")
+    assert set(idle) <= idle_pids(cluster)  # a plain actor is not kept; the idle ones still wait
+
+
+def test_groups_beyond_the_colocation_limit_are_refused_though_their_processes_reserve_nothing(cluster):
+    from posttrain.distributed.cluster import ClusterError
+
+    cluster.placement_timeout_s, timeout = 1.0, cluster.placement_timeout_s
+    groups = [WorkerGroup(cluster, OtherWorker, name=f"share{i}", bundle_indices=[0]) for i in range(2)]
+    try:
+        with pytest.raises(ClusterError, match=r"'third': no room on .*bundle 0: CPU free 0, needed 0.5"):
+            WorkerGroup(cluster, OtherWorker, name="third", bundle_indices=[0])
+    finally:
+        cluster.placement_timeout_s = timeout
+        for group in groups:
+            group.shutdown()
 
 
 def test_the_clusters_shutdown_ends_its_idle_processes(ray_cluster):
@@ -261,7 +293,7 @@ def test_the_clusters_shutdown_ends_its_idle_processes(ray_cluster):
         group = WorkerGroup(cluster, OtherWorker, name="only")
         host, pid = group.workers[0].host, group.run_rank0("pid")
         group.shutdown()
-        assert cluster.worker_hosts.count(0) == 1 and not process_gone(pid)
+        assert cluster.worker_hosts.count() == 1 and not process_gone(pid)
     finally:
         cluster.shutdown()
     wait_until(lambda: actors.actor_death(host), "Ray reports the idle process dead")
