@@ -119,14 +119,10 @@ def patient_shutdowns(monkeypatch):
 
 
 def start_test_ray() -> None:
-    """Start (or reuse) the session's local Ray cluster. Jobs run in this process hand their
-    clusters and idle worker processes on to the next job of the same shape (`cluster_reuse.py`):
-    most job tests start no new worker process."""
-    from posttrain.distributed.cluster_reuse import reuse_clusters
+    """Start (or reuse) the session's local Ray cluster."""
     from posttrain.distributed.ray_utils import init_ray
 
     init_ray(num_cpus=RAY_TEST_CPUS, env_vars={**WORKER_ENV, **{var: os.environ[var] for var in SESSION_CACHE_VARS}})
-    reuse_clusters()
 
 
 def stop_test_ray() -> None:
@@ -159,6 +155,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         from posttrain.distributed.cluster_reuse import reuse_clusters
 
         start_test_ray()  # no-op while Ray is up
+        # Jobs run in this process hand their clusters and idle worker processes on to the next
+        # (`cluster_reuse.py`): most job tests start no new worker process. Not in the modules that
+        # test a cluster's own pool.
         reuse_clusters(item.get_closest_marker("own_process_pools") is None)
 
 

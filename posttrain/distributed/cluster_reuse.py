@@ -20,8 +20,8 @@ environment actor (`create_env` builds one inside a `WorkerHost`, `hosted_enviro
 processes of one pool per process (`process_pool`), which reserve no Ray resources themselves
 (`worker_host.py`). So a released cluster leaves its idle processes to the next job whatever its
 shape, and a policy worker may start in the process an environment left, or the other way round.
-At most `MAX_IDLE_PROCESSES` wait; `release_processes` (turning reuse off, `shutdown_ray`) ends
-them.
+At most `MAX_IDLE_PROCESSES` wait (beyond, the one idle longest is ended); `release_processes`
+(turning reuse off, `shutdown_ray`) ends them.
 """
 
 from __future__ import annotations
@@ -142,18 +142,18 @@ def hosted_environment(actor_cls: type, cfg: Any) -> Any:
 
 def may_keep_environment_process(environment: Any) -> bool:
     """Whether `environment`'s process could be kept at its shutdown (`keep_environment_process`):
-    a hosted environment, reuse on, and room among the idle processes."""
+    a hosted environment of the pool that stands, with reuse on."""
     from posttrain.distributed.worker_host import HostedWorker
 
     return (_enabled and isinstance(environment, HostedWorker) and environment.pool is _processes
-            and environment.pool.has_room())
+            and not environment.pool.closed)
 
 
 def keep_environment_process(environment: Any, timeout_s: float) -> bool:
     """Keep the process of `environment` (a `HostedWorker` whose `shutdown` returned) for later
     members, once it has freed the environment object; False when it must be killed instead:
-    not a hosted environment, reuse is off, enough processes wait already, or the object stayed
-    referenced (a thread of it still runs, say)."""
+    not a hosted environment, reuse is off, or the object stayed referenced (a thread of it still
+    runs, say)."""
     if not may_keep_environment_process(environment):
         return False
     return bool(environment.pool.take_back([environment], [], timeout_s))

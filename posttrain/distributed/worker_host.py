@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import os
 import threading
 import weakref
@@ -190,13 +191,14 @@ class HostedWorker:
 
 class HostPool:
     """Idle `WorkerHost`s, per Ray node and the ranks they last served (`HostedWorker.ranks`), at
-    most `max_idle` of them (default None: no limit); a lock keeps its lists whole should groups
-    start and end on several threads."""
+    most `max_idle` of them (default None: no limit; beyond it the one idle longest is killed); a
+    lock keeps its lists whole should groups start and end on several threads."""
 
     def __init__(self, max_idle: Optional[int] = None) -> None:
         self.max_idle = max_idle
-        # (node id, ranks) -> hosts, the last given back last
-        self._idle: dict[tuple[str, Optional[tuple[int, int]]], list[Any]] = {}
+        # (node id, ranks) -> [(when given back, host)], the last given back last
+        self._idle: dict[tuple[str, Optional[tuple[int, int]]], list[tuple[int, Any]]] = {}
+        self._given_back = itertools.count()
         self._lock = threading.Lock()
         self.closed = False  # shut down: nothing waits any more
 
@@ -232,19 +234,16 @@ class HostPool:
                 if not usable:
                     return None
                 key = min(usable, key=lambda item: item[0])[1]
-                host = self._idle[key].pop()
+                _, host = self._idle[key].pop()
             if (ray_state.actors(actor_id=host._actor_id.hex()) or {}).get("State") == "ALIVE":
                 return host, key[1]
-
-    def has_room(self) -> bool:
-        """Whether one more idle host would be kept."""
-        return not self.closed and (self.max_idle is None or self.count() < self.max_idle)
 
     def take_back(self, workers: Sequence[HostedWorker], goodbyes: Sequence[Any], timeout_s: float) -> list[HostedWorker]:
         """Keep the hosts of a group's `workers` for later members, if every one said goodbye
         (`goodbyes`: their `shutdown` calls, finished) and then freed its worker (`WorkerHost.release`)
-        within `timeout_s`, as many as `max_idle` allows. Returns the workers whose hosts were kept
-        (the caller kills the others): none when the pool is closed or any of them failed."""
+        within `timeout_s`; beyond `max_idle` idle hosts, those idle longest are killed. Returns the
+        workers whose hosts were kept (the caller kills the others): none when the pool is closed or
+        any of them failed."""
         from posttrain.distributed import actors
 
         try:
@@ -257,14 +256,17 @@ class HostPool:
                 return []
         except Exception:  # noqa: BLE001 - any doubt: new processes next time
             return []
-        kept = []
         with self._lock:
+            if self.closed:
+                return []
             for worker, node in zip(workers, nodes):
-                if self.closed or (self.max_idle is not None and self._count() >= self.max_idle):
-                    break
-                self._idle.setdefault((node, worker.ranks), []).append(worker.host)
-                kept.append(worker)
-        return kept
+                self._idle.setdefault((node, worker.ranks), []).append((next(self._given_back), worker.host))
+            evicted = []
+            while self.max_idle is not None and self._count() > self.max_idle:
+                oldest = min((hosts[0][0], key) for key, hosts in self._idle.items() if hosts)[1]
+                evicted.append(self._idle[oldest].pop(0)[1])
+        self._kill(evicted)
+        return list(workers)
 
     def _count(self, node: Optional[str] = None) -> int:
         return sum(len(hosts) for key, hosts in self._idle.items() if node is None or key[0] == node)
@@ -277,7 +279,7 @@ class HostPool:
     def idle_hosts(self) -> list[Any]:
         """The idle hosts' actor handles (still in the pool)."""
         with self._lock:
-            return [host for hosts in self._idle.values() for host in hosts]
+            return [host for hosts in self._idle.values() for _, host in hosts]
 
     def close(self) -> int:
         """Kill every idle host and keep none given back later; returns how many were killed."""
@@ -288,14 +290,18 @@ class HostPool:
     def kill(self, node: Optional[str] = None) -> int:
         """Kill the idle hosts on `node` (default None: all of them), freeing what they hold;
         returns how many."""
-        from posttrain.distributed import actors
-
         with self._lock:
             doomed = [host for key in [key for key in self._idle if node is None or key[0] == node]
-                      for host in self._idle.pop(key)]
-        for host in doomed:
+                      for _, host in self._idle.pop(key)]
+        self._kill(doomed)
+        return len(doomed)
+
+    @staticmethod
+    def _kill(hosts: Sequence[Any]) -> None:
+        from posttrain.distributed import actors
+
+        for host in hosts:
             try:
                 actors.kill(host)
             except Exception:  # already gone (Ray shut down, or it died)
                 pass
-        return len(doomed)

@@ -21,7 +21,7 @@ from posttrain.distributed import actors, progress
 from posttrain.distributed.batch import Batch
 from posttrain.distributed.cluster import VirtualCluster
 from posttrain.distributed.worker_group import DistributedWorker, WorkerError, WorkerGroup, WorkerTimeoutError
-from posttrain.distributed.worker_host import HostedWorker
+from posttrain.distributed.worker_host import HostedWorker, HostPool
 from posttrain.utils import startup_gc
 
 # own_process_pools: clusters keep their idle processes in pools of their own here (conftest.py).
@@ -312,3 +312,25 @@ def test_without_reuse_a_shut_down_groups_processes_end(ray_cluster):
         wait_until(lambda: process_gone(pid), f"the process {pid} ends")
     finally:
         cluster.shutdown()
+
+
+class _Nothing:
+    pass
+
+
+def test_a_full_pool_ends_the_process_idle_longest(ray_cluster):
+    pool = HostPool(max_idle=2)
+    members = [pool.host() for _ in range(3)]
+    try:
+        for member in members:
+            member.construct(_Nothing, {}, {})
+        for member in members:  # given back one after the other: the first has waited longest
+            assert pool.take_back([member], [], DEADLINE_S) == [member]
+        assert {actors.actor_id(host) for host in pool.idle_hosts()} == {actors.actor_id(m) for m in members[1:]}
+        wait_until(lambda: actors.actor_death(members[0]), "Ray reports the evicted process dead")
+        # Taken in the reverse order: the last given back first.
+        assert [actors.actor_id(pool.take()[0]) for _ in range(2)] == [actors.actor_id(m) for m in members[:0:-1]]
+        assert pool.take() is None
+    finally:
+        for member in members:
+            actors.kill(member)
