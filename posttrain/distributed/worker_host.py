@@ -251,8 +251,10 @@ class HostPool:
                 return []
             releases = [worker.host.release.remote() for worker in workers]
             done, _ = actors.wait(releases, num_returns=len(releases), timeout=timeout_s)
-            nodes = actors.get(done) if len(done) == len(releases) else []
-            if len(nodes) < len(workers) or not all(nodes):
+            if len(done) < len(releases):
+                return []
+            nodes = actors.get(releases)  # in the workers' order (`done` is in the order they ended)
+            if not all(nodes):
                 return []
         except Exception:  # noqa: BLE001 - any doubt: new processes next time
             return []
