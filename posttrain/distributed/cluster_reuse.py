@@ -1,15 +1,14 @@
-"""Clusters that outlive their jobs: one process running job after job on the same Ray (a test
-session, a sweep through the Python API) hands a finished job's `VirtualCluster`, with its idle
-worker processes (`worker_host.py`), to the next job that asks for the same shape.
+"""Clusters and processes that outlive their jobs: one process running job after job on the same
+Ray (a test session, a sweep through the Python API) hands a finished job's `VirtualCluster` to the
+next job that asks for the same shape, and its idle worker processes (`worker_host.py`) to the
+next members of any job, cluster or environment.
 
-Why: a job's cluster releases its placement groups when the job ends, and Ray ends every actor
-placed in them, so each job started its worker processes again: seconds of CPU each for the
-imports alone (`worker_host.py`), more than the steps of a small job. With reuse on
-(`reuse_clusters()`, off by default), `job.make_cluster` asks `take` for an idle cluster of the
-same shape first; the job's `VirtualCluster.shutdown` asks `keep` to park it instead of releasing
-it. A cluster is parked only when every worker group placed on it was shut down (a group that saw
-a failure has already killed its processes, so a failure never carries over), and only while Ray
-is up.
+Why: each job used to start its worker processes again, seconds of CPU each for the imports alone
+(`worker_host.py`), more than the steps of a small job. With reuse on (`reuse_clusters()`, off by
+default), `job.make_cluster` asks `take` for an idle cluster of the same shape first; the job's
+`VirtualCluster.shutdown` asks `keep` to park it instead of releasing it. A cluster is parked only
+when every worker group placed on it was shut down (a group that saw a failure has already killed
+its processes, so a failure never carries over), and only while Ray is up.
 
 Parked clusters hold their reservation. Any other reservation (a cluster of another shape, of
 this job or the next) first releases every parked one (`release_idle`), so they never stand in
@@ -39,7 +38,7 @@ _enabled = False
 _idle: dict[Hashable, list[Any]] = {}  # shape -> parked clusters (VirtualCluster)
 _processes: Optional[Any] = None  # idle worker and environment processes (worker_host.HostPool), made on first use
 
-# Idle processes kept at most (each holds 0.3-0.5 GB: torch, transformers and its last member's modules).
+# Idle processes kept at most (each holds about 0.55 GB resident: torch, transformers, its last member's modules).
 MAX_IDLE_PROCESSES = 8
 
 
