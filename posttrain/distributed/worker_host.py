@@ -270,13 +270,13 @@ class HostPool:
         self._kill(evicted)
         return list(workers)
 
-    def _count(self, node: Optional[str] = None) -> int:
-        return sum(len(hosts) for key, hosts in self._idle.items() if node is None or key[0] == node)
+    def _count(self) -> int:
+        return sum(len(hosts) for hosts in self._idle.values())
 
-    def count(self, node: Optional[str] = None) -> int:
-        """Idle hosts on `node` (default None: on every node)."""
+    def count(self) -> int:
+        """Idle hosts, on every node."""
         with self._lock:
-            return self._count(node)
+            return self._count()
 
     def idle_hosts(self) -> list[Any]:
         """The idle hosts' actor handles (still in the pool)."""
@@ -289,12 +289,11 @@ class HostPool:
             self.closed = True
         return self.kill()
 
-    def kill(self, node: Optional[str] = None) -> int:
-        """Kill the idle hosts on `node` (default None: all of them), freeing what they hold;
-        returns how many."""
+    def kill(self) -> int:
+        """Kill every idle host, freeing what they hold; returns how many."""
         with self._lock:
-            doomed = [host for key in [key for key in self._idle if node is None or key[0] == node]
-                      for _, host in self._idle.pop(key)]
+            doomed = [host for hosts in self._idle.values() for _, host in hosts]
+            self._idle.clear()
         self._kill(doomed)
         return len(doomed)
 
