@@ -45,6 +45,41 @@ def init_worker_process_group(device_type: str, rank: int, size: int, timeout_s:
                             rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s))
 
 
+def forget_destroyed_groups() -> None:
+    """Drop what torch.distributed cached about the device meshes of process groups this process
+    has left, for a process that lives on to join other groups (`worker_host.py`).
+
+    DTensor caches sharding decisions and redistribution plans keyed by `DeviceMesh`, and two
+    meshes of the same shape and dimension names are equal whatever groups they were built on. A
+    cached plan keeps its own mesh, whose subgroups it names as registered then ("8"); in the next
+    process group those names are unregistered ("Could not resolve the process group registered
+    under the name 8", measured: a dp2 x tp2 group after a cp2 x tp2 one) or name other groups, and
+    a collective on the wrong group corrupted the heap (glibc aborted a tensor-parallel test).
+    Cleared: DTensor's C++ dispatch cache, every `functools` cache of `torch.distributed` (the
+    thread-local ones included: they are found through the garbage collector, not by name), the
+    redistribution planners and DTensor's RNG tracker, which hold meshes too. Call it on the thread
+    that ran the group's work (a Ray actor's calls run on one), since the C++ cache is that
+    thread's."""
+    import functools
+    import gc
+    import sys
+
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # no DTensor was made here, so no mesh was cached
+    clear_dispatch_cache = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_dispatch_cache is not None:
+        clear_dispatch_cache()
+    lru_cache_type = type(functools.lru_cache(None)(len))
+    for obj in gc.get_objects():
+        if isinstance(obj, lru_cache_type) and str(getattr(obj, "__module__", "")).startswith("torch.distributed"):
+            obj.cache_clear()
+    from torch.distributed.tensor import _random, _redistribute
+
+    if hasattr(_redistribute, "clear_redistribute_planner_cache"):
+        _redistribute.clear_redistribute_planner_cache()
+    _random._rng_tracker = None
+
+
 def backend_devices(group: Optional[Any] = None) -> list[str]:
     """The device types the group has a backend for (`cpu:gloo,cuda:nccl` -> ['cpu', 'cuda'])."""
     config = dist.get_backend_config(group)

@@ -24,17 +24,21 @@ instead, as does the release of a cluster its group was never shut down on.
 What a reused process must not carry from one member to the next, `construct` and `release` reset:
 the member's environment variables (rank, rendezvous address, thread count), torch's global RNG
 (a fresh process's state), the heartbeat thread (`heartbeat.stop_beating`), the memory the last
-member freed (`gc`, `malloc_trim`) and the peak-RSS mark (`posttrain.utils.memory.reset_peak_rss`).
-Torch's thread count is set again by each member's `DistributedWorker.__init__`, its process group
-by `init_process_group` after the last member's `destroy_process_group`. What a process keeps
-regardless (imported modules and what they registered, caches keyed by what they cache, warnings
-shown once) does not depend on which member came first, with one exception: torch.distributed
-caches results per device mesh (DTensor's sharding propagation), and two meshes of the same ranks
-are equal whichever rank of them the process was. A member of a group of several processes would
-be handed the shards of the last member's rank (measured: a tensor-parallel resume came back with
-other weights). So a process that hosted such a member serves only members of the same rank and
-world size afterwards (`ranks`), or members of one-process groups and environments, which build no
-device mesh. GPU workers are not hosted (untested).
+member freed (`gc`, `malloc_trim`), the peak-RSS mark (`posttrain.utils.memory.reset_peak_rss`)
+and what torch.distributed cached about the last member's device meshes
+(`collective.forget_destroyed_groups`). Torch's thread count is set again by each member's
+`DistributedWorker.__init__`, its process group by `init_process_group` after the last member's
+`destroy_process_group`. What a process keeps regardless (imported modules and what they
+registered, caches keyed by what they cache, warnings shown once) does not depend on which member
+came first, except DTensor's caches: they are keyed by device mesh, and two meshes of the same
+shape are equal whichever rank the process was and whatever process groups they were built on. A
+member given the last member's plans was handed another rank's shards (measured: a
+tensor-parallel resume came back with other weights) or ran a collective on a group of the last
+member's (a lookup failed; a heap was corrupted). Hence the forgetting, and, in case a later torch
+caches meshes where it does not look, a second guard: a process that hosted a member of a group of
+several processes serves only members of the same rank and world size afterwards (`ranks`), or
+members of one-process groups and environments, which build no device mesh. GPU workers are not
+hosted (untested).
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ class WorkerHost:
         state)."""
         import ray
 
-        from posttrain.distributed import heartbeat
+        from posttrain.distributed import collective, heartbeat
         from posttrain.utils import memory
 
         worker, self._worker = self._worker, None
@@ -118,6 +122,7 @@ class WorkerHost:
         del worker
         heartbeat.stop_beating()
         gc.collect()
+        collective.forget_destroyed_groups()
         memory.release_freed_memory()
         if self._environ_before is not None:
             for name in set(os.environ) - set(self._environ_before):

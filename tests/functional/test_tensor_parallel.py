@@ -82,6 +82,7 @@ def run(cluster, cfg: PolicyConfig, name: str, tmp_path=None, generation: Native
         out["logprobs_after"] = policy.get_logprobs(batch)["logprobs"]
         out["reference"] = policy.get_reference_logprobs(batch)["logprobs"]
         out["weights"] = policy.state_dict_for_export()
+        out["pids"] = policy.worker_group.run_all("pid")
         if generation is not None:
             metadata = build_refit_metadata(policy.refit_info(), 1 << 16, dtypes=generation.weight_dtypes())
             generation.prepare_refit_info(metadata)
@@ -224,11 +225,24 @@ def test_sequence_parallel_tp2_equals_one_worker(cluster, one_worker, packed):
     assert_same_run(run(cluster, cfg, f"sp2_{'packed' if packed else 'rows'}"), one_worker)
 
 
-def test_dp2_tp2_equals_dp2(cluster):
-    """Four workers as 2 data-parallel ranks x 2 tensor-parallel ranks against 2 data-parallel ones."""
+def test_dp2_tp2_equals_dp2_in_processes_that_hosted_another_mesh(cluster, one_worker):
+    """Four workers as 2 data-parallel ranks x 2 tensor-parallel ranks against 2 data-parallel ones,
+    in the four processes a (dp 1, cp 2, tp 2) group used first. DTensor caches its plans per mesh,
+    and the two meshes' tp dimensions are equal as meshes but were built on other process groups:
+    a process that kept those plans failed ("Could not resolve the process group registered under
+    the name 8") or, on other layouts, corrupted its heap (`collective.forget_destroyed_groups`)."""
     dp2 = run(cluster, policy_cfg(num_workers=2), "dp2")
+    batch = make_batch()
+    cp2_tp2 = Policy(cluster, policy_cfg(num_workers=4, context_parallel_size=2, tensor_parallel_size=2),
+                     init_reference_model=False, name="cp2_tp2")
+    try:
+        torch.testing.assert_close(cp2_tp2.get_logprobs(batch)["logprobs"], one_worker["logprobs"], rtol=RTOL, atol=1e-6)
+        hosts = set(cp2_tp2.worker_group.run_all("pid"))
+    finally:
+        cp2_tp2.shutdown()
     dp2_tp2 = run(cluster, policy_cfg(num_workers=4, tensor_parallel_size=2), "dp2_tp2")
     assert_same_run(dp2_tp2, dp2)
+    assert hosts <= set(dp2_tp2["pids"]), "the dp2 x tp2 group did not reuse the cp2 x tp2 group's processes"
 
 
 def two_grpo_steps(tmp_path, *overrides: str) -> dict[int, dict]:
